@@ -1,0 +1,332 @@
+// Apex's amp_C multi-tensor kernels on the CPU: scale (copy-and-scale with overflow flag),
+// axpby, l2norm (optionally of unscaled values), a read-only finite check, and the
+// hysteresis loss-scale update. Semantics follow Apex: none of these skip work when the flag
+// is already set (they propagate infs/NaNs); they only ever set the flag, never clear it.
+#pragma once
+
+#include <torch/library.h>
+
+#include <optional>
+#include <tuple>
+
+#include "cpu/multi_tensor_apply.h"
+
+namespace mpnb::cpu {
+
+// ---- scale: dst = src * scale, flag if any src is not finite -----------------------------
+
+template <typename in_t, typename out_t, typename Acc>
+inline bool scale_range(const in_t* x, out_t* y, int64_t n, Acc s) {
+  using V = Vectorized<Acc>;
+  constexpr int64_t W = IO<in_t, Acc>::kWidth;
+  static_assert(W == IO<out_t, Acc>::kWidth, "mismatched block widths");
+  const V vs(s);
+  V bad(Acc(0)), a, b;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    IO<in_t, Acc>::load(x + i, a, b);
+    accumulate_nonfinite(bad, a);
+    accumulate_nonfinite(bad, b);
+    IO<out_t, Acc>::store(y + i, a * vs, b * vs);
+  }
+  if (i < n) {
+    IO<in_t, Acc>::load(x + i, n - i, a, b);
+    accumulate_nonfinite(bad, a);
+    accumulate_nonfinite(bad, b);
+    IO<out_t, Acc>::store(y + i, n - i, a * vs, b * vs);
+  }
+  return all_finite(bad);
+}
+
+inline double scalar_of(const std::optional<at::Tensor>& t, const char* op, const char* what) {
+  if (!t.has_value()) return 1.0;
+  TORCH_CHECK(t->numel() == 1, op, ": '", what, "' must hold one value, got ", t->numel(), ".");
+  return t->item<double>();
+}
+
+template <typename in_t, typename out_t>
+void scale_lists(const at::Tensor& flag, at::TensorList src, at::TensorList dst, double scale,
+                 const std::optional<at::Tensor>& scale_tensor) {
+  using Acc = acc_t<in_t>;
+  Acc s;
+  if constexpr (std::is_same_v<Acc, double>) {
+    s = scale * scalar_of(scale_tensor, "multi_tensor_scale", "scale_tensor");
+  } else {  // the float path rounds both factors to fp32 first, as a float32 tensor op would
+    s = static_cast<float>(scale);
+    if (scale_tensor.has_value())
+      s = s * static_cast<float>(scalar_of(scale_tensor, "multi_tensor_scale", "scale_tensor"));
+  }
+  auto table = make_chunks(src);
+  std::vector<uint8_t> ok(table.chunks.size(), 1);
+  for_each_chunk(table, [&](int64_t c, const Chunk& ch) {
+    const in_t* x = src[ch.tensor].const_data_ptr<in_t>() + ch.offset;
+    out_t* y = dst[ch.tensor].mutable_data_ptr<out_t>() + ch.offset;
+    ok[c] = scale_range<in_t, out_t, Acc>(x, y, ch.len, s);
+  });
+  for (auto v : ok)
+    if (!v) { raise_flag(flag); break; }
+}
+
+inline void multi_tensor_scale_cpu(const at::Tensor& noop_flag, at::TensorList src,
+                                   at::TensorList dst, double scale,
+                                   const std::optional<at::Tensor>& scale_tensor) {
+  const char* op = "mpnb::multi_tensor_scale";
+  check_list(src, op, "src", src.size());
+  check_list(dst, op, "dst", src.size());
+  check_same_sizes(src, dst, op, "dst");
+  if (src.empty()) return;
+  check_float(src, op, "src");
+  check_float(dst, op, "dst");
+  const auto ti = src[0].scalar_type(), to = dst[0].scalar_type();
+  if (ti == at::kDouble || to == at::kDouble) {
+    TORCH_CHECK(ti == to, op, ": float64 lists can only be paired with float64 lists, got ",
+                ti, " and ", to, ".");
+    return scale_lists<double, double>(noop_flag, src, dst, scale, scale_tensor);
+  }
+  MPNB_DISPATCH_HALF_FLOAT(ti, in_t, [&] {
+    MPNB_DISPATCH_HALF_FLOAT(to, out_t, [&] {
+      scale_lists<in_t, out_t>(noop_flag, src, dst, scale, scale_tensor);
+    });
+  });
+}
+
+// ---- axpby: out = a*x + b*y, flag by arg_to_check (-1 both, 0 x, 1 y) -------------------
+
+template <typename x_t, typename y_t, typename o_t, typename Acc>
+inline bool axpby_range(const x_t* x, const y_t* y, o_t* o, int64_t n, Acc a, Acc b, int64_t check) {
+  using V = Vectorized<Acc>;
+  constexpr int64_t W = IO<x_t, Acc>::kWidth;
+  static_assert(W == IO<y_t, Acc>::kWidth && W == IO<o_t, Acc>::kWidth, "mismatched widths");
+  const V va(a), vb(b);
+  V bad(Acc(0)), x0, x1, y0, y1;
+  auto body = [&] {
+    if (check != 1) { accumulate_nonfinite(bad, x0); accumulate_nonfinite(bad, x1); }
+    if (check != 0) { accumulate_nonfinite(bad, y0); accumulate_nonfinite(bad, y1); }
+  };
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    IO<x_t, Acc>::load(x + i, x0, x1);
+    IO<y_t, Acc>::load(y + i, y0, y1);
+    body();
+    IO<o_t, Acc>::store(o + i, va * x0 + vb * y0, va * x1 + vb * y1);
+  }
+  if (i < n) {
+    IO<x_t, Acc>::load(x + i, n - i, x0, x1);
+    IO<y_t, Acc>::load(y + i, n - i, y0, y1);
+    body();
+    IO<o_t, Acc>::store(o + i, n - i, va * x0 + vb * y0, va * x1 + vb * y1);
+  }
+  return all_finite(bad);
+}
+
+template <typename x_t, typename y_t, typename o_t>
+void axpby_lists(const at::Tensor& flag, at::TensorList xs, at::TensorList ys, at::TensorList os,
+                 double a, double b, int64_t check) {
+  using Acc = acc_t<x_t>;
+  auto table = make_chunks(xs);
+  std::vector<uint8_t> ok(table.chunks.size(), 1);
+  for_each_chunk(table, [&](int64_t c, const Chunk& ch) {
+    ok[c] = axpby_range<x_t, y_t, o_t, Acc>(
+        xs[ch.tensor].const_data_ptr<x_t>() + ch.offset, ys[ch.tensor].const_data_ptr<y_t>() + ch.offset,
+        os[ch.tensor].mutable_data_ptr<o_t>() + ch.offset, ch.len, static_cast<Acc>(a),
+        static_cast<Acc>(b), check);
+  });
+  for (auto v : ok)
+    if (!v) { raise_flag(flag); break; }
+}
+
+inline void multi_tensor_axpby_cpu(const at::Tensor& noop_flag, at::TensorList x, at::TensorList y,
+                                   at::TensorList out, double a, double b, int64_t arg_to_check) {
+  const char* op = "mpnb::multi_tensor_axpby";
+  TORCH_CHECK(arg_to_check >= -1 && arg_to_check <= 1, op, ": arg_to_check must be -1 (both), ",
+              "0 (x) or 1 (y), got ", arg_to_check, ".");
+  check_list(x, op, "x", x.size());
+  check_list(y, op, "y", x.size());
+  check_list(out, op, "out", x.size());
+  check_same_sizes(x, y, op, "y");
+  check_same_sizes(x, out, op, "out");
+  if (x.empty()) return;
+  check_float(x, op, "x");
+  check_float(y, op, "y");
+  check_float(out, op, "out");
+  const auto tx = x[0].scalar_type(), ty = y[0].scalar_type(), to = out[0].scalar_type();
+  if (tx == at::kDouble || ty == at::kDouble || to == at::kDouble) {
+    TORCH_CHECK(tx == ty && ty == to, op, ": float64 lists can only be mixed with float64 lists.");
+    return axpby_lists<double, double, double>(noop_flag, x, y, out, a, b, arg_to_check);
+  }
+  MPNB_DISPATCH_HALF_FLOAT(tx, x_t, [&] {
+    MPNB_DISPATCH_HALF_FLOAT(ty, y_t, [&] {
+      MPNB_DISPATCH_HALF_FLOAT(to, o_t, [&] {
+        axpby_lists<x_t, y_t, o_t>(noop_flag, x, y, out, a, b, arg_to_check);
+      });
+    });
+  });
+}
+
+// ---- l2norm: global and per-tensor norms (optionally of x * inv_scale) -------------------
+
+template <typename T, typename Acc>
+inline double sumsq_range(const T* x, int64_t n, Acc inv) {
+  using V = Vectorized<Acc>;
+  constexpr int64_t W = IO<T, Acc>::kWidth;
+  const V vi(inv);
+  dVec s0(0.0), s1(0.0), s2(0.0), s3(0.0);
+  V a, b;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    IO<T, Acc>::load(x + i, a, b);
+    accumulate_squares(s0, s1, a * vi);
+    accumulate_squares(s2, s3, b * vi);
+  }
+  if (i < n) {
+    IO<T, Acc>::load(x + i, n - i, a, b);
+    accumulate_squares(s0, s1, a * vi);
+    accumulate_squares(s2, s3, b * vi);
+  }
+  return hsum((s0 + s1) + (s2 + s3));
+}
+
+template <typename T>
+std::tuple<at::Tensor, at::Tensor> l2norm_lists(const at::Tensor& flag, at::TensorList xs,
+                                                bool per_tensor, double inv_scale) {
+  using Acc = acc_t<T>;
+  const auto out_dtype = std::is_same_v<T, double> ? at::kDouble : at::kFloat;
+  auto table = make_chunks(xs);
+  std::vector<double> partial(table.chunks.size(), 0.0);
+  const Acc inv = static_cast<Acc>(inv_scale);
+  for_each_chunk(table, [&](int64_t c, const Chunk& ch) {
+    partial[c] = sumsq_range<T, Acc>(xs[ch.tensor].const_data_ptr<T>() + ch.offset, ch.len, inv);
+  });
+  const int64_t nt = static_cast<int64_t>(xs.size());
+  auto opts = at::TensorOptions().dtype(at::kDouble);
+  at::Tensor per = at::empty({per_tensor ? nt : 0}, opts);
+  double total = 0.0;
+  for (int64_t t = 0; t < nt; ++t) {
+    double s = 0.0;
+    for (int64_t c = table.first_chunk[t]; c < table.first_chunk[t + 1]; ++c) s += partial[c];
+    total += s;
+    if (per_tensor) per.data_ptr<double>()[t] = std::sqrt(s);
+  }
+  at::Tensor norm = at::full({1}, std::sqrt(total), opts).to(out_dtype);
+  if (!std::isfinite(norm.item<double>())) raise_flag(flag);
+  return {norm, per.to(out_dtype)};
+}
+
+inline std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(
+    const at::Tensor& noop_flag, at::TensorList tensors, bool per_tensor,
+    const std::optional<at::Tensor>& inv_scale) {
+  const char* op = "mpnb::multi_tensor_l2norm";
+  check_list(tensors, op, "tensors", tensors.size());
+  const double inv = scalar_of(inv_scale, op, "inv_scale");
+  if (tensors.empty()) {
+    auto opts = at::TensorOptions().dtype(at::kFloat);
+    return {at::zeros({1}, opts), at::empty({0}, opts)};
+  }
+  check_float(tensors, op, "tensors");
+  return MPNB_DISPATCH_FLOAT(tensors[0].scalar_type(), T, [&] {
+    return l2norm_lists<T>(noop_flag, tensors, per_tensor, inv);
+  });
+}
+
+// ---- read-only finite check ---------------------------------------------------------------
+
+template <typename T, typename Acc>
+inline bool finite_range(const T* x, int64_t n) {
+  using V = Vectorized<Acc>;
+  constexpr int64_t W = IO<T, Acc>::kWidth;
+  V b0(Acc(0)), b1(Acc(0)), a, b;
+  int64_t i = 0;
+  for (; i + W <= n; i += W) {
+    IO<T, Acc>::load(x + i, a, b);
+    accumulate_nonfinite(b0, a);
+    accumulate_nonfinite(b1, b);
+  }
+  if (i < n) {
+    IO<T, Acc>::load(x + i, n - i, a, b);
+    accumulate_nonfinite(b0, a);
+    accumulate_nonfinite(b1, b);
+  }
+  return all_finite(b0 + b1);
+}
+
+inline void multi_tensor_check_finite_cpu(const at::Tensor& noop_flag, at::TensorList tensors) {
+  const char* op = "mpnb::multi_tensor_check_finite";
+  check_list(tensors, op, "tensors", tensors.size());
+  if (tensors.empty()) return;
+  check_float(tensors, op, "tensors");
+  MPNB_DISPATCH_FLOAT(tensors[0].scalar_type(), T, [&] {
+    using Acc = acc_t<T>;
+    auto table = make_chunks(tensors);
+    std::vector<uint8_t> ok(table.chunks.size(), 1);
+    for_each_chunk(table, [&](int64_t c, const Chunk& ch) {
+      ok[c] = finite_range<T, Acc>(tensors[ch.tensor].const_data_ptr<T>() + ch.offset, ch.len);
+    });
+    for (auto v : ok)
+      if (!v) { raise_flag(noop_flag); break; }
+  });
+}
+
+// ---- loss-scale update with hysteresis (Apex's update_scale_hysteresis) -------------------
+
+inline void update_scale_hysteresis_cpu(const at::Tensor& current_scale, const at::Tensor& growth_tracker,
+                                        const at::Tensor& hysteresis_tracker, const at::Tensor& found_inf,
+                                        double growth_factor, double backoff_factor,
+                                        int64_t growth_interval, int64_t hysteresis) {
+  const char* op = "mpnb::update_scale_hysteresis";
+  TORCH_CHECK(current_scale.scalar_type() == at::kFloat && current_scale.numel() == 1, op,
+              ": current_scale must be a one-element float32 tensor.");
+  TORCH_CHECK(growth_tracker.scalar_type() == at::kInt && growth_tracker.numel() == 1, op,
+              ": growth_tracker must be a one-element int32 tensor.");
+  TORCH_CHECK(hysteresis_tracker.scalar_type() == at::kInt && hysteresis_tracker.numel() == 1, op,
+              ": hysteresis_tracker must be a one-element int32 tensor.");
+  TORCH_CHECK(found_inf.numel() == 1, op, ": found_inf must hold one value.");
+  TORCH_CHECK(growth_interval > 0, op, ": growth_interval must be positive, got ", growth_interval, ".");
+  float* scale = current_scale.mutable_data_ptr<float>();
+  int32_t* growth = growth_tracker.mutable_data_ptr<int32_t>();
+  int32_t* hyst = hysteresis_tracker.mutable_data_ptr<int32_t>();
+  const double inf = found_inf.item<double>();
+  if (inf > 0) {
+    *hyst -= 1;
+    if (*hyst > 0) {  // still inside the hysteresis window: keep the scale, restart growth
+      *growth = 0;
+      return;
+    }
+  }
+  if (inf != 0) {
+    *scale = static_cast<float>(static_cast<double>(*scale) * backoff_factor);
+    *growth = 0;
+  } else {
+    const int64_t successful = static_cast<int64_t>(*growth) + 1;
+    if (successful == growth_interval) {
+      const float grown = static_cast<float>(static_cast<double>(*scale) * growth_factor);
+      if (std::isfinite(grown)) *scale = grown;  // never grow past the fp32 range
+      *growth = 0;
+    } else {
+      *growth = static_cast<int32_t>(successful);
+    }
+  }
+  if (inf <= 0) *hyst = static_cast<int32_t>(hysteresis);
+}
+
+}  // namespace mpnb::cpu
+
+TORCH_LIBRARY_FRAGMENT(mpnb, m) {
+  m.def("multi_tensor_scale(Tensor(a!) noop_flag, Tensor[] src, Tensor(b!)[] dst, float scale, "
+        "Tensor? scale_tensor=None) -> ()");
+  m.def("multi_tensor_axpby(Tensor(a!) noop_flag, Tensor[] x, Tensor[] y, Tensor(b!)[] out, "
+        "float a, float b, int arg_to_check) -> ()");
+  m.def("multi_tensor_l2norm(Tensor(a!) noop_flag, Tensor[] tensors, bool per_tensor=False, "
+        "Tensor? inv_scale=None) -> (Tensor, Tensor)");
+  m.def("multi_tensor_check_finite(Tensor(a!) noop_flag, Tensor[] tensors) -> ()");
+  m.def("update_scale_hysteresis(Tensor(a!) current_scale, Tensor(b!) growth_tracker, "
+        "Tensor(c!) hysteresis_tracker, Tensor found_inf, float growth_factor, "
+        "float backoff_factor, int growth_interval, int hysteresis) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(mpnb, CPU, m) {
+  m.impl("multi_tensor_scale", &mpnb::cpu::multi_tensor_scale_cpu);
+  m.impl("multi_tensor_axpby", &mpnb::cpu::multi_tensor_axpby_cpu);
+  m.impl("multi_tensor_l2norm", &mpnb::cpu::multi_tensor_l2norm_cpu);
+  m.impl("multi_tensor_check_finite", &mpnb::cpu::multi_tensor_check_finite_cpu);
+  m.impl("update_scale_hysteresis", &mpnb::cpu::update_scale_hysteresis_cpu);
+}

@@ -1,0 +1,131 @@
+// Multi-tensor apply on the CPU: one call walks a table of (tensor, offset, length) chunks in
+// parallel. Thousands of small tensors cost one dispatch, not one per tensor; a few huge
+// tensors are cut into chunks so that every thread gets an equal share.
+//
+// The chunk grid depends only on the tensor sizes (never on the thread count), so reductions
+// that combine per-chunk partials in chunk order give the same bits on any number of threads.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+
+#include <vector>
+
+#include "cpu/vec_io.h"
+
+namespace mpnb::cpu {
+
+// Elements per chunk: 3 lists of fp32 chunks (in, out, state) stay inside a 1 MiB L2 share.
+constexpr int64_t kChunkElems = 1 << 15;
+// Below this many elements in total the call stays on one thread (a parallel region costs
+// a few microseconds, more than the work).
+constexpr int64_t kSerialElems = 1 << 14;
+
+struct Chunk {
+  int64_t tensor;  // index into the tensor lists
+  int64_t offset;  // first element of this chunk
+  int64_t len;     // number of elements
+};
+
+struct ChunkTable {
+  std::vector<Chunk> chunks;
+  std::vector<int64_t> first_chunk;  // first chunk index of each tensor (size ntensors + 1)
+  int64_t numel = 0;
+};
+
+inline ChunkTable make_chunks(at::TensorList tensors, int64_t chunk = kChunkElems) {
+  ChunkTable t;
+  t.first_chunk.reserve(tensors.size() + 1);
+  int64_t count = 0;
+  for (const auto& x : tensors) count += (x.numel() + chunk - 1) / chunk;
+  t.chunks.reserve(count);
+  for (int64_t i = 0; i < static_cast<int64_t>(tensors.size()); ++i) {
+    t.first_chunk.push_back(static_cast<int64_t>(t.chunks.size()));
+    const int64_t n = tensors[i].numel();
+    t.numel += n;
+    for (int64_t off = 0; off < n; off += chunk) t.chunks.push_back({i, off, std::min(chunk, n - off)});
+  }
+  t.first_chunk.push_back(static_cast<int64_t>(t.chunks.size()));
+  return t;
+}
+
+// Call fn(chunk_index, chunk) for every chunk, in parallel when the work is worth it.
+template <typename F>
+inline void for_each_chunk(const ChunkTable& table, const F& fn) {
+  const int64_t n = static_cast<int64_t>(table.chunks.size());
+  if (n == 0) return;
+  if (table.numel < kSerialElems || n == 1 || at::get_num_threads() == 1) {
+    for (int64_t c = 0; c < n; ++c) fn(c, table.chunks[c]);
+    return;
+  }
+  at::parallel_for(0, n, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c) fn(c, table.chunks[c]);
+  });
+}
+
+// ---- argument checks shared by every multi-tensor op ------------------------------------
+
+inline void check_list(at::TensorList list, const char* op, const char* what, int64_t n) {
+  TORCH_CHECK(static_cast<int64_t>(list.size()) == n, op, ": list '", what, "' has ",
+              list.size(), " tensors but the first list has ", n,
+              "; pass lists of equal length.");
+  if (list.empty()) return;
+  const auto dtype = list[0].scalar_type();
+  for (size_t i = 0; i < list.size(); ++i) {
+    const auto& t = list[i];
+    TORCH_CHECK(t.device().is_cpu(), op, ": tensor ", i, " of '", what, "' is on ", t.device(),
+                "; the CPU kernel takes CPU tensors (other devices go through mpnb's dispatcher).");
+    TORCH_CHECK(t.is_contiguous(), op, ": tensor ", i, " of '", what,
+                "' is not contiguous; call .contiguous() first.");
+    TORCH_CHECK(t.scalar_type() == dtype, op, ": tensor ", i, " of '", what, "' is ",
+                t.scalar_type(), " but tensor 0 is ", dtype,
+                "; every tensor of one list must share a dtype.");
+  }
+}
+
+inline void check_same_sizes(at::TensorList a, at::TensorList b, const char* op, const char* what) {
+  for (size_t i = 0; i < a.size(); ++i)
+    TORCH_CHECK(a[i].numel() == b[i].numel(), op, ": tensor ", i, " of '", what, "' has ",
+                b[i].numel(), " elements but its partner has ", a[i].numel(),
+                "; pair tensors of the same size.");
+}
+
+inline bool is_float_type(at::ScalarType t) {
+  return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
+}
+
+inline void check_float(at::TensorList list, const char* op, const char* what) {
+  if (list.empty()) return;
+  const auto t = list[0].scalar_type();
+  TORCH_CHECK(is_float_type(t), op, ": list '", what, "' is ", t,
+              "; supported dtypes are float32, float16, bfloat16 and float64.");
+}
+
+// Set a flag tensor (any dtype) to 1.
+inline void raise_flag(const at::Tensor& flag) { flag.fill_(1); }
+
+// Dispatch a float dtype (fp32/fp16/bf16/fp64) to a C++ type.
+#define MPNB_DISPATCH_FLOAT(TYPE, NAME, ...)                                   \
+  [&] {                                                                        \
+    switch (TYPE) {                                                            \
+      case at::kFloat: { using NAME = float; return __VA_ARGS__(); }           \
+      case at::kHalf: { using NAME = c10::Half; return __VA_ARGS__(); }        \
+      case at::kBFloat16: { using NAME = c10::BFloat16; return __VA_ARGS__(); } \
+      case at::kDouble: { using NAME = double; return __VA_ARGS__(); }         \
+      default: TORCH_CHECK(false, "mpnb: unsupported dtype ", TYPE);           \
+    }                                                                          \
+  }()
+
+// Dispatch the 16/32-bit float dtypes (computed in fp32) to a C++ type.
+#define MPNB_DISPATCH_HALF_FLOAT(TYPE, NAME, ...)                              \
+  [&] {                                                                        \
+    switch (TYPE) {                                                            \
+      case at::kFloat: { using NAME = float; return __VA_ARGS__(); }           \
+      case at::kHalf: { using NAME = c10::Half; return __VA_ARGS__(); }        \
+      case at::kBFloat16: { using NAME = c10::BFloat16; return __VA_ARGS__(); } \
+      default: TORCH_CHECK(false, "mpnb: unsupported dtype ", TYPE,             \
+                           " (float32, float16 and bfloat16 mix; float64 only with float64)"); \
+    }                                                                          \
+  }()
+
+}  // namespace mpnb::cpu

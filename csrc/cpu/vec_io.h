@@ -1,0 +1,136 @@
+// Vector load/store with conversion, for kernels that read and write fp32/fp16/bf16/fp64
+// memory but compute in fp32 (fp64 for fp64 data).
+//
+// Every kernel processes blocks of IO<T, Acc>::kWidth elements as two Vectorized<Acc>
+// registers, so fp16/bf16 data is loaded with one 16-bit vector load and widened in
+// registers. Tails use the counted loadu/store of ATen's Vectorized (zero padding).
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <cmath>
+#include <type_traits>
+
+namespace mpnb::cpu {
+
+using at::vec::Vectorized;
+using fVec = Vectorized<float>;
+using dVec = Vectorized<double>;
+
+// fp64 data computes in fp64, everything else in fp32 (as Apex does on the GPU).
+template <typename T>
+using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
+
+template <typename T, typename Acc = acc_t<T>>
+struct IO;
+
+// Full-precision types: two registers per block.
+template <typename T>
+struct IO<T, T> {
+  using V = Vectorized<T>;
+  static constexpr int64_t kWidth = 2 * V::size();
+  static inline void load(const T* p, V& a, V& b) {
+    a = V::loadu(p);
+    b = V::loadu(p + V::size());
+  }
+  static inline void load(const T* p, int64_t n, V& a, V& b) {
+    a = V::loadu(p, std::min<int64_t>(n, V::size()));
+    b = n > V::size() ? V::loadu(p + V::size(), n - V::size()) : V(T(0));
+  }
+  static inline void store(T* p, const V& a, const V& b) {
+    a.store(p);
+    b.store(p + V::size());
+  }
+  static inline void store(T* p, int64_t n, const V& a, const V& b) {
+    a.store(p, std::min<int64_t>(n, V::size()));
+    if (n > V::size()) b.store(p + V::size(), n - V::size());
+  }
+};
+
+// 16-bit floats computed in fp32: one 16-bit register holds exactly one block.
+template <typename H>
+struct IO16 {
+  using V = fVec;
+  using HV = Vectorized<H>;
+  static_assert(HV::size() == 2 * fVec::size(), "16-bit vector must hold two fp32 vectors");
+  static constexpr int64_t kWidth = HV::size();
+  static inline void load(const H* p, V& a, V& b) {
+    std::tie(a, b) = at::vec::convert_to_float<H>(HV::loadu(p));
+  }
+  static inline void load(const H* p, int64_t n, V& a, V& b) {
+    std::tie(a, b) = at::vec::convert_to_float<H>(HV::loadu(p, n));
+  }
+  static inline void store(H* p, const V& a, const V& b) {
+    at::vec::convert_from_float<H>(a, b).store(p);
+  }
+  static inline void store(H* p, int64_t n, const V& a, const V& b) {
+    at::vec::convert_from_float<H>(a, b).store(p, n);
+  }
+};
+
+template <>
+struct IO<c10::BFloat16, float> : IO16<c10::BFloat16> {};
+template <>
+struct IO<c10::Half, float> : IO16<c10::Half> {};
+
+// Block width shared by two types computed in the same Acc (fp16/bf16/fp32 all use 16 on AVX2).
+template <typename A, typename B, typename Acc>
+inline constexpr int64_t kBlock = IO<A, Acc>::kWidth;
+
+// NaN-propagating finiteness accumulator: x - x is 0 for finite x and NaN for inf/NaN, so
+// `bad += (x - x)` is NaN at the end iff some x was not finite. Two vector ops per register.
+template <typename V>
+inline void accumulate_nonfinite(V& bad, const V& x) {
+  bad = bad + (x - x);
+}
+
+template <typename V>
+inline bool all_finite(const V& bad) {
+  using T = typename V::value_type;
+  alignas(64) T buf[V::size()];
+  bad.store(buf);
+  T s = T(0);
+  for (int64_t i = 0; i < V::size(); ++i) s += buf[i];
+  return !std::isnan(s);
+}
+
+// Add x*x (fp32 lanes widened to fp64) to two fp64 accumulators.
+inline void accumulate_squares(dVec& lo, dVec& hi, const fVec& x) {
+#if defined(CPU_CAPABILITY_AVX2)
+  __m256 v = x;
+  dVec a(_mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+  dVec b(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+#elif defined(CPU_CAPABILITY_AVX512)
+  __m512 v = x;
+  dVec a(_mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+  dVec b(_mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+#else
+  alignas(64) float f[fVec::size()];
+  alignas(64) double d[fVec::size()];
+  x.store(f);
+  for (int64_t i = 0; i < fVec::size(); ++i) d[i] = f[i];
+  dVec a = dVec::loadu(d);
+  dVec b = dVec::loadu(d + dVec::size());
+#endif
+  lo = at::vec::fmadd(a, a, lo);
+  hi = at::vec::fmadd(b, b, hi);
+}
+
+inline void accumulate_squares(dVec& lo, dVec& /*hi*/, const dVec& x) {
+  lo = at::vec::fmadd(x, x, lo);
+}
+
+template <typename T>
+inline double hsum(const Vectorized<T>& v) {
+  alignas(64) T buf[Vectorized<T>::size()];
+  v.store(buf);
+  double s = 0.0;
+  for (int64_t i = 0; i < Vectorized<T>::size(); ++i) s += static_cast<double>(buf[i]);
+  return s;
+}
+
+}  // namespace mpnb::cpu

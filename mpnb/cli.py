@@ -1,0 +1,65 @@
+"""The ``mpnb`` command: ``doctor``, ``build-ext``, ``bench`` (and more as the lab grows)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+__all__ = ["main"]
+
+
+def _cmd_doctor(args: argparse.Namespace) -> int:
+    from mpnb.core.doctor import report
+
+    print(report(build=not args.no_build))
+    return 0
+
+
+def _cmd_build_ext(args: argparse.Namespace) -> int:
+    from mpnb.core.ops import cpu_extension
+
+    ext = cpu_extension()
+    if ext.disabled:
+        print("mpnb: MPNB_DISABLE_EXT=1 is set; unset it to build the kernels.", file=sys.stderr)
+        return 2
+    result = ext.build(force=args.force, verbose=args.verbose)
+    if not result.loaded:
+        print(f"mpnb: build failed: {result.reason}", file=sys.stderr)
+        return 1
+    what = "rebuilt" if args.force else "built/loaded"
+    print(f"mpnb: CPU kernels {what} in {result.seconds:.1f} s: {result.path}")
+    return 0
+
+
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    from mpnb.lab.bench import main as bench_main
+
+    return bench_main(rest)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``mpnb`` command."""
+    p = argparse.ArgumentParser(prog="mpnb", description="Mixed precision on the hardware at hand.")
+    sub = p.add_subparsers(dest="command", required=True)
+    d = sub.add_parser("doctor", help="what this machine supports and which path each op takes")
+    d.add_argument("--no-build", action="store_true", help="report without building the kernels")
+    d.set_defaults(func=_cmd_doctor)
+    b = sub.add_parser("build-ext", help="build the C++ kernels now (they build on first use otherwise)")
+    b.add_argument("--force", action="store_true", help="rebuild from scratch")
+    b.add_argument("--verbose", action="store_true", help="show the compiler's output")
+    b.set_defaults(func=_cmd_build_ext)
+    sub.add_parser("bench", help="benchmarks vs PyTorch: `mpnb bench --help`", add_help=False)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``mpnb`` command with ``argv`` (default: ``sys.argv[1:]``); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "bench":
+        return _cmd_bench(argparse.Namespace(), argv[1:])
+    args = build_parser().parse_args(argv)
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,119 @@
+"""Capabilities as data: every op mpnb compiles, with its reference, dtypes and fake kernel.
+
+Each op family (``multi_tensor.py``, later optimizers and layers) calls :func:`register_op`
+at import. ``mpnb doctor`` lists the table, the tests are parametrized over it, and the
+dispatcher asks :func:`use_kernel` whether a call may take the compiled path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import torch
+
+from mpnb.core.ops._build import cpu_extension
+
+__all__ = ["OpInfo", "register_op", "register_fake", "all_ops", "kernel_ready", "use_kernel", "op_path"]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """One compiled op.
+
+    Attributes:
+        name: the op's name in the ``mpnb`` namespace (``torch.ops.mpnb.<name>``).
+        family: the kernel family (``"multi_tensor"``, ``"optimizer"``, ``"layer"``...).
+        reference: the pure-PyTorch implementation with the same signature.
+        dtypes: the floating dtypes the kernel accepts.
+        devices: devices with a compiled kernel of ours.
+    """
+
+    name: str
+    family: str
+    reference: Callable
+    dtypes: tuple[torch.dtype, ...] = FLOAT_DTYPES
+    devices: tuple[str, ...] = ("cpu",)
+    doc: str = field(default="", compare=False)
+
+
+_OPS: dict[str, OpInfo] = {}
+_FAKES: dict[str, Callable] = {}
+_fakes_applied = False
+
+
+def register_op(info: OpInfo) -> OpInfo:
+    """Add ``info`` to the table (idempotent for the same name)."""
+    _OPS[info.name] = info
+    return info
+
+
+def register_fake(name: str) -> Callable[[Callable], Callable]:
+    """Decorator: the fake (meta) kernel of ``mpnb::name``, installed once the library loads."""
+
+    def wrap(fn: Callable) -> Callable:
+        _FAKES[name] = fn
+        if _fakes_applied:
+            torch.library.register_fake(f"mpnb::{name}")(fn)
+        return fn
+
+    return wrap
+
+
+def all_ops() -> list[OpInfo]:
+    """Every registered op, in registration order."""
+    return list(_OPS.values())
+
+
+def kernel_ready() -> bool:
+    """Build/load the CPU kernels if needed; True when ``torch.ops.mpnb`` may be called."""
+    global _fakes_applied
+    if not cpu_extension().available():
+        return False
+    if not _fakes_applied:
+        _fakes_applied = True
+        for name, fn in _FAKES.items():
+            torch.library.register_fake(f"mpnb::{name}")(fn)
+    return True
+
+
+def _first_tensor(items: Iterable) -> torch.Tensor | None:
+    for x in items:
+        if isinstance(x, torch.Tensor):
+            return x
+        if isinstance(x, (list, tuple)) and x:
+            t = _first_tensor(x)
+            if t is not None:
+                return t
+    return None
+
+
+def use_kernel(*args) -> bool:
+    """True when a call on these tensors (or lists of tensors) should take our kernel.
+
+    Only the first tensor's device is looked at here (O(1) per call); the kernel checks every
+    tensor itself and raises a clear error on a mix of devices.
+    """
+    t = _first_tensor(args)
+    if t is not None and t.device.type != "cpu":
+        return False  # CUDA and others run PyTorch's own ops through the reference
+    return kernel_ready()
+
+
+def op_path(name: str, device: str = "cpu") -> str:
+    """Which implementation a call of ``name`` on ``device`` takes now, in words."""
+    info = _OPS[name]
+    dev = torch.device(device).type
+    ext = cpu_extension()
+    if dev not in info.devices:
+        return f"reference (PyTorch ops on {dev}; no {dev} kernel of ours yet)"
+    if ext.disabled:
+        return "reference (MPNB_DISABLE_EXT=1)"
+    status = ext.status()
+    if status is None:
+        return "C++ kernel (built, not loaded yet)" if ext.is_built() else "C++ kernel (built on first use)"
+    if status.loaded:
+        return f"C++ kernel ({dev})"
+    return f"reference (build failed: {status.reason.splitlines()[0][:80]})"
