@@ -40,7 +40,7 @@ inline bool scale_range(const in_t* x, out_t* y, int64_t n, Acc s) {
 
 inline double scalar_of(const std::optional<at::Tensor>& t, const char* op, const char* what) {
   if (!t.has_value()) return 1.0;
-  TORCH_CHECK(t->numel() == 1, op, ": '", what, "' must hold one value, got ", t->numel(), ".");
+  TORCH_CHECK_VALUE(t->numel() == 1, op, ": '", what, "' must hold one value, got ", t->numel(), ".");
   return t->item<double>();
 }
 
@@ -79,7 +79,7 @@ inline void multi_tensor_scale_cpu(const at::Tensor& noop_flag, at::TensorList s
   check_float(dst, op, "dst");
   const auto ti = src[0].scalar_type(), to = dst[0].scalar_type();
   if (ti == at::kDouble || to == at::kDouble) {
-    TORCH_CHECK(ti == to, op, ": float64 lists can only be paired with float64 lists, got ",
+    TORCH_CHECK_TYPE(ti == to, op, ": float64 lists can only be paired with float64 lists, got ",
                 ti, " and ", to, ".");
     return scale_lists<double, double>(noop_flag, src, dst, scale, scale_tensor);
   }
@@ -138,7 +138,7 @@ void axpby_lists(const at::Tensor& flag, at::TensorList xs, at::TensorList ys, a
 inline void multi_tensor_axpby_cpu(const at::Tensor& noop_flag, at::TensorList x, at::TensorList y,
                                    at::TensorList out, double a, double b, int64_t arg_to_check) {
   const char* op = "mpnb::multi_tensor_axpby";
-  TORCH_CHECK(arg_to_check >= -1 && arg_to_check <= 1, op, ": arg_to_check must be -1 (both), ",
+  TORCH_CHECK_VALUE(arg_to_check >= -1 && arg_to_check <= 1, op, ": arg_to_check must be -1 (both), ",
               "0 (x) or 1 (y), got ", arg_to_check, ".");
   check_list(x, op, "x", x.size());
   check_list(y, op, "y", x.size());
@@ -151,7 +151,7 @@ inline void multi_tensor_axpby_cpu(const at::Tensor& noop_flag, at::TensorList x
   check_float(out, op, "out");
   const auto tx = x[0].scalar_type(), ty = y[0].scalar_type(), to = out[0].scalar_type();
   if (tx == at::kDouble || ty == at::kDouble || to == at::kDouble) {
-    TORCH_CHECK(tx == ty && ty == to, op, ": float64 lists can only be mixed with float64 lists.");
+    TORCH_CHECK_TYPE(tx == ty && ty == to, op, ": float64 lists can only be mixed with float64 lists.");
     return axpby_lists<double, double, double>(noop_flag, x, y, out, a, b, arg_to_check);
   }
   MPNB_DISPATCH_HALF_FLOAT(tx, x_t, [&] {
@@ -273,14 +273,14 @@ inline void update_scale_hysteresis_cpu(const at::Tensor& current_scale, const a
                                         double growth_factor, double backoff_factor,
                                         int64_t growth_interval, int64_t hysteresis) {
   const char* op = "mpnb::update_scale_hysteresis";
-  TORCH_CHECK(current_scale.scalar_type() == at::kFloat && current_scale.numel() == 1, op,
+  TORCH_CHECK_TYPE(current_scale.scalar_type() == at::kFloat && current_scale.numel() == 1, op,
               ": current_scale must be a one-element float32 tensor.");
-  TORCH_CHECK(growth_tracker.scalar_type() == at::kInt && growth_tracker.numel() == 1, op,
+  TORCH_CHECK_TYPE(growth_tracker.scalar_type() == at::kInt && growth_tracker.numel() == 1, op,
               ": growth_tracker must be a one-element int32 tensor.");
-  TORCH_CHECK(hysteresis_tracker.scalar_type() == at::kInt && hysteresis_tracker.numel() == 1, op,
+  TORCH_CHECK_TYPE(hysteresis_tracker.scalar_type() == at::kInt && hysteresis_tracker.numel() == 1, op,
               ": hysteresis_tracker must be a one-element int32 tensor.");
-  TORCH_CHECK(found_inf.numel() == 1, op, ": found_inf must hold one value.");
-  TORCH_CHECK(growth_interval > 0, op, ": growth_interval must be positive, got ", growth_interval, ".");
+  TORCH_CHECK_VALUE(found_inf.numel() == 1, op, ": found_inf must hold one value.");
+  TORCH_CHECK_VALUE(growth_interval > 0, op, ": growth_interval must be positive, got ", growth_interval, ".");
   float* scale = current_scale.mutable_data_ptr<float>();
   int32_t* growth = growth_tracker.mutable_data_ptr<int32_t>();
   int32_t* hyst = hysteresis_tracker.mutable_data_ptr<int32_t>();

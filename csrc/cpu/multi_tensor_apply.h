@@ -64,20 +64,21 @@ inline void for_each_chunk(const ChunkTable& table, const F& fn) {
 }
 
 // ---- argument checks shared by every multi-tensor op ------------------------------------
+// Value and type problems raise ValueError / TypeError in Python, as the references do.
 
 inline void check_list(at::TensorList list, const char* op, const char* what, int64_t n) {
-  TORCH_CHECK(static_cast<int64_t>(list.size()) == n, op, ": list '", what, "' has ",
+  TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == n, op, ": list '", what, "' has ",
               list.size(), " tensors but the first list has ", n,
               "; pass lists of equal length.");
   if (list.empty()) return;
   const auto dtype = list[0].scalar_type();
   for (size_t i = 0; i < list.size(); ++i) {
     const auto& t = list[i];
-    TORCH_CHECK(t.device().is_cpu(), op, ": tensor ", i, " of '", what, "' is on ", t.device(),
+    TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": tensor ", i, " of '", what, "' is on ", t.device(),
                 "; the CPU kernel takes CPU tensors (other devices go through mpnb's dispatcher).");
-    TORCH_CHECK(t.is_contiguous(), op, ": tensor ", i, " of '", what,
+    TORCH_CHECK_VALUE(t.is_contiguous(), op, ": tensor ", i, " of '", what,
                 "' is not contiguous; call .contiguous() first.");
-    TORCH_CHECK(t.scalar_type() == dtype, op, ": tensor ", i, " of '", what, "' is ",
+    TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": tensor ", i, " of '", what, "' is ",
                 t.scalar_type(), " but tensor 0 is ", dtype,
                 "; every tensor of one list must share a dtype.");
   }
@@ -85,7 +86,7 @@ inline void check_list(at::TensorList list, const char* op, const char* what, in
 
 inline void check_same_sizes(at::TensorList a, at::TensorList b, const char* op, const char* what) {
   for (size_t i = 0; i < a.size(); ++i)
-    TORCH_CHECK(a[i].numel() == b[i].numel(), op, ": tensor ", i, " of '", what, "' has ",
+    TORCH_CHECK_VALUE(a[i].numel() == b[i].numel(), op, ": tensor ", i, " of '", what, "' has ",
                 b[i].numel(), " elements but its partner has ", a[i].numel(),
                 "; pair tensors of the same size.");
 }
@@ -97,7 +98,7 @@ inline bool is_float_type(at::ScalarType t) {
 inline void check_float(at::TensorList list, const char* op, const char* what) {
   if (list.empty()) return;
   const auto t = list[0].scalar_type();
-  TORCH_CHECK(is_float_type(t), op, ": list '", what, "' is ", t,
+  TORCH_CHECK_TYPE(is_float_type(t), op, ": list '", what, "' is ", t,
               "; supported dtypes are float32, float16, bfloat16 and float64.");
 }
 

@@ -1,0 +1,115 @@
+"""``mpnb doctor``: what this machine supports and which path every op takes, in plain words."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+
+import torch
+
+from mpnb.core.hardware import cpu_info, cuda_info, default_half_dtype, half_support
+from mpnb.core.ops import all_ops, cache_root, cpu_extension, op_path
+
+__all__ = ["report"]
+
+_FAMILY_MODULES = (
+    "mpnb.core.ops.multi_tensor",
+    "mpnb.core.ops.optimizers",
+    "mpnb.core.ops.layers",
+    "mpnb.core.ops.norm_ops",
+    "mpnb.core.ops.softmax_ops",
+    "mpnb.core.ops.rope_ops",
+    "mpnb.core.ops.welford",
+)
+
+
+def _import_families() -> None:
+    # Each family registers its ops on import; families that do not exist yet are skipped.
+    import importlib
+
+    for name in _FAMILY_MODULES:
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+
+
+def _toolchain() -> list[str]:
+    from torch.utils import cpp_extension
+
+    try:
+        cpp_extension.verify_ninja_availability()
+        ninja = shutil.which("ninja") or "found"
+    except RuntimeError:
+        ninja = "NOT FOUND (pip install ninja)"
+    cxx = os.environ.get("CXX", "c++")
+    return [f"  ninja: {ninja}", f"  C++ compiler: {shutil.which(cxx) or f'{cxx} NOT FOUND'}"]
+
+
+def _hardware() -> list[str]:
+    cpu = cpu_info()
+    hs = half_support("cpu")
+    lines = [
+        f"  CPU: {cpu.model} ({cpu.arch}), {os.cpu_count()} logical cores, "
+        f"torch threads: {torch.get_num_threads()}",
+        f"  vector ISA for mpnb kernels: {cpu.isa}; torch's own dispatch: "
+        f"{torch.backends.cpu.get_cpu_capability()}",
+        f"  bf16 on CPU: {hs['bfloat16']}"
+        + ("" if hs["bfloat16"] == "native" else " (no avx512_bf16/amx_bf16: computed in software)"),
+        f"  fp16 on CPU: {hs['float16']}"
+        + ("" if hs["float16"] == "native" else " (no avx512_fp16/amx_fp16: about 50-150x slower "
+           "than fp32 for matmuls; mpnb defaults the CPU to bf16)"),
+        f"  default half dtype on CPU: {str(default_half_dtype('cpu')).replace('torch.', '')}",
+    ]
+    info = cuda_info() if torch.cuda.is_available() else None
+    if info is None:
+        lines.append(f"  CUDA: not available (torch built with CUDA: {torch.version.cuda or 'no'})")
+    else:
+        lines.append(
+            f"  CUDA: {info['name']}, capability {info['capability']}, {info['memory_gib']} GiB, "
+            f"tensor cores: {'yes' if info['tensor_cores'] else 'no'}, "
+            f"bf16: {'native' if info['bf16'] else 'unsupported'}"
+        )
+    return lines
+
+
+def report(build: bool = True) -> str:
+    """The doctor's report as text.
+
+    Args:
+        build: build (or load) the CPU kernels first, so the report says what really runs;
+            with False nothing is compiled and the report says what would happen.
+    """
+    ext = cpu_extension()
+    if build and not ext.disabled:
+        ext.build()
+    _import_families()
+    py = sys.version.split()[0]
+    lines = [
+        "mpnb doctor",
+        f"  torch {torch.__version__} (debug={torch.version.debug}), Python {py}",
+        "hardware",
+        *_hardware(),
+        "kernels",
+        *_toolchain(),
+        f"  cache directory: {cache_root()}",
+        f"  CPU build for these sources: {ext.build_dir()}",
+    ]
+    status = ext.status()
+    if ext.disabled:
+        lines.append("  CPU kernels: disabled by MPNB_DISABLE_EXT=1 (references run)")
+    elif status is None:
+        lines.append(f"  CPU kernels: {'built' if ext.is_built() else 'not built yet'} (not loaded)")
+    elif status.loaded:
+        lines.append(f"  CPU kernels: loaded from {status.path}")
+    else:
+        lines.append(f"  CPU kernels: FAILED, references run. Reason: {status.reason}")
+    lines.append("  CUDA kernels of ours: none yet (CUDA tensors run PyTorch's own fused CUDA ops)")
+    lines.append("ops (family: op -> path on cpu | on cuda)")
+    for info in all_ops():
+        lines.append(
+            f"  {info.family}: {info.name} -> {op_path(info.name, 'cpu')} | {op_path(info.name, 'cuda')}"
+        )
+    return "\n".join(lines)
