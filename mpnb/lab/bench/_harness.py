@@ -1,0 +1,288 @@
+"""Round-robin timing of zero-argument callables against PyTorch, in one process.
+
+Shared machines drift by 15-100% between runs, so a benchmark here never compares two
+separate timings. Every candidate of a :class:`Case` (the first one is the PyTorch baseline)
+and the case's bandwidth baselines run round-robin after a warm-up: in each round each
+callable runs ``number`` times back to back and its time per call is recorded. A candidate's
+result is the median of its per-round times and their spread (IQR); its speed-up is the
+**median of the per-round ratios** ``baseline / candidate`` (a slow round slows both sides),
+never the ratio of the medians.
+
+Bandwidth baselines run in the same rounds, on fp32 buffers of ``Case.bandwidth_numel``
+elements: the in-place ``a += s*b`` (``a.add_(b, alpha=s)``: 3 x 4 bytes per element) for
+kernels that write, and the read-only ``x.sum()`` (4 bytes per element) for kernels that
+only read. A candidate that declares the bytes it moves gets its achieved GB/s and the
+median of its per-round fraction of the matching baseline's GB/s.
+
+The clock is ``torch.utils.benchmark.timer`` (it synchronizes the accelerator, if any, before
+reading ``timeit.default_timer``), driven by ``timeit.Timer`` with a fixed call count per
+round. ``torch.utils.benchmark.Timer.timeit`` is not used per round because it adds two
+hidden warm-up calls to every measurement and defaults to one thread.
+"""
+
+from __future__ import annotations
+
+import timeit
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+
+import torch
+from torch.utils import benchmark
+
+from mpnb.lab.bench._stats import iqr, median, per_round_ratios, quantile, ratio_summary
+
+__all__ = [
+    "RMW",
+    "READ",
+    "Candidate",
+    "Case",
+    "Options",
+    "Row",
+    "quantile",
+    "median",
+    "iqr",
+    "per_round_ratios",
+    "ratio_summary",
+    "run_case",
+]
+
+RMW = "rmw"  #: the candidate writes: compare with the in-place ``a += s*b`` bandwidth
+READ = "read"  #: the candidate only reads: compare with the ``x.sum()`` bandwidth
+_BW_NAMES = {RMW: "bw: a += s*b (fp32)", READ: "bw: x.sum() (fp32)"}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One implementation to time: a zero-argument callable prepared by the suite.
+
+    Args:
+        name: shown in the table (``"torch._foreach_norm + norm"``, ``"mpnb l2norm"``).
+        fn: the call to time. It must be repeatable: prepare inputs so that calling it many
+            times does the same work (no drift to inf, no growing lists), and allocate outputs
+            the same way as the other candidates of the case.
+        bytes: bytes one call moves (reads + writes); 0 when not meaningful.
+        access: :data:`RMW` (writes memory) or :data:`READ` (read-only): picks the bandwidth
+            baseline this candidate is compared with.
+        target: the speed-up over the case's baseline this candidate must reach (``1.7`` for
+            "at least 1.7x faster"), or None.
+        bw_target: the fraction of the same-run bandwidth baseline it must reach (``0.85``).
+    """
+
+    name: str
+    fn: Callable[[], object]
+    bytes: int = 0
+    access: str = RMW
+    target: float | None = None
+    bw_target: float | None = None
+
+
+@dataclass
+class Case:
+    """A comparison: ``candidates[0]`` is the PyTorch baseline, the others are compared with it.
+
+    Args:
+        name: what is compared (``"unscale bf16->fp32"``).
+        workload: the data it runs on (``"(a) GPT 20M/75"``).
+        candidates: baseline first.
+        bandwidth_numel: fp32 elements of the same-run bandwidth baselines (usually the
+            workload's element count); 0 runs none.
+        device: where the bandwidth buffers live (the candidates' tensors are the suite's).
+    """
+
+    name: str
+    workload: str
+    candidates: Sequence[Candidate]
+    bandwidth_numel: int = 0
+    device: str = "cpu"
+
+    @property
+    def label(self) -> str:
+        """``"<name> [<workload>]"``: what ``--filter`` matches against."""
+        return f"{self.name} [{self.workload}]"
+
+
+@dataclass(frozen=True)
+class Options:
+    """How hard to measure; suites read ``quick``, ``scale`` and ``device``.
+
+    Args:
+        rounds: timed rounds per case.
+        warmup: untimed calls of each callable before the rounds.
+        round_time: seconds each callable runs per round (sets the call count, at least 1).
+        quick: a fast, rough run; suites may also use fewer cases.
+        scale: multiplies the suite's workload sizes (tests run with tiny ones).
+        device: the device suites should put their tensors on.
+        filter: run only cases whose :attr:`Case.label` contains this substring.
+    """
+
+    rounds: int = 15
+    warmup: int = 2
+    round_time: float = 0.02
+    quick: bool = False
+    scale: float = 1.0
+    device: str = "cpu"
+    filter: str = ""
+
+    @classmethod
+    def make(cls, quick: bool = False, rounds: int | None = None, **kw) -> Options:
+        """Defaults for a full run, or for ``quick`` (5 rounds, 1 warm-up, 5 ms per round)."""
+        base = cls(rounds=5, warmup=1, round_time=0.005, quick=True) if quick else cls()
+        fields = {**asdict(base), **kw}
+        if rounds is not None:
+            fields["rounds"] = rounds
+        if fields["rounds"] < 1:
+            raise ValueError(f"rounds must be at least 1, got {fields['rounds']}.")
+        return cls(**fields)
+
+
+@dataclass
+class Row:
+    """One line of the table (and one dict of the JSON): a candidate's result in a case.
+
+    ``role`` is ``"baseline"``, ``"candidate"`` or ``"bandwidth"``. Times are seconds per
+    call; ``ratio`` is the median of per-round ``baseline / this`` (above 1: faster than
+    PyTorch) and ``ratio_iqr`` its spread; ``bw_frac`` is the median per-round fraction of
+    the ``bw_ref`` bandwidth; ``status`` is ``"PASS"``/``"MISS"`` against the targets, or ``""``.
+    """
+
+    suite: str
+    case: str
+    workload: str
+    candidate: str
+    role: str
+    median_s: float
+    iqr_s: float
+    rounds: int
+    calls_per_round: int
+    ratio: float | None = None
+    ratio_iqr: float | None = None
+    target: float | None = None
+    bytes: int = 0
+    gbps: float | None = None
+    bw_ref: str = ""
+    bw_frac: float | None = None
+    bw_target: float | None = None
+    status: str = ""
+    times_s: tuple[float, ...] = ()
+
+    def to_dict(self) -> dict:
+        """The row as plain JSON-ready data."""
+        d = asdict(self)
+        d["times_s"] = list(self.times_s)
+        return d
+
+
+# ---- running a case ------------------------------------------------------------------------
+
+
+def _bandwidth_candidates(case: Case) -> dict[str, Candidate]:
+    kinds = {c.access for c in case.candidates if c.bytes}
+    n = case.bandwidth_numel
+    if not n or not kinds:
+        return {}
+    a = torch.ones(n, dtype=torch.float32, device=case.device)
+    b = torch.ones(n, dtype=torch.float32, device=case.device)
+    out = {}
+    if RMW in kinds:  # s tiny: a grows slowly, never overflows nor turns denormal
+        out[RMW] = Candidate(_BW_NAMES[RMW], lambda: a.add_(b, alpha=1e-7), 12 * n, RMW)
+    if READ in kinds:
+        out[READ] = Candidate(_BW_NAMES[READ], b.sum, 4 * n, READ)
+    return out
+
+
+def _calls_per_round(fn: Callable[[], object], warmup: int, round_time: float) -> int:
+    timer = timeit.Timer(fn, timer=benchmark.timer)
+    per_call = timer.timeit(max(warmup, 1)) / max(warmup, 1)
+    return max(1, min(100_000, round(round_time / max(per_call, 1e-9))))
+
+
+def _time_rounds(cands: Sequence[Candidate], opts: Options) -> tuple[list[list[float]], list[int]]:
+    numbers = [_calls_per_round(c.fn, opts.warmup, opts.round_time) for c in cands]
+    timers = [timeit.Timer(c.fn, timer=benchmark.timer) for c in cands]
+    times: list[list[float]] = [[] for _ in cands]
+    for r in range(opts.rounds):
+        # Rotate who goes first each round so no candidate always follows the same one.
+        for k in range(len(cands)):
+            i = (k + r) % len(cands)
+            times[i].append(timers[i].timeit(numbers[i]) / numbers[i])
+    return times, numbers
+
+
+def _status(row: Row) -> str:
+    checks = []
+    if row.target is not None and row.ratio is not None:
+        checks.append(row.ratio >= row.target)
+    if row.bw_target is not None and row.bw_frac is not None:
+        checks.append(row.bw_frac >= row.bw_target)
+    return "" if not checks else ("PASS" if all(checks) else "MISS")
+
+
+def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
+    """Time ``case`` round-robin with its bandwidth baselines; one :class:`Row` per callable.
+
+    Rows come in the case's order (baseline first), then the bandwidth baselines.
+    """
+    if not case.candidates:
+        raise ValueError(f"case {case.label!r} has no candidates.")
+    bw = _bandwidth_candidates(case)
+    cands = [*case.candidates, *bw.values()]
+    times, numbers = _time_rounds(cands, opts)
+    base_t = times[0]
+    bw_t = {kind: times[len(case.candidates) + j] for j, kind in enumerate(bw)}
+    rows = []
+    for i, c in enumerate(cands):
+        role = "baseline" if i == 0 else "candidate" if i < len(case.candidates) else "bandwidth"
+        t = times[i]
+        row = Row(
+            suite,
+            case.name,
+            case.workload,
+            c.name,
+            role,
+            median(t),
+            iqr(t),
+            opts.rounds,
+            numbers[i],
+            bytes=c.bytes,
+            times_s=tuple(t),
+        )
+        if role == "candidate":
+            row.ratio, row.ratio_iqr = ratio_summary(base_t, t)
+            row.target = c.target
+        if c.bytes:
+            row.gbps = c.bytes / row.median_s / 1e9
+            if c.access in bw_t:
+                ref = bw[c.access]
+                # Fraction of the reference's GB/s, round by round.
+                row.bw_frac = median(
+                    per_round_ratios(
+                        [c.bytes / x for x in t], [ref.bytes / x for x in bw_t[c.access]]
+                    )
+                )
+                row.bw_ref = ref.name
+                row.bw_target = c.bw_target
+        row.status = _status(row)
+        rows.append(row)
+    return rows
+
+
+def run_cases(
+    cases: Iterable[Case],
+    opts: Options,
+    suite: str = "",
+    on_rows: Callable[[list[Row]], None] | None = None,
+) -> list[Row]:
+    """Run each case (skipping those ``opts.filter`` excludes); ``on_rows`` sees each case's rows.
+
+    Cases are consumed one at a time, so a suite that yields them from a generator holds only
+    one workload's tensors at once.
+    """
+    rows: list[Row] = []
+    for case in cases:
+        if opts.filter and opts.filter.lower() not in case.label.lower():
+            continue
+        got = run_case(case, opts, suite)
+        rows.extend(got)
+        if on_rows is not None:
+            on_rows(got)
+    return rows

@@ -1,0 +1,146 @@
+"""What a benchmark run prints and saves: the header (the conditions) and the table (rows)."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from mpnb.lab.bench._harness import Row
+
+__all__ = [
+    "ALLOCATOR_ENV",
+    "collect_header",
+    "format_header",
+    "format_rows",
+    "loadavg",
+    "write_json",
+]
+
+#: Environment variables that change how outputs are allocated (and so what a kernel costs).
+ALLOCATOR_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "PYTORCH_CUDA_ALLOC_CONF")
+
+
+def _kernel_paths(device: str) -> str:
+    # Imported here: building the kernels is the caller's choice (kernel_ready() builds them).
+    from mpnb.core.ops import all_ops, op_path
+
+    paths = {op.name: op_path(op.name, device) for op in all_ops()}
+    kinds = set(paths.values())
+    if len(kinds) == 1:
+        return f"{kinds.pop()} for all {len(paths)} ops"
+    return "; ".join(f"{k}: {v}" for k, v in paths.items())
+
+
+def collect_header(device: str = "cpu", build: bool = True) -> dict:
+    """The conditions of a run: versions, threads, CPU, allocator, kernels, load, date.
+
+    Args:
+        device: the device the suite runs on (its kernel path is reported).
+        build: build/load mpnb's kernels first, so that the header says what really runs
+            and the build is never inside a timing.
+    """
+    from mpnb.core.hardware import cpu_info
+    from mpnb.core.ops import kernel_ready
+
+    if build:
+        kernel_ready()
+    cpu = cpu_info()
+    header = {
+        "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "threads": torch.get_num_threads(),
+        "cpu": cpu.model,
+        "isa": cpu.isa,
+        "cpu_count": os.cpu_count(),
+        "allocator": {k: os.environ.get(k, "unset") for k in ALLOCATOR_ENV},
+        "mpnb_kernels": _kernel_paths(device),
+        "device": device,
+        "loadavg_start": loadavg(),
+    }
+    if device.startswith("cuda") and torch.cuda.is_available():
+        header["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return header
+
+
+def loadavg() -> list[float] | None:
+    """The 1/5/15-minute load averages (how busy the shared machine is), or None."""
+    try:
+        return [round(x, 2) for x in os.getloadavg()]
+    except OSError:
+        return None
+
+
+def format_header(header: dict) -> str:
+    """The header as ``key: value`` lines."""
+    lines = []
+    for k, v in header.items():
+        if isinstance(v, dict):
+            v = " ".join(f"{a}={b}" for a, b in v.items())
+        lines.append(f"# {k}: {v}")
+    return "\n".join(lines)
+
+
+def _fmt_time(s: float) -> str:
+    if s != s:  # nan
+        return "-"
+    for unit, f in (("s", 1.0), ("ms", 1e3), ("us", 1e6)):
+        if s * f >= 1.0:
+            return f"{s * f:.3g} {unit}"
+    return f"{s * 1e9:.3g} ns"
+
+
+def _fmt_ratio(row: Row) -> str:
+    if row.role == "baseline":
+        return "1 (base)"
+    if row.ratio is None:
+        return ""
+    text = f"{row.ratio:.2f}x"
+    return f"{text} (>={row.target:g})" if row.target is not None else text
+
+
+def _fmt_bw(row: Row) -> str:
+    if row.bw_frac is None:
+        return ""
+    text = f"{100 * row.bw_frac:.0f}%"
+    if row.bw_target is not None:
+        text += f" (>={100 * row.bw_target:.0f})"
+    return text
+
+
+_COLUMNS = (  # title, width, cell
+    ("case", 37, lambda r: f"{r.case} [{r.workload}]"),
+    ("candidate", 38, lambda r: r.candidate),
+    ("median", 9, lambda r: _fmt_time(r.median_s)),
+    ("spread", 7, lambda r: f"{100 * r.iqr_s / r.median_s:.0f}%" if r.median_s else ""),
+    ("vs PyTorch", 16, _fmt_ratio),
+    ("GB/s", 6, lambda r: f"{r.gbps:.1f}" if r.gbps is not None else ""),
+    ("% bw", 11, _fmt_bw),
+    ("", 4, lambda r: r.status),
+)
+
+
+def format_rows(rows: Sequence[Row], title: bool = True) -> str:
+    """The rows as a fixed-width table (``spread`` is the IQR as a % of the median).
+
+    ``title=False`` leaves out the column titles, so a run can print case after case.
+    """
+    lines = []
+    if title:
+        lines.append("  ".join(t.ljust(w) for t, w, _ in _COLUMNS).rstrip())
+        lines.append("  ".join("-" * w for _, w, _ in _COLUMNS[:-1]))
+    for r in rows:
+        lines.append("  ".join(str(cell(r)).ljust(w) for _, w, cell in _COLUMNS).rstrip())
+    return "\n".join(lines)
+
+
+def write_json(path: str | os.PathLike, header: dict, rows: Sequence[Row]) -> None:
+    """Save ``{"header": ..., "rows": [row dicts]}`` to ``path``."""
+    data = {"header": header, "rows": [r.to_dict() for r in rows]}
+    Path(path).write_text(json.dumps(data, indent=1) + "\n")

@@ -1,0 +1,154 @@
+"""The benchmark harness: statistics on fixed numbers, the suite registry, the table and JSON.
+
+No test here asserts a timing: runs use tiny sizes and one or two rounds, and only the shape
+of what comes out (rows, columns, header keys) is checked.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from mpnb.lab import bench
+from mpnb.lab.bench import READ, RMW, Candidate, Case, Options, run_case
+from mpnb.lab.bench._report import ALLOCATOR_ENV, format_rows
+from mpnb.lab.bench._stats import iqr, median, per_round_ratios, quantile, ratio_summary
+
+# ---- statistics ----------------------------------------------------------------------------
+
+
+def test_quantile_matches_numpy_linear():
+    xs = [7.0, 1.0, 3.0, 5.0]
+    assert quantile(xs, 0.0) == 1.0 and quantile(xs, 1.0) == 7.0
+    assert quantile(xs, 0.25) == pytest.approx(2.5)
+    assert quantile(xs, 0.75) == pytest.approx(5.5)
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2.0)
+    assert math.isnan(median([]))
+
+
+def test_median_of_ratios_is_not_ratio_of_medians():
+    # Round 3 is slow for both sides (machine drift): per-round ratios ignore it.
+    base = [2.0, 2.0, 20.0, 2.0, 2.0]
+    cand = [1.0, 1.0, 10.0, 1.0, 1.0]
+    assert per_round_ratios(base, cand) == [2.0, 2.0, 2.0, 2.0, 2.0]
+    assert ratio_summary(base, cand) == (2.0, 0.0)
+    # Drift that hits the two sides in different rounds: medians of each side mislead.
+    base = [1.0, 3.0, 3.0, 1.0, 3.0]
+    cand = [0.5, 1.5, 1.5, 2.0, 2.0]
+    med, spread = ratio_summary(base, cand)
+    assert med == 2.0 and median(base) / median(cand) == pytest.approx(2.0)
+    assert spread == pytest.approx(2.0 - 1.5)
+
+
+def test_ratio_rounds_must_pair():
+    with pytest.raises(ValueError, match="pair up"):
+        per_round_ratios([1.0, 2.0], [1.0])
+
+
+# ---- options and registry ------------------------------------------------------------------
+
+
+def test_options_quick_and_overrides():
+    q = Options.make(quick=True)
+    assert q.quick and q.rounds < Options().rounds
+    assert Options.make(quick=True, rounds=3, scale=0.5).rounds == 3
+    with pytest.raises(ValueError, match="rounds"):
+        Options.make(rounds=0)
+
+
+def test_registry_lists_suites_without_importing(capsys):
+    import sys
+
+    sys.modules.pop("mpnb.lab.bench.multi_tensor", None)
+    names = bench.suites()
+    assert "multi-tensor" in names and names["multi-tensor"]
+    assert not any(n.startswith("_") for n in names)
+    assert bench.main(["--list"]) == 0
+    assert "multi-tensor" in capsys.readouterr().out
+    assert "mpnb.lab.bench.multi_tensor" not in sys.modules
+
+
+def test_unknown_suite_is_a_clear_error(capsys):
+    assert bench.main(["no-such-suite"]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-suite" in err and "multi-tensor" in err
+
+
+# ---- running cases -------------------------------------------------------------------------
+
+
+def _tiny_case(target=None, bw_target=None) -> Case:
+    x = torch.ones(256)
+    y = torch.ones(256)
+    return Case(
+        "tiny",
+        "256",
+        [
+            Candidate("torch", lambda: x.add_(y, alpha=1e-7), 12 * 256, RMW),
+            Candidate("other", lambda: x.add_(y, alpha=1e-7), 12 * 256, RMW, target, bw_target),
+            Candidate("reader", x.sum, 4 * 256, READ),
+        ],
+        bandwidth_numel=256,
+    )
+
+
+def test_run_case_rows_and_roles():
+    opts = Options.make(quick=True, rounds=2)
+    rows = run_case(_tiny_case(target=1e-9, bw_target=1e-9), opts, suite="t")
+    roles = [r.role for r in rows]
+    assert roles == ["baseline", "candidate", "candidate", "bandwidth", "bandwidth"]
+    base, other, reader = rows[:3]
+    assert base.ratio is None and other.ratio is not None and other.ratio > 0
+    assert other.status == "PASS" and base.status == ""
+    assert other.bw_ref.startswith("bw: a += s*b") and reader.bw_ref.startswith("bw: x.sum()")
+    assert all(len(r.times_s) == 2 and r.median_s > 0 and r.gbps > 0 for r in rows)
+    table = format_rows(rows)
+    for col in ("case", "candidate", "median", "spread", "vs PyTorch", "GB/s", "% bw"):
+        assert col in table.splitlines()[0]
+
+
+def test_unreachable_target_is_a_miss():
+    rows = run_case(_tiny_case(target=1e9), Options.make(quick=True, rounds=1))
+    assert rows[1].status == "MISS"
+
+
+def test_no_bandwidth_baselines_without_bytes():
+    case = Case("c", "w", [Candidate("a", lambda: None), Candidate("b", lambda: None)], 1000)
+    rows = run_case(case, Options.make(quick=True, rounds=1))
+    assert [r.role for r in rows] == ["baseline", "candidate"] and rows[1].gbps is None
+
+
+# ---- the multi-tensor suite, end to end at tiny sizes --------------------------------------
+
+
+def test_multi_tensor_quick_smoke(tmp_path, capsys):
+    path = tmp_path / "mt.json"
+    argv = ["multi-tensor", "--quick", "--rounds", "1", "--scale", "0.0005", "--json", str(path)]
+    assert bench.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "# torch:" in out and "mpnb multi_tensor_scale" in out
+    data = json.loads(path.read_text())
+    header, rows = data["header"], data["rows"]
+    for key in ("torch", "threads", "cpu", "isa", "allocator", "mpnb_kernels", "date"):
+        assert key in header
+    assert set(header["allocator"]) == set(ALLOCATOR_ENV)
+    cases = {(r["case"], r["workload"]) for r in rows}
+    assert len({w for _, w in cases}) == 3 and len(cases) >= 15
+    for col in ("candidate", "role", "median_s", "iqr_s", "ratio", "target", "gbps", "bw_frac"):
+        assert all(col in r for r in rows)
+    ours = [r for r in rows if r["candidate"].startswith("mpnb ")]
+    assert ours and all(r["ratio"] > 0 and r["bw_frac"] > 0 for r in ours)
+    assert any(r["status"] in ("PASS", "MISS") for r in ours)
+
+
+def test_filter_selects_cases(capsys):
+    res = bench.run_suite(
+        "multi-tensor", Options.make(quick=True, rounds=1, scale=0.0005, filter="l2norm")
+    )
+    assert res.rows and all(r.case.startswith("l2norm") for r in res.rows)
+    assert "l2norm" in res.table()
