@@ -1,0 +1,107 @@
+"""What amp does to a model: cast its weights (O2/O3) and wrap its forward through hooks.
+
+Forward wrapping uses only ``register_forward_pre_hook(with_kwargs=True)`` and
+``register_forward_hook(always_call=True)``; ``model.forward`` is never replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+from torch.nn.modules.batchnorm import _BatchNorm
+
+from mpnb.core.amp.casts import CastRegistry, _cast
+
+__all__ = ["cast_model", "CastForward", "AutocastForward", "model_device"]
+
+
+def model_device(model: torch.nn.Module) -> torch.device:
+    """The device of the model's first parameter or buffer (CPU for an empty model)."""
+    for t in (*model.parameters(), *model.buffers()):
+        return t.device
+    return torch.device("cpu")
+
+
+def cast_model(model: torch.nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+    """Cast floating params and buffers to ``dtype`` in place, keeping Parameter identity.
+
+    Batch norms (``_BatchNorm`` subclasses, SyncBatchNorm included) stay fp32 when
+    ``keep_batchnorm_fp32``. Parameters keep their identity (``param.data`` is replaced), so
+    an optimizer built before ``amp.initialize`` still holds them.
+    """
+    for mod in model.modules():
+        if keep_batchnorm_fp32 and isinstance(mod, _BatchNorm):
+            continue
+        for p in mod.parameters(recurse=False):
+            if p.is_floating_point() and p.dtype != dtype:
+                p.data = p.data.to(dtype)
+                if p.grad is not None:
+                    p.grad = p.grad.to(dtype)
+        for name, b in mod.named_buffers(recurse=False):
+            if b is not None and b.is_floating_point() and b.dtype != dtype:
+                setattr(mod, name, b.to(dtype))
+
+
+class CastForward:
+    """Hooks casting floating inputs to ``input_dtype`` and outputs to ``output_dtype``.
+
+    Example::
+
+        >>> CastForward(torch.bfloat16, torch.float32).attach(model)
+    """
+
+    def __init__(self, input_dtype: torch.dtype | None, output_dtype: torch.dtype | None):
+        self.input_dtype, self.output_dtype = input_dtype, output_dtype
+
+    def attach(self, model: torch.nn.Module) -> list:
+        """Register the hooks on ``model``; returns their removable handles."""
+        handles = []
+        if self.input_dtype is not None:
+            handles.append(model.register_forward_pre_hook(self._pre, with_kwargs=True))
+        if self.output_dtype is not None:
+            handles.append(model.register_forward_hook(self._post))
+        return handles
+
+    def _pre(self, module, args, kwargs):
+        return _cast(args, self.input_dtype), _cast(kwargs, self.input_dtype)
+
+    def _post(self, module, args, output):
+        return _cast(output, self.output_dtype)
+
+
+class AutocastForward:
+    """O1: the model's forward runs inside ``torch.autocast(device_type, dtype)``.
+
+    The pre-hook enters the region (and installs the registered cast functions); the forward
+    hook, registered with ``always_call=True``, leaves it also when forward raises. A stack
+    makes re-entrant forwards safe.
+    """
+
+    def __init__(self, device_type: str, dtype: torch.dtype, registry: CastRegistry,
+                 output_dtype: torch.dtype | None = None):
+        self.device_type, self.dtype, self.registry = device_type, dtype, registry
+        self.output_dtype = output_dtype
+        self._stack: list[contextlib.ExitStack] = []
+
+    def attach(self, model: torch.nn.Module) -> list:
+        """Register the hooks on ``model``; returns their removable handles."""
+        return [model.register_forward_pre_hook(self._enter),
+                model.register_forward_hook(self._exit, always_call=True)]
+
+    def _enter(self, module, args):
+        stack = contextlib.ExitStack()
+        try:
+            stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype))
+            stack.enter_context(self.registry.installed())
+        except BaseException:
+            stack.close()
+            raise
+        self._stack.append(stack)
+
+    def _exit(self, module, args, output):
+        if self._stack:
+            self._stack.pop().close()
+        if self.output_dtype is not None:
+            return _cast(output, self.output_dtype)
+        return None

@@ -1,0 +1,269 @@
+"""Per-optimizer amp state: fp32 masters in ``param_groups``, unscale, and the skipped step.
+
+The optimizer object is never replaced and ``optimizer.step`` is never rewritten: amp works
+through ``register_step_pre_hook`` / ``register_step_post_hook`` and the state-dict hooks,
+and this object only holds a weak reference to the optimizer.
+"""
+
+from __future__ import annotations
+
+import copy
+import weakref
+
+import torch
+
+from mpnb.core.amp.scaler import LossScaler
+
+__all__ = ["OptimizerAmp"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _groups_by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
+    out: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        out.setdefault(t.dtype, []).append(i)
+    return out
+
+
+def _contiguous_grad(p: torch.Tensor) -> torch.Tensor:
+    if not p.grad.is_contiguous():
+        p.grad = p.grad.contiguous()
+    return p.grad
+
+
+class OptimizerAmp:
+    """What amp keeps for one optimizer.
+
+    Args:
+        optimizer: a ``torch.optim.Optimizer`` whose params are the (already cast) model's.
+        master_weights: replace each half param in ``param_groups`` by an fp32 master.
+
+    The fused-optimizer seam: an optimizer with ``_mpnb_accepts_scale = True`` is not unscaled
+    by amp. Before each ``step()`` amp calls ``optimizer._mpnb_set_scale(inv_scale, found_inf)``
+    (one-element fp32 device tensors); the optimizer must unscale its grads by ``inv_scale``,
+    set ``found_inf`` to 1 on inf/NaN and then leave params and state untouched. After the step
+    amp reads ``found_inf`` (its one host sync) and updates the loss scale. Such an optimizer
+    takes one ``loss_id`` per step.
+    """
+
+    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool):
+        self._opt = weakref.ref(optimizer)
+        self.fused = bool(getattr(optimizer, "_mpnb_accepts_scale", False))
+        self.model_params: list[torch.nn.Parameter] = []
+        self.masters: list[torch.nn.Parameter] = []
+        self.own: list[torch.nn.Parameter] = []  # params whose .grad the optimizer reads directly
+        for group in optimizer.param_groups:
+            for i, p in enumerate(group["params"]):
+                if master_weights and p.dtype in _HALF:
+                    m = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+                    group["params"][i] = m
+                    if p in optimizer.state:
+                        optimizer.state[m] = optimizer.state.pop(p)
+                    self.model_params.append(p)
+                    self.masters.append(m)
+                else:
+                    self.own.append(p)
+        dev = (self.masters or self.own or [torch.empty(0)])[0].device
+        self.step_flag = torch.zeros(1, dtype=torch.float32, device=dev)
+        self.used: list[LossScaler] = []
+        self.pending_delay = False
+        self._stash: list[torch.Tensor | None] = [None] * len(self.own)
+        self._skip: tuple | None = None
+        self.hooks = [
+            optimizer.register_step_pre_hook(self._pre_step),
+            optimizer.register_step_post_hook(self._post_step),
+            optimizer.register_state_dict_post_hook(self._state_dict_post),
+            optimizer.register_load_state_dict_pre_hook(self._load_pre),
+            optimizer.register_load_state_dict_post_hook(self._load_post),
+        ]
+        self._loaded_masters: list[torch.Tensor] | None = None
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer:
+        opt = self._opt()
+        if opt is None:
+            raise RuntimeError("amp: the optimizer was garbage collected.")
+        return opt
+
+    # ---- backward -------------------------------------------------------------------------
+
+    def prepare_backward(self) -> None:
+        """Before a backward: stash already unscaled grads so the new scaled ones start at zero."""
+        if self.pending_delay or self.fused:
+            return
+        for i, p in enumerate(self.own):
+            if p.grad is not None:
+                self._stash[i], p.grad = p.grad, None
+
+    def after_backward(self, scaler: LossScaler, delay_unscale: bool) -> None:
+        """After a backward: unscale into the grads the optimizer reads (unless delayed)."""
+        if scaler not in self.used:
+            self.used.append(scaler)
+        if delay_unscale:
+            self.pending_delay = True
+            return
+        self.pending_delay = False
+        if self.fused:
+            flag = torch.zeros_like(self.step_flag)
+            self._to_masters(scaler, flag, None)
+            return
+        self._unscale_own(scaler)
+        self._to_masters(scaler, scaler.found_inf, scaler.inv_scale)
+        torch.maximum(self.step_flag, scaler.found_inf, out=self.step_flag)
+
+    def _unscale_own(self, scaler: LossScaler) -> None:
+        idx = [i for i, p in enumerate(self.own) if p.grad is not None]
+        for i, p in enumerate(self.own):  # unused in this backward: keep the stashed grad
+            if p.grad is None and self._stash[i] is not None:
+                p.grad = self._stash[i]
+        grads = [_contiguous_grad(self.own[i]) for i in idx]
+        for sub in _groups_by_dtype(grads).values():
+            g = [grads[j] for j in sub]
+            scaler.unscale(g, g, accumulate=[self._stash[idx[j]] for j in sub])
+        self._stash = [None] * len(self.own)
+
+    def _to_masters(self, scaler: LossScaler, flag, scale_tensor) -> None:
+        idx = [i for i, p in enumerate(self.model_params) if p.grad is not None]
+        if not idx:
+            return
+        grads = [_contiguous_grad(self.model_params[i]) for i in idx]
+        out = [torch.empty_like(self.masters[i]) for i in idx]
+        from mpnb.core.ops import multi_tensor_scale
+
+        for sub in _groups_by_dtype(grads).values():
+            multi_tensor_scale(flag, [grads[j] for j in sub], [out[j] for j in sub], 1.0,
+                               scale_tensor=scale_tensor)
+        old = [self.masters[i].grad for i in idx]
+        pairs = [(o, g) for o, g in zip(out, old, strict=False) if g is not None]
+        if pairs:
+            torch._foreach_add_([o for o, _ in pairs], [g for _, g in pairs])
+        for i, o in zip(idx, out, strict=False):
+            self.masters[i].grad = o
+            self.model_params[i].grad = None  # consumed: the next backward starts fresh
+
+    # ---- step -----------------------------------------------------------------------------
+
+    def _pre_step(self, optimizer, args, kwargs):
+        if not self.used:
+            return None
+        if self.pending_delay:
+            raise RuntimeError(
+                "amp: optimizer.step() after scale_loss(..., delay_unscale=True) with no "
+                "unscale: the grads are still scaled. End the accumulation with a scale_loss "
+                "block that has delay_unscale=False before stepping.")
+        if self.fused:
+            if len(self.used) > 1:
+                raise ValueError(
+                    "amp: an optimizer with _mpnb_accepts_scale takes one loss_id per step, got "
+                    f"{len(self.used)}; use one loss_id for it, or a separate optimizer per loss.")
+            s = self.used[0]
+            s.clear_overflow()
+            optimizer._mpnb_set_scale(s.inv_scale, s.found_inf)
+            return None
+        # The one host sync of the step: the overflow flag and every scale used, together.
+        vals = torch.cat([self.step_flag, *(s.scale for s in self.used)]).tolist()
+        skip = vals[0] > 0 and any(s.dynamic for s in self.used)
+        for s, scale in zip(self.used, vals[1:], strict=False):
+            s.note_step(skip, scale)
+        if skip:
+            self._skip = _drop_grads(optimizer) if _is_torch_optim(optimizer) else _snapshot(
+                optimizer)
+        return None
+
+    def _post_step(self, optimizer, args, kwargs):
+        skipped = False
+        if self._skip is not None:
+            self._skip[0](self._skip[1])
+            self._skip, skipped = None, True
+        elif self.fused and self.used:
+            s = self.used[0]
+            s.update()
+            found, scale = torch.cat([s.found_inf, s.scale]).tolist()
+            skipped = found > 0
+            s.note_step(skipped, scale)
+        if not skipped:
+            self.copy_masters_to_model()
+        self.used, self.pending_delay = [], False
+        self.step_flag.zero_()
+
+    def copy_masters_to_model(self) -> None:
+        """``model_param = master`` (cast to half) for every pair."""
+        if self.masters:
+            with torch.no_grad():
+                torch._foreach_copy_(self.model_params, self.masters)
+
+    # ---- state dict: the fp32 masters travel with the optimizer's state ---------------------
+
+    def _state_dict_post(self, optimizer, state):
+        if self.masters:
+            state["mpnb_amp_masters"] = [m.detach() for m in self.masters]
+        return state
+
+    def _load_pre(self, optimizer, state):
+        self._loaded_masters = state.get("mpnb_amp_masters")
+
+    def _load_post(self, optimizer):
+        saved, self._loaded_masters = self._loaded_masters, None
+        if saved is None or not self.masters:
+            return
+        if len(saved) != len(self.masters):
+            raise ValueError(
+                f"amp: the optimizer state holds {len(saved)} fp32 master params but this "
+                f"optimizer has {len(self.masters)}; load a checkpoint of the same model and "
+                "opt level.")
+        with torch.no_grad():
+            src = [s.to(m.device) for s, m in zip(saved, self.masters, strict=True)]
+            torch._foreach_copy_(self.masters, src)
+        self.copy_masters_to_model()
+
+    def refresh_masters_from_model(self) -> None:
+        """After ``model.load_state_dict``: masters that disagree with the model are re-read."""
+        with torch.no_grad():
+            for p, m in zip(self.model_params, self.masters, strict=False):
+                if not torch.equal(m.to(p.dtype), p):
+                    m.copy_(p)
+
+
+def _is_torch_optim(optimizer) -> bool:
+    return type(optimizer).__module__.startswith("torch.optim")
+
+
+def _drop_grads(optimizer):
+    # torch.optim optimizers skip params whose grad is None: no update, no state, no step count.
+    saved = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            saved.append((p, p.grad))
+            p.grad = None
+
+    def restore(items):
+        for p, g in items:
+            p.grad = g
+
+    return restore, saved
+
+
+def _snapshot(optimizer):
+    # Any other optimizer: copy params, state and group settings, and put them back afterwards.
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    saved = (
+        [p.detach().clone() for p in params],
+        {p: copy.deepcopy(optimizer.state[p]) for p in params if p in optimizer.state},
+        [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+         for g in optimizer.param_groups],
+    )
+
+    def restore(items):
+        values, state, groups = items
+        with torch.no_grad():
+            for p, v in zip(params, values, strict=False):
+                p.copy_(v)
+        for p in params:
+            optimizer.state.pop(p, None)
+            if p in state:
+                optimizer.state[p] = state[p]
+        for g, s in zip(optimizer.param_groups, groups, strict=False):
+            g.update(s)
+
+    return restore, saved

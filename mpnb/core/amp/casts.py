@@ -1,0 +1,196 @@
+"""Casting control inside O1 (``torch.autocast``) regions.
+
+``half_function`` / ``float_function`` / ``promote_function`` wrap a function so that, when it
+is called inside an autocast region, its floating tensor arguments are cast (to the region's
+half dtype, to fp32, or to the widest dtype among them) and it runs with autocast disabled.
+Outside autocast they call the function unchanged.
+
+``register_*_function(module, name)`` records a user-named function in a
+:class:`CastRegistry`; O1 installs the wrapper as ``module.name`` only while a model's forward
+runs (entered by a forward pre-hook, restored by a forward hook that also runs when forward
+raises). This is the only place amp wraps a function someone else owns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections.abc import Callable, Iterator
+
+import torch
+
+__all__ = [
+    "CastRegistry", "default_registry", "disable_casts", "half_function", "float_function",
+    "promote_function", "register_half_function", "register_float_function",
+    "register_promote_function",
+]
+
+_DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _active_autocast() -> list[str]:
+    return [d for d in _DEVICE_TYPES if torch.is_autocast_enabled(d)]
+
+
+def _cast(obj, dtype):
+    if isinstance(obj, torch.Tensor):
+        return obj.to(dtype) if obj.is_floating_point() else obj
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cast(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast(v, dtype) for k, v in obj.items()}
+    return obj
+
+
+def _widest(obj, found: list) -> None:
+    if isinstance(obj, torch.Tensor) and obj.is_floating_point():
+        found.append(obj.dtype)
+    elif isinstance(obj, (list, tuple)):
+        for o in obj:
+            _widest(o, found)
+    elif isinstance(obj, dict):
+        for o in obj.values():
+            _widest(o, found)
+
+
+@contextlib.contextmanager
+def disable_casts() -> Iterator[None]:
+    """Turn autocast off for the body (every device where it is on); restored on exit.
+
+    Example::
+
+        >>> with amp.scale_loss(loss, opt) as scaled:   # inside an O1 forward...
+        ...     with amp.disable_casts():
+        ...         y = x.float() @ w.float()            # ...this matmul stays fp32
+    """
+    with contextlib.ExitStack() as stack:
+        for dev in _active_autocast():
+            stack.enter_context(torch.autocast(dev, enabled=False))
+        yield
+
+
+def _wrap(fn: Callable, policy: str) -> Callable:
+    if getattr(fn, "_mpnb_cast_policy", None) is not None:
+        return fn
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        devices = _active_autocast()
+        if not devices:
+            return fn(*args, **kwargs)
+        if policy == "half":
+            dtype = torch.get_autocast_dtype(devices[0])
+        elif policy == "float":
+            dtype = torch.float32
+        else:
+            found: list = []
+            _widest((args, kwargs), found)
+            if not found:
+                return fn(*args, **kwargs)
+            dtype = functools.reduce(torch.promote_types, found)
+        with disable_casts():
+            return fn(*_cast(args, dtype), **_cast(kwargs, dtype))
+
+    wrapper._mpnb_cast_policy = policy
+    wrapper._mpnb_wrapped = fn
+    return wrapper
+
+
+def half_function(fn: Callable) -> Callable:
+    """Decorator: inside O1 regions, run ``fn`` on half inputs (the region's dtype).
+
+    Args:
+        fn: any function taking tensors.
+
+    Example::
+
+        >>> @amp.half_function
+        ... def fused_gelu(x): return torch.nn.functional.gelu(x)
+    """
+    return _wrap(fn, "half")
+
+
+def float_function(fn: Callable) -> Callable:
+    """Decorator: inside O1 regions, run ``fn`` in fp32 (inputs cast, autocast off).
+
+    Example::
+
+        >>> @amp.float_function
+        ... def my_loss(a, b): return ((a - b) ** 2).mean()
+    """
+    return _wrap(fn, "float")
+
+
+def promote_function(fn: Callable) -> Callable:
+    """Decorator: inside O1 regions, cast inputs to the widest floating dtype among them.
+
+    Example::
+
+        >>> @amp.promote_function
+        ... def add(a, b): return a + b
+    """
+    return _wrap(fn, "promote")
+
+
+class CastRegistry:
+    """User-named functions (``module.name``) to wrap while an O1 forward runs."""
+
+    def __init__(self) -> None:
+        self.entries: dict[tuple[int, str], tuple[object, str, str]] = {}
+
+    def register(self, module, name: str, policy: str) -> None:
+        """Record ``module.name`` with ``policy`` (``"half"``, ``"float"``, ``"promote"``)."""
+        if not hasattr(module, name):
+            raise ValueError(
+                f"amp.register_{policy}_function: {getattr(module, '__name__', module)!r} has no "
+                f"attribute {name!r}; pass the module (or class) that defines it and its name.")
+        if not callable(getattr(module, name)):
+            raise ValueError(f"amp.register_{policy}_function: {name!r} is not callable.")
+        self.entries[(id(module), name)] = (module, name, policy)
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[None]:
+        """Install every wrapper for the body and put the originals back on exit (also on error)."""
+        originals = []
+        try:
+            for module, name, policy in self.entries.values():
+                fn = getattr(module, name)
+                originals.append((module, name, fn))
+                setattr(module, name, _wrap(fn, policy))
+            yield
+        finally:
+            for module, name, fn in reversed(originals):
+                setattr(module, name, fn)
+
+
+default_registry = CastRegistry()
+
+
+def register_half_function(module, name: str) -> None:
+    """Run ``module.name`` on half inputs inside O1 forwards (Apex's ``register_half_function``).
+
+    Example::
+
+        >>> amp.register_half_function(torch, "bmm")
+    """
+    default_registry.register(module, name, "half")
+
+
+def register_float_function(module, name: str) -> None:
+    """Run ``module.name`` in fp32 inside O1 forwards.
+
+    Example::
+
+        >>> amp.register_float_function(torch.nn.functional, "softmax")
+    """
+    default_registry.register(module, name, "float")
+
+
+def register_promote_function(module, name: str) -> None:
+    """Run ``module.name`` on inputs cast to their widest dtype inside O1 forwards.
+
+    Example::
+
+        >>> amp.register_promote_function(torch, "add")
+    """
+    default_registry.register(module, name, "promote")
