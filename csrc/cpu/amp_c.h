@@ -16,25 +16,39 @@ namespace mpnb::cpu {
 // ---- scale: dst = src * scale, flag if any src is not finite -----------------------------
 
 template <typename in_t, typename out_t, typename Acc>
-inline bool scale_range(const in_t* x, out_t* y, int64_t n, Acc s) {
+inline bool scale_range(const in_t* x, out_t* y, int64_t n, Acc s, bool stream) {
   using V = Vectorized<Acc>;
-  constexpr int64_t W = IO<in_t, Acc>::kWidth;
-  static_assert(W == IO<out_t, Acc>::kWidth, "mismatched block widths");
+  using I = IO<in_t, Acc>;
+  using O = IO<out_t, Acc>;
+  constexpr int64_t W = I::kWidth;
+  static_assert(W == O::kWidth, "mismatched block widths");
   const V vs(s);
   V bad(Acc(0)), a, b;
+  auto part = [&](int64_t i, int64_t len) {
+    I::load(x + i, len, a, b);
+    accumulate_nonfinite(bad, a);
+    accumulate_nonfinite(bad, b);
+    O::store(y + i, len, a * vs, b * vs);
+  };
   int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    IO<in_t, Acc>::load(x + i, a, b);
-    accumulate_nonfinite(bad, a);
-    accumulate_nonfinite(bad, b);
-    IO<out_t, Acc>::store(y + i, a * vs, b * vs);
+  if (stream) {
+    const int64_t head = align_head(y, n);
+    for (; i < head; i += W) part(i, std::min(W, head - i));
+    for (; i + W <= n; i += W) {
+      I::load(x + i, a, b);
+      accumulate_nonfinite(bad, a);
+      accumulate_nonfinite(bad, b);
+      O::stream(y + i, a * vs, b * vs);
+    }
+  } else {
+    for (; i + W <= n; i += W) {
+      I::load(x + i, a, b);
+      accumulate_nonfinite(bad, a);
+      accumulate_nonfinite(bad, b);
+      O::store(y + i, a * vs, b * vs);
+    }
   }
-  if (i < n) {
-    IO<in_t, Acc>::load(x + i, n - i, a, b);
-    accumulate_nonfinite(bad, a);
-    accumulate_nonfinite(bad, b);
-    IO<out_t, Acc>::store(y + i, n - i, a * vs, b * vs);
-  }
+  if (i < n) part(i, n - i);
   return all_finite(bad);
 }
 
@@ -57,12 +71,14 @@ void scale_lists(const at::Tensor& flag, at::TensorList src, at::TensorList dst,
       s = s * static_cast<float>(scalar_of(scale_tensor, "multi_tensor_scale", "scale_tensor"));
   }
   auto table = make_chunks(src);
+  const bool stream = table.numel * static_cast<int64_t>(sizeof(out_t)) >= kStreamMinBytes;
   std::vector<uint8_t> ok(table.chunks.size(), 1);
   for_each_chunk(table, [&](int64_t c, const Chunk& ch) {
     const in_t* x = src[ch.tensor].const_data_ptr<in_t>() + ch.offset;
     out_t* y = dst[ch.tensor].mutable_data_ptr<out_t>() + ch.offset;
-    ok[c] = scale_range<in_t, out_t, Acc>(x, y, ch.len, s);
+    ok[c] = scale_range<in_t, out_t, Acc>(x, y, ch.len, s, stream);
   });
+  if (stream) stream_fence();
   for (auto v : ok)
     if (!v) { raise_flag(flag); break; }
 }
@@ -165,7 +181,7 @@ inline void multi_tensor_axpby_cpu(const at::Tensor& noop_flag, at::TensorList x
 
 // ---- l2norm: global and per-tensor norms (optionally of x * inv_scale) -------------------
 
-template <typename T, typename Acc>
+template <typename T, typename Acc, bool kScaled>
 inline double sumsq_range(const T* x, int64_t n, Acc inv) {
   using V = Vectorized<Acc>;
   constexpr int64_t W = IO<T, Acc>::kWidth;
@@ -175,13 +191,15 @@ inline double sumsq_range(const T* x, int64_t n, Acc inv) {
   int64_t i = 0;
   for (; i + W <= n; i += W) {
     IO<T, Acc>::load(x + i, a, b);
-    accumulate_squares(s0, s1, a * vi);
-    accumulate_squares(s2, s3, b * vi);
+    if constexpr (kScaled) { a = a * vi; b = b * vi; }
+    accumulate_squares(s0, s1, a);
+    accumulate_squares(s2, s3, b);
   }
   if (i < n) {
     IO<T, Acc>::load(x + i, n - i, a, b);
-    accumulate_squares(s0, s1, a * vi);
-    accumulate_squares(s2, s3, b * vi);
+    if constexpr (kScaled) { a = a * vi; b = b * vi; }
+    accumulate_squares(s0, s1, a);
+    accumulate_squares(s2, s3, b);
   }
   return hsum((s0 + s1) + (s2 + s3));
 }
@@ -194,8 +212,11 @@ std::tuple<at::Tensor, at::Tensor> l2norm_lists(const at::Tensor& flag, at::Tens
   auto table = make_chunks(xs);
   std::vector<double> partial(table.chunks.size(), 0.0);
   const Acc inv = static_cast<Acc>(inv_scale);
+  const bool scaled = inv_scale != 1.0;
   for_each_chunk(table, [&](int64_t c, const Chunk& ch) {
-    partial[c] = sumsq_range<T, Acc>(xs[ch.tensor].const_data_ptr<T>() + ch.offset, ch.len, inv);
+    const T* x = xs[ch.tensor].const_data_ptr<T>() + ch.offset;
+    partial[c] = scaled ? sumsq_range<T, Acc, true>(x, ch.len, inv)
+                        : sumsq_range<T, Acc, false>(x, ch.len, inv);
   });
   const int64_t nt = static_cast<int64_t>(xs.size());
   auto opts = at::TensorOptions().dtype(at::kDouble);
@@ -230,36 +251,16 @@ inline std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(
 
 // ---- read-only finite check ---------------------------------------------------------------
 
-template <typename T, typename Acc>
-inline bool finite_range(const T* x, int64_t n) {
-  using V = Vectorized<Acc>;
-  constexpr int64_t W = IO<T, Acc>::kWidth;
-  V b0(Acc(0)), b1(Acc(0)), a, b;
-  int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    IO<T, Acc>::load(x + i, a, b);
-    accumulate_nonfinite(b0, a);
-    accumulate_nonfinite(b1, b);
-  }
-  if (i < n) {
-    IO<T, Acc>::load(x + i, n - i, a, b);
-    accumulate_nonfinite(b0, a);
-    accumulate_nonfinite(b1, b);
-  }
-  return all_finite(b0 + b1);
-}
-
 inline void multi_tensor_check_finite_cpu(const at::Tensor& noop_flag, at::TensorList tensors) {
   const char* op = "mpnb::multi_tensor_check_finite";
   check_list(tensors, op, "tensors", tensors.size());
   if (tensors.empty()) return;
   check_float(tensors, op, "tensors");
   MPNB_DISPATCH_FLOAT(tensors[0].scalar_type(), T, [&] {
-    using Acc = acc_t<T>;
     auto table = make_chunks(tensors);
     std::vector<uint8_t> ok(table.chunks.size(), 1);
     for_each_chunk(table, [&](int64_t c, const Chunk& ch) {
-      ok[c] = finite_range<T, Acc>(tensors[ch.tensor].const_data_ptr<T>() + ch.offset, ch.len);
+      ok[c] = all_finite_bits<T>(tensors[ch.tensor].const_data_ptr<T>() + ch.offset, ch.len);
     });
     for (auto v : ok)
       if (!v) { raise_flag(noop_flag); break; }

@@ -21,6 +21,40 @@ using at::vec::Vectorized;
 using fVec = Vectorized<float>;
 using dVec = Vectorized<double>;
 
+// ---- non-temporal stores ----------------------------------------------------------------
+// Outputs much larger than the caches are written with streaming stores: no read-for-ownership
+// of the destination lines (a third less memory traffic for a copy-and-scale) and no eviction
+// of the inputs. Small outputs use ordinary stores: the next kernel will read them from cache.
+constexpr int64_t kStreamAlign = sizeof(Vectorized<float>);
+constexpr int64_t kStreamMinBytes = int64_t(16) << 20;
+
+template <typename T, typename V>
+inline void stream_vec(T* p, const V& v) {
+#if defined(CPU_CAPABILITY_AVX512)
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(p), _mm512_castps_si512(reinterpret_cast<const __m512&>(v)));
+#elif defined(CPU_CAPABILITY_AVX2)
+  _mm256_stream_si256(reinterpret_cast<__m256i*>(p), reinterpret_cast<const __m256i&>(v));
+#else
+  v.store(p);
+#endif
+}
+
+inline void stream_fence() {
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+  _mm_sfence();
+#endif
+}
+
+// Elements before p + i is aligned for streaming (at most n).
+template <typename T>
+inline int64_t align_head(const T* p, int64_t n) {
+  const auto addr = reinterpret_cast<uintptr_t>(p);
+  const int64_t mis = static_cast<int64_t>(addr % kStreamAlign);
+  if (mis == 0) return 0;
+  if (mis % static_cast<int64_t>(sizeof(T)) != 0) return n;  // cannot align: no streaming
+  return std::min<int64_t>(n, (kStreamAlign - mis) / static_cast<int64_t>(sizeof(T)));
+}
+
 // fp64 data computes in fp64, everything else in fp32 (as Apex does on the GPU).
 template <typename T>
 using acc_t = std::conditional_t<std::is_same_v<T, double>, double, float>;
@@ -49,6 +83,11 @@ struct IO<T, T> {
     a.store(p, std::min<int64_t>(n, V::size()));
     if (n > V::size()) b.store(p + V::size(), n - V::size());
   }
+  // Non-temporal store of a full block; p must be aligned to kStreamAlign.
+  static inline void stream(T* p, const V& a, const V& b) {
+    stream_vec(p, a);
+    stream_vec(p + V::size(), b);
+  }
 };
 
 // 16-bit floats computed in fp32: one 16-bit register holds exactly one block.
@@ -69,6 +108,9 @@ struct IO16 {
   }
   static inline void store(H* p, int64_t n, const V& a, const V& b) {
     at::vec::convert_from_float<H>(a, b).store(p, n);
+  }
+  static inline void stream(H* p, const V& a, const V& b) {
+    stream_vec(p, at::vec::convert_from_float<H>(a, b));
   }
 };
 
@@ -96,6 +138,40 @@ inline bool all_finite(const V& bad) {
   T s = T(0);
   for (int64_t i = 0; i < V::size(); ++i) s += buf[i];
   return !std::isnan(s);
+}
+
+// Raw-bit finiteness: a float is inf/NaN iff its exponent bits are all ones. For the read-only
+// check this avoids widening 16-bit data: one AND and one compare per register.
+template <typename T>
+struct Bits;
+template <>
+struct Bits<float> { using I = int32_t; static constexpr I kExp = 0x7f800000; };
+template <>
+struct Bits<double> { using I = int64_t; static constexpr I kExp = 0x7ff0000000000000LL; };
+template <>
+struct Bits<c10::BFloat16> { using I = int16_t; static constexpr I kExp = 0x7f80; };
+template <>
+struct Bits<c10::Half> { using I = int16_t; static constexpr I kExp = 0x7c00; };
+
+template <typename T>
+inline bool all_finite_bits(const T* x, int64_t n) {
+  using I = typename Bits<T>::I;
+  using IV = Vectorized<I>;
+  const I* p = reinterpret_cast<const I*>(x);
+  const IV exp(Bits<T>::kExp);
+  IV bad0(I(0)), bad1(I(0));
+  int64_t i = 0;
+  for (; i + 2 * IV::size() <= n; i += 2 * IV::size()) {
+    bad0 = bad0 | ((IV::loadu(p + i) & exp) == exp);
+    bad1 = bad1 | ((IV::loadu(p + i + IV::size()) & exp) == exp);
+  }
+  alignas(64) I buf[IV::size()];
+  (bad0 | bad1).store(buf);
+  for (int64_t k = 0; k < IV::size(); ++k)
+    if (buf[k]) return false;
+  for (; i < n; ++i)
+    if ((p[i] & Bits<T>::kExp) == Bits<T>::kExp) return false;
+  return true;
 }
 
 // Add x*x (fp32 lanes widened to fp64) to two fp64 accumulators.
