@@ -1,0 +1,22 @@
+"""``mpnb.fp16_utils``: Apex's manual mixed-precision helpers and ``FP16_Optimizer``."""
+
+from mpnb.core.fp16_utils.fp16_optimizer import FP16_Optimizer
+from mpnb.core.fp16_utils.fp16util import (
+    BN_convert_float,
+    clip_grad_norm,
+    convert_module,
+    convert_network,
+    master_params_to_model_params,
+    model_grads_to_master_grads,
+    network_to_half,
+    prep_param_lists,
+    to_python_float,
+    tofp16,
+)
+from mpnb.core.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
+
+__all__ = [
+    "FP16_Optimizer", "BN_convert_float", "clip_grad_norm", "convert_module", "convert_network",
+    "master_params_to_model_params", "model_grads_to_master_grads", "network_to_half",
+    "prep_param_lists", "to_python_float", "tofp16", "DynamicLossScaler", "LossScaler",
+]

@@ -1,0 +1,183 @@
+"""Apex's ``FP16_Optimizer``: fp32 masters for a half model, static or dynamic loss scaling.
+
+The masters replace the half params inside the wrapped optimizer's ``param_groups``, and this
+class exposes that optimizer's ``param_groups`` and ``state``, so LR schedulers work on it.
+Host syncs: one per step, reading the overflow flag that the unscale pass wrote.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpnb.core.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
+from mpnb.core.ops import multi_tensor_scale
+
+__all__ = ["FP16_Optimizer"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
+    """Wrap ``init_optimizer`` built on a half model's params (Apex's ``FP16_Optimizer``).
+
+    Args:
+        init_optimizer: a ``torch.optim.Optimizer`` over the (half) model params.
+        static_loss_scale: fixed scale when ``dynamic_loss_scale`` is False.
+        dynamic_loss_scale: use :class:`DynamicLossScaler`.
+        dynamic_loss_args: keyword arguments of :class:`DynamicLossScaler`.
+        verbose: print a line when a step is skipped.
+
+    Example::
+
+        >>> opt = FP16_Optimizer(torch.optim.SGD(model.parameters(), lr=0.1),
+        ...                      dynamic_loss_scale=True)
+        >>> opt.zero_grad(); opt.backward(loss); opt.clip_master_grads(1.0); opt.step()
+    """
+
+    def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
+                 dynamic_loss_scale: bool = False, dynamic_loss_args: dict | None = None,
+                 verbose: bool = True):
+        # Deliberately no Optimizer.__init__: param_groups and state are the wrapped optimizer's.
+        if not isinstance(init_optimizer, torch.optim.Optimizer):
+            raise TypeError("FP16_Optimizer: init_optimizer must be a torch.optim.Optimizer, got "
+                            f"{type(init_optimizer).__name__}.")
+        self.optimizer = init_optimizer
+        self.verbose = verbose
+        self.fp16_groups, self.fp32_from_fp16_groups, self.fp32_from_fp32_groups = [], [], []
+        for group in init_optimizer.param_groups:
+            half, masters, fp32 = [], [], []
+            for i, p in enumerate(group["params"]):
+                if p.dtype in _HALF:
+                    m = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+                    group["params"][i] = m
+                    if p in init_optimizer.state:
+                        init_optimizer.state[m] = init_optimizer.state.pop(p)
+                    half.append(p)
+                    masters.append(m)
+                else:
+                    fp32.append(p)
+            self.fp16_groups.append(half)
+            self.fp32_from_fp16_groups.append(masters)
+            self.fp32_from_fp32_groups.append(fp32)
+        self.dynamic_loss_scale = dynamic_loss_scale
+        self.loss_scaler = (DynamicLossScaler(**(dynamic_loss_args or {}))
+                            if dynamic_loss_scale else LossScaler(static_loss_scale))
+        self.overflow = False
+        self.first_closure_call_this_step = True
+        self._flag = torch.zeros(1, dtype=torch.float32)
+
+    # ---- the wrapped optimizer's views (LR schedulers read and write these) -----------------
+
+    @property
+    def param_groups(self):
+        """The wrapped optimizer's param groups (fp32 masters in place of half params)."""
+        return self.optimizer.param_groups
+
+    @property
+    def state(self):
+        """The wrapped optimizer's state."""
+        return self.optimizer.state
+
+    @property
+    def defaults(self):
+        """The wrapped optimizer's defaults."""
+        return self.optimizer.defaults
+
+    @property
+    def loss_scale(self) -> float:
+        """The current loss scale."""
+        return self.loss_scaler.loss_scale
+
+    def __repr__(self) -> str:
+        return f"FP16_Optimizer({self.optimizer!r})"
+
+    # ---- training -------------------------------------------------------------------------
+
+    def zero_grad(self, set_grads_to_None: bool = False) -> None:  # noqa: N803
+        """Zero (or drop) the grads of the masters and of the half model params."""
+        for group in (*self.optimizer.param_groups, *({"params": g} for g in self.fp16_groups)):
+            for p in group["params"]:
+                if set_grads_to_None:
+                    p.grad = None
+                elif p.grad is not None:
+                    p.grad.detach_().zero_()
+
+    def backward(self, loss: torch.Tensor, update_master_grads: bool = True,
+                 retain_graph: bool = False) -> None:
+        """``(loss * scale).backward()``, then (by default) :meth:`update_master_grads`."""
+        self.loss_scaler.backward(loss, retain_graph=retain_graph)
+        if update_master_grads:
+            self.update_master_grads()
+
+    def update_master_grads(self) -> None:
+        """Unscale model grads into the fp32 master grads in one pass, flagging overflow."""
+        self._flag.zero_()
+        inv = 1.0 / self.loss_scale
+        for half, masters, fp32 in zip(self.fp16_groups, self.fp32_from_fp16_groups,
+                                       self.fp32_from_fp32_groups, strict=True):
+            pairs = [(p, m) for p, m in zip(half, masters, strict=True) if p.grad is not None]
+            for m in masters:
+                if m.grad is None:
+                    m.grad = torch.zeros_like(m)
+            for dt in {p.dtype for p, _ in pairs}:
+                sel = [(p, m) for p, m in pairs if p.dtype == dt]
+                multi_tensor_scale(self._flag, [p.grad.contiguous() for p, _ in sel],
+                                   [m.grad for _, m in sel], inv)
+            own = [p.grad for p in fp32 if p.grad is not None]
+            for dt in {g.dtype for g in own}:
+                g = [x for x in own if x.dtype == dt]
+                multi_tensor_scale(self._flag, g, g, inv)
+        self.overflow = self.dynamic_loss_scale and bool(self._flag.item())
+
+    def clip_master_grads(self, max_norm: float, norm_type: float = 2) -> float:
+        """Clip the fp32 master grads; returns their norm, or -1 after an overflow (Apex's)."""
+        if self.overflow:
+            return -1
+        params = [p for g in self.optimizer.param_groups for p in g["params"]]
+        return float(torch.nn.utils.clip_grad_norm_(params, max_norm, norm_type))
+
+    def step(self, closure=None):
+        """Step the masters and copy them into the model, or skip the step after an overflow."""
+        if closure is not None:
+            raise NotImplementedError("FP16_Optimizer.step(closure) is not supported; call "
+                                      "backward(loss) and step() instead.")
+        scale = self.loss_scale
+        self.loss_scaler.update_scale(self.overflow)
+        if self.overflow:
+            if self.verbose:
+                print(f"OVERFLOW! Skipping step. Attempted loss scale: {scale}, reducing to "
+                      f"{self.loss_scale}")
+            return None
+        self.optimizer.step()
+        with torch.no_grad():
+            for half, masters in zip(self.fp16_groups, self.fp32_from_fp16_groups, strict=True):
+                if half:
+                    torch._foreach_copy_(half, masters)
+        return None
+
+    # ---- checkpoints ----------------------------------------------------------------------
+
+    def state_dict(self) -> dict:
+        """Scaler, overflow state, the wrapped optimizer's state and the fp32 masters."""
+        return {
+            "loss_scaler": self.loss_scaler,
+            "dynamic_loss_scale": self.dynamic_loss_scale,
+            "overflow": self.overflow,
+            "first_closure_call_this_step": self.first_closure_call_this_step,
+            "optimizer_state_dict": self.optimizer.state_dict(),
+            "fp32_from_fp16": [[m.detach().clone() for m in g] for g in self.fp32_from_fp16_groups],
+        }
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Restore :meth:`state_dict` output; masters and model params take the saved values."""
+        self.loss_scaler = state_dict["loss_scaler"]
+        self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
+        self.overflow = state_dict["overflow"]
+        self.first_closure_call_this_step = state_dict["first_closure_call_this_step"]
+        self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        with torch.no_grad():
+            for cur, saved, half in zip(self.fp32_from_fp16_groups, state_dict["fp32_from_fp16"],
+                                        self.fp16_groups, strict=True):
+                for m, s, p in zip(cur, saved, half, strict=True):
+                    m.copy_(s)
+                    p.copy_(s)

@@ -1,0 +1,94 @@
+"""Apex's legacy ``fp16_utils`` loss scalers (host-side scale, Python API of Apex).
+
+``has_overflow`` checks every grad in one ``multi_tensor_check_finite`` pass and reads the
+flag once (its host sync). New code should prefer :class:`mpnb.amp.LossScaler`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpnb.core.ops import multi_tensor_check_finite
+
+__all__ = ["LossScaler", "DynamicLossScaler"]
+
+
+def _grads_overflow(params) -> bool:
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return False
+    flag = torch.zeros(1, dtype=torch.int32, device=grads[0].device)
+    for dt in {g.dtype for g in grads}:
+        multi_tensor_check_finite(flag, [g.contiguous() for g in grads if g.dtype == dt])
+    return bool(flag.item())
+
+
+class LossScaler:
+    """A static loss scale (Apex's ``fp16_utils.LossScaler``).
+
+    Args:
+        scale: the fixed factor.
+
+    Example::
+
+        >>> s = LossScaler(128.0); s.backward(loss)   # (loss * 128).backward()
+    """
+
+    def __init__(self, scale: float = 1.0):
+        self.cur_scale = float(scale)
+
+    @property
+    def loss_scale(self) -> float:
+        """The current scale."""
+        return self.cur_scale
+
+    def has_overflow(self, params) -> bool:
+        """Static scaling never reports an overflow (as in Apex)."""
+        return False
+
+    def update_scale(self, overflow: bool) -> None:
+        """Nothing to update for a static scale."""
+
+    def scale_gradient(self, module, grad_in, grad_out):
+        """Backward-hook helper: multiply ``grad_in`` by the scale."""
+        return tuple(self.loss_scale * g for g in grad_in)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False) -> None:
+        """``(loss * scale).backward()``."""
+        (loss.float() * self.loss_scale).backward(retain_graph=retain_graph)
+
+
+class DynamicLossScaler(LossScaler):
+    """Apex's dynamic scaler: halve on overflow (not below 1), double every ``scale_window``.
+
+    Args:
+        init_scale: the first scale (Apex: 2**32).
+        scale_factor: growth and backoff factor.
+        scale_window: clean iterations between growths.
+
+    Example::
+
+        >>> s = DynamicLossScaler(init_scale=2.0**16, scale_window=1000)
+        >>> s.update_scale(s.has_overflow(model.parameters()))
+    """
+
+    def __init__(self, init_scale: float = 2.0**32, scale_factor: float = 2.0,
+                 scale_window: int = 1000):
+        super().__init__(init_scale)
+        self.cur_iter = 0
+        self.last_overflow_iter = -1
+        self.scale_factor = float(scale_factor)
+        self.scale_window = int(scale_window)
+
+    def has_overflow(self, params) -> bool:
+        """True when any grad of ``params`` holds inf or NaN (one pass, one host sync)."""
+        return _grads_overflow(list(params))
+
+    def update_scale(self, overflow: bool) -> None:
+        """Apex's rule: on overflow halve (floor 1); else grow every ``scale_window`` iters."""
+        if overflow:
+            self.cur_scale = max(self.cur_scale / self.scale_factor, 1.0)
+            self.last_overflow_iter = self.cur_iter
+        elif (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            self.cur_scale *= self.scale_factor
+        self.cur_iter += 1
