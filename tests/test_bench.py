@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -62,15 +64,24 @@ def test_options_quick_and_overrides():
 
 
 def test_registry_lists_suites_without_importing(capsys):
-    import sys
-
-    sys.modules.pop("mpnb.lab.bench.multi_tensor", None)
     names = bench.suites()
     assert "multi-tensor" in names and names["multi-tensor"]
     assert not any(n.startswith("_") for n in names)
     assert bench.main(["--list"]) == 0
     assert "multi-tensor" in capsys.readouterr().out
-    assert "mpnb.lab.bench.multi_tensor" not in sys.modules
+    # `--list` imports neither the suites nor torch (it must be instant).
+    code = (
+        "import sys; from mpnb.cli import main; assert main(['bench', '--list']) == 0; "
+        "assert 'torch' not in sys.modules and 'mpnb.lab.bench.multi_tensor' not in sys.modules"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, capture_output=True)
+
+
+def test_public_names_resolve():
+    for name in bench.__all__:
+        assert getattr(bench, name) is not None
+    with pytest.raises(AttributeError):
+        bench.no_such_name  # noqa: B018
 
 
 def test_unknown_suite_is_a_clear_error(capsys):
@@ -144,6 +155,23 @@ def test_multi_tensor_quick_smoke(tmp_path, capsys):
     ours = [r for r in rows if r["candidate"].startswith("mpnb ")]
     assert ours and all(r["ratio"] > 0 and r["bw_frac"] > 0 for r in ours)
     assert any(r["status"] in ("PASS", "MISS") for r in ours)
+
+
+def test_threads_option_is_restored_even_on_error(monkeypatch):
+    before = torch.get_num_threads()
+    seen = []
+
+    def boom(opts):
+        seen.append(torch.get_num_threads())
+        raise RuntimeError("suite failed")
+        yield
+
+    import mpnb.lab.bench.multi_tensor as mt
+
+    monkeypatch.setattr(mt, "cases", boom)
+    with pytest.raises(RuntimeError, match="suite failed"):
+        bench.run_suite("multi-tensor", Options.make(quick=True, threads=1))
+    assert seen == [1] and torch.get_num_threads() == before
 
 
 def test_filter_selects_cases(capsys):

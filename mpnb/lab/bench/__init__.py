@@ -26,116 +26,43 @@ Example::
 from __future__ import annotations
 
 import argparse
-import ast
 import importlib
-import pkgutil
 import sys
-from dataclasses import dataclass, field
-from pathlib import Path
 
-from mpnb.lab.bench._harness import (
-    READ,
-    RMW,
-    Candidate,
-    Case,
-    Options,
-    Row,
-    iqr,
-    median,
-    per_round_ratios,
-    ratio_summary,
-    run_case,
-    run_cases,
-)
-from mpnb.lab.bench._report import (
-    collect_header,
-    format_header,
-    format_rows,
-    loadavg,
-    write_json,
-)
+from mpnb.lab.bench._registry import load_suite, suites
 
-__all__ = [
-    "READ",
-    "RMW",
-    "Candidate",
-    "Case",
-    "Options",
-    "Row",
-    "Result",
-    "iqr",
-    "median",
-    "per_round_ratios",
-    "ratio_summary",
-    "run_case",
-    "run_cases",
-    "suites",
-    "run_suite",
-    "main",
-]
+# Public names and the private module that defines each; imported on first use (PEP 562), so
+# that `mpnb bench --list` does not import torch.
+_LAZY = {
+    "READ": "_harness",
+    "RMW": "_harness",
+    "Candidate": "_harness",
+    "Case": "_harness",
+    "Options": "_harness",
+    "Row": "_harness",
+    "run_case": "_harness",
+    "run_cases": "_harness",
+    "iqr": "_stats",
+    "median": "_stats",
+    "per_round_ratios": "_stats",
+    "ratio_summary": "_stats",
+    "Result": "_suite",
+    "run_suite": "_suite",
+}
+
+__all__ = [*_LAZY, "suites", "load_suite", "main"]
 
 
-def suites() -> dict[str, str]:
-    """``{suite name: one-line description}`` for every suite module, without importing any."""
-    here = Path(__file__).parent
-    out = {}
-    for mod in sorted(pkgutil.iter_modules([str(here)]), key=lambda m: m.name):
-        if mod.name.startswith("_") or mod.ispkg:
-            continue
-        try:
-            doc = ast.get_docstring(ast.parse((here / f"{mod.name}.py").read_text())) or ""
-        except (OSError, SyntaxError):
-            doc = ""
-        out[mod.name.replace("_", "-")] = (doc.strip().splitlines() or [""])[0]
-    return out
+def __getattr__(name: str):
+    if name in _LAZY:
+        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _load(name: str):
-    if name not in suites():
-        known = ", ".join(suites()) or "none"
-        raise KeyError(f"no benchmark suite {name!r}; known suites: {known}.")
-    return importlib.import_module(f"{__name__}.{name.replace('-', '_')}")
-
-
-@dataclass
-class Result:
-    """A suite run: the conditions (``header``) and one :class:`Row` per timed callable."""
-
-    suite: str
-    header: dict
-    rows: list[Row] = field(default_factory=list)
-
-    def table(self) -> str:
-        """The rows as the printed table."""
-        return format_rows(self.rows)
-
-
-def run_suite(name: str, opts: Options | None = None, echo: bool = False) -> Result:
-    """Run suite ``name`` and return its :class:`Result` (``echo`` prints rows as they come).
-
-    Example::
-
-        >>> res = run_suite("multi-tensor", Options.make(quick=True))
-        >>> [r.status for r in res.rows if r.status]
-    """
-    opts = opts or Options.make()
-    module = _load(name)
-    header = {
-        "suite": name,
-        **collect_header(opts.device),
-        "rounds": opts.rounds,
-        "quick": opts.quick,
-    }
-    if opts.scale != 1.0:
-        header["scale"] = opts.scale
-    result = Result(name, header)
-    if echo:
-        print(format_header(header))
-        print(format_rows([]), flush=True)
-    printer = (lambda rows: print(format_rows(rows, title=False), flush=True)) if echo else None
-    result.rows = run_cases(module.cases(opts), opts, suite=name, on_rows=printer)
-    header["loadavg_end"] = loadavg()
-    return result
+def __dir__() -> list[str]:
+    return sorted(__all__)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -160,6 +87,7 @@ def _parser() -> argparse.ArgumentParser:
         help="multiply workload sizes (smoke tests use tiny ones)",
     )
     p.add_argument("--device", default="cpu", help="device for the suite's tensors")
+    p.add_argument("--threads", type=int, help="torch threads for the run (default: unchanged)")
     return p
 
 
@@ -170,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
         for name, doc in suites().items():
             print(f"{name:16} {doc}")
         return 0 if args.list else 2
+    from mpnb.lab.bench._harness import Options
+    from mpnb.lab.bench._report import write_json
+    from mpnb.lab.bench._suite import run_suite
+
     try:  # bad input is reported before anything runs; a suite's own errors keep their traceback
         opts = Options.make(
             quick=args.quick,
@@ -177,8 +109,9 @@ def main(argv: list[str] | None = None) -> int:
             scale=args.scale,
             filter=args.filter,
             device=args.device,
+            threads=args.threads,
         )
-        _load(args.suite)
+        load_suite(args.suite)
     except (KeyError, ValueError) as e:
         print(f"mpnb bench: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2

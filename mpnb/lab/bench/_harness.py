@@ -113,6 +113,7 @@ class Options:
         scale: multiplies the suite's workload sizes (tests run with tiny ones).
         device: the device suites should put their tensors on.
         filter: run only cases whose :attr:`Case.label` contains this substring.
+        threads: ``torch.set_num_threads`` for the run (restored after), or None to keep it.
     """
 
     rounds: int = 15
@@ -122,6 +123,7 @@ class Options:
     scale: float = 1.0
     device: str = "cpu"
     filter: str = ""
+    threads: int | None = None
 
     @classmethod
     def make(cls, quick: bool = False, rounds: int | None = None, **kw) -> Options:
