@@ -7,6 +7,11 @@
 #include <torch/library.h>
 
 #include "cpu/amp_c.h"
+#include "cpu/opt_adam.h"
+#include "cpu/opt_lamb.h"
+#include "cpu/opt_sgd.h"
+#include "cpu/norm.h"
+#include "cpu/softmax.h"
 
 // The namespace is owned here; each family adds its schemas through a fragment.
 TORCH_LIBRARY(mpnb, m) {

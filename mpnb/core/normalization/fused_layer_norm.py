@@ -1,0 +1,238 @@
+"""Apex's ``apex.normalization``: fused layer norm and RMS norm, functions and modules.
+
+Every function takes the input, optional affine parameters and ``normalized_shape`` (the
+trailing dims to normalize over) and runs mpnb's C++ kernel on CPU tensors (statistics in fp32
+for fp16/bf16 input), PyTorch's own ops on CUDA, or the pure-PyTorch reference without the
+kernels. ``memory_efficient=True`` saves the output instead of the input for the backward,
+which recomputes ``xhat = (y - bias) / weight`` (as Apex does: weights must not be zero).
+The ``mixed_dtype_*`` forms take fp32 weights with a half input and return the input's dtype.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from mpnb.core.ops.norm_ops import layer_norm_fwd, rms_norm_fwd
+
+__all__ = [
+    "FusedLayerNorm",
+    "FusedRMSNorm",
+    "MixedFusedLayerNorm",
+    "MixedFusedRMSNorm",
+    "fused_layer_norm",
+    "fused_layer_norm_affine",
+    "fused_rms_norm",
+    "fused_rms_norm_affine",
+    "mixed_dtype_fused_layer_norm_affine",
+    "mixed_dtype_fused_rms_norm_affine",
+]
+
+
+def _shape(normalized_shape) -> list[int]:
+    if isinstance(normalized_shape, numbers.Integral):
+        return [int(normalized_shape)]
+    return [int(s) for s in normalized_shape]
+
+
+def fused_layer_norm_affine(
+    input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False
+):
+    """``(x - mean) / sqrt(var + eps) * weight + bias`` over the trailing ``normalized_shape``.
+
+    Example::
+
+        >>> x = torch.randn(2, 5, 16, dtype=torch.bfloat16)
+        >>> w, b = torch.ones(16, dtype=torch.bfloat16), torch.zeros(16, dtype=torch.bfloat16)
+        >>> fused_layer_norm_affine(x, w, b, [16]).shape
+        torch.Size([2, 5, 16])
+    """
+    return layer_norm_fwd(input, _shape(normalized_shape), weight, bias, eps, memory_efficient)[0]
+
+
+def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
+    """Layer norm without affine parameters."""
+    return layer_norm_fwd(input, _shape(normalized_shape), None, None, eps, memory_efficient)[0]
+
+
+def mixed_dtype_fused_layer_norm_affine(
+    input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False
+):
+    """Layer norm of a half input with fp32 ``weight``/``bias``; output in the input dtype."""
+    return layer_norm_fwd(input, _shape(normalized_shape), weight, bias, eps, memory_efficient)[0]
+
+
+def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
+    """``x / sqrt(mean(x^2) + eps) * weight`` over the trailing ``normalized_shape``."""
+    return rms_norm_fwd(input, _shape(normalized_shape), weight, eps, memory_efficient)[0]
+
+
+def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
+    """RMS norm without a weight."""
+    return rms_norm_fwd(input, _shape(normalized_shape), None, eps, memory_efficient)[0]
+
+
+def mixed_dtype_fused_rms_norm_affine(
+    input, weight, normalized_shape, eps=1e-6, memory_efficient=False
+):
+    """RMS norm of a half input with an fp32 ``weight``; the output has the input's dtype."""
+    return rms_norm_fwd(input, _shape(normalized_shape), weight, eps, memory_efficient)[0]
+
+
+class FusedLayerNorm(nn.Module):
+    """Drop-in for ``torch.nn.LayerNorm`` (and Apex's ``FusedLayerNorm``) on mpnb's kernels.
+
+    Args:
+        normalized_shape: the trailing dims to normalize over (an int or a sequence).
+        eps: added to the variance.
+        elementwise_affine: learn a ``weight`` (ones) and ``bias`` (zeros).
+        memory_efficient: save the output, not the input, for the backward.
+
+    Example::
+
+        >>> ln = FusedLayerNorm(1024)
+        >>> ln(torch.randn(8, 1024)).shape
+        torch.Size([8, 1024])
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        memory_efficient: bool = False,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = torch.Size(_shape(normalized_shape))
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape))
+            self.bias = nn.Parameter(torch.zeros(self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def reset_parameters(self) -> None:
+        """Weight to ones, bias to zeros."""
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+            nn.init.zeros_(self.bias)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalize ``input`` over its trailing ``normalized_shape`` dims."""
+        if self.elementwise_affine:
+            return fused_layer_norm_affine(
+                input,
+                self.weight,
+                self.bias,
+                self.normalized_shape,
+                self.eps,
+                self.memory_efficient,
+            )
+        return fused_layer_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{tuple(self.normalized_shape)}, eps={self.eps}, elementwise_affine="
+            f"{self.elementwise_affine}, memory_efficient={self.memory_efficient}"
+        )
+
+
+class FusedRMSNorm(nn.Module):
+    """RMS norm (``torch.nn.RMSNorm`` semantics, Apex's ``FusedRMSNorm``) on mpnb's kernels.
+
+    Args:
+        normalized_shape: the trailing dims to normalize over.
+        eps: added to the mean square.
+        elementwise_affine: learn a ``weight`` (ones).
+        memory_efficient: save the output, not the input, for the backward.
+    """
+
+    def __init__(
+        self,
+        normalized_shape: int | Sequence[int],
+        eps: float = 1e-5,
+        elementwise_affine: bool = True,
+        memory_efficient: bool = False,
+    ) -> None:
+        super().__init__()
+        self.normalized_shape = torch.Size(_shape(normalized_shape))
+        self.eps = eps
+        self.elementwise_affine = elementwise_affine
+        self.memory_efficient = memory_efficient
+        if elementwise_affine:
+            self.weight = nn.Parameter(torch.ones(self.normalized_shape))
+        else:
+            self.register_parameter("weight", None)
+
+    def reset_parameters(self) -> None:
+        """Weight to ones."""
+        if self.elementwise_affine:
+            nn.init.ones_(self.weight)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalize ``input`` over its trailing ``normalized_shape`` dims."""
+        if self.elementwise_affine:
+            return fused_rms_norm_affine(
+                input, self.weight, self.normalized_shape, self.eps, self.memory_efficient
+            )
+        return fused_rms_norm(input, self.normalized_shape, self.eps, self.memory_efficient)
+
+    def extra_repr(self) -> str:
+        return (
+            f"{tuple(self.normalized_shape)}, eps={self.eps}, elementwise_affine="
+            f"{self.elementwise_affine}, memory_efficient={self.memory_efficient}"
+        )
+
+
+def _check_mixed_kwargs(cls: str, kwargs: dict) -> None:
+    if "elementwise_affine" in kwargs and not kwargs["elementwise_affine"]:
+        raise ValueError(
+            f"{cls} always has fp32 affine parameters; drop elementwise_affine=False "
+            "or use FusedLayerNorm/FusedRMSNorm without affine parameters."
+        )
+    unknown = set(kwargs) - {"elementwise_affine"}
+    if unknown:
+        raise TypeError(f"{cls}: unexpected arguments {sorted(unknown)}.")
+
+
+class MixedFusedLayerNorm(FusedLayerNorm):
+    """Layer norm with fp32 parameters for a half (fp16/bf16) input; output in the input dtype.
+
+    Keep this module in fp32 when the rest of the model is cast to half (``model.half()``
+    would cast its parameters too; cast them back or build the model with O2, which keeps
+    norms in fp32).
+    """
+
+    def __init__(
+        self, normalized_shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs
+    ) -> None:
+        _check_mixed_kwargs("MixedFusedLayerNorm", kwargs)
+        super().__init__(normalized_shape, eps, True, memory_efficient)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalize ``input``; fp32 weights, output in ``input.dtype``."""
+        return mixed_dtype_fused_layer_norm_affine(
+            input, self.weight, self.bias, self.normalized_shape, self.eps, self.memory_efficient
+        )
+
+
+class MixedFusedRMSNorm(FusedRMSNorm):
+    """RMS norm with an fp32 weight for a half input; output in the input dtype."""
+
+    def __init__(
+        self, normalized_shape, eps: float = 1e-5, *, memory_efficient: bool = False, **kwargs
+    ) -> None:
+        _check_mixed_kwargs("MixedFusedRMSNorm", kwargs)
+        super().__init__(normalized_shape, eps, True, memory_efficient)
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        """Normalize ``input``; fp32 weight, output in ``input.dtype``."""
+        return mixed_dtype_fused_rms_norm_affine(
+            input, self.weight, self.normalized_shape, self.eps, self.memory_efficient
+        )
