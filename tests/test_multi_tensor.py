@@ -320,3 +320,56 @@ def test_opcheck(kernels, name):
 def test_every_registered_op_has_an_opcheck_case():
     names = {i.name for i in ops.all_ops() if i.family == "multi_tensor"}
     assert names == set(_opcheck_cases())
+
+
+# ---- the foreach paths that serve CUDA tensors (exercised here on CPU tensors) ------------
+
+
+@pytest.mark.parametrize("din", HALF_FLOAT, ids=ids)
+def test_foreach_scale_path_matches_reference(din):
+    src = make([0, 1, 33, 5000], din, seed=8)
+    src[2][5] = math.inf
+    a = [torch.empty_like(t, dtype=torch.float32) for t in src]
+    b = [torch.empty_like(t, dtype=torch.float32) for t in src]
+    fa, fb = flag(), flag()
+    assert mt._foreach_multi_tensor_scale(fa, src, a, 0.125, torch.tensor([2.0]))
+    mt.reference_multi_tensor_scale(fb, src, b, 0.125, torch.tensor([2.0]))
+    assert_same(a, b)
+    assert fa.item() == fb.item() == 1
+
+
+def test_foreach_scale_path_declines_half_destinations():
+    src = make([10], torch.float32)
+    assert not mt._foreach_multi_tensor_scale(flag(), src, [torch.empty(10).half()], 1.0)
+
+
+@pytest.mark.parametrize("dtype", HALF_FLOAT, ids=ids)
+def test_foreach_check_finite_path(dtype):
+    xs = make([7, 3000], dtype, seed=9)
+    before = [x.clone() for x in xs]
+    f = flag()
+    mt._foreach_multi_tensor_check_finite(f, xs)
+    assert f.item() == 0
+    assert_same(xs, before)  # unscaling by 1.0 preserves every bit
+    xs[1][17] = math.nan
+    mt._foreach_multi_tensor_check_finite(f, xs)
+    assert f.item() == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("din", [torch.float16, torch.bfloat16], ids=ids)
+def test_cuda_scale_and_check_match_cpu(din):
+    src = make([5, 70000], din, seed=10)
+    src[1][9] = math.inf
+    cpu_out = [torch.empty_like(t, dtype=torch.float32) for t in src]
+    fc = flag()
+    mt.reference_multi_tensor_scale(fc, src, cpu_out, 0.5)
+    gsrc = [t.cuda() for t in src]
+    gout = [torch.empty_like(t, dtype=torch.float32) for t in gsrc]
+    fg = flag().cuda()
+    ops.multi_tensor_scale(fg, gsrc, gout, 0.5)
+    assert_same([t.cpu() for t in gout], cpu_out)
+    assert fg.item() == fc.item() == 1
+    fg2 = flag().cuda()
+    ops.multi_tensor_check_finite(fg2, gsrc)
+    assert fg2.item() == 1

@@ -94,7 +94,35 @@ def _as_list(x) -> list[torch.Tensor]:
     return list(x) if not isinstance(x, list) else x
 
 
+def _foreach_ok(*lists: Sequence[torch.Tensor]) -> bool:
+    """PyTorch's fused foreach ops serve devices without a kernel of ours (CUDA)."""
+    t = next((lst[0] for lst in lists if lst), None)
+    return t is not None and t.device.type != "cpu"
+
+
 # ---- scale --------------------------------------------------------------------------------
+
+
+def _foreach_multi_tensor_scale(noop_flag, src, dst, scale, scale_tensor=None) -> bool:
+    """PyTorch's fused path for fp32 destinations; returns False where its semantics differ.
+
+    Widening into fp32 is exact, so checking ``dst`` after the copy is checking ``src``, and
+    ``_amp_foreach_non_finite_check_and_unscale_`` multiplies in fp32 exactly as the reference.
+    """
+    if not src or any(t.dtype != torch.float32 for t in dst) or src[0].dtype == torch.float64:
+        return False
+    aliased = any(a.numel() and a.data_ptr() == b.data_ptr() for a, b in zip(src, dst))
+    if aliased and src[0].dtype != torch.float32:
+        return False
+    s = torch.tensor([scale], dtype=torch.float32, device=dst[0].device)
+    if scale_tensor is not None:
+        s = s * scale_tensor.to(device=s.device, dtype=torch.float32).reshape(1)
+    found = torch.zeros(1, dtype=torch.float32, device=dst[0].device)
+    torch._foreach_copy_(list(dst), list(src))
+    torch._amp_foreach_non_finite_check_and_unscale_(list(dst), found, s)
+    _raise_flag_if(noop_flag, found > 0)
+    return True
+
 
 
 def reference_multi_tensor_scale(
@@ -147,7 +175,7 @@ def multi_tensor_scale(
     src, dst = _as_list(src), _as_list(dst)
     if use_kernel(noop_flag, src):
         torch.ops.mpnb.multi_tensor_scale(noop_flag, src, dst, float(scale), scale_tensor)
-    else:
+    elif not (_foreach_ok(src) and _foreach_multi_tensor_scale(noop_flag, src, dst, scale, scale_tensor)):
         reference_multi_tensor_scale(noop_flag, src, dst, scale, scale_tensor)
 
 
@@ -265,6 +293,18 @@ def _(noop_flag, tensors, per_tensor=False, inv_scale=None):
 # ---- check finite -------------------------------------------------------------------------
 
 
+def _foreach_multi_tensor_check_finite(noop_flag, tensors) -> None:
+    """PyTorch's fused check: unscale by exactly 1.0 (bit-preserving) into a found-inf flag."""
+    if not tensors:
+        return
+    dev = tensors[0].device
+    found = torch.zeros(1, dtype=torch.float32, device=dev)
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found, one)
+    _raise_flag_if(noop_flag, found > 0)
+
+
+
 def reference_multi_tensor_check_finite(noop_flag, tensors) -> None:
     """Reference of :func:`multi_tensor_check_finite` in plain PyTorch."""
     _check_lists("multi_tensor_check_finite", tensors)
@@ -280,6 +320,8 @@ def multi_tensor_check_finite(noop_flag, tensors) -> None:
     tensors = _as_list(tensors)
     if use_kernel(noop_flag, tensors):
         torch.ops.mpnb.multi_tensor_check_finite(noop_flag, tensors)
+    elif _foreach_ok(tensors) and tensors[0].dtype != torch.float64:
+        _foreach_multi_tensor_check_finite(noop_flag, tensors)
     else:
         reference_multi_tensor_check_finite(noop_flag, tensors)
 
