@@ -78,6 +78,7 @@ class OptimizerAmp:
             optimizer.register_load_state_dict_post_hook(self._load_post),
         ]
         self._loaded_masters: list[torch.Tensor] | None = None
+        self.host_syncs = 0  # counts the one device->host read per step (tests assert on it)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -163,6 +164,7 @@ class OptimizerAmp:
             return None
         # The one host sync of the step: the overflow flag and every scale used, together.
         vals = torch.cat([self.step_flag, *(s.scale for s in self.used)]).tolist()
+        self.host_syncs += 1
         skip = vals[0] > 0 and any(s.dynamic for s in self.used)
         for s, scale in zip(self.used, vals[1:], strict=False):
             s.note_step(skip, scale)
@@ -180,6 +182,7 @@ class OptimizerAmp:
             s = self.used[0]
             s.update()
             found, scale = torch.cat([s.found_inf, s.scale]).tolist()
+            self.host_syncs += 1
             skipped = found > 0
             s.note_step(skipped, scale)
         if not skipped:
