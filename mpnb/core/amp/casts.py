@@ -154,13 +154,17 @@ class CastRegistry:
         originals = []
         try:
             for module, name, policy in self.entries.values():
-                fn = getattr(module, name)
-                originals.append((module, name, fn))
-                setattr(module, name, _wrap(fn, policy))
+                # The raw attribute (a staticmethod stays a staticmethod when put back).
+                raw = vars(module).get(name, getattr(module, name))
+                originals.append((module, name, raw))
+                wrapped = _wrap(getattr(module, name), policy)
+                if isinstance(raw, (staticmethod, classmethod)):
+                    wrapped = staticmethod(wrapped)
+                setattr(module, name, wrapped)
             yield
         finally:
-            for module, name, fn in reversed(originals):
-                setattr(module, name, fn)
+            for module, name, raw in reversed(originals):
+                setattr(module, name, raw)
 
 
 default_registry = CastRegistry()
