@@ -12,6 +12,7 @@
 #include "cpu/opt_sgd.h"
 #include "cpu/norm.h"
 #include "cpu/softmax.h"
+#include "cpu/rope.h"
 
 // The namespace is owned here; each family adds its schemas through a fragment.
 TORCH_LIBRARY(mpnb, m) {

@@ -1,0 +1,109 @@
+// Apex's fused rotary position embedding (RoPE) on the CPU, forward and backward.
+//
+// t is [S, B, H, D] with any strides (the last dim contiguous); cos/sin are fp32 (fp64 for
+// fp64) tables [S, D2] with D2 <= D. The first D2 channels are cut into groups of `group`
+// channels, each rotated as rotate_half (first half paired with the second half); channels
+// D2..D pass through. One group per rotary axis: group == D2 for 1-D RoPE, two groups of D/2
+// for the 2-D (image) variant. Each element is read once and written once.
+//
+//   forward:  y1 = x1 c1 - x2 s1,       y2 = x2 c2 + x1 s2
+//   backward: dx1 = dy1 c1 + dy2 s2,    dx2 = dy2 c2 - dy1 s1
+#pragma once
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include "cpu/multi_tensor_apply.h"
+
+namespace mpnb::cpu {
+
+template <typename T>
+void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out,
+                 int64_t group, bool backward) {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  using IOT = IO<T, Acc>;
+  using IOA = IO<Acc, Acc>;
+  constexpr int64_t K = IOT::kWidth;
+  const int64_t S = t.size(0), B = t.size(1), H = t.size(2), D = t.size(3), D2 = cos.size(1);
+  const int64_t half = group / 2;
+  const T* X = t.const_data_ptr<T>();
+  T* Y = out.mutable_data_ptr<T>();
+  const Acc* C = cos.const_data_ptr<Acc>();
+  const Acc* Sn = sin.const_data_ptr<Acc>();
+  const int64_t rows = S * B * H;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1));
+  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+    V a0, a1, b0, b1, c0, c1, s0, s1, d0, d1, e0, e1;
+    for (int64_t r = r0; r < r1; ++r) {
+      const int64_t h = r % H, b = (r / H) % B, s = r / (H * B);
+      const T* x = X + s * t.stride(0) + b * t.stride(1) + h * t.stride(2);
+      T* y = Y + s * out.stride(0) + b * out.stride(1) + h * out.stride(2);
+      const Acc* cr = C + s * D2;
+      const Acc* sr = Sn + s * D2;
+      for (int64_t g = 0; g < D2; g += group) {
+        for (int64_t q = 0; q < half; q += K) {
+          const int64_t n = std::min<int64_t>(K, half - q);
+          const int64_t i = g + q, j = g + half + q;  // partner channels
+          auto ld = [&](auto io, const auto* p, V& u, V& v) {
+            if (n == K) decltype(io)::load(p, u, v); else decltype(io)::load(p, n, u, v);
+          };
+          ld(IOT{}, x + i, a0, a1);
+          ld(IOT{}, x + j, b0, b1);
+          ld(IOA{}, cr + i, c0, c1);
+          ld(IOA{}, sr + i, s0, s1);
+          ld(IOA{}, cr + j, d0, d1);
+          ld(IOA{}, sr + j, e0, e1);
+          V o0, o1, p0, p1;
+          if (!backward) {
+            o0 = a0 * c0 - b0 * s0; o1 = a1 * c1 - b1 * s1;
+            p0 = b0 * d0 + a0 * e0; p1 = b1 * d1 + a1 * e1;
+          } else {
+            o0 = a0 * c0 + b0 * e0; o1 = a1 * c1 + b1 * e1;
+            p0 = b0 * d0 - a0 * s0; p1 = b1 * d1 - a1 * s1;
+          }
+          if (n == K) { IOT::store(y + i, o0, o1); IOT::store(y + j, p0, p1); }
+          else { IOT::store(y + i, n, o0, o1); IOT::store(y + j, n, p0, p1); }
+        }
+      }
+      for (int64_t i = D2; i < D; i += K) {  // pass-through channels
+        const int64_t n = std::min<int64_t>(K, D - i);
+        IOT::load(x + i, n, a0, a1);
+        IOT::store(y + i, n, a0, a1);
+      }
+    }
+  });
+}
+
+inline at::Tensor rope_cpu(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, int64_t group,
+                           bool transpose_output, bool backward) {
+  const char* op = "mpnb::rope";
+  TORCH_CHECK(is_float_type(t.scalar_type()), op, ": input is ", t.scalar_type(),
+              "; supported dtypes are float32, float16, bfloat16 and float64.");
+  TORCH_CHECK(t.dim() == 4, op, ": input must be [s, b, h, d], got ", t.sizes(), ".");
+  const auto acc = t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == t.size(0) &&
+                  cos.size(1) <= t.size(3) && cos.scalar_type() == acc && sin.scalar_type() == acc,
+              op, ": cos/sin must be ", acc, " tables [s, d2] with d2 <= d; got ", cos.sizes(), " ",
+              cos.scalar_type(), " and ", sin.sizes(), " for input ", t.sizes(), ".");
+  const int64_t D2 = cos.size(1);
+  TORCH_CHECK(group > 0 && group % 2 == 0 && D2 % group == 0, op, ": the rotary dim ", D2,
+              " must split into groups of an even size, got group ", group, ".");
+  const auto x = t.stride(3) == 1 ? t : t.contiguous();
+  const auto c = cos.contiguous(), s = sin.contiguous();
+  at::Tensor out = transpose_output
+                       ? at::empty({t.size(1), t.size(0), t.size(2), t.size(3)}, t.options()).transpose(0, 1)
+                       : at::empty(t.sizes(), t.options());
+  if (t.numel() == 0) return out;
+  MPNB_DISPATCH_FLOAT(t.scalar_type(), T, [&] { rope_kernel<T>(x, c, s, out, group, backward); });
+  return out;
+}
+
+}  // namespace mpnb::cpu
+
+TORCH_LIBRARY_FRAGMENT(mpnb, m) {
+  m.def("rope(Tensor t, Tensor cos, Tensor sin, int group, bool transpose_output=False, "
+        "bool backward=False) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mpnb, CPU, m) { m.impl("rope", &mpnb::cpu::rope_cpu); }

@@ -1,0 +1,4 @@
+"""Apex-compatible name: ``mpnb.transformer.functional.fused_rope``."""
+
+from mpnb.core.transformer.functional.fused_rope import *  # noqa: F401,F403
+from mpnb.core.transformer.functional.fused_rope import __all__  # noqa: F401
