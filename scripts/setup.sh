@@ -14,6 +14,6 @@ python -m pip install -q --upgrade pip setuptools wheel 2>&1 | grep -v "is ignor
 if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 fi
-python -c "import torch; print('torch', torch.__version__)"
+python -W ignore -c "import torch; print('torch', torch.__version__)" 2>/dev/null
 python -m pip install -q -e ".[${MPNB_EXTRAS:-dev}]" 2>&1 | grep -v "is ignored" || true
 python -c "import mpnb, ninja; print('mpnb', mpnb.__version__, 'installed')"
