@@ -1,0 +1,70 @@
+// Fused SGD with momentum on the CPU (Apex's FusedSGD; torch.optim.SGD's arithmetic).
+//
+// Per element, in PyTorch's operation order (fmadd where ATen's add(..., alpha) uses one):
+//   g = g + wd * w                     (unless wd_after_momentum)
+//   buf = g on the first step, else buf * momentum + (1 - dampening) * g
+//   g = g + momentum * buf (nesterov) or g = buf
+//   g = g + wd * w                     (wd_after_momentum)
+//   w = w + g * (-lr)
+#pragma once
+
+#include "cpu/opt_common.h"
+
+namespace mpnb::cpu::opt {
+
+struct SgdBody {
+  fVec wd, mom, damp1, neg_lr;
+  bool has_wd, wd_after, has_mom, nesterov;
+  const std::vector<uint8_t>* first;  // per tensor: no momentum buffer yet
+
+  inline void operator()(int64_t t, fVec& w, fVec g, fVec* s) const {
+    if (has_wd && !wd_after) g = at::vec::fmadd(w, wd, g);
+    if (has_mom) {
+      s[0] = (*first)[t] ? g : at::vec::fmadd(damp1, g, s[0] * mom);
+      g = nesterov ? at::vec::fmadd(s[0], mom, g) : s[0];
+    }
+    if (has_wd && wd_after) g = at::vec::fmadd(w, wd, g);
+    w = w + g * neg_lr;
+  }
+};
+
+inline void fused_sgd_cpu(at::TensorList params, at::TensorList grads,
+                          at::TensorList momentum_buffers, at::TensorList masters,
+                          c10::List<bool> first_run, double lr, double momentum,
+                          double dampening, double weight_decay, bool nesterov,
+                          bool wd_after_momentum, const std::optional<at::Tensor>& inv_scale,
+                          const std::optional<at::Tensor>& found_inf) {
+  const char* op = "mpnb::fused_sgd_";
+  const bool has_mom = momentum != 0.0;
+  if (has_mom) check_opt_lists(op, params, grads, masters, {momentum_buffers});
+  else check_opt_lists(op, params, grads, masters, {});
+  const int64_t n = static_cast<int64_t>(params.size());
+  if (n == 0 || step_skipped(found_inf, op)) return;
+  const float inv = inv_of(inv_scale, op);
+  std::vector<uint8_t> first(n, 0);
+  if (has_mom) {
+    TORCH_CHECK(static_cast<int64_t>(first_run.size()) == n, op, ": 'first_run' must hold one ",
+                "flag per param, got ", first_run.size(), " for ", n, ".");
+    for (int64_t i = 0; i < n; ++i) first[i] = first_run.get(i) ? 1 : 0;
+  }
+  SgdBody body{fVec(static_cast<float>(weight_decay)), fVec(static_cast<float>(momentum)),
+               fVec(static_cast<float>(1 - dampening)), fVec(static_cast<float>(-lr)),
+               weight_decay != 0.0, wd_after_momentum, has_mom, nesterov, &first};
+  MPNB_DISPATCH_OPT(params[0].scalar_type(), grads[0].scalar_type(), [&] {
+    if (has_mom)
+      apply_update<p_t, g_t, 1>(params, grads, masters, {momentum_buffers}, inv, body);
+    else
+      apply_update<p_t, g_t, 0>(params, grads, masters, {}, inv, body);
+  }());
+}
+
+}  // namespace mpnb::cpu::opt
+
+TORCH_LIBRARY_FRAGMENT(mpnb, m) {
+  m.def("fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
+        "Tensor(c!)[] masters, bool[] first_run, float lr, float momentum, float dampening, "
+        "float weight_decay, bool nesterov, bool wd_after_momentum, Tensor? inv_scale=None, "
+        "Tensor? found_inf=None) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(mpnb, CPU, m) { m.impl("fused_sgd_", &mpnb::cpu::opt::fused_sgd_cpu); }

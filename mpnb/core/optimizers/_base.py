@@ -1,0 +1,182 @@
+"""What every fused optimizer shares: gathering lists, master weights, the loss-scale seam.
+
+A subclass validates its hyper-parameters, names its fp32 state (``_state_keys``) and
+implements ``_update(group, bucket, inv_scale, found_inf)``, which calls one op of
+:mod:`mpnb.core.ops.optimizers`. Everything else lives here:
+
+* **Buckets.** A group's params are split by (device, param dtype, grad dtype); each bucket is
+  one kernel call (a kernel takes one dtype per list).
+* **Master weights.** With ``master_weights=True`` every fp16/bf16 param gets an fp32 copy in
+  ``state[p]["master_param"]`` (saved by ``state_dict``); the kernel updates it and writes the
+  rounded value into the param in the same pass.
+* **Loss scale.** ``_mpnb_set_scale(inv_scale, found_inf)`` (mpnb.amp) or the
+  ``grad_scale``/``found_inf`` attributes that ``torch.amp.GradScaler.step`` sets (because
+  ``_step_supports_amp_scaling`` is True) hand the scale to the step: grads are unscaled in
+  the kernel, and on inf/NaN nothing is written and ``found_inf`` is 1.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+
+import torch
+
+from mpnb.core.ops.multi_tensor import multi_tensor_check_finite
+
+__all__ = ["FusedOptimizerBase"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+@dataclass
+class Bucket:
+    """One kernel call's lists: params, grads, masters (maybe empty), fp32 state per key."""
+
+    params: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    masters: list = field(default_factory=list)
+    states: list = field(default_factory=list)  # the state dicts, one per param
+
+
+class FusedOptimizerBase(torch.optim.Optimizer):
+    """Base of mpnb's fused optimizers (a real ``torch.optim.Optimizer``)."""
+
+    _state_keys: tuple[str, ...] = ()
+    _has_step = True
+    _check_grads = True  # run the read-only finite pre-pass when a scale is handed over
+    _mpnb_accepts_scale = True
+    _step_supports_amp_scaling = True
+
+    def __init__(self, params, defaults: dict, *, master_weights: bool = False,
+                 set_grad_none: bool = True) -> None:
+        super().__init__(params, defaults)
+        self.master_weights = bool(master_weights)
+        self.set_grad_none = bool(set_grad_none)
+        self._pending_scale: tuple | None = None
+
+    # -- the loss-scale seam ---------------------------------------------------------------
+    def _mpnb_set_scale(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+        """Hand the next ``step()`` a loss scale to undo and a flag to set on overflow.
+
+        Args:
+            inv_scale: one-element fp32 tensor, ``1 / loss_scale``.
+            found_inf: one-element fp32 tensor; ``step()`` sets it to 1 when a grad holds
+                inf/NaN, and then writes nothing (params, masters, state, step counts).
+        """
+        for name, t in (("inv_scale", inv_scale), ("found_inf", found_inf)):
+            if not isinstance(t, torch.Tensor) or t.numel() != 1:
+                raise TypeError(f"_mpnb_set_scale: {name} must be a one-element tensor.")
+        self._pending_scale = (inv_scale, found_inf)
+
+    def _mpnb_use_master_weights(self) -> None:
+        """Switch on fp32 master weights (mpnb.amp O2 calls this instead of copying params)."""
+        self.master_weights = True
+
+    def _take_scale(self):
+        if self._pending_scale is not None:
+            inv, found = self._pending_scale
+            self._pending_scale = None
+            return inv.float(), found, self._check_grads
+        found = getattr(self, "found_inf", None)
+        scale = getattr(self, "grad_scale", None)
+        # torch.amp.GradScaler already ran its own finite check: no pre-pass here.
+        inv = None if scale is None else scale.double().reciprocal().float()
+        return inv, found, False
+
+    # -- gathering -------------------------------------------------------------------------
+    def _init_state(self, p: torch.Tensor, state: dict) -> None:
+        """Create the fp32 state of ``p`` (default: zeros for each of ``_state_keys``)."""
+        for k in self._state_keys:
+            state[k] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+
+    def _buckets(self, group: dict) -> list[Bucket]:
+        buckets: dict[tuple, Bucket] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; "
+                                   "use torch.optim.SparseAdam or dense grads.")
+            if not p.is_contiguous():
+                raise RuntimeError(f"{type(self).__name__}: a param of shape {tuple(p.shape)} is "
+                                   "not contiguous; make it contiguous before building the "
+                                   "optimizer (param.data = param.data.contiguous()).")
+            state = self.state[p]
+            if not state:
+                if self._has_step:
+                    state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+                self._init_state(p, state)
+            use_master = self.master_weights and p.dtype in _HALF
+            if use_master and "master_param" not in state:
+                state["master_param"] = p.detach().float().clone()
+            key = (p.device, p.dtype, p.grad.dtype, use_master)
+            b = buckets.setdefault(key, Bucket())
+            b.params.append(p)
+            b.grads.append(p.grad if p.grad.is_contiguous() else p.grad.contiguous())
+            if use_master:
+                b.masters.append(state["master_param"])
+            b.states.append(state)
+        return list(buckets.values())
+
+    @staticmethod
+    def state_list(bucket: Bucket, key: str) -> list[torch.Tensor]:
+        return [s[key] for s in bucket.states]
+
+    # -- the step --------------------------------------------------------------------------
+    def _prepare(self, work, inv_scale, found_inf) -> None:
+        """Hook before any update, with every bucket of every group known (LAMB: grad norm)."""
+
+    def _update(self, group: dict, bucket: Bucket, inv_scale, found_inf) -> None:
+        raise NotImplementedError
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Perform one optimization step; see the class docstring for the math.
+
+        Args:
+            closure: re-evaluates the model and returns the loss (optional).
+        """
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        inv_scale, found_inf, check = self._take_scale()
+        work = [(g, self._buckets(g)) for g in self.param_groups]
+        if found_inf is not None and check:
+            for _, buckets in work:
+                for b in buckets:
+                    multi_tensor_check_finite(found_inf, b.grads)
+        self._prepare(work, inv_scale, found_inf)
+        for group, buckets in work:
+            for b in buckets:
+                self._update(group, b, inv_scale, found_inf)
+        return loss
+
+    def zero_grad(self, set_to_none: bool | None = None) -> None:
+        """Clear grads; ``set_grad_none`` (Apex) picks ``None`` over zeros by default."""
+        super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
+
+    # -- checkpoints -----------------------------------------------------------------------
+    def load_state_dict(self, state_dict: dict) -> None:
+        """Load a checkpoint of this optimizer or of its PyTorch counterpart.
+
+        ``torch.optim.Optimizer.load_state_dict`` casts floating state to each param's dtype;
+        the fused optimizers keep their state (and master weights) in fp32, so the saved
+        fp32 tensors are put back, and group keys the checkpoint lacks get our defaults.
+        """
+        saved = state_dict["state"]
+        ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
+        super().load_state_dict(state_dict)
+        params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
+        for pid, p in zip(ids, params):
+            for k, v in saved.get(pid, {}).items():
+                if not isinstance(v, torch.Tensor):
+                    if k == "step":
+                        self.state[p][k] = torch.tensor(float(v), dtype=torch.float32)
+                    continue
+                dtype = torch.float32 if v.is_floating_point() else v.dtype
+                self.state[p][k] = v.to(device=p.device, dtype=dtype, copy=True).contiguous()
+        for group in self.param_groups:
+            for k, v in self.defaults.items():
+                group.setdefault(k, v)

@@ -1,0 +1,80 @@
+"""FusedAdam: Apex's fused Adam/AdamW, as a C++ multi-tensor kernel on the CPU."""
+
+from __future__ import annotations
+
+
+from mpnb.core.ops.optimizers import fused_adam_
+from mpnb.core.optimizers._base import FusedOptimizerBase
+
+__all__ = ["FusedAdam"]
+
+
+class FusedAdam(FusedOptimizerBase):
+    r"""Adam (``adam_w_mode=False``: L2 decay) or AdamW (default: decoupled decay), fused.
+
+    .. math::
+        m_t &= \beta_1 m_{t-1} + (1-\beta_1) g_t, \qquad
+        v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2 \\
+        \theta_t &= \theta_{t-1}(1 - \eta\lambda)
+            - \frac{\eta}{1-\beta_1^t}\,\frac{m_t}{\sqrt{v_t}/\sqrt{1-\beta_2^t} + \epsilon}
+
+    (without ``adam_w_mode``, :math:`g_t \leftarrow g_t + \lambda\theta_{t-1}` instead of the
+    decay factor; without ``bias_correction`` both corrections are 1). The arithmetic is
+    that of ``torch.optim.AdamW(fused=True)``; state (``step``, ``exp_avg``, ``exp_avg_sq``) has
+    its names and format, so checkpoints load into either optimizer.
+
+    Args:
+        params: iterable of parameters or dicts defining parameter groups.
+        lr, betas, eps, weight_decay: as in ``torch.optim.AdamW``.
+        bias_correction: apply Adam's bias correction (default True).
+        adam_w_mode: decoupled weight decay (AdamW, default) or L2 decay (Adam).
+        amsgrad: not supported (raises, as Apex does).
+        set_grad_none: ``zero_grad()`` sets grads to None (default True).
+        capturable: accepted for Apex compatibility; the step count always lives in a tensor.
+        master_weights: keep fp32 master copies of fp16/bf16 params; each step reads the half
+            grad, updates the master and writes the half param in one pass.
+
+    Example::
+
+        >>> model = torch.nn.Linear(4, 4)
+        >>> opt = FusedAdam(model.parameters(), lr=1e-3, weight_decay=0.01)
+        >>> model(torch.randn(2, 4)).sum().backward()
+        >>> opt.step()
+    """
+
+    _state_keys = ("exp_avg", "exp_avg_sq")
+
+    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
+                 adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
+                 set_grad_none: bool = True, capturable: bool = False,
+                 master_weights: bool = False) -> None:
+        if amsgrad:
+            raise RuntimeError("FusedAdam does not support the AMSGrad variant; use "
+                               "torch.optim.AdamW(amsgrad=True) instead.")
+        if lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
+        if eps < 0.0:
+            raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0).")
+        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
+            raise ValueError(f"Invalid betas: {betas} (each must be in [0, 1)).")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0).")
+        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
+                        weight_decay=weight_decay)
+        super().__init__(params, defaults, master_weights=master_weights,
+                         set_grad_none=set_grad_none)
+        self.adam_w_mode = bool(adam_w_mode)
+        self.capturable = bool(capturable)
+
+    def _update(self, group, bucket, inv_scale, found_inf) -> None:
+        beta1, beta2 = group["betas"]
+        fused_adam_(
+            bucket.params, bucket.grads, self.state_list(bucket, "exp_avg"),
+            self.state_list(bucket, "exp_avg_sq"), bucket.masters,
+            self.state_list(bucket, "step"), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
+            eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=self.adam_w_mode,
+            bias_correction=group.get("bias_correction", True), inv_scale=inv_scale,
+            found_inf=found_inf,
+        )
+

@@ -1,0 +1,87 @@
+"""FusedSGD: Apex's fused SGD with momentum, as a C++ multi-tensor kernel on the CPU."""
+
+from __future__ import annotations
+
+import torch
+from torch.optim.optimizer import required
+
+from mpnb.core.ops.optimizers import fused_sgd_
+from mpnb.core.optimizers._base import FusedOptimizerBase
+
+__all__ = ["FusedSGD"]
+
+
+class FusedSGD(FusedOptimizerBase):
+    r"""SGD with momentum, Nesterov and weight decay (Apex's FusedSGD), fused.
+
+    .. math::
+        g_t &= \nabla_\theta + \lambda\theta_{t-1}, \qquad
+        b_t = \mu b_{t-1} + (1-\tau) g_t \;\; (b_1 = g_1) \\
+        g_t &\leftarrow g_t + \mu b_t \text{ (nesterov) or } b_t, \qquad
+        \theta_t = \theta_{t-1} - \eta g_t
+
+    With ``wd_after_momentum`` the :math:`\lambda\theta` term is added after the momentum
+    instead (Apex). The arithmetic and the state (``momentum_buffer``) are those of
+    ``torch.optim.SGD``, so checkpoints load into either optimizer.
+
+    Args:
+        lr, momentum, dampening (:math:`\tau`), weight_decay, nesterov: as in torch.optim.SGD.
+        wd_after_momentum: add the decay after the momentum (Apex).
+        materialize_master_grads: with master weights, first write the unscaled fp32 grad into
+            ``master.grad`` (Apex's default, two passes); False reads the half grad directly
+            in the update pass (the one-pass step).
+        set_grad_none: ``zero_grad()`` sets grads to None (default False, as in Apex).
+        master_weights: keep fp32 master copies of fp16/bf16 params (mpnb extension).
+
+    Example::
+
+        >>> opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
+    """
+
+    def __init__(self, params, lr: float = required, momentum: float = 0.0,
+                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
+                 wd_after_momentum: bool = False, materialize_master_grads: bool = True,
+                 set_grad_none: bool = False, master_weights: bool = False) -> None:
+        if lr is not required and lr < 0.0:
+            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
+        if momentum < 0.0:
+            raise ValueError(f"Invalid momentum value: {momentum} (must be >= 0).")
+        if weight_decay < 0.0:
+            raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0).")
+        if nesterov and (momentum <= 0 or dampening != 0):
+            raise ValueError("Nesterov momentum requires a momentum and zero dampening; pass "
+                             "momentum > 0 and dampening=0, or nesterov=False.")
+        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
+                        weight_decay=weight_decay, nesterov=nesterov)
+        super().__init__(params, defaults, master_weights=master_weights,
+                         set_grad_none=set_grad_none)
+        self.wd_after_momentum = bool(wd_after_momentum)
+        self.materialize_master_grads = bool(materialize_master_grads)
+
+    def _update(self, group, bucket, inv_scale, found_inf) -> None:
+        momentum = group["momentum"]
+        bufs, first, new = [], [], []
+        if momentum != 0:
+            for p, s in zip(bucket.params, bucket.states):
+                if "momentum_buffer" not in s or s["momentum_buffer"] is None:
+                    new.append((s, torch.empty_like(p, dtype=torch.float32)))
+                    bufs.append(new[-1][1])
+                    first.append(True)
+                else:
+                    bufs.append(s["momentum_buffer"])
+                    first.append(False)
+        grads = bucket.grads
+        if bucket.masters and self.materialize_master_grads:
+            for m, g in zip(bucket.masters, bucket.grads):  # Apex's master grads, unscaled
+                m.grad = g.float() if inv_scale is None else g.float() * inv_scale
+            grads, inv_scale = [m.grad for m in bucket.masters], None
+        fused_sgd_(bucket.params, grads, bufs, bucket.masters, first, lr=float(group["lr"]),
+                   momentum=momentum, dampening=group["dampening"],
+                   weight_decay=group["weight_decay"], nesterov=group["nesterov"],
+                   wd_after_momentum=self.wd_after_momentum, inv_scale=inv_scale,
+                   found_inf=found_inf)
+        # A buffer joins the state only once a step has really written it (one host read of
+        # found_inf, on the first step only), so a skipped first step stays a first step.
+        if new and (found_inf is None or found_inf.item() == 0):
+            for s, buf in new:
+                s["momentum_buffer"] = buf
