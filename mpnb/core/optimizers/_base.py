@@ -88,7 +88,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         """Create the fp32 state of ``p`` (default: zeros for each of ``_state_keys``)."""
         for k in self._state_keys:
-            state[k] = torch.zeros_like(p, dtype=torch.float32, memory_format=torch.contiguous_format)
+            state[k] = torch.zeros_like(p, dtype=torch.float32,
+                                        memory_format=torch.contiguous_format)
 
     def _buckets(self, group: dict) -> list[Bucket]:
         buckets: dict[tuple, Bucket] = {}
@@ -169,7 +170,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         super().load_state_dict(state_dict)
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
-        for pid, p in zip(ids, params):
+        for pid, p in zip(ids, params, strict=False):
             for k, v in saved.get(pid, {}).items():
                 if not isinstance(v, torch.Tensor):
                     if k == "step":

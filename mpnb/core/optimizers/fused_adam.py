@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-
 from mpnb.core.ops.optimizers import fused_adam_
 from mpnb.core.optimizers._base import FusedOptimizerBase
 

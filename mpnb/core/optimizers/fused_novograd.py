@@ -46,7 +46,9 @@ class FusedNovoGrad(FusedOptimizerBase):
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
         if norm_type not in (0, 2):
-            raise ValueError(f"FusedNovoGrad: norm_type must be 0 (max) or 2 (L2), got {norm_type}.")
+            raise ValueError(
+                f"FusedNovoGrad: norm_type must be 0 (max) or 2 (L2), got {norm_type}."
+            )
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
         defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,

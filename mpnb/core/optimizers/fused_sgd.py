@@ -62,7 +62,7 @@ class FusedSGD(FusedOptimizerBase):
         momentum = group["momentum"]
         bufs, first, new = [], [], []
         if momentum != 0:
-            for p, s in zip(bucket.params, bucket.states):
+            for p, s in zip(bucket.params, bucket.states, strict=True):
                 if "momentum_buffer" not in s or s["momentum_buffer"] is None:
                     new.append((s, torch.empty_like(p, dtype=torch.float32)))
                     bufs.append(new[-1][1])
@@ -72,7 +72,7 @@ class FusedSGD(FusedOptimizerBase):
                     first.append(False)
         grads = bucket.grads
         if bucket.masters and self.materialize_master_grads:
-            for m, g in zip(bucket.masters, bucket.grads):  # Apex's master grads, unscaled
+            for m, g in zip(bucket.masters, bucket.grads, strict=True):  # Apex's master grads, unscaled
                 m.grad = g.float() if inv_scale is None else g.float() * inv_scale
             grads, inv_scale = [m.grad for m in bucket.masters], None
         fused_sgd_(bucket.params, grads, bufs, bucket.masters, first, lr=float(group["lr"]),

@@ -105,5 +105,5 @@ class LARC:
         try:
             return self.optim.step(closure) if closure is not None else self.optim.step()
         finally:
-            for group, wd in zip(self.optim.param_groups, weight_decays):
+            for group, wd in zip(self.optim.param_groups, weight_decays, strict=True):
                 group["weight_decay"] = wd

@@ -1,0 +1,258 @@
+"""Fused optimizer classes: parity with torch.optim over 100 steps, checkpoints, groups, the
+loss-scale seam, LARC."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mpnb.optimizers import (
+    FusedAdagrad,
+    FusedAdam,
+    FusedLAMB,
+    FusedMixedPrecisionLamb,
+    FusedNovoGrad,
+    FusedSGD,
+)
+from mpnb.parallel import LARC
+
+
+def _model(seed=0, dtype=torch.float32):
+    torch.manual_seed(seed)
+    m = torch.nn.Sequential(torch.nn.Linear(13, 32), torch.nn.Tanh(), torch.nn.Linear(32, 5))
+    return m.to(dtype)
+
+
+def _train(model, opt, steps=100, seed=1, scale=None):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 13, generator=g).to(next(model.parameters()).dtype)
+        opt.zero_grad()
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+
+
+def _close(a, b, rtol=1e-6):
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        rel = ((p.float() - q.float()).norm() / q.float().norm()).item()
+        assert rel <= rtol, rel
+
+
+PAIRS = [
+    (lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1),
+     lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True)),
+    (lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1, adam_w_mode=False),
+     lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, foreach=False)),
+    (lambda p: FusedAdam(p, lr=1e-2, bias_correction=True, betas=(0.8, 0.99)),
+     lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.0)),
+    (lambda p: FusedSGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3)),
+    (lambda p: FusedSGD(p, lr=0.05, momentum=0.9, nesterov=True),
+     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, fused=True)),
+    (lambda p: FusedSGD(p, lr=0.05), lambda p: torch.optim.SGD(p, lr=0.05)),
+    (lambda p: FusedAdagrad(p, lr=1e-2, weight_decay=1e-2),
+     lambda p: torch.optim.Adagrad(p, lr=1e-2, weight_decay=1e-2, eps=1e-10)),
+]
+
+
+@pytest.mark.parametrize("pair", range(len(PAIRS)))
+def test_parity_with_torch_100_steps(kernels, pair):
+    ours, theirs = PAIRS[pair]
+    a, b = _model(), _model()
+    _train(a, ours(a.parameters()))
+    _train(b, theirs(b.parameters()))
+    _close(a, b)
+
+
+def test_checkpoints_interchange_with_torch(kernels):
+    a, b = _model(), _model()
+    ta = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1)
+    _train(a, ta, steps=5)
+    b.load_state_dict(a.state_dict())
+    fb = FusedAdam(b.parameters(), lr=1e-2, weight_decay=0.1)
+    fb.load_state_dict(copy.deepcopy(ta.state_dict()))
+    _train(a, ta, steps=20, seed=2)
+    _train(b, fb, steps=20, seed=2)
+    _close(a, b)
+    ta2 = torch.optim.AdamW(_model().parameters(), lr=1e-2)
+    ta2.load_state_dict(fb.state_dict())  # and back
+    assert ta2.state_dict()["state"][0]["step"].item() == 25
+
+
+@pytest.mark.parametrize("make", [
+    lambda p: FusedAdam(p, lr=1e-2, master_weights=True),
+    lambda p: FusedSGD(p, lr=0.05, momentum=0.9, master_weights=True),
+    lambda p: FusedAdagrad(p, lr=1e-2),
+    lambda p: FusedLAMB(p, lr=1e-2),
+    lambda p: FusedNovoGrad(p, lr=1e-2, weight_decay=1e-3),
+    lambda p: FusedMixedPrecisionLamb(p, lr=1e-2),
+])
+def test_state_dict_resume_is_bitwise(kernels, make):
+    a = _model(dtype=torch.bfloat16)
+    oa = make(a.parameters())
+    _train(a, oa, steps=3)
+    saved_model, saved_opt = copy.deepcopy(a.state_dict()), copy.deepcopy(oa.state_dict())
+    _train(a, oa, steps=4, seed=5)
+    b = _model(seed=9, dtype=torch.bfloat16)
+    b.load_state_dict(saved_model)
+    ob = make(b.parameters())
+    ob.load_state_dict(saved_opt)
+    _train(b, ob, steps=4, seed=5)
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)
+    for sa, sb in zip(oa.state.values(), ob.state.values(), strict=True):
+        for k in sa:
+            assert torch.equal(sa[k], sb[k]), k
+            assert sa[k].dtype == sb[k].dtype
+
+
+def test_groups_empty_groups_and_params_without_grads(kernels):
+    m = _model()
+    w0, b0 = m[0].weight, m[0].bias
+    opt = FusedAdam([{"params": [w0], "lr": 0.0}], lr=1e-2)
+    opt.add_param_group({"params": [m[2].weight, m[2].bias], "lr": 1e-1, "weight_decay": 0.5})
+    opt.add_param_group({"params": []})
+    before = {k: v.clone() for k, v in m.state_dict().items()}
+    m(torch.randn(4, 13)).sum().backward()
+    m[2].bias.grad = None  # no grad: skipped
+    opt.step()
+    assert torch.equal(w0, before["0.weight"])  # lr 0 (per-group lr)
+    assert torch.equal(b0, before["0.bias"])  # not in the optimizer
+    assert torch.equal(m[2].bias, before["2.bias"]) and m[2].bias not in opt.state
+    assert not torch.equal(m[2].weight, before["2.weight"])
+    assert opt.state[m[2].weight]["step"].item() == 1
+
+
+def test_lr_scheduler_drives_the_kernel(kernels):
+    m = _model()
+    opt = FusedAdam(m.parameters(), lr=1.0)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 0.0)
+    sched.step()
+    before = copy.deepcopy(m.state_dict())
+    m(torch.randn(4, 13)).sum().backward()
+    opt.step()
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
+def test_amsgrad_and_bad_args_raise():
+    p = [torch.nn.Parameter(torch.zeros(2))]
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        FusedAdam(p, amsgrad=True)
+    with pytest.raises(ValueError, match="Nesterov"):
+        FusedSGD(p, lr=0.1, nesterov=True)
+    with pytest.raises(ValueError, match="norm_type"):
+        FusedNovoGrad(p, norm_type=1)
+
+
+@pytest.mark.parametrize("cls", [FusedAdam, FusedSGD, FusedAdagrad, FusedLAMB, FusedNovoGrad])
+def test_scale_seam_overflow_skips_and_flags(kernels, cls):
+    m = _model(dtype=torch.bfloat16)
+    kw = {"lr": 0.1, "momentum": 0.9} if cls is FusedSGD else {"lr": 0.1}
+    opt = cls(m.parameters(), master_weights=True, **kw)
+    assert opt._mpnb_accepts_scale
+    _train(m, opt, steps=2)
+    snap = copy.deepcopy((m.state_dict(), opt.state_dict()))
+    (m(torch.randn(4, 13, dtype=torch.bfloat16)).float().sum() * 256).backward()
+    m[2].bias.grad[0] = float("nan")
+    found = torch.zeros(1)
+    opt._mpnb_set_scale(torch.tensor([1 / 256]), found)
+    opt.step()
+    assert found.item() == 1
+    assert all(torch.equal(v, snap[0][k]) for k, v in m.state_dict().items())
+    for pid, s in opt.state_dict()["state"].items():
+        for k, v in s.items():
+            assert torch.equal(v, snap[1]["state"][pid][k]), k
+
+
+def test_scale_seam_unscales_like_plain_grads(kernels):
+    a, b = _model(dtype=torch.bfloat16), _model(dtype=torch.bfloat16)
+    oa, ob = (FusedAdam(x.parameters(), lr=1e-2, master_weights=True) for x in (a, b))
+    x = torch.randn(4, 13, dtype=torch.bfloat16)
+    a(x).float().sum().backward()
+    (b(x).float().sum() * 1024).backward()
+    oa.step()
+    found = torch.zeros(1)
+    ob._mpnb_set_scale(torch.tensor([1 / 1024]), found)
+    ob.step()
+    assert found.item() == 0
+    for p, q in zip(a.parameters(), b.parameters(), strict=True):
+        assert torch.equal(p, q)  # scaling by a power of two is exact
+
+
+def test_torch_grad_scaler_drives_fused_step(kernels):
+    m = _model()
+    opt = FusedAdam(m.parameters(), lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
+    scaler.scale(m(torch.randn(4, 13)).sum()).backward()
+    m[0].weight.grad[0, 0] = float("inf")
+    before = copy.deepcopy(m.state_dict())
+    scaler.step(opt)
+    scaler.update()
+    assert scaler.get_scale() == 2.0**9
+    assert all(torch.equal(v, before[k]) for k, v in m.state_dict().items())
+
+
+def _lamb_reference_step(params, state, lr, b1, b2, eps, wd, max_norm):
+    """LAMB from the paper, plain PyTorch, fp64 norms."""
+    gnorm = torch.stack([p.grad.double().norm() for p in params]).norm()
+    clip = max(gnorm.item() / max_norm, 1.0)
+    for p in params:
+        s = state.setdefault(p, {"m": torch.zeros_like(p), "v": torch.zeros_like(p), "t": 0})
+        s["t"] += 1
+        g = p.grad / clip
+        s["m"] = b1 * s["m"] + (1 - b1) * g
+        s["v"] = b2 * s["v"] + (1 - b2) * g * g
+        u = (s["m"] / (1 - b1 ** s["t"])) / ((s["v"] / (1 - b2 ** s["t"])).sqrt() + eps)
+        u = u + wd * p
+        pn, un = p.double().norm(), u.double().norm()
+        r = (pn / un).item() if pn > 0 and un > 0 else 1.0
+        p.sub_(lr * r * u)
+
+
+def test_lamb_matches_paper_reference_100_steps(kernels):
+    a, b = _model(), _model()
+    _train(a, FusedLAMB(a.parameters(), lr=1e-2, weight_decay=0.01, max_grad_norm=0.5))
+    state = {}
+
+    class Ref:
+        def zero_grad(self):
+            b.zero_grad()
+
+        @torch.no_grad()
+        def step(self):
+            _lamb_reference_step(list(b.parameters()), state, 1e-2, 0.9, 0.999, 1e-6, 0.01, 0.5)
+
+    _train(b, Ref())
+    _close(a, b, rtol=1e-5)
+
+
+def test_larc_matches_apex_loop(kernels):
+    a, b = _model(), _model()
+    oa = LARC(torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3))
+    ob = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+    class ApexLARC:  # Apex's LARC.step, verbatim in structure
+        def zero_grad(self):
+            ob.zero_grad()
+
+        @torch.no_grad()
+        def step(self):
+            group = ob.param_groups[0]
+            wd, group["weight_decay"] = group["weight_decay"], 0
+            for p in group["params"]:
+                pn, gn = torch.norm(p), torch.norm(p.grad)
+                if pn != 0 and gn != 0:
+                    lr = 0.02 * pn / (gn + pn * wd + 1e-8)
+                    lr = min(lr / group["lr"], 1)
+                    p.grad += wd * p
+                    p.grad *= lr
+            ob.step()
+            group["weight_decay"] = wd
+
+    _train(a, oa, steps=30)
+    _train(b, ApexLARC(), steps=30)
+    _close(a, b, rtol=1e-5)
+    assert oa.param_groups[0]["weight_decay"] == 1e-3
