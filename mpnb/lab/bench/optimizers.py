@@ -1,0 +1,165 @@
+"""Fused optimizers: the one-pass O2 step (bf16 grads, fp32 masters) and fp32 steps vs PyTorch.
+
+Two workloads: (a) a small GPT's ~20M parameters in 76 tensors, (d) 100 Linear(64, 64) layers
+(200 tensors). The O2 baseline is PyTorch's path with the same copies: ``_foreach_copy_`` of
+the bf16 grads into fp32 master grads, ``_amp_foreach_non_finite_check_and_unscale_``, the
+optimizer (``fused=True`` where PyTorch has one) on the masters, ``_foreach_copy_`` back into
+the bf16 params. Ours is one ``step()`` after ``_mpnb_set_scale`` (finite pre-pass included).
+LAMB and NovoGrad have no PyTorch optimizer: their baseline runs mpnb's plain-PyTorch
+references. Learning rates are tiny so that repeated steps do the same work.
+
+``bytes`` is the least traffic of one update (bf16 O2 AdamW: 28 B/param), the same for both
+sides; ours also reads the grads once more in the overflow pre-pass (2 B/param).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from mpnb.core.ops.optimizers_lamb import reference_fused_lamb_, reference_fused_novograd_
+from mpnb.core.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
+from mpnb.lab.bench._harness import RMW, Candidate, Case, Options
+from mpnb.lab.bench.multi_tensor import gpt_numels
+
+__all__ = ["cases", "WORKLOADS"]
+
+_A, _D = "(a) GPT 20M/76", "(d) 100xLinear(64,64)"
+WORKLOADS = {_A: lambda: gpt_numels(), _D: lambda: [64 * 64, 64] * 100}
+_LR = 1e-9
+
+
+def _params(numels, dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in numels:
+        p = torch.nn.Parameter(torch.randn(n, generator=g).to(dtype))
+        p.grad = (torch.randn(n, generator=g) * 1024).to(dtype)
+        out.append(p)
+    return out
+
+
+class _TorchO2:
+    """PyTorch's O2 step: copy + unscale grads, ``opt`` on fp32 masters, copy back."""
+
+    def __init__(self, model, make_opt, scaler: bool = False):
+        self.model = model
+        self.masters = [torch.nn.Parameter(p.detach().float()) for p in model]
+        for m in self.masters:
+            m.grad = torch.empty_like(m)
+        self.opt = make_opt(self.masters)
+        self.found = torch.zeros(1)
+        self.inv = torch.full((1,), 1 / 1024)
+        self.scaler = torch.amp.GradScaler("cpu", init_scale=1024.0) if scaler else None
+        if self.scaler is not None:
+            self.scaler.scale(torch.ones(()))  # initialize its state
+
+    def __call__(self):
+        grads = [m.grad for m in self.masters]
+        torch._foreach_copy_(grads, [p.grad for p in self.model])
+        if self.scaler is not None:
+            self.scaler.step(self.opt)
+            self.scaler.update()
+        else:
+            torch._amp_foreach_non_finite_check_and_unscale_(grads, self.found, self.inv)
+            self.opt.step()
+        torch._foreach_copy_([p.detach() for p in self.model], self.masters)
+
+
+class _OursO2:
+    def __init__(self, model, make_opt):
+        self.opt = make_opt(model)
+        self.found, self.inv = torch.zeros(1), torch.full((1,), 1 / 1024)
+
+    def __call__(self):
+        self.opt._mpnb_set_scale(self.inv, self.found)
+        self.opt.step()
+
+
+class _RefOpt:
+    """A torch-ops LAMB/NovoGrad (mpnb's references) behind the optimizer interface."""
+
+    def __init__(self, params, kind):
+        self.params, self.kind = params, kind
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+        self.vn = [torch.zeros(()) for _ in params]
+        self.steps = [torch.zeros(()) for _ in params]
+
+    @torch.no_grad()
+    def step(self):
+        ps, gs = self.params, [p.grad for p in self.params]
+        if self.kind == "lamb":
+            norm = torch.stack([g.norm() for g in gs]).norm().reshape(1)
+            reference_fused_lamb_(ps, gs, self.m, self.v, [], self.steps, norm, _LR, 0.9, 0.999,
+                                  1e-6, 0.01, True, True, True, 1.0, False)
+        else:
+            norms = torch.stack([g.norm() for g in gs])
+            reference_fused_novograd_(ps, gs, self.m, self.vn, [], self.steps, norms, _LR, 0.9,
+                                      0.999, 1e-8, 0.0, True, True, False, 2, False)
+
+
+_O2 = {  # name -> (torch optimizer on masters, ours with master weights, bytes/param, targets)
+    "AdamW": (lambda p: torch.optim.AdamW(p, lr=_LR, weight_decay=0.01, fused=True),
+              lambda p: FusedAdam(p, lr=_LR, weight_decay=0.01, master_weights=True), 28),
+    "SGD momentum": (lambda p: torch.optim.SGD(p, lr=_LR, momentum=0.9, fused=True),
+                     lambda p: FusedSGD(p, lr=_LR, momentum=0.9, master_weights=True,
+                                        materialize_master_grads=False), 20),
+    "Adagrad": (lambda p: torch.optim.Adagrad(p, lr=_LR, fused=True),
+                lambda p: FusedAdagrad(p, lr=_LR, master_weights=True), 20),
+    "LAMB": (lambda p: _RefOpt(p, "lamb"),
+             lambda p: FusedLAMB(p, lr=_LR, master_weights=True), 28),
+    "NovoGrad": (lambda p: _RefOpt(p, "novograd"),
+                 lambda p: FusedNovoGrad(p, lr=_LR, master_weights=True), 20),
+}
+_TARGETS = {("AdamW", _A): 1.6, ("AdamW", _D): 5.0}
+
+
+def _o2_case(name, work, numels, quick) -> Case:
+    make_torch, make_ours, bpp = _O2[name]
+    n = sum(numels)
+    a, b = _params(numels, torch.bfloat16), _params(numels, torch.bfloat16)
+    target = _TARGETS.get((name, work), 1.5)
+    cands = [Candidate(f"torch O2 {name} (copy, unscale, step, copy)", _TorchO2(a, make_torch),
+                       bpp * n, RMW),
+             Candidate(f"mpnb one-pass O2 {name}", _OursO2(b, make_ours), bpp * n, RMW,
+                       target, 0.85 if work == _A else None)]
+    return Case(f"O2 {name} step", work, cands, bandwidth_numel=n)
+
+
+def _adam_cases(work, numels, quick) -> Iterator[Case]:
+    n = sum(numels)
+    a, b, c = (_params(numels, torch.float32) for _ in range(3))
+    ta = torch.optim.AdamW(a, lr=_LR, weight_decay=0.01, fused=True)
+    ours = FusedAdam(b, lr=_LR, weight_decay=0.01)
+    yield Case("fp32 AdamW step", work, [
+        Candidate("torch AdamW(fused=True)", ta.step, 28 * n, RMW),
+        Candidate("mpnb FusedAdam", ours.step, 28 * n, RMW, 0.95, 0.85 if work == _A else None),
+    ], bandwidth_numel=n)
+    tf = torch.optim.AdamW(c, lr=_LR, weight_decay=0.01, foreach=True)
+    yield Case("fp32 AdamW step vs foreach", work, [
+        Candidate("torch AdamW(foreach=True)", tf.step, 28 * n, RMW),
+        Candidate("mpnb FusedAdam", ours.step, 28 * n, RMW, 1.0),
+    ], bandwidth_numel=n)
+    d = _params(numels, torch.bfloat16)
+    yield Case("O2 AdamW vs fp32 fused AdamW alone", work, [
+        Candidate("torch AdamW(fused=True) fp32", ta.step, 28 * n, RMW),
+        Candidate("mpnb one-pass O2 AdamW", _OursO2(d, _O2["AdamW"][1]), 28 * n, RMW,
+                  1 / 1.15),
+    ], bandwidth_numel=n)
+    e, f = _params(numels, torch.bfloat16), _params(numels, torch.bfloat16)
+    yield Case("O2 AdamW step, torch GradScaler", work, [
+        Candidate("torch copy + GradScaler.step(AdamW fused) + update + copy",
+                  _TorchO2(e, _O2["AdamW"][0], scaler=True), 28 * n, RMW),
+        Candidate("mpnb one-pass O2 AdamW", _OursO2(f, _O2["AdamW"][1]), 28 * n, RMW, 1.8),
+    ], bandwidth_numel=n)
+
+
+def cases(opts: Options) -> Iterator[Case]:
+    """Yield the cases workload by workload (one workload's tensors alive at a time)."""
+    for work, make in WORKLOADS.items():
+        numels = [max(1, round(k * opts.scale)) for k in make()]
+        yield from _adam_cases(work, numels, opts.quick)
+        for name in _O2:
+            yield _o2_case(name, work, numels, opts.quick)
