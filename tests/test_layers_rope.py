@@ -94,7 +94,7 @@ def test_thd_matches_per_sequence(kernels, dtype):
     for n in lens:
         seq = t[start : start + n, None]  # [n, 1, h, d]
         exp, eg = fwd_bwd(
-            lambda s: textbook(s, f[:n]), seq.double(), dy[start : start + n, None].double()
+            lambda s, n=n: textbook(s, f[:n]), seq.double(), dy[start : start + n, None].double()
         )
         torch.testing.assert_close(y[start : start + n].double(), exp[:, 0], **TOL[dtype])
         torch.testing.assert_close(g[start : start + n].double(), eg[:, 0], **TOL[dtype])

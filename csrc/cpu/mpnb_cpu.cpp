@@ -13,6 +13,7 @@
 #include "cpu/norm.h"
 #include "cpu/softmax.h"
 #include "cpu/rope.h"
+#include "cpu/dense.h"
 
 // The namespace is owned here; each family adds its schemas through a fragment.
 TORCH_LIBRARY(mpnb, m) {
