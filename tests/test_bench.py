@@ -119,7 +119,7 @@ def test_run_case_rows_and_roles():
     assert other.bw_ref.startswith("bw: a += s*b") and reader.bw_ref.startswith("bw: x.sum()")
     assert all(len(r.times_s) == 2 and r.median_s > 0 and r.gbps > 0 for r in rows)
     table = format_rows(rows)
-    for col in ("case", "candidate", "median", "spread", "vs PyTorch", "GB/s", "% bw"):
+    for col in ("case", "candidate", "median", "spread", "vs PyTorch", "GB/s", "% bw", "preempt"):
         assert col in table.splitlines()[0]
 
 
@@ -150,7 +150,8 @@ def test_multi_tensor_quick_smoke(tmp_path, capsys):
     assert set(header["allocator"]) == set(ALLOCATOR_ENV)
     cases = {(r["case"], r["workload"]) for r in rows}
     assert len({w for _, w in cases}) == 3 and len(cases) >= 15
-    for col in ("candidate", "role", "median_s", "iqr_s", "ratio", "target", "gbps", "bw_frac"):
+    cols = ("candidate", "role", "median_s", "iqr_s", "ratio", "target", "gbps", "bw_frac")
+    for col in (*cols, "status", "preempt_per_call", "times_s"):
         assert all(col in r for r in rows)
     ours = [r for r in rows if r["candidate"].startswith("mpnb ")]
     assert ours and all(r["ratio"] > 0 and r["bw_frac"] > 0 for r in ours)

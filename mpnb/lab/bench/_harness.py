@@ -22,14 +22,13 @@ hidden warm-up calls to every measurement and defaults to one thread.
 
 from __future__ import annotations
 
-import timeit
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 
 import torch
-from torch.utils import benchmark
 
 from mpnb.lab.bench._stats import iqr, median, per_round_ratios, quantile, ratio_summary
+from mpnb.lab.bench._timing import time_rounds
 
 __all__ = [
     "RMW",
@@ -144,7 +143,9 @@ class Row:
     ``role`` is ``"baseline"``, ``"candidate"`` or ``"bandwidth"``. Times are seconds per
     call; ``ratio`` is the median of per-round ``baseline / this`` (above 1: faster than
     PyTorch) and ``ratio_iqr`` its spread; ``bw_frac`` is the median per-round fraction of
-    the ``bw_ref`` bandwidth; ``status`` is ``"PASS"``/``"MISS"`` against the targets, or ``""``.
+    the ``bw_ref`` bandwidth; ``status`` is ``"PASS"``/``"MISS"`` against the targets, or ``""``;
+    ``preempt_per_call`` counts the OS's involuntary context switches of the process per call
+    (well above 0: the machine is contended and a parallel region waited for a preempted thread).
     """
 
     suite: str
@@ -165,6 +166,7 @@ class Row:
     bw_frac: float | None = None
     bw_target: float | None = None
     status: str = ""
+    preempt_per_call: float = 0.0
     times_s: tuple[float, ...] = ()
 
     def to_dict(self) -> dict:
@@ -192,24 +194,6 @@ def _bandwidth_candidates(case: Case) -> dict[str, Candidate]:
     return out
 
 
-def _calls_per_round(fn: Callable[[], object], warmup: int, round_time: float) -> int:
-    timer = timeit.Timer(fn, timer=benchmark.timer)
-    per_call = timer.timeit(max(warmup, 1)) / max(warmup, 1)
-    return max(1, min(100_000, round(round_time / max(per_call, 1e-9))))
-
-
-def _time_rounds(cands: Sequence[Candidate], opts: Options) -> tuple[list[list[float]], list[int]]:
-    numbers = [_calls_per_round(c.fn, opts.warmup, opts.round_time) for c in cands]
-    timers = [timeit.Timer(c.fn, timer=benchmark.timer) for c in cands]
-    times: list[list[float]] = [[] for _ in cands]
-    for r in range(opts.rounds):
-        # Rotate who goes first each round so no candidate always follows the same one.
-        for k in range(len(cands)):
-            i = (k + r) % len(cands)
-            times[i].append(timers[i].timeit(numbers[i]) / numbers[i])
-    return times, numbers
-
-
 def _status(row: Row) -> str:
     checks = []
     if row.target is not None and row.ratio is not None:
@@ -228,7 +212,7 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
         raise ValueError(f"case {case.label!r} has no candidates.")
     bw = _bandwidth_candidates(case)
     cands = [*case.candidates, *bw.values()]
-    times, numbers = _time_rounds(cands, opts)
+    times, numbers, preempted = time_rounds(cands, opts)
     base_t = times[0]
     bw_t = {kind: times[len(case.candidates) + j] for j, kind in enumerate(bw)}
     rows = []
@@ -246,6 +230,7 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
             opts.rounds,
             numbers[i],
             bytes=c.bytes,
+            preempt_per_call=preempted[i],
             times_s=tuple(t),
         )
         if role == "candidate":

@@ -122,19 +122,23 @@ _COLUMNS = (  # title, width, cell
     ("vs PyTorch", 16, _fmt_ratio),
     ("GB/s", 6, lambda r: f"{r.gbps:.1f}" if r.gbps is not None else ""),
     ("% bw", 11, _fmt_bw),
-    ("", 4, lambda r: r.status),
+    ("status", 6, lambda r: r.status),
+    ("preempt", 7, lambda r: f"{r.preempt_per_call:.2g}"),
 )
 
 
 def format_rows(rows: Sequence[Row], title: bool = True) -> str:
     """The rows as a fixed-width table (``spread`` is the IQR as a % of the median).
 
+    ``preempt`` is the OS's involuntary context switches of the process per call: near 0 on a
+    quiet machine; above ~0.5 the timings include waits for a preempted thread.
+
     ``title=False`` leaves out the column titles, so a run can print case after case.
     """
     lines = []
     if title:
         lines.append("  ".join(t.ljust(w) for t, w, _ in _COLUMNS).rstrip())
-        lines.append("  ".join("-" * w for _, w, _ in _COLUMNS[:-1]))
+        lines.append("  ".join("-" * w for _, w, _ in _COLUMNS))
     for r in rows:
         lines.append("  ".join(str(cell(r)).ljust(w) for _, w, cell in _COLUMNS).rstrip())
     return "\n".join(lines)

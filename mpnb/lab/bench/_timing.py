@@ -1,0 +1,57 @@
+"""The timing loop: round-robin rounds with ``torch.utils.benchmark``'s synchronizing clock."""
+
+from __future__ import annotations
+
+import timeit
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+from torch.utils import benchmark
+
+try:
+    import resource
+except ImportError:  # not on Windows
+    resource = None
+
+if TYPE_CHECKING:
+    from mpnb.lab.bench._harness import Candidate, Options
+
+__all__ = ["time_rounds"]
+
+
+def _calls_per_round(fn: Callable[[], object], warmup: int, round_time: float) -> int:
+    timer = timeit.Timer(fn, timer=benchmark.timer)
+    per_call = timer.timeit(max(warmup, 1)) / max(warmup, 1)
+    return max(1, min(100_000, round(round_time / max(per_call, 1e-9))))
+
+
+def _preemptions() -> int:
+    # Involuntary context switches of all this process's threads: how often the OS took a
+    # core away mid-measurement (a parallel region then waits for the preempted thread).
+    if resource is None:
+        return 0
+    return resource.getrusage(resource.RUSAGE_SELF).ru_nivcsw
+
+
+def time_rounds(
+    cands: Sequence[Candidate], opts: Options
+) -> tuple[list[list[float]], list[int], list[float]]:
+    """Time ``cands`` round-robin: per-call times per round, calls per round, preemptions per call.
+
+    Each callable first runs ``opts.warmup`` times (which also sets its call count so that a
+    round takes about ``opts.round_time``); then each round runs every callable once, in an
+    order rotated by one each round.
+    """
+    numbers = [_calls_per_round(c.fn, opts.warmup, opts.round_time) for c in cands]
+    timers = [timeit.Timer(c.fn, timer=benchmark.timer) for c in cands]
+    times: list[list[float]] = [[] for _ in cands]
+    preempted = [0] * len(cands)
+    for r in range(opts.rounds):
+        # Rotate who goes first each round so no candidate always follows the same one.
+        for k in range(len(cands)):
+            i = (k + r) % len(cands)
+            before = _preemptions()
+            times[i].append(timers[i].timeit(numbers[i]) / numbers[i])
+            preempted[i] += _preemptions() - before
+    per_call = [p / (opts.rounds * n) for p, n in zip(preempted, numbers, strict=True)]
+    return times, numbers, per_call
