@@ -1,0 +1,274 @@
+"""Fused layers (RMS norm, layer norm, scaled masked / causal softmax) vs PyTorch, fwd+bwd.
+
+Workloads: rows x columns (8192, 4096) and (32768, 1024), fp32 and bf16. For softmax the
+rows are ``[b, np, sq]`` attention rows with ``sk`` columns: the padding-masked case uses a
+``[b, 1, sq, sk]`` bool mask, the causal case square ``[batches, sq, sq]`` scores.
+
+Three kinds of case:
+
+* ``fwd+bwd``: one forward and ``torch.autograd.grad`` (no ``.grad`` accumulation) through
+  mpnb's module/function against PyTorch's: ``F.rms_norm``, ``F.layer_norm`` and the composite
+  ``softmax(masked_fill(x * scale, mask, -10000))``. Targets from the issue.
+* ``fwd`` and ``bwd`` (fp32): the kernel alone against PyTorch's (``aten`` backward where one
+  exists) and against the same-run memory bound, with the least traffic as ``bytes``
+  (forward: read x, write y; backward: read x or y and dy, write dx). Targets: forward at
+  least 1/1.3 and backward at least 1/1.6 of the ``a += s*b`` bandwidth.
+
+Outputs are allocated fresh on every call by both sides. With glibc's default allocator a
+fresh output of 32 MiB or more is page-faulted on every call; run the suite twice, plain and
+with ``MALLOC_MMAP_MAX_=0`` (the header reports it), to see the difference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+import torch.nn.functional as F
+
+from mpnb.core.ops import norm_ops, softmax_ops
+from mpnb.lab.bench._harness import RMW, Candidate, Case, Options
+
+__all__ = ["cases", "SHAPES"]
+
+SHAPES = ((8192, 4096), (32768, 1024))
+_TARGETS = {  # (op, dtype) -> fwd+bwd speed-up over PyTorch
+    ("rms", torch.float32): 4.0,
+    ("rms", torch.bfloat16): 7.0,
+    ("ln", torch.float32): 1.0,
+    ("ln", torch.bfloat16): 1.5,
+    ("masked", torch.float32): 3.0,
+    ("masked", torch.bfloat16): 5.0,
+    ("causal", torch.float32): 3.0,
+    ("causal", torch.bfloat16): 5.0,
+}
+_FWD_BW, _BWD_BW = 1 / 1.3, 1 / 1.6
+_SCALE = 0.125
+
+
+def _name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _fwd_bwd(f, inputs, dy):
+    def run():
+        return torch.autograd.grad(f(*inputs), inputs, dy)
+
+    return run
+
+
+def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator[Case]:
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=g).to(dtype).requires_grad_(True)
+    w = (torch.rand(cols, generator=g) + 0.5).to(dtype).requires_grad_(True)
+    b = torch.randn(cols, generator=g).to(dtype).requires_grad_(True)
+    dy = torch.randn(rows, cols, generator=g).to(dtype)
+    n, es = rows * cols, x.element_size()
+    yield Case(
+        "rms_norm fwd+bwd",
+        work,
+        [
+            Candidate(
+                "torch F.rms_norm",
+                _fwd_bwd(lambda x, w: F.rms_norm(x, [cols], w, 1e-5), (x, w), dy),
+            ),
+            Candidate(
+                "mpnb FusedRMSNorm",
+                _fwd_bwd(lambda x, w: norm_ops.rms_norm_fwd(x, [cols], w, 1e-5)[0], (x, w), dy),
+                target=_TARGETS[("rms", dtype)],
+            ),
+        ],
+    )
+    yield Case(
+        "layer_norm fwd+bwd",
+        work,
+        [
+            Candidate(
+                "torch F.layer_norm",
+                _fwd_bwd(lambda x, w, b: F.layer_norm(x, [cols], w, b, 1e-5), (x, w, b), dy),
+            ),
+            Candidate(
+                "mpnb FusedLayerNorm",
+                _fwd_bwd(
+                    lambda x, w, b: norm_ops.layer_norm_fwd(x, [cols], w, b, 1e-5)[0], (x, w, b), dy
+                ),
+                target=_TARGETS[("ln", dtype)],
+            ),
+        ],
+    )
+    if dtype != torch.float32:
+        return
+    xd, wd, bd = x.detach(), w.detach(), b.detach()
+    _, mean, rstd = norm_ops.layer_norm_fwd(xd, [cols], wd, bd, 1e-5)
+    _, rrms = norm_ops.rms_norm_fwd(xd, [cols], wd, 1e-5)
+    yield Case(
+        "layer_norm fwd",
+        work,
+        [
+            Candidate("torch F.layer_norm", lambda: F.layer_norm(xd, [cols], wd, bd, 1e-5)),
+            Candidate(
+                "mpnb layer_norm_fwd",
+                lambda: norm_ops.layer_norm_fwd(xd, [cols], wd, bd),
+                2 * n * es,
+                RMW,
+                bw_target=_FWD_BW,
+            ),
+        ],
+        bandwidth_numel=n,
+    )
+    mean_t, rstd_t = mean.view(rows, 1), rstd.view(rows, 1)
+    yield Case(
+        "layer_norm bwd",
+        work,
+        [
+            Candidate(
+                "torch aten.native_layer_norm_backward",
+                lambda: torch.ops.aten.native_layer_norm_backward(
+                    dy, xd, [cols], mean_t, rstd_t, wd, bd, [True, True, True]
+                ),
+            ),
+            Candidate(
+                "mpnb layer_norm_bwd",
+                lambda: norm_ops.layer_norm_bwd(dy, xd, mean, rstd, [cols], wd, bd),
+                3 * n * es,
+                RMW,
+                bw_target=_BWD_BW,
+            ),
+        ],
+        bandwidth_numel=n,
+    )
+    yield Case(
+        "rms_norm fwd",
+        work,
+        [
+            Candidate("torch F.rms_norm", lambda: F.rms_norm(xd, [cols], wd, 1e-5)),
+            Candidate(
+                "mpnb rms_norm_fwd",
+                lambda: norm_ops.rms_norm_fwd(xd, [cols], wd),
+                2 * n * es,
+                RMW,
+                bw_target=_FWD_BW,
+            ),
+        ],
+        bandwidth_numel=n,
+    )
+    yt = F.rms_norm(x, [cols], w, 1e-5)
+    yield Case(
+        "rms_norm bwd",
+        work,
+        [
+            Candidate(
+                "torch autograd of F.rms_norm",
+                lambda: torch.autograd.grad(yt, (x, w), dy, retain_graph=True),
+            ),
+            Candidate(
+                "mpnb rms_norm_bwd",
+                lambda: norm_ops.rms_norm_bwd(dy, xd, rrms, [cols], wd),
+                3 * n * es,
+                RMW,
+                bw_target=_BWD_BW,
+            ),
+        ],
+        bandwidth_numel=n,
+    )
+
+
+def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterator[Case]:
+    g = torch.Generator().manual_seed(1)
+    sq = min(sk, 1024)
+    b, heads = 2, max(1, rows // (2 * sq))
+    x = torch.randn(b, heads, sq, sk, generator=g).to(dtype).requires_grad_(True)
+    mask = torch.rand(b, 1, sq, sk, generator=g) < 0.25
+    dy = torch.randn(b, heads, sq, sk, generator=g).to(dtype)
+    n, es = x.numel(), x.element_size()
+
+    def composite(x):
+        return torch.softmax((x * _SCALE).masked_fill(mask, -10000.0), -1)
+
+    yield Case(
+        "scaled_masked_softmax fwd+bwd",
+        work,
+        [
+            Candidate("torch x*s -> masked_fill -> softmax", _fwd_bwd(composite, (x,), dy)),
+            Candidate(
+                "mpnb scaled_masked_softmax",
+                _fwd_bwd(
+                    lambda x: softmax_ops.scaled_masked_softmax_fwd(x, mask, _SCALE), (x,), dy
+                ),
+                target=_TARGETS[("masked", dtype)],
+            ),
+        ],
+    )
+    c = torch.randn(max(1, rows // sk), sk, sk, generator=g).to(dtype).requires_grad_(True)
+    dyc = torch.randn(max(1, rows // sk), sk, sk, generator=g).to(dtype)
+    future = torch.ones(sk, sk, dtype=torch.bool).triu(1)
+    yield Case(
+        "causal softmax fwd+bwd",
+        work,
+        [
+            Candidate(
+                "torch x*s -> masked_fill(triu) -> softmax",
+                _fwd_bwd(
+                    lambda c: torch.softmax((c * _SCALE).masked_fill(future, -10000.0), -1),
+                    (c,),
+                    dyc,
+                ),
+            ),
+            Candidate(
+                "mpnb scaled_upper_triang_masked_softmax",
+                _fwd_bwd(
+                    lambda c: softmax_ops.scaled_upper_triang_masked_softmax_fwd(c, _SCALE),
+                    (c,),
+                    dyc,
+                ),
+                target=_TARGETS[("causal", dtype)],
+            ),
+        ],
+    )
+    if dtype != torch.float32:
+        return
+    xd = x.detach()
+    y = softmax_ops.scaled_masked_softmax_fwd(xd, mask, _SCALE)
+    yield Case(
+        "scaled_masked_softmax fwd",
+        work,
+        [
+            Candidate("torch x*s -> masked_fill -> softmax", lambda: composite(xd)),
+            Candidate(
+                "mpnb scaled_masked_softmax_fwd",
+                lambda: softmax_ops.scaled_masked_softmax_fwd(xd, mask, _SCALE),
+                2 * n * es + n // heads,
+                RMW,
+                bw_target=_FWD_BW,
+            ),  # + the mask, once
+        ],
+        bandwidth_numel=n,
+    )
+    yield Case(
+        "scaled_softmax bwd",
+        work,
+        [
+            Candidate(
+                "torch aten._softmax_backward_data * s",
+                lambda: torch._softmax_backward_data(dy, y, -1, dtype).mul_(_SCALE),
+            ),
+            Candidate(
+                "mpnb scaled_softmax_bwd",
+                lambda: softmax_ops.scaled_softmax_bwd(dy, y, _SCALE),
+                3 * n * es,
+                RMW,
+                bw_target=_BWD_BW,
+            ),
+        ],
+        bandwidth_numel=n,
+    )
+
+
+def cases(opts: Options) -> Iterator[Case]:
+    """Yield every case, one workload's tensors alive at a time."""
+    for rows, cols in SHAPES:
+        rows = max(8, int(rows * opts.scale)) // 8 * 8
+        for dtype in (torch.float32, torch.bfloat16):
+            work = f"({rows}, {cols}) {_name(dtype)}"
+            yield from _norm_cases(rows, cols, dtype, work)
+            yield from _softmax_cases(rows, cols, dtype, work)
