@@ -53,11 +53,19 @@ void lamb_norms(at::TensorList params, at::TensorList grads, at::TensorList mast
     fVec w0, w1, g0, g1, m0, m1, v0, v1;
     for (int64_t i = 0; i < n; i += kW) {
       const int64_t k = std::min(kW, n - i);
-      IO<g_t, float>::load(g + i, k, g0, g1);
-      if (has_master) IO<float, float>::load(w + i, k, w0, w1);
-      else IO<p_t, float>::load(p + i, k, w0, w1);
-      IO<float, float>::load(m + i, k, m0, m1);
-      IO<float, float>::load(v + i, k, v0, v1);
+      if (k == kW) {  // full block: plain loads (the counted ones go through a buffer)
+        IO<g_t, float>::load(g + i, g0, g1);
+        if (has_master) IO<float, float>::load(w + i, w0, w1);
+        else IO<p_t, float>::load(p + i, w0, w1);
+        IO<float, float>::load(m + i, m0, m1);
+        IO<float, float>::load(v + i, v0, v1);
+      } else {
+        IO<g_t, float>::load(g + i, k, g0, g1);
+        if (has_master) IO<float, float>::load(w + i, k, w0, w1);
+        else IO<p_t, float>::load(p + i, k, w0, w1);
+        IO<float, float>::load(m + i, k, m0, m1);
+        IO<float, float>::load(v + i, k, v0, v1);
+      }
       // Padding lanes are zero: their u is 0/(sqrt(0)+eps) = 0 and adds nothing.
       const fVec u0 = upd(t, w0, g0 * vinv, m0, v0), u1 = upd(t, w1, g1 * vinv, m1, v1);
       accumulate_squares(a0, a1, w0);
