@@ -11,7 +11,7 @@ SCRIPT = textwrap.dedent('''
     import sys, warnings
     import torch
     from mpnb import amp
-    mode, level, half, path, k = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5])
+    mode, level, half, path, k = sys.argv[1:5] + [int(sys.argv[5])]
     warnings.simplefilter("ignore")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16),
@@ -79,10 +79,10 @@ def test_resume_in_fresh_process_is_bitwise(tmp_path, level, half):
     assert full["amp"]["loss_scaler0"]["unskipped"] == 2
     for key in ("params", "masters"):
         assert len(full[key]) == len(resumed[key])
-        for a, b in zip(full[key], resumed[key]):
+        for a, b in zip(full[key], resumed[key], strict=False):
             assert a.dtype == b.dtype and torch.equal(a, b), key
     if level == "O2":
         assert all(m.dtype == torch.float32 for m in full["masters"])
-    for st_a, st_b in zip(full["opt"].values(), resumed["opt"].values()):
+    for st_a, st_b in zip(full["opt"].values(), resumed["opt"].values(), strict=False):
         for name in st_a:
             assert torch.equal(torch.as_tensor(st_a[name]), torch.as_tensor(st_b[name])), name

@@ -125,7 +125,7 @@ def _snapshot(m, opt):
 
 def _bitwise_equal(a, b):
     return len(a) == len(b) and all(torch.equal(x, y) and x.dtype == y.dtype
-                                    for x, y in zip(a, b))
+                                    for x, y in zip(a, b, strict=False))
 
 
 class PlainSGD(torch.optim.Optimizer):

@@ -37,7 +37,7 @@ def test_delay_unscale_accumulation_equals_one_big_batch(level, half):
         m, opt = _init(m, opt, level, half, loss_scale=scale)
         opt.zero_grad()
         if split:
-            for i, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2))):
+            for i, (xs, ys) in enumerate(zip(x.chunk(2), y.chunk(2), strict=False)):
                 loss = (m(xs) - ys).pow(2).sum()
                 with amp.scale_loss(loss, opt, delay_unscale=i == 0) as sl:
                     sl.backward()
@@ -47,7 +47,7 @@ def test_delay_unscale_accumulation_equals_one_big_batch(level, half):
                 sl.backward()
         grads.append([p.grad.clone() for p in amp.master_params(opt)])
     tol = 1e-6 if level == "O0" else 2e-2  # summation order differs, nothing else
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=False):
         assert a.dtype == torch.float32
         torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
@@ -66,7 +66,7 @@ def test_accumulation_without_delay_adds_unscaled_grads(level):
     opt.zero_grad()
     with amp.scale_loss(m(x).float().sum(), opt) as sl:
         sl.backward()
-    for a, b in zip(two, amp.master_params(opt)):
+    for a, b in zip(two, amp.master_params(opt), strict=False):
         torch.testing.assert_close(a, 2 * b.grad)
 
 
@@ -79,7 +79,7 @@ def test_step_with_pending_delayed_grads_is_refused():
         sl.backward()
     with pytest.raises(RuntimeError, match="delay_unscale=False"):
         opt.step()
-    assert all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt)))
+    assert all(torch.equal(a, b) for a, b in zip(before, amp.master_params(opt), strict=False))
 
 
 def test_master_params_grads_are_unscaled_and_clipping_works():
@@ -91,7 +91,7 @@ def test_master_params_grads_are_unscaled_and_clipping_works():
     with amp.scale_loss(m(x).float().sum(), opt) as sl:
         sl.backward()
     ref(x).sum().backward()
-    for p, r in zip(amp.master_params(opt), ref.parameters()):
+    for p, r in zip(amp.master_params(opt), ref.parameters(), strict=False):
         torch.testing.assert_close(p.grad, r.grad, rtol=2e-2, atol=2e-2)  # not x 65536
     norm = torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 1e-3)
     assert norm < 1e3
