@@ -67,9 +67,10 @@ def _ours(name: str, fn, nbytes: int, access: str, key: str, workload: str) -> C
     return Candidate(name, fn, nbytes, access, target, bw_target)
 
 
-def _unscale(work: str, numels: list[int], dev: str) -> Case:
-    n = sum(numels)
-    grads = _tensors(numels, torch.bfloat16, dev, 0)
+def _scale(work: str, numels: list[int], dev: str, src_dtype: torch.dtype) -> Case:
+    """Model grads (``src_dtype``) into fp32 master grads times 1/65536, with the flag."""
+    n, size = sum(numels), torch.empty((), dtype=src_dtype).element_size()
+    grads = _tensors(numels, src_dtype, dev, 0)
     master = [torch.empty(k, device=dev) for k in numels]
     found_inf = torch.zeros(1, device=dev)
     inv = torch.full((1,), 1 / 65536, device=dev)
@@ -79,50 +80,18 @@ def _unscale(work: str, numels: list[int], dev: str) -> Case:
         torch._foreach_copy_(master, grads)
         torch._amp_foreach_non_finite_check_and_unscale_(master, found_inf, inv)
 
+    def ours():
+        multi_tensor_scale(flag, grads, master, 1 / 65536)
+
+    half = src_dtype != torch.float32
+    name, key = ("unscale bf16->fp32", "unscale") if half else ("scale fp32->fp32", "scale")
+    nbytes = (size + 4) * n
     return Case(
-        "unscale bf16->fp32",
+        name,
         work,
         [
-            Candidate("torch foreach_copy_ + amp unscale_", torch_unscale, 6 * n, RMW),
-            _ours(
-                "mpnb multi_tensor_scale",
-                lambda: multi_tensor_scale(flag, grads, master, 1 / 65536),
-                6 * n,
-                RMW,
-                "unscale",
-                work,
-            ),
-        ],
-        bandwidth_numel=n,
-        device=dev,
-    )
-
-
-def _scale(work: str, numels: list[int], dev: str) -> Case:
-    n = sum(numels)
-    src = _tensors(numels, torch.float32, dev, 1)
-    dst = [torch.empty_like(t) for t in src]
-    found_inf = torch.zeros(1, device=dev)
-    inv = torch.full((1,), 0.5, device=dev)
-    flag = torch.zeros(1, dtype=torch.int32, device=dev)
-
-    def torch_scale():
-        torch._foreach_copy_(dst, src)
-        torch._amp_foreach_non_finite_check_and_unscale_(dst, found_inf, inv)
-
-    return Case(
-        "scale fp32->fp32",
-        work,
-        [
-            Candidate("torch foreach_copy_ + amp unscale_", torch_scale, 8 * n, RMW),
-            _ours(
-                "mpnb multi_tensor_scale",
-                lambda: multi_tensor_scale(flag, src, dst, 0.5),
-                8 * n,
-                RMW,
-                "scale",
-                work,
-            ),
+            Candidate("torch foreach_copy_ + amp unscale_", torch_unscale, nbytes, RMW),
+            _ours("mpnb multi_tensor_scale", ours, nbytes, RMW, key, work),
         ],
         bandwidth_numel=n,
         device=dev,
@@ -226,10 +195,10 @@ def cases(opts: Options) -> Iterator[Case]:
     dev = opts.device
     for work, make in WORKLOADS.items():
         numels = [max(1, round(k * opts.scale)) for k in make()]
-        yield _unscale(work, numels, dev)
+        yield _scale(work, numels, dev, torch.bfloat16)
         yield _check(work, numels, dev)
         yield _l2norm(work, numels, dev)
-        yield _scale(work, numels, dev)
+        yield _scale(work, numels, dev, torch.float32)
         yield _axpby(work, numels, dev)
         if work == _A and not opts.quick:
             yield _l2norm(work, numels, dev, torch.bfloat16)
