@@ -244,3 +244,22 @@ def test_fused_optimizer_seam(level):
     assert not _bitwise_equal(before, [p.detach() for p in amp.master_params(opt)])
     if level == "O2":
         assert torch.equal(m[0].weight, opt.param_groups[0]["params"][0].to(m[0].weight.dtype))
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_mpnb_fused_adam_through_the_seam(level):
+    optimizers = pytest.importorskip("mpnb.optimizers")
+    m, opt = _setup(level, torch.bfloat16,
+                    opt_cls=lambda p, lr: optimizers.FusedAdam(p, lr=lr))
+    h = amp.current_handle()
+    _step(m, opt)
+    if level == "O2":
+        assert opt.param_groups[0]["params"][0] is m[0].weight  # masters inside the optimizer
+    before = [t.detach().clone() for t in (*m.parameters(), *m.buffers())]
+    m.eval()
+    _step(m, opt, scale_by=float("inf"))
+    assert _bitwise_equal(before, [t.detach() for t in (*m.parameters(), *m.buffers())])
+    assert h.scalers[0].loss_scale() == 2.0**15
+    m.train()
+    _step(m, opt)
+    assert not _bitwise_equal(before, [t.detach() for t in (*m.parameters(), *m.buffers())])

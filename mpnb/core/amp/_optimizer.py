@@ -44,12 +44,22 @@ class OptimizerAmp:
     (one-element fp32 device tensors); the optimizer must unscale its grads by ``inv_scale``,
     set ``found_inf`` to 1 on inf/NaN and then leave params and state untouched. After the step
     amp reads ``found_inf`` (its one host sync) and updates the loss scale. Such an optimizer
-    takes one ``loss_id`` per step.
+    takes one ``loss_id`` per step. Under O2, if it also has ``_mpnb_use_master_weights()``,
+    amp calls it and leaves the half params in ``param_groups``: the optimizer keeps the fp32
+    masters in its own state. On this path the grads stay scaled until ``step()`` (clip them
+    inside the optimizer, not through ``amp.master_params``).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool):
         self._opt = weakref.ref(optimizer)
         self.fused = bool(getattr(optimizer, "_mpnb_accepts_scale", False))
+        # A fused optimizer that keeps fp32 masters itself (one pass reads the half grads and
+        # writes masters and half params): amp places no masters of its own.
+        self.internal_masters = (master_weights and self.fused
+                                 and hasattr(optimizer, "_mpnb_use_master_weights"))
+        if self.internal_masters:
+            optimizer._mpnb_use_master_weights()
+            master_weights = False
         self.model_params: list[torch.nn.Parameter] = []
         self.masters: list[torch.nn.Parameter] = []
         self.own: list[torch.nn.Parameter] = []  # params whose .grad the optimizer reads directly
