@@ -181,27 +181,54 @@ inline void multi_tensor_axpby_cpu(const at::Tensor& noop_flag, at::TensorList x
 
 // ---- l2norm: global and per-tensor norms (optionally of x * inv_scale) -------------------
 
+// Sum of squares in fp64: exact enough for any finite input, used as the fallback.
 template <typename T, typename Acc, bool kScaled>
-inline double sumsq_range(const T* x, int64_t n, Acc inv) {
+inline double sumsq_fp64(const T* x, int64_t n, Acc inv) {
   using V = Vectorized<Acc>;
   constexpr int64_t W = IO<T, Acc>::kWidth;
   const V vi(inv);
   dVec s0(0.0), s1(0.0), s2(0.0), s3(0.0);
   V a, b;
-  int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    IO<T, Acc>::load(x + i, a, b);
-    if constexpr (kScaled) { a = a * vi; b = b * vi; }
-    accumulate_squares(s0, s1, a);
-    accumulate_squares(s2, s3, b);
-  }
-  if (i < n) {
-    IO<T, Acc>::load(x + i, n - i, a, b);
+  for (int64_t i = 0; i < n; i += W) {
+    if (i + W <= n) IO<T, Acc>::load(x + i, a, b);
+    else IO<T, Acc>::load(x + i, n - i, a, b);
     if constexpr (kScaled) { a = a * vi; b = b * vi; }
     accumulate_squares(s0, s1, a);
     accumulate_squares(s2, s3, b);
   }
   return hsum((s0 + s1) + (s2 + s3));
+}
+
+// Fast path: squares summed in fp32 lanes over blocks of kL2Block elements, each block's lanes
+// widened into fp64. A block error stays near 1e-7 relative; a chunk that overflows fp32
+// (|x| > 1.8e19) or underflows it (tiny values) is summed again in fp64.
+constexpr int64_t kL2Block = 1024;
+
+template <typename T, typename Acc, bool kScaled>
+inline double sumsq_range(const T* x, int64_t n, Acc inv) {
+  if constexpr (std::is_same_v<Acc, double>) {
+    return sumsq_fp64<T, Acc, kScaled>(x, n, inv);
+  } else {
+    constexpr int64_t W = IO<T, float>::kWidth;
+    const fVec vi(inv);
+    dVec d0(0.0), d1(0.0);
+    fVec a, b;
+    for (int64_t blk = 0; blk < n; blk += kL2Block) {
+      const int64_t end = std::min(n, blk + kL2Block);
+      fVec f0(0.f), f1(0.f);
+      for (int64_t i = blk; i < end; i += W) {
+        if (i + W <= end) IO<T, float>::load(x + i, a, b);
+        else IO<T, float>::load(x + i, end - i, a, b);
+        if constexpr (kScaled) { a = a * vi; b = b * vi; }
+        f0 = at::vec::fmadd(a, a, f0);
+        f1 = at::vec::fmadd(b, b, f1);
+      }
+      widen_add(d0, d1, f0 + f1);
+    }
+    const double s = hsum(d0 + d1);
+    if (!std::isfinite(s) || s < 1e-30) return sumsq_fp64<T, Acc, kScaled>(x, n, inv);
+    return s;
+  }
 }
 
 template <typename T>

@@ -17,9 +17,10 @@ namespace mpnb::cpu {
 
 // Elements per chunk: 3 lists of fp32 chunks (in, out, state) stay inside a 1 MiB L2 share.
 constexpr int64_t kChunkElems = 1 << 15;
-// Below this many elements in total the call stays on one thread (a parallel region costs
-// a few microseconds, more than the work).
-constexpr int64_t kSerialElems = 1 << 14;
+// Below this many elements in total the call stays on one thread: the serial work is tens of
+// microseconds, and a parallel region costs a few microseconds on a quiet machine but a whole
+// scheduler slice (milliseconds) when another process holds a core.
+constexpr int64_t kSerialElems = 1 << 18;
 
 struct Chunk {
   int64_t tensor;  // index into the tensor lists

@@ -174,24 +174,37 @@ inline bool all_finite_bits(const T* x, int64_t n) {
   return true;
 }
 
-// Add x*x (fp32 lanes widened to fp64) to two fp64 accumulators.
-inline void accumulate_squares(dVec& lo, dVec& hi, const fVec& x) {
+// Widen fp32 lanes to fp64 into a pair of fp64 registers.
+inline void widen(const fVec& x, dVec& a, dVec& b) {
 #if defined(CPU_CAPABILITY_AVX2)
   __m256 v = x;
-  dVec a(_mm256_cvtps_pd(_mm256_castps256_ps128(v)));
-  dVec b(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
+  a = dVec(_mm256_cvtps_pd(_mm256_castps256_ps128(v)));
+  b = dVec(_mm256_cvtps_pd(_mm256_extractf128_ps(v, 1)));
 #elif defined(CPU_CAPABILITY_AVX512)
   __m512 v = x;
-  dVec a(_mm512_cvtps_pd(_mm512_castps512_ps256(v)));
-  dVec b(_mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
+  a = dVec(_mm512_cvtps_pd(_mm512_castps512_ps256(v)));
+  b = dVec(_mm512_cvtps_pd(_mm512_extractf32x8_ps(v, 1)));
 #else
   alignas(64) float f[fVec::size()];
   alignas(64) double d[fVec::size()];
   x.store(f);
   for (int64_t i = 0; i < fVec::size(); ++i) d[i] = f[i];
-  dVec a = dVec::loadu(d);
-  dVec b = dVec::loadu(d + dVec::size());
+  a = dVec::loadu(d);
+  b = dVec::loadu(d + dVec::size());
 #endif
+}
+
+inline void widen_add(dVec& lo, dVec& hi, const fVec& x) {
+  dVec a, b;
+  widen(x, a, b);
+  lo = lo + a;
+  hi = hi + b;
+}
+
+// Add x*x (fp32 lanes widened to fp64) to two fp64 accumulators.
+inline void accumulate_squares(dVec& lo, dVec& hi, const fVec& x) {
+  dVec a, b;
+  widen(x, a, b);
   lo = at::vec::fmadd(a, a, lo);
   hi = at::vec::fmadd(b, b, hi);
 }
