@@ -79,6 +79,9 @@ class OptimizerAmp:
         self.used: list[LossScaler] = []
         self.pending_delay = False
         self._stash: list[torch.Tensor | None] = [None] * len(self.own)
+        self._stashed = False
+        self._own_dense = all(p.is_contiguous() for p in self.own)
+        self._own_one_dtype = len({p.dtype for p in self.own}) <= 1
         self._skip: tuple | None = None
         self.hooks = [
             optimizer.register_step_pre_hook(self._pre_step),
@@ -106,6 +109,7 @@ class OptimizerAmp:
         for i, p in enumerate(self.own):
             if p.grad is not None:
                 self._stash[i], p.grad = p.grad, None
+                self._stashed = True
 
     def after_backward(self, scaler: LossScaler, delay_unscale: bool) -> None:
         """After a backward: unscale into the grads the optimizer reads (unless delayed)."""
@@ -124,6 +128,19 @@ class OptimizerAmp:
         torch.maximum(self.step_flag, scaler.found_inf, out=self.step_flag)
 
     def _unscale_own(self, scaler: LossScaler) -> None:
+        if not self._stashed:  # the common case: one backward per step, a fast path
+            # Autograd gives a grad its param's dtype and layout: dense params, dense grads.
+            if self._own_dense:
+                grads = [p.grad for p in self.own if p.grad is not None]
+            else:
+                grads = [_contiguous_grad(p) for p in self.own if p.grad is not None]
+            if self._own_one_dtype:
+                scaler.unscale(grads, grads)
+            else:
+                for sub in _groups_by_dtype(grads).values():
+                    g = [grads[j] for j in sub]
+                    scaler.unscale(g, g)
+            return
         idx = [i for i, p in enumerate(self.own) if p.grad is not None]
         for i, p in enumerate(self.own):  # unused in this backward: keep the stashed grad
             if p.grad is None and self._stash[i] is not None:
@@ -133,6 +150,7 @@ class OptimizerAmp:
             g = [grads[j] for j in sub]
             scaler.unscale(g, g, accumulate=[self._stash[idx[j]] for j in sub])
         self._stash = [None] * len(self.own)
+        self._stashed = False
 
     def _to_masters(self, scaler: LossScaler, flag, scale_tensor) -> None:
         idx = [i for i, p in enumerate(self.model_params) if p.grad is not None]
