@@ -44,7 +44,9 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("doctor", help="what this machine supports and which path each op takes")
     d.add_argument("--no-build", action="store_true", help="report without building the kernels")
     d.set_defaults(func=_cmd_doctor)
-    b = sub.add_parser("build-ext", help="build the C++ kernels now (they build on first use otherwise)")
+    b = sub.add_parser(
+        "build-ext", help="build the C++ kernels now (they build on first use otherwise)"
+    )
     b.add_argument("--force", action="store_true", help="rebuild from scratch")
     b.add_argument("--verbose", action="store_true", help="show the compiler's output")
     b.set_defaults(func=_cmd_build_ext)

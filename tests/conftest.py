@@ -18,7 +18,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def kernels_expected() -> bool:
-    """True unless MPNB_DISABLE_EXT=1: then the compiled kernels MUST load (a failed build fails)."""
+    """True unless MPNB_DISABLE_EXT=1; when True the kernels MUST load (a failed build fails)."""
     return os.environ.get("MPNB_DISABLE_EXT", "0") in ("", "0")
 
 

@@ -65,7 +65,9 @@ print("ok")
 def test_missing_compiler_imports_warns_once_and_falls_back(tmp_path):
     env = {**os.environ, "CXX": "/nonexistent/c++", "MPNB_CACHE_DIR": str(tmp_path)}
     env.pop("MPNB_DISABLE_EXT", None)
-    out = subprocess.run([sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True, text=True)
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_COMPILER], env=env, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
 
@@ -78,12 +80,25 @@ def test_sources_are_found():
 @pytest.mark.slow
 def test_wheel_ships_the_cpp_sources(tmp_path):
     """A non-editable install must find csrc/: the wheel carries it as mpnb/_csrc."""
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-           "-w", str(tmp_path), str(ROOT)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        str(tmp_path),
+        str(ROOT),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     (wheel,) = tmp_path.glob("mpnb-*.whl")
     names = set(zipfile.ZipFile(wheel).namelist())
-    expected = {f"mpnb/_csrc/{p.relative_to(ROOT / 'csrc')}" for p in (ROOT / "csrc").rglob("*")
-                if p.suffix in {".cpp", ".h", ".cu", ".cuh"}}
+    expected = {
+        f"mpnb/_csrc/{p.relative_to(ROOT / 'csrc')}"
+        for p in (ROOT / "csrc").rglob("*")
+        if p.suffix in {".cpp", ".h", ".cu", ".cuh"}
+    }
     assert expected and expected <= names, sorted(expected - names)

@@ -13,7 +13,8 @@ import pytest
 TESTS = Path(__file__).resolve().parent
 # Test files of op families whose kernels have a reference path.
 FAMILY_TESTS = sorted(
-    str(p) for pattern in ("test_multi_tensor.py", "test_optim_*.py", "test_layers_*.py")
+    str(p)
+    for pattern in ("test_multi_tensor.py", "test_optim_*.py", "test_layers_*.py")
     for p in TESTS.glob(pattern)
 )
 

@@ -58,11 +58,13 @@ def test_scale_reference_is_the_plain_math():
     src = make([5, 300], torch.float32)
     dst = [torch.empty_like(t, dtype=torch.bfloat16) for t in src]
     mt.reference_multi_tensor_scale(flag(), src, dst, 0.25)
-    for s, d in zip(src, dst):
+    for s, d in zip(src, dst, strict=True):
         assert torch.equal(d, (s * 0.25).bfloat16())
 
 
-@pytest.mark.parametrize("din,dout", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32)], ids=ids)
+@pytest.mark.parametrize(
+    "din,dout", [(torch.bfloat16, torch.float32), (torch.float16, torch.float32)], ids=ids
+)
 def test_scale_with_device_scale_tensor(kernels, din, dout):
     src = make([100, 5000], din)
     inv = torch.tensor([1 / 3], dtype=torch.float32)
@@ -87,7 +89,9 @@ nonfinite = st.sampled_from([math.inf, -math.inf, math.nan])
 @given(
     sizes=st.lists(st.integers(0, 3000), min_size=1, max_size=6),
     pair=st.sampled_from(PAIRS),
-    plant=st.lists(st.tuples(st.integers(0, 5), st.floats(0, 1, exclude_max=True), nonfinite), max_size=3),
+    plant=st.lists(
+        st.tuples(st.integers(0, 5), st.floats(0, 1, exclude_max=True), nonfinite), max_size=3
+    ),
 )
 def test_scale_flags_planted_nonfinite(kernels, sizes, pair, plant):
     din, dout = pair
@@ -143,7 +147,10 @@ def test_axpby_matches_reference_bitwise(kernels, dx, dy, do):
     assert_same(ok, orf)
 
 
-@pytest.mark.parametrize("arg,in_x,in_y", [(-1, 1, 1), (-1, 1, 0), (-1, 0, 1), (0, 1, 0), (0, 0, 1), (1, 0, 1), (1, 1, 0)])
+@pytest.mark.parametrize(
+    "arg,in_x,in_y",
+    [(-1, 1, 1), (-1, 1, 0), (-1, 0, 1), (0, 1, 0), (0, 0, 1), (1, 0, 1), (1, 1, 0)],
+)
 def test_axpby_arg_to_check(kernels, arg, in_x, in_y):
     x, y = make([50, 40000], torch.float32), make([50, 40000], torch.float32, seed=3)
     if in_x:
@@ -208,7 +215,9 @@ def test_l2norm_empty_list_and_flags(kernels):
 @given(
     sizes=st.lists(st.integers(0, 70000), min_size=0, max_size=5),
     dtype=st.sampled_from([*HALF_FLOAT, torch.float64]),
-    plant=st.lists(st.tuples(st.integers(0, 4), st.floats(0, 1, exclude_max=True), nonfinite), max_size=2),
+    plant=st.lists(
+        st.tuples(st.integers(0, 4), st.floats(0, 1, exclude_max=True), nonfinite), max_size=2
+    ),
 )
 def test_check_finite(kernels, sizes, dtype, plant):
     xs = make(sizes, dtype, seed=6)
@@ -229,7 +238,11 @@ def test_check_finite(kernels, sizes, dtype, plant):
 
 
 def _state(scale=65536.0, growth=0, hyst=2):
-    return (torch.tensor([scale]), torch.tensor([growth], dtype=torch.int32), torch.tensor([hyst], dtype=torch.int32))
+    return (
+        torch.tensor([scale]),
+        torch.tensor([growth], dtype=torch.int32),
+        torch.tensor([hyst], dtype=torch.int32),
+    )
 
 
 @pytest.mark.parametrize("hysteresis", [1, 2, 4])
@@ -240,7 +253,7 @@ def test_update_scale_hysteresis_sequence(kernels, hysteresis):
         found = torch.tensor([float(torch.rand(1, generator=g).item() < 0.3)])
         ops.update_scale_hysteresis(*k, found, 2.0, 0.5, 3, hysteresis)
         mt.reference_update_scale_hysteresis(*r, found, 2.0, 0.5, 3, hysteresis)
-        for a, b in zip(k, r):
+        for a, b in zip(k, r, strict=True):
             assert torch.equal(a, b)
 
 

@@ -34,14 +34,21 @@ def _lists(op: str, tensor_lists: TensorLists, n: int) -> list[list[torch.Tensor
     return [list(t) for t in tensor_lists]
 
 
-def multi_tensor_scale(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists, scale: float) -> None:
+def multi_tensor_scale(
+    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists, scale: float
+) -> None:
     """``tensor_lists = [src, dst]``: ``dst = src * scale``, flag non-finite ``src`` values."""
     src, dst = _lists("multi_tensor_scale", tensor_lists, 2)
     _mt.multi_tensor_scale(noop_flag, src, dst, scale)
 
 
 def multi_tensor_axpby(
-    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists, a: float, b: float, arg_to_check: int
+    chunk_size: int,
+    noop_flag: torch.Tensor,
+    tensor_lists: TensorLists,
+    a: float,
+    b: float,
+    arg_to_check: int,
 ) -> None:
     """``tensor_lists = [x, y, out]``: ``out = a*x + b*y``; ``arg_to_check`` -1/0/1 as in Apex."""
     x, y, out = _lists("multi_tensor_axpby", tensor_lists, 3)
@@ -49,7 +56,10 @@ def multi_tensor_axpby(
 
 
 def multi_tensor_l2norm(
-    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists, per_tensor: bool | None = False
+    chunk_size: int,
+    noop_flag: torch.Tensor,
+    tensor_lists: TensorLists,
+    per_tensor: bool | None = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``tensor_lists = [tensors]``: ``(global_norm[1], per_tensor_norms[n or 0])``."""
     (x,) = _lists("multi_tensor_l2norm", tensor_lists, 1)
@@ -70,7 +80,9 @@ def multi_tensor_unscale_l2norm(
     return _mt.multi_tensor_l2norm(noop_flag, x, bool(per_tensor), inv_scale)
 
 
-def multi_tensor_check_finite(chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists) -> None:
+def multi_tensor_check_finite(
+    chunk_size: int, noop_flag: torch.Tensor, tensor_lists: TensorLists
+) -> None:
     """``tensor_lists = [tensors]``: read-only inf/NaN check (an mpnb addition to amp_C)."""
     (x,) = _lists("multi_tensor_check_finite", tensor_lists, 1)
     _mt.multi_tensor_check_finite(noop_flag, x)
@@ -88,8 +100,14 @@ def update_scale_hysteresis(
 ) -> torch.Tensor:
     """Apex's loss-scale update with hysteresis, in place; returns ``current_scale``."""
     return _mt.update_scale_hysteresis(
-        current_scale, growth_tracker, hysteresis_tracker, found_inf,
-        growth_factor, backoff_factor, growth_interval, hysteresis,
+        current_scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_inf,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        hysteresis,
     )
 
 
@@ -103,19 +121,54 @@ def _steps(n: int, step: int) -> list[torch.Tensor]:
     return [torch.tensor(float(step) - 1.0) for _ in range(n)]
 
 
-def multi_tensor_adam(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
-                      bias_correction, weight_decay) -> None:
+def multi_tensor_adam(
+    chunk_size,
+    noop_flag,
+    tensor_lists,
+    lr,
+    beta1,
+    beta2,
+    epsilon,
+    step,
+    mode,
+    bias_correction,
+    weight_decay,
+) -> None:
     """``[grads, params, exp_avgs, exp_avg_sqs]``; ``mode`` 0 = Adam (L2), 1 = AdamW."""
     from mpnb.core.ops.optimizers import fused_adam_
 
     g, p, m, v = _lists("multi_tensor_adam", tensor_lists, 4)
-    fused_adam_(p, g, m, v, [], _steps(len(p), step), lr=lr, beta1=beta1, beta2=beta2,
-                eps=epsilon, weight_decay=weight_decay, adam_w_mode=mode == 1,
-                bias_correction=bool(bias_correction), found_inf=noop_flag)
+    fused_adam_(
+        p,
+        g,
+        m,
+        v,
+        [],
+        _steps(len(p), step),
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=epsilon,
+        weight_decay=weight_decay,
+        adam_w_mode=mode == 1,
+        bias_correction=bool(bias_correction),
+        found_inf=noop_flag,
+    )
 
 
-def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampening, lr, nesterov,
-                     first_run, wd_after_momentum, scale) -> None:
+def multi_tensor_sgd(
+    chunk_size,
+    noop_flag,
+    tensor_lists,
+    wd,
+    momentum,
+    dampening,
+    lr,
+    nesterov,
+    first_run,
+    wd_after_momentum,
+    scale,
+) -> None:
     """``[grads, params, momentum_buffers]`` or, with fp16 model copies, ``[..., model_params]``."""
     from mpnb.core.ops.optimizers import fused_sgd_
 
@@ -126,27 +179,82 @@ def multi_tensor_sgd(chunk_size, noop_flag, tensor_lists, wd, momentum, dampenin
         g, params, buf = _lists("multi_tensor_sgd", tensor_lists, 3)
         masters = []
     inv = torch.tensor([float(scale)], dtype=torch.float32)
-    fused_sgd_(params, g, buf, masters, [bool(first_run)] * len(params), lr=lr, momentum=momentum,
-               dampening=dampening, weight_decay=wd, nesterov=bool(nesterov),
-               wd_after_momentum=bool(wd_after_momentum), inv_scale=inv, found_inf=noop_flag)
+    fused_sgd_(
+        params,
+        g,
+        buf,
+        masters,
+        [bool(first_run)] * len(params),
+        lr=lr,
+        momentum=momentum,
+        dampening=dampening,
+        weight_decay=wd,
+        nesterov=bool(nesterov),
+        wd_after_momentum=bool(wd_after_momentum),
+        inv_scale=inv,
+        found_inf=noop_flag,
+    )
 
 
-def multi_tensor_lamb(chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step,
-                      bias_correction, weight_decay, grad_averaging, mode, global_grad_norm,
-                      max_grad_norm, use_nvlamb=False) -> None:
+def multi_tensor_lamb(
+    chunk_size,
+    noop_flag,
+    tensor_lists,
+    lr,
+    beta1,
+    beta2,
+    epsilon,
+    step,
+    bias_correction,
+    weight_decay,
+    grad_averaging,
+    mode,
+    global_grad_norm,
+    max_grad_norm,
+    use_nvlamb=False,
+) -> None:
     """``[grads, params, exp_avgs, exp_avg_sqs]``; ``mode`` 0 = L2 decay, 1 = decoupled."""
     from mpnb.core.ops.optimizers_lamb import fused_lamb_
 
     g, p, m, v = _lists("multi_tensor_lamb", tensor_lists, 4)
-    fused_lamb_(p, g, m, v, [], _steps(len(p), step), global_grad_norm, lr=lr, beta1=beta1,
-                beta2=beta2, eps=epsilon, weight_decay=weight_decay, adam_w_mode=mode == 1,
-                bias_correction=bool(bias_correction), grad_averaging=bool(grad_averaging),
-                max_grad_norm=max_grad_norm, use_nvlamb=bool(use_nvlamb), found_inf=noop_flag)
+    fused_lamb_(
+        p,
+        g,
+        m,
+        v,
+        [],
+        _steps(len(p), step),
+        global_grad_norm,
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=epsilon,
+        weight_decay=weight_decay,
+        adam_w_mode=mode == 1,
+        bias_correction=bool(bias_correction),
+        grad_averaging=bool(grad_averaging),
+        max_grad_norm=max_grad_norm,
+        use_nvlamb=bool(use_nvlamb),
+        found_inf=noop_flag,
+    )
 
 
-def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, beta1, beta2,
-                          epsilon, step, bias_correction, weight_decay, grad_averaging, mode,
-                          norm_type) -> None:
+def multi_tensor_novograd(
+    chunk_size,
+    noop_flag,
+    tensor_lists,
+    grad_norms,
+    lr,
+    beta1,
+    beta2,
+    epsilon,
+    step,
+    bias_correction,
+    weight_decay,
+    grad_averaging,
+    mode,
+    norm_type,
+) -> None:
     """``[grads, params, exp_avgs]``; ``grad_norms`` holds the per-tensor second moments and
     is blended with this step's grad norms in place (Apex); ``mode`` 0 = reg inside moment."""
     from mpnb.core.ops.optimizers_lamb import fused_novograd_
@@ -156,21 +264,47 @@ def multi_tensor_novograd(chunk_size, noop_flag, tensor_lists, grad_norms, lr, b
         norms = multi_tensor_l2norm(chunk_size, torch.zeros(1), [g], True)[1].float()
     else:
         norms = torch.stack([x.abs().max().float() for x in g])
-    fused_novograd_(p, g, m, list(grad_norms.unbind()), [], _steps(len(p), step),
-                    norms.contiguous(), lr=lr, beta1=beta1, beta2=beta2, eps=epsilon,
-                    weight_decay=weight_decay, bias_correction=bool(bias_correction),
-                    grad_averaging=bool(grad_averaging), reg_inside_moment=mode == 0,
-                    norm_type=int(norm_type), init_zero=True, found_inf=noop_flag)
+    fused_novograd_(
+        p,
+        g,
+        m,
+        list(grad_norms.unbind()),
+        [],
+        _steps(len(p), step),
+        norms.contiguous(),
+        lr=lr,
+        beta1=beta1,
+        beta2=beta2,
+        eps=epsilon,
+        weight_decay=weight_decay,
+        bias_correction=bool(bias_correction),
+        grad_averaging=bool(grad_averaging),
+        reg_inside_moment=mode == 0,
+        norm_type=int(norm_type),
+        init_zero=True,
+        found_inf=noop_flag,
+    )
 
 
-def multi_tensor_adagrad(chunk_size, noop_flag, tensor_lists, lr, epsilon, mode,
-                         weight_decay) -> None:
+def multi_tensor_adagrad(
+    chunk_size, noop_flag, tensor_lists, lr, epsilon, mode, weight_decay
+) -> None:
     """``[grads, params, sums]``; ``mode`` 0 = L2 decay, 1 = decoupled (adagrad_w_mode)."""
     from mpnb.core.ops.optimizers import fused_adagrad_
 
     g, p, h = _lists("multi_tensor_adagrad", tensor_lists, 3)
-    fused_adagrad_(p, g, h, [], _steps(len(p), 1), lr=lr, eps=epsilon,
-                   weight_decay=weight_decay, adagrad_w_mode=mode == 1, found_inf=noop_flag)
+    fused_adagrad_(
+        p,
+        g,
+        h,
+        [],
+        _steps(len(p), 1),
+        lr=lr,
+        eps=epsilon,
+        weight_decay=weight_decay,
+        adagrad_w_mode=mode == 1,
+        found_inf=noop_flag,
+    )
 
 
 __all__ += [

@@ -57,10 +57,16 @@ def _hardware() -> list[str]:
         f"  vector ISA for mpnb kernels: {cpu.isa}; torch's own dispatch: "
         f"{torch.backends.cpu.get_cpu_capability()}",
         f"  bf16 on CPU: {hs['bfloat16']}"
-        + ("" if hs["bfloat16"] == "native" else " (no avx512_bf16/amx_bf16: computed in software)"),
+        + (
+            "" if hs["bfloat16"] == "native" else " (no avx512_bf16/amx_bf16: computed in software)"
+        ),
         f"  fp16 on CPU: {hs['float16']}"
-        + ("" if hs["float16"] == "native" else " (no avx512_fp16/amx_fp16: about 50-150x slower "
-           "than fp32 for matmuls; mpnb defaults the CPU to bf16)"),
+        + (
+            ""
+            if hs["float16"] == "native"
+            else " (no avx512_fp16/amx_fp16: about 50-150x slower "
+            "than fp32 for matmuls; mpnb defaults the CPU to bf16)"
+        ),
         f"  default half dtype on CPU: {str(default_half_dtype('cpu')).replace('torch.', '')}",
     ]
     info = cuda_info() if torch.cuda.is_available() else None
@@ -101,7 +107,9 @@ def report(build: bool = True) -> str:
     if ext.disabled:
         lines.append("  CPU kernels: disabled by MPNB_DISABLE_EXT=1 (references run)")
     elif status is None:
-        lines.append(f"  CPU kernels: {'built' if ext.is_built() else 'not built yet'} (not loaded)")
+        lines.append(
+            f"  CPU kernels: {'built' if ext.is_built() else 'not built yet'} (not loaded)"
+        )
     elif status.loaded:
         lines.append(f"  CPU kernels: loaded from {status.path}")
     else:
@@ -110,6 +118,7 @@ def report(build: bool = True) -> str:
     lines.append("ops (family: op -> path on cpu | on cuda)")
     for info in all_ops():
         lines.append(
-            f"  {info.family}: {info.name} -> {op_path(info.name, 'cpu')} | {op_path(info.name, 'cuda')}"
+            f"  {info.family}: {info.name} -> {op_path(info.name, 'cpu')}"
+            f" | {op_path(info.name, 'cuda')}"
         )
     return "\n".join(lines)

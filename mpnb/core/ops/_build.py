@@ -49,7 +49,7 @@ def csrc_dir() -> Path:
 
 
 def cache_root() -> Path:
-    """The build cache: ``$MPNB_CACHE_DIR``, else ``$XDG_CACHE_HOME/mpnb``, else ``~/.cache/mpnb``."""
+    """The build cache: ``$MPNB_CACHE_DIR``, else ``$XDG_CACHE_HOME/mpnb`` or ``~/.cache/mpnb``."""
     env = os.environ.get("MPNB_CACHE_DIR")
     if env:
         return Path(env)

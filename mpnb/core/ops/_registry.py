@@ -14,7 +14,15 @@ import torch
 
 from mpnb.core.ops._build import cpu_extension
 
-__all__ = ["OpInfo", "register_op", "register_fake", "all_ops", "kernel_ready", "use_kernel", "op_path"]
+__all__ = [
+    "OpInfo",
+    "register_op",
+    "register_fake",
+    "all_ops",
+    "kernel_ready",
+    "use_kernel",
+    "op_path",
+]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -113,7 +121,11 @@ def op_path(name: str, device: str = "cpu") -> str:
         return "reference (MPNB_DISABLE_EXT=1)"
     status = ext.status()
     if status is None:
-        return "C++ kernel (built, not loaded yet)" if ext.is_built() else "C++ kernel (built on first use)"
+        return (
+            "C++ kernel (built, not loaded yet)"
+            if ext.is_built()
+            else "C++ kernel (built on first use)"
+        )
     if status.loaded:
         return f"C++ kernel ({dev})"
     return f"reference (build failed: {status.reason.splitlines()[0][:80]})"

@@ -45,7 +45,7 @@ def _check_lists(op: str, first: Sequence[torch.Tensor], **others: Sequence[torc
                 f"{op}: list '{name}' has {len(lst)} tensors but the first list has {n}; "
                 "pass lists of equal length."
             )
-        for i, (a, b) in enumerate(zip(first, lst)):
+        for i, (a, b) in enumerate(zip(first, lst, strict=True)):
             if a.numel() != b.numel():
                 raise ValueError(
                     f"{op}: tensor {i} of '{name}' has {b.numel()} elements but its partner has "
@@ -111,7 +111,7 @@ def _foreach_multi_tensor_scale(noop_flag, src, dst, scale, scale_tensor=None) -
     """
     if not src or any(t.dtype != torch.float32 for t in dst) or src[0].dtype == torch.float64:
         return False
-    aliased = any(a.numel() and a.data_ptr() == b.data_ptr() for a, b in zip(src, dst))
+    aliased = any(a.numel() and a.data_ptr() == b.data_ptr() for a, b in zip(src, dst, strict=True))
     if aliased and src[0].dtype != torch.float32:
         return False
     s = torch.tensor([scale], dtype=torch.float32, device=dst[0].device)
@@ -122,7 +122,6 @@ def _foreach_multi_tensor_scale(noop_flag, src, dst, scale, scale_tensor=None) -
     torch._amp_foreach_non_finite_check_and_unscale_(list(dst), found, s)
     _raise_flag_if(noop_flag, found > 0)
     return True
-
 
 
 def reference_multi_tensor_scale(
@@ -140,7 +139,7 @@ def reference_multi_tensor_scale(
     s = torch.tensor(scale, dtype=acc, device=src[0].device)
     if scale_tensor is not None:
         s = s * scale_tensor.to(device=s.device, dtype=acc).reshape(())
-    for a, b in zip(src, dst):
+    for a, b in zip(src, dst, strict=True):
         b.copy_(a.to(acc) * s)
     _raise_flag_if(noop_flag, _any_nonfinite(src, noop_flag.device))
 
@@ -175,7 +174,9 @@ def multi_tensor_scale(
     src, dst = _as_list(src), _as_list(dst)
     if use_kernel(noop_flag, src):
         torch.ops.mpnb.multi_tensor_scale(noop_flag, src, dst, float(scale), scale_tensor)
-    elif not (_foreach_ok(src) and _foreach_multi_tensor_scale(noop_flag, src, dst, scale, scale_tensor)):
+    elif not (
+        _foreach_ok(src) and _foreach_multi_tensor_scale(noop_flag, src, dst, scale, scale_tensor)
+    ):
         reference_multi_tensor_scale(noop_flag, src, dst, scale, scale_tensor)
 
 
@@ -187,19 +188,26 @@ def _(noop_flag, src, dst, scale, scale_tensor=None):
 # ---- axpby --------------------------------------------------------------------------------
 
 
-def reference_multi_tensor_axpby(noop_flag, x, y, out, a: float, b: float, arg_to_check: int = -1) -> None:
-    """Reference of :func:`multi_tensor_axpby` in plain PyTorch."""
+def _check_arg_to_check(arg_to_check: int) -> None:
     if arg_to_check not in (-1, 0, 1):
         raise ValueError(
-            f"multi_tensor_axpby: arg_to_check must be -1 (both), 0 (x) or 1 (y), got {arg_to_check}."
+            "multi_tensor_axpby: arg_to_check must be -1 (both), 0 (x) or 1 (y), "
+            f"got {arg_to_check}."
         )
+
+
+def reference_multi_tensor_axpby(
+    noop_flag, x, y, out, a: float, b: float, arg_to_check: int = -1
+) -> None:
+    """Reference of :func:`multi_tensor_axpby` in plain PyTorch."""
+    _check_arg_to_check(arg_to_check)
     _check_lists("multi_tensor_axpby", x, y=y, out=out)
     if not x:
         return
     acc = _opmath(x[0])
     sa = torch.tensor(a, dtype=acc, device=x[0].device)
     sb = torch.tensor(b, dtype=acc, device=x[0].device)
-    for xi, yi, oi in zip(x, y, out):
+    for xi, yi, oi in zip(x, y, out, strict=True):
         oi.copy_(sa * xi.to(acc) + sb * yi.to(acc))
     checked = {-1: [*x, *y], 0: list(x), 1: list(y)}[arg_to_check]
     _raise_flag_if(noop_flag, _any_nonfinite(checked, noop_flag.device))
@@ -216,11 +224,10 @@ def multi_tensor_axpby(noop_flag, x, y, out, a: float, b: float, arg_to_check: i
     """
     x, y, out = _as_list(x), _as_list(y), _as_list(out)
     if use_kernel(noop_flag, x):
-        if arg_to_check not in (-1, 0, 1):
-            raise ValueError(
-                f"multi_tensor_axpby: arg_to_check must be -1 (both), 0 (x) or 1 (y), got {arg_to_check}."
-            )
-        torch.ops.mpnb.multi_tensor_axpby(noop_flag, x, y, out, float(a), float(b), int(arg_to_check))
+        _check_arg_to_check(arg_to_check)
+        torch.ops.mpnb.multi_tensor_axpby(
+            noop_flag, x, y, out, float(a), float(b), int(arg_to_check)
+        )
     else:
         reference_multi_tensor_axpby(noop_flag, x, y, out, a, b, arg_to_check)
 
@@ -287,7 +294,9 @@ def _(noop_flag, tensors, per_tensor=False, inv_scale=None):
     dtype = torch.float64 if tensors and tensors[0].dtype == torch.float64 else torch.float32
     n = len(tensors) if per_tensor else 0
     dev = noop_flag.device
-    return noop_flag.new_empty((1,), dtype=dtype, device=dev), noop_flag.new_empty((n,), dtype=dtype, device=dev)
+    return noop_flag.new_empty((1,), dtype=dtype, device=dev), noop_flag.new_empty(
+        (n,), dtype=dtype, device=dev
+    )
 
 
 # ---- check finite -------------------------------------------------------------------------
@@ -302,7 +311,6 @@ def _foreach_multi_tensor_check_finite(noop_flag, tensors) -> None:
     one = torch.ones(1, dtype=torch.float32, device=dev)
     torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found, one)
     _raise_flag_if(noop_flag, found > 0)
-
 
 
 def reference_multi_tensor_check_finite(noop_flag, tensors) -> None:
@@ -334,7 +342,9 @@ def _(noop_flag, tensors):
 # ---- loss scale update with hysteresis ----------------------------------------------------
 
 
-def _check_scaler_state(current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_interval):
+def _check_scaler_state(
+    current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_interval
+):
     op = "update_scale_hysteresis"
     if current_scale.dtype != torch.float32 or current_scale.numel() != 1:
         raise TypeError(f"{op}: current_scale must be a one-element float32 tensor.")
@@ -348,11 +358,19 @@ def _check_scaler_state(current_scale, growth_tracker, hysteresis_tracker, found
 
 
 def reference_update_scale_hysteresis(
-    current_scale, growth_tracker, hysteresis_tracker, found_inf,
-    growth_factor: float, backoff_factor: float, growth_interval: int, hysteresis: int,
+    current_scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
 ) -> None:
     """Reference of :func:`update_scale_hysteresis`, with tensor ops only (no host sync)."""
-    _check_scaler_state(current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_interval)
+    _check_scaler_state(
+        current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_interval
+    )
     inf = found_inf.reshape(()).to(torch.float64)
     found = inf > 0
     nonzero = inf != 0
@@ -370,7 +388,9 @@ def reference_update_scale_hysteresis(
         (scale * backoff_factor).to(torch.float32),
         torch.where(grow & torch.isfinite(grown), grown, current_scale.reshape(())),
     )
-    new_growth = torch.where(held | backoff | grow, torch.zeros_like(growth), torch.where(nonzero, growth, successful))
+    new_growth = torch.where(
+        held | backoff | grow, torch.zeros_like(growth), torch.where(nonzero, growth, successful)
+    )
     new_hyst = torch.where(held | found, hyst_after, hyst)
     new_hyst = torch.where(~held & (inf <= 0), torch.full_like(hyst, hysteresis), new_hyst)
     current_scale.copy_(new_scale.reshape(current_scale.shape))
@@ -379,8 +399,14 @@ def reference_update_scale_hysteresis(
 
 
 def update_scale_hysteresis(
-    current_scale, growth_tracker, hysteresis_tracker, found_inf,
-    growth_factor: float, backoff_factor: float, growth_interval: int, hysteresis: int,
+    current_scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
 ) -> torch.Tensor:
     """Apex's dynamic loss-scale update with hysteresis, in place; returns ``current_scale``.
 
@@ -398,20 +424,40 @@ def update_scale_hysteresis(
     """
     if use_kernel(current_scale):
         torch.ops.mpnb.update_scale_hysteresis(
-            current_scale, growth_tracker, hysteresis_tracker, found_inf,
-            float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis),
+            current_scale,
+            growth_tracker,
+            hysteresis_tracker,
+            found_inf,
+            float(growth_factor),
+            float(backoff_factor),
+            int(growth_interval),
+            int(hysteresis),
         )
     else:
         reference_update_scale_hysteresis(
-            current_scale, growth_tracker, hysteresis_tracker, found_inf,
-            growth_factor, backoff_factor, growth_interval, hysteresis,
+            current_scale,
+            growth_tracker,
+            hysteresis_tracker,
+            found_inf,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
         )
     return current_scale
 
 
 @register_fake("update_scale_hysteresis")
-def _(current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor, backoff_factor,
-      growth_interval, hysteresis):
+def _(
+    current_scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+):
     return None
 
 
