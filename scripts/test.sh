@@ -1,16 +1,34 @@
 #!/usr/bin/env bash
-# The whole test suite: set up, build the kernels (a failed build fails here, loudly), run pytest.
+# The whole test suite: set up, build the kernels (a failed build fails here, loudly), run pytest
+# over tests/ (unit, multi-process, headless widget and browser tests), then every notebook in
+# notebooks/ under nbval. With arguments, only `pytest ARGS` runs (no notebooks).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+bash scripts/setup-browser.sh
 . .venv/bin/activate
 mpnb build-ext
-set +e
-python -m pytest -q -p no:cacheprovider --durations=15 "$@"
-rc=$?
-set -e
-if [ "$rc" -eq 5 ]; then
-  echo "scripts/test.sh: pytest collected no tests; that is a failure, not a pass." >&2
-  exit 1
+
+# pytest exit code 5 (nothing collected) is a failure, not a pass.
+run_pytest() {
+  set +e
+  python -m pytest -q -p no:cacheprovider "$@"
+  local rc=$?
+  set -e
+  if [ "$rc" -eq 5 ]; then
+    echo "scripts/test.sh: pytest collected no tests from '$*'; that is a failure." >&2
+    return 1
+  fi
+  return "$rc"
+}
+
+if [ "$#" -gt 0 ]; then
+  run_pytest --durations=15 "$@"
+  exit $?
 fi
+rc=0
+run_pytest --durations=15 || rc=$?
+echo "scripts/test.sh: notebooks (nbval)"
+run_pytest --durations=10 --nbval-lax --nbval-current-env \
+  --sanitize-with notebooks/sanitize.cfg notebooks/ || rc=$?
 exit "$rc"
