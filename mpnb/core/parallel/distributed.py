@@ -1,0 +1,272 @@
+"""Apex's ``DistributedDataParallel`` on ``torch.distributed`` (gloo, NCCL).
+
+Gradients are all-reduced in flat buckets while backward is still running: each parameter
+has a ``register_post_accumulate_grad_hook`` that marks it ready, a full bucket is flattened
+and sent with ``dist.all_reduce(async_op=True)``, and a callback queued on the autograd engine
+(``Variable._execution_engine.queue_callback``, as torch's DDP and Apex do) waits for every
+bucket and copies the results back before ``backward()`` returns.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd import Variable
+
+from mpnb.core.parallel._buckets import FlatReduce, plan_buckets, sync_order
+from mpnb.core.parallel._common import (
+    broadcast_state,
+    check_same_model,
+    require_dist,
+    unique_params,
+)
+
+__all__ = ["DistributedDataParallel", "CommStats"]
+
+
+@dataclass
+class CommStats:
+    """Communication timing of the last backwards (host clock, for benchmarks and diagnosis).
+
+    Attributes:
+        backwards: reduced backward passes.
+        early_buckets: buckets launched while backward was still computing.
+        total_buckets: buckets launched.
+        exposed_s: seconds spent in the end-of-backward callback (waits, late launches,
+            copy-back): the communication that was NOT hidden behind backward.
+    """
+
+    backwards: int = 0
+    early_buckets: int = 0
+    total_buckets: int = 0
+    exposed_s: float = 0.0
+
+    def reset(self) -> None:
+        """Zero every counter."""
+        self.backwards = self.early_buckets = self.total_buckets = 0
+        self.exposed_s = 0.0
+
+
+class DistributedDataParallel(torch.nn.Module):
+    """Data-parallel wrapper: gradients all-reduced in buckets, overlapped with backward.
+
+    Parameters are broadcast from rank 0 at construction. The first backward records the
+    order in which gradients become ready (rank 0's order is shared with every rank) and
+    reduces everything at its end; later backwards launch each bucket as soon as all its
+    gradients are ready, in bucket order. Parameters without a gradient in a backward get a
+    zero gradient at its end (a parameter unused on every rank ends with a zero gradient,
+    not ``None``), so every rank reduces the same buckets and nothing hangs.
+
+    Args:
+        module: the model (the same on every rank).
+        message_size: elements per bucket (Apex's default 1e7).
+        delay_allreduce: reduce everything at the end of backward (no overlap).
+        shared_param: removed in Apex; passing it raises.
+        allreduce_trigger_params: parameters that each close a bucket (``message_size`` is
+            then ignored).
+        retain_allreduce_buffers: keep the flat reduced buffers in ``allreduce_buffers``.
+        allreduce_always_fp32: reduce fp16/bf16 gradients in fp32 buffers.
+        num_allreduce_streams: buckets go round-robin over this many process groups (made
+            with ``dist.new_group`` unless ``allreduce_communicators`` are given).
+        allreduce_communicators: the process groups to use (default: the world).
+        gradient_average: divide the sum by the world size.
+        gradient_predivide_factor: divide by this before the all-reduce, multiply the result
+            by ``factor / world_size`` after (avoids fp16 overflow on large worlds).
+        gradient_average_split_factor: deprecated alias of ``gradient_predivide_factor``.
+        prof: label launches and waits for ``torch.profiler`` (``record_function``).
+
+    Example::
+
+        >>> model = DistributedDataParallel(model, message_size=2**20)
+        >>> loss = model(x).sum(); loss.backward()   # grads averaged over ranks here
+        >>> with model.no_sync():                     # accumulate locally
+        ...     model(x).sum().backward()
+    """
+
+    def __init__(
+        self,
+        module: torch.nn.Module,
+        message_size: int = 10000000,
+        delay_allreduce: bool = False,
+        shared_param=None,
+        allreduce_trigger_params=None,
+        retain_allreduce_buffers: bool = False,
+        allreduce_always_fp32: bool = False,
+        num_allreduce_streams: int = 1,
+        allreduce_communicators=None,
+        gradient_average: bool = True,
+        gradient_predivide_factor: float = 1.0,
+        gradient_average_split_factor: float | None = None,
+        prof: bool = False,
+    ) -> None:
+        super().__init__()
+        require_dist("DistributedDataParallel")
+        if shared_param is not None:
+            raise ValueError(
+                "DistributedDataParallel: shared_param is no longer supported (as in Apex): "
+                "shared parameters are handled anyway. Use delay_allreduce=True to reduce "
+                "only at the end of backward."
+            )
+        if gradient_average_split_factor is not None:
+            warnings.warn(
+                "gradient_average_split_factor is deprecated; use gradient_predivide_factor "
+                "(the value is used as the predivide factor).",
+                FutureWarning,
+                stacklevel=2,
+            )
+            gradient_predivide_factor = gradient_average_split_factor
+        if message_size <= 0 or gradient_predivide_factor <= 0:
+            raise ValueError(
+                "DistributedDataParallel: message_size and gradient_predivide_factor must be "
+                f"positive, got {message_size} and {gradient_predivide_factor}."
+            )
+        self.module = module
+        self.message_size = message_size
+        self.delay_allreduce = delay_allreduce
+        self.retain_allreduce_buffers = retain_allreduce_buffers
+        self.allreduce_always_fp32 = allreduce_always_fp32
+        self.gradient_average = gradient_average
+        self.gradient_predivide_factor = float(gradient_predivide_factor)
+        self.prof = prof
+        self.groups = self._make_groups(num_allreduce_streams, allreduce_communicators)
+        self._triggers = allreduce_trigger_params
+        self.allreduce_buffers: list[torch.Tensor] = []
+        self.stats = CommStats()
+        self._sync = True
+        self._handles: list = []
+        state = list(module.parameters()) + list(module.buffers())
+        check_same_model(state, self.groups[0], "DistributedDataParallel")
+        broadcast_state(state, self.groups[0])
+        self._setup()
+
+    # ---- structure ---------------------------------------------------------------------
+    @staticmethod
+    def _make_groups(n: int, comms) -> list:
+        if comms is not None:
+            if len(comms) != n:
+                raise ValueError(
+                    f"DistributedDataParallel: {len(comms)} allreduce_communicators for "
+                    f"num_allreduce_streams={n}; pass one process group per stream."
+                )
+            return list(comms)
+        if n < 1:
+            raise ValueError(f"num_allreduce_streams must be at least 1, got {n}.")
+        return [None] if n == 1 else [dist.new_group() for _ in range(n)]
+
+    def _setup(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self.params = unique_params(self.module)
+        self._key = tuple(id(p) for p in self.params)
+        ids = {id(p): i for i, p in enumerate(self.params)}
+        trig = self._triggers or []
+        self._trigger_idx = frozenset(ids[id(p)] for p in trig if id(p) in ids)
+        self._handles = [
+            p.register_post_accumulate_grad_hook(lambda _p, i=i: self._ready(i))
+            for i, p in enumerate(self.params)
+        ]
+        self._plan = None
+        if self.delay_allreduce:  # one bucket per (device, dtype), reduced at the end
+            order = list(reversed(range(len(self.params))))
+            self._use_plan(plan_buckets(self.params, order, float("inf")))
+        self._reset_iteration()
+
+    def _use_plan(self, plan) -> None:
+        self._plan = plan
+        self._reducers = []
+        for b, idx in enumerate(plan.buckets):
+            ps = [self.params[i] for i in idx]
+            self._reducers.append(FlatReduce(
+                [p.numel() for p in ps], ps[0].dtype, ps[0].device, self.allreduce_always_fp32,
+                self.gradient_predivide_factor, self.gradient_average,
+                self.groups[b % len(self.groups)]))
+
+    def _reset_iteration(self) -> None:
+        self._queued = False
+        self._order: list[int] = []
+        self._got = [False] * len(self.params)
+        self._next = 0
+        n = len(self._plan.buckets) if self._plan else 0
+        self._pending = [len(b) for b in self._plan.buckets] if self._plan else []
+        self._launched = [False] * n
+
+    # ---- public --------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        """Run the wrapped module (re-plans the buckets if its parameters changed)."""
+        if tuple(id(p) for p in unique_params(self.module)) != self._key:
+            self._setup()
+        return self.module(*inputs, **kwargs)
+
+    @contextlib.contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backwards inside accumulate gradients locally; the next one outside reduces them."""
+        before, self._sync = self._sync, False
+        try:
+            yield
+        finally:
+            self._sync = before
+
+    # ---- backward machinery --------------------------------------------------------------
+    def _ready(self, i: int) -> None:
+        if not self._sync:
+            return
+        if not self._queued:
+            self._queued = True
+            Variable._execution_engine.queue_callback(self._end_of_backward)
+        self._got[i] = True
+        if self._plan is None:
+            self._order.append(i)
+            return
+        if self.delay_allreduce:
+            return
+        b = self._plan.bucket_of[i]
+        self._pending[b] -= 1
+        if self._pending[b] == 0:
+            self._launch_ready()
+
+    def _launch(self, b: int) -> None:
+        grads = []
+        for i in self._plan.buckets[b]:
+            p = self.params[i]
+            if p.grad is None:  # unused in this backward: every rank must reduce the bucket
+                p.grad = torch.zeros_like(p)
+            grads.append(p.grad)
+        ctx = torch.profiler.record_function(f"mpnb.ddp.allreduce_bucket_{b}")
+        with ctx if self.prof else contextlib.nullcontext():
+            self._reducers[b].launch(grads)
+        self._launched[b] = True
+        self.stats.total_buckets += 1
+
+    def _launch_ready(self) -> None:
+        # In bucket order only: the collectives must be issued in the same order everywhere.
+        while self._next < len(self._pending) and self._pending[self._next] == 0:
+            self._launch(self._next)
+            self.stats.early_buckets += 1
+            self._next += 1
+
+    def _end_of_backward(self) -> None:
+        t0 = time.perf_counter()
+        ctx = torch.profiler.record_function("mpnb.ddp.end_of_backward")
+        with ctx if self.prof else contextlib.nullcontext():
+            if self._plan is None:
+                order = sync_order(self._order, len(self.params), self.groups[0])
+                self._use_plan(plan_buckets(
+                    self.params, order, self.message_size, self._trigger_idx))
+                self._pending = [len(b) for b in self._plan.buckets]
+                self._launched = [False] * len(self._pending)
+            for b in range(len(self._plan.buckets)):
+                if not self._launched[b]:
+                    self._launch(b)
+            for r in self._reducers:
+                r.finish()
+            if self.retain_allreduce_buffers:
+                self.allreduce_buffers = [r.buffer for r in self._reducers]
+        self.stats.backwards += 1
+        self.stats.exposed_s += time.perf_counter() - t0
+        self._reset_iteration()

@@ -1,0 +1,218 @@
+"""``launch(fn, nprocs)``: run ``fn`` on N local ranks, from a script or a notebook.
+
+Every rank joins a process group on 127.0.0.1 (a free port picked here; nothing else on the
+network is touched), runs ``fn(*args)`` and sends back its return value or its exception with
+the formatted traceback. The caller waits with a deadline: the first failure (an exception,
+or a rank that dies without a word, e.g. killed or crashed) terminates the other ranks and
+raises :class:`RankError` naming the rank, with its traceback; ``timeout`` bounds the whole run.
+
+How the ranks start (the rule accelerate's ``notebook_launcher`` follows):
+
+* ``fn`` importable (defined in a module or a script run as ``__main__``): **spawn**, fresh
+  interpreters. CUDA already initialised in the caller is fine.
+* ``fn`` defined in a notebook (``__main__`` without a file): spawned children cannot import
+  it, so the ranks are **forked**. A forked child cannot use CUDA once the parent has
+  initialised it, so then launch refuses and says how to fix it.
+
+Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set), ``launch`` starts nothing: it
+joins the group torchrun describes and runs ``fn`` in this process, so one script works both
+ways (``python train.py`` and ``torchrun --nproc_per_node=2 train.py``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing as mp
+import os
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from multiprocessing.connection import wait
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["launch", "RankError", "free_port", "under_torchrun"]
+
+LOOPBACK = "127.0.0.1"
+
+
+class RankError(RuntimeError):
+    """A rank raised or died. ``rank`` is the failing rank, ``remote_traceback`` its traceback."""
+
+    def __init__(self, message: str, rank: int, remote_traceback: str = "") -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    """True inside a rank started by torchrun (its environment describes the group)."""
+    return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"))
+
+
+def _default_backend() -> str:
+    return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
+
+
+def _interactive(fn: Callable) -> bool:
+    main = sys.modules.get("__main__")
+    return getattr(fn, "__module__", None) == "__main__" and not hasattr(main, "__file__")
+
+
+def _start_method(fn: Callable, backend: str, start_method: str | None) -> str:
+    method = start_method or ("fork" if _interactive(fn) else "spawn")
+    if method == "fork" and torch.cuda.is_initialized():
+        raise RuntimeError(
+            "launch: CUDA was already initialised in this process, and the ranks must be "
+            f"forked ({'fn is defined in a notebook' if _interactive(fn) else 'fork asked'}); "
+            "a forked child cannot use CUDA then. Restart the kernel and call launch before "
+            "any CUDA call (no model.cuda(), no tensors on the GPU), or move fn into a .py "
+            "module and import it, so that the ranks can be spawned."
+        )
+    return method
+
+
+def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, conn) -> None:
+    os.environ.update(
+        MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+    )
+    try:
+        torch.set_num_threads(threads)
+        if backend == "nccl":
+            torch.cuda.set_device(rank % torch.cuda.device_count())
+        dist.init_process_group(
+            backend, init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=nprocs,
+            timeout=datetime.timedelta(seconds=timeout),
+        )
+        out = fn(*args)
+        conn.send(("ok", rank, out))
+    except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
+        conn.send(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        conn.close()
+
+
+def _stop(procs, grace: float = 3.0) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.terminate()
+    end = time.monotonic() + grace
+    for p in procs:
+        p.join(max(0.0, end - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join(1.0)
+
+
+def _collect(procs, conns, nprocs: int, timeout: float) -> list:
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + timeout
+    open_ = dict(zip(conns, range(nprocs), strict=True))
+    sentinels = {p.sentinel: r for r, p in enumerate(procs)}
+    while len(results) < nprocs:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(
+                f"launch: {nprocs - len(results)} rank(s) did not finish within {timeout:.0f} s "
+                f"(finished: {sorted(results)}); they were stopped. Raise timeout= if the work "
+                "is really that long, or look for a rank stuck in a collective."
+            )
+        ready = wait([*open_, *(s for s, r in sentinels.items() if r not in results)], left)
+        for obj in ready:
+            if obj in open_:
+                rank = open_.pop(obj)
+                try:
+                    msg = obj.recv()
+                except EOFError:
+                    continue  # closed without a message: the sentinel reports the death
+                if msg[0] == "error":
+                    raise RankError(
+                        f"launch: rank {msg[1]} raised {msg[2]}\n--- traceback of rank "
+                        f"{msg[1]} ---\n{msg[3]}", msg[1], msg[3])
+                results[rank] = msg[2]
+            elif obj in sentinels and sentinels[obj] not in results:
+                rank = sentinels[obj]
+                conn = next((c for c, r in open_.items() if r == rank), None)
+                if conn is not None and conn.poll(0.5):
+                    continue  # its last message is still in the pipe: read it first
+                raise RankError(
+                    f"launch: rank {rank} died with exit code {procs[rank].exitcode} before "
+                    "reporting (killed, out of memory, or a crash in native code); the other "
+                    "ranks were stopped.", rank)
+    return [results[r] for r in range(nprocs)]
+
+
+def launch(
+    fn: Callable,
+    nprocs: int,
+    backend: str | None = None,
+    args: tuple = (),
+    timeout: float = 300.0,
+    start_method: str | None = None,
+    threads: int | None = None,
+) -> list:
+    """Run ``fn(*args)`` on ``nprocs`` local ranks; return each rank's return value.
+
+    Args:
+        fn: the function every rank runs (after its process group is set up).
+        nprocs: number of ranks.
+        backend: ``"gloo"`` or ``"nccl"``; default NCCL when CUDA is available, else gloo.
+        args: positional arguments for ``fn`` (must pickle).
+        timeout: seconds for the whole run, also the process group's collective timeout.
+        start_method: ``"spawn"`` or ``"fork"``; default spawn, fork for notebook functions.
+        threads: torch threads per rank (default: the CPU count divided by ``nprocs``).
+
+    Raises:
+        RankError: a rank raised (its traceback is in the message) or died.
+        TimeoutError: the ranks did not all finish within ``timeout``.
+
+    Example::
+
+        >>> def train():
+        ...     return torch.distributed.get_rank()
+        >>> launch(train, nprocs=2)
+        [0, 1]
+    """
+    if nprocs < 1:
+        raise ValueError(f"launch: nprocs must be at least 1, got {nprocs}.")
+    backend = backend or _default_backend()
+    if under_torchrun():
+        if not dist.is_initialized():
+            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        return [fn(*args)]
+    if dist.is_initialized():
+        raise RuntimeError(
+            "launch: this process is already in a process group; launch starts new ranks. "
+            "Call torch.distributed.destroy_process_group() first, or run fn directly."
+        )
+    ctx = mp.get_context(_start_method(fn, backend, start_method))
+    port = free_port()
+    threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+    procs, conns = [], []
+    try:
+        for rank in range(nprocs):
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(
+                target=_worker, name=f"mpnb-rank{rank}", daemon=True,
+                args=(rank, nprocs, fn, args, backend, port, timeout, threads, send),
+            )
+            p.start()
+            send.close()
+            procs.append(p)
+            conns.append(recv)
+        return _collect(procs, conns, nprocs, timeout)
+    finally:
+        _stop(procs)
