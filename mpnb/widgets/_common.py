@@ -1,0 +1,96 @@
+"""Helpers shared by the widgets: callback errors shown in an ``Output``, hardware status text.
+
+Nothing here measures or trains; it only formats what :mod:`mpnb.core` and :mod:`mpnb.lab`
+return.
+"""
+
+from __future__ import annotations
+
+import functools
+import html
+import traceback
+from collections.abc import Callable
+
+import ipywidgets as w
+
+from mpnb.core.hardware import cpu_info, cuda_info, half_support
+
+__all__ = ["ErrorBox", "hardware_html", "half_status_label"]
+
+
+class ErrorBox(w.Output):
+    """An ``Output`` that shows exceptions raised in widget callbacks, instead of the kernel log.
+
+    Wrap a callback with :meth:`guard`; the last error's text is kept in :attr:`last_error`
+    (tests read it).
+
+    Example::
+
+        >>> box = ErrorBox()
+        >>> button.on_click(box.guard(run))
+    """
+
+    def __init__(self, **kw):
+        super().__init__(layout=w.Layout(max_height="240px", overflow="auto"), **kw)
+        self.last_error: str | None = None
+
+    def show(self, exc: BaseException, context: str = "") -> str:
+        """Render ``exc`` (with its traceback) in the box and return its one-line summary."""
+        summary = f"{context}{type(exc).__name__}: {exc}"
+        self.last_error = summary
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+        self.append_display_data(
+            w.HTML(
+                f"<div style='color:#b00020'><b>{html.escape(summary)}</b></div>"
+                f"<details><summary>traceback</summary><pre>{html.escape(tb)}</pre></details>"
+            )
+        )
+        return summary
+
+    def guard(self, fn: Callable) -> Callable:
+        """Wrap ``fn`` so that an exception it raises is shown here (and not re-raised)."""
+
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            try:
+                return fn(*args, **kwargs)
+            except Exception as e:  # noqa: BLE001 - shown to the user, never lost
+                self.show(e)
+                return None
+
+        return wrapper
+
+    def clear(self) -> None:
+        """Forget the shown errors."""
+        self.clear_output()
+        self.last_error = None
+
+
+def half_status_label(dtype_name: str, device: str = "cpu") -> str:
+    """``"bf16 (emulated)"``: the dtype with the device's native/emulated/unsupported status."""
+    key = {"bf16": "bfloat16", "fp16": "float16"}.get(dtype_name, dtype_name)
+    status = half_support(device).get(key)
+    return f"{dtype_name} ({status})" if status else dtype_name
+
+
+def hardware_html(device: str = "cpu") -> str:
+    """A short HTML summary of the device and its fp16/bf16 support, with a warning if emulated."""
+    support = half_support(device)
+    if str(device).startswith("cuda"):
+        info = cuda_info() or {}
+        name = f"{info.get('name', 'CUDA')} (capability {info.get('capability', '?')})"
+    else:
+        cpu = cpu_info()
+        name = f"{html.escape(cpu.model)} ({cpu.arch}, kernels built for {cpu.isa})"
+    rows = "".join(f"<tr><td>{k}</td><td><b>{v}</b></td></tr>" for k, v in sorted(support.items()))
+    note = ""
+    if "emulated" in support.values():
+        note = (
+            "<p style='color:#a05a00'>Emulated half dtypes are computed in software on this "
+            "device and are much slower than fp32 (tens to over a hundred times for matmuls): "
+            "on such hardware mixed precision saves memory, not time.</p>"
+        )
+    return (
+        f"<p><b>Device:</b> {html.escape(str(device))} - {name}</p>"
+        f"<table><tr><th>dtype</th><th>support</th></tr>{rows}</table>{note}"
+    )

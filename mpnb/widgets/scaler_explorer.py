@@ -1,0 +1,313 @@
+"""``ScalerExplorer``: gradients against the fp16/bf16 ranges, and a dynamic scaler to step.
+
+The view shows a histogram of ``log2|g|`` of a model's gradients, shifted by the chosen loss
+scale, over the bands fp16 and bf16 can represent, with the fractions that would underflow to
+zero or overflow to inf. Stepping runs mpnb's own scaler update
+(:func:`mpnb.core.ops.update_scale_hysteresis`, the rule :class:`mpnb.amp.LossScaler` uses) on
+the overflow flag that :func:`mpnb.core.ops.multi_tensor_check_finite` raises for the scaled,
+half-cast gradients: growth after ``growth_interval`` clean steps, backoff on inf/NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import ipywidgets as w
+import plotly.graph_objects as go
+import torch
+import traitlets as t
+
+from mpnb.core.ops import multi_tensor_check_finite, update_scale_hysteresis
+from mpnb.widgets._common import ErrorBox, half_status_label
+
+__all__ = ["ScalerExplorer", "format_range"]
+
+_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+_BINS = torch.arange(-100.0, 61.0)  # log2|g| bin edges shown on the x axis
+
+
+def format_range(name: str) -> tuple[float, float, float]:
+    """``(log2 smallest subnormal, log2 smallest normal, log2 max)`` of ``"fp16"``/``"bf16"``."""
+    fi = torch.finfo(_DTYPES[name])
+    return math.log2(fi.smallest_normal * fi.eps), math.log2(fi.smallest_normal), math.log2(fi.max)
+
+
+def _flat_grads(grads) -> torch.Tensor:
+    if isinstance(grads, torch.nn.Module):
+        grads = [p.grad for p in grads.parameters() if p.grad is not None]
+        if not grads:
+            raise ValueError(
+                "ScalerExplorer: the model has no gradients; run loss.backward() "
+                "first, or pass grads=[...]."
+            )
+    if isinstance(grads, torch.Tensor):
+        grads = [grads]
+    flat = torch.cat([g.detach().float().flatten().cpu() for g in grads])
+    if flat.numel() == 0:
+        raise ValueError("ScalerExplorer: no gradient values given.")
+    return flat
+
+
+class ScalerExplorer(w.VBox):
+    """Gradient distribution vs the fp16/bf16 ranges, with a simulated dynamic loss scaler.
+
+    Args:
+        grads: an ``nn.Module`` whose ``.grad`` are filled (after ``loss.backward()`` in fp32),
+            a tensor, or an iterable of tensors: the *unscaled* gradients.
+        init_scale: the loss scale to start from (the slider is in powers of two).
+        growth_factor, backoff_factor, growth_interval: the dynamic scaler's parameters
+            (``torch.amp.GradScaler``'s names).
+        dtype: ``"fp16"`` or ``"bf16"``, the half dtype the gradients are cast to.
+        max_scale: the scale never grows past this (Apex's ``max_loss_scale``).
+
+    Example::
+
+        >>> loss.backward()
+        >>> ex = ScalerExplorer(model, init_scale=2.0**20, growth_interval=4)
+        >>> ex.step(20)               # or click "Step"
+        >>> ex.history[-1]  # {"step": 20, "scale": used, "skipped": False, "next_scale": ...}
+    """
+
+    scale = t.Float(2.0**16).tag(sync=False)
+    dtype = t.Unicode("fp16").tag(sync=False)
+    history = t.List().tag(sync=False)
+
+    def __init__(
+        self,
+        grads: torch.nn.Module | torch.Tensor | Iterable[torch.Tensor],
+        init_scale: float = 2.0**16,
+        growth_factor: float = 2.0,
+        backoff_factor: float = 0.5,
+        growth_interval: int = 4,
+        dtype: str = "fp16",
+        max_scale: float = 2.0**24,
+    ):
+        flat = _flat_grads(grads)
+        nz = flat[(flat != 0) & torch.isfinite(flat)].abs()
+        self._log2 = torch.log2(nz).double()
+        self._zero_frac = 1.0 - nz.numel() / flat.numel()
+        self._extremes = torch.stack([nz.max(), nz.min()]) if nz.numel() else flat[:1].abs()
+        self._counts = torch.histogram(self._log2.float(), _BINS).hist.tolist()
+        self.max_scale = float(max_scale)
+        self.errors = ErrorBox()
+        self._controls(init_scale, growth_factor, backoff_factor, growth_interval, dtype)
+        self._figures()
+        super().__init__(
+            [self._control_box, self.stats, self.hist_fig, self.timeline_fig, self.errors]
+        )
+        self.dtype = dtype
+        self.reset()
+        self.observe(self.errors.guard(self._redraw), names=["scale", "dtype"])
+        self.observe(self.errors.guard(self._redraw_timeline), names=["history"])
+        self._redraw()
+
+    # ---- controls and figures (built once) -------------------------------------------------
+
+    def _controls(self, init_scale, growth_factor, backoff_factor, growth_interval, dtype):
+        self.scale_slider = w.FloatLogSlider(
+            value=init_scale,
+            base=2,
+            min=0,
+            max=40,
+            step=1,
+            description="loss scale",
+            readout_format=".3g",
+        )
+        self.dtype_toggle = w.ToggleButtons(
+            options=[(half_status_label(n), n) for n in _DTYPES],
+            value=dtype,
+            description="half dtype",
+        )
+        self.growth = w.BoundedFloatText(
+            value=growth_factor, min=1.0, max=16.0, step=0.5, description="growth"
+        )
+        self.backoff = w.BoundedFloatText(
+            value=backoff_factor, min=0.01, max=1.0, step=0.05, description="backoff"
+        )
+        self.interval = w.BoundedIntText(
+            value=growth_interval, min=1, max=100000, description="interval"
+        )
+        self.n_steps = w.BoundedIntText(value=10, min=1, max=10000, description="steps")
+        self.step_button = w.Button(description="Step", icon="forward")
+        self.spike_button = w.Button(
+            description="Overflow step",
+            icon="bolt",
+            tooltip="simulate one batch with inf/NaN gradients",
+        )
+        self.reset_button = w.Button(description="Reset", icon="undo")
+        self.step_button.on_click(self.errors.guard(lambda _: self.step(self.n_steps.value)))
+        self.spike_button.on_click(self.errors.guard(lambda _: self.step(1, force_inf=True)))
+        self.reset_button.on_click(self.errors.guard(lambda _: self.reset()))
+        t.link((self.scale_slider, "value"), (self, "scale"))
+        t.link((self.dtype_toggle, "value"), (self, "dtype"))
+        self._init_scale = init_scale
+        self.stats = w.HTML()
+        self._control_box = w.VBox(
+            [
+                w.HBox([self.scale_slider, self.dtype_toggle]),
+                w.HBox([self.growth, self.backoff, self.interval]),
+                w.HBox([self.n_steps, self.step_button, self.spike_button, self.reset_button]),
+            ]
+        )
+
+    def _figures(self):
+        lo, hi = float(_BINS[0]), float(_BINS[-1])
+        centers = (_BINS[:-1] + 0.5).tolist()
+        self.hist_fig = go.FigureWidget(
+            data=[
+                go.Bar(x=centers, y=self._counts, name="unscaled", opacity=0.35),
+                go.Bar(x=centers, y=self._counts, name="scaled"),
+            ],
+            layout=go.Layout(
+                barmode="overlay",
+                height=320,
+                margin=dict(t=40, b=40),
+                title="log2 |gradient| vs the half dtype's range",
+                xaxis=dict(title="log2 |g|", range=[lo, hi]),
+                yaxis=dict(title="count"),
+            ),
+        )
+        self.timeline_fig = go.FigureWidget(
+            data=[
+                go.Scatter(x=[], y=[], mode="lines+markers", name="loss scale"),
+                go.Scatter(
+                    x=[],
+                    y=[],
+                    mode="markers",
+                    name="skipped (inf/NaN)",
+                    marker=dict(color="#d62728", symbol="x", size=10),
+                ),
+            ],
+            layout=go.Layout(
+                height=260,
+                margin=dict(t=40, b=40),
+                title="simulated scaler",
+                xaxis=dict(title="step"),
+                yaxis=dict(title="loss scale", type="log", exponentformat="power"),
+            ),
+        )
+
+    # ---- state ------------------------------------------------------------------------------
+
+    def fractions(self, scale: float | None = None, dtype: str | None = None) -> dict:
+        """Fractions of all gradient values lost to zero / sent to inf at ``scale`` in ``dtype``.
+
+        Values below half the smallest subnormal round to zero; above the largest finite value
+        plus half an ulp they round to inf.
+        """
+        s = math.log2(self.scale if scale is None else scale)
+        sub, _, top = format_range(dtype or self.dtype)
+        eps = torch.finfo(_DTYPES[dtype or self.dtype]).eps
+        shifted = self._log2 + s
+        n = self._log2.numel() / max(1e-300, 1.0 - self._zero_frac)
+        under = (shifted < sub - 1).sum().item() / n
+        over = (shifted >= top + math.log2(1 + eps / 2)).sum().item() / n
+        return {"underflow": under, "overflow": over, "zero_before": self._zero_frac}
+
+    def reset(self) -> None:
+        """Back to the initial scale with empty counters and history."""
+        self._scale_t = torch.full((1,), float(self._init_scale), dtype=torch.float32)
+        self._growth_t = torch.zeros(1, dtype=torch.int32)
+        self._hyst_t = torch.ones(1, dtype=torch.int32)
+        self.scale = float(self._init_scale)
+        self.history = []
+
+    def step(self, n: int = 1, force_inf: bool = False) -> list[dict]:
+        """Run ``n`` simulated optimizer steps of the dynamic scaler; returns the new entries.
+
+        Each entry is ``{"step", "scale" (the scale the step used), "skipped", "next_scale"}``.
+
+        Each step casts the scaled extreme gradients to the half dtype, checks them for inf/NaN
+        with ``multi_tensor_check_finite`` and applies ``update_scale_hysteresis`` (hysteresis
+        1: PyTorch's GradScaler rule), clamped to ``max_scale``. ``force_inf`` simulates a batch
+        whose gradients are non-finite whatever the scale.
+        """
+        self._scale_t.fill_(self.scale)  # the slider may have moved since the last step
+        new = []
+        for _ in range(int(n)):
+            found = torch.zeros(1, dtype=torch.float32)
+            scaled = (self._extremes * self._scale_t).to(_DTYPES[self.dtype])
+            if force_inf:
+                scaled = scaled.clone().fill_(float("inf"))
+            multi_tensor_check_finite(found, [scaled])
+            used = float(self._scale_t.item())
+            update_scale_hysteresis(
+                self._scale_t,
+                self._growth_t,
+                self._hyst_t,
+                found,
+                self.growth.value,
+                self.backoff.value,
+                self.interval.value,
+                1,
+            )
+            self._scale_t.clamp_(max=self.max_scale)
+            nxt = float(self._scale_t.item())
+            new.append(
+                {
+                    "step": len(self.history) + len(new) + 1,
+                    "scale": used,
+                    "skipped": bool(found.item() > 0),
+                    "next_scale": nxt,
+                }
+            )
+        self.history = [*self.history, *new]
+        if new:
+            self.scale = new[-1]["next_scale"]
+        return new
+
+    # ---- drawing ----------------------------------------------------------------------------
+
+    def _redraw(self, change=None) -> None:
+        ls = math.log2(self.scale)
+        sub, normal, top = format_range(self.dtype)
+        f = self.fractions()
+        with self.hist_fig.batch_update():
+            self.hist_fig.data[1].x = [c + ls for c in self.hist_fig.data[0].x]
+            self.hist_fig.data[1].name = f"scaled x 2^{ls:.0f}"
+            self.hist_fig.layout.shapes = [
+                dict(
+                    type="rect",
+                    xref="x",
+                    yref="paper",
+                    x0=sub,
+                    x1=normal,
+                    y0=0,
+                    y1=1,
+                    fillcolor="#ffd580",
+                    opacity=0.35,
+                    line_width=0,
+                    layer="below",
+                ),
+                dict(
+                    type="rect",
+                    xref="x",
+                    yref="paper",
+                    x0=normal,
+                    x1=top,
+                    y0=0,
+                    y1=1,
+                    fillcolor="#9fd89f",
+                    opacity=0.35,
+                    line_width=0,
+                    layer="below",
+                ),
+            ]
+            self.hist_fig.layout.title = (
+                f"log2 |gradient| vs the {self.dtype} range (green: normal, orange: subnormal)"
+            )
+        self.stats.value = (
+            f"<b>{half_status_label(self.dtype)}</b> at scale 2^{ls:.1f}: "
+            f"<b>{f['underflow']:.2%}</b> of the gradient values underflow to zero, "
+            f"<b>{f['overflow']:.2%}</b> overflow to inf "
+            f"({f['zero_before']:.2%} were exactly zero already)."
+        )
+
+    def _redraw_timeline(self, change=None) -> None:
+        h = self.history
+        with self.timeline_fig.batch_update():
+            self.timeline_fig.data[0].x = [e["step"] for e in h]
+            self.timeline_fig.data[0].y = [e["scale"] for e in h]
+            self.timeline_fig.data[1].x = [e["step"] for e in h if e["skipped"]]
+            self.timeline_fig.data[1].y = [e["scale"] for e in h if e["skipped"]]

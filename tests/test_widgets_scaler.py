@@ -1,0 +1,107 @@
+"""Headless tests of ScalerExplorer: its numbers against casts and against mpnb's LossScaler."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("ipywidgets")
+pytest.importorskip("plotly")
+
+from mpnb.amp import LossScaler  # noqa: E402
+from mpnb.widgets import ScalerExplorer  # noqa: E402
+
+
+@pytest.fixture
+def grads():
+    g = torch.Generator().manual_seed(0)
+    # log-uniform magnitudes over 2^-40 .. 2^2: part underflows fp16, part overflows at 2^20
+    mag = torch.exp2(torch.rand(20000, generator=g) * 42 - 40)
+    return mag * torch.sign(torch.randn(20000, generator=g))
+
+
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+@pytest.mark.parametrize("log2_scale", [0, 12, 20, 40])
+def test_fractions_match_a_real_cast(grads, dtype, log2_scale):
+    ex = ScalerExplorer(grads, dtype=dtype)
+    half = {"fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    cast = (grads * 2.0**log2_scale).to(half)
+    f = ex.fractions(2.0**log2_scale)
+    assert f["underflow"] == pytest.approx((cast == 0).float().mean().item(), abs=1e-3)
+    assert f["overflow"] == pytest.approx(torch.isinf(cast).float().mean().item(), abs=1e-3)
+
+
+def test_model_without_grads_is_a_clear_error():
+    with pytest.raises(ValueError, match="backward"):
+        ScalerExplorer(torch.nn.Linear(2, 2))
+
+
+def test_model_grads_are_read():
+    m = torch.nn.Linear(8, 4)
+    m(torch.randn(3, 8)).sum().backward()
+    ex = ScalerExplorer(m)
+    assert sum(ex.hist_fig.data[0].y) == sum(p.grad.numel() for p in m.parameters())
+
+
+def test_slider_moves_the_scaled_histogram(grads):
+    ex = ScalerExplorer(grads, init_scale=1.0)
+    x0 = list(ex.hist_fig.data[1].x)
+    ex.scale_slider.value = 2.0**10
+    assert ex.scale == 2.0**10
+    assert list(ex.hist_fig.data[1].x) == pytest.approx([x + 10 for x in x0])
+    assert "2^10" in ex.hist_fig.data[1].name and "underflow" in ex.stats.value
+    ex.dtype_toggle.value = "bf16"
+    assert ex.dtype == "bf16" and "bf16" in ex.hist_fig.layout.title.text
+
+
+@pytest.mark.parametrize("growth_interval", [1, 3])
+def test_stepping_matches_mpnbs_loss_scaler(grads, growth_interval):
+    """The widget's simulated steps reproduce LossScaler fed with the full scaled gradients."""
+    ex = ScalerExplorer(grads, init_scale=2.0**24, growth_interval=growth_interval)
+    ex.n_steps.value = 25
+    ex.step_button.click()
+    assert ex.errors.last_error is None
+    scaler = LossScaler("dynamic", init_scale=2.0**24, scale_window=growth_interval)
+    expected = []
+    for _ in range(25):
+        used = scaler.loss_scale()
+        g = [(grads * used).half()]
+        scaler.clear_overflow()
+        scaler.unscale(g, [torch.empty_like(g[0], dtype=torch.float32)])
+        expected.append((used, bool(scaler.found_inf.item())))
+        scaler.update()
+    assert [(h["scale"], h["skipped"]) for h in ex.history] == expected
+    assert any(s for _, s in expected) and not all(s for _, s in expected)
+    assert ex.scale == scaler.loss_scale() == ex.scale_slider.value
+    # the timeline figure holds every step and marks exactly the skipped ones
+    assert list(ex.timeline_fig.data[0].x) == list(range(1, 26))
+    assert list(ex.timeline_fig.data[1].x) == [h["step"] for h in ex.history if h["skipped"]]
+
+
+def test_overflow_button_backs_off_and_growth_resumes(grads):
+    ex = ScalerExplorer(
+        grads * 1e-9, init_scale=2.0**8, growth_factor=4.0, backoff_factor=0.25, growth_interval=2
+    )
+    ex.spike_button.click()
+    assert ex.history[-1]["skipped"] and ex.scale == 2.0**6
+    ex.step(2)
+    assert ex.scale == 2.0**8 and not ex.history[-1]["skipped"]
+    ex.reset_button.click()
+    assert ex.history == [] and ex.scale == 2.0**8 and len(ex.timeline_fig.data[0].x) == 0
+
+
+def test_callback_errors_are_shown_in_the_widget(grads):
+    ex = ScalerExplorer(grads)
+    ex._extremes = None  # break the state: the click must not raise into the kernel log
+    ex.step_button.click()
+    assert ex.errors.last_error and "TypeError" in ex.errors.last_error
+    assert len(ex.errors.outputs) == 1
+
+
+def test_format_range_matches_finfo():
+    from mpnb.widgets.scaler_explorer import format_range
+
+    sub, normal, top = format_range("fp16")
+    assert (sub, normal) == (-24.0, -14.0) and top == pytest.approx(math.log2(65504))
