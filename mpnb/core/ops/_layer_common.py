@@ -5,11 +5,11 @@ Every check raises from Python with the problem and the fix, before any C++ kern
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import torch
 
-__all__ = ["acc_dtype", "autograd_once", "check_float", "check_param", "norm_rows"]
+__all__ = ["acc_dtype", "check_float", "check_param", "norm_rows"]
 
 SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -66,22 +66,3 @@ def check_param(op: str, x: torch.Tensor, p: torch.Tensor | None, cols: int, wha
             f"{op}: {what} is {p.dtype} but the input is {x.dtype}; use the input's "
             "dtype, or float32 weights with a half input (the mixed layers)."
         )
-
-
-def autograd_once(*specs: tuple[str, Callable, Callable]) -> Callable[[], None]:
-    """A function that registers ``(op, backward, setup_context)`` autograd once, when first called.
-
-    The ops exist only once the C++ library is loaded, so registration waits for the first
-    call that takes the kernel path.
-    """
-    done = False
-
-    def register() -> None:
-        nonlocal done
-        if done:
-            return
-        done = True
-        for name, backward, setup in specs:
-            torch.library.register_autograd(name, backward, setup_context=setup)
-
-    return register

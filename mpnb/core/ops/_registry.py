@@ -49,6 +49,7 @@ class OpInfo:
 
 _OPS: dict[str, OpInfo] = {}
 _FAKES: dict[str, Callable] = {}
+_AUTOGRAD: dict[str, tuple[Callable, Callable]] = {}
 _fakes_applied = False
 
 
@@ -70,6 +71,18 @@ def register_fake(name: str) -> Callable[[Callable], Callable]:
     return wrap
 
 
+def register_autograd(name: str, backward: Callable, setup_context: Callable) -> None:
+    """The autograd formula of ``mpnb::name``, installed once the library loads.
+
+    The ops exist only after the C++ library is loaded, so registration is deferred to
+    :func:`kernel_ready`, like the fake kernels; a direct ``torch.ops.mpnb`` call made after
+    that is differentiable too.
+    """
+    _AUTOGRAD[name] = (backward, setup_context)
+    if _fakes_applied:
+        torch.library.register_autograd(f"mpnb::{name}", backward, setup_context=setup_context)
+
+
 def all_ops() -> list[OpInfo]:
     """Every registered op, in registration order."""
     return list(_OPS.values())
@@ -84,6 +97,8 @@ def kernel_ready() -> bool:
         _fakes_applied = True
         for name, fn in _FAKES.items():
             torch.library.register_fake(f"mpnb::{name}")(fn)
+        for name, (backward, setup) in _AUTOGRAD.items():
+            torch.library.register_autograd(f"mpnb::{name}", backward, setup_context=setup)
     return True
 
 

@@ -24,12 +24,17 @@ import torch
 
 from mpnb.core.ops._layer_common import (
     acc_dtype,
-    autograd_once,
     check_float,
     check_param,
     norm_rows,
 )
-from mpnb.core.ops._registry import OpInfo, register_fake, register_op, use_kernel
+from mpnb.core.ops._registry import (
+    OpInfo,
+    register_autograd,
+    register_fake,
+    register_op,
+    use_kernel,
+)
 
 __all__ = [
     "layer_norm_fwd",
@@ -156,7 +161,6 @@ def layer_norm_fwd(
     shape = [int(s) for s in normalized_shape]
     if use_kernel(input):
         _validate("layer_norm_fwd", input, shape, weight, bias)
-        _register_autograd()
         return torch.ops.mpnb.layer_norm_fwd(
             input, shape, weight, bias, float(eps), bool(memory_efficient)
         )
@@ -168,7 +172,6 @@ def rms_norm_fwd(input, normalized_shape, weight=None, eps=1e-5, memory_efficien
     shape = [int(s) for s in normalized_shape]
     if use_kernel(input):
         _validate("rms_norm_fwd", input, shape, weight)
-        _register_autograd()
         return torch.ops.mpnb.rms_norm_fwd(input, shape, weight, float(eps), bool(memory_efficient))
     return reference_rms_norm_fwd(input, shape, weight, eps, memory_efficient)
 
@@ -271,10 +274,8 @@ def _rms_backward(ctx, gy, _ginvvar):
     return dx, None, dw if w is not None else None, None, None
 
 
-_register_autograd = autograd_once(
-    ("mpnb::layer_norm_fwd", _ln_backward, _ln_setup),
-    ("mpnb::rms_norm_fwd", _rms_backward, _rms_setup),
-)
+register_autograd("layer_norm_fwd", _ln_backward, _ln_setup)
+register_autograd("rms_norm_fwd", _rms_backward, _rms_setup)
 
 for _name, _ref in (
     ("layer_norm_fwd", reference_layer_norm_fwd),

@@ -12,8 +12,14 @@ from __future__ import annotations
 
 import torch
 
-from mpnb.core.ops._layer_common import acc_dtype, autograd_once, check_float
-from mpnb.core.ops._registry import OpInfo, register_fake, register_op, use_kernel
+from mpnb.core.ops._layer_common import acc_dtype, check_float
+from mpnb.core.ops._registry import (
+    OpInfo,
+    register_autograd,
+    register_fake,
+    register_op,
+    use_kernel,
+)
 
 __all__ = ["rope", "reference_rope", "check_rope"]
 
@@ -66,7 +72,6 @@ def rope(t, cos, sin, group, transpose_output=False, backward=False):
     """Rotate ``t`` by the position tables (differentiable in ``t``); see the module docstring."""
     check_rope("rope", t, cos, sin, int(group))
     if use_kernel(t):
-        _register_autograd()
         return torch.ops.mpnb.rope(t, cos, sin, int(group), bool(transpose_output), bool(backward))
     return reference_rope(t, cos, sin, int(group), transpose_output, backward)
 
@@ -91,5 +96,5 @@ def _backward(ctx, gy):
     return dx, None, None, None, None, None
 
 
-_register_autograd = autograd_once(("mpnb::rope", _backward, _setup))
+register_autograd("rope", _backward, _setup)
 register_op(OpInfo("rope", "layer", reference_rope))

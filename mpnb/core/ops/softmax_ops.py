@@ -18,8 +18,14 @@ from __future__ import annotations
 
 import torch
 
-from mpnb.core.ops._layer_common import acc_dtype, autograd_once, check_float
-from mpnb.core.ops._registry import OpInfo, register_fake, register_op, use_kernel
+from mpnb.core.ops._layer_common import acc_dtype, check_float
+from mpnb.core.ops._registry import (
+    OpInfo,
+    register_autograd,
+    register_fake,
+    register_op,
+    use_kernel,
+)
 
 __all__ = [
     "scaled_softmax_fwd",
@@ -118,7 +124,6 @@ def scaled_softmax_fwd(input: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """Softmax of ``input * scale`` over the last dim (differentiable)."""
     check_float("scaled_softmax", input)
     if use_kernel(input):
-        _register_autograd()
         return torch.ops.mpnb.scaled_softmax_fwd(input, float(scale))
     return reference_scaled_softmax_fwd(input, scale)
 
@@ -136,7 +141,6 @@ def scaled_masked_softmax_fwd(input: torch.Tensor, mask: torch.Tensor, scale: fl
     check_float("scaled_masked_softmax", input)
     check_mask("scaled_masked_softmax", input, mask)
     if use_kernel(input):
-        _register_autograd()
         return torch.ops.mpnb.scaled_masked_softmax_fwd(input, mask, float(scale))
     return reference_scaled_masked_softmax_fwd(input, mask, scale)
 
@@ -151,7 +155,6 @@ def scaled_upper_triang_masked_softmax_fwd(input: torch.Tensor, scale: float = 1
     check_float("scaled_upper_triang_masked_softmax", input)
     _check_causal("scaled_upper_triang_masked_softmax", input)
     if use_kernel(input):
-        _register_autograd()
         return torch.ops.mpnb.scaled_upper_triang_masked_softmax_fwd(input, float(scale))
     return reference_scaled_upper_triang_masked_softmax_fwd(input, scale)
 
@@ -204,11 +207,9 @@ def _bwd(upper: bool, n_inputs: int):
     return backward
 
 
-_register_autograd = autograd_once(
-    ("mpnb::scaled_softmax_fwd", _bwd(False, 2), _setup),
-    ("mpnb::scaled_masked_softmax_fwd", _bwd(False, 3), _setup),
-    ("mpnb::scaled_upper_triang_masked_softmax_fwd", _bwd(True, 2), _setup),
-)
+register_autograd("scaled_softmax_fwd", _bwd(False, 2), _setup)
+register_autograd("scaled_masked_softmax_fwd", _bwd(False, 3), _setup)
+register_autograd("scaled_upper_triang_masked_softmax_fwd", _bwd(True, 2), _setup)
 
 for _name, _ref in (
     ("scaled_softmax_fwd", reference_scaled_softmax_fwd),
