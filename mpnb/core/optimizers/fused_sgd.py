@@ -62,17 +62,24 @@ class FusedSGD(FusedOptimizerBase):
         momentum = group["momentum"]
         bufs, first, new = [], [], []
         if momentum != 0:
-            for p, s in zip(bucket.params, bucket.states, strict=True):
-                if "momentum_buffer" not in s or s["momentum_buffer"] is None:
-                    new.append((s, torch.empty_like(p, dtype=torch.float32)))
-                    bufs.append(new[-1][1])
-                    first.append(True)
-                else:
-                    bufs.append(s["momentum_buffer"])
-                    first.append(False)
+            cached = bucket.lists.get("momentum_buffer")  # set once every buffer exists
+            if cached is not None:
+                bufs, first = cached, bucket.lists["first_run"]
+            else:
+                for p, s in zip(bucket.params, bucket.states, strict=True):
+                    if s.get("momentum_buffer") is None:
+                        new.append((s, torch.empty_like(p, dtype=torch.float32)))
+                        bufs.append(new[-1][1])
+                        first.append(True)
+                    else:
+                        bufs.append(s["momentum_buffer"])
+                        first.append(False)
+                if not new:
+                    bucket.lists["momentum_buffer"], bucket.lists["first_run"] = bufs, first
         grads = bucket.grads
         if bucket.masters and self.materialize_master_grads:
-            for m, g in zip(bucket.masters, bucket.grads, strict=True):  # Apex's master grads, unscaled
+            # Apex's master grads, unscaled
+            for m, g in zip(bucket.masters, bucket.grads, strict=True):
                 m.grad = g.float() if inv_scale is None else g.float() * inv_scale
             grads, inv_scale = [m.grad for m in bucket.masters], None
         fused_sgd_(bucket.params, grads, bufs, bucket.masters, first, lr=float(group["lr"]),
