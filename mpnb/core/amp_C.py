@@ -112,13 +112,30 @@ def update_scale_hysteresis(
 
 
 # ---- optimizer kernels (Apex's multi_tensor_{adam,sgd,lamb,novograd,adagrad}) --------------
-# Apex passes the step count as a number; our kernels keep it in per-param tensors and
-# advance it themselves, so a temporary step tensor holding ``step - 1`` is handed over.
-# ``noop_flag`` is honoured as Apex does: when it is set the kernel writes nothing.
+# Apex passes the step count as a number; our ops keep it in per-param tensors and advance it
+# themselves, so a temporary step tensor holding ``step - 1`` is handed over. ``noop_flag`` is
+# honoured: when it is set on entry nothing is written. Apex keeps the state of half params
+# without masters in the param dtype; our ops keep fp32 state, so such state goes through an
+# fp32 copy that is written back (the same rounding as Apex's kernels: fp32 math, one store).
 
 
-def _steps(n: int, step: int) -> list[torch.Tensor]:
-    return [torch.tensor(float(step) - 1.0) for _ in range(n)]
+def _steps(n: int, step: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
+    dev = like[0].device if like else torch.device("cpu")
+    dev = torch.device("cpu") if dev.type == "cpu" else dev
+    return [torch.full((), float(step) - 1.0, device=dev) for _ in range(n)]
+
+
+def _fp32(lst: list[torch.Tensor], back: list) -> list[torch.Tensor]:
+    if not lst or lst[0].dtype == torch.float32:
+        return lst
+    f = [t.float() for t in lst]
+    back.append((lst, f))
+    return f
+
+
+def _write_back(back: list) -> None:
+    for lst, f in back:
+        torch._foreach_copy_(lst, f)
 
 
 def multi_tensor_adam(
@@ -138,13 +155,14 @@ def multi_tensor_adam(
     from mpnb.core.ops.optimizers import fused_adam_
 
     g, p, m, v = _lists("multi_tensor_adam", tensor_lists, 4)
+    back: list = []
     fused_adam_(
         p,
         g,
-        m,
-        v,
+        _fp32(m, back),
+        _fp32(v, back),
         [],
-        _steps(len(p), step),
+        _steps(len(p), step, p),
         lr=lr,
         beta1=beta1,
         beta2=beta2,
@@ -154,6 +172,7 @@ def multi_tensor_adam(
         bias_correction=bool(bias_correction),
         found_inf=noop_flag,
     )
+    _write_back(back)
 
 
 def multi_tensor_sgd(
@@ -169,20 +188,21 @@ def multi_tensor_sgd(
     wd_after_momentum,
     scale,
 ) -> None:
-    """``[grads, params, momentum_buffers]`` or, with fp16 model copies, ``[..., model_params]``."""
+    """``[grads, params, momentum_buffers]`` or, with fp16 model copies, ``[..., model_params]``
+    (then ``params`` are the fp32 masters); grads are multiplied by ``scale`` first."""
     from mpnb.core.ops.optimizers import fused_sgd_
 
     if len(tensor_lists) == 4:
-        g, master, buf, model = (list(t) for t in tensor_lists)
-        params, masters = model, master
+        g, masters, buf, params = (list(t) for t in tensor_lists)
     else:
         g, params, buf = _lists("multi_tensor_sgd", tensor_lists, 3)
         masters = []
+    back: list = []
     inv = torch.tensor([float(scale)], dtype=torch.float32)
     fused_sgd_(
         params,
         g,
-        buf,
+        _fp32(buf, back),
         masters,
         [bool(first_run)] * len(params),
         lr=lr,
@@ -191,9 +211,10 @@ def multi_tensor_sgd(
         weight_decay=wd,
         nesterov=bool(nesterov),
         wd_after_momentum=bool(wd_after_momentum),
-        inv_scale=inv,
+        inv_scale=None if float(scale) == 1.0 else inv,
         found_inf=noop_flag,
     )
+    _write_back(back)
 
 
 def multi_tensor_lamb(
@@ -217,13 +238,14 @@ def multi_tensor_lamb(
     from mpnb.core.ops.optimizers_lamb import fused_lamb_
 
     g, p, m, v = _lists("multi_tensor_lamb", tensor_lists, 4)
+    back: list = []
     fused_lamb_(
         p,
         g,
-        m,
-        v,
+        _fp32(m, back),
+        _fp32(v, back),
         [],
-        _steps(len(p), step),
+        _steps(len(p), step, p),
         global_grad_norm,
         lr=lr,
         beta1=beta1,
@@ -237,6 +259,7 @@ def multi_tensor_lamb(
         use_nvlamb=bool(use_nvlamb),
         found_inf=noop_flag,
     )
+    _write_back(back)
 
 
 def multi_tensor_novograd(
@@ -261,16 +284,18 @@ def multi_tensor_novograd(
 
     g, p, m = _lists("multi_tensor_novograd", tensor_lists, 3)
     if norm_type == 2:
-        norms = multi_tensor_l2norm(chunk_size, torch.zeros(1), [g], True)[1].float()
+        flag = torch.zeros(1, device=grad_norms.device)
+        norms = multi_tensor_l2norm(chunk_size, flag, [g], True)[1].float()
     else:
         norms = torch.stack([x.abs().max().float() for x in g])
+    back: list = []
     fused_novograd_(
         p,
         g,
-        m,
+        _fp32(m, back),
         list(grad_norms.unbind()),
         [],
-        _steps(len(p), step),
+        _steps(len(p), step, p),
         norms.contiguous(),
         lr=lr,
         beta1=beta1,
@@ -284,6 +309,7 @@ def multi_tensor_novograd(
         init_zero=True,
         found_inf=noop_flag,
     )
+    _write_back(back)
 
 
 def multi_tensor_adagrad(
@@ -293,18 +319,20 @@ def multi_tensor_adagrad(
     from mpnb.core.ops.optimizers import fused_adagrad_
 
     g, p, h = _lists("multi_tensor_adagrad", tensor_lists, 3)
+    back: list = []
     fused_adagrad_(
         p,
         g,
-        h,
+        _fp32(h, back),
         [],
-        _steps(len(p), 1),
+        _steps(len(p), 1, p),
         lr=lr,
         eps=epsilon,
         weight_decay=weight_decay,
         adagrad_w_mode=mode == 1,
         found_inf=noop_flag,
     )
+    _write_back(back)
 
 
 __all__ += [
