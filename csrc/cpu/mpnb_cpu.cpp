@@ -14,6 +14,7 @@
 #include "cpu/softmax.h"
 #include "cpu/rope.h"
 #include "cpu/dense.h"
+#include "cpu/welford.h"
 
 // The namespace is owned here; each family adds its schemas through a fragment.
 TORCH_LIBRARY(mpnb, m) {

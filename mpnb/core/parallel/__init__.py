@@ -1,14 +1,20 @@
 """Apex's ``apex.parallel``: DistributedDataParallel, Reducer, SyncBatchNorm, LARC, launch."""
 
+from mpnb.core.parallel.convert import convert_syncbn_model
 from mpnb.core.parallel.distributed import CommStats, DistributedDataParallel
 from mpnb.core.parallel.larc import LARC
 from mpnb.core.parallel.launch import RankError, free_port, launch, under_torchrun
 from mpnb.core.parallel.reducer import Reducer
+from mpnb.core.parallel.sync_batchnorm import SyncBatchNorm
+from mpnb.core.parallel.sync_batchnorm_kernel import sync_batch_norm
 
 __all__ = [
     "LARC",
     "DistributedDataParallel",
     "Reducer",
+    "SyncBatchNorm",
+    "sync_batch_norm",
+    "convert_syncbn_model",
     "CommStats",
     "launch",
     "RankError",
