@@ -32,11 +32,13 @@ def _clone(x):
 
 
 def _run(name, args, kw, use_ref):
-    fn = {"adam": (O.fused_adam_, O.reference_fused_adam_),
-          "adagrad": (O.fused_adagrad_, O.reference_fused_adagrad_),
-          "sgd": (O.fused_sgd_, O.reference_fused_sgd_),
-          "lamb": (L.fused_lamb_, L.reference_fused_lamb_),
-          "novograd": (L.fused_novograd_, L.reference_fused_novograd_)}[name]
+    fn = {
+        "adam": (O.fused_adam_, O.reference_fused_adam_),
+        "adagrad": (O.fused_adagrad_, O.reference_fused_adagrad_),
+        "sgd": (O.fused_sgd_, O.reference_fused_sgd_),
+        "lamb": (L.fused_lamb_, L.reference_fused_lamb_),
+        "novograd": (L.fused_novograd_, L.reference_fused_novograd_),
+    }[name]
     if use_ref:
         fn[1](*args, **kw)
     else:
@@ -46,24 +48,65 @@ def _run(name, args, kw, use_ref):
 def _call(name, params, grads, masters, states, steps, **extra):
     if name == "adam":
         return (params, grads, states[0], states[1], masters, steps), dict(
-            lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1, adam_w_mode=True,
-            bias_correction=True, **extra)
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.1,
+            adam_w_mode=True,
+            bias_correction=True,
+            **extra,
+        )
     if name == "adagrad":
         return (params, grads, states[0], masters, steps), dict(
-            lr=1e-2, eps=1e-10, weight_decay=0.1, lr_decay=0.0, adagrad_w_mode=False, **extra)
+            lr=1e-2, eps=1e-10, weight_decay=0.1, lr_decay=0.0, adagrad_w_mode=False, **extra
+        )
     if name == "sgd":
         return (params, grads, states[0], masters, [False] * len(params)), dict(
-            lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=False,
-            wd_after_momentum=False, **extra)
+            lr=0.1,
+            momentum=0.9,
+            dampening=0.1,
+            weight_decay=0.01,
+            nesterov=False,
+            wd_after_momentum=False,
+            **extra,
+        )
     if name == "lamb":
         return (params, grads, states[0], states[1], masters, steps, torch.tensor([3.0])), dict(
-            lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, weight_decay=0.01, adam_w_mode=True,
-            bias_correction=True, grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False,
-            **extra)
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
+            weight_decay=0.01,
+            adam_w_mode=True,
+            bias_correction=True,
+            grad_averaging=True,
+            max_grad_norm=1.0,
+            use_nvlamb=False,
+            **extra,
+        )
     vs = [torch.tensor(0.5) for _ in params]
-    return (params, grads, states[0], vs, masters, steps, torch.linspace(0.1, 2.0, len(params))), dict(
-        lr=1e-2, beta1=0.95, beta2=0.98, eps=1e-8, weight_decay=0.01, bias_correction=True,
-        grad_averaging=True, reg_inside_moment=False, norm_type=2, init_zero=False, **extra)
+    return (
+        params,
+        grads,
+        states[0],
+        vs,
+        masters,
+        steps,
+        torch.linspace(0.1, 2.0, len(params)),
+    ), dict(
+        lr=1e-2,
+        beta1=0.95,
+        beta2=0.98,
+        eps=1e-8,
+        weight_decay=0.01,
+        bias_correction=True,
+        grad_averaging=True,
+        reg_inside_moment=False,
+        norm_type=2,
+        init_zero=False,
+        **extra,
+    )
 
 
 OPS = ["adam", "adagrad", "sgd", "lamb", "novograd"]
@@ -78,8 +121,7 @@ def test_kernel_matches_reference(kernels, name, pdt, gdt):
     outs = []
     for use_ref in (False, True):
         params, grads, masters, states, steps = _clone(base)
-        args, kw = _call(name, params, grads, masters, states, steps,
-                         inv_scale=torch.tensor([0.5]))
+        args, kw = _call(name, params, grads, masters, states, steps, inv_scale=torch.tensor([0.5]))
         _run(name, args, kw, use_ref)
         outs.append((masters or params, states))
     (w_k, s_k), (w_r, s_r) = outs
@@ -124,12 +166,14 @@ def test_overflow_writes_nothing(kernels, name, use_ref):
     found = torch.zeros(1)
     multi_tensor_check_finite(found, grads)
     assert found.item() == 1
-    args, kw = _call(name, params, grads, masters, states, steps,
-                     inv_scale=torch.tensor([0.5]), found_inf=found)
+    args, kw = _call(
+        name, params, grads, masters, states, steps, inv_scale=torch.tensor([0.5]), found_inf=found
+    )
     _run(name, args, kw, use_ref)
     _, _, m0, s0, st0 = base
-    for a, b in zip(params + masters + sum(states, []) + steps,
-                    base[0] + m0 + sum(s0, []) + st0, strict=True):
+    for a, b in zip(
+        params + masters + sum(states, []) + steps, base[0] + m0 + sum(s0, []) + st0, strict=True
+    ):
         assert torch.equal(a, b)
 
 
@@ -143,8 +187,21 @@ def test_adam_fp32_bitwise_state_vs_torch_fused(kernels):
         g = torch.randn(1000)
         p.grad = g.clone()
         opt.step()
-        O.fused_adam_([w], [g], [m], [v], [], [st], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-                      weight_decay=0.1, adam_w_mode=True, bias_correction=True)
+        O.fused_adam_(
+            [w],
+            [g],
+            [m],
+            [v],
+            [],
+            [st],
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.1,
+            adam_w_mode=True,
+            bias_correction=True,
+        )
     s = opt.state[p]
     assert torch.equal(st, s["step"])
     torch.testing.assert_close(m, s["exp_avg"], rtol=1e-6, atol=1e-9)
@@ -154,11 +211,73 @@ def test_adam_fp32_bitwise_state_vs_torch_fused(kernels):
 def test_bad_lists_raise_clear_errors(kernels):
     p, g = [torch.randn(4)], [torch.randn(5)]
     with pytest.raises((RuntimeError, ValueError), match="same size"):
-        O.fused_adam_(p, g, [torch.zeros(4)], [torch.zeros(4)], [], [torch.tensor(0.0)],
-                      lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0,
-                      adam_w_mode=True, bias_correction=True)
+        O.fused_adam_(
+            p,
+            g,
+            [torch.zeros(4)],
+            [torch.zeros(4)],
+            [],
+            [torch.tensor(0.0)],
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            adam_w_mode=True,
+            bias_correction=True,
+        )
     with pytest.raises((RuntimeError, TypeError), match="float32"):
-        O.fused_adam_([torch.randn(4)], [torch.randn(4)], [torch.zeros(4, dtype=torch.half)],
-                      [torch.zeros(4)], [], [torch.tensor(0.0)], lr=1e-3, beta1=0.9,
-                      beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=True,
-                      bias_correction=True)
+        O.fused_adam_(
+            [torch.randn(4)],
+            [torch.randn(4)],
+            [torch.zeros(4, dtype=torch.half)],
+            [torch.zeros(4)],
+            [],
+            [torch.tensor(0.0)],
+            lr=1e-3,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.0,
+            adam_w_mode=True,
+            bias_correction=True,
+        )
+
+
+# ---- opcheck ------------------------------------------------------------------------------
+
+
+def _opcheck_cases():
+    """One call per op: bf16 params with fp32 masters, a scale and a clear overflow flag."""
+    sizes = [5, 40000]
+
+    def lists(nstate):
+        g = torch.Generator().manual_seed(11)
+        params = [torch.randn(n, generator=g).bfloat16() for n in sizes]
+        grads = [torch.randn(n, generator=g).bfloat16() for n in sizes]
+        states = [[torch.rand(n, generator=g) for n in sizes] for _ in range(nstate)]
+        steps = [torch.tensor(2.0) for _ in sizes]
+        return params, grads, [p.float() for p in params], states, steps
+
+    scale = dict(inv_scale=torch.tensor([0.5]), found_inf=torch.zeros(1))
+    cases = {}
+    for name, nstate in (("adam", 2), ("adagrad", 1), ("sgd", 1), ("lamb", 2), ("novograd", 1)):
+        params, grads, masters, states, steps = lists(nstate)
+        args, kw = _call(name, params, grads, masters, states, steps)
+        cases[f"fused_{name}_"] = (*args, *kw.values(), *scale.values())
+    return cases
+
+
+@pytest.mark.parametrize("name", list(_opcheck_cases()))
+def test_opcheck(kernels, name):
+    if not kernels:
+        pytest.skip("opcheck needs the compiled op (MPNB_DISABLE_EXT=1 runs the references)")
+    op = getattr(torch.ops.mpnb, name).default
+    torch.library.opcheck(op, _opcheck_cases()[name])
+
+
+def test_every_optimizer_op_has_an_opcheck_case():
+    from mpnb.core import ops
+
+    names = {i.name for i in ops.all_ops() if i.family == "optimizer"}
+    assert names == set(_opcheck_cases())
