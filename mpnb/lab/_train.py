@@ -1,0 +1,287 @@
+"""One configuration, trained for real: the measurements behind one row of ``compare``.
+
+Per step, one host sync reads the loss, the overflow flag and the loss scale together (the
+step was skipped when the flag is set under dynamic scaling). Step times come from
+``torch.utils.benchmark.timer`` (it synchronizes CUDA); the first ``warmup`` steps and the
+last, memory-tracked step are recorded in the history but not in the timing statistics.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+import warnings
+from dataclasses import dataclass, field
+
+import torch
+from torch.utils import benchmark
+
+from mpnb.core.amp import EmulatedHalfWarning, LossScaleCollapseError
+from mpnb.lab import _scaler
+from mpnb.lab.bench._stats import iqr, median
+from mpnb.lab.config import RunConfig
+from mpnb.lab.memory import MemoryTracker
+from mpnb.lab.workloads import Workload
+
+__all__ = ["RunResult", "Trainer", "run_config", "make_optimizer", "to_device", "DivergenceError",
+           "describe_error"]
+
+_MIB = 2.0**20
+
+
+class DivergenceError(RuntimeError):
+    """The loss became inf/NaN on a step that was not skipped: training diverged."""
+
+
+@dataclass
+class RunResult:
+    """What one configuration produced; the runner turns it into a row."""
+
+    config: RunConfig
+    row: dict = field(default_factory=dict)
+    history: list[dict] = field(default_factory=list)
+    output: torch.Tensor | None = None  # the fixed batch's output at initialization (fp32, CPU)
+    error: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+
+def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
+    """A fresh optimizer by name: adam, adamw, sgd (momentum 0.9), fused_adam, fused_sgd."""
+    from mpnb.core.optimizers import FusedAdam, FusedSGD
+
+    makers = {
+        "adam": lambda: torch.optim.Adam(params, lr=lr),
+        "adamw": lambda: torch.optim.AdamW(params, lr=lr),
+        "sgd": lambda: torch.optim.SGD(params, lr=lr, momentum=0.9),
+        "fused_adam": lambda: FusedAdam(params, lr=lr),
+        "fused_sgd": lambda: FusedSGD(params, lr=lr, momentum=0.9),
+    }
+    return makers[name]()
+
+
+def to_device(x, device):
+    """``x`` (a tensor, or a tuple/list/dict of them) moved to ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device, non_blocking=True)
+    if isinstance(x, (tuple, list)):
+        return type(x)(to_device(v, device) for v in x)
+    if isinstance(x, dict):
+        return {k: to_device(v, device) for k, v in x.items()}
+    return x
+
+
+def _forward(model, x):
+    return model(*x) if isinstance(x, tuple) else model(x)
+
+
+def _setup(cfg: RunConfig, w: Workload):
+    from mpnb import amp
+
+    torch.manual_seed(cfg.seed)
+    model = w.model_fn().to(cfg.device)
+    opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr or w.lr)
+    scale = None if cfg.opt_level == "O0" else cfg.loss_scale
+    model, opt = amp.initialize(model, opt, opt_level=cfg.opt_level, half_dtype=cfg.dtype,
+                                loss_scale=scale if isinstance(scale, float) else None,
+                                verbosity=0)
+    scaler = _scaler.install(amp.current_handle(), scale, cfg.device)
+    return model, opt, scaler
+
+
+def _fixed_output(model, w: Workload, device) -> torch.Tensor:
+    x, _ = w.fixed_batch()
+    model.eval()
+    with torch.no_grad():
+        out = _forward(model, to_device(x, device)).float().cpu()
+    model.train()
+    return out
+
+
+def _train_step(model, opt, x, y, loss_fn):
+    from mpnb import amp
+
+    opt.zero_grad(set_to_none=True)
+    loss = loss_fn(_forward(model, x).float(), y)
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    return loss.detach()
+
+
+class Trainer:
+    """One configuration's model, optimizer, data and history, advanced one step at a time.
+
+    The runner steps several trainers round-robin (A, B, A, B, ...) so that a shared
+    machine's drift slows every configuration alike; :func:`run_config` steps one alone.
+    Step ``steps - 1`` runs under the :class:`MemoryTracker` and is not timed.
+    """
+
+    def __init__(self, cfg: RunConfig, w: Workload):
+        self.cfg, self.w, self.res = cfg, w, RunResult(cfg)
+        self.cuda = torch.device(cfg.device).type == "cuda"
+        self.model = self.opt = self.scaler = self.tracker = None
+        self.peak = 0
+        self._guard(self._setup)
+
+    @property
+    def alive(self) -> bool:
+        """False once the configuration has failed."""
+        return self.res.error is None
+
+    def _guard(self, fn, *args) -> None:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            warnings.simplefilter("ignore", EmulatedHalfWarning)  # the lab says it per row
+            try:
+                fn(*args)
+            except Exception as e:  # noqa: BLE001 - any failure becomes this row's error
+                self.res.error = describe_error(e)
+                self.release()
+        self.res.warnings += [str(c.message).split(". ")[0] for c in caught]
+
+    def _setup(self) -> None:
+        self.model, self.opt, self.scaler = _setup(self.cfg, self.w)
+        self.res.output = _fixed_output(self.model, self.w, self.cfg.device)
+        self.tracker = MemoryTracker(self.model, self.opt)
+        self.batches = self.w.batches(self.cfg.batch_size, self.cfg.seed)
+
+    def step(self, i: int) -> None:
+        """Run training step ``i`` (a failure is recorded, never raised)."""
+        if self.alive:
+            self._guard(self._step, i)
+
+    def _step(self, i: int) -> None:
+        cfg, w = self.cfg, self.w
+        x, y = next(self.batches)
+        x, y = to_device(x, cfg.device), to_device(y, cfg.device)
+        phase = "warmup" if i < cfg.warmup else "memory" if i == cfg.steps - 1 else "timed"
+        if phase == "memory":
+            base = self._cuda_base()
+            with self.tracker:
+                t0 = benchmark.timer()
+                loss = _train_step(self.model, self.opt, x, y, w.loss_fn)
+                dt = benchmark.timer() - t0
+            self.peak = self._cuda_peak(base) if self.cuda else self.tracker.peak_bytes
+        else:
+            t0 = benchmark.timer()
+            loss = _train_step(self.model, self.opt, x, y, w.loss_fn)
+            dt = benchmark.timer() - t0
+        self._record(i, phase, loss, dt)
+
+    def _cuda_base(self) -> int:
+        if not self.cuda:
+            return 0
+        torch.cuda.reset_peak_memory_stats(self.cfg.device)
+        return torch.cuda.memory_allocated(self.cfg.device)
+
+    def _cuda_peak(self, base: int) -> int:
+        # Other configurations may be resident: count this step's rise above the memory at
+        # its start, plus this configuration's own resident tensors (known to the tracker).
+        return torch.cuda.max_memory_allocated(self.cfg.device) - base + self.tracker.entry_bytes
+
+    def _record(self, i: int, phase: str, loss: torch.Tensor, dt: float) -> None:
+        scaler = self.scaler
+        # The one host sync of the step: loss, overflow flag and scale, read together.
+        lv, found, scale = torch.cat([loss.float().view(1), scaler.found_inf.view(1),
+                                      scaler.scale.view(1)]).tolist()
+        skipped = found > 0 and scaler.dynamic
+        why = "" if not skipped else ("loss is inf/NaN" if not math.isfinite(lv)
+                                      else "inf/NaN in the gradients")
+        self.res.history.append(dict(step=i, loss=lv, loss_scale=scale, step_time_ms=dt * 1e3,
+                                     skipped=skipped, skip_reason=why, phase=phase))
+        if not skipped and not math.isfinite(lv):
+            hint = ""
+            if self.cfg.opt_level == "O3":
+                hint = (" O3 keeps no fp32 master weights or optimizer state (Adam's eps=1e-8 "
+                        "is 0 in fp16); O2 keeps them in fp32.")
+            raise DivergenceError(
+                f"NaN divergence: the loss became {lv} at step {i} and the step was not skipped "
+                f"(loss scale {'static ' if not scaler.dynamic else ''}{scale:g}); lower the "
+                f"learning rate, use dynamic loss scaling, or bf16 (fp32's range).{hint}")
+
+    def finish(self) -> RunResult:
+        """Evaluate, fill the row and free the model; returns the :class:`RunResult`."""
+        if self.alive:
+            self._guard(self._finish)
+        self.res.row.update(_timing_row(self.cfg, self.res.history))
+        self.res.warnings = list(dict.fromkeys(self.res.warnings))
+        self.release()
+        return self.res
+
+    def _finish(self) -> None:
+        eval_loss, metric = _evaluate(self.model, self.w, self.cfg.device)
+        self.res.row.update(_memory_row(self.tracker, self.peak, self.cuda))
+        self.res.row.update(eval_loss=eval_loss, metric=metric)
+
+    def release(self) -> None:
+        """Drop the model, optimizer and data (and the CUDA cache)."""
+        self.model = self.opt = self.scaler = self.batches = None
+        if self.cuda:
+            torch.cuda.empty_cache()
+
+
+def _evaluate(model, w: Workload, device) -> tuple[float, float]:
+    if w.eval is None:
+        return math.nan, math.nan
+    model.eval()
+    n = loss_sum = metric_sum = 0.0
+    with torch.no_grad():
+        for x, y in w.eval_batches():
+            x, y = to_device(x, device), to_device(y, device)
+            out = _forward(model, x).float()
+            k = len(y)
+            loss_sum += float(w.loss_fn(out, y)) * k
+            if w.metric_fn is not None:
+                metric_sum += float(w.metric_fn(out, y)) * k
+            n += k
+    model.train()
+    return loss_sum / n, (metric_sum / n if w.metric_fn is not None else math.nan)
+
+
+def _timing_row(cfg: RunConfig, history: list[dict]) -> dict:
+    timed = [h["step_time_ms"] for h in history if h["phase"] == "timed"]
+    med = median(timed)
+    losses = [h["loss"] for h in history[-10:] if math.isfinite(h["loss"])]
+    return dict(step_time_ms=med, step_time_iqr_ms=iqr(timed), timed_steps=len(timed),
+                samples_per_s=cfg.batch_size / (med / 1e3) if timed else math.nan,
+                final_loss=sum(losses) / len(losses) if losses else math.nan,
+                skipped_steps=sum(h["skipped"] for h in history),
+                final_loss_scale=history[-1]["loss_scale"] if history else math.nan)
+
+
+def _memory_row(tracker: MemoryTracker, peak: int, cuda: bool) -> dict:
+    row = {"peak_mem_mib": peak / _MIB,
+           "mem_method": "torch.cuda.max_memory_allocated" if cuda else "dispatch tracker"}
+    for role, nbytes in tracker.breakdown().items():
+        row[f"mem_{role}_mib"] = nbytes / _MIB
+    return row
+
+
+def describe_error(e: BaseException) -> str:
+    """One line naming the failure and, when known, the fix."""
+    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
+        return f"out of memory: {str(e).splitlines()[0][:200]}; try a smaller batch size."
+    if isinstance(e, (DivergenceError, LossScaleCollapseError)):
+        return str(e)
+    where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
+    loc = f" (at {where.filename.rsplit('/', 1)[-1]}:{where.lineno} in {where.name})" if where \
+        else ""
+    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}{loc}"
+
+
+def run_config(cfg: RunConfig, w: Workload, on_step=None) -> RunResult:
+    """Train ``w`` under ``cfg`` alone; never raises for a failing configuration (see ``error``).
+
+    Example::
+
+        >>> res = run_config(expand("mlp", ("O2",), steps=20)[0], workloads.get("mlp"))
+        >>> res.row["step_time_ms"], res.error
+    """
+    t = Trainer(cfg, w)
+    for i in range(cfg.steps):
+        if not t.alive:
+            break
+        t.step(i)
+        if on_step is not None:
+            on_step()
+    return t.finish()

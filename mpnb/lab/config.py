@@ -1,0 +1,179 @@
+"""One frozen object per configuration: what the runner turns into one row.
+
+A request (``mpnb.lab.compare(...)``, CLI flags, a widget click) is validated here, once, and
+expanded into :class:`RunConfig` objects; nothing downstream re-reads the user's arguments.
+
+Example::
+
+    >>> from mpnb.lab.config import expand
+    >>> [c.label for c in expand("mlp", ("O0", "O2"), "bf16", (64,), steps=50)]
+    ['O0 fp32 b64', 'O2 bf16 b64']
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from mpnb.core.hardware import default_half_dtype
+
+__all__ = ["LossScaleSpec", "RunConfig", "expand", "resolve_device", "DTYPES"]
+
+OPT_LEVELS = ("O0", "O1", "O2", "O3")
+DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
+          "float16": torch.float16, "half": torch.float16}
+OPTIMIZERS = ("adam", "adamw", "sgd", "fused_adam", "fused_sgd")
+
+
+@dataclass(frozen=True)
+class LossScaleSpec:
+    """Dynamic loss scaling parameters (``torch.amp.GradScaler``'s names).
+
+    Args:
+        init_scale: the first scale.
+        growth_factor: multiply the scale by this after ``growth_interval`` clean steps.
+        backoff_factor: multiply the scale by this on an inf/NaN gradient.
+        growth_interval: clean steps between two growths.
+
+    Example::
+
+        >>> LossScaleSpec(init_scale=2.0**10, growth_interval=100)
+    """
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self):
+        if not (self.init_scale > 0 and self.growth_factor >= 1 and 0 < self.backoff_factor <= 1
+                and self.growth_interval > 0):
+            raise ValueError(
+                f"loss_scale={self!r} is invalid: need init_scale > 0, growth_factor >= 1, "
+                "0 < backoff_factor <= 1 and growth_interval > 0.")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """One configuration of a comparison: one row of the DataFrame.
+
+    Args:
+        workload: the workload's name (built-in or custom).
+        opt_level: ``"O0"`` .. ``"O3"``.
+        half_dtype: ``"bf16"`` or ``"fp16"`` (``"fp32"`` for O0, which uses no half dtype).
+        batch_size: samples per step.
+        steps: optimizer steps (the first ``warmup`` and the last, memory-tracked, step are
+            not timed).
+        optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, ``"fused_adam"`` or ``"fused_sgd"``.
+        lr: learning rate (None: the workload's default).
+        loss_scale: None (the opt level's default), a static number, or a :class:`LossScaleSpec`.
+        device: ``"cpu"`` or ``"cuda[:i]"`` (already resolved, never ``"auto"``).
+        seed: model initialization and data order; the same for every configuration.
+        warmup: untimed steps at the start.
+    """
+
+    workload: str
+    opt_level: str
+    half_dtype: str
+    batch_size: int
+    steps: int
+    optimizer: str = "adam"
+    lr: float | None = None
+    loss_scale: float | LossScaleSpec | None = None
+    device: str = "cpu"
+    seed: int = 0
+    warmup: int = 3
+
+    @property
+    def label(self) -> str:
+        """A short name: ``"O2 bf16 b64"``."""
+        return f"{self.opt_level} {self.half_dtype} b{self.batch_size}"
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        """The half dtype as a torch dtype (None for O0)."""
+        return DTYPES.get(self.half_dtype)
+
+
+def resolve_device(device: str | torch.device = "auto") -> str:
+    """``"auto"`` -> ``"cuda"`` when a GPU is present, else ``"cpu"``; checks the rest."""
+    if str(device) == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r} but no CUDA GPU is visible; use device='cpu'.")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r} is not supported; use 'cpu', 'cuda' or 'auto'.")
+    return str(dev)
+
+
+def _half_name(half_dtype, device: str) -> str:
+    if half_dtype in (None, "auto"):
+        return "bf16" if default_half_dtype(device) == torch.bfloat16 else "fp16"
+    if isinstance(half_dtype, torch.dtype):
+        half_dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(half_dtype, half_dtype)
+    if half_dtype not in DTYPES:
+        raise ValueError(f"half_dtype={half_dtype!r} is invalid; use 'bf16', 'fp16' or 'auto'.")
+    return "bf16" if DTYPES[half_dtype] == torch.bfloat16 else "fp16"
+
+
+def _loss_scale(value) -> float | LossScaleSpec | None:
+    if value is None or isinstance(value, LossScaleSpec):
+        return value
+    if isinstance(value, dict):
+        try:
+            return LossScaleSpec(**value)
+        except TypeError as e:
+            raise ValueError(f"loss_scale={value!r}: {e}; the keys are init_scale, "
+                             "growth_factor, backoff_factor, growth_interval.") from None
+    if value == "dynamic":
+        return LossScaleSpec()
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
+        return float(value)
+    raise ValueError(f"loss_scale={value!r} is invalid; use None, 'dynamic', a positive "
+                     "number (static) or a dict(init_scale, growth_factor, backoff_factor, "
+                     "growth_interval).")
+
+
+def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
+    bad = [lvl for lvl in opt_levels if lvl not in OPT_LEVELS]
+    if bad or not opt_levels:
+        raise ValueError(f"opt_levels={tuple(opt_levels)!r}: {bad or 'none given'} invalid; "
+                         f"choose from {OPT_LEVELS}.")
+    if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
+        raise ValueError(f"batch_sizes={tuple(batch_sizes)!r}: need positive ints.")
+    if not isinstance(steps, int) or steps < 2:
+        raise ValueError(f"steps={steps!r}: need an int >= 2 (timed steps plus one "
+                         "memory-tracked step).")
+    if optimizer not in OPTIMIZERS:
+        raise ValueError(f"optimizer={optimizer!r} is invalid; choose from {OPTIMIZERS}.")
+
+
+def expand(workload: str, opt_levels: Sequence[str] = OPT_LEVELS, half_dtype="auto",
+           batch_sizes: Sequence[int] = (64,), steps: int = 100, optimizer: str = "adam",
+           lr: float | None = None, loss_scale=None, device="auto", seed: int = 0,
+           warmup: int | None = None) -> list[RunConfig]:
+    """Validate a request and expand it into one :class:`RunConfig` per configuration.
+
+    ``half_dtype`` may be one dtype or a sequence (``("bf16", "fp16")``): each half opt level
+    runs once per dtype; O0 runs once per batch size. Raises ValueError naming the bad value
+    and the valid choices before anything runs.
+    """
+    levels = tuple(opt_levels)
+    _check(levels, tuple(batch_sizes), steps, optimizer)
+    dev = resolve_device(device)
+    halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)
+    names = list(dict.fromkeys(_half_name(h, dev) for h in halves))
+    scale = _loss_scale(loss_scale)
+    wu = min(3, max(0, (steps - 2) // 4)) if warmup is None else int(warmup)
+    if not 0 <= wu <= steps - 2:
+        raise ValueError(f"warmup={warmup!r}: need 0 <= warmup <= steps - 2 ({steps - 2}).")
+    out = []
+    for b in batch_sizes:
+        for lvl in levels:
+            for h in (["fp32"] if lvl == "O0" else names):
+                out.append(RunConfig(workload, lvl, h, b, steps, optimizer, lr, scale, dev,
+                                     seed, wu))
+    return out

@@ -1,0 +1,89 @@
+"""The dispatch-mode memory tracker against tensors of known size, and its role breakdown."""
+
+import pytest
+import torch
+
+from mpnb import amp
+from mpnb.lab.memory import MemoryTracker
+
+MIB = 2**20
+
+
+def _close(a, b, rel=0.01):
+    return abs(a - b) <= rel * b
+
+
+def test_known_allocations_peak_and_dedup():
+    with MemoryTracker() as m:
+        a = torch.empty(MIB // 4)                       # 1 MiB fp32
+        v = a.view(512, -1)                             # a view: no new bytes
+        a.add_(1.0)                                     # in place: no new bytes
+        b = torch.zeros(MIB // 2, dtype=torch.bfloat16)  # 1 MiB bf16
+        del b                                           # freed: the peak stays 2 MiB
+        c = torch.ones(MIB // 8)                        # 0.5 MiB
+    assert _close(m.peak_bytes, 2 * MIB)
+    assert m.breakdown()["activations"] == m.peak_bytes
+    del a, v, c
+
+
+def test_peak_is_the_high_water_mark_not_the_end():
+    with MemoryTracker() as m:
+        for _ in range(3):
+            t = torch.empty(MIB // 4)  # 1 MiB, freed when rebound
+            del t
+    assert _close(m.peak_bytes, MIB)
+    assert m.live_bytes == 0
+
+
+def _step(model, opt, x):
+    opt.zero_grad(set_to_none=True)
+    loss = model(x).float().pow(2).mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+
+
+def _nbytes(ts):
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def test_fp32_adam_breakdown_matches_param_sizes():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Linear(256, 256))
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O0", verbosity=0)
+    x = torch.randn(8, 256)
+    _step(model, opt, x)
+    with MemoryTracker(model, opt) as m:
+        _step(model, opt, x)
+    p = _nbytes(model.parameters())
+    bd = m.breakdown()
+    assert _close(bd["params"], p) and _close(bd["grads"], p)
+    assert _close(bd["optimizer_state"], 2 * p)  # exp_avg + exp_avg_sq (+ 8-byte step counts)
+    assert bd["master_weights"] == 0
+    assert sum(bd.values()) == m.peak_bytes
+
+
+@pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])
+def test_o2_reports_half_params_and_fp32_masters(half):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 128), torch.nn.Linear(128, 64))
+    n = sum(p.numel() for p in model.parameters())
+    opt = torch.optim.Adam(model.parameters(), lr=1e-3)
+    model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=half, verbosity=0)
+    x = torch.randn(4, 128)
+    _step(model, opt, x)
+    with MemoryTracker(model, opt) as m:
+        _step(model, opt, x)
+    bd = m.breakdown()
+    assert _close(bd["params"], 2 * n)          # half model params
+    assert _close(bd["master_weights"], 4 * n)  # fp32 masters in param_groups
+    assert _close(bd["optimizer_state"], 8 * n)
+
+
+def test_storage_outliving_the_mode_is_not_followed():
+    keep = []
+    with MemoryTracker() as m:
+        keep.append(torch.empty(1024))
+    keep.clear()  # freed after exit: the tracker's finalizer is detached, nothing changes
+    assert m.peak_bytes == 4096
