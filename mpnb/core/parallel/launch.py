@@ -148,6 +148,7 @@ def _collect(procs, conns, nprocs: int, timeout: float) -> list:
                 conn = next((c for c, r in open_.items() if r == rank), None)
                 if conn is not None and conn.poll(0.5):
                     continue  # its last message is still in the pipe: read it first
+                procs[rank].join(1.0)  # sets exitcode
                 raise RankError(
                     f"launch: rank {rank} died with exit code {procs[rank].exitcode} before "
                     "reporting (killed, out of memory, or a crash in native code); the other "
