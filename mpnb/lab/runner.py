@@ -13,7 +13,9 @@ your code) becomes a row with ``error`` set; the others still run.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import pickle
 from collections.abc import Sequence
 
@@ -47,15 +49,33 @@ def hardware_summary(device: str = "cpu") -> dict:
         'emulated'
     """
     cpu, hs = cpu_info(), half_support(device)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
     out = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "cpu": cpu.model, "isa": cpu.isa, "bf16": hs["bfloat16"], "fp16": hs["float16"]}
+           "cpus": os.cpu_count(), "load_avg": load, "cpu": cpu.model, "isa": cpu.isa,
+           "bf16": hs["bfloat16"], "fp16": hs["float16"]}
     if torch.device(device).type == "cuda":
         out["gpu"] = cuda_info(torch.device(device).index or 0)
         name = out["gpu"]["name"]
     else:
         name = f"{cpu.model} ({cpu.isa}, {out['threads']} threads)"
     out["summary"] = f"{name}; bf16 {hs['bfloat16']}, fp16 {hs['float16']}"
+    if load > (out["cpus"] or 1):
+        out["summary"] += (f"; load average {load:.1f} on {out['cpus']} CPUs: other processes "
+                           "compete, timings are noisy")
     return out
+
+
+@contextlib.contextmanager
+def _threads(n: int | None):
+    old = torch.get_num_threads()
+    if n is not None:
+        if n < 1:
+            raise ValueError(f"threads={n!r}: need a positive int or None (torch's default).")
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 def _precision(cfg: RunConfig, hw: dict) -> tuple[str, list[str]]:
@@ -79,13 +99,15 @@ def _interleaved(trainers: list[Trainer], steps: int, bar) -> list[RunResult]:
     return [t.finish() for t in trainers]
 
 
-def _run_isolated(cfg: RunConfig, workload) -> RunResult:
+def _run_isolated(cfg: RunConfig, workload, threads: int | None) -> RunResult:
     from mpnb.lab._train import run_config
 
+    if threads is not None:
+        torch.set_num_threads(threads)  # a fresh process of its own: nothing to restore
     return run_config(cfg, _workloads.get(workload))
 
 
-def _isolated(configs, workload, w, bar) -> list[RunResult]:
+def _isolated(configs, workload, w, bar, threads) -> list[RunResult]:
     import concurrent.futures as cf
     import multiprocessing as mp
 
@@ -95,7 +117,7 @@ def _isolated(configs, workload, w, bar) -> list[RunResult]:
         try:
             pickle.dumps(spec)
             with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
-                out.append(ex.submit(_run_isolated, cfg, spec).result())
+                out.append(ex.submit(_run_isolated, cfg, spec, threads).result())
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             res = RunResult(cfg, error="isolate=True needs a picklable workload (model_fn, "
                             "loss_fn, metric_fn defined at module level, not lambdas): "
@@ -170,14 +192,14 @@ def _progress(total: int, enabled: bool):
             def update(self, n=1): ...
             def close(self): ...
         return _Null()
-    return tqdm(total=total, desc="mpnb compare", unit="step", leave=False)
+    return tqdm(total=total, desc="mpnb compare", unit="step", leave=False, mininterval=1.0)
 
 
 def compare(workload="mlp", opt_levels: Sequence[str] = ("O0", "O1", "O2", "O3"),
             half_dtype="auto", batch_sizes: Sequence[int] | None = None,
             steps: int | None = None, optimizer: str = "adam", lr: float | None = None,
             loss_scale=None, device="auto", seed: int = 0, progress: bool = True,
-            isolate: bool = False) -> pd.DataFrame:
+            isolate: bool = False, threads: int | None = None) -> pd.DataFrame:
     """Train ``workload`` under each opt level (and half dtype, batch size); one row each.
 
     Args:
@@ -195,6 +217,8 @@ def compare(workload="mlp", opt_levels: Sequence[str] = ("O0", "O1", "O2", "O3")
         seed: initial weights and data order, the same for every configuration.
         progress: show a progress bar (stderr).
         isolate: run each configuration in a fresh subprocess.
+        threads: ``torch.set_num_threads`` for the runs (restored afterwards; None: leave
+            it). On a shared or oversubscribed CPU, 1 thread is often far faster.
 
     Returns:
         A DataFrame with :data:`COLUMNS`; ``df.attrs["history"]`` holds the per-step loss,
@@ -209,15 +233,16 @@ def compare(workload="mlp", opt_levels: Sequence[str] = ("O0", "O1", "O2", "O3")
     w = _workloads.get(workload)
     configs = expand(w.name, opt_levels, half_dtype, batch_sizes or (w.batch_size,),
                      steps or w.steps, optimizer, lr, loss_scale, device, seed)
-    hw = hardware_summary(configs[0].device)
-    bar = _progress(sum(c.steps for c in configs), progress)
-    try:
-        if isolate:
-            results = _isolated(configs, workload, w, bar)
-        else:
-            results = _interleaved([Trainer(c, w) for c in configs], configs[0].steps, bar)
-    finally:
-        bar.close()
+    with _threads(threads):
+        hw = hardware_summary(configs[0].device)
+        bar = _progress(sum(c.steps for c in configs), progress)
+        try:
+            if isolate:
+                results = _isolated(configs, workload, w, bar, threads)
+            else:
+                results = _interleaved([Trainer(c, w) for c in configs], configs[0].steps, bar)
+        finally:
+            bar.close()
     df = _frames(results, w, hw)
     df.attrs["method"] = "isolated subprocesses" if isolate else "round-robin in one process"
     return df

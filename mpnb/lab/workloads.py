@@ -194,7 +194,7 @@ def _builtin(name: str) -> Workload:
     train = lm_sequences(generate_tokens(30_000, seed=0), _SEQ)
     ev = lm_sequences(generate_tokens(3_000, seed=1), _SEQ)
     return Workload("transformer", _lm_model, train, ev, _flat_ce, accuracy,
-                    "next-token accuracy", 1.0 / len(VOCAB), lr=3e-3, batch_size=16, steps=150)
+                    "next-token accuracy", 1.0 / len(VOCAB), lr=1e-2, batch_size=16, steps=150)
 
 
 _BUILTIN = ("mlp", "cnn", "transformer")
