@@ -25,6 +25,7 @@ CONFIGS = [
     ("O2", "FusedAdam", {"allreduce_always_fp32": True}),
     ("O2", "FusedSGD", {"delay_allreduce": True}),
     ("O1", "torch.SGD", {"gradient_predivide_factor": 2.0}),
+    ("O3", "FusedAdam", {"allreduce_always_fp32": True}),
 ]
 
 
@@ -92,5 +93,5 @@ def test_params_identical_across_ranks_for_20_steps(results, level, opt, kw):
         r = res[f"{level}/{opt}/{kw}"]
         assert r["spread"] == 0.0, f"ranks diverged by {r['spread']}"
         assert r["moved"] > 1e-4, "the parameters did not train: the test would prove nothing"
-        if level == "O2":
+        if level in ("O2", "O3"):
             assert "torch.bfloat16" in r["dtypes"]
