@@ -18,10 +18,10 @@ import importlib
 
 _LAZY = {
     "ScalerExplorer": "scaler_explorer",
-    "CompareWidget": "compare",
-    "compare": "compare",
-    "ProfileWidget": "profile",
-    "profile": "profile",
+    "CompareWidget": "compare_widget",
+    "compare": "compare_widget",
+    "ProfileWidget": "profile_widget",
+    "profile": "profile_widget",
 }
 
 __all__ = list(_LAZY)

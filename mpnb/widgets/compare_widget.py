@@ -1,0 +1,418 @@
+"""``CompareWidget``: the opt levels compared on your hardware, as an interactive view.
+
+The widget turns its controls into :func:`mpnb.lab.compare` calls and draws the DataFrames
+they return; it measures nothing itself. So that results appear as each configuration
+finishes (and Stop can end a run between configurations), it runs one call per
+configuration: the O0 baseline first, then each other configuration paired with a fresh O0
+run (round-robin in one process, so ``speedup_vs_O0`` is the median of per-step ratios
+against a baseline that ran at the same time). Only the requested configuration's row of
+each call is kept.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import ipywidgets as w
+import pandas as pd
+import torch
+import traitlets as t
+
+from mpnb.widgets._common import ErrorBox, half_status_label, hardware_html
+from mpnb.widgets._compare_views import ResultViews, errors_html, table_html
+
+__all__ = ["CompareWidget", "compare"]
+
+_LEVELS = ("O0", "O1", "O2", "O3")
+_OPTIMIZERS = ("adam", "adamw", "sgd", "fused_adam", "fused_sgd")
+
+
+def _lab():
+    import mpnb.lab
+
+    return mpnb.lab
+
+
+def _parse_sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(s) for s in text.replace(";", ",").split(",") if s.strip())
+    except ValueError:
+        sizes = ()
+    if not sizes or min(sizes) < 1:
+        raise ValueError(f"batch sizes {text!r}: give positive integers separated by commas.")
+    return sizes
+
+
+class CompareWidget(w.VBox):
+    """Controls, a Run/Stop pair, a progress bar and result tabs over :func:`mpnb.lab.compare`.
+
+    Args:
+        workload: a built-in workload name or a :class:`mpnb.lab.workloads.Workload`.
+        opt_levels, half_dtype, batch_sizes, steps, optimizer, device: the initial controls.
+        loss_scale: None (each opt level's default), a number (static) or a dict of
+            ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``.
+        threaded: run in a background thread when Run is clicked (tests pass False).
+
+    Attributes:
+        df: the results so far (a :func:`mpnb.lab.compare` DataFrame with ``attrs``).
+        running: True while a run is in progress.
+
+    Example::
+
+        >>> cw = CompareWidget("mlp", opt_levels=("O0", "O2"), steps=20, threaded=False)
+        >>> cw.run_button.click()
+        >>> cw.df[["configuration", "step_time_ms", "metric"]]
+    """
+
+    #: bumped whenever :attr:`df` changes (a DataFrame cannot be a traitlet: ``==`` is
+    #: element-wise), observed to redraw
+    version = t.Int(0).tag(sync=False)
+    running = t.Bool(False).tag(sync=False)
+
+    @property
+    def df(self) -> pd.DataFrame | None:
+        """The results so far (a :func:`mpnb.lab.compare` DataFrame), or None."""
+        return self._df
+
+    @df.setter
+    def df(self, value: pd.DataFrame | None) -> None:
+        self._df = value
+        self.version += 1
+
+    def __init__(
+        self,
+        workload="mlp",
+        opt_levels=_LEVELS,
+        half_dtype="auto",
+        batch_sizes=(32,),
+        steps: int = 30,
+        optimizer: str = "adam",
+        device: str = "auto",
+        loss_scale=None,
+        threaded: bool = True,
+    ):
+        self.threaded = threaded
+        self._df: pd.DataFrame | None = None
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._workload = workload
+        self.errors = ErrorBox()
+        self.views = ResultViews()
+        self._build_controls(
+            opt_levels, half_dtype, batch_sizes, steps, optimizer, device, loss_scale
+        )
+        self.table, self.config_errors = w.HTML(table_html(None)), w.HTML()
+        self.hardware = w.HTML(hardware_html(self._device()))
+        v = self.views
+        self.tabs = w.Tab(
+            children=[
+                v.speed,
+                v.memory,
+                w.VBox([v.accuracy, v.loss_curves]),
+                v.loss_scale,
+                self.table,
+                self.hardware,
+            ]
+        )
+        for i, title in enumerate(
+            ("Speed", "Memory", "Accuracy", "Loss scale", "Table", "Hardware")
+        ):
+            self.tabs.set_title(i, title)
+        super().__init__([self.controls, self.actions, self.config_errors, self.tabs, self.errors])
+        self.observe(self.errors.guard(self._draw), names=["version"])
+        self.observe(self._toggle_buttons, names=["running"])
+
+    # ---- controls ---------------------------------------------------------------------------
+
+    def _build_controls(
+        self, opt_levels, half_dtype, batch_sizes, steps, optimizer, device, loss_scale
+    ):
+        names = list(_lab().workloads.names())
+        wl = self._workload if isinstance(self._workload, str) else self._workload.name
+        self.workload = w.Dropdown(
+            options=list(dict.fromkeys([wl, *names])), value=wl, description="workload"
+        )
+        self.opt_levels = w.SelectMultiple(
+            options=_LEVELS, value=tuple(opt_levels), rows=4, description="opt levels"
+        )
+        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+        dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
+        self.device = w.Dropdown(options=devices, value=dev, description="device")
+        self.half_dtype = w.ToggleButtons(description="half dtype")
+        self._half_options(half_dtype)
+        self.device.observe(self.errors.guard(lambda _: self._device_changed()), names="value")
+        self.batch_sizes = w.Text(", ".join(map(str, batch_sizes)), description="batch sizes")
+        self.steps = w.BoundedIntText(steps, min=4, max=100000, description="steps")
+        self.optimizer = w.Dropdown(options=_OPTIMIZERS, value=optimizer, description="optimizer")
+        self._scaler_controls(loss_scale)
+        self.controls = w.Accordion(
+            children=[
+                w.HBox(
+                    [
+                        w.VBox([self.workload, self.device, self.half_dtype, self.opt_levels]),
+                        w.VBox([self.batch_sizes, self.steps, self.optimizer]),
+                        w.VBox(
+                            [
+                                self.scale_mode,
+                                self.init_scale,
+                                self.growth_factor,
+                                self.backoff_factor,
+                                self.growth_interval,
+                                self.static_scale,
+                            ]
+                        ),
+                    ]
+                )
+            ],
+            selected_index=0,
+        )
+        self.controls.set_title(0, "Configurations")
+        self.run_button = w.Button(description="Run", button_style="primary", icon="play")
+        self.stop_button = w.Button(description="Stop", icon="stop", disabled=True)
+        self.csv_button = w.Button(description="Export CSV", icon="download")
+        self.html_button = w.Button(description="Export HTML report", icon="file")
+        self.export_path = w.Text("mpnb-compare", description="file stem")
+        self.progress = w.IntProgress(value=0, min=0, max=1, description="progress")
+        self.status = w.Label("ready")
+        self.run_button.on_click(self.errors.guard(lambda _: self._on_run()))
+        self.stop_button.on_click(self.errors.guard(lambda _: self.stop()))
+        self.csv_button.on_click(self.errors.guard(lambda _: self.export_csv()))
+        self.html_button.on_click(self.errors.guard(lambda _: self.export_html()))
+        self.actions = w.VBox(
+            [
+                w.HBox([self.run_button, self.stop_button, self.progress, self.status]),
+                w.HBox([self.export_path, self.csv_button, self.html_button]),
+            ]
+        )
+
+    def _scaler_controls(self, loss_scale):
+        spec = loss_scale if isinstance(loss_scale, dict) else {}
+        mode = (
+            "default"
+            if loss_scale is None
+            else "dynamic"
+            if spec or loss_scale == "dynamic"
+            else "static"
+        )
+        self.scale_mode = w.Dropdown(
+            options=["default", "dynamic", "static"], value=mode, description="loss scale"
+        )
+        self.init_scale = w.FloatLogSlider(
+            spec.get("init_scale", 2.0**16),
+            base=2,
+            min=0,
+            max=24,
+            step=1,
+            description="initial scale",
+        )
+        self.growth_factor = w.BoundedFloatText(
+            spec.get("growth_factor", 2.0), min=1.0, max=16.0, step=0.5, description="growth"
+        )
+        self.backoff_factor = w.BoundedFloatText(
+            spec.get("backoff_factor", 0.5), min=0.01, max=1.0, step=0.05, description="backoff"
+        )
+        self.growth_interval = w.BoundedIntText(
+            spec.get("growth_interval", 2000), min=1, max=10**6, description="interval"
+        )
+        static = float(loss_scale) if mode == "static" else 2.0**10
+        self.static_scale = w.FloatLogSlider(
+            static, base=2, min=0, max=24, step=1, description="static scale"
+        )
+
+    def _device(self) -> str:
+        return self.device.value
+
+    def _half_options(self, value="auto"):
+        if value == "auto" or value is None:
+            value = "fp16" if self._device().startswith("cuda") else "bf16"
+        self.half_dtype.options = [
+            (half_status_label(n, self._device()), n) for n in ("bf16", "fp16")
+        ]
+        self.half_dtype.value = value
+
+    def _device_changed(self):
+        self._half_options(self.half_dtype.value)
+        self.hardware.value = hardware_html(self._device())
+
+    def loss_scale(self):
+        """The loss-scale argument for :func:`mpnb.lab.compare` from the scaler controls."""
+        if self.scale_mode.value == "default":
+            return None
+        if self.scale_mode.value == "static":
+            return float(self.static_scale.value)
+        return dict(
+            init_scale=float(self.init_scale.value),
+            growth_factor=float(self.growth_factor.value),
+            backoff_factor=float(self.backoff_factor.value),
+            growth_interval=int(self.growth_interval.value),
+        )
+
+    # ---- running ----------------------------------------------------------------------------
+
+    def plan(self) -> list[tuple[tuple[str, ...], int]]:
+        """The :func:`mpnb.lab.compare` calls a run makes: ``(opt_levels, batch_size)`` each."""
+        levels = [lvl for lvl in _LEVELS if lvl in self.opt_levels.value]
+        if not levels:
+            raise ValueError("choose at least one opt level.")
+        calls = []
+        for b in _parse_sizes(self.batch_sizes.value):
+            calls += [(("O0",), b)] if "O0" in levels else []
+            calls += [(("O0", lvl), b) for lvl in levels if lvl != "O0"]
+        return calls
+
+    def run(self, _keep_stop: bool = False) -> pd.DataFrame:
+        """Run every configuration now, in this thread; returns (and keeps) the DataFrame."""
+        calls = self.plan()
+        if not _keep_stop:
+            self._stop.clear()
+        workload = (
+            self._workload
+            if self.workload.value == getattr(self._workload, "name", self._workload)
+            else self.workload.value
+        )
+        kw = dict(
+            half_dtype=self.half_dtype.value,
+            steps=int(self.steps.value),
+            optimizer=self.optimizer.value,
+            device=self._device(),
+            loss_scale=self.loss_scale(),
+            progress=False,
+        )
+        self.running, self.df = True, None
+        self.views.clear()
+        self.config_errors.value = ""
+        self.progress.max, self.progress.value = len(calls), 0
+        frames, hists = [], []
+        try:
+            for i, (levels, b) in enumerate(calls):
+                if self._stop.is_set():
+                    self.status.value = f"stopped after {i} of {len(calls)} configurations"
+                    break
+                self.status.value = f"running {levels[-1]} b{b} ({i + 1}/{len(calls)})"
+                got = _lab().compare(workload, opt_levels=levels, batch_sizes=(b,), **kw)
+                row = got[got["opt_level"] == levels[-1]].copy()
+                row.attrs = {}  # concat compares attrs, and ours hold DataFrames
+                hist = got.attrs["history"]
+                frames.append(row)
+                hists.append(hist[hist["configuration"].isin(row["configuration"])])
+                df = pd.concat(frames, ignore_index=True)
+                df.attrs = dict(
+                    got.attrs,
+                    history=pd.concat(hists, ignore_index=True),
+                    method="one compare() per configuration, each paired with a "
+                    "fresh O0 run (round-robin)",
+                )
+                self.df = df
+                self.progress.value = i + 1
+            else:
+                self.status.value = f"done: {len(calls)} configurations"
+        finally:
+            self.running = False
+        return self.df
+
+    def _on_run(self):
+        if self.running:
+            return
+        if not self.threaded:
+            self.run()
+            return
+        self.plan()  # bad controls: the error shows now, nothing starts
+        self._stop.clear()
+        self.running = True  # disable Run at once, before the thread starts
+        self._thread = threading.Thread(
+            target=self.errors.guard(self._run_in_thread), name="mpnb-compare", daemon=True
+        )
+        self._thread.start()
+
+    def _run_in_thread(self):
+        try:
+            self.run(_keep_stop=True)
+        finally:
+            self.running = False
+
+    def stop(self) -> None:
+        """Stop after the configuration in progress (its row is kept)."""
+        self._stop.set()
+        self.status.value = "stopping after the configuration in progress..."
+
+    def join(self, timeout: float | None = None) -> bool:
+        """Wait for a threaded run; True when it has finished."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def _toggle_buttons(self, change):
+        self.run_button.disabled = change["new"]
+        self.stop_button.disabled = not change["new"]
+
+    # ---- drawing and export -----------------------------------------------------------------
+
+    def _draw(self, change=None):
+        df = self.df
+        self.table.value = table_html(df)
+        self.config_errors.value = errors_html(df)
+        if df is None:
+            return
+        self.views.update(df)
+        hw = df.attrs.get("hardware", {})
+        self.hardware.value = hardware_html(self._device()) + (
+            f"<p><b>Measured on:</b> {hw.get('summary', '')}; method: "
+            f"{df.attrs.get('method', '')}</p>"
+        )
+
+    def _require_df(self) -> pd.DataFrame:
+        if self.df is None or self.df.empty:
+            raise RuntimeError("nothing to export yet: press Run first.")
+        return self.df
+
+    def export_csv(self, path: str | None = None) -> str:
+        """Write the results as CSV (default ``<file stem>.csv``); returns the path."""
+        path = path or f"{self.export_path.value}.csv"
+        self._require_df().to_csv(path, index=False)
+        self.status.value = f"wrote {path}"
+        return path
+
+    def export_html(self, path: str | None = None) -> str:
+        """Write the HTML report of :func:`mpnb.lab.report` (default ``<file stem>.html``)."""
+        path = path or f"{self.export_path.value}.html"
+        _lab().report(self._require_df(), path)
+        self.status.value = f"wrote {path}"
+        return path
+
+
+def compare(
+    workload="mlp",
+    opt_levels=_LEVELS,
+    half_dtype="auto",
+    batch_sizes=(32,),
+    steps: int = 30,
+    optimizer: str = "adam",
+    device: str = "auto",
+    loss_scale=None,
+    run: bool = False,
+    threaded: bool = True,
+) -> CompareWidget:
+    """Make a :class:`CompareWidget` (shown when it is a cell's last expression).
+
+    ``run=True`` starts the run at once (in a thread unless ``threaded=False``).
+
+    Example::
+
+        >>> cw = mpnb.widgets.compare("mlp", opt_levels=("O0", "O1", "O2"), steps=20)
+        >>> cw
+    """
+    cw = CompareWidget(
+        workload,
+        opt_levels,
+        half_dtype,
+        batch_sizes,
+        steps,
+        optimizer,
+        device,
+        loss_scale,
+        threaded,
+    )
+    if run:
+        cw.run_button.click()
+    return cw
