@@ -1,4 +1,4 @@
-"""The ``mpnb`` command: ``doctor``, ``build-ext``, ``bench`` (and more as the lab grows)."""
+"""The ``mpnb`` command: ``doctor``, ``build-ext``, ``bench``, ``compare``."""
 
 from __future__ import annotations
 
@@ -51,6 +51,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--verbose", action="store_true", help="show the compiler's output")
     b.set_defaults(func=_cmd_build_ext)
     sub.add_parser("bench", help="benchmarks vs PyTorch: `mpnb bench --help`", add_help=False)
+    from mpnb.lab.cli import add_parser as add_compare
+
+    add_compare(sub)  # the lab's main command (its own module: mpnb/lab/cli.py)
     return p
 
 

@@ -30,7 +30,7 @@ _LAZY = {
     "profile": "profiling",
     "trace_overflow": "diagnosis",
     "underflow_report": "diagnosis",
-    "report": "report",
+    "report": "html_report",
 }
 
 __all__ = [*_LAZY, "workloads"]
