@@ -72,29 +72,25 @@ class _Watch(TorchDispatchMode):
 def _run(model, x, loss_fn, watch: _Watch | None) -> list[dict]:
     """Forward + backward with hooks on every module; rows in execution order."""
     rows, hooks = [], []
+    def enter(name, phase):
+        def hook(m, *args):
+            if watch is not None:
+                watch.module, watch.phase = name, phase
+        return hook
+
+    def measure(name, phase):
+        def hook(m, *args):  # (args, output) forward; (grad_input, grad_output) backward
+            amax, amin, bad = _stats(_tensors(args[-1]))
+            rows.append(dict(module=name, type=type(m).__name__, phase=phase, absmax=amax,
+                             absmin=amin, nonfinite=bad))
+        return hook
+
     for name, mod in model.named_modules():
         name = name or "(model)"
-
-        def pre(m, a, name=name):
-            if watch is not None:
-                watch.module, watch.phase = name, "forward"
-
-        def fwd(m, a, out, name=name):
-            rows.append(dict(module=name, type=type(m).__name__, phase="forward",
-                             **dict(zip(("absmax", "absmin", "nonfinite"),
-                                        _stats(_tensors(out)), strict=True))))
-
-        def bpre(m, grad_out, name=name):
-            if watch is not None:
-                watch.module, watch.phase = name, "backward"
-
-        def bwd(m, grad_in, grad_out, name=name):
-            rows.append(dict(module=name, type=type(m).__name__, phase="backward",
-                             **dict(zip(("absmax", "absmin", "nonfinite"),
-                                        _stats(_tensors(grad_out)), strict=True))))
-
-        hooks += [mod.register_forward_pre_hook(pre), mod.register_forward_hook(fwd),
-                  mod.register_full_backward_pre_hook(bpre), mod.register_full_backward_hook(bwd)]
+        hooks += [mod.register_forward_pre_hook(enter(name, "forward")),
+                  mod.register_forward_hook(measure(name, "forward")),
+                  mod.register_full_backward_pre_hook(enter(name, "backward")),
+                  mod.register_full_backward_hook(measure(name, "backward"))]
     try:
         with warnings.catch_warnings():  # inputs need no grad: hooks then see output grads
             warnings.filterwarnings("ignore", "Full backward hook is firing")
