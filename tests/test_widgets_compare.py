@@ -76,12 +76,17 @@ def test_figures_show_every_configuration(finished):
     assert "bfloat16" in cw.hardware.value and "Measured on" in cw.hardware.value
 
 
-def test_export_csv(finished, tmp_path):
+def test_export_csv_and_html(finished, tmp_path):
     import pandas as pd
 
-    path = finished.export_csv(str(tmp_path / "out.csv"))
-    back = pd.read_csv(path)
+    finished.export_path.value = str(tmp_path / "out")
+    finished.csv_button.click()
+    finished.html_button.click()
+    assert finished.errors.last_error is None, finished.errors.last_error
+    back = pd.read_csv(tmp_path / "out.csv")
     assert list(back["configuration"]) == list(finished.df["configuration"])
+    page = (tmp_path / "out.html").read_text()
+    assert all(name in page for name in finished.df["configuration"])
 
 
 def test_failing_configuration_is_shown_and_others_kept():

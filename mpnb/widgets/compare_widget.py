@@ -15,16 +15,13 @@ import threading
 
 import ipywidgets as w
 import pandas as pd
-import torch
 import traitlets as t
 
-from mpnb.widgets._common import ErrorBox, half_status_label, hardware_html
+from mpnb.widgets._common import ErrorBox, hardware_html
+from mpnb.widgets._compare_controls import LEVELS, ControlsMixin, parse_sizes
 from mpnb.widgets._compare_views import ResultViews, errors_html, table_html
 
 __all__ = ["CompareWidget", "compare"]
-
-_LEVELS = ("O0", "O1", "O2", "O3")
-_OPTIMIZERS = ("adam", "adamw", "sgd", "fused_adam", "fused_sgd")
 
 
 def _lab():
@@ -33,17 +30,7 @@ def _lab():
     return mpnb.lab
 
 
-def _parse_sizes(text: str) -> tuple[int, ...]:
-    try:
-        sizes = tuple(int(s) for s in text.replace(";", ",").split(",") if s.strip())
-    except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"batch sizes {text!r}: give positive integers separated by commas.")
-    return sizes
-
-
-class CompareWidget(w.VBox):
+class CompareWidget(ControlsMixin, w.VBox):
     """Controls, a Run/Stop pair, a progress bar and result tabs over :func:`mpnb.lab.compare`.
 
     Args:
@@ -82,7 +69,7 @@ class CompareWidget(w.VBox):
     def __init__(
         self,
         workload="mlp",
-        opt_levels=_LEVELS,
+        opt_levels=LEVELS,
         half_dtype="auto",
         batch_sizes=(32,),
         steps: int = 30,
@@ -122,140 +109,15 @@ class CompareWidget(w.VBox):
         self.observe(self.errors.guard(self._draw), names=["version"])
         self.observe(self._toggle_buttons, names=["running"])
 
-    # ---- controls ---------------------------------------------------------------------------
-
-    def _build_controls(
-        self, opt_levels, half_dtype, batch_sizes, steps, optimizer, device, loss_scale
-    ):
-        names = list(_lab().workloads.names())
-        wl = self._workload if isinstance(self._workload, str) else self._workload.name
-        self.workload = w.Dropdown(
-            options=list(dict.fromkeys([wl, *names])), value=wl, description="workload"
-        )
-        self.opt_levels = w.SelectMultiple(
-            options=_LEVELS, value=tuple(opt_levels), rows=4, description="opt levels"
-        )
-        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-        dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        self.device = w.Dropdown(options=devices, value=dev, description="device")
-        self.half_dtype = w.ToggleButtons(description="half dtype")
-        self._half_options(half_dtype)
-        self.device.observe(self.errors.guard(lambda _: self._device_changed()), names="value")
-        self.batch_sizes = w.Text(", ".join(map(str, batch_sizes)), description="batch sizes")
-        self.steps = w.BoundedIntText(steps, min=4, max=100000, description="steps")
-        self.optimizer = w.Dropdown(options=_OPTIMIZERS, value=optimizer, description="optimizer")
-        self._scaler_controls(loss_scale)
-        self.controls = w.Accordion(
-            children=[
-                w.HBox(
-                    [
-                        w.VBox([self.workload, self.device, self.half_dtype, self.opt_levels]),
-                        w.VBox([self.batch_sizes, self.steps, self.optimizer]),
-                        w.VBox(
-                            [
-                                self.scale_mode,
-                                self.init_scale,
-                                self.growth_factor,
-                                self.backoff_factor,
-                                self.growth_interval,
-                                self.static_scale,
-                            ]
-                        ),
-                    ]
-                )
-            ],
-            selected_index=0,
-        )
-        self.controls.set_title(0, "Configurations")
-        self.run_button = w.Button(description="Run", button_style="primary", icon="play")
-        self.stop_button = w.Button(description="Stop", icon="stop", disabled=True)
-        self.csv_button = w.Button(description="Export CSV", icon="download")
-        self.html_button = w.Button(description="Export HTML report", icon="file")
-        self.export_path = w.Text("mpnb-compare", description="file stem")
-        self.progress = w.IntProgress(value=0, min=0, max=1, description="progress")
-        self.status = w.Label("ready")
-        self.run_button.on_click(self.errors.guard(lambda _: self._on_run()))
-        self.stop_button.on_click(self.errors.guard(lambda _: self.stop()))
-        self.csv_button.on_click(self.errors.guard(lambda _: self.export_csv()))
-        self.html_button.on_click(self.errors.guard(lambda _: self.export_html()))
-        self.actions = w.VBox(
-            [
-                w.HBox([self.run_button, self.stop_button, self.progress, self.status]),
-                w.HBox([self.export_path, self.csv_button, self.html_button]),
-            ]
-        )
-
-    def _scaler_controls(self, loss_scale):
-        spec = loss_scale if isinstance(loss_scale, dict) else {}
-        mode = (
-            "default"
-            if loss_scale is None
-            else "dynamic"
-            if spec or loss_scale == "dynamic"
-            else "static"
-        )
-        self.scale_mode = w.Dropdown(
-            options=["default", "dynamic", "static"], value=mode, description="loss scale"
-        )
-        self.init_scale = w.FloatLogSlider(
-            spec.get("init_scale", 2.0**16),
-            base=2,
-            min=0,
-            max=24,
-            step=1,
-            description="initial scale",
-        )
-        self.growth_factor = w.BoundedFloatText(
-            spec.get("growth_factor", 2.0), min=1.0, max=16.0, step=0.5, description="growth"
-        )
-        self.backoff_factor = w.BoundedFloatText(
-            spec.get("backoff_factor", 0.5), min=0.01, max=1.0, step=0.05, description="backoff"
-        )
-        self.growth_interval = w.BoundedIntText(
-            spec.get("growth_interval", 2000), min=1, max=10**6, description="interval"
-        )
-        static = float(loss_scale) if mode == "static" else 2.0**10
-        self.static_scale = w.FloatLogSlider(
-            static, base=2, min=0, max=24, step=1, description="static scale"
-        )
-
-    def _device(self) -> str:
-        return self.device.value
-
-    def _half_options(self, value="auto"):
-        if value == "auto" or value is None:
-            value = "fp16" if self._device().startswith("cuda") else "bf16"
-        self.half_dtype.options = [
-            (half_status_label(n, self._device()), n) for n in ("bf16", "fp16")
-        ]
-        self.half_dtype.value = value
-
-    def _device_changed(self):
-        self._half_options(self.half_dtype.value)
-        self.hardware.value = hardware_html(self._device())
-
-    def loss_scale(self):
-        """The loss-scale argument for :func:`mpnb.lab.compare` from the scaler controls."""
-        if self.scale_mode.value == "default":
-            return None
-        if self.scale_mode.value == "static":
-            return float(self.static_scale.value)
-        return dict(
-            init_scale=float(self.init_scale.value),
-            growth_factor=float(self.growth_factor.value),
-            backoff_factor=float(self.backoff_factor.value),
-            growth_interval=int(self.growth_interval.value),
-        )
-
     # ---- running ----------------------------------------------------------------------------
 
     def plan(self) -> list[tuple[tuple[str, ...], int]]:
         """The :func:`mpnb.lab.compare` calls a run makes: ``(opt_levels, batch_size)`` each."""
-        levels = [lvl for lvl in _LEVELS if lvl in self.opt_levels.value]
+        levels = [lvl for lvl in LEVELS if lvl in self.opt_levels.value]
         if not levels:
             raise ValueError("choose at least one opt level.")
         calls = []
-        for b in _parse_sizes(self.batch_sizes.value):
+        for b in parse_sizes(self.batch_sizes.value):
             calls += [(("O0",), b)] if "O0" in levels else []
             calls += [(("O0", lvl), b) for lvl in levels if lvl != "O0"]
         return calls
@@ -383,7 +245,7 @@ class CompareWidget(w.VBox):
 
 def compare(
     workload="mlp",
-    opt_levels=_LEVELS,
+    opt_levels=LEVELS,
     half_dtype="auto",
     batch_sizes=(32,),
     steps: int = 30,
