@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import copy
 import weakref
+from itertools import repeat
+from operator import attrgetter, is_not
 
 import torch
 
@@ -17,6 +19,9 @@ from mpnb.core.amp.scaler import LossScaler
 __all__ = ["OptimizerAmp"]
 
 _HALF = (torch.float16, torch.bfloat16)
+
+
+_grad = attrgetter("grad")
 
 
 def _groups_by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
@@ -30,6 +35,10 @@ def _contiguous_grad(p: torch.Tensor) -> torch.Tensor:
     if not p.grad.is_contiguous():
         p.grad = p.grad.contiguous()
     return p.grad
+
+
+def _dense(tensors) -> bool:
+    return all(t.is_contiguous() for t in tensors)
 
 
 class OptimizerAmp:
@@ -48,6 +57,12 @@ class OptimizerAmp:
     amp calls it and leaves the half params in ``param_groups``: the optimizer keeps the fp32
     masters in its own state. On this path the grads stay scaled until ``step()`` (clip them
     inside the optimizer, not through ``amp.master_params``).
+
+    Per step the work is a fixed number of kernel calls, whatever the number of params: one
+    ``multi_tensor_scale`` per dtype for the unscale (model grads into fp32 master grads under
+    O2), one for the master -> model copy, and one host read. The param lists are built once
+    (again only when ``add_param_group`` adds a group); each step reads every ``.grad`` once
+    before and once after the backward, which is the Python work that remains.
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool):
@@ -60,28 +75,18 @@ class OptimizerAmp:
         if self.internal_masters:
             optimizer._mpnb_use_master_weights()
             master_weights = False
+        self.master_weights = master_weights
         self.model_params: list[torch.nn.Parameter] = []
         self.masters: list[torch.nn.Parameter] = []
         self.own: list[torch.nn.Parameter] = []  # params whose .grad the optimizer reads directly
-        for group in optimizer.param_groups:
-            for i, p in enumerate(group["params"]):
-                if master_weights and p.dtype in _HALF:
-                    m = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
-                    group["params"][i] = m
-                    if p in optimizer.state:
-                        optimizer.state[m] = optimizer.state.pop(p)
-                    self.model_params.append(p)
-                    self.masters.append(m)
-                else:
-                    self.own.append(p)
+        self._n_groups = 0
+        self._adopt_new_groups(optimizer)
         dev = (self.masters or self.own or [torch.empty(0)])[0].device
         self.step_flag = torch.zeros(1, dtype=torch.float32, device=dev)
+        self._copy_flag = torch.zeros(1, dtype=torch.float32, device=dev)  # ignored by copies
         self.used: list[LossScaler] = []
         self.pending_delay = False
-        self._stash: list[torch.Tensor | None] = [None] * len(self.own)
         self._stashed = False
-        self._own_dense = all(p.is_contiguous() for p in self.own)
-        self._own_one_dtype = len({p.dtype for p in self.own}) <= 1
         self._skip: tuple | None = None
         self.hooks = [
             optimizer.register_step_pre_hook(self._pre_step),
@@ -92,6 +97,30 @@ class OptimizerAmp:
         ]
         self._loaded_masters: list[torch.Tensor] | None = None
         self.host_syncs = 0  # counts the one device->host read per step (tests assert on it)
+
+    def _adopt_new_groups(self, optimizer) -> None:
+        """Sort the params of groups not seen yet into masters/own and cache the lists."""
+        for group in optimizer.param_groups[self._n_groups:]:
+            for i, p in enumerate(group["params"]):
+                if self.master_weights and p.dtype in _HALF:
+                    m = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
+                    group["params"][i] = m
+                    if p in optimizer.state:
+                        optimizer.state[m] = optimizer.state.pop(p)
+                    self.model_params.append(p)
+                    self.masters.append(m)
+                else:
+                    self.own.append(p)
+        self._n_groups = len(optimizer.param_groups)
+        self._stash: list[torch.Tensor | None] = [None] * len(self.own)
+        self._no_grads = [None] * len(self.own)
+        self._own_dense = _dense(self.own)
+        self._own_one_dtype = len({p.dtype for p in self.own}) <= 1
+        # Master pairs grouped by model dtype once: one kernel call per group and step.
+        self._pairs = [([self.model_params[i] for i in idx], [self.masters[i] for i in idx],
+                        [None] * len(idx))
+                       for idx in _groups_by_dtype(self.model_params).values()]
+        self._pairs_dense = _dense(self.model_params) and _dense(self.masters)
 
     @property
     def optimizer(self) -> torch.optim.Optimizer:
@@ -104,11 +133,17 @@ class OptimizerAmp:
 
     def prepare_backward(self) -> None:
         """Before a backward: stash already unscaled grads so the new scaled ones start at zero."""
+        opt = self._opt()
+        if opt is not None and len(opt.param_groups) != self._n_groups:
+            self._adopt_new_groups(opt)  # add_param_group after amp.initialize
         if self.pending_delay or self.fused:
             return
-        for i, p in enumerate(self.own):
-            if p.grad is not None:
-                self._stash[i], p.grad = p.grad, None
+        grads = list(map(_grad, self.own))
+        if grads == self._no_grads:  # the common case: zero_grad() left every grad None
+            return
+        for i, (p, g) in enumerate(zip(self.own, grads, strict=True)):
+            if g is not None:
+                self._stash[i], p.grad = g, None
                 self._stashed = True
 
     def after_backward(self, scaler: LossScaler, delay_unscale: bool) -> None:
@@ -120,19 +155,20 @@ class OptimizerAmp:
             return
         self.pending_delay = False
         if self.fused:
-            flag = torch.zeros_like(self.step_flag)
-            self._to_masters(scaler, flag, None)
+            if self.masters:
+                self._to_masters(scaler, torch.zeros_like(self.step_flag), None)
             return
-        self._unscale_own(scaler)
-        self._to_masters(scaler, scaler.found_inf, scaler.inv_scale)
+        if self.own:
+            self._unscale_own(scaler)
+        if self.masters:
+            self._to_masters(scaler, scaler.found_inf, scaler.inv_scale)
         torch.maximum(self.step_flag, scaler.found_inf, out=self.step_flag)
 
     def _unscale_own(self, scaler: LossScaler) -> None:
         if not self._stashed:  # the common case: one backward per step, a fast path
+            grads = [g for g in map(_grad, self.own) if g is not None]
             # Autograd gives a grad its param's dtype and layout: dense params, dense grads.
-            if self._own_dense:
-                grads = [p.grad for p in self.own if p.grad is not None]
-            else:
+            if not self._own_dense:
                 grads = [_contiguous_grad(p) for p in self.own if p.grad is not None]
             if self._own_one_dtype:
                 scaler.unscale(grads, grads)
@@ -153,23 +189,41 @@ class OptimizerAmp:
         self._stashed = False
 
     def _to_masters(self, scaler: LossScaler, flag, scale_tensor) -> None:
-        idx = [i for i, p in enumerate(self.model_params) if p.grad is not None]
-        if not idx:
-            return
-        grads = [_contiguous_grad(self.model_params[i]) for i in idx]
-        out = [torch.empty_like(self.masters[i]) for i in idx]
+        """``master.grad = model.grad * scale_tensor`` (fp32; added to an existing master grad)."""
         from mpnb.core.ops import multi_tensor_scale
 
-        for sub in _groups_by_dtype(grads).values():
-            multi_tensor_scale(flag, [grads[j] for j in sub], [out[j] for j in sub], 1.0,
-                               scale_tensor=scale_tensor)
-        old = [self.masters[i].grad for i in idx]
-        pairs = [(o, g) for o, g in zip(out, old, strict=False) if g is not None]
+        for params, masters, no_grads in self._pairs:
+            grads = list(map(_grad, params))
+            if (list(map(_grad, masters)) != no_grads
+                    or not all(map(is_not, grads, repeat(None)))):
+                self._to_masters_general(params, masters, flag, scale_tensor)
+                continue
+            # The common case: every model param has a grad and no master has one yet.
+            if not self._pairs_dense:
+                grads = [_contiguous_grad(p) for p in params]
+            out = [torch.empty_like(m) for m in masters]
+            multi_tensor_scale(flag, grads, out, 1.0, scale_tensor=scale_tensor)
+            for m, o in zip(masters, out, strict=True):
+                m.grad = o
+            for p in params:
+                p.grad = None  # consumed: the next backward starts fresh
+
+    def _to_masters_general(self, params, masters, flag, scale_tensor) -> None:
+        from mpnb.core.ops import multi_tensor_scale
+
+        idx = [i for i, p in enumerate(params) if p.grad is not None]
+        if not idx:
+            return
+        grads = [_contiguous_grad(params[i]) for i in idx]
+        out = [torch.empty_like(masters[i]) for i in idx]
+        multi_tensor_scale(flag, grads, out, 1.0, scale_tensor=scale_tensor)
+        old = [masters[i].grad for i in idx]
+        pairs = [(o, g) for o, g in zip(out, old, strict=True) if g is not None]
         if pairs:
             torch._foreach_add_([o for o, _ in pairs], [g for _, g in pairs])
-        for i, o in zip(idx, out, strict=False):
-            self.masters[i].grad = o
-            self.model_params[i].grad = None  # consumed: the next backward starts fresh
+        for i, o in zip(idx, out, strict=True):
+            masters[i].grad = o
+            params[i].grad = None  # consumed: the next backward starts fresh
 
     # ---- step -----------------------------------------------------------------------------
 
@@ -215,14 +269,22 @@ class OptimizerAmp:
             s.note_step(skipped, scale)
         if not skipped:
             self.copy_masters_to_model()
-        self.used, self.pending_delay = [], False
-        self.step_flag.zero_()
+        if self.used:
+            self.used, self.pending_delay = [], False
+            self.step_flag.zero_()
 
     def copy_masters_to_model(self) -> None:
-        """``model_param = master`` (cast to half) for every pair."""
-        if self.masters:
-            with torch.no_grad():
+        """``model_param = master`` (rounded to half) for every pair, one kernel call a dtype."""
+        if not self.masters:
+            return
+        from mpnb.core.ops import multi_tensor_scale
+
+        with torch.no_grad():
+            if not self._pairs_dense:
                 torch._foreach_copy_(self.model_params, self.masters)
+                return
+            for params, masters, _ in self._pairs:  # fp32 * 1.0 is exact: a plain rounding copy
+                multi_tensor_scale(self._copy_flag, masters, params, 1.0)
 
     # ---- state dict: the fp32 masters travel with the optimizer's state ---------------------
 

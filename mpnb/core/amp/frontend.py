@@ -53,10 +53,9 @@ def current_handle() -> AmpHandle:
     return registry.latest
 
 
-@contextlib.contextmanager
 def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None,
                delay_unscale: bool = False, delay_overflow_check: bool = False
-               ) -> Iterator[torch.Tensor]:
+               ) -> contextlib.AbstractContextManager[torch.Tensor]:
     """Context manager yielding the scaled loss; on exit the grads are unscaled.
 
     Args:
@@ -79,13 +78,11 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None,
         raise ValueError("amp.scale_loss called before amp.initialize; call `model, optimizer "
                          "= amp.initialize(model, optimizer, opt_level=...)` first.")
     found = [registry.lookup(o) for o in opts]
-    handles = {id(h) for h, _ in found}
-    if len(handles) > 1:
+    handle = found[0][0]
+    if any(h is not handle for h, _ in found):
         raise ValueError("amp.scale_loss: the optimizers come from different amp.initialize "
                          "calls; pass optimizers of one initialize per scale_loss block.")
-    handle = found[0][0]
-    with handle.scale_loss(loss, [s for _, s in found], loss_id, delay_unscale) as scaled:
-        yield scaled
+    return handle.scale_loss(loss, [s for _, s in found], loss_id, delay_unscale)
 
 
 def master_params(optimizer) -> Iterator[torch.nn.Parameter]:

@@ -12,9 +12,6 @@ Fused optimizers (next issue) plug in through ``optimizer._mpnb_accepts_scale``;
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-
 import torch
 
 from mpnb.core.amp._optimizer import OptimizerAmp
@@ -22,6 +19,41 @@ from mpnb.core.amp._properties import Properties
 from mpnb.core.amp.scaler import LossScaler
 
 __all__ = ["AmpHandle"]
+
+
+class _ScaleLossBlock:
+    """One ``scale_loss`` block (a class, not a generator: this runs every step)."""
+
+    __slots__ = ("handle", "loss", "states", "loss_id", "delay", "scaler")
+
+    def __init__(self, handle, loss, states, loss_id, delay):
+        self.handle, self.loss, self.states = handle, loss, states
+        self.loss_id, self.delay, self.scaler = loss_id, delay, None
+
+    def __enter__(self) -> torch.Tensor:
+        h = self.handle
+        if not h.properties.enabled:
+            return self.loss
+        n = len(h.scalers)
+        if not 0 <= self.loss_id < n:
+            raise ValueError(
+                f"amp.scale_loss: loss_id={self.loss_id} but amp.initialize(num_losses="
+                f"{n}) made loss ids 0..{n - 1}; pass a valid loss_id or raise num_losses.")
+        self.scaler = scaler = h.scalers[self.loss_id]
+        for st in self.states:
+            st.prepare_backward()
+        scaler.clear_overflow()
+        return scaler.scale_loss(self.loss)
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        scaler = self.scaler
+        if exc_type is not None or scaler is None:
+            return False  # the exception propagates; nothing is unscaled
+        for st in self.states:
+            st.after_backward(scaler, self.delay)
+        if not self.delay and any(not st.fused for st in self.states):
+            scaler.update()
+        return False
 
 
 class AmpHandle:
@@ -48,31 +80,15 @@ class AmpHandle:
         self.opt_states = opt_states
         self.hooks = hooks
 
-    @contextlib.contextmanager
     def scale_loss(self, loss: torch.Tensor, opt_states: list[OptimizerAmp], loss_id: int = 0,
-                   delay_unscale: bool = False) -> Iterator[torch.Tensor]:
-        """Yield ``loss * scale``; on exit unscale the grads of ``opt_states``' params.
+                   delay_unscale: bool = False) -> _ScaleLossBlock:
+        """A context manager yielding ``loss * scale``; on exit it unscales the grads.
 
-        With ``delay_unscale=True`` the grads stay scaled and accumulate until a later block
-        without it. On overflow the following ``optimizer.step()`` is skipped.
+        The grads of ``opt_states``' params are unscaled when the block exits without an
+        exception. With ``delay_unscale=True`` the grads stay scaled and accumulate until a
+        later block without it. On overflow the following ``optimizer.step()`` is skipped.
         """
-        if not self.properties.enabled:
-            yield loss
-            return
-        if not 0 <= loss_id < len(self.scalers):
-            raise ValueError(
-                f"amp.scale_loss: loss_id={loss_id} but amp.initialize(num_losses="
-                f"{len(self.scalers)}) made loss ids 0..{len(self.scalers) - 1}; pass a valid "
-                "loss_id or raise num_losses.")
-        scaler = self.scalers[loss_id]
-        for st in opt_states:
-            st.prepare_backward()
-        scaler.clear_overflow()
-        yield scaler.scale_loss(loss)
-        for st in opt_states:
-            st.after_backward(scaler, delay_unscale)
-        if not delay_unscale and any(not st.fused for st in opt_states):
-            scaler.update()
+        return _ScaleLossBlock(self, loss, opt_states, loss_id, delay_unscale)
 
     def state_dict(self) -> dict:
         """``{"loss_scaler0": {...}, ...}`` (Apex's keys; one host sync per scaler)."""

@@ -72,6 +72,7 @@ class LossScaler:
         self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=dev)
         self.hysteresis_tracker = torch.ones(1, dtype=torch.int32, device=dev)
         self.skips_at_min = 0
+        self._known_range = (first, first)  # host bounds of the device scale, see update()
 
     @property
     def floor(self) -> float:
@@ -102,22 +103,35 @@ class LossScaler:
         """
         if not model_grads:
             return
-        multi_tensor_scale(self.found_inf, list(model_grads), list(out), 1.0,
-                           scale_tensor=self.inv_scale)
+        if not isinstance(model_grads, list):
+            model_grads = list(model_grads)
+        if not isinstance(out, list):
+            out = list(out)
+        multi_tensor_scale(self.found_inf, model_grads, out, 1.0, scale_tensor=self.inv_scale)
         if accumulate is not None:
             pairs = [(o, a) for o, a in zip(out, accumulate, strict=False) if a is not None]
             if pairs:
                 torch._foreach_add_([o for o, _ in pairs], [a.to(o.dtype) for o, a in pairs])
 
     def update(self, found_inf: torch.Tensor | None = None) -> None:
-        """Apex's dynamic update from ``found_inf`` (default: this scaler's), on the device."""
+        """Apex's dynamic update from ``found_inf`` (default: this scaler's), on the device.
+
+        The clamp to ``[min_loss_scale, max_loss_scale]`` is launched only when it can change
+        the scale: the host keeps bounds of the device scale (exact after each step's sync,
+        widened by ``scale_factor`` per update), so most steps cost two kernel calls.
+        """
         if not self.dynamic:
             return
         flag = self.found_inf if found_inf is None else found_inf
         update_scale_hysteresis(self.scale, self.growth_tracker, self.hysteresis_tracker, flag,
                                 self.scale_factor, 1.0 / self.scale_factor, self.scale_window, 1)
+        f = max(self.scale_factor, 1.0 / self.scale_factor)
+        lo_known, hi_known = self._known_range[0] / f, self._known_range[1] * f
         lo = 0.0 if self.min_loss_scale is None else float(self.min_loss_scale)
-        self.scale.clamp_(lo, float(self.max_loss_scale))
+        if lo_known < lo or hi_known > self.max_loss_scale:
+            self.scale.clamp_(lo, float(self.max_loss_scale))
+            lo_known, hi_known = max(lo_known, lo), min(hi_known, float(self.max_loss_scale))
+        self._known_range = (lo_known, hi_known)
         torch.reciprocal(self.scale, out=self.inv_scale)
 
     def note_step(self, skipped: bool, scale: float) -> None:
@@ -125,6 +139,7 @@ class LossScaler:
 
         ``skipped`` and ``scale`` are host values the caller read in its one sync of the step.
         """
+        self._known_range = (scale, scale)
         if not skipped or not self.dynamic or scale > self.floor:
             self.skips_at_min = 0
             return
@@ -160,3 +175,4 @@ class LossScaler:
         self.hysteresis_tracker.fill_(int(state.get("hysteresis_tracker", 1)))
         self.skips_at_min = int(state.get("skips_at_min", 0))
         self.found_inf.zero_()
+        self._known_range = (float(state["loss_scale"]),) * 2
