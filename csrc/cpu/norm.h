@@ -69,6 +69,7 @@ void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, a
   constexpr int64_t K = IOT::kWidth;
   static_assert(K == IOW::kWidth, "input and weight blocks differ");
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
+  const bool stream = stream_output<T>(M * N);
   at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
     V a, c, w0(Acc(1)), w1(Acc(1)), b0(Acc(0)), b1(Acc(0));
     for (int64_t r = r0; r < r1; ++r) {
@@ -101,16 +102,16 @@ void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, a
       if constexpr (!kRms) MEAN[r] = mu;
       RSTD[r] = rs;
       const V vr(rs);
-      auto out = [&](int64_t j, int64_t n) {
+      const T* xn = r + 1 < M ? x + N : nullptr;
+      write_blocks<T, Acc>(y, N, stream, [&](int64_t j, int64_t n, V& a, V& c) {
+        if (xn) prefetch_next(xn + j);
         if (n == K) IOT::load(x + j, a, c); else IOT::load(x + j, n, a, c);
         a = (a - vm) * vr; c = (c - vm) * vr;
         if (w) { if (n == K) IOW::load(w + j, w0, w1); else IOW::load(w + j, n, w0, w1); a = a * w0; c = c * w1; }
         if (b) { if (n == K) IOW::load(b + j, b0, b1); else IOW::load(b + j, n, b0, b1); a = a + b0; c = c + b1; }
-        if (n == K) IOT::store(y + j, a, c); else IOT::store(y + j, n, a, c);
-      };
-      for (i = 0; i + K <= N; i += K) out(i, K);
-      if (i < N) out(i, N - i);
+      });
     }
+    if (stream) stream_fence();
   });
 }
 
@@ -127,6 +128,7 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
   using IOW = IO<W, Acc>;
   constexpr int64_t K = IOT::kWidth;
   const int64_t P = std::max<int64_t>(1, std::min<int64_t>(M, at::get_num_threads()));
+  const bool stream = stream_output<T>(M * N);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       Acc* dw = DW ? DW + p * N : nullptr;
@@ -164,11 +166,12 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
         const Acc inv_n = Acc(1) / static_cast<Acc>(N);
         const V c1(static_cast<Acc>(hsum(s2a + s2b)) * inv_n);
         const V c2(kRms ? Acc(0) : static_cast<Acc>(hsum(s1a + s1b)) * inv_n);
-        auto write = [&](int64_t jj, int64_t n) {
+        const T* dyn = r + 1 < M ? dy + N : nullptr;
+        write_blocks<T, Acc>(dx, N, stream, [&](int64_t jj, int64_t n, V& d0, V& d1) {
+          if (dyn) { prefetch_next(dyn + jj); prefetch_next(s + N + jj); }
           block(jj, n);
           const bool full = n == K;
-          V d0 = vr * (g0 * w0 - c2 - h0 * c1), d1 = vr * (g1 * w1 - c2 - h1 * c1);
-          if (full) IOT::store(dx + jj, d0, d1); else IOT::store(dx + jj, n, d0, d1);
+          d0 = vr * (g0 * w0 - c2 - h0 * c1); d1 = vr * (g1 * w1 - c2 - h1 * c1);
           if (dw) {
             V a0, a1;
             if (full) IO<Acc, Acc>::load(dw + jj, a0, a1); else IO<Acc, Acc>::load(dw + jj, n, a0, a1);
@@ -181,11 +184,10 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
             a0 = a0 + g0; a1 = a1 + g1;
             if (full) IO<Acc, Acc>::store(db + jj, a0, a1); else IO<Acc, Acc>::store(db + jj, n, a0, a1);
           }
-        };
-        for (j = 0; j + K <= N; j += K) write(j, K);
-        if (j < N) write(j, N - j);
+        });
       }
     }
+    if (stream) stream_fence();
   });
 }
 

@@ -65,7 +65,7 @@ inline void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec
 // One row: y[0:L) = softmax(x[0:L) * scale, masked), y[L:n) = 0.
 template <typename T>
 inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_t n, acc_t<T> scale,
-                        acc_t<T>* buf) {
+                        acc_t<T>* buf, const T* xn, const uint8_t* mn, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
@@ -91,15 +91,19 @@ inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_
   const V vm(mx);
   V s0(Acc(0)), s1(Acc(0));
   for (i = 0; i < L; i += K) {  // padded lanes hold -inf: exp gives 0
+    if (xn) prefetch_next(xn + i);
+    if (mn && i % 64 == 0) prefetch_next(mn + i);
     a = vexp(V::loadu(buf + i) - vm);
     b = vexp(V::loadu(buf + i + V::size()) - vm);
     a.store(buf + i); b.store(buf + i + V::size());
     s0 = s0 + a; s1 = s1 + b;
   }
   const V inv(static_cast<Acc>(1.0 / hsum(s0 + s1)));
-  for (i = 0; i + K <= L; i += K) IOT::store(y + i, V::loadu(buf + i) * inv, V::loadu(buf + i + V::size()) * inv);
-  if (i < L) IOT::store(y + i, L - i, V::loadu(buf + i) * inv, V::loadu(buf + i + V::size()) * inv);
-  for (int64_t j = L; j < n; ++j) y[j] = T(0);
+  write_blocks<T, Acc>(y, L, stream, [&](int64_t j, int64_t, V& p, V& q) {
+    p = V::loadu(buf + j) * inv;
+    q = V::loadu(buf + j + V::size()) * inv;
+  });
+  write_zeros<T, Acc>(y + L, n - L, stream);
 }
 
 // Rows of length sk; mask rows found through (b, h, i) strides (mask last dim contiguous).
@@ -119,12 +123,16 @@ void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale
   using Acc = acc_t<T>;
   constexpr int64_t K = IO<T, Acc>::kWidth;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sk, 1));
+  const bool stream = stream_output<T>(rows * sk);
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     std::vector<Acc> buf(((sk + K - 1) / K) * K + K);
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t L = causal ? std::min<int64_t>(r % sq + 1, sk) : sk;
-      softmax_row<T>(X + r * sk, mv.row(r), Y + r * sk, L, sk, static_cast<Acc>(scale), buf.data());
+      const bool next = r + 1 < rows;
+      softmax_row<T>(X + r * sk, mv.row(r), Y + r * sk, L, sk, static_cast<Acc>(scale), buf.data(),
+                     next ? X + (r + 1) * sk : nullptr, next ? mv.row(r + 1) : nullptr, stream);
     }
+    if (stream) stream_fence();
   });
 }
 
@@ -136,6 +144,7 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
   using IOT = IO<T, Acc>;
   constexpr int64_t K = IOT::kWidth;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sk, 1));
+  const bool stream = stream_output<T>(rows * sk);
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     V g0, g1, y0, y1;
     for (int64_t r = r0; r < r1; ++r) {
@@ -154,16 +163,16 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
         d0 = at::vec::fmadd(g0, y0, d0); d1 = at::vec::fmadd(g1, y1, d1);
       }
       const V dot(static_cast<Acc>(hsum(d0 + d1))), vs(static_cast<Acc>(scale));
-      for (i = 0; i + K <= L; i += K) {
-        IOT::load(dy + i, g0, g1); IOT::load(y + i, y0, y1);
-        IOT::store(dx + i, vs * (y0 * (g0 - dot)), vs * (y1 * (g1 - dot)));
-      }
-      if (i < L) {
-        IOT::load(dy + i, L - i, g0, g1); IOT::load(y + i, L - i, y0, y1);
-        IOT::store(dx + i, L - i, vs * (y0 * (g0 - dot)), vs * (y1 * (g1 - dot)));
-      }
-      for (int64_t j = L; j < sk; ++j) dx[j] = T(0);
+      const bool next = r + 1 < rows;
+      write_blocks<T, Acc>(dx, L, stream, [&](int64_t j, int64_t n, V& p, V& q) {
+        if (next) { prefetch_next(dy + sk + j); prefetch_next(y + sk + j); }
+        if (n == K) { IOT::load(dy + j, g0, g1); IOT::load(y + j, y0, y1); }
+        else { IOT::load(dy + j, n, g0, g1); IOT::load(y + j, n, y0, y1); }
+        p = vs * (y0 * (g0 - dot)); q = vs * (y1 * (g1 - dot));
+      });
+      write_zeros<T, Acc>(dx + L, sk - L, stream);
     }
+    if (stream) stream_fence();
   });
 }
 

@@ -222,4 +222,63 @@ inline double hsum(const Vectorized<T>& v) {
   return s;
 }
 
+// Writes y[0, n) block by block, for kernels that produce a row (or range) in registers:
+// f(j, len, a, b) fills the block at y + j (len < kWidth only for a head or tail block). With
+// `stream`, the full blocks from the first kStreamAlign boundary on use non-temporal stores
+// (the caller fences once per thread with stream_fence() before its results are read); the
+// values, and so the results, are the same either way.
+template <typename T, typename Acc, typename F>
+inline void write_blocks(T* y, int64_t n, bool stream, const F& f) {
+  using IOT = IO<T, Acc>;
+  constexpr int64_t K = IOT::kWidth;
+  Vectorized<Acc> a, b;
+  int64_t j = 0;
+  if (stream) {
+    const int64_t head = align_head(y, n);
+    while (j < head) {
+      const int64_t len = std::min<int64_t>(K, head - j);
+      f(j, len, a, b);
+      IOT::store(y + j, len, a, b);
+      j += len;
+    }
+    for (; j + K <= n; j += K) {
+      f(j, K, a, b);
+      IOT::stream(y + j, a, b);
+    }
+  } else {
+    for (; j + K <= n; j += K) {
+      f(j, K, a, b);
+      IOT::store(y + j, a, b);
+    }
+  }
+  if (j < n) {
+    f(j, n - j, a, b);
+    IOT::store(y + j, n - j, a, b);
+  }
+}
+
+// y[0, n) = 0, streamed like write_blocks (the masked-out tail of a causal softmax row).
+template <typename T, typename Acc>
+inline void write_zeros(T* y, int64_t n, bool stream) {
+  write_blocks<T, Acc>(y, n, stream, [](int64_t, int64_t, Vectorized<Acc>& a, Vectorized<Acc>& b) {
+    a = Vectorized<Acc>(Acc(0));
+    b = a;
+  });
+}
+
+// True when an output of `numel` elements of T is large enough to be streamed.
+template <typename T>
+inline bool stream_output(int64_t numel) {
+  return numel * static_cast<int64_t>(sizeof(T)) >= kStreamMinBytes;
+}
+
+// Row kernels read a row from memory once and then make their later passes over it in cache;
+// prefetching the next row during those passes keeps the memory bus busy while they run
+// (the hardware prefetcher alone stops a few lines ahead). Into L2: a row of 1K-4K elements
+// plus the current one fits there, and L1 is left to the current row and the weights.
+template <typename T>
+inline void prefetch_next(const T* p) {
+  __builtin_prefetch(p, 0, 2);
+}
+
 }  // namespace mpnb::cpu
