@@ -1,0 +1,74 @@
+"""Outputs of 16 MiB or more are written with streaming stores: same bits as ordinary stores.
+
+Rows are independent, so the first rows of a large (streamed) output must equal, bit for bit,
+the output of the same rows computed alone (small, ordinary stores). An odd row length makes
+most rows start unaligned, which exercises the head / tail blocks around the streamed body.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+M = torch.ops.mpnb
+ROWS, COLS = 4100, 1029  # 16.9 MB of fp32, 8.4 MB of bf16: the bf16 case doubles the rows
+
+
+def _big(dtype: torch.dtype) -> torch.Tensor:
+    rows = ROWS if dtype in (torch.float32, torch.float64) else 2 * ROWS
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(rows, COLS, generator=g).to(dtype)
+
+
+@pytest.fixture
+def compiled(kernels):
+    if not kernels:
+        pytest.skip("streaming stores are a property of the compiled kernels")
+    from mpnb.core.ops import norm_ops, softmax_ops
+
+    norm_ops.rms_norm_fwd(torch.randn(2, 4), [4], None, 1e-5)  # loads the library
+    softmax_ops.scaled_softmax_fwd(torch.randn(2, 4), 1.0)
+
+
+def _same_rows(big, small) -> None:
+    big = big if isinstance(big, (tuple, list)) else (big,)
+    small = small if isinstance(small, (tuple, list)) else (small,)
+    for b, s in zip(big, small, strict=True):
+        if b.dim() and b.shape[0] > s.shape[0]:
+            assert torch.equal(b[: s.shape[0]], s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_norm_streamed_rows_match(compiled, dtype):
+    x = _big(dtype)
+    dy = torch.randn_like(x)
+    w = (torch.rand(COLS) + 0.5).to(dtype)
+    b = torch.randn(COLS).to(dtype)
+    k = 37
+    ln = M.layer_norm_fwd(x, [COLS], w, b, 1e-5)
+    _same_rows(ln, M.layer_norm_fwd(x[:k], [COLS], w, b, 1e-5))
+    _same_rows(M.rms_norm_fwd(x, [COLS], w, 1e-5), M.rms_norm_fwd(x[:k], [COLS], w, 1e-5))
+    mean, rstd = ln[1], ln[2]
+    big = M.layer_norm_bwd(dy, x, mean, rstd, [COLS], w, b, False)[0]
+    small = M.layer_norm_bwd(dy[:k], x[:k], mean[:k], rstd[:k], [COLS], w, b, False)[0]
+    assert torch.equal(big[:k], small)
+    big = M.rms_norm_bwd(dy, x, rstd, [COLS], w, False)[0]
+    assert torch.equal(big[:k], M.rms_norm_bwd(dy[:k], x[:k], rstd[:k], [COLS], w, False)[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_softmax_streamed_rows_match(compiled, dtype):
+    x = _big(dtype)
+    dy = torch.randn_like(x)
+    k = 37
+    y = M.scaled_softmax_fwd(x, 0.3)
+    assert torch.equal(y[:k], M.scaled_softmax_fwd(x[:k], 0.3))
+    dx = M.scaled_softmax_bwd(dy, y, 0.3, False)
+    assert torch.equal(dx[:k], M.scaled_softmax_bwd(dy[:k], y[:k], 0.3, False))
+    batches = 5 if dtype == torch.float32 else 8  # > 16 MiB: causal zero tails streamed too
+    c = torch.randn(batches, COLS, COLS).to(dtype)
+    yc = M.scaled_upper_triang_masked_softmax_fwd(c, 0.3)
+    assert torch.equal(yc[:1], M.scaled_upper_triang_masked_softmax_fwd(c[:1], 0.3))
+    dc = torch.randn_like(c)
+    dxc = M.scaled_softmax_bwd(dc, yc, 0.3, True)
+    assert torch.equal(dxc[:1], M.scaled_softmax_bwd(dc[:1], yc[:1], 0.3, True))
