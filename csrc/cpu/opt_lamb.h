@@ -16,19 +16,24 @@ namespace mpnb::cpu::opt {
 
 // ---- LAMB ------------------------------------------------------------------------------
 
+// Both passes compute u, and on one thread LAMB is bound by arithmetic, not by memory: the
+// clipping and the bias corrections are multiplications by reciprocals (rounded once from
+// fp64; the clipping one is skipped when nothing is clipped), leaving one division and one
+// square root per element and pass (Apex's kernel has four divisions). Forced inline: GCC
+// otherwise calls it out of line from the norm pass and spills every register to memory.
 struct LambUpdate {
-  fVec clip, wd, beta1, beta3, beta2, c2, eps;
-  bool adam_w, has_wd;
-  const std::vector<float>* bc1;
-  const std::vector<float>* bc2;
+  fVec rclip, wd, beta1, beta3, beta2, c2, eps;
+  bool adam_w, has_wd, clipped;
+  const std::vector<float>* rbc1;  // per tensor: 1 / (1 - beta1^t)
+  const std::vector<float>* rbc2;  // per tensor: 1 / (1 - beta2^t)
 
   // The update direction u of one register; m, v receive their new values.
-  inline fVec operator()(int64_t t, const fVec& w, fVec g, fVec& m, fVec& v) const {
-    g = g / clip;
+  C10_ALWAYS_INLINE fVec operator()(int64_t t, const fVec& w, fVec g, fVec& m, fVec& v) const {
+    if (clipped) g = g * rclip;
     if (has_wd && !adam_w) g = g + wd * w;
     m = m * beta1 + beta3 * g;
     v = v * beta2 + c2 * g * g;
-    fVec u = (m / fVec((*bc1)[t])) / ((v / fVec((*bc2)[t])).sqrt() + eps);
+    fVec u = (m * fVec((*rbc1)[t])) / ((v * fVec((*rbc2)[t])).sqrt() + eps);
     if (has_wd && adam_w) u = u + wd * w;
     return u;
   }
@@ -101,13 +106,13 @@ inline void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::Tens
   const float mx = static_cast<float>(max_grad_norm);
   const float clip = (mx > 0.0f && gnorm > mx) ? gnorm / mx : 1.0f;
   const auto step = advance_steps(steps, n, op);
-  std::vector<float> bc1(n, 1.0f), bc2(n, 1.0f);
+  std::vector<float> rbc1(n, 1.0f), rbc2(n, 1.0f);
   if (bias_correction)
     for (int64_t i = 0; i < n; ++i) {
-      bc1[i] = static_cast<float>(1 - std::pow(beta1, step[i]));
-      bc2[i] = static_cast<float>(1 - std::pow(beta2, step[i]));
+      rbc1[i] = static_cast<float>(1 / (1 - std::pow(beta1, step[i])));
+      rbc2[i] = static_cast<float>(1 / (1 - std::pow(beta2, step[i])));
     }
-  LambUpdate upd{fVec(clip),
+  LambUpdate upd{fVec(static_cast<float>(1.0 / static_cast<double>(clip))),
                  fVec(static_cast<float>(weight_decay)),
                  fVec(static_cast<float>(beta1)),
                  fVec(grad_averaging ? static_cast<float>(1 - beta1) : 1.0f),
@@ -116,8 +121,9 @@ inline void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::Tens
                  fVec(static_cast<float>(eps)),
                  adam_w_mode,
                  weight_decay != 0.0,
-                 &bc1,
-                 &bc2};
+                 clip != 1.0f,
+                 &rbc1,
+                 &rbc2};
   std::vector<float> ratio(n, static_cast<float>(lr));
   MPNB_DISPATCH_OPT(params[0].scalar_type(), grads[0].scalar_type(), [&] {
     if (use_nvlamb || weight_decay != 0.0) {
@@ -163,7 +169,9 @@ inline void fused_novograd_cpu(at::TensorList params, at::TensorList grads,
   const auto step = advance_steps(steps, n, op);
   const float* gn = grad_norms.const_data_ptr<float>();
   const float b2 = static_cast<float>(beta2), c2 = static_cast<float>(1 - beta2);
-  std::vector<float> denom_(n), bc1_(n);
+  // Per tensor, rounded once from fp64: 1/d, 1/(1 - beta1^t) and 1/((1 - beta1^t) d), so the
+  // elementwise update multiplies instead of dividing twice.
+  std::vector<float> rd_(n), rbc1_(n), rbd_(n);
   for (int64_t t = 0; t < n; ++t) {
     TORCH_CHECK(exp_avg_sqs[t].numel() == 1 && exp_avg_sqs[t].scalar_type() == at::kFloat, op,
                 ": exp_avg_sq ", t, " must be a one-element float32 tensor.");
@@ -173,21 +181,22 @@ inline void fused_novograd_cpu(at::TensorList params, at::TensorList grads,
     else *v = b2 * *v + c2 * gn[t];
     const double bc1 = bias_correction ? 1 - std::pow(beta1, step[t]) : 1.0;
     const double bc2 = bias_correction ? std::sqrt(1 - std::pow(beta2, step[t])) : 1.0;
-    denom_[t] = *v / static_cast<float>(bc2) + static_cast<float>(eps);
-    bc1_[t] = static_cast<float>(bc1);
+    const double denom = *v / static_cast<float>(bc2) + static_cast<float>(eps);
+    rd_[t] = static_cast<float>(1 / denom);
+    rbc1_[t] = static_cast<float>(1 / bc1);
+    rbd_[t] = static_cast<float>(1 / (bc1 * denom));
   }
   const fVec vb1(static_cast<float>(beta1)),
       vb3(grad_averaging ? static_cast<float>(1 - beta1) : 1.0f),
       vwd(static_cast<float>(weight_decay)), vlr(static_cast<float>(lr));
   auto body = [&](int64_t t, fVec& w, fVec g, fVec* s) {
-    const fVec denom(denom_[t]), bc1v(bc1_[t]);
     if (reg_inside_moment) {
-      g = g / denom + vwd * w;
+      g = g * fVec(rd_[t]) + vwd * w;
       s[0] = vb1 * s[0] + vb3 * g;
-      w = w - vlr * (s[0] / bc1v);
+      w = w - vlr * (s[0] * fVec(rbc1_[t]));
     } else {
       s[0] = vb1 * s[0] + vb3 * g;
-      w = w - vlr * ((s[0] / bc1v) / denom + vwd * w);
+      w = w - vlr * (s[0] * fVec(rbd_[t]) + vwd * w);
     }
   };
   MPNB_DISPATCH_OPT(params[0].scalar_type(), grads[0].scalar_type(),
