@@ -130,7 +130,11 @@ def test_non_contiguous_scores(kernels):
 
 def test_gradcheck_fp64(kernels):
     x = scores((2, 2, 3, 5), torch.float64).requires_grad_(True)
-    mask = torch.rand(1, 1, 3, 5) > 0.5
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(1, 1, 3, 5, generator=g) > 0.5
+    # A fully masked row passes its gradient through (Apex's backward ignores the mask), which
+    # a numerical gradcheck rejects by design: keep one column of every row unmasked.
+    mask[..., 0] = False
     assert torch.autograd.gradcheck(lambda x: scaled_softmax(x, 0.5), (x,))
     assert torch.autograd.gradcheck(lambda x: scaled_masked_softmax(x, mask, 0.5), (x,))
     xc = scores((3, 4, 4), torch.float64).requires_grad_(True)
