@@ -7,13 +7,13 @@ and this object only holds a weak reference to the optimizer.
 
 from __future__ import annotations
 
-import copy
 import weakref
 from itertools import repeat
 from operator import attrgetter, is_not
 
 import torch
 
+from mpnb.core.amp._skip import drop_grads, is_torch_optim, snapshot
 from mpnb.core.amp.scaler import LossScaler
 
 __all__ = ["OptimizerAmp"]
@@ -251,7 +251,7 @@ class OptimizerAmp:
         for s, scale in zip(self.used, vals[1:], strict=False):
             s.note_step(skip, scale)
         if skip:
-            self._skip = _drop_grads(optimizer) if _is_torch_optim(optimizer) else _snapshot(
+            self._skip = drop_grads(optimizer) if is_torch_optim(optimizer) else snapshot(
                 optimizer)
         return None
 
@@ -316,47 +316,3 @@ class OptimizerAmp:
             for p, m in zip(self.model_params, self.masters, strict=False):
                 if not torch.equal(m.to(p.dtype), p):
                     m.copy_(p)
-
-
-def _is_torch_optim(optimizer) -> bool:
-    return type(optimizer).__module__.startswith("torch.optim")
-
-
-def _drop_grads(optimizer):
-    # torch.optim optimizers skip params whose grad is None: no update, no state, no step count.
-    saved = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            saved.append((p, p.grad))
-            p.grad = None
-
-    def restore(items):
-        for p, g in items:
-            p.grad = g
-
-    return restore, saved
-
-
-def _snapshot(optimizer):
-    # Any other optimizer: copy params, state and group settings, and put them back afterwards.
-    params = [p for g in optimizer.param_groups for p in g["params"]]
-    saved = (
-        [p.detach().clone() for p in params],
-        {p: copy.deepcopy(optimizer.state[p]) for p in params if p in optimizer.state},
-        [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
-         for g in optimizer.param_groups],
-    )
-
-    def restore(items):
-        values, state, groups = items
-        with torch.no_grad():
-            for p, v in zip(params, values, strict=False):
-                p.copy_(v)
-        for p in params:
-            optimizer.state.pop(p, None)
-            if p in state:
-                optimizer.state[p] = state[p]
-        for g, s in zip(optimizer.param_groups, groups, strict=False):
-            g.update(s)
-
-    return restore, saved
