@@ -18,7 +18,7 @@ struct AdamBody {
   const std::vector<float>* neg_step_size;  // per tensor: -lr / bias_correction1
   const std::vector<float>* bc2_sqrt;       // per tensor: sqrt(bias_correction2)
 
-  inline void operator()(int64_t t, fVec& w, fVec g, fVec* s) const {
+  C10_ALWAYS_INLINE void operator()(int64_t t, fVec& w, fVec g, fVec* s) const {
     if (has_wd) {
       if (adam_w) w = w * decay_mul;
       else g = at::vec::fmadd(w, wd, g);
@@ -78,7 +78,7 @@ struct AdagradBody {
   bool w_mode, has_wd;
   const std::vector<float>* neg_clr;  // per tensor: -lr / (1 + (step - 1) * lr_decay)
 
-  inline void operator()(int64_t t, fVec& w, fVec g, fVec* s) const {
+  C10_ALWAYS_INLINE void operator()(int64_t t, fVec& w, fVec g, fVec* s) const {
     if (has_wd && !w_mode) g = g + w * wd;
     s[0] = s[0] + g * g;
     const fVec std_ = s[0].sqrt() + eps;

@@ -135,7 +135,7 @@ inline void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::Tens
         if (pn != 0.0f && un != 0.0f) ratio[t] = static_cast<float>(lr) * (pn / un);
       }
     }
-    auto body = [&](int64_t t, fVec& w, fVec g, fVec* s) {
+    auto body = [&](int64_t t, fVec& w, fVec g, fVec* s) C10_ALWAYS_INLINE_ATTRIBUTE {
       const fVec u = upd(t, w, g, s[0], s[1]);
       w = w - fVec(ratio[t]) * u;
     };
@@ -189,7 +189,7 @@ inline void fused_novograd_cpu(at::TensorList params, at::TensorList grads,
   const fVec vb1(static_cast<float>(beta1)),
       vb3(grad_averaging ? static_cast<float>(1 - beta1) : 1.0f),
       vwd(static_cast<float>(weight_decay)), vlr(static_cast<float>(lr));
-  auto body = [&](int64_t t, fVec& w, fVec g, fVec* s) {
+  auto body = [&](int64_t t, fVec& w, fVec g, fVec* s) C10_ALWAYS_INLINE_ATTRIBUTE {
     if (reg_inside_moment) {
       g = g * fVec(rd_[t]) + vwd * w;
       s[0] = vb1 * s[0] + vb3 * g;

@@ -17,7 +17,7 @@ struct SgdBody {
   bool has_wd, wd_after, has_mom, nesterov;
   const std::vector<uint8_t>* first;  // per tensor: no momentum buffer yet
 
-  inline void operator()(int64_t t, fVec& w, fVec g, fVec* s) const {
+  C10_ALWAYS_INLINE void operator()(int64_t t, fVec& w, fVec g, fVec* s) const {
     if (has_wd && !wd_after) g = at::vec::fmadd(w, wd, g);
     if (has_mom) {
       s[0] = (*first)[t] ? g : at::vec::fmadd(damp1, g, s[0] * mom);
