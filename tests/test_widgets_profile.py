@@ -31,7 +31,7 @@ def _model():
 @pytest.fixture(scope="module")
 def pw():
     return mpnb.widgets.profile(_model(), torch.randn(8, 16), opt_levels=("O0", "O3"),
-                                half_dtype="fp16", steps=2)
+                                half_dtype="fp16", steps=2, threads=1)
 
 
 def test_phases_and_flops_figures_hold_the_lab_numbers(pw):
@@ -57,6 +57,15 @@ def test_overflow_tracer_names_the_layer(pw):
     assert pw.trace.module == "2"
     pane = pw.tabs.children[5].children[0].value
     assert "module <b>2</b>" in pane and "fp16" in pane
+
+
+def test_threads_are_restored(pw):
+    import torch as _t
+
+    before = _t.get_num_threads()
+    mpnb.widgets.profile(_model(), torch.randn(8, 16), opt_levels=("O0",), steps=2,
+                         memory=False, trace=False, threads=1 if before != 1 else 2)
+    assert _t.get_num_threads() == before
 
 
 def test_failures_are_shown_not_raised():

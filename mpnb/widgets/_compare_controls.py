@@ -35,7 +35,7 @@ class ControlsMixin:
     # ---- controls ---------------------------------------------------------------------------
 
     def _build_controls(
-        self, opt_levels, half_dtype, batch_sizes, steps, optimizer, device, loss_scale
+        self, opt_levels, half_dtype, batch_sizes, steps, optimizer, device, loss_scale, threads
     ):
         from mpnb.lab import workloads
 
@@ -56,13 +56,20 @@ class ControlsMixin:
         self.batch_sizes = w.Text(", ".join(map(str, batch_sizes)), description="batch sizes")
         self.steps = w.BoundedIntText(steps, min=4, max=100000, description="steps")
         self.optimizer = w.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer")
+        self.threads = w.BoundedIntText(
+            threads or 0,
+            min=0,
+            max=1024,
+            description="threads",
+            tooltip="torch threads for the runs (0: torch's default)",
+        )
         self._scaler_controls(loss_scale)
         self.controls = w.Accordion(
             children=[
                 w.HBox(
                     [
                         w.VBox([self.workload, self.device, self.half_dtype, self.opt_levels]),
-                        w.VBox([self.batch_sizes, self.steps, self.optimizer]),
+                        w.VBox([self.batch_sizes, self.steps, self.optimizer, self.threads]),
                         w.VBox(
                             [
                                 self.scale_mode,

@@ -39,6 +39,8 @@ class CompareWidget(ControlsMixin, w.VBox):
         loss_scale: None (each opt level's default), a number (static) or a dict of
             ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``.
         threaded: run in a background thread when Run is clicked (tests pass False).
+        threads: ``torch.set_num_threads`` for the runs (None: torch's default); on a shared
+            machine with few cores, 1 avoids threads waiting on each other.
 
     Attributes:
         df: the results so far (a :func:`mpnb.lab.compare` DataFrame with ``attrs``).
@@ -77,6 +79,7 @@ class CompareWidget(ControlsMixin, w.VBox):
         device: str = "auto",
         loss_scale=None,
         threaded: bool = True,
+        threads: int | None = None,
     ):
         self.threaded = threaded
         self._df: pd.DataFrame | None = None
@@ -86,7 +89,7 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.errors = ErrorBox()
         self.views = ResultViews()
         self._build_controls(
-            opt_levels, half_dtype, batch_sizes, steps, optimizer, device, loss_scale
+            opt_levels, half_dtype, batch_sizes, steps, optimizer, device, loss_scale, threads
         )
         self.table, self.config_errors = w.HTML(table_html(None)), w.HTML()
         self.hardware = w.HTML(hardware_html(self._device()))
@@ -138,6 +141,7 @@ class CompareWidget(ControlsMixin, w.VBox):
             optimizer=self.optimizer.value,
             device=self._device(),
             loss_scale=self.loss_scale(),
+            threads=self.threads.value or None,
             progress=False,
         )
         self.running, self.df = True, None
@@ -254,6 +258,7 @@ def compare(
     loss_scale=None,
     run: bool = False,
     threaded: bool = True,
+    threads: int | None = None,
 ) -> CompareWidget:
     """Make a :class:`CompareWidget` (shown when it is a cell's last expression).
 
@@ -274,6 +279,7 @@ def compare(
         device,
         loss_scale,
         threaded,
+        threads,
     )
     if run:
         cw.run_button.click()

@@ -8,6 +8,7 @@ that leaves the half dtype's range), and shows the results in tabs. Nothing is m
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import html
 
@@ -197,6 +198,17 @@ def _memory_frame(model, x, loss_fn, opt_levels, half_dtype, optimizer, lr, devi
     return df[df["opt_level"].isin(opt_levels)].reset_index(drop=True), None
 
 
+@contextlib.contextmanager
+def _threads(n: int | None):
+    old = torch.get_num_threads()
+    if n is not None:
+        torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
+
+
 def profile(
     model: torch.nn.Module,
     example_inputs,
@@ -209,6 +221,7 @@ def profile(
     memory: bool = True,
     trace: bool = True,
     device: str | None = None,
+    threads: int | None = None,
 ) -> ProfileWidget:
     """Profile ``model`` under each opt level and show everything in one widget.
 
@@ -217,6 +230,7 @@ def profile(
             as for :func:`mpnb.lab.profile` (``loss_fn``: ``output -> scalar loss``).
         memory: also measure the memory breakdown (a 3-step :func:`mpnb.lab.compare` run).
         trace: also run :func:`mpnb.lab.trace_overflow` in the half dtype.
+        threads: ``torch.set_num_threads`` while profiling (restored after; None: unchanged).
 
     Example::
 
@@ -224,7 +238,7 @@ def profile(
     """
     import mpnb.lab
     from mpnb.core.hardware import default_half_dtype
-    from mpnb.lab.config import DTYPES, resolve_device
+    from mpnb.lab.config import resolve_device
 
     p = next(model.parameters(), None)
     dev = resolve_device(device or (p.device if p is not None else "cpu"))
@@ -232,9 +246,20 @@ def profile(
         half = "bf16" if default_half_dtype(dev) == torch.bfloat16 else "fp16"
     else:
         half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(half_dtype, half_dtype)
-    result = mpnb.lab.profile(
-        model, example_inputs, loss_fn, opt_levels, half, optimizer, lr, steps, device=dev
-    )
+    with _threads(threads):
+        result = mpnb.lab.profile(
+            model, example_inputs, loss_fn, opt_levels, half, optimizer, lr, steps, device=dev
+        )
+        mem, tr, errors = _extras(
+            model, example_inputs, loss_fn, opt_levels, half, optimizer, lr, dev, memory, trace
+        )
+    return ProfileWidget(result, mem, tr, device=dev, errors=errors)
+
+
+def _extras(model, example_inputs, loss_fn, opt_levels, half, optimizer, lr, dev, memory, trace):
+    import mpnb.lab
+    from mpnb.lab.config import DTYPES
+
     errors, mem, tr = {}, None, None
     if memory:
         try:
@@ -253,4 +278,4 @@ def profile(
             tr = mpnb.lab.trace_overflow(model, example_inputs, loss_fn, dtype=DTYPES[half])
         except Exception as e:  # noqa: BLE001 - shown in the widget
             errors["overflow tracer"] = f"{type(e).__name__}: {e}"
-    return ProfileWidget(result, mem, tr, device=dev, errors=errors)
+    return mem, tr, errors
