@@ -46,8 +46,19 @@ def test_adam_matches_torch(kernels, mode):
             p.grad = x.clone()
         topt.step()
         with torch.no_grad():
-            multi_tensor_applier(amp_C.multi_tensor_adam, _noop(), [g, ours, m, v], 1e-2, 0.9,
-                                 0.99, 1e-8, step, mode, 1, 0.05)
+            multi_tensor_applier(
+                amp_C.multi_tensor_adam,
+                _noop(),
+                [g, ours, m, v],
+                1e-2,
+                0.9,
+                0.99,
+                1e-8,
+                step,
+                mode,
+                1,
+                0.05,
+            )
     _close(ours, theirs)
     _close(m, [topt.state[p]["exp_avg"] for p in theirs])
 
@@ -61,10 +72,32 @@ def test_adam_half_state_without_masters(kernels):
     m32, v32 = [torch.zeros_like(p) for p in p32], [torch.zeros_like(p) for p in p32]
     g16 = _grads(p16, 1)
     with torch.no_grad():
-        multi_tensor_applier(amp_C.multi_tensor_adam, _noop(), [g16, p16, m16, v16], 1e-3, 0.9,
-                             0.999, 1e-8, 1, 1, 1, 0.0)
-        multi_tensor_applier(amp_C.multi_tensor_adam, _noop(), [g16, p32, m32, v32], 1e-3, 0.9,
-                             0.999, 1e-8, 1, 1, 1, 0.0)
+        multi_tensor_applier(
+            amp_C.multi_tensor_adam,
+            _noop(),
+            [g16, p16, m16, v16],
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            1,
+            1,
+            1,
+            0.0,
+        )
+        multi_tensor_applier(
+            amp_C.multi_tensor_adam,
+            _noop(),
+            [g16, p32, m32, v32],
+            1e-3,
+            0.9,
+            0.999,
+            1e-8,
+            1,
+            1,
+            1,
+            0.0,
+        )
     for a, b in zip(p16 + m16 + v16, p32 + m32 + v32, strict=True):
         assert a.dtype == torch.float16
         assert torch.equal(a.detach(), b.detach().half())
@@ -81,8 +114,19 @@ def test_sgd_three_lists_matches_torch(kernels, nesterov):
             p.grad = x.clone()
         topt.step()
         with torch.no_grad():
-            multi_tensor_applier(amp_C.multi_tensor_sgd, _noop(), [g, ours, bufs], 1e-3, 0.9,
-                                 0.0, 0.05, nesterov, step == 1, False, 1.0)
+            multi_tensor_applier(
+                amp_C.multi_tensor_sgd,
+                _noop(),
+                [g, ours, bufs],
+                1e-3,
+                0.9,
+                0.0,
+                0.05,
+                nesterov,
+                step == 1,
+                False,
+                1.0,
+            )
     _close(ours, theirs)
 
 
@@ -99,8 +143,19 @@ def test_sgd_four_lists_fp16_model_and_scale(kernels):
             p.grad = x.float() / 128.0
         topt.step()
         with torch.no_grad():
-            multi_tensor_applier(amp_C.multi_tensor_sgd, _noop(), [g, masters, bufs, model],
-                                 0.0, 0.9, 0.0, 0.05, False, step == 1, False, 1 / 128.0)
+            multi_tensor_applier(
+                amp_C.multi_tensor_sgd,
+                _noop(),
+                [g, masters, bufs, model],
+                0.0,
+                0.9,
+                0.0,
+                0.05,
+                False,
+                step == 1,
+                False,
+                1 / 128.0,
+            )
     _close(masters, ref)
     assert all(torch.equal(p.detach(), m.half()) for p, m in zip(model, masters, strict=True))
 
@@ -114,11 +169,42 @@ def test_lamb_matches_reference(kernels, mode):
         g = _grads(ours, step)
         norm, _ = multi_tensor_applier(amp_C.multi_tensor_l2norm, _noop(), [g], False)
         with torch.no_grad():
-            multi_tensor_applier(amp_C.multi_tensor_lamb, _noop(), [g, ours, st["m"], st["v"]],
-                                 1e-2, 0.9, 0.999, 1e-6, step, 1, 0.01, 1, mode, norm, 1.0,
-                                 False)
-            L.reference_fused_lamb_(ref, g, st["rm"], st["rv"], [], steps, norm, 1e-2, 0.9,
-                                    0.999, 1e-6, 0.01, mode == 1, True, True, 1.0, False)
+            multi_tensor_applier(
+                amp_C.multi_tensor_lamb,
+                _noop(),
+                [g, ours, st["m"], st["v"]],
+                1e-2,
+                0.9,
+                0.999,
+                1e-6,
+                step,
+                1,
+                0.01,
+                1,
+                mode,
+                norm,
+                1.0,
+                False,
+            )
+            L.reference_fused_lamb_(
+                ref,
+                g,
+                st["rm"],
+                st["rv"],
+                [],
+                steps,
+                norm,
+                1e-2,
+                0.9,
+                0.999,
+                1e-6,
+                0.01,
+                mode == 1,
+                True,
+                True,
+                1.0,
+                False,
+            )
     _close(ours, ref, rtol=1e-5, atol=1e-6)
     _close(st["m"] + st["v"], st["rm"] + st["rv"], rtol=1e-5, atol=1e-8)
 
@@ -136,10 +222,41 @@ def test_novograd_matches_reference(kernels, mode):
         if exp_avg_sq is None:
             exp_avg_sq = norms.clone()
         with torch.no_grad():
-            multi_tensor_applier(amp_C.multi_tensor_novograd, _noop(), [g, ours, m], exp_avg_sq,
-                                 1e-2, 0.95, 0.98, 1e-8, step, 1, 1e-3, 1, mode, 2)
-            L.reference_fused_novograd_(ref, g, rm, rv, [], steps, norms, 1e-2, 0.95, 0.98,
-                                        1e-8, 1e-3, True, True, mode == 0, 2, False)
+            multi_tensor_applier(
+                amp_C.multi_tensor_novograd,
+                _noop(),
+                [g, ours, m],
+                exp_avg_sq,
+                1e-2,
+                0.95,
+                0.98,
+                1e-8,
+                step,
+                1,
+                1e-3,
+                1,
+                mode,
+                2,
+            )
+            L.reference_fused_novograd_(
+                ref,
+                g,
+                rm,
+                rv,
+                [],
+                steps,
+                norms,
+                1e-2,
+                0.95,
+                0.98,
+                1e-8,
+                1e-3,
+                True,
+                True,
+                mode == 0,
+                2,
+                False,
+            )
     _close(ours, ref, rtol=1e-5, atol=1e-6)
     _close(list(exp_avg_sq.unbind()), rv, rtol=1e-5, atol=1e-7)
 
@@ -154,24 +271,42 @@ def test_adagrad_matches_torch(kernels):
             p.grad = x.clone()
         topt.step()
         with torch.no_grad():
-            multi_tensor_applier(amp_C.multi_tensor_adagrad, _noop(), [g, ours, sums], 1e-2,
-                                 1e-10, 0, 1e-2)
+            multi_tensor_applier(
+                amp_C.multi_tensor_adagrad, _noop(), [g, ours, sums], 1e-2, 1e-10, 0, 1e-2
+            )
     _close(ours, theirs)
     _close(sums, [topt.state[p]["sum"] for p in theirs])
 
 
 _CALLS = {
     "adam": lambda g, p, s, f: amp_C.multi_tensor_adam(
-        65536, f, [g, p, s[0], s[1]], 1e-2, 0.9, 0.999, 1e-8, 3, 1, 1, 0.01),
+        65536, f, [g, p, s[0], s[1]], 1e-2, 0.9, 0.999, 1e-8, 3, 1, 1, 0.01
+    ),
     "sgd": lambda g, p, s, f: amp_C.multi_tensor_sgd(
-        65536, f, [g, p, s[0]], 0.0, 0.9, 0.0, 0.1, False, False, False, 1.0),
+        65536, f, [g, p, s[0]], 0.0, 0.9, 0.0, 0.1, False, False, False, 1.0
+    ),
     "lamb": lambda g, p, s, f: amp_C.multi_tensor_lamb(
-        65536, f, [g, p, s[0], s[1]], 1e-2, 0.9, 0.999, 1e-6, 3, 1, 0.01, 1, 1,
-        torch.tensor([1.0]), 1.0),
+        65536,
+        f,
+        [g, p, s[0], s[1]],
+        1e-2,
+        0.9,
+        0.999,
+        1e-6,
+        3,
+        1,
+        0.01,
+        1,
+        1,
+        torch.tensor([1.0]),
+        1.0,
+    ),
     "novograd": lambda g, p, s, f: amp_C.multi_tensor_novograd(
-        65536, f, [g, p, s[0]], s[2], 1e-2, 0.9, 0.999, 1e-8, 3, 1, 0.0, 1, 1, 2),
+        65536, f, [g, p, s[0]], s[2], 1e-2, 0.9, 0.999, 1e-8, 3, 1, 0.0, 1, 1, 2
+    ),
     "adagrad": lambda g, p, s, f: amp_C.multi_tensor_adagrad(
-        65536, f, [g, p, s[0]], 1e-2, 1e-10, 0, 0.0),
+        65536, f, [g, p, s[0]], 1e-2, 1e-10, 0, 0.0
+    ),
 }
 
 

@@ -42,19 +42,31 @@ def _close(a, b, rtol=1e-6):
 
 
 PAIRS = [
-    (lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1),
-     lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True)),
-    (lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1, adam_w_mode=False),
-     lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, foreach=False)),
-    (lambda p: FusedAdam(p, lr=1e-2, bias_correction=True, betas=(0.8, 0.99)),
-     lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.0)),
-    (lambda p: FusedSGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3),
-     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3)),
-    (lambda p: FusedSGD(p, lr=0.05, momentum=0.9, nesterov=True),
-     lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, fused=True)),
+    (
+        lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+    ),
+    (
+        lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1, adam_w_mode=False),
+        lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, foreach=False),
+    ),
+    (
+        lambda p: FusedAdam(p, lr=1e-2, bias_correction=True, betas=(0.8, 0.99)),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.0),
+    ),
+    (
+        lambda p: FusedSGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+    ),
+    (
+        lambda p: FusedSGD(p, lr=0.05, momentum=0.9, nesterov=True),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, fused=True),
+    ),
     (lambda p: FusedSGD(p, lr=0.05), lambda p: torch.optim.SGD(p, lr=0.05)),
-    (lambda p: FusedAdagrad(p, lr=1e-2, weight_decay=1e-2),
-     lambda p: torch.optim.Adagrad(p, lr=1e-2, weight_decay=1e-2, eps=1e-10)),
+    (
+        lambda p: FusedAdagrad(p, lr=1e-2, weight_decay=1e-2),
+        lambda p: torch.optim.Adagrad(p, lr=1e-2, weight_decay=1e-2, eps=1e-10),
+    ),
 ]
 
 
@@ -82,14 +94,17 @@ def test_checkpoints_interchange_with_torch(kernels):
     assert ta2.state_dict()["state"][0]["step"].item() == 25
 
 
-@pytest.mark.parametrize("make", [
-    lambda p: FusedAdam(p, lr=1e-2, master_weights=True),
-    lambda p: FusedSGD(p, lr=0.05, momentum=0.9, master_weights=True),
-    lambda p: FusedAdagrad(p, lr=1e-2),
-    lambda p: FusedLAMB(p, lr=1e-2),
-    lambda p: FusedNovoGrad(p, lr=1e-2, weight_decay=1e-3),
-    lambda p: FusedMixedPrecisionLamb(p, lr=1e-2),
-])
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda p: FusedAdam(p, lr=1e-2, master_weights=True),
+        lambda p: FusedSGD(p, lr=0.05, momentum=0.9, master_weights=True),
+        lambda p: FusedAdagrad(p, lr=1e-2),
+        lambda p: FusedLAMB(p, lr=1e-2),
+        lambda p: FusedNovoGrad(p, lr=1e-2, weight_decay=1e-3),
+        lambda p: FusedMixedPrecisionLamb(p, lr=1e-2),
+    ],
+)
 def test_state_dict_resume_is_bitwise(kernels, make):
     a = _model(dtype=torch.bfloat16)
     oa = make(a.parameters())
@@ -256,3 +271,58 @@ def test_larc_matches_apex_loop(kernels):
     _train(b, ApexLARC(), steps=30)
     _close(a, b, rtol=1e-5)
     assert oa.param_groups[0]["weight_decay"] == 1e-3
+
+
+def test_novograd_seam_norms_before_any_write(kernels, monkeypatch):
+    """The per-tensor norms of every bucket come first and flag overflow: one read of the grads
+    (no separate finite pass), the scale applied, and an inf in the last bucket skips all."""
+    from mpnb.core.ops.optimizers_lamb import reference_fused_novograd_
+    from mpnb.core.optimizers import _base
+
+    def no_second_pass(*args):
+        raise AssertionError("NovoGrad's norm pass already checks the grads")
+
+    monkeypatch.setattr(_base, "multi_tensor_check_finite", no_second_pass)
+
+    torch.manual_seed(0)
+    p16 = [torch.nn.Parameter(torch.randn(n).bfloat16()) for n in (5, 300)]
+    p32 = [torch.nn.Parameter(torch.randn(7))]
+    opt = FusedNovoGrad(p16 + p32, lr=1e-2, weight_decay=1e-3, master_weights=True)
+    ref_w = [p.detach().float().clone() for p in p16 + p32]
+    ref_m = [torch.zeros_like(w) for w in ref_w]
+    ref_v, ref_s = [torch.tensor(0.0) for _ in ref_w], [torch.tensor(0.0) for _ in ref_w]
+    inv = torch.tensor([1 / 256.0])
+    for step in range(4):
+        for p in p16 + p32:
+            p.grad = (torch.randn(p.shape) * 256).to(p.dtype)
+        if step == 2:
+            p32[0].grad[3] = float("inf")
+        grads = [p.grad.float() * inv for p in p16 + p32]
+        found = torch.zeros(1)
+        opt._mpnb_set_scale(inv, found)
+        opt.step()
+        assert found.item() == (1.0 if step == 2 else 0.0)
+        if step != 2:
+            norms = torch.stack([g.double().norm().float() for g in grads])
+            reference_fused_novograd_(
+                ref_w,
+                grads,
+                ref_m,
+                ref_v,
+                [],
+                ref_s,
+                norms,
+                1e-2,
+                0.9,
+                0.999,
+                1e-8,
+                1e-3,
+                True,
+                True,
+                False,
+                2,
+                False,
+            )
+        ours = [opt.state[p]["master_param"] for p in p16] + [p32[0].detach()]
+        for a, b in zip(ours, ref_w, strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -38,10 +38,27 @@ def _lamb_update(w, g, m, v, clip, wd, beta1, beta3, beta2, eps, bc1, bc2, adam_
     return u
 
 
-def reference_fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, global_grad_norm,
-                          lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction,
-                          grad_averaging, max_grad_norm, use_nvlamb, inv_scale=None,
-                          found_inf=None) -> None:
+def reference_fused_lamb_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    masters,
+    steps,
+    global_grad_norm,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    grad_averaging,
+    max_grad_norm,
+    use_nvlamb,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
     """Reference of :func:`fused_lamb_`, written from the LAMB paper (You et al., 2019)."""
     if _skipped(found_inf):
         return
@@ -54,8 +71,21 @@ def reference_fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, 
         bc1 = 1 - beta1**step if bias_correction else 1.0
         bc2 = 1 - beta2**step if bias_correction else 1.0
         m, v = exp_avgs[i].clone(), exp_avg_sqs[i].clone()
-        u = _lamb_update(w, g, m, v, clip.to(w.device), weight_decay, beta1, beta3, beta2, eps,
-                         bc1, bc2, adam_w_mode)
+        u = _lamb_update(
+            w,
+            g,
+            m,
+            v,
+            clip.to(w.device),
+            weight_decay,
+            beta1,
+            beta3,
+            beta2,
+            eps,
+            bc1,
+            bc2,
+            adam_w_mode,
+        )
         ratio = _f(lr)
         if use_nvlamb or weight_decay != 0:
             pn = _f(w.double().square().sum().sqrt().item())
@@ -67,11 +97,28 @@ def reference_fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, 
         _store(params, masters, i, w - ratio.to(w.device) * u)
 
 
-def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, global_grad_norm, *,
-                lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                adam_w_mode: bool = True, bias_correction: bool = True,
-                grad_averaging: bool = True, max_grad_norm: float = 1.0,
-                use_nvlamb: bool = False, inv_scale=None, found_inf=None) -> None:
+def fused_lamb_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    masters,
+    steps,
+    global_grad_norm,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool = True,
+    bias_correction: bool = True,
+    grad_averaging: bool = True,
+    max_grad_norm: float = 1.0,
+    use_nvlamb: bool = False,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
     """One LAMB step over lists, in place.
 
     .. math::
@@ -88,10 +135,27 @@ def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, global_gra
         global_grad_norm: one-element tensor, the L2 norm of *all* unscaled grads of the step
             (every group and dtype). ``max_grad_norm <= 0`` disables the clipping.
     """
-    args = (params, grads, exp_avgs, exp_avg_sqs, masters, steps, global_grad_norm, float(lr),
-            float(beta1), float(beta2), float(eps), float(weight_decay), bool(adam_w_mode),
-            bool(bias_correction), bool(grad_averaging), float(max_grad_norm), bool(use_nvlamb),
-            inv_scale, found_inf)
+    args = (
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        masters,
+        steps,
+        global_grad_norm,
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        bool(adam_w_mode),
+        bool(bias_correction),
+        bool(grad_averaging),
+        float(max_grad_norm),
+        bool(use_nvlamb),
+        inv_scale,
+        found_inf,
+    )
     if use_kernel(params):
         torch.ops.mpnb.fused_lamb_(*args)
     else:
@@ -101,10 +165,27 @@ def fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, global_gra
 # ---- NovoGrad ------------------------------------------------------------------------------
 
 
-def reference_fused_novograd_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, grad_norms,
-                              lr, beta1, beta2, eps, weight_decay, bias_correction,
-                              grad_averaging, reg_inside_moment, norm_type, init_zero,
-                              inv_scale=None, found_inf=None) -> None:
+def reference_fused_novograd_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    masters,
+    steps,
+    grad_norms,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    bias_correction,
+    grad_averaging,
+    reg_inside_moment,
+    norm_type,
+    init_zero,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
     """Reference of :func:`fused_novograd_`, written from the NovoGrad paper (Ginsburg, 2019)."""
     if _skipped(found_inf):
         return
@@ -134,15 +215,33 @@ def reference_fused_novograd_(params, grads, exp_avgs, exp_avg_sqs, masters, ste
         _store(params, masters, i, w)
 
 
-def fused_novograd_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, grad_norms, *,
-                    lr: float, beta1: float, beta2: float, eps: float, weight_decay: float,
-                    bias_correction: bool = True, grad_averaging: bool = True,
-                    reg_inside_moment: bool = False, norm_type: int = 2, init_zero: bool = False,
-                    inv_scale=None, found_inf=None) -> None:
+def fused_novograd_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    masters,
+    steps,
+    grad_norms,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    bias_correction: bool = True,
+    grad_averaging: bool = True,
+    reg_inside_moment: bool = False,
+    norm_type: int = 2,
+    init_zero: bool = False,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
     """One NovoGrad step over lists, in place; the second moment is one scalar per tensor.
 
     .. math::
-        n_t &= \\lVert g \\rVert_2 \\text{ (norm\\_type 2) or } \\max|g| \\text{ (norm\\_type 0)},\\quad
+        n_t &= \\lVert g \\rVert_2 \\text{ (norm\\_type 2) or }
+             \\max|g| \\text{ (norm\\_type 0)},\\quad
         v \\leftarrow \\sqrt{\\beta_2 v^2 + (1-\\beta_2) n_t^2} \\text{ or }
              \\beta_2 v + (1-\\beta_2) n_t \\\\
         d &= v / \\sqrt{1-\\beta_2^t} + \\epsilon, \\quad
@@ -158,17 +257,36 @@ def fused_novograd_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, grad_n
         exp_avg_sqs: one one-element float32 tensor per param.
         grad_norms: float32 tensor ``(len(params),)``: each unscaled grad's norm.
     """
-    args = (params, grads, exp_avgs, exp_avg_sqs, masters, steps, grad_norms, float(lr),
-            float(beta1), float(beta2), float(eps), float(weight_decay), bool(bias_correction),
-            bool(grad_averaging), bool(reg_inside_moment), int(norm_type), bool(init_zero),
-            inv_scale, found_inf)
+    args = (
+        params,
+        grads,
+        exp_avgs,
+        exp_avg_sqs,
+        masters,
+        steps,
+        grad_norms,
+        float(lr),
+        float(beta1),
+        float(beta2),
+        float(eps),
+        float(weight_decay),
+        bool(bias_correction),
+        bool(grad_averaging),
+        bool(reg_inside_moment),
+        int(norm_type),
+        bool(init_zero),
+        inv_scale,
+        found_inf,
+    )
     if use_kernel(params):
         torch.ops.mpnb.fused_novograd_(*args)
     else:
         reference_fused_novograd_(*args)
 
 
-for _name, _ref in (("fused_lamb_", reference_fused_lamb_),
-                    ("fused_novograd_", reference_fused_novograd_)):
+for _name, _ref in (
+    ("fused_lamb_", reference_fused_lamb_),
+    ("fused_novograd_", reference_fused_novograd_),
+):
     register_fake(_name)(lambda *args, **kwargs: None)
     register_op(OpInfo(_name, "optimizer", _ref, dtypes=(_F32, torch.float16, torch.bfloat16)))

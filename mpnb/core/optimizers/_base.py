@@ -75,8 +75,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     _mpnb_accepts_scale = True
     _step_supports_amp_scaling = True
 
-    def __init__(self, params, defaults: dict, *, master_weights: bool = False,
-                 set_grad_none: bool = True) -> None:
+    def __init__(
+        self, params, defaults: dict, *, master_weights: bool = False, set_grad_none: bool = True
+    ) -> None:
         super().__init__(params, defaults)
         self.master_weights = bool(master_weights)
         self.set_grad_none = bool(set_grad_none)
@@ -124,8 +125,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
         """Create the fp32 state of ``p`` (default: zeros for each of ``_state_keys``)."""
         for k in self._state_keys:
-            state[k] = torch.zeros_like(p, dtype=torch.float32,
-                                        memory_format=torch.contiguous_format)
+            state[k] = torch.zeros_like(
+                p, dtype=torch.float32, memory_format=torch.contiguous_format
+            )
 
     def _buckets(self, group: dict) -> list[Bucket]:
         params = group["params"]
@@ -143,12 +145,16 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 complete = False
                 continue
             if p.grad.is_sparse:
-                raise RuntimeError(f"{type(self).__name__} does not support sparse gradients; "
-                                   "use torch.optim.SparseAdam or dense grads.")
+                raise RuntimeError(
+                    f"{type(self).__name__} does not support sparse gradients; "
+                    "use torch.optim.SparseAdam or dense grads."
+                )
             if not p.is_contiguous():
-                raise RuntimeError(f"{type(self).__name__}: a param of shape {tuple(p.shape)} is "
-                                   "not contiguous; make it contiguous before building the "
-                                   "optimizer (param.data = param.data.contiguous()).")
+                raise RuntimeError(
+                    f"{type(self).__name__}: a param of shape {tuple(p.shape)} is "
+                    "not contiguous; make it contiguous before building the "
+                    "optimizer (param.data = param.data.contiguous())."
+                )
             state = self.state[p]
             if not state:
                 if self._has_step:
@@ -173,8 +179,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             b.index.append(i)
         out = list(buckets.values())
         if complete:
-            self._plans[id(group)] = _Plan(list(map(id, params)), self.state, len(self.state),
-                                           self.master_weights, out)
+            self._plans[id(group)] = _Plan(
+                list(map(id, params)), self.state, len(self.state), self.master_weights, out
+            )
         else:
             self._plans.pop(id(group), None)
         return out

@@ -32,9 +32,16 @@ class FusedAdagrad(FusedOptimizerBase):
 
     _state_keys = ("sum",)
 
-    def __init__(self, params, lr: float = 1e-2, eps: float = 1e-10, weight_decay: float = 0.0,
-                 set_grad_none: bool = True, adagrad_w_mode: bool = False,
-                 master_weights: bool = False) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-2,
+        eps: float = 1e-10,
+        weight_decay: float = 0.0,
+        set_grad_none: bool = True,
+        adagrad_w_mode: bool = False,
+        master_weights: bool = False,
+    ) -> None:
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
         if eps < 0.0:
@@ -42,13 +49,23 @@ class FusedAdagrad(FusedOptimizerBase):
         if weight_decay < 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0).")
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, lr_decay=0.0)
-        super().__init__(params, defaults, master_weights=master_weights,
-                         set_grad_none=set_grad_none)
+        super().__init__(
+            params, defaults, master_weights=master_weights, set_grad_none=set_grad_none
+        )
         self.adagrad_w_mode = bool(adagrad_w_mode)
 
     def _update(self, group, bucket, inv_scale, found_inf) -> None:
-        fused_adagrad_(bucket.params, bucket.grads, self.state_list(bucket, "sum"),
-                       bucket.masters, self.state_list(bucket, "step"), lr=float(group["lr"]),
-                       eps=group["eps"], weight_decay=group["weight_decay"],
-                       lr_decay=group.get("lr_decay", 0.0), adagrad_w_mode=self.adagrad_w_mode,
-                       inv_scale=inv_scale, found_inf=found_inf)
+        fused_adagrad_(
+            bucket.params,
+            bucket.grads,
+            self.state_list(bucket, "sum"),
+            bucket.masters,
+            self.state_list(bucket, "step"),
+            lr=float(group["lr"]),
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            lr_decay=group.get("lr_decay", 0.0),
+            adagrad_w_mode=self.adagrad_w_mode,
+            inv_scale=inv_scale,
+            found_inf=found_inf,
+        )

@@ -43,14 +43,25 @@ class FusedAdam(FusedOptimizerBase):
 
     _state_keys = ("exp_avg", "exp_avg_sq")
 
-    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 adam_w_mode: bool = True, weight_decay: float = 0.0, amsgrad: bool = False,
-                 set_grad_none: bool = True, capturable: bool = False,
-                 master_weights: bool = False) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        adam_w_mode: bool = True,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        set_grad_none: bool = True,
+        capturable: bool = False,
+        master_weights: bool = False,
+    ) -> None:
         if amsgrad:
-            raise RuntimeError("FusedAdam does not support the AMSGrad variant; use "
-                               "torch.optim.AdamW(amsgrad=True) instead.")
+            raise RuntimeError(
+                "FusedAdam does not support the AMSGrad variant; use "
+                "torch.optim.AdamW(amsgrad=True) instead."
+            )
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
         if eps < 0.0:
@@ -59,21 +70,31 @@ class FusedAdam(FusedOptimizerBase):
             raise ValueError(f"Invalid betas: {betas} (each must be in [0, 1)).")
         if weight_decay < 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0).")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay)
-        super().__init__(params, defaults, master_weights=master_weights,
-                         set_grad_none=set_grad_none)
+        defaults = dict(
+            lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay
+        )
+        super().__init__(
+            params, defaults, master_weights=master_weights, set_grad_none=set_grad_none
+        )
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
 
     def _update(self, group, bucket, inv_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
         fused_adam_(
-            bucket.params, bucket.grads, self.state_list(bucket, "exp_avg"),
-            self.state_list(bucket, "exp_avg_sq"), bucket.masters,
-            self.state_list(bucket, "step"), lr=float(group["lr"]), beta1=beta1, beta2=beta2,
-            eps=group["eps"], weight_decay=group["weight_decay"], adam_w_mode=self.adam_w_mode,
-            bias_correction=group.get("bias_correction", True), inv_scale=inv_scale,
+            bucket.params,
+            bucket.grads,
+            self.state_list(bucket, "exp_avg"),
+            self.state_list(bucket, "exp_avg_sq"),
+            bucket.masters,
+            self.state_list(bucket, "step"),
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adam_w_mode=self.adam_w_mode,
+            bias_correction=group.get("bias_correction", True),
+            inv_scale=inv_scale,
             found_inf=found_inf,
         )
-

@@ -15,10 +15,12 @@ class FusedLAMB(FusedOptimizerBase):
     r"""LAMB (You et al., 2019, "Large Batch Optimization for Deep Learning"), fused.
 
     .. math::
-        g_t &= \nabla_\theta / \max(1, \lVert\nabla\rVert_{\text{global}} / \text{max\_grad\_norm}) \\
+        g_t &= \nabla_\theta
+            / \max(1, \lVert\nabla\rVert_{\text{global}} / \text{max\_grad\_norm}) \\
         m_t &= \beta_1 m_{t-1} + \beta_3 g_t, \qquad v_t = \beta_2 v_{t-1} + (1-\beta_2) g_t^2 \\
-        u_t &= \frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)} + \epsilon} + \lambda\theta_{t-1},
-        \qquad \theta_t = \theta_{t-1} - \eta\,\frac{\lVert\theta_{t-1}\rVert}{\lVert u_t\rVert}\,u_t
+        u_t &= \frac{m_t/(1-\beta_1^t)}{\sqrt{v_t/(1-\beta_2^t)} + \epsilon}
+            + \lambda\theta_{t-1} \\
+        \theta_t &= \theta_{t-1} - \eta\,\frac{\lVert\theta_{t-1}\rVert}{\lVert u_t\rVert}\,u_t
 
     per tensor; :math:`\beta_3 = 1-\beta_1` with ``grad_averaging`` (else 1); without
     ``adam_w_mode`` the decay enters :math:`g_t` instead of :math:`u_t`; the trust ratio is 1
@@ -39,23 +41,40 @@ class FusedLAMB(FusedOptimizerBase):
     _state_keys = ("exp_avg", "exp_avg_sq")
     _check_grads = False  # the global grad-norm pass flags inf/NaN before any write
 
-    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-6,
-                 weight_decay: float = 0.01, amsgrad: bool = False, adam_w_mode: bool = True,
-                 grad_averaging: bool = True, set_grad_none: bool = True,
-                 max_grad_norm: float = 1.0, use_nvlamb: bool = False,
-                 master_weights: bool = False) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-6,
+        weight_decay: float = 0.01,
+        amsgrad: bool = False,
+        adam_w_mode: bool = True,
+        grad_averaging: bool = True,
+        set_grad_none: bool = True,
+        max_grad_norm: float = 1.0,
+        use_nvlamb: bool = False,
+        master_weights: bool = False,
+    ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant; drop amsgrad=True.")
         if lr < 0.0 if not isinstance(lr, torch.Tensor) else bool(lr < 0):
             raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
         if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
             raise ValueError(f"Invalid betas: {betas} (each must be in [0, 1)).")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay, grad_averaging=grad_averaging,
-                        max_grad_norm=max_grad_norm)
-        super().__init__(params, defaults, master_weights=master_weights,
-                         set_grad_none=set_grad_none)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            max_grad_norm=max_grad_norm,
+        )
+        super().__init__(
+            params, defaults, master_weights=master_weights, set_grad_none=set_grad_none
+        )
         self.adam_w_mode = bool(adam_w_mode)
         self.use_nvlamb = bool(use_nvlamb)
         self._global_norm: torch.Tensor | None = None
@@ -73,11 +92,23 @@ class FusedLAMB(FusedOptimizerBase):
     def _update(self, group, bucket, inv_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
         fused_lamb_(
-            bucket.params, bucket.grads, self.state_list(bucket, "exp_avg"),
-            self.state_list(bucket, "exp_avg_sq"), bucket.masters,
-            self.state_list(bucket, "step"), self._global_norm, lr=float(group["lr"]),
-            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-            adam_w_mode=self.adam_w_mode, bias_correction=group["bias_correction"],
-            grad_averaging=group["grad_averaging"], max_grad_norm=group["max_grad_norm"],
-            use_nvlamb=self.use_nvlamb, inv_scale=inv_scale, found_inf=found_inf,
+            bucket.params,
+            bucket.grads,
+            self.state_list(bucket, "exp_avg"),
+            self.state_list(bucket, "exp_avg_sq"),
+            bucket.masters,
+            self.state_list(bucket, "step"),
+            self._global_norm,
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            adam_w_mode=self.adam_w_mode,
+            bias_correction=group["bias_correction"],
+            grad_averaging=group["grad_averaging"],
+            max_grad_norm=group["max_grad_norm"],
+            use_nvlamb=self.use_nvlamb,
+            inv_scale=inv_scale,
+            found_inf=found_inf,
         )

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mpnb.core.ops.multi_tensor import multi_tensor_l2norm
+from mpnb.core.ops.multi_tensor import multi_tensor_check_finite, multi_tensor_l2norm
 from mpnb.core.ops.optimizers_lamb import fused_novograd_
 from mpnb.core.optimizers._base import FusedOptimizerBase
 
@@ -15,10 +15,12 @@ class FusedNovoGrad(FusedOptimizerBase):
     r"""NovoGrad (Ginsburg et al., 2019), fused; the second moment is one scalar per tensor.
 
     .. math::
-        n_t &= \lVert g_t\rVert_2 \;(\text{norm\_type}=2) \text{ or } \max|g_t| \;(0), \qquad
-        v_t = \sqrt{\beta_2 v_{t-1}^2 + (1-\beta_2) n_t^2} \text{ or } \beta_2 v_{t-1} + (1-\beta_2) n_t \\
-        d_t &= v_t/\sqrt{1-\beta_2^t} + \epsilon, \qquad m_t = \beta_1 m_{t-1} + \beta_3 g_t, \qquad
-        \theta_t = \theta_{t-1} - \eta\left(\frac{m_t/(1-\beta_1^t)}{d_t} + \lambda\theta_{t-1}\right)
+        n_t &= \lVert g_t\rVert_2 \;(\text{norm\_type}=2) \text{ or } \max|g_t| \;(0) \\
+        v_t &= \sqrt{\beta_2 v_{t-1}^2 + (1-\beta_2) n_t^2}
+            \text{ or } \beta_2 v_{t-1} + (1-\beta_2) n_t \\
+        d_t &= v_t/\sqrt{1-\beta_2^t} + \epsilon, \qquad m_t = \beta_1 m_{t-1} + \beta_3 g_t \\
+        \theta_t &= \theta_{t-1}
+            - \eta\left(\frac{m_t/(1-\beta_1^t)}{d_t} + \lambda\theta_{t-1}\right)
 
     With ``reg_inside_moment``: :math:`m_t = \beta_1 m_{t-1} + \beta_3 (g_t/d_t + \lambda\theta)`,
     :math:`\theta_t = \theta_{t-1} - \eta\, m_t/(1-\beta_1^t)`. :math:`v_1 = n_1` unless
@@ -36,13 +38,26 @@ class FusedNovoGrad(FusedOptimizerBase):
     """
 
     _state_keys = ("exp_avg",)
+    # The grad norms of every bucket are computed before any update and their pass flags
+    # inf/NaN (norm_type 2), so the separate finite pre-pass would read the grads twice.
+    _check_grads = False
 
-    def __init__(self, params, lr: float = 1e-3, bias_correction: bool = True,
-                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
-                 weight_decay: float = 0.0, amsgrad: bool = False,
-                 reg_inside_moment: bool = False, grad_averaging: bool = True,
-                 norm_type: int = 2, init_zero: bool = False, set_grad_none: bool = True,
-                 master_weights: bool = False) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = 1e-3,
+        bias_correction: bool = True,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        weight_decay: float = 0.0,
+        amsgrad: bool = False,
+        reg_inside_moment: bool = False,
+        grad_averaging: bool = True,
+        norm_type: int = 2,
+        init_zero: bool = False,
+        set_grad_none: bool = True,
+        master_weights: bool = False,
+    ) -> None:
         if amsgrad:
             raise RuntimeError("FusedNovoGrad does not support the AMSGrad variant.")
         if norm_type not in (0, 2):
@@ -51,11 +66,19 @@ class FusedNovoGrad(FusedOptimizerBase):
             )
         if lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
-        defaults = dict(lr=lr, bias_correction=bias_correction, betas=betas, eps=eps,
-                        weight_decay=weight_decay, grad_averaging=grad_averaging,
-                        norm_type=norm_type, init_zero=init_zero)
-        super().__init__(params, defaults, master_weights=master_weights,
-                         set_grad_none=set_grad_none)
+        defaults = dict(
+            lr=lr,
+            bias_correction=bias_correction,
+            betas=betas,
+            eps=eps,
+            weight_decay=weight_decay,
+            grad_averaging=grad_averaging,
+            norm_type=norm_type,
+            init_zero=init_zero,
+        )
+        super().__init__(
+            params, defaults, master_weights=master_weights, set_grad_none=set_grad_none
+        )
         self.reg_inside_moment = bool(reg_inside_moment)
 
     def _init_state(self, p, state) -> None:
@@ -63,24 +86,33 @@ class FusedNovoGrad(FusedOptimizerBase):
         state["exp_avg_sq"] = torch.zeros((), dtype=torch.float32, device=p.device)
 
     @staticmethod
-    def _grad_norms(grads, norm_type, inv_scale) -> torch.Tensor:
+    def _grad_norms(grads, norm_type, inv_scale, found_inf) -> torch.Tensor:
         if norm_type == 2:
-            flag = torch.zeros(1, device=grads[0].device)
+            flag = found_inf if found_inf is not None else torch.zeros(1, device=grads[0].device)
             return multi_tensor_l2norm(flag, grads, True, inv_scale)[1].float().contiguous()
+        if found_inf is not None:
+            multi_tensor_check_finite(found_inf, grads)
         norms = torch.stack([g.abs().max().float() for g in grads])
         return (norms if inv_scale is None else norms * inv_scale).contiguous()
 
+    def _prepare(self, work, inv_scale, found_inf) -> None:
+        # Every bucket's norms (and the overflow verdict) before the first write.
+        self._norms = {
+            id(b): self._grad_norms(b.grads, group["norm_type"], inv_scale, found_inf)
+            for group, buckets in work
+            for b in buckets
+        }
+
     def _update(self, group, bucket, inv_scale, found_inf) -> None:
         if found_inf is not None and found_inf.item() != 0:
-            return  # skip the norm pass too
+            return  # the step is skipped
         beta1, beta2 = group["betas"]
-        norms = self._grad_norms(bucket.grads, group["norm_type"], inv_scale)
         fused_novograd_(
             bucket.params, bucket.grads, self.state_list(bucket, "exp_avg"),
             self.state_list(bucket, "exp_avg_sq"), bucket.masters,
-            self.state_list(bucket, "step"), norms, lr=float(group["lr"]), beta1=beta1,
-            beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
+            self.state_list(bucket, "step"), self._norms.pop(id(bucket)), lr=float(group["lr"]),
+            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
             bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"],
             reg_inside_moment=self.reg_inside_moment, norm_type=group["norm_type"],
             init_zero=group["init_zero"], inv_scale=inv_scale, found_inf=found_inf,
-        )
+        )  # fmt: skip

@@ -38,10 +38,19 @@ class FusedSGD(FusedOptimizerBase):
         >>> opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
     """
 
-    def __init__(self, params, lr: float = required, momentum: float = 0.0,
-                 dampening: float = 0.0, weight_decay: float = 0.0, nesterov: bool = False,
-                 wd_after_momentum: bool = False, materialize_master_grads: bool = True,
-                 set_grad_none: bool = False, master_weights: bool = False) -> None:
+    def __init__(
+        self,
+        params,
+        lr: float = required,
+        momentum: float = 0.0,
+        dampening: float = 0.0,
+        weight_decay: float = 0.0,
+        nesterov: bool = False,
+        wd_after_momentum: bool = False,
+        materialize_master_grads: bool = True,
+        set_grad_none: bool = False,
+        master_weights: bool = False,
+    ) -> None:
         if lr is not required and lr < 0.0:
             raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
         if momentum < 0.0:
@@ -49,12 +58,20 @@ class FusedSGD(FusedOptimizerBase):
         if weight_decay < 0.0:
             raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0).")
         if nesterov and (momentum <= 0 or dampening != 0):
-            raise ValueError("Nesterov momentum requires a momentum and zero dampening; pass "
-                             "momentum > 0 and dampening=0, or nesterov=False.")
-        defaults = dict(lr=lr, momentum=momentum, dampening=dampening,
-                        weight_decay=weight_decay, nesterov=nesterov)
-        super().__init__(params, defaults, master_weights=master_weights,
-                         set_grad_none=set_grad_none)
+            raise ValueError(
+                "Nesterov momentum requires a momentum and zero dampening; pass "
+                "momentum > 0 and dampening=0, or nesterov=False."
+            )
+        defaults = dict(
+            lr=lr,
+            momentum=momentum,
+            dampening=dampening,
+            weight_decay=weight_decay,
+            nesterov=nesterov,
+        )
+        super().__init__(
+            params, defaults, master_weights=master_weights, set_grad_none=set_grad_none
+        )
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
 
@@ -82,11 +99,21 @@ class FusedSGD(FusedOptimizerBase):
             for m, g in zip(bucket.masters, bucket.grads, strict=True):
                 m.grad = g.float() if inv_scale is None else g.float() * inv_scale
             grads, inv_scale = [m.grad for m in bucket.masters], None
-        fused_sgd_(bucket.params, grads, bufs, bucket.masters, first, lr=float(group["lr"]),
-                   momentum=momentum, dampening=group["dampening"],
-                   weight_decay=group["weight_decay"], nesterov=group["nesterov"],
-                   wd_after_momentum=self.wd_after_momentum, inv_scale=inv_scale,
-                   found_inf=found_inf)
+        fused_sgd_(
+            bucket.params,
+            grads,
+            bufs,
+            bucket.masters,
+            first,
+            lr=float(group["lr"]),
+            momentum=momentum,
+            dampening=group["dampening"],
+            weight_decay=group["weight_decay"],
+            nesterov=group["nesterov"],
+            wd_after_momentum=self.wd_after_momentum,
+            inv_scale=inv_scale,
+            found_inf=found_inf,
+        )
         # A buffer joins the state only once a step has really written it (one host read of
         # found_inf, on the first step only), so a skipped first step stays a first step.
         if new and (found_inf is None or found_inf.item() == 0):

@@ -36,8 +36,13 @@ class LARC:
         >>> loss.backward(); opt.step()
     """
 
-    def __init__(self, optimizer: torch.optim.Optimizer, trust_coefficient: float = 0.02,
-                 clip: bool = True, eps: float = 1e-8) -> None:
+    def __init__(
+        self,
+        optimizer: torch.optim.Optimizer,
+        trust_coefficient: float = 0.02,
+        clip: bool = True,
+        eps: float = 1e-8,
+    ) -> None:
         self.optim = optimizer
         self.trust_coefficient = trust_coefficient
         self.clip = clip

@@ -92,26 +92,72 @@ class _RefOpt:
         ps, gs = self.params, [p.grad for p in self.params]
         if self.kind == "lamb":
             norm = torch.stack([g.norm() for g in gs]).norm().reshape(1)
-            reference_fused_lamb_(ps, gs, self.m, self.v, [], self.steps, norm, _LR, 0.9, 0.999,
-                                  1e-6, 0.01, True, True, True, 1.0, False)
+            reference_fused_lamb_(
+                ps,
+                gs,
+                self.m,
+                self.v,
+                [],
+                self.steps,
+                norm,
+                _LR,
+                0.9,
+                0.999,
+                1e-6,
+                0.01,
+                True,
+                True,
+                True,
+                1.0,
+                False,
+            )
         else:
             norms = torch.stack([g.norm() for g in gs])
-            reference_fused_novograd_(ps, gs, self.m, self.vn, [], self.steps, norms, _LR, 0.9,
-                                      0.999, 1e-8, 0.0, True, True, False, 2, False)
+            reference_fused_novograd_(
+                ps,
+                gs,
+                self.m,
+                self.vn,
+                [],
+                self.steps,
+                norms,
+                _LR,
+                0.9,
+                0.999,
+                1e-8,
+                0.0,
+                True,
+                True,
+                False,
+                2,
+                False,
+            )
 
 
 _O2 = {  # name -> (torch optimizer on masters, ours with master weights, bytes/param, targets)
-    "AdamW": (lambda p: torch.optim.AdamW(p, lr=_LR, weight_decay=0.01, fused=True),
-              lambda p: FusedAdam(p, lr=_LR, weight_decay=0.01, master_weights=True), 28),
-    "SGD momentum": (lambda p: torch.optim.SGD(p, lr=_LR, momentum=0.9, fused=True),
-                     lambda p: FusedSGD(p, lr=_LR, momentum=0.9, master_weights=True,
-                                        materialize_master_grads=False), 20),
-    "Adagrad": (lambda p: torch.optim.Adagrad(p, lr=_LR, fused=True),
-                lambda p: FusedAdagrad(p, lr=_LR, master_weights=True), 20),
-    "LAMB": (lambda p: _RefOpt(p, "lamb"),
-             lambda p: FusedLAMB(p, lr=_LR, master_weights=True), 28),
-    "NovoGrad": (lambda p: _RefOpt(p, "novograd"),
-                 lambda p: FusedNovoGrad(p, lr=_LR, master_weights=True), 20),
+    "AdamW": (
+        lambda p: torch.optim.AdamW(p, lr=_LR, weight_decay=0.01, fused=True),
+        lambda p: FusedAdam(p, lr=_LR, weight_decay=0.01, master_weights=True),
+        28,
+    ),
+    "SGD momentum": (
+        lambda p: torch.optim.SGD(p, lr=_LR, momentum=0.9, fused=True),
+        lambda p: FusedSGD(
+            p, lr=_LR, momentum=0.9, master_weights=True, materialize_master_grads=False
+        ),
+        20,
+    ),
+    "Adagrad": (
+        lambda p: torch.optim.Adagrad(p, lr=_LR, fused=True),
+        lambda p: FusedAdagrad(p, lr=_LR, master_weights=True),
+        20,
+    ),
+    "LAMB": (lambda p: _RefOpt(p, "lamb"), lambda p: FusedLAMB(p, lr=_LR, master_weights=True), 28),
+    "NovoGrad": (
+        lambda p: _RefOpt(p, "novograd"),
+        lambda p: FusedNovoGrad(p, lr=_LR, master_weights=True),
+        20,
+    ),
 }
 _TARGETS = {("AdamW", _A): 1.6, ("AdamW", _D): 5.0}
 
@@ -121,10 +167,19 @@ def _o2_case(name, work, numels, quick) -> Case:
     n = sum(numels)
     a, b = _params(numels, torch.bfloat16), _params(numels, torch.bfloat16)
     target = _TARGETS.get((name, work), 1.5)
-    cands = [Candidate(f"torch O2 {name} (copy, unscale, step, copy)", _TorchO2(a, make_torch),
-                       bpp * n, RMW),
-             Candidate(f"mpnb one-pass O2 {name}", _OursO2(b, make_ours), bpp * n, RMW,
-                       target, 0.85 if work == _A else None)]
+    cands = [
+        Candidate(
+            f"torch O2 {name} (copy, unscale, step, copy)", _TorchO2(a, make_torch), bpp * n, RMW
+        ),
+        Candidate(
+            f"mpnb one-pass O2 {name}",
+            _OursO2(b, make_ours),
+            bpp * n,
+            RMW,
+            target,
+            0.85 if work == _A else None,
+        ),
+    ]
     return Case(f"O2 {name} step", work, cands, bandwidth_numel=n)
 
 
@@ -133,27 +188,50 @@ def _adam_cases(work, numels, quick) -> Iterator[Case]:
     a, b, c = (_params(numels, torch.float32) for _ in range(3))
     ta = torch.optim.AdamW(a, lr=_LR, weight_decay=0.01, fused=True)
     ours = FusedAdam(b, lr=_LR, weight_decay=0.01)
-    yield Case("fp32 AdamW step", work, [
-        Candidate("torch AdamW(fused=True)", ta.step, 28 * n, RMW),
-        Candidate("mpnb FusedAdam", ours.step, 28 * n, RMW, 0.95, 0.85 if work == _A else None),
-    ], bandwidth_numel=n)
+    yield Case(
+        "fp32 AdamW step",
+        work,
+        [
+            Candidate("torch AdamW(fused=True)", ta.step, 28 * n, RMW),
+            Candidate("mpnb FusedAdam", ours.step, 28 * n, RMW, 0.95, 0.85 if work == _A else None),
+        ],
+        bandwidth_numel=n,
+    )
     tf = torch.optim.AdamW(c, lr=_LR, weight_decay=0.01, foreach=True)
-    yield Case("fp32 AdamW step vs foreach", work, [
-        Candidate("torch AdamW(foreach=True)", tf.step, 28 * n, RMW),
-        Candidate("mpnb FusedAdam", ours.step, 28 * n, RMW, 1.0),
-    ], bandwidth_numel=n)
+    yield Case(
+        "fp32 AdamW step vs foreach",
+        work,
+        [
+            Candidate("torch AdamW(foreach=True)", tf.step, 28 * n, RMW),
+            Candidate("mpnb FusedAdam", ours.step, 28 * n, RMW, 1.0),
+        ],
+        bandwidth_numel=n,
+    )
     d = _params(numels, torch.bfloat16)
-    yield Case("O2 AdamW vs fp32 fused AdamW alone", work, [
-        Candidate("torch AdamW(fused=True) fp32", ta.step, 28 * n, RMW),
-        Candidate("mpnb one-pass O2 AdamW", _OursO2(d, _O2["AdamW"][1]), 28 * n, RMW,
-                  1 / 1.15),
-    ], bandwidth_numel=n)
+    yield Case(
+        "O2 AdamW vs fp32 fused AdamW alone",
+        work,
+        [
+            Candidate("torch AdamW(fused=True) fp32", ta.step, 28 * n, RMW),
+            Candidate("mpnb one-pass O2 AdamW", _OursO2(d, _O2["AdamW"][1]), 28 * n, RMW, 1 / 1.15),
+        ],
+        bandwidth_numel=n,
+    )
     e, f = _params(numels, torch.bfloat16), _params(numels, torch.bfloat16)
-    yield Case("O2 AdamW step, torch GradScaler", work, [
-        Candidate("torch copy + GradScaler.step(AdamW fused) + update + copy",
-                  _TorchO2(e, _O2["AdamW"][0], scaler=True), 28 * n, RMW),
-        Candidate("mpnb one-pass O2 AdamW", _OursO2(f, _O2["AdamW"][1]), 28 * n, RMW, 1.8),
-    ], bandwidth_numel=n)
+    yield Case(
+        "O2 AdamW step, torch GradScaler",
+        work,
+        [
+            Candidate(
+                "torch copy + GradScaler.step(AdamW fused) + update + copy",
+                _TorchO2(e, _O2["AdamW"][0], scaler=True),
+                28 * n,
+                RMW,
+            ),
+            Candidate("mpnb one-pass O2 AdamW", _OursO2(f, _O2["AdamW"][1]), 28 * n, RMW, 1.8),
+        ],
+        bandwidth_numel=n,
+    )
 
 
 def cases(opts: Options) -> Iterator[Case]:
