@@ -90,10 +90,12 @@ def test_kernel_calls_per_step_do_not_grow_with_the_params(level):
             ops.pop("empty_like", None)
             ops.pop("empty", None)
     assert small == big
-    # one unscale per step (O2: grads into masters) and, under O2, one master -> model copy
-    assert big["multi_tensor_scale"] == (2 if level == "O2" else 1)
-    assert big["update_scale_hysteresis"] == 1
-    assert big["_local_scalar_dense"] == 0  # no .item(); the host read is one .tolist()
+    # amp's kernels of a step (SGD's own foreach op and record_function markers aside): clear
+    # the flag, scale the loss, one unscale (O2: grads into masters), the scale update and its
+    # inverse, and under O2 one master -> model copy. No .item(): the host read is a .tolist().
+    amp_ops = {k: v for k, v in big.items() if not k.startswith(("_record_function", "_foreach"))}
+    assert amp_ops == {"zero_": 1, "mul": 1, "multi_tensor_scale": 2 if level == "O2" else 1,
+                       "update_scale_hysteresis": 1, "reciprocal": 1}
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -144,3 +146,25 @@ def test_param_groups_added_after_initialize_get_masters():
     opt.step()
     assert not torch.equal(before, b.weight)
     assert torch.equal(b.weight, masters[0].detach().to(torch.bfloat16))
+
+
+def test_overflow_flag_survives_a_later_block_of_the_same_scaler():
+    # The lone optimizer of a block uses the scaler's found_inf as its step flag (no copy);
+    # the next block's clear_overflow must hand it a copy first.
+    torch.manual_seed(0)
+    ma, mb = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    oa, ob = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ma, mb))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EmulatedHalfWarning)
+        (ma, mb), (oa, ob) = amp.initialize([ma, mb], [oa, ob], opt_level="O1",
+                                            half_dtype=torch.bfloat16, verbosity=0)
+    loss = torch.ones(())
+    for model, bad in ((ma, True), (mb, False)):
+        with amp.scale_loss(loss, oa if model is ma else ob):
+            for p in model.parameters():
+                p.grad = torch.full_like(p, float("inf") if bad else 1.0)
+    a0, b0 = ma.weight.detach().clone(), mb.weight.detach().clone()
+    oa.step()
+    ob.step()
+    assert torch.equal(ma.weight, a0)  # overflowed: skipped
+    assert not torch.equal(mb.weight, b0)

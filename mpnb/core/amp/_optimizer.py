@@ -83,6 +83,7 @@ class OptimizerAmp:
         self._adopt_new_groups(optimizer)
         dev = (self.masters or self.own or [torch.empty(0)])[0].device
         self.step_flag = torch.zeros(1, dtype=torch.float32, device=dev)
+        self._flag: torch.Tensor | None = None  # step_flag, or a scaler's found_inf (lent)
         self._copy_flag = torch.zeros(1, dtype=torch.float32, device=dev)  # ignored by copies
         self.used: list[LossScaler] = []
         self.pending_delay = False
@@ -146,8 +147,19 @@ class OptimizerAmp:
                 self._stash[i], p.grad = g, None
                 self._stashed = True
 
-    def after_backward(self, scaler: LossScaler, delay_unscale: bool) -> None:
-        """After a backward: unscale into the grads the optimizer reads (unless delayed)."""
+    def own_flag(self) -> None:
+        """Copy a lent overflow flag into ``step_flag`` (its scaler is about to clear it)."""
+        if self._flag is not None and self._flag is not self.step_flag:
+            self.step_flag.copy_(self._flag)
+            self._flag = self.step_flag
+
+    def after_backward(self, scaler: LossScaler, delay_unscale: bool,
+                       alone: bool = False) -> None:
+        """After a backward: unscale into the grads the optimizer reads (unless delayed).
+
+        ``alone``: this optimizer is the only one of the ``scale_loss`` block, so the scaler's
+        ``found_inf`` is its own overflow flag and needs no copy.
+        """
         if scaler not in self.used:
             self.used.append(scaler)
         if delay_unscale:
@@ -162,7 +174,12 @@ class OptimizerAmp:
             self._unscale_own(scaler)
         if self.masters:
             self._to_masters(scaler, scaler.found_inf, scaler.inv_scale)
+        if self._flag is None and alone:  # the common case: one block, one optimizer
+            self._flag = scaler.lend_flag(self)
+            return
+        self.own_flag()
         torch.maximum(self.step_flag, scaler.found_inf, out=self.step_flag)
+        self._flag = self.step_flag
 
     def _unscale_own(self, scaler: LossScaler) -> None:
         if not self._stashed:  # the common case: one backward per step, a fast path
@@ -245,7 +262,10 @@ class OptimizerAmp:
             optimizer._mpnb_set_scale(s.inv_scale, s.found_inf)
             return None
         # The one host sync of the step: the overflow flag and every scale used, together.
-        vals = torch.cat([self.step_flag, *(s.scale for s in self.used)]).tolist()
+        if len(self.used) == 1 and self._flag is self.used[0].found_inf:
+            vals = self.used[0].read()
+        else:
+            vals = torch.cat([self._flag, *(s.scale for s in self.used)]).tolist()
         self.host_syncs += 1
         skip = vals[0] > 0 and any(s.dynamic for s in self.used)
         for s, scale in zip(self.used, vals[1:], strict=False):
@@ -271,7 +291,9 @@ class OptimizerAmp:
             self.copy_masters_to_model()
         if self.used:
             self.used, self.pending_delay = [], False
-            self.step_flag.zero_()
+            if self._flag is self.step_flag:
+                self.step_flag.zero_()
+            self._flag = None
 
     def copy_masters_to_model(self) -> None:
         """``model_param = master`` (rounded to half) for every pair, one kernel call a dtype."""

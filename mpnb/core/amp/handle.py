@@ -49,8 +49,9 @@ class _ScaleLossBlock:
         scaler = self.scaler
         if exc_type is not None or scaler is None:
             return False  # the exception propagates; nothing is unscaled
+        alone = len(self.states) == 1
         for st in self.states:
-            st.after_backward(scaler, self.delay)
+            st.after_backward(scaler, self.delay, alone)
         if not self.delay and any(not st.fused for st in self.states):
             scaler.update()
         return False

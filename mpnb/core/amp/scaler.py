@@ -1,7 +1,8 @@
 """The loss scaler: one object per loss, its scale kept on the device.
 
-Host syncs: none here except :meth:`LossScaler.state_dict` and :meth:`LossScaler.note_step`
-(which only reads numbers the caller already fetched in its single per-step sync, see
+Host syncs: none here except :meth:`LossScaler.state_dict`, :meth:`LossScaler.loss_scale` and
+:meth:`LossScaler.read`, which the optimizer's step pre-hook calls as its single per-step sync
+(:meth:`LossScaler.note_step` only takes numbers already fetched there; see
 :mod:`mpnb.core.amp.handle`).
 """
 
@@ -66,9 +67,12 @@ class LossScaler:
         self.min_loss_scale, self.max_loss_scale = min_loss_scale, max_loss_scale
         self.max_skips_at_min = max_skips_at_min
         dev = torch.device(device)
-        self.scale = torch.full((1,), first, dtype=torch.float32, device=dev)
-        self.inv_scale = torch.reciprocal(self.scale)
-        self.found_inf = torch.zeros(1, dtype=torch.float32, device=dev)
+        # scale, inv_scale and found_inf are views of one buffer: a step reads them in one go.
+        self._packed = torch.zeros(3, dtype=torch.float32, device=dev)
+        self.scale, self.inv_scale, self.found_inf = self._packed.split(1)
+        self.scale.fill_(first)
+        torch.reciprocal(self.scale, out=self.inv_scale)
+        self._borrowers: list = []  # optimizer states whose step flag is found_inf, see below
         self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=dev)
         self.hysteresis_tracker = torch.ones(1, dtype=torch.int32, device=dev)
         self.skips_at_min = 0
@@ -88,8 +92,29 @@ class LossScaler:
         return loss.float() * self.scale.to(loss.device)
 
     def clear_overflow(self) -> None:
-        """Reset the overflow flag before a new backward."""
+        """Reset the overflow flag before a new backward.
+
+        An optimizer whose only unscale this step was by this scaler uses ``found_inf`` as its
+        step flag instead of copying it (one kernel less per step); it gets a copy here first.
+        """
+        self._release_flag()
         self.found_inf.zero_()
+
+    def lend_flag(self, borrower) -> torch.Tensor:
+        """``found_inf``, as ``borrower``'s step flag until the next :meth:`clear_overflow`."""
+        self._borrowers.append(borrower)
+        return self.found_inf
+
+    def _release_flag(self) -> None:
+        if self._borrowers:
+            for b in self._borrowers:
+                b.own_flag()
+            self._borrowers.clear()
+
+    def read(self) -> tuple[float, float]:
+        """``(found_inf, scale)`` as Python floats: a host sync (once per step, see handle)."""
+        scale, _, found = self._packed.tolist()
+        return found, scale
 
     def unscale(self, model_grads: Sequence[torch.Tensor], out: Sequence[torch.Tensor],
                 accumulate: Sequence[torch.Tensor | None] | None = None) -> None:
@@ -174,5 +199,5 @@ class LossScaler:
         self.growth_tracker.fill_(int(state["unskipped"]))
         self.hysteresis_tracker.fill_(int(state.get("hysteresis_tracker", 1)))
         self.skips_at_min = int(state.get("skips_at_min", 0))
-        self.found_inf.zero_()
+        self.clear_overflow()
         self._known_range = (float(state["loss_scale"]),) * 2
