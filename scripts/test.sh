@@ -30,5 +30,5 @@ rc=0
 run_pytest --durations=15 || rc=$?
 echo "scripts/test.sh: notebooks (nbval)"
 run_pytest --durations=10 --nbval-lax --nbval-current-env \
-  --sanitize-with notebooks/sanitize.cfg notebooks/ || rc=$?
+  --nbval-sanitize-with notebooks/sanitize.cfg notebooks/ || rc=$?
 exit "$rc"

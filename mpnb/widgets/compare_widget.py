@@ -247,40 +247,22 @@ class CompareWidget(ControlsMixin, w.VBox):
         return path
 
 
-def compare(
-    workload="mlp",
-    opt_levels=LEVELS,
-    half_dtype="auto",
-    batch_sizes=(32,),
-    steps: int = 30,
-    optimizer: str = "adam",
-    device: str = "auto",
-    loss_scale=None,
-    run: bool = False,
-    threaded: bool = True,
-    threads: int | None = None,
-) -> CompareWidget:
+def compare(workload="mlp", run: bool = False, **kwargs) -> CompareWidget:
     """Make a :class:`CompareWidget` (shown when it is a cell's last expression).
 
-    ``run=True`` starts the run at once (in a thread unless ``threaded=False``).
+    Args:
+        workload: as for :class:`CompareWidget`.
+        run: start the run at once (in a thread unless ``threaded=False``).
+        **kwargs: the other arguments of :class:`CompareWidget` (``opt_levels``,
+            ``half_dtype``, ``batch_sizes``, ``steps``, ``optimizer``, ``device``,
+            ``loss_scale``, ``threaded``, ``threads``).
 
     Example::
 
         >>> cw = mpnb.widgets.compare("mlp", opt_levels=("O0", "O1", "O2"), steps=20)
         >>> cw
     """
-    cw = CompareWidget(
-        workload,
-        opt_levels,
-        half_dtype,
-        batch_sizes,
-        steps,
-        optimizer,
-        device,
-        loss_scale,
-        threaded,
-        threads,
-    )
+    cw = CompareWidget(workload, **kwargs)
     if run:
         cw.run_button.click()
     return cw

@@ -33,6 +33,23 @@ def format_range(name: str) -> tuple[float, float, float]:
     return math.log2(fi.smallest_normal * fi.eps), math.log2(fi.smallest_normal), math.log2(fi.max)
 
 
+def _band(x0: float, x1: float, color: str) -> dict:
+    """A full-height shaded rectangle from ``x0`` to ``x1`` (plotly shape)."""
+    return dict(
+        type="rect",
+        xref="x",
+        yref="paper",
+        x0=x0,
+        x1=x1,
+        y0=0,
+        y1=1,
+        fillcolor=color,
+        opacity=0.35,
+        line_width=0,
+        layer="below",
+    )
+
+
 def _flat_grads(grads) -> torch.Tensor:
     if isinstance(grads, torch.nn.Module):
         grads = [p.grad for p in grads.parameters() if p.grad is not None]
@@ -267,32 +284,8 @@ class ScalerExplorer(w.VBox):
             self.hist_fig.data[1].x = [c + ls for c in self.hist_fig.data[0].x]
             self.hist_fig.data[1].name = f"scaled x 2^{ls:.0f}"
             self.hist_fig.layout.shapes = [
-                dict(
-                    type="rect",
-                    xref="x",
-                    yref="paper",
-                    x0=sub,
-                    x1=normal,
-                    y0=0,
-                    y1=1,
-                    fillcolor="#ffd580",
-                    opacity=0.35,
-                    line_width=0,
-                    layer="below",
-                ),
-                dict(
-                    type="rect",
-                    xref="x",
-                    yref="paper",
-                    x0=normal,
-                    x1=top,
-                    y0=0,
-                    y1=1,
-                    fillcolor="#9fd89f",
-                    opacity=0.35,
-                    line_width=0,
-                    layer="below",
-                ),
+                _band(sub, normal, "#ffd580"),  # subnormal: representable, fewer bits
+                _band(normal, top, "#9fd89f"),  # normal range
             ]
             self.hist_fig.layout.title = (
                 f"log2 |gradient| vs the {self.dtype} range (green: normal, orange: subnormal)"
