@@ -14,15 +14,8 @@ Every op updates lists of params in place. Shared conventions:
 The references are written with PyTorch's elementwise ops in the order of
 ``torch.optim``'s single-tensor implementations; the kernels match them to a few ulp.
 
-Devices without a kernel of ours (CUDA) take PyTorch's own fused optimizer ops
-(``torch._fused_adamw_``, ``_fused_adam_``, ``_fused_sgd_``, ``_fused_adagrad_``) through the
-``_torch_fused_*`` paths below, which keep this module's contract: half params are updated
-through fp32 weights (the masters, or fp32 copies) and cast back in one ``_foreach_copy_``;
-grads are unscaled into fp32 copies (``grad * inv_scale``, as the kernels do; PyTorch's own
-``grad_scale`` would divide and write the grads back) and never written; ``found_inf`` is
-read on the device (no host sync) and a flagged step changes nothing, step counts included.
-Options PyTorch's ops lack (no bias correction, ``adagrad_w_mode``, ``wd_after_momentum``)
-fall back to the references, which are PyTorch ops too.
+Devices without a kernel of ours (CUDA) take PyTorch's own fused optimizer ops through
+:mod:`mpnb.core.ops.optimizers_torch`.
 """
 
 from __future__ import annotations
@@ -32,6 +25,11 @@ import math
 import torch
 
 from mpnb.core.ops._registry import OpInfo, register_fake, register_op, use_kernel
+from mpnb.core.ops.optimizers_torch import (
+    _torch_fused_adagrad_,
+    _torch_fused_adam_,
+    _torch_fused_sgd_,
+)
 
 __all__ = [
     "fused_adam_",
@@ -70,169 +68,6 @@ def _store(params, masters, i, w: torch.Tensor) -> None:
 def _advance(step: torch.Tensor) -> float:
     step.add_(1)
     return float(step.item())
-
-
-# ---- PyTorch's fused ops, for devices without a kernel of ours ----------------------------
-
-
-def _fp32_weights(params, masters) -> list[torch.Tensor]:
-    # The fp32 tensors PyTorch's op updates: the masters, fp32 params themselves, or copies.
-    if masters:
-        return list(masters)
-    return [p if p.dtype == torch.float32 else p.float() for p in params]
-
-
-def _fp32_grads(grads, inv_scale) -> list[torch.Tensor]:
-    # Always copies: PyTorch's CUDA fused ops write their (unscaled, decayed) grads back.
-    g32 = [g.to(torch.float32, copy=True) for g in grads]
-    if inv_scale is not None:
-        inv = inv_scale.to(device=g32[0].device, dtype=torch.float32).reshape(())
-        torch._foreach_mul_(g32, inv)
-    return g32
-
-
-def _flag(found_inf, device) -> torch.Tensor | None:
-    if found_inf is None:
-        return None
-    return found_inf.to(device=device, dtype=torch.float32).reshape(())
-
-
-def _finish(params, weights, steps, found) -> None:
-    # Undo the step count of a flagged step (PyTorch's own recipe: no host sync), then cast.
-    if found is not None and steps:
-        torch._foreach_sub_(list(steps), [found] * len(steps))
-    if params[0].dtype != torch.float32:
-        torch._foreach_copy_(list(params), weights)
-
-
-def _torch_fused_adam_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    masters,
-    steps,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    inv_scale=None,
-    found_inf=None,
-) -> bool:
-    """:func:`fused_adam_` through ``torch._fused_adamw_`` / ``_fused_adam_``; False when
-    PyTorch's op cannot express the call (no bias correction)."""
-    if not bias_correction:
-        return False
-    if not params:
-        return True
-    w, found = _fp32_weights(params, masters), _flag(found_inf, params[0].device)
-    torch._foreach_add_(list(steps), 1)
-    op = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
-    op(
-        w,
-        _fp32_grads(grads, inv_scale),
-        list(exp_avgs),
-        list(exp_avg_sqs),
-        [],
-        list(steps),
-        lr=lr,
-        beta1=beta1,
-        beta2=beta2,
-        weight_decay=weight_decay,
-        eps=eps,
-        amsgrad=False,
-        maximize=False,
-        found_inf=found,
-    )
-    _finish(params, w, steps, found)
-    return True
-
-
-def _torch_fused_adagrad_(
-    params,
-    grads,
-    sums,
-    masters,
-    steps,
-    lr,
-    eps,
-    weight_decay,
-    lr_decay,
-    adagrad_w_mode,
-    inv_scale=None,
-    found_inf=None,
-) -> bool:
-    """:func:`fused_adagrad_` through ``torch._fused_adagrad_``; False with adagrad_w_mode."""
-    if adagrad_w_mode:
-        return False
-    if not params:
-        return True
-    w, found = _fp32_weights(params, masters), _flag(found_inf, params[0].device)
-    torch._foreach_add_(list(steps), 1)
-    torch._fused_adagrad_(
-        w,
-        _fp32_grads(grads, inv_scale),
-        list(sums),
-        list(steps),
-        lr=lr,
-        lr_decay=lr_decay,
-        weight_decay=weight_decay,
-        eps=eps,
-        maximize=False,
-        found_inf=found,
-    )
-    _finish(params, w, steps, found)
-    return True
-
-
-def _torch_fused_sgd_(
-    params,
-    grads,
-    momentum_buffers,
-    masters,
-    first_run,
-    lr,
-    momentum,
-    dampening,
-    weight_decay,
-    nesterov,
-    wd_after_momentum,
-    inv_scale=None,
-    found_inf=None,
-) -> bool:
-    """:func:`fused_sgd_` through ``torch._fused_sgd_`` (one call per ``first_run`` value);
-    False with wd_after_momentum."""
-    if wd_after_momentum:
-        return False
-    if not params:
-        return True
-    w, found = _fp32_weights(params, masters), _flag(found_inf, params[0].device)
-    g = _fp32_grads(grads, inv_scale)
-    groups = {False: list(range(len(w)))}
-    if momentum != 0:
-        groups = {f: [i for i, x in enumerate(first_run) if bool(x) == f] for f in (False, True)}
-    for first, idx in groups.items():
-        if not idx:
-            continue
-        bufs = [momentum_buffers[i] for i in idx] if momentum != 0 else []
-        torch._fused_sgd_(
-            [w[i] for i in idx],
-            [g[i] for i in idx],
-            bufs,
-            weight_decay=weight_decay,
-            momentum=momentum,
-            lr=lr,
-            dampening=dampening,
-            nesterov=nesterov,
-            maximize=False,
-            is_first_step=first,
-            found_inf=found,
-        )
-    _finish(params, w, [], found)
-    return True
 
 
 def _on_other_device(params) -> bool:
