@@ -3,7 +3,8 @@
 Devices without a kernel of ours (CUDA) take PyTorch's own fused optimizer ops
 (``torch._fused_adamw_``, ``_fused_adam_``, ``_fused_sgd_``, ``_fused_adagrad_``) through the
 ``_torch_fused_*`` paths below, which keep the contract of :mod:`mpnb.core.ops.optimizers`:
-half params are updated through fp32 weights (the masters, or fp32 copies) and cast back in one ``_foreach_copy_``;
+half params are updated through fp32 weights (the masters, or fp32 copies) and cast back
+in one ``_foreach_copy_``;
 grads are unscaled into fp32 copies (``grad * inv_scale``, as the kernels do; PyTorch's own
 ``grad_scale`` would divide and write the grads back) and never written; ``found_inf`` is
 read on the device (no host sync) and a flagged step changes nothing, step counts included.
