@@ -56,7 +56,7 @@ inline void check_opt_lists(const char* op, at::TensorList params, at::TensorLis
   check_list(params, op, "params", n);
   check_list(grads, op, "grads", n);
   check_same_sizes(params, grads, op, "grads");
-  TORCH_CHECK(masters.empty() || static_cast<int64_t>(masters.size()) == n, op,
+  TORCH_CHECK_VALUE(masters.empty() || static_cast<int64_t>(masters.size()) == n, op,
               ": 'masters' must be empty (no master weights) or hold one fp32 tensor per param, ",
               "got ", masters.size(), " for ", n, " params.");
   if (!masters.empty()) {
@@ -69,9 +69,9 @@ inline void check_opt_lists(const char* op, at::TensorList params, at::TensorLis
   }
   if (n == 0) return;
   for (auto s : states)
-    TORCH_CHECK(s[0].scalar_type() == at::kFloat, op, ": optimizer state must be float32, got ",
+    TORCH_CHECK_TYPE(s[0].scalar_type() == at::kFloat, op, ": optimizer state must be float32, got ",
                 s[0].scalar_type(), "; keep state in fp32 (the optimizers do).");
-  TORCH_CHECK(masters.empty() || masters[0].scalar_type() == at::kFloat, op,
+  TORCH_CHECK_TYPE(masters.empty() || masters[0].scalar_type() == at::kFloat, op,
               ": master weights must be float32, got ", masters[0].scalar_type(), ".");
 }
 

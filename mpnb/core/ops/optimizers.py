@@ -25,6 +25,7 @@ import math
 import torch
 
 from mpnb.core.ops._registry import OpInfo, register_fake, register_op, use_kernel
+from mpnb.core.ops.multi_tensor import _check_lists
 from mpnb.core.ops.optimizers_torch import (
     _torch_fused_adagrad_,
     _torch_fused_adam_,
@@ -41,6 +42,26 @@ __all__ = [
 ]
 
 _DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def check_opt_lists(op: str, params, grads, masters, *states) -> None:
+    """The reference path's mirror of the kernels' list checks (``opt_common.h``), same errors.
+
+    Params and grads: one dtype each, equal lengths and sizes; ``masters`` empty or one fp32
+    tensor per param; every state list fp32 and the same sizes as ``params``.
+    """
+    _check_lists(op, params, grads=grads)
+    if masters:
+        _check_lists(op, params, masters=masters)
+        if masters[0].dtype != torch.float32:
+            raise TypeError(f"{op}: master weights must be float32, got {masters[0].dtype}.")
+    for state in states:
+        _check_lists(op, params, state=state)
+        if state and state[0].dtype != torch.float32:
+            raise TypeError(
+                f"{op}: optimizer state must be float32, got {state[0].dtype}; keep state in "
+                "fp32 (the optimizers do)."
+            )
 
 
 def _skipped(found_inf) -> bool:
@@ -95,6 +116,7 @@ def reference_fused_adam_(
     found_inf=None,
 ) -> None:
     """Reference of :func:`fused_adam_` (``torch.optim.adam._single_tensor_adam``'s ops)."""
+    check_opt_lists("fused_adam_", params, grads, masters, exp_avgs, exp_avg_sqs)
     if _skipped(found_inf):
         return
     for i in range(len(params)):
@@ -185,6 +207,7 @@ def reference_fused_adagrad_(
     found_inf=None,
 ) -> None:
     """Reference of :func:`fused_adagrad_` (``torch.optim.adagrad._single_tensor_adagrad``)."""
+    check_opt_lists("fused_adagrad_", params, grads, masters, sums)
     if _skipped(found_inf):
         return
     for i in range(len(params)):
@@ -265,6 +288,10 @@ def reference_fused_sgd_(
     found_inf=None,
 ) -> None:
     """Reference of :func:`fused_sgd_` (``torch.optim.sgd._single_tensor_sgd``'s ops)."""
+    if momentum != 0:
+        check_opt_lists("fused_sgd_", params, grads, masters, momentum_buffers)
+    else:
+        check_opt_lists("fused_sgd_", params, grads, masters)
     if _skipped(found_inf):
         return
     for i in range(len(params)):

@@ -12,7 +12,7 @@ import math
 import torch
 
 from mpnb.core.ops._registry import OpInfo, register_fake, register_op, use_kernel
-from mpnb.core.ops.optimizers import _advance, _grad, _skipped, _store, _weight
+from mpnb.core.ops.optimizers import _advance, _grad, _skipped, _store, _weight, check_opt_lists
 
 __all__ = ["fused_lamb_", "fused_novograd_", "reference_fused_lamb_", "reference_fused_novograd_"]
 
@@ -60,6 +60,7 @@ def reference_fused_lamb_(
     found_inf=None,
 ) -> None:
     """Reference of :func:`fused_lamb_`, written from the LAMB paper (You et al., 2019)."""
+    check_opt_lists("fused_lamb_", params, grads, masters, exp_avgs, exp_avg_sqs)
     if _skipped(found_inf):
         return
     gnorm = global_grad_norm.reshape(()).to("cpu", _F32)
@@ -187,6 +188,7 @@ def reference_fused_novograd_(
     found_inf=None,
 ) -> None:
     """Reference of :func:`fused_novograd_`, written from the NovoGrad paper (Ginsburg, 2019)."""
+    check_opt_lists("fused_novograd_", params, grads, masters, exp_avgs)
     if _skipped(found_inf):
         return
     beta3 = 1 - beta1 if grad_averaging else 1.0
