@@ -109,29 +109,44 @@ inline void multi_tensor_scale_cpu(const at::Tensor& noop_flag, at::TensorList s
 // ---- axpby: out = a*x + b*y, flag by arg_to_check (-1 both, 0 x, 1 y) -------------------
 
 template <typename x_t, typename y_t, typename o_t, typename Acc>
-inline bool axpby_range(const x_t* x, const y_t* y, o_t* o, int64_t n, Acc a, Acc b, int64_t check) {
+inline bool axpby_range(const x_t* x, const y_t* y, o_t* o, int64_t n, Acc a, Acc b,
+                        int64_t check, bool stream) {
   using V = Vectorized<Acc>;
+  using O = IO<o_t, Acc>;
   constexpr int64_t W = IO<x_t, Acc>::kWidth;
-  static_assert(W == IO<y_t, Acc>::kWidth && W == IO<o_t, Acc>::kWidth, "mismatched widths");
+  static_assert(W == IO<y_t, Acc>::kWidth && W == O::kWidth, "mismatched widths");
   const V va(a), vb(b);
   V bad(Acc(0)), x0, x1, y0, y1;
-  auto body = [&] {
+  auto load = [&](int64_t i, int64_t len) {
+    if (len == W) {
+      IO<x_t, Acc>::load(x + i, x0, x1);
+      IO<y_t, Acc>::load(y + i, y0, y1);
+    } else {
+      IO<x_t, Acc>::load(x + i, len, x0, x1);
+      IO<y_t, Acc>::load(y + i, len, y0, y1);
+    }
     if (check != 1) { accumulate_nonfinite(bad, x0); accumulate_nonfinite(bad, x1); }
     if (check != 0) { accumulate_nonfinite(bad, y0); accumulate_nonfinite(bad, y1); }
   };
+  auto part = [&](int64_t i, int64_t len) {
+    load(i, len);
+    O::store(o + i, len, va * x0 + vb * y0, va * x1 + vb * y1);
+  };
   int64_t i = 0;
-  for (; i + W <= n; i += W) {
-    IO<x_t, Acc>::load(x + i, x0, x1);
-    IO<y_t, Acc>::load(y + i, y0, y1);
-    body();
-    IO<o_t, Acc>::store(o + i, va * x0 + vb * y0, va * x1 + vb * y1);
+  if (stream) {
+    const int64_t head = align_head(o, n);
+    for (; i < head; i += W) part(i, std::min(W, head - i));
+    for (; i + W <= n; i += W) {
+      load(i, W);
+      O::stream(o + i, va * x0 + vb * y0, va * x1 + vb * y1);
+    }
+  } else {
+    for (; i + W <= n; i += W) {
+      load(i, W);
+      O::store(o + i, va * x0 + vb * y0, va * x1 + vb * y1);
+    }
   }
-  if (i < n) {
-    IO<x_t, Acc>::load(x + i, n - i, x0, x1);
-    IO<y_t, Acc>::load(y + i, n - i, y0, y1);
-    body();
-    IO<o_t, Acc>::store(o + i, n - i, va * x0 + vb * y0, va * x1 + vb * y1);
-  }
+  if (i < n) part(i, n - i);
   return all_finite(bad);
 }
 
@@ -140,13 +155,20 @@ void axpby_lists(const at::Tensor& flag, at::TensorList xs, at::TensorList ys, a
                  double a, double b, int64_t check) {
   using Acc = acc_t<x_t>;
   auto table = make_chunks(xs);
+  // Streaming stores only when out is a separate buffer: in place, the line is already owned.
+  const bool in_place = !xs.empty() && (xs[0].data_ptr() == os[0].data_ptr() ||
+                                        ys[0].data_ptr() == os[0].data_ptr());
+  const bool stream =
+      !in_place && table.numel * static_cast<int64_t>(sizeof(o_t)) >= kStreamMinBytes;
   std::vector<uint8_t> ok(table.chunks.size(), 1);
   for_each_chunk(table, [&](int64_t c, const Chunk& ch) {
     ok[c] = axpby_range<x_t, y_t, o_t, Acc>(
-        xs[ch.tensor].const_data_ptr<x_t>() + ch.offset, ys[ch.tensor].const_data_ptr<y_t>() + ch.offset,
+        xs[ch.tensor].const_data_ptr<x_t>() + ch.offset,
+        ys[ch.tensor].const_data_ptr<y_t>() + ch.offset,
         os[ch.tensor].mutable_data_ptr<o_t>() + ch.offset, ch.len, static_cast<Acc>(a),
-        static_cast<Acc>(b), check);
+        static_cast<Acc>(b), check, stream);
   });
+  if (stream) stream_fence();
   for (auto v : ok)
     if (!v) { raise_flag(flag); break; }
 }

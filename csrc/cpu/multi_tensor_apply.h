@@ -20,7 +20,7 @@ constexpr int64_t kChunkElems = 1 << 15;
 // Below this many elements in total the call stays on one thread: the serial work is tens of
 // microseconds, and a parallel region costs a few microseconds on a quiet machine but a whole
 // scheduler slice (milliseconds) when another process holds a core.
-constexpr int64_t kSerialElems = 1 << 18;
+constexpr int64_t kSerialElems = 1 << 17;
 
 struct Chunk {
   int64_t tensor;  // index into the tensor lists
