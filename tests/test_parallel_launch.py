@@ -49,6 +49,22 @@ def test_returns_each_ranks_value_over_loopback():
     assert out == [(0, 3.0, "127.0.0.1"), (1, 3.0, "127.0.0.1")]
 
 
+def _rank_tensor():
+    rank = torch.distributed.get_rank()
+    t = torch.full((1000,), float(rank))
+    torch.distributed.all_reduce(t)
+    return {"rank": rank, "sum": t, "half": t.bfloat16()}
+
+
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_ranks_can_return_tensors(start_method):
+    """Tensors come back by value: the rank may exit before the caller reads them."""
+    out = launch(_rank_tensor, 2, backend="gloo", timeout=60, threads=1, start_method=start_method)
+    for rank, r in enumerate(out):
+        assert r["rank"] == rank
+        assert torch.equal(r["sum"], torch.ones(1000)) and r["half"].dtype == torch.bfloat16
+
+
 def test_a_raising_rank_makes_launch_raise_with_its_traceback_quickly():
     t0 = time.monotonic()
     with pytest.raises(RankError) as info:

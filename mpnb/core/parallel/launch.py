@@ -24,6 +24,7 @@ from __future__ import annotations
 import datetime
 import multiprocessing as mp
 import os
+import pickle
 import socket
 import sys
 import time
@@ -82,6 +83,13 @@ def _start_method(fn: Callable, backend: str, start_method: str | None) -> str:
     return method
 
 
+def _by_value(msg) -> bytes:
+    # Plain pickle copies tensor data into the message. multiprocessing's own pickler would
+    # share each tensor's storage through a file descriptor that dies with the rank, so a
+    # rank returning a tensor and exiting left the caller with a ConnectionResetError.
+    return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
+
+
 def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, conn) -> None:
     os.environ.update(
         MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
@@ -96,9 +104,10 @@ def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, conn) -> No
             timeout=datetime.timedelta(seconds=timeout),
         )
         out = fn(*args)
-        conn.send(("ok", rank, out))
+        conn.send_bytes(_by_value(("ok", rank, out)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
-        conn.send(("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc()))
+        msg = ("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc())
+        conn.send_bytes(_by_value(msg))
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
@@ -135,7 +144,7 @@ def _collect(procs, conns, nprocs: int, timeout: float) -> list:
             if obj in open_:
                 rank = open_.pop(obj)
                 try:
-                    msg = obj.recv()
+                    msg = pickle.loads(obj.recv_bytes())
                 except EOFError:
                     continue  # closed without a message: the sentinel reports the death
                 if msg[0] == "error":
