@@ -1,27 +1,4 @@
 """Apex-compatible name: ``mpnb.normalization`` (see :mod:`mpnb.core.normalization`)."""
 
-from mpnb.core.normalization import (
-    FusedLayerNorm,
-    FusedRMSNorm,
-    MixedFusedLayerNorm,
-    MixedFusedRMSNorm,
-    fused_layer_norm,
-    fused_layer_norm_affine,
-    fused_rms_norm,
-    fused_rms_norm_affine,
-    mixed_dtype_fused_layer_norm_affine,
-    mixed_dtype_fused_rms_norm_affine,
-)
-
-__all__ = [
-    "FusedLayerNorm",
-    "FusedRMSNorm",
-    "MixedFusedLayerNorm",
-    "MixedFusedRMSNorm",
-    "fused_layer_norm",
-    "fused_layer_norm_affine",
-    "fused_rms_norm",
-    "fused_rms_norm_affine",
-    "mixed_dtype_fused_layer_norm_affine",
-    "mixed_dtype_fused_rms_norm_affine",
-]
+from mpnb.core.normalization import *  # noqa: F401,F403
+from mpnb.core.normalization import __all__  # noqa: F401
