@@ -102,3 +102,21 @@ def test_wheel_ships_the_cpp_sources(tmp_path):
         if p.suffix in {".cpp", ".h", ".cu", ".cuh"}
     }
     assert expected and expected <= names, sorted(expected - names)
+
+
+def test_doctor_lists_every_op_family_and_the_hardware(kernels):
+    import pkgutil
+
+    import mpnb.core.ops as ops_pkg
+    from mpnb.core.doctor import report
+    from mpnb.core.ops import all_ops
+
+    text = report(build=False)
+    modules = pkgutil.iter_modules(ops_pkg.__path__)
+    families = {m.name for m in modules if not m.name.startswith("_")}
+    assert {"multi_tensor", "optimizers", "optimizers_lamb", "norm_ops", "welford"} <= families
+    names = [info.name for info in all_ops()]
+    assert {"fused_lamb_", "fused_novograd_", "bias_act_bwd", "multi_tensor_scale"} <= set(names)
+    for name in names:
+        assert f": {name} -> " in text, name
+    assert "bf16 on CPU: " in text and "fp16 on CPU: " in text and "vector ISA" in text

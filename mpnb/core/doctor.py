@@ -13,27 +13,16 @@ from mpnb.core.ops import all_ops, cache_root, cpu_extension, op_path
 
 __all__ = ["report"]
 
-_FAMILY_MODULES = (
-    "mpnb.core.ops.multi_tensor",
-    "mpnb.core.ops.optimizers",
-    "mpnb.core.ops.layers",
-    "mpnb.core.ops.norm_ops",
-    "mpnb.core.ops.softmax_ops",
-    "mpnb.core.ops.rope_ops",
-    "mpnb.core.ops.welford",
-)
-
-
 def _import_families() -> None:
-    # Each family registers its ops on import; families that do not exist yet are skipped.
+    # Each op family registers its ops on import: import every public module of mpnb.core.ops.
     import importlib
+    import pkgutil
 
-    for name in _FAMILY_MODULES:
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
+    import mpnb.core.ops as ops_pkg
+
+    for info in pkgutil.iter_modules(ops_pkg.__path__):
+        if not info.name.startswith("_"):
+            importlib.import_module(f"mpnb.core.ops.{info.name}")
 
 
 def _toolchain() -> list[str]:

@@ -131,7 +131,7 @@ def op_path(name: str, device: str = "cpu") -> str:
     dev = torch.device(device).type
     ext = cpu_extension()
     if dev not in info.devices:
-        return f"reference (PyTorch ops on {dev}; no {dev} kernel of ours yet)"
+        return f"PyTorch ops on {dev} (no {dev} kernel of ours yet)"
     if ext.disabled:
         return "reference (MPNB_DISABLE_EXT=1)"
     status = ext.status()
