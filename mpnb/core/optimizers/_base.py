@@ -199,7 +199,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         """Hook before any update, with every bucket of every group known (LAMB: grad norm)."""
 
     def _update(self, group: dict, bucket: Bucket, inv_scale, found_inf) -> None:
-        raise NotImplementedError
+        """One bucket's update; every fused optimizer class defines it."""
+        raise NotImplementedError(
+            f"{type(self).__name__} derives from the fused-optimizer base but does not define "
+            "_update(group, bucket, inv_scale, found_inf); implement it to call its kernel."
+        )
 
     @torch.no_grad()
     def step(self, closure=None):
