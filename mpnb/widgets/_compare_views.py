@@ -59,7 +59,10 @@ class ResultViews:
 
     def __init__(self):
         self.speed = _fig(
-            "step time (median of timed steps; lower is faster)", "configuration", "ms / step"
+            "step time: bars = median ms/step (lower is faster)<br><sup>labels = speed vs an O0 "
+            "run trained side by side (median of per-step ratios)</sup>",
+            "configuration",
+            "ms / step",
         )
         self.speed.add_bar(x=[], y=[], name="step time", text=[], textposition="outside")
         self.memory = _fig(
