@@ -116,6 +116,13 @@ def _run_all_and_wait(page, timeout_ms: int) -> None:
     assert errors.count() == 0, errors.first.inner_text()[:2000]
 
 
+_WATCH_DISABLED = """b => {
+    window.__mpnbRunStarted = false;
+    new MutationObserver(() => { if (b.disabled) window.__mpnbRunStarted = true; })
+        .observe(b, {attributes: true, attributeFilter: ["disabled"]});
+}"""
+
+
 def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
     _require(Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: run scripts/setup-browser.sh")
     try:
@@ -137,10 +144,13 @@ def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
             run = page.locator(".widget-button:text-is('Run')").first
             run.wait_for(timeout=60_000)
             run.scroll_into_view_if_needed()
+            # A short run can disable and re-enable the button between two polls: record
+            # every change of its `disabled` attribute from before the click instead.
+            handle = run.element_handle()
+            page.evaluate(_WATCH_DISABLED, handle)
             run.click()
-            page.wait_for_function("b => b.disabled", arg=run.element_handle(), timeout=30_000)
-            page.wait_for_function("b => !b.disabled", arg=run.element_handle(),
-                                   timeout=400_000)
+            page.wait_for_function("() => window.__mpnbRunStarted === true", timeout=60_000)
+            page.wait_for_function("b => !b.disabled", arg=handle, timeout=400_000)
             widget = page.locator(".jp-OutputArea-output:has(.widget-button:text-is('Run'))")
             widget.get_by_text("done: 4 configurations").wait_for(timeout=30_000)
 
