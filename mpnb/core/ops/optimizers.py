@@ -95,6 +95,16 @@ def _on_other_device(params) -> bool:
     return bool(params) and params[0].device.type != "cpu"
 
 
+def dispatch(name: str, args: tuple, reference, torch_path=None) -> None:
+    """Run ``mpnb::name`` on our kernel, else PyTorch's fused op (devices without a kernel of
+    ours, when ``torch_path`` accepts the call), else the reference; one signature for all."""
+    params = args[0]
+    if use_kernel(params):
+        getattr(torch.ops.mpnb, name)(*args)
+    elif not (torch_path is not None and _on_other_device(params) and torch_path(*args)):
+        reference(*args)
+
+
 # ---- Adam / AdamW ------------------------------------------------------------------------
 
 
@@ -183,10 +193,7 @@ def fused_adam_(
         inv_scale,
         found_inf,
     )
-    if use_kernel(params):
-        torch.ops.mpnb.fused_adam_(*args)
-    elif not (_on_other_device(params) and _torch_fused_adam_(*args)):
-        reference_fused_adam_(*args)
+    dispatch("fused_adam_", args, reference_fused_adam_, _torch_fused_adam_)
 
 
 # ---- Adagrad -----------------------------------------------------------------------------
@@ -263,10 +270,7 @@ def fused_adagrad_(
         inv_scale,
         found_inf,
     )
-    if use_kernel(params):
-        torch.ops.mpnb.fused_adagrad_(*args)
-    elif not (_on_other_device(params) and _torch_fused_adagrad_(*args)):
-        reference_fused_adagrad_(*args)
+    dispatch("fused_adagrad_", args, reference_fused_adagrad_, _torch_fused_adagrad_)
 
 
 # ---- SGD -----------------------------------------------------------------------------------
@@ -351,10 +355,7 @@ def fused_sgd_(
         inv_scale,
         found_inf,
     )
-    if use_kernel(params):
-        torch.ops.mpnb.fused_sgd_(*args)
-    elif not (_on_other_device(params) and _torch_fused_sgd_(*args)):
-        reference_fused_sgd_(*args)
+    dispatch("fused_sgd_", args, reference_fused_sgd_, _torch_fused_sgd_)
 
 
 for _name in ("fused_adam_", "fused_adagrad_", "fused_sgd_"):

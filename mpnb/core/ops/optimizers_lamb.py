@@ -11,8 +11,16 @@ import math
 
 import torch
 
-from mpnb.core.ops._registry import OpInfo, register_fake, register_op, use_kernel
-from mpnb.core.ops.optimizers import _advance, _grad, _skipped, _store, _weight, check_opt_lists
+from mpnb.core.ops._registry import OpInfo, register_fake, register_op
+from mpnb.core.ops.optimizers import (
+    _advance,
+    _grad,
+    _skipped,
+    _store,
+    _weight,
+    check_opt_lists,
+    dispatch,
+)
 
 __all__ = ["fused_lamb_", "fused_novograd_", "reference_fused_lamb_", "reference_fused_novograd_"]
 
@@ -157,10 +165,7 @@ def fused_lamb_(
         inv_scale,
         found_inf,
     )
-    if use_kernel(params):
-        torch.ops.mpnb.fused_lamb_(*args)
-    else:
-        reference_fused_lamb_(*args)
+    dispatch("fused_lamb_", args, reference_fused_lamb_)
 
 
 # ---- NovoGrad ------------------------------------------------------------------------------
@@ -280,10 +285,7 @@ def fused_novograd_(
         inv_scale,
         found_inf,
     )
-    if use_kernel(params):
-        torch.ops.mpnb.fused_novograd_(*args)
-    else:
-        reference_fused_novograd_(*args)
+    dispatch("fused_novograd_", args, reference_fused_novograd_)
 
 
 for _name, _ref in (
