@@ -74,6 +74,7 @@ class BuildResult:
     reason: str = ""
     seconds: float = 0.0
     path: str = ""
+    module: object = None  # the loaded Python module (its ``caller`` makes direct callers)
 
 
 class Extension:
@@ -91,8 +92,15 @@ class Extension:
 
     # -- configuration ---------------------------------------------------------------------
     def sources(self) -> list[Path]:
-        """The translation unit(s) handed to the compiler."""
-        return [csrc_dir() / self.backend / f"mpnb_{self.backend}.cpp"]
+        """The translation units handed to the compiler: the kernels and their Python entry.
+
+        ``mpnb_<backend>.cpp`` holds every kernel (one unit, so the torch headers are compiled
+        once); ``dispatch.cpp`` holds the Autograd-key kernels of the list ops and the
+        module's direct caller (:func:`mpnb.core.ops._registry.op_caller`). ninja compiles
+        the two in parallel.
+        """
+        d = csrc_dir() / self.backend
+        return [d / f"mpnb_{self.backend}.cpp", d / "dispatch.cpp"]
 
     def _all_source_files(self) -> list[Path]:
         root = csrc_dir()
@@ -198,14 +206,14 @@ class Extension:
                 )
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")
-                cpp_extension.load(
+                module = cpp_extension.load(
                     name=name,
                     sources=[str(s) for s in self.sources()],
                     extra_cflags=self.cflags(),
                     extra_ldflags=["-fopenmp"],
                     extra_include_paths=[str(csrc_dir())],
                     build_directory=str(build_dir),
-                    is_python_module=False,
+                    is_python_module=True,
                     verbose=verbose,
                 )
         except Exception as exc:  # a failed build must never break the package
@@ -213,7 +221,9 @@ class Extension:
             detail = "\n".join(text[-15:]) if text else type(exc).__name__
             return BuildResult(False, f"the build failed: {detail}", time.perf_counter() - start)
         so = next(iter(self.build_dir().glob(f"{name}*.so")), None)
-        return BuildResult(True, "", time.perf_counter() - start, str(so or self.build_dir()))
+        return BuildResult(
+            True, "", time.perf_counter() - start, str(so or self.build_dir()), module
+        )
 
     def _warn_once(self, reason: str) -> None:
         if self._warned:

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mpnb.core.ops._registry import OpInfo, register_fake, register_op, use_kernel
+from mpnb.core.ops._registry import OpInfo, op_caller, register_fake, register_op, use_kernel
 
 __all__ = [
     "multi_tensor_scale",
@@ -173,7 +173,7 @@ def multi_tensor_scale(
     """
     src, dst = _as_list(src), _as_list(dst)
     if use_kernel(noop_flag, src):
-        torch.ops.mpnb.multi_tensor_scale(noop_flag, src, dst, float(scale), scale_tensor)
+        op_caller("multi_tensor_scale")(noop_flag, src, dst, float(scale), scale_tensor)
     elif not (
         _foreach_ok(src) and _foreach_multi_tensor_scale(noop_flag, src, dst, scale, scale_tensor)
     ):
@@ -225,9 +225,7 @@ def multi_tensor_axpby(noop_flag, x, y, out, a: float, b: float, arg_to_check: i
     x, y, out = _as_list(x), _as_list(y), _as_list(out)
     if use_kernel(noop_flag, x):
         _check_arg_to_check(arg_to_check)
-        torch.ops.mpnb.multi_tensor_axpby(
-            noop_flag, x, y, out, float(a), float(b), int(arg_to_check)
-        )
+        op_caller("multi_tensor_axpby")(noop_flag, x, y, out, float(a), float(b), int(arg_to_check))
     else:
         reference_multi_tensor_axpby(noop_flag, x, y, out, a, b, arg_to_check)
 
@@ -285,7 +283,7 @@ def multi_tensor_l2norm(noop_flag, tensors, per_tensor: bool = False, inv_scale=
     """
     tensors = _as_list(tensors)
     if use_kernel(noop_flag, tensors):
-        return torch.ops.mpnb.multi_tensor_l2norm(noop_flag, tensors, bool(per_tensor), inv_scale)
+        return op_caller("multi_tensor_l2norm")(noop_flag, tensors, bool(per_tensor), inv_scale)
     return reference_multi_tensor_l2norm(noop_flag, tensors, per_tensor, inv_scale)
 
 
@@ -327,7 +325,7 @@ def multi_tensor_check_finite(noop_flag, tensors) -> None:
     """
     tensors = _as_list(tensors)
     if use_kernel(noop_flag, tensors):
-        torch.ops.mpnb.multi_tensor_check_finite(noop_flag, tensors)
+        op_caller("multi_tensor_check_finite")(noop_flag, tensors)
     elif _foreach_ok(tensors) and tensors[0].dtype != torch.float64:
         _foreach_multi_tensor_check_finite(noop_flag, tensors)
     else:
@@ -423,7 +421,7 @@ def update_scale_hysteresis(
         found_inf: one-element tensor, nonzero after an overflow.
     """
     if use_kernel(current_scale):
-        torch.ops.mpnb.update_scale_hysteresis(
+        op_caller("update_scale_hysteresis")(
             current_scale,
             growth_tracker,
             hysteresis_tracker,

@@ -24,7 +24,7 @@ import math
 
 import torch
 
-from mpnb.core.ops._registry import OpInfo, register_fake, register_op, use_kernel
+from mpnb.core.ops._registry import OpInfo, op_caller, register_fake, register_op, use_kernel
 from mpnb.core.ops.multi_tensor import _check_lists
 from mpnb.core.ops.optimizers_torch import (
     _torch_fused_adagrad_,
@@ -100,7 +100,7 @@ def dispatch(name: str, args: tuple, reference, torch_path=None) -> None:
     ours, when ``torch_path`` accepts the call), else the reference; one signature for all."""
     params = args[0]
     if use_kernel(params):
-        getattr(torch.ops.mpnb, name)(*args)
+        op_caller(name)(*args)
     elif not (torch_path is not None and _on_other_device(params) and torch_path(*args)):
         reference(*args)
 
