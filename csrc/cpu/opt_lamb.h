@@ -7,6 +7,8 @@
 // bucket at once and passed in as a one-element tensor.
 #pragma once
 
+#include <atomic>
+
 #include "cpu/opt_common.h"
 
 namespace mpnb::cpu::opt {
@@ -147,22 +149,26 @@ C10_ALWAYS_INLINE void lamb_pass2(const Chunk& ch, at::TensorList params, at::Te
 }
 
 // Tensors are taken in groups of consecutive tensors of at most this many elements in all (a
-// larger tensor forms a group of its own); both passes run over one group before the next.
-constexpr int64_t kLambGroupElems = int64_t(1) << 20;
+// larger tensor forms a group of its own). 640K elements hold a GPT's 4d x d matrices alone;
+// one group per thread in flight: 2 x 11.5 MiB (18 B/element, see lamb_apply) fit in L3.
+constexpr int64_t kLambGroupElems = int64_t(10) << 16;
 
-// LAMB in two passes, group by group (see kLambGroupElems):
-//   pass 1 reads g, w, m, v, stores the new m, v, reduces ||w||^2 and ||u||^2 per chunk and,
-//          for a group of several tensors or one of at most kLambGroupElems, stores u to a
-//          per-thread scratch buffer of at most 4 MiB;
-//   pass 2 (trust ratios known) reads w and u and stores w - ratio * u (master and param).
-// A group's g, w, m, v, u (18 B/element with bf16 grads and fp32 masters: 18 MiB at most) stay
-// in the 32 MiB L3 between the passes, so the step moves the bytes of one pass (28 B/element)
-// instead of two (42), and pass 2 has no division or square root. A tensor larger than a group
-// is too large to stay in cache: its pass 2 recomputes u from w and the stored m, v (40
-// B/element from memory) and walks each thread's chunks backward, so that it starts on what
-// pass 1 left in cache. The chunk grid is the one of the whole list, and each tensor's norms
-// add its chunks' partials in chunk order: the bits depend neither on the grouping nor on the
-// thread count, and u (stored or recomputed) is the same.
+// LAMB in two passes over each group of tensors (see kLambGroupElems):
+//   pass 1 reads g, w, m, v, stores the new m, v (they do not depend on the trust ratio),
+//          reduces ||w||^2 and ||u||^2 per chunk and, for a group of at most kLambGroupElems,
+//          stores u to a per-thread scratch buffer (2.5 MiB at most);
+//   pass 2 (the group's trust ratios known) reads w and u and stores w - ratio * u (master
+//          and param).
+// A group's g, w, m, v, u (18 B/element with bf16 grads and fp32 masters) stay in cache between
+// the passes, so the step moves the bytes of one pass (28 B/element) instead of two (42), and
+// pass 2 has no division or square root. Each thread takes whole groups (the next one from a
+// shared counter) and runs both passes on its own: no barrier between the passes, and a thread
+// the OS preempts only leaves more groups to the other. A tensor larger than a group is too
+// large for the cache: both threads share its passes, pass 2 recomputes u from w and the
+// stored m, v (40 B/element from memory) and walks each thread's chunks backward, so that it
+// starts on what pass 1 left in cache. The chunk grid is the one of the whole list and each
+// tensor's norms add its chunks' partials in chunk order: the bits depend neither on the
+// grouping nor on the thread count, and u (stored or recomputed) is the same.
 template <typename p_t, typename g_t>
 void lamb_apply(at::TensorList params, at::TensorList grads, at::TensorList masters,
                 at::TensorList ms, at::TensorList vs, float inv, const LambUpdate& upd,
@@ -183,23 +189,27 @@ void lamb_apply(at::TensorList params, at::TensorList grads, at::TensorList mast
   std::vector<double> pw(nc), pu(nc);
   std::vector<float> ratio(nt, lr);
   std::vector<int64_t> base(nt, 0);  // each tensor's first element in its group's scratch
-  static thread_local std::vector<float> scratch;
+  struct Group {
+    int64_t t0, t1, elems;
+  };
+  std::vector<Group> small, large;
+  int64_t small_elems = 0;
   for (int64_t t0 = 0; t0 < nt;) {
     int64_t t1 = t0 + 1, elems = params[t0].numel();
     while (t1 < nt && elems + params[t1].numel() <= kLambGroupElems) {
       base[t1] = elems;
       elems += params[t1++].numel();
     }
-    const bool cached = elems <= kLambGroupElems;
-    if (cached && static_cast<int64_t>(scratch.size()) < elems) scratch.resize(elems);
-    float* u = cached ? scratch.data() : nullptr;
-    const int64_t c0 = table.first_chunk[t0], c1 = table.first_chunk[t1];
-    for_chunk_range(c0, c1, elems, false, [&](int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
-      const Chunk& ch = table.chunks[c];
-      lamb_pass1<p_t, g_t>(ch, params, grads, masters, ms, vs, inv, upd,
-                           u ? u + base[ch.tensor] + ch.offset : nullptr, pw[c], pu[c]);
-    });
-    for (int64_t t = t0; t < t1; ++t) {
+    if (elems <= kLambGroupElems) {
+      small.push_back({t0, t1, elems});
+      small_elems += elems;
+    } else {
+      large.push_back({t0, t1, elems});
+    }
+    t0 = t1;
+  }
+  auto ratios = [&](const Group& gr) {
+    for (int64_t t = gr.t0; t < gr.t1; ++t) {
       double w2 = 0.0, u2 = 0.0;
       for (int64_t c = table.first_chunk[t]; c < table.first_chunk[t + 1]; ++c) {
         w2 += pw[c];
@@ -209,12 +219,43 @@ void lamb_apply(at::TensorList params, at::TensorList grads, at::TensorList mast
       const float un = static_cast<float>(std::sqrt(u2));
       if (pn != 0.0f && un != 0.0f) ratio[t] = lr * (pn / un);
     }
-    for_chunk_range(c0, c1, elems, !cached, [&](int64_t c) C10_ALWAYS_INLINE_ATTRIBUTE {
-      const Chunk& ch = table.chunks[c];
-      lamb_pass2<p_t>(ch, params, masters, ms, vs, upd,
-                      u ? u + base[ch.tensor] + ch.offset : nullptr, ratio[ch.tensor]);
-    });
-    t0 = t1;
+  };
+  auto pass1 = [&](int64_t c, float* u) C10_ALWAYS_INLINE_ATTRIBUTE {
+    const Chunk& ch = table.chunks[c];
+    lamb_pass1<p_t, g_t>(ch, params, grads, masters, ms, vs, inv, upd,
+                         u ? u + base[ch.tensor] + ch.offset : nullptr, pw[c], pu[c]);
+  };
+  auto pass2 = [&](int64_t c, const float* u) C10_ALWAYS_INLINE_ATTRIBUTE {
+    const Chunk& ch = table.chunks[c];
+    lamb_pass2<p_t>(ch, params, masters, ms, vs, upd,
+                    u ? u + base[ch.tensor] + ch.offset : nullptr, ratio[ch.tensor]);
+  };
+  // Small groups: whole groups per thread.
+  std::atomic<int64_t> next{0};
+  auto worker = [&](int64_t, int64_t) {
+    static thread_local std::vector<float> scratch;
+    for (int64_t k = next.fetch_add(1); k < static_cast<int64_t>(small.size());
+         k = next.fetch_add(1)) {
+      const Group& gr = small[k];
+      if (static_cast<int64_t>(scratch.size()) < gr.elems) scratch.resize(gr.elems);
+      const int64_t c0 = table.first_chunk[gr.t0], c1 = table.first_chunk[gr.t1];
+      for (int64_t c = c0; c < c1; ++c) pass1(c, scratch.data());
+      ratios(gr);
+      for (int64_t c = c0; c < c1; ++c) pass2(c, scratch.data());
+    }
+  };
+  if (!small.empty()) {
+    if (small_elems < kSerialElems || small.size() == 1 || at::get_num_threads() == 1)
+      worker(0, 1);
+    else
+      at::parallel_for(0, at::get_num_threads(), 1, worker);
+  }
+  // Large tensors: both threads on each, one pass after the other.
+  for (const Group& gr : large) {
+    const int64_t c0 = table.first_chunk[gr.t0], c1 = table.first_chunk[gr.t1];
+    for_chunk_range(c0, c1, gr.elems, false, [&](int64_t c) { pass1(c, nullptr); });
+    ratios(gr);
+    for_chunk_range(c0, c1, gr.elems, true, [&](int64_t c) { pass2(c, nullptr); });
   }
 }
 
