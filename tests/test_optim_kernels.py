@@ -208,6 +208,55 @@ def test_adam_fp32_bitwise_state_vs_torch_fused(kernels):
     torch.testing.assert_close(w, p.detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.parametrize("use_nvlamb", [False, True])
+def test_lamb_bits_independent_of_grouping_and_threads(kernels, use_nvlamb):
+    """LAMB's trust ratios are per tensor: one call over a list (tensors grouped for the cache,
+    one larger than a group) equals one call per tensor, on 1 and 2 threads, bit for bit."""
+    sizes = [3, 1_100_000, 384, 70_001, 600_000, 600_000, 2]  # group limit: 655_360
+    g = torch.Generator().manual_seed(5)
+    params = [torch.randn(n, generator=g).bfloat16() for n in sizes]
+    grads = [(torch.randn(n, generator=g) * 64).bfloat16() for n in sizes]
+    base = (
+        params,
+        grads,
+        [p.float() for p in params],
+        [
+            [torch.randn(n, generator=g) * 0.1 for n in sizes],
+            [torch.rand(n, generator=g) for n in sizes],
+        ],
+        [torch.tensor(3.0) for _ in sizes],
+    )
+    kw = dict(inv_scale=torch.tensor([1 / 64]))
+    if use_nvlamb:
+        kw["weight_decay"], kw["use_nvlamb"] = 0.0, True
+
+    def run(per_tensor, threads):
+        params, grads, masters, states, steps = _clone(base)
+        old = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            parts = [[i] for i in range(len(sizes))] if per_tensor else [list(range(len(sizes)))]
+            for idx in parts:
+
+                def pick(xs, idx=idx):
+                    return [xs[i] for i in idx]
+
+                args, k = _call(
+                    "lamb", pick(params), pick(grads), pick(masters),
+                    [pick(s) for s in states], pick(steps),
+                )  # fmt: skip
+                k.update(kw)
+                _run("lamb", args, k, not kernels)
+        finally:
+            torch.set_num_threads(old)
+        return params + masters + states[0] + states[1]
+
+    ref = run(True, 1)
+    for per_tensor, threads in ((False, 1), (False, 2), (True, 2)):
+        out = run(per_tensor, threads)
+        assert all(torch.equal(a, b) for a, b in zip(out, ref, strict=True))
+
+
 def test_bad_lists_raise_clear_errors(kernels):
     p, g = [torch.randn(4)], [torch.randn(5)]
     with pytest.raises((RuntimeError, ValueError), match="same size"):

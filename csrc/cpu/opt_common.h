@@ -93,8 +93,29 @@ inline std::vector<double> advance_steps(at::TensorList steps, int64_t n, const 
   return out;
 }
 
-// Walk every chunk and apply `body(tensor, w, g, s)` to each fp32 register of 8 lanes:
-// (`block` and every body are forced inline: left to itself GCC stops inlining once the one
+// Call fn(c) for each chunk index c in [begin, end) (`numel` elements in all), in parallel when
+// the work is worth it (the rule of for_each_chunk). Each thread gets one contiguous range of
+// chunks; with `backward` it walks its range from the last chunk to the first (a second pass
+// over data a first forward pass just read then starts on what is still in cache).
+template <typename F>
+inline void for_chunk_range(int64_t begin, int64_t end, int64_t numel, bool backward,
+                            const F& fn) {
+  auto run = [&](int64_t b, int64_t e) {
+    if (backward)
+      for (int64_t c = e - 1; c >= b; --c) fn(c);
+    else
+      for (int64_t c = b; c < e; ++c) fn(c);
+  };
+  if (end <= begin) return;
+  if (numel < kSerialElems || end - begin == 1 || at::get_num_threads() == 1) {
+    run(begin, end);
+    return;
+  }
+  at::parallel_for(begin, end, 1, run);
+}
+
+// The update of one chunk: apply `body(tensor, w, g, s)` to each fp32 register of 8 lanes.
+// (Forced inline, like `block` and every body: left to itself GCC stops inlining once the one
 // translation unit of csrc/ grows, calls the body out of line and spills all registers, which
 // halved the bf16 AdamW step. Bodies are small; the loop stays one straight-line block.)
 // w is the weight (the fp32 master when `masters` is non-empty, else the param widened), g the
@@ -102,52 +123,65 @@ inline std::vector<double> advance_steps(at::TensorList steps, int64_t n, const 
 // master) and the new states are stored. Tails use counted loads/stores (zero padding): the
 // padding lanes are computed and discarded, never stored.
 template <typename p_t, typename g_t, size_t NS, typename Body>
-void apply_update(at::TensorList params, at::TensorList grads, at::TensorList masters,
-                  const std::array<at::TensorList, NS>& states, float inv, const Body& body) {
-  auto table = make_chunks(params);
+C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, at::TensorList params, at::TensorList grads,
+                                    at::TensorList masters,
+                                    const std::array<at::TensorList, NS>& states, float inv,
+                                    const Body& body_) {
+  // A local copy of the body (and of the members it holds by value): stores through the
+  // vector intrinsics may alias anything, so members read through a reference would be
+  // reloaded after every store.
+  const Body body = body_;
   const bool has_master = !masters.empty();
   const bool scaled = inv != 1.0f;
   const fVec vinv(inv);
+  const int64_t t = ch.tensor, off = ch.offset, n = ch.len;
+  const g_t* g = grads[t].const_data_ptr<g_t>() + off;
+  p_t* p = params[t].mutable_data_ptr<p_t>() + off;
+  float* w = has_master ? masters[t].mutable_data_ptr<float>() + off : nullptr;
+  std::array<float*, NS> sp;
+  for (size_t k = 0; k < NS; ++k) sp[k] = states[k][t].template mutable_data_ptr<float>() + off;
+  fVec w0, w1, g0, g1;
+  std::array<fVec, NS> s0, s1;
+  auto block = [&](int64_t i, int64_t cnt, bool full) C10_ALWAYS_INLINE_ATTRIBUTE {
+    if (full) {
+      IO<g_t, float>::load(g + i, g0, g1);
+      if (has_master) IO<float, float>::load(w + i, w0, w1);
+      else IO<p_t, float>::load(p + i, w0, w1);
+      for (size_t k = 0; k < NS; ++k) IO<float, float>::load(sp[k] + i, s0[k], s1[k]);
+    } else {
+      IO<g_t, float>::load(g + i, cnt, g0, g1);
+      if (has_master) IO<float, float>::load(w + i, cnt, w0, w1);
+      else IO<p_t, float>::load(p + i, cnt, w0, w1);
+      for (size_t k = 0; k < NS; ++k) IO<float, float>::load(sp[k] + i, cnt, s0[k], s1[k]);
+    }
+    if (scaled) {
+      g0 = g0 * vinv;
+      g1 = g1 * vinv;
+    }
+    body(t, w0, g0, s0.data());
+    body(t, w1, g1, s1.data());
+    if (full) {
+      for (size_t k = 0; k < NS; ++k) IO<float, float>::store(sp[k] + i, s0[k], s1[k]);
+      if (has_master) IO<float, float>::store(w + i, w0, w1);
+      IO<p_t, float>::store(p + i, w0, w1);
+    } else {
+      for (size_t k = 0; k < NS; ++k) IO<float, float>::store(sp[k] + i, cnt, s0[k], s1[k]);
+      if (has_master) IO<float, float>::store(w + i, cnt, w0, w1);
+      IO<p_t, float>::store(p + i, cnt, w0, w1);
+    }
+  };
+  int64_t i = 0;
+  for (; i + kW <= n; i += kW) block(i, kW, true);
+  if (i < n) block(i, n - i, false);
+}
+
+// Update every chunk of the lists (see update_chunk), in parallel.
+template <typename p_t, typename g_t, size_t NS, typename Body>
+void apply_update(at::TensorList params, at::TensorList grads, at::TensorList masters,
+                  const std::array<at::TensorList, NS>& states, float inv, const Body& body) {
+  auto table = make_chunks(params);
   for_each_chunk(table, [&](int64_t, const Chunk& ch) {
-    const int64_t t = ch.tensor, off = ch.offset, n = ch.len;
-    const g_t* g = grads[t].const_data_ptr<g_t>() + off;
-    p_t* p = params[t].mutable_data_ptr<p_t>() + off;
-    float* w = has_master ? masters[t].mutable_data_ptr<float>() + off : nullptr;
-    std::array<float*, NS> sp;
-    for (size_t k = 0; k < NS; ++k) sp[k] = states[k][t].template mutable_data_ptr<float>() + off;
-    fVec w0, w1, g0, g1;
-    std::array<fVec, NS> s0, s1;
-    auto block = [&](int64_t i, int64_t cnt, bool full) C10_ALWAYS_INLINE_ATTRIBUTE {
-      if (full) {
-        IO<g_t, float>::load(g + i, g0, g1);
-        if (has_master) IO<float, float>::load(w + i, w0, w1);
-        else IO<p_t, float>::load(p + i, w0, w1);
-        for (size_t k = 0; k < NS; ++k) IO<float, float>::load(sp[k] + i, s0[k], s1[k]);
-      } else {
-        IO<g_t, float>::load(g + i, cnt, g0, g1);
-        if (has_master) IO<float, float>::load(w + i, cnt, w0, w1);
-        else IO<p_t, float>::load(p + i, cnt, w0, w1);
-        for (size_t k = 0; k < NS; ++k) IO<float, float>::load(sp[k] + i, cnt, s0[k], s1[k]);
-      }
-      if (scaled) {
-        g0 = g0 * vinv;
-        g1 = g1 * vinv;
-      }
-      body(t, w0, g0, s0.data());
-      body(t, w1, g1, s1.data());
-      if (full) {
-        for (size_t k = 0; k < NS; ++k) IO<float, float>::store(sp[k] + i, s0[k], s1[k]);
-        if (has_master) IO<float, float>::store(w + i, w0, w1);
-        IO<p_t, float>::store(p + i, w0, w1);
-      } else {
-        for (size_t k = 0; k < NS; ++k) IO<float, float>::store(sp[k] + i, cnt, s0[k], s1[k]);
-        if (has_master) IO<float, float>::store(w + i, cnt, w0, w1);
-        IO<p_t, float>::store(p + i, cnt, w0, w1);
-      }
-    };
-    int64_t i = 0;
-    for (; i + kW <= n; i += kW) block(i, kW, true);
-    if (i < n) block(i, n - i, false);
+    update_chunk<p_t, g_t, NS>(ch, params, grads, masters, states, inv, body);
   });
 }
 

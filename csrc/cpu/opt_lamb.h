@@ -1,14 +1,13 @@
 // Fused LAMB and NovoGrad on the CPU (Apex's FusedLAMB, FusedMixedPrecisionLamb and
 // FusedNovoGrad). Both need a per-tensor quantity before the elementwise update:
-//   LAMB:     the trust ratio ||w|| / ||u|| of each tensor's update u. Pass 1 computes u in
-//             registers and reduces ||w||^2, ||u||^2 per chunk (nothing is written); pass 2
-//             recomputes the same u bit for bit, writes m, v and w - ratio * u. Recomputing u
-//             costs arithmetic only, where storing it would move 8 more bytes per element.
+//   LAMB:     the trust ratio ||w|| / ||u|| of each tensor's update u (see lamb_apply).
 //   NovoGrad: the per-tensor grad norm, computed by the caller (mpnb::multi_tensor_l2norm or
 //             a max-abs reduction) together with the overflow check.
 // The global grad norm of LAMB's clipping is likewise computed by the caller over every dtype
 // bucket at once and passed in as a one-element tensor.
 #pragma once
+
+#include <atomic>
 
 #include "cpu/opt_common.h"
 
@@ -16,77 +15,248 @@ namespace mpnb::cpu::opt {
 
 // ---- LAMB ------------------------------------------------------------------------------
 
-// Both passes compute u, and on one thread LAMB is bound by arithmetic, not by memory: the
-// clipping and the bias corrections are multiplications by reciprocals (rounded once from
+// The clipping and the bias corrections are multiplications by reciprocals (rounded once from
 // fp64; the clipping one is skipped when nothing is clipped), leaving one division and one
-// square root per element and pass (Apex's kernel has four divisions). Forced inline: GCC
-// otherwise calls it out of line from the norm pass and spills every register to memory.
+// square root per element (Apex's kernel has four divisions). Forced inline: GCC otherwise
+// calls it out of line from the norm pass and spills every register to memory.
 struct LambUpdate {
   fVec rclip, wd, beta1, beta3, beta2, c2, eps;
   bool adam_w, has_wd, clipped;
   const std::vector<float>* rbc1;  // per tensor: 1 / (1 - beta1^t)
   const std::vector<float>* rbc2;  // per tensor: 1 / (1 - beta2^t)
 
-  // The update direction u of one register; m, v receive their new values.
-  C10_ALWAYS_INLINE fVec operator()(int64_t t, const fVec& w, fVec g, fVec& m, fVec& v) const {
+  // The new moments m, v of one register (g unscaled).
+  C10_ALWAYS_INLINE void moments(const fVec& w, fVec g, fVec& m, fVec& v) const {
     if (clipped) g = g * rclip;
     if (has_wd && !adam_w) g = g + wd * w;
     m = m * beta1 + beta3 * g;
     v = v * beta2 + c2 * g * g;
+  }
+  // The update direction u of one register, from the new moments.
+  C10_ALWAYS_INLINE fVec direction(int64_t t, const fVec& w, const fVec& m, const fVec& v) const {
     fVec u = (m * fVec((*rbc1)[t])) / ((v * fVec((*rbc2)[t])).sqrt() + eps);
     if (has_wd && adam_w) u = u + wd * w;
     return u;
   }
 };
 
+// The weight of a chunk: the fp32 master, or the param itself (read as fp32).
+template <typename p_t>
+struct LambWeight {
+  p_t* p;
+  float* w;  // null without masters
+  C10_ALWAYS_INLINE void load(int64_t i, int64_t k, fVec& a, fVec& b) const {
+    if (k == kW) {  // full block: plain loads (the counted ones go through a buffer)
+      if (w) IO<float, float>::load(w + i, a, b);
+      else IO<p_t, float>::load(p + i, a, b);
+    } else {
+      if (w) IO<float, float>::load(w + i, k, a, b);
+      else IO<p_t, float>::load(p + i, k, a, b);
+    }
+  }
+  C10_ALWAYS_INLINE void store(int64_t i, int64_t k, const fVec& a, const fVec& b) const {
+    if (k == kW) {
+      if (w) IO<float, float>::store(w + i, a, b);
+      IO<p_t, float>::store(p + i, a, b);
+    } else {
+      if (w) IO<float, float>::store(w + i, k, a, b);
+      IO<p_t, float>::store(p + i, k, a, b);
+    }
+  }
+};
+
+template <typename T>
+C10_ALWAYS_INLINE void load_f32(const T* x, int64_t i, int64_t k, fVec& a, fVec& b) {
+  if (k == kW) IO<T, float>::load(x + i, a, b);
+  else IO<T, float>::load(x + i, k, a, b);
+}
+C10_ALWAYS_INLINE void store_f32(float* x, int64_t i, int64_t k, const fVec& a,
+                                        const fVec& b) {
+  if (k == kW) IO<float, float>::store(x + i, a, b);
+  else IO<float, float>::store(x + i, k, a, b);
+}
+
+// Pass 1 of one chunk: the new m, v are stored, u is stored to `u_out` when given, and
+// sum(w^2), sum(u^2) are reduced in fp64.
 template <typename p_t, typename g_t>
-void lamb_norms(at::TensorList params, at::TensorList grads, at::TensorList masters,
-                at::TensorList ms, at::TensorList vs, float inv, const LambUpdate& upd,
-                std::vector<double>& w2, std::vector<double>& u2) {
-  auto table = make_chunks(params);
-  std::vector<double> pw(table.chunks.size()), pu(table.chunks.size());
-  const bool has_master = !masters.empty();
+C10_ALWAYS_INLINE void lamb_pass1(const Chunk& ch, at::TensorList params, at::TensorList grads,
+                                  at::TensorList masters, at::TensorList ms, at::TensorList vs,
+                                  float inv, const LambUpdate& upd_, float* u_out, double& w2,
+                                  double& u2) {
+  // A local copy: stores through the vector intrinsics may alias anything, so members read
+  // through a reference would be reloaded after every store.
+  const LambUpdate upd = upd_;
   const fVec vinv(inv);
-  for_each_chunk(table, [&](int64_t c, const Chunk& ch) {
-    const int64_t t = ch.tensor, off = ch.offset, n = ch.len;
-    const g_t* g = grads[t].const_data_ptr<g_t>() + off;
-    const p_t* p = params[t].const_data_ptr<p_t>() + off;
-    const float* w = has_master ? masters[t].const_data_ptr<float>() + off : nullptr;
-    const float* m = ms[t].const_data_ptr<float>() + off;
-    const float* v = vs[t].const_data_ptr<float>() + off;
-    dVec a0(0.0), a1(0.0), b0(0.0), b1(0.0);
-    fVec w0, w1, g0, g1, m0, m1, v0, v1;
-    for (int64_t i = 0; i < n; i += kW) {
-      const int64_t k = std::min(kW, n - i);
-      if (k == kW) {  // full block: plain loads (the counted ones go through a buffer)
-        IO<g_t, float>::load(g + i, g0, g1);
-        if (has_master) IO<float, float>::load(w + i, w0, w1);
-        else IO<p_t, float>::load(p + i, w0, w1);
-        IO<float, float>::load(m + i, m0, m1);
-        IO<float, float>::load(v + i, v0, v1);
-      } else {
-        IO<g_t, float>::load(g + i, k, g0, g1);
-        if (has_master) IO<float, float>::load(w + i, k, w0, w1);
-        else IO<p_t, float>::load(p + i, k, w0, w1);
-        IO<float, float>::load(m + i, k, m0, m1);
-        IO<float, float>::load(v + i, k, v0, v1);
-      }
-      // Padding lanes are zero: their u is 0/(sqrt(0)+eps) = 0 and adds nothing.
-      const fVec u0 = upd(t, w0, g0 * vinv, m0, v0), u1 = upd(t, w1, g1 * vinv, m1, v1);
-      accumulate_squares(a0, a1, w0);
-      accumulate_squares(a0, a1, w1);
-      accumulate_squares(b0, b1, u0);
-      accumulate_squares(b0, b1, u1);
+  const int64_t t = ch.tensor, off = ch.offset, n = ch.len;
+  const g_t* g = grads[t].const_data_ptr<g_t>() + off;
+  const LambWeight<p_t> wt{params[t].mutable_data_ptr<p_t>() + off,
+                           masters.empty() ? nullptr : masters[t].mutable_data_ptr<float>() + off};
+  float* m = ms[t].mutable_data_ptr<float>() + off;
+  float* v = vs[t].mutable_data_ptr<float>() + off;
+  dVec a0(0.0), a1(0.0), b0(0.0), b1(0.0);
+  fVec w0, w1, g0, g1, m0, m1, v0, v1;
+  for (int64_t i = 0; i < n; i += kW) {
+    const int64_t k = std::min(kW, n - i);
+    load_f32(g, i, k, g0, g1);
+    wt.load(i, k, w0, w1);
+    load_f32(m, i, k, m0, m1);
+    load_f32(v, i, k, v0, v1);
+    // Padding lanes are zero: their u is 0/(sqrt(0)+eps) = 0 and adds nothing.
+    upd.moments(w0, g0 * vinv, m0, v0);
+    upd.moments(w1, g1 * vinv, m1, v1);
+    const fVec u0 = upd.direction(t, w0, m0, v0), u1 = upd.direction(t, w1, m1, v1);
+    store_f32(m, i, k, m0, m1);
+    store_f32(v, i, k, v0, v1);
+    if (u_out) store_f32(u_out, i, k, u0, u1);
+    accumulate_squares(a0, a1, w0);
+    accumulate_squares(a0, a1, w1);
+    accumulate_squares(b0, b1, u0);
+    accumulate_squares(b0, b1, u1);
+  }
+  w2 = hsum(a0 + a1);
+  u2 = hsum(b0 + b1);
+}
+
+// Pass 2 of one chunk: w -= ratio * u, with u read back from `u_in`, or (when null)
+// recomputed from w and the new m, v that pass 1 stored; the same bits either way.
+template <typename p_t>
+C10_ALWAYS_INLINE void lamb_pass2(const Chunk& ch, at::TensorList params, at::TensorList masters,
+                                  at::TensorList ms, at::TensorList vs, const LambUpdate& upd_,
+                                  const float* u_in, float ratio) {
+  const LambUpdate upd = upd_;
+  const fVec r(ratio);
+  const int64_t t = ch.tensor, off = ch.offset, n = ch.len;
+  const LambWeight<p_t> wt{params[t].mutable_data_ptr<p_t>() + off,
+                           masters.empty() ? nullptr : masters[t].mutable_data_ptr<float>() + off};
+  const float* m = ms[t].const_data_ptr<float>() + off;
+  const float* v = vs[t].const_data_ptr<float>() + off;
+  fVec w0, w1, u0, u1, m0, m1, v0, v1;
+  for (int64_t i = 0; i < n; i += kW) {
+    const int64_t k = std::min(kW, n - i);
+    wt.load(i, k, w0, w1);
+    if (u_in) {
+      load_f32(u_in, i, k, u0, u1);
+    } else {
+      load_f32(m, i, k, m0, m1);
+      load_f32(v, i, k, v0, v1);
+      u0 = upd.direction(t, w0, m0, v0);
+      u1 = upd.direction(t, w1, m1, v1);
     }
-    pw[c] = hsum(a0 + a1);
-    pu[c] = hsum(b0 + b1);
-  });
+    w0 = w0 - r * u0;
+    w1 = w1 - r * u1;
+    wt.store(i, k, w0, w1);
+  }
+}
+
+// Tensors are taken in groups of consecutive tensors of at most this many elements in all (a
+// larger tensor forms a group of its own). 640K elements hold a GPT's 4d x d matrices alone;
+// one group per thread in flight: 2 x 11.5 MiB (18 B/element, see lamb_apply) fit in L3.
+constexpr int64_t kLambGroupElems = int64_t(10) << 16;
+
+// LAMB in two passes over each group of tensors (see kLambGroupElems):
+//   pass 1 reads g, w, m, v, stores the new m, v (they do not depend on the trust ratio),
+//          reduces ||w||^2 and ||u||^2 per chunk and, for a group of at most kLambGroupElems,
+//          stores u to a per-thread scratch buffer (2.5 MiB at most);
+//   pass 2 (the group's trust ratios known) reads w and u and stores w - ratio * u (master
+//          and param).
+// A group's g, w, m, v, u (18 B/element with bf16 grads and fp32 masters) stay in cache between
+// the passes, so the step moves the bytes of one pass (28 B/element) instead of two (42), and
+// pass 2 has no division or square root. Each thread takes whole groups (the next one from a
+// shared counter) and runs both passes on its own: no barrier between the passes, and a thread
+// the OS preempts only leaves more groups to the other. A tensor larger than a group is too
+// large for the cache: both threads share its passes, pass 2 recomputes u from w and the
+// stored m, v (40 B/element from memory) and walks each thread's chunks backward, so that it
+// starts on what pass 1 left in cache. The chunk grid is the one of the whole list and each
+// tensor's norms add its chunks' partials in chunk order: the bits depend neither on the
+// grouping nor on the thread count, and u (stored or recomputed) is the same.
+template <typename p_t, typename g_t>
+void lamb_apply(at::TensorList params, at::TensorList grads, at::TensorList masters,
+                at::TensorList ms, at::TensorList vs, float inv, const LambUpdate& upd,
+                float lr, bool norms) {
   const int64_t nt = static_cast<int64_t>(params.size());
-  for (int64_t t = 0; t < nt; ++t)
-    for (int64_t c = table.first_chunk[t]; c < table.first_chunk[t + 1]; ++c) {
-      w2[t] += pw[c];
-      u2[t] += pu[c];
+  auto table = make_chunks(params);
+  const int64_t nc = static_cast<int64_t>(table.chunks.size());
+  if (!norms) {  // every ratio is lr: one pass
+    const LambUpdate* up = &upd;
+    auto body = [up, vlr = fVec(lr)](int64_t t, fVec& w, fVec g, fVec* s)
+                    C10_ALWAYS_INLINE_ATTRIBUTE {
+      up->moments(w, g, s[0], s[1]);
+      w = w - vlr * up->direction(t, w, s[0], s[1]);
+    };
+    apply_update<p_t, g_t, 2>(params, grads, masters, {ms, vs}, inv, body);
+    return;
+  }
+  std::vector<double> pw(nc), pu(nc);
+  std::vector<float> ratio(nt, lr);
+  std::vector<int64_t> base(nt, 0);  // each tensor's first element in its group's scratch
+  struct Group {
+    int64_t t0, t1, elems;
+  };
+  std::vector<Group> small, large;
+  int64_t small_elems = 0;
+  for (int64_t t0 = 0; t0 < nt;) {
+    int64_t t1 = t0 + 1, elems = params[t0].numel();
+    while (t1 < nt && elems + params[t1].numel() <= kLambGroupElems) {
+      base[t1] = elems;
+      elems += params[t1++].numel();
     }
+    if (elems <= kLambGroupElems) {
+      small.push_back({t0, t1, elems});
+      small_elems += elems;
+    } else {
+      large.push_back({t0, t1, elems});
+    }
+    t0 = t1;
+  }
+  auto ratios = [&](const Group& gr) {
+    for (int64_t t = gr.t0; t < gr.t1; ++t) {
+      double w2 = 0.0, u2 = 0.0;
+      for (int64_t c = table.first_chunk[t]; c < table.first_chunk[t + 1]; ++c) {
+        w2 += pw[c];
+        u2 += pu[c];
+      }
+      const float pn = static_cast<float>(std::sqrt(w2));
+      const float un = static_cast<float>(std::sqrt(u2));
+      if (pn != 0.0f && un != 0.0f) ratio[t] = lr * (pn / un);
+    }
+  };
+  auto pass1 = [&](int64_t c, float* u) C10_ALWAYS_INLINE_ATTRIBUTE {
+    const Chunk& ch = table.chunks[c];
+    lamb_pass1<p_t, g_t>(ch, params, grads, masters, ms, vs, inv, upd,
+                         u ? u + base[ch.tensor] + ch.offset : nullptr, pw[c], pu[c]);
+  };
+  auto pass2 = [&](int64_t c, const float* u) C10_ALWAYS_INLINE_ATTRIBUTE {
+    const Chunk& ch = table.chunks[c];
+    lamb_pass2<p_t>(ch, params, masters, ms, vs, upd,
+                    u ? u + base[ch.tensor] + ch.offset : nullptr, ratio[ch.tensor]);
+  };
+  // Small groups: whole groups per thread.
+  std::atomic<int64_t> next{0};
+  auto worker = [&](int64_t, int64_t) {
+    static thread_local std::vector<float> scratch;
+    for (int64_t k = next.fetch_add(1); k < static_cast<int64_t>(small.size());
+         k = next.fetch_add(1)) {
+      const Group& gr = small[k];
+      if (static_cast<int64_t>(scratch.size()) < gr.elems) scratch.resize(gr.elems);
+      const int64_t c0 = table.first_chunk[gr.t0], c1 = table.first_chunk[gr.t1];
+      for (int64_t c = c0; c < c1; ++c) pass1(c, scratch.data());
+      ratios(gr);
+      for (int64_t c = c0; c < c1; ++c) pass2(c, scratch.data());
+    }
+  };
+  if (!small.empty()) {
+    if (small_elems < kSerialElems || small.size() == 1 || at::get_num_threads() == 1)
+      worker(0, 1);
+    else
+      at::parallel_for(0, at::get_num_threads(), 1, worker);
+  }
+  // Large tensors: both threads on each, one pass after the other.
+  for (const Group& gr : large) {
+    const int64_t c0 = table.first_chunk[gr.t0], c1 = table.first_chunk[gr.t1];
+    for_chunk_range(c0, c1, gr.elems, false, [&](int64_t c) { pass1(c, nullptr); });
+    ratios(gr);
+    for_chunk_range(c0, c1, gr.elems, true, [&](int64_t c) { pass2(c, nullptr); });
+  }
 }
 
 inline void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
@@ -124,23 +294,10 @@ inline void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::Tens
                  clip != 1.0f,
                  &rbc1,
                  &rbc2};
-  std::vector<float> ratio(n, static_cast<float>(lr));
-  MPNB_DISPATCH_OPT(params[0].scalar_type(), grads[0].scalar_type(), [&] {
-    if (use_nvlamb || weight_decay != 0.0) {
-      std::vector<double> w2(n, 0.0), u2(n, 0.0);
-      lamb_norms<p_t, g_t>(params, grads, masters, exp_avgs, exp_avg_sqs, inv, upd, w2, u2);
-      for (int64_t t = 0; t < n; ++t) {
-        const float pn = static_cast<float>(std::sqrt(w2[t]));
-        const float un = static_cast<float>(std::sqrt(u2[t]));
-        if (pn != 0.0f && un != 0.0f) ratio[t] = static_cast<float>(lr) * (pn / un);
-      }
-    }
-    auto body = [&](int64_t t, fVec& w, fVec g, fVec* s) C10_ALWAYS_INLINE_ATTRIBUTE {
-      const fVec u = upd(t, w, g, s[0], s[1]);
-      w = w - fVec(ratio[t]) * u;
-    };
-    apply_update<p_t, g_t, 2>(params, grads, masters, {exp_avgs, exp_avg_sqs}, inv, body);
-  }());
+  MPNB_DISPATCH_OPT(params[0].scalar_type(), grads[0].scalar_type(),
+                    lamb_apply<p_t, g_t>(params, grads, masters, exp_avgs, exp_avg_sqs, inv, upd,
+                                         static_cast<float>(lr),
+                                         use_nvlamb || weight_decay != 0.0));
 }
 
 // ---- NovoGrad --------------------------------------------------------------------------
@@ -189,14 +346,17 @@ inline void fused_novograd_cpu(at::TensorList params, at::TensorList grads,
   const fVec vb1(static_cast<float>(beta1)),
       vb3(grad_averaging ? static_cast<float>(1 - beta1) : 1.0f),
       vwd(static_cast<float>(weight_decay)), vlr(static_cast<float>(lr));
-  auto body = [&](int64_t t, fVec& w, fVec g, fVec* s) C10_ALWAYS_INLINE_ATTRIBUTE {
+  // Captured by value: update_chunk runs a local copy, kept in registers.
+  auto body = [reg_inside_moment, vb1, vb3, vwd, vlr, rd = rd_.data(), rbc1 = rbc1_.data(),
+               rbd = rbd_.data()](int64_t t, fVec& w, fVec g, fVec* s)
+                  C10_ALWAYS_INLINE_ATTRIBUTE {
     if (reg_inside_moment) {
-      g = g * fVec(rd_[t]) + vwd * w;
+      g = g * fVec(rd[t]) + vwd * w;
       s[0] = vb1 * s[0] + vb3 * g;
-      w = w - vlr * (s[0] * fVec(rbc1_[t]));
+      w = w - vlr * (s[0] * fVec(rbc1[t]));
     } else {
       s[0] = vb1 * s[0] + vb3 * g;
-      w = w - vlr * (s[0] * fVec(rbd_[t]) + vwd * w);
+      w = w - vlr * (s[0] * fVec(rbd[t]) + vwd * w);
     }
   };
   MPNB_DISPATCH_OPT(params[0].scalar_type(), grads[0].scalar_type(),
