@@ -243,3 +243,22 @@ def test_wrappers_agree_with_the_reference_through_the_direct_path():
     for la, lb in zip(a[:5], b[:5], strict=True):
         for x, y in zip(la, lb, strict=True):
             torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_read_grads_matches_python_reads():
+    from mpnb.core.ops._registry import read_grads
+
+    ps = [torch.nn.Parameter(torch.zeros(3)) for _ in range(4)] + [torch.zeros(2).as_subclass(Sub)]
+    ps[0].grad = torch.ones(3)
+    ps[2].grad = torch.full((3,), 2.0)
+    ps[4].grad = torch.ones(2)
+    got = read_grads(ps)
+    assert len(got) == 5 and got[1] is None and got[3] is None
+    assert all(g is p.grad for g, p in zip(got, ps, strict=True))
+    kept = read_grads(tuple(ps), drop_none=True)
+    assert [id(g) for g in kept] == [id(ps[0].grad), id(ps[2].grad), id(ps[4].grad)]
+    before = sys.getrefcount(ps[0].grad)
+    for _ in range(20):
+        read_grads(ps)
+    after = sys.getrefcount(ps[0].grad)  # outside the assert: pytest keeps its operands alive
+    assert after == before

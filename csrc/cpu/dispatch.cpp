@@ -395,9 +395,54 @@ PyObject* make_caller(PyObject* /*module*/, PyObject* name) {
   Py_RETURN_NONE;
 }
 
+// grads(params, drop_none) -> [p.grad for p in params] (without the Nones when drop_none).
+// The attribute read costs ~80 ns per nn.Parameter from Python; amp reads every grad twice a
+// step. Tensor subclasses (whose .grad may be a property) are read through getattr.
+PyObject* grads_of(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  if (nargs != 2 || (!PyList_Check(args[0]) && !PyTuple_Check(args[0])) || !PyBool_Check(args[1])) {
+    PyErr_SetString(PyExc_TypeError, "grads(params, drop_none): pass a list of tensors and a bool.");
+    return nullptr;
+  }
+  const bool drop_none = args[1] == Py_True;
+  PyRef seq(PySequence_Tuple(args[0]));
+  if (seq.obj == nullptr) return nullptr;
+  const Py_ssize_t n = PyTuple_GET_SIZE(seq.obj);
+  PyRef out(PyList_New(0));
+  if (out.obj == nullptr) return nullptr;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    PyObject* p = PyTuple_GET_ITEM(seq.obj, i);
+    PyObject* g;
+    if (THPVariable_CheckExact(p)) {
+      const at::Tensor& grad = THPVariable_Unpack(p).grad();
+      if (!grad.defined()) {
+        if (drop_none) continue;
+        Py_INCREF(Py_None);
+        g = Py_None;
+      } else {
+        g = THPVariable_Wrap(grad);
+      }
+    } else {
+      g = PyObject_GetAttrString(p, "grad");
+      if (g != nullptr && g == Py_None && drop_none) {
+        Py_DECREF(g);
+        continue;
+      }
+    }
+    if (g == nullptr) return nullptr;
+    const int rc = PyList_Append(out.obj, g);
+    Py_DECREF(g);
+    if (rc != 0) return nullptr;
+  }
+  return std::exchange(out.obj, nullptr);
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef module_methods[] = {
     {"caller", make_caller, METH_O,
      "caller(name): a direct positional caller of torch.ops.mpnb.<name>, or None."},
+    {"grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(grads_of)), METH_FASTCALL,
+     "grads(params, drop_none): [p.grad for p in params], read in C++."},
     {nullptr, nullptr, 0, nullptr}};
 
 #define MPNB_STR_(x) #x

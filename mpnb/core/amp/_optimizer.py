@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import weakref
 from itertools import repeat
-from operator import attrgetter, is_not
+from operator import is_, is_not
 
 import torch
 
 from mpnb.core.amp._skip import drop_grads, is_torch_optim, snapshot
 from mpnb.core.amp.scaler import LossScaler
+from mpnb.core.ops._registry import read_grads
 
 __all__ = ["OptimizerAmp"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
-
-_grad = attrgetter("grad")
 
 
 def _groups_by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
@@ -114,7 +113,6 @@ class OptimizerAmp:
                     self.own.append(p)
         self._n_groups = len(optimizer.param_groups)
         self._stash: list[torch.Tensor | None] = [None] * len(self.own)
-        self._no_grads = [None] * len(self.own)
         self._own_dense = _dense(self.own)
         self._own_one_dtype = len({p.dtype for p in self.own}) <= 1
         # Master pairs grouped by model dtype once: one kernel call per group and step.
@@ -139,8 +137,8 @@ class OptimizerAmp:
             self._adopt_new_groups(opt)  # add_param_group after amp.initialize
         if self.pending_delay or self.fused:
             return
-        grads = list(map(_grad, self.own))
-        if grads == self._no_grads:  # the common case: zero_grad() left every grad None
+        grads = read_grads(self.own)
+        if all(map(is_, grads, repeat(None))):  # the common case: zero_grad() left every grad None
             return
         for i, (p, g) in enumerate(zip(self.own, grads, strict=True)):
             if g is not None:
@@ -183,7 +181,7 @@ class OptimizerAmp:
 
     def _unscale_own(self, scaler: LossScaler) -> None:
         if not self._stashed:  # the common case: one backward per step, a fast path
-            grads = [g for g in map(_grad, self.own) if g is not None]
+            grads = read_grads(self.own, drop_none=True)
             # Autograd gives a grad its param's dtype and layout: dense params, dense grads.
             if not self._own_dense:
                 grads = [_contiguous_grad(p) for p in self.own if p.grad is not None]
@@ -209,9 +207,9 @@ class OptimizerAmp:
         """``master.grad = model.grad * scale_tensor`` (fp32; added to an existing master grad)."""
         from mpnb.core.ops import multi_tensor_scale
 
-        for params, masters, no_grads in self._pairs:
-            grads = list(map(_grad, params))
-            if (list(map(_grad, masters)) != no_grads
+        for params, masters, _ in self._pairs:
+            grads = read_grads(params)
+            if (not all(map(is_, read_grads(masters), repeat(None)))
                     or not all(map(is_not, grads, repeat(None)))):
                 self._to_masters_general(params, masters, flag, scale_tensor)
                 continue

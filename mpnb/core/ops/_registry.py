@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from operator import attrgetter
 
 import torch
 
@@ -24,6 +25,7 @@ __all__ = [
     "use_kernel",
     "op_path",
     "op_caller",
+    "read_grads",
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -189,3 +191,22 @@ def _make_caller(name: str) -> Callable:
     call.__name__ = call.__qualname__ = name
     call.__doc__ = f"torch.ops.mpnb.{name}, called directly where that is equivalent."
     return call
+
+
+_grad = attrgetter("grad")
+
+
+def read_grads(params, drop_none: bool = False) -> list:
+    """``[p.grad for p in params]`` (without the ``None``s when ``drop_none``), read in C++.
+
+    Reading ``.grad`` from Python costs about 80 ns per ``nn.Parameter``; amp reads every
+    grad before and after each backward. The extension's reader is used once the kernels are
+    loaded (without loading them); otherwise this is the plain Python read.
+    """
+    status = cpu_extension().status()
+    module = status.module if status is not None else None
+    if module is not None and not torch.compiler.is_compiling():
+        return module.grads(params, drop_none)
+    if drop_none:
+        return [g for g in map(_grad, params) if g is not None]
+    return list(map(_grad, params))
