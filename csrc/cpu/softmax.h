@@ -17,15 +17,20 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/fast_math.h"
 #include "cpu/multi_tensor_apply.h"
 
 namespace mpnb::cpu {
 
 constexpr float kMaskedValue = -10000.0f;
 
+// max(a, b) lanewise; NaN need not propagate here (a NaN input makes the row's sum NaN anyway).
 template <typename V>
-inline V vexp(const V& x) {
-  return x.exp_u20();
+inline V vmax(const V& a, const V& b) {
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<V, fVec>) return fVec(_mm256_max_ps(a, b));
+#endif
+  return at::vec::maximum(a, b);
 }
 
 // Replace lanes whose mask byte is nonzero by `fill` (16 mask bytes for a, b).
@@ -43,26 +48,82 @@ inline void apply_mask(const uint8_t* m, int64_t n, fVec& a, fVec& b, const fVec
   b = _mm256_blendv_ps(b, fill, hi);
 #else
   alignas(64) float fa[2 * fVec::size()];
+  alignas(64) float ff[fVec::size()];
   a.store(fa);
   b.store(fa + fVec::size());
+  fill.store(ff);
   for (int64_t i = 0; i < 2 * fVec::size() && i < 16; ++i)
-    if (src[i]) fa[i] = kMaskedValue;
+    if (src[i]) fa[i] = ff[0];
   a = fVec::loadu(fa);
   b = fVec::loadu(fa + fVec::size());
 #endif
 }
 
-inline void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec& /*fill*/) {
+inline void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec& fill) {
   alignas(64) double da[2 * dVec::size()];
+  alignas(64) double df[dVec::size()];
   a.store(da);
   b.store(da + dVec::size());
+  fill.store(df);
   for (int64_t i = 0; i < std::min<int64_t>(n, 2 * dVec::size()); ++i)
-    if (m[i]) da[i] = static_cast<double>(kMaskedValue);
+    if (m[i]) da[i] = df[0];
   a = dVec::loadu(da);
   b = dVec::loadu(da + dVec::size());
 }
 
+// Lanes k.. of a block (a, b) set to v.
+template <typename V>
+inline void pad_lanes(V& a, V& b, int64_t k, const V& v) {
+  a = k >= V::size() ? a : V::set(v, a, k);
+  b = k >= 2 * V::size() ? b : (k > V::size() ? V::set(v, b, k - V::size()) : v);
+}
+
+// Pass 2 of softmax_row: buf = exp(x * scale - shift) over [0, L), masked lanes
+// exp(-10000 - shift), lanes past L zero; returns the sum. Prefetches the next row (xn, mn).
+template <typename T>
+inline acc_t<T> softmax_exp_pass(const T* __restrict x, const uint8_t* __restrict mask,
+                                 acc_t<T>* __restrict buf, int64_t L, acc_t<T> scale, acc_t<T> shift,
+                                 const T* xn, const uint8_t* mn) {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  using IOT = IO<T, Acc>;
+  constexpr int64_t K = IOT::kWidth;
+  const V vs(scale), vm(-shift), fill(static_cast<Acc>(kMaskedValue) - shift);
+  const V ninf(-std::numeric_limits<Acc>::infinity());
+  V s0(Acc(0)), s1(Acc(0)), a, b;
+  int64_t j = 0;
+  for (; j + K <= L; j += K) {
+    if (xn) prefetch_next(xn + j);
+    if (mn && j % 64 == 0) prefetch_next(mn + j);
+    IOT::load(x + j, a, b);
+    a = at::vec::fmadd(a, vs, vm); b = at::vec::fmadd(b, vs, vm);
+    if (mask) apply_mask(mask + j, K, a, b, fill);
+    a = softmax_exp(a); b = softmax_exp(b);
+    a.store(buf + j); b.store(buf + j + V::size());
+    s0 = s0 + a; s1 = s1 + b;
+  }
+  if (j < L) {
+    const int64_t k = L - j;
+    IOT::load(x + j, k, a, b);
+    a = at::vec::fmadd(a, vs, vm); b = at::vec::fmadd(b, vs, vm);
+    if (mask) apply_mask(mask + j, k, a, b, fill);
+    pad_lanes(a, b, k, ninf);  // exp(-inf) = 0
+    a = softmax_exp(a); b = softmax_exp(b);
+    a.store(buf + j); b.store(buf + j + V::size());
+    s0 = s0 + a; s1 = s1 + b;
+  }
+  return static_cast<Acc>(hsum(s0 + s1));
+}
+
 // One row: y[0:L) = softmax(x[0:L) * scale, masked), y[L:n) = 0.
+//
+// Pass 1 reads the row from memory and finds its largest and smallest element: the shift
+// m = max(x * scale) follows without the mask, and with a mask m' = max(m, -10000) is an upper
+// bound of the masked row's max. Pass 2 (in cache) computes e = exp(x * scale - m') with masked
+// lanes at -10000 - m' into an fp32 scratch row and sums it; pass 3 writes e / sum. Softmax does
+// not depend on the shift, and an upper bound is exact unless it lies far above the masked max
+// (the unmasked entries underflow): when the sum is below 2^-20 (m' more than 13.9 above it,
+// e.g. a fully masked row) pass 2 runs again with the exact masked max.
 template <typename T>
 inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_t n, acc_t<T> scale,
                         acc_t<T>* buf, const T* xn, const uint8_t* mn, bool stream) {
@@ -70,35 +131,51 @@ inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
   constexpr int64_t K = IOT::kWidth;
-  const V vs(scale), fill(static_cast<Acc>(kMaskedValue));
-  const V lowest(-std::numeric_limits<Acc>::infinity());
-  V m0 = lowest, m1 = lowest, a, b;
+  constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
+  const V ninf(-kInf), pinf(kInf);
+  V a, b, c, d;
+  V h0 = ninf, h1 = ninf, h2 = ninf, h3 = ninf, l0 = pinf, l1 = pinf, l2 = pinf, l3 = pinf;
   int64_t i = 0;
+  for (; i + 2 * K <= L; i += 2 * K) {
+    IOT::load(x + i, a, b);
+    IOT::load(x + i + K, c, d);
+    h0 = vmax(h0, a); h1 = vmax(h1, b); h2 = vmax(h2, c); h3 = vmax(h3, d);
+    l0 = at::vec::minimum(l0, a); l1 = at::vec::minimum(l1, b);
+    l2 = at::vec::minimum(l2, c); l3 = at::vec::minimum(l3, d);
+  }
   for (; i < L; i += K) {
     const int64_t k = std::min<int64_t>(K, L - i);
     if (k == K) IOT::load(x + i, a, b); else IOT::load(x + i, k, a, b);
-    a = a * vs; b = b * vs;
-    if (mask) apply_mask(mask + i, k, a, b, fill);
-    if (k < K) {  // padded lanes must not raise the max
-      a = k >= V::size() ? a : V::set(lowest, a, k);
-      b = k >= 2 * V::size() ? b : (k > V::size() ? V::set(lowest, b, k - V::size()) : lowest);
+    if (k < K) { c = a; d = b; pad_lanes(a, b, k, ninf); pad_lanes(c, d, k, pinf); } else { c = a; d = b; }
+    h0 = vmax(h0, a); h1 = vmax(h1, b);
+    l0 = at::vec::minimum(l0, c); l1 = at::vec::minimum(l1, d);
+  }
+  auto vmax_all = [](const V& v) {
+    return at::vec::vec_reduce_all<Acc>([](V& p, V& q) { return at::vec::maximum(p, q); }, v);
+  };
+  auto vmin_all = [](const V& v) {
+    return at::vec::vec_reduce_all<Acc>([](V& p, V& q) { return at::vec::minimum(p, q); }, v);
+  };
+  const Acc hi = vmax_all(at::vec::maximum(at::vec::maximum(h0, h1), at::vec::maximum(h2, h3)));
+  const Acc lo = vmin_all(at::vec::minimum(at::vec::minimum(l0, l1), at::vec::minimum(l2, l3)));
+  Acc shift = scale >= Acc(0) ? hi * scale : lo * scale;
+  if (mask) shift = std::max(shift, static_cast<Acc>(kMaskedValue));
+  Acc sum = softmax_exp_pass<T>(x, mask, buf, L, scale, shift, xn, mn);
+  if (mask && sum < Acc(1.0 / (1 << 20))) {  // rare: the exact masked max
+    const V vs(scale), fill(static_cast<Acc>(kMaskedValue));
+    V m0 = ninf, m1 = ninf;
+    for (int64_t j = 0; j < L; j += K) {
+      const int64_t k = std::min<int64_t>(K, L - j);
+      if (k == K) IOT::load(x + j, a, b); else IOT::load(x + j, k, a, b);
+      a = a * vs; b = b * vs;
+      apply_mask(mask + j, k, a, b, fill);
+      if (k < K) pad_lanes(a, b, k, ninf);
+      m0 = at::vec::maximum(m0, a); m1 = at::vec::maximum(m1, b);
     }
-    a.store(buf + i); b.store(buf + i + V::size());
-    m0 = at::vec::maximum(m0, a); m1 = at::vec::maximum(m1, b);
+    sum = softmax_exp_pass<T>(x, mask, buf, L, scale, vmax_all(at::vec::maximum(m0, m1)), nullptr,
+                              nullptr);
   }
-  const Acc mx = at::vec::vec_reduce_all<Acc>([](V& p, V& q) { return at::vec::maximum(p, q); },
-                                              at::vec::maximum(m0, m1));
-  const V vm(mx);
-  V s0(Acc(0)), s1(Acc(0));
-  for (i = 0; i < L; i += K) {  // padded lanes hold -inf: exp gives 0
-    if (xn) prefetch_next(xn + i);
-    if (mn && i % 64 == 0) prefetch_next(mn + i);
-    a = vexp(V::loadu(buf + i) - vm);
-    b = vexp(V::loadu(buf + i + V::size()) - vm);
-    a.store(buf + i); b.store(buf + i + V::size());
-    s0 = s0 + a; s1 = s1 + b;
-  }
-  const V inv(static_cast<Acc>(1.0 / hsum(s0 + s1)));
+  const V inv(static_cast<Acc>(1.0 / static_cast<double>(sum)));
   write_blocks<T, Acc>(y, L, stream, [&](int64_t j, int64_t, V& p, V& q) {
     p = V::loadu(buf + j) * inv;
     q = V::loadu(buf + j + V::size()) * inv;
