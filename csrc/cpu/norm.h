@@ -155,10 +155,11 @@ inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, ac
   int64_t j = 0;
   if (stream) {
     const int64_t head = align_head(y, N);
-    for (; j < head; j += K) {
+    while (j < head) {
       const int64_t n = std::min<int64_t>(K, head - j);
       block(j, n, a, c);
       IOT::store(y + j, n, a, c);
+      j += n;
     }
     for (; j + K <= N; j += K) {
       if (xn) prefetch_next(xn + j);
