@@ -79,11 +79,13 @@ inline void pad_lanes(V& a, V& b, int64_t k, const V& v) {
 }
 
 // Pass 2 of softmax_row: buf = exp(x * scale - shift) over [0, L), masked lanes
-// exp(-10000 - shift), lanes past L zero; returns the sum. Prefetches the next row (xn, mn).
+// exp(-10000 - shift), lanes past L (to the end of L's block) zero; returns the sum. The block
+// holding L is loaded whole when the row (n) has it: no partial (memcpy) load in causal rows.
+// Prefetches the next row (xn, mn).
 template <typename T>
 inline acc_t<T> softmax_exp_pass(const T* __restrict x, const uint8_t* __restrict mask,
-                                 acc_t<T>* __restrict buf, int64_t L, acc_t<T> scale, acc_t<T> shift,
-                                 const T* xn, const uint8_t* mn) {
+                                 acc_t<T>* __restrict buf, int64_t L, int64_t n, acc_t<T> scale,
+                                 acc_t<T> shift, const T* xn, const uint8_t* mn) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
@@ -103,8 +105,8 @@ inline acc_t<T> softmax_exp_pass(const T* __restrict x, const uint8_t* __restric
     s0 = s0 + a; s1 = s1 + b;
   }
   if (j < L) {
-    const int64_t k = L - j;
-    IOT::load(x + j, k, a, b);
+    const int64_t k = L - j, kl = std::min<int64_t>(K, n - j);
+    if (kl == K) IOT::load(x + j, a, b); else IOT::load(x + j, kl, a, b);
     a = at::vec::fmadd(a, vs, vm); b = at::vec::fmadd(b, vs, vm);
     if (mask) apply_mask(mask + j, k, a, b, fill);
     pad_lanes(a, b, k, ninf);  // exp(-inf) = 0
@@ -144,8 +146,8 @@ inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_
     l2 = at::vec::minimum(l2, c); l3 = at::vec::minimum(l3, d);
   }
   for (; i < L; i += K) {
-    const int64_t k = std::min<int64_t>(K, L - i);
-    if (k == K) IOT::load(x + i, a, b); else IOT::load(x + i, k, a, b);
+    const int64_t k = std::min<int64_t>(K, L - i), kl = std::min<int64_t>(K, n - i);
+    if (kl == K) IOT::load(x + i, a, b); else IOT::load(x + i, kl, a, b);
     if (k < K) { c = a; d = b; pad_lanes(a, b, k, ninf); pad_lanes(c, d, k, pinf); } else { c = a; d = b; }
     h0 = vmax(h0, a); h1 = vmax(h1, b);
     l0 = at::vec::minimum(l0, c); l1 = at::vec::minimum(l1, d);
@@ -160,7 +162,7 @@ inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_
   const Acc lo = vmin_all(at::vec::minimum(at::vec::minimum(l0, l1), at::vec::minimum(l2, l3)));
   Acc shift = scale >= Acc(0) ? hi * scale : lo * scale;
   if (mask) shift = std::max(shift, static_cast<Acc>(kMaskedValue));
-  Acc sum = softmax_exp_pass<T>(x, mask, buf, L, scale, shift, xn, mn);
+  Acc sum = softmax_exp_pass<T>(x, mask, buf, L, n, scale, shift, xn, mn);
   if (mask && sum < Acc(1.0 / (1 << 20))) {  // rare: the exact masked max
     const V vs(scale), fill(static_cast<Acc>(kMaskedValue));
     V m0 = ninf, m1 = ninf;
@@ -172,15 +174,16 @@ inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_
       if (k < K) pad_lanes(a, b, k, ninf);
       m0 = at::vec::maximum(m0, a); m1 = at::vec::maximum(m1, b);
     }
-    sum = softmax_exp_pass<T>(x, mask, buf, L, scale, vmax_all(at::vec::maximum(m0, m1)), nullptr,
-                              nullptr);
+    sum = softmax_exp_pass<T>(x, mask, buf, L, n, scale, vmax_all(at::vec::maximum(m0, m1)),
+                              nullptr, nullptr);
   }
   const V inv(static_cast<Acc>(1.0 / static_cast<double>(sum)));
-  write_blocks<T, Acc>(y, L, stream, [&](int64_t j, int64_t, V& p, V& q) {
+  const int64_t Lp = std::min<int64_t>(n, (L + K - 1) / K * K);  // buf is 0 in [L, Lp)
+  write_blocks<T, Acc>(y, Lp, stream, [&](int64_t j, int64_t, V& p, V& q) {
     p = V::loadu(buf + j) * inv;
     q = V::loadu(buf + j + V::size()) * inv;
   });
-  write_zeros<T, Acc>(y + L, n - L, stream);
+  write_zeros<T, Acc>(y + Lp, n - Lp, stream);
 }
 
 // Rows of length sk; mask rows found through (b, h, i) strides (mask last dim contiguous).
@@ -235,19 +238,28 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
         IOT::load(dy + i, g0, g1); IOT::load(y + i, y0, y1);
         d0 = at::vec::fmadd(g0, y0, d0); d1 = at::vec::fmadd(g1, y1, d1);
       }
-      if (i < L) {  // zero padding on both sides: products vanish
-        IOT::load(dy + i, L - i, g0, g1); IOT::load(y + i, L - i, y0, y1);
+      const V zero(Acc(0));
+      if (i < L) {  // the block holding L, whole when the row has it; lanes from L zeroed
+        const int64_t kl = std::min<int64_t>(K, sk - i);
+        if (kl == K) { IOT::load(dy + i, g0, g1); IOT::load(y + i, y0, y1); }
+        else { IOT::load(dy + i, kl, g0, g1); IOT::load(y + i, kl, y0, y1); }
+        pad_lanes(g0, g1, L - i, zero); pad_lanes(y0, y1, L - i, zero);
         d0 = at::vec::fmadd(g0, y0, d0); d1 = at::vec::fmadd(g1, y1, d1);
       }
       const V dot(static_cast<Acc>(hsum(d0 + d1))), vs(static_cast<Acc>(scale));
       const bool next = r + 1 < rows;
-      write_blocks<T, Acc>(dx, L, stream, [&](int64_t j, int64_t n, V& p, V& q) {
+      const int64_t Lp = std::min<int64_t>(sk, (L + K - 1) / K * K);
+      write_blocks<T, Acc>(dx, Lp, stream, [&](int64_t j, int64_t n, V& p, V& q) {
         if (next) { prefetch_next(dy + sk + j); prefetch_next(y + sk + j); }
         if (n == K) { IOT::load(dy + j, g0, g1); IOT::load(y + j, y0, y1); }
         else { IOT::load(dy + j, n, g0, g1); IOT::load(y + j, n, y0, y1); }
+        if (j + K > L) {  // lanes from L on (a block past L only after an unaligned head)
+          const int64_t k = std::max<int64_t>(L - j, 0);
+          pad_lanes(g0, g1, k, zero); pad_lanes(y0, y1, k, zero);
+        }
         p = vs * (y0 * (g0 - dot)); q = vs * (y1 * (g1 - dot));
       });
-      write_zeros<T, Acc>(dx + L, sk - L, stream);
+      write_zeros<T, Acc>(dx + Lp, sk - Lp, stream);
     }
     if (stream) stream_fence();
   });
