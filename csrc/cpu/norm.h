@@ -7,8 +7,9 @@
 // Weights may be the input's dtype or fp32 ("mixed": half input, fp32 weights), widened to fp32
 // once per call; the output always has the input's dtype. Row reductions use four
 // accumulators, and every pass is a plain function over local registers (lambdas capturing the
-// block registers by reference made GCC keep them on the stack). The weight/bias gradients are summed per row block into fp32
-// partials that are added in block order, so the result is the same on every run.
+// block registers by reference made GCC keep them on the stack). The weight/bias gradients
+// are summed per row block into fp32 partials that are added in block order, so the result is
+// the same on every run.
 #pragma once
 
 #include <ATen/Parallel.h>

@@ -78,6 +78,34 @@ inline void pad_lanes(V& a, V& b, int64_t k, const V& v) {
   b = k >= 2 * V::size() ? b : (k > V::size() ? V::set(v, b, k - V::size()) : v);
 }
 
+// max(x[0:L)) (kNeg: max(-x[0:L)) = -min), four accumulators; the block holding L is loaded
+// whole when the row (n) has it.
+template <typename T, bool kNeg>
+inline acc_t<T> row_max(const T* __restrict x, int64_t L, int64_t n) {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  using IOT = IO<T, Acc>;
+  constexpr int64_t K = IOT::kWidth;
+  const V ninf(-std::numeric_limits<Acc>::infinity()), zero(Acc(0));
+  V h0 = ninf, h1 = ninf, h2 = ninf, h3 = ninf, a, b, c, d;
+  int64_t i = 0;
+  for (; i + 2 * K <= L; i += 2 * K) {
+    IOT::load(x + i, a, b);
+    IOT::load(x + i + K, c, d);
+    if constexpr (kNeg) { a = zero - a; b = zero - b; c = zero - c; d = zero - d; }
+    h0 = vmax(h0, a); h1 = vmax(h1, b); h2 = vmax(h2, c); h3 = vmax(h3, d);
+  }
+  for (; i < L; i += K) {
+    const int64_t k = std::min<int64_t>(K, L - i), kl = std::min<int64_t>(K, n - i);
+    if (kl == K) IOT::load(x + i, a, b); else IOT::load(x + i, kl, a, b);
+    if constexpr (kNeg) { a = zero - a; b = zero - b; }
+    if (k < K) pad_lanes(a, b, k, ninf);
+    h0 = vmax(h0, a); h1 = vmax(h1, b);
+  }
+  const V h = at::vec::maximum(at::vec::maximum(h0, h1), at::vec::maximum(h2, h3));
+  return at::vec::vec_reduce_all<Acc>([](V& p, V& q) { return at::vec::maximum(p, q); }, h);
+}
+
 // Pass 2 of softmax_row: buf = exp(x * scale - shift) over [0, L), masked lanes
 // exp(-10000 - shift), lanes past L (to the end of L's block) zero; returns the sum. The block
 // holding L is loaded whole when the row (n) has it: no partial (memcpy) load in causal rows.
@@ -119,8 +147,8 @@ inline acc_t<T> softmax_exp_pass(const T* __restrict x, const uint8_t* __restric
 
 // One row: y[0:L) = softmax(x[0:L) * scale, masked), y[L:n) = 0.
 //
-// Pass 1 reads the row from memory and finds its largest and smallest element: the shift
-// m = max(x * scale) follows without the mask, and with a mask m' = max(m, -10000) is an upper
+// Pass 1 reads the row from memory and finds its largest (smallest for scale < 0) element: the
+// shift m = max(x * scale) follows without the mask, and with a mask m' = max(m, -10000) is an upper
 // bound of the masked row's max. Pass 2 (in cache) computes e = exp(x * scale - m') with masked
 // lanes at -10000 - m' into an fp32 scratch row and sums it; pass 3 writes e / sum. Softmax does
 // not depend on the shift, and an upper bound is exact unless it lies far above the masked max
@@ -133,34 +161,12 @@ inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
   constexpr int64_t K = IOT::kWidth;
-  constexpr Acc kInf = std::numeric_limits<Acc>::infinity();
-  const V ninf(-kInf), pinf(kInf);
-  V a, b, c, d;
-  V h0 = ninf, h1 = ninf, h2 = ninf, h3 = ninf, l0 = pinf, l1 = pinf, l2 = pinf, l3 = pinf;
-  int64_t i = 0;
-  for (; i + 2 * K <= L; i += 2 * K) {
-    IOT::load(x + i, a, b);
-    IOT::load(x + i + K, c, d);
-    h0 = vmax(h0, a); h1 = vmax(h1, b); h2 = vmax(h2, c); h3 = vmax(h3, d);
-    l0 = at::vec::minimum(l0, a); l1 = at::vec::minimum(l1, b);
-    l2 = at::vec::minimum(l2, c); l3 = at::vec::minimum(l3, d);
-  }
-  for (; i < L; i += K) {
-    const int64_t k = std::min<int64_t>(K, L - i), kl = std::min<int64_t>(K, n - i);
-    if (kl == K) IOT::load(x + i, a, b); else IOT::load(x + i, kl, a, b);
-    if (k < K) { c = a; d = b; pad_lanes(a, b, k, ninf); pad_lanes(c, d, k, pinf); } else { c = a; d = b; }
-    h0 = vmax(h0, a); h1 = vmax(h1, b);
-    l0 = at::vec::minimum(l0, c); l1 = at::vec::minimum(l1, d);
-  }
+  const V ninf(-std::numeric_limits<Acc>::infinity());
+  V a, b;
   auto vmax_all = [](const V& v) {
     return at::vec::vec_reduce_all<Acc>([](V& p, V& q) { return at::vec::maximum(p, q); }, v);
   };
-  auto vmin_all = [](const V& v) {
-    return at::vec::vec_reduce_all<Acc>([](V& p, V& q) { return at::vec::minimum(p, q); }, v);
-  };
-  const Acc hi = vmax_all(at::vec::maximum(at::vec::maximum(h0, h1), at::vec::maximum(h2, h3)));
-  const Acc lo = vmin_all(at::vec::minimum(at::vec::minimum(l0, l1), at::vec::minimum(l2, l3)));
-  Acc shift = scale >= Acc(0) ? hi * scale : lo * scale;
+  Acc shift = scale >= Acc(0) ? row_max<T, false>(x, L, n) * scale : -row_max<T, true>(x, L, n) * scale;
   if (mask) shift = std::max(shift, static_cast<Acc>(kMaskedValue));
   Acc sum = softmax_exp_pass<T>(x, mask, buf, L, n, scale, shift, xn, mn);
   if (mask && sum < Acc(1.0 / (1 << 20))) {  // rare: the exact masked max
