@@ -19,6 +19,7 @@
 #include <tuple>
 #include <vector>
 
+#include "cpu/fast_math.h"
 #include "cpu/multi_tensor_apply.h"
 
 namespace mpnb::cpu {
@@ -386,7 +387,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Tensor& input,
   const auto x = input.contiguous();
   const auto w = weight.has_value() ? std::optional<at::Tensor>(weight->contiguous()) : std::nullopt;
   const auto b = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
-  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto y = empty_output_like(x);
   auto stat_opts = x.options().dtype(acc_type(x));
   auto mean = at::empty({kRms ? 0 : sh.rows}, stat_opts);
   auto rstd = at::empty({sh.rows}, stat_opts);
@@ -421,7 +422,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(
   const auto w = weight.has_value() ? std::optional<at::Tensor>(weight->contiguous()) : std::nullopt;
   const auto b = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   const auto m = mean.contiguous(), r = rstd.contiguous();
-  auto dx = at::empty_like(s, at::MemoryFormat::Contiguous);
+  auto dx = empty_output_like(s);
   const int64_t P = std::max<int64_t>(1, std::min<int64_t>(sh.rows, at::get_num_threads()));
   auto opts = s.options().dtype(acc_type(s));
   at::Tensor dw_part = w ? at::zeros({P, sh.cols}, opts) : at::Tensor();

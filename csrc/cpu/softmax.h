@@ -283,7 +283,7 @@ inline void check_softmax_input(const at::Tensor& x, int64_t min_dim, const char
 inline at::Tensor softmax_fwd(const at::Tensor& input, const std::optional<at::Tensor>& mask, double scale,
                               bool causal, const char* op) {
   const auto x = input.contiguous();
-  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto y = empty_output_like(x);
   const int64_t sk = x.dim() ? x.size(-1) : 1;
   const int64_t sq = x.dim() >= 2 ? x.size(-2) : 1;
   const int64_t rows = sk ? x.numel() / sk : 0;
@@ -335,7 +335,7 @@ inline at::Tensor scaled_softmax_bwd_cpu(const at::Tensor& grad_out, const at::T
               ": grad_out ", grad_out.sizes(), " ", grad_out.scalar_type(), " does not match the ",
               "softmax output ", output.sizes(), " ", output.scalar_type(), ".");
   const auto dy = grad_out.contiguous(), y = output.contiguous();
-  auto dx = at::empty_like(y, at::MemoryFormat::Contiguous);
+  auto dx = empty_output_like(y);
   const int64_t sk = y.dim() ? y.size(-1) : 1;
   const int64_t sq = y.dim() >= 2 ? y.size(-2) : 1;
   const int64_t rows = sk ? y.numel() / sk : 0;
