@@ -104,8 +104,8 @@ inline acc_t<T> row_sum(const T* __restrict x, int64_t N) {
   return static_cast<Acc>(hsum((s0 + s1) + (s2 + s3)));
 }
 
-// Sum of (x - mu)^2 over a row, four accumulators.
-template <typename T>
+// Sum of (x - mu)^2 over a row, four accumulators (kCentre false: mu is 0, no subtraction).
+template <typename T, bool kCentre>
 inline acc_t<T> row_centred_squares(const T* __restrict x, int64_t N, acc_t<T> mu) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
@@ -116,14 +116,14 @@ inline acc_t<T> row_centred_squares(const T* __restrict x, int64_t N, acc_t<T> m
   int64_t i = 0;
   for (; i + 2 * K <= N; i += 2 * K) {
     IOT::load(x + i, a, b); IOT::load(x + i + K, c, d);
-    a = a - vm; b = b - vm; c = c - vm; d = d - vm;
+    if constexpr (kCentre) { a = a - vm; b = b - vm; c = c - vm; d = d - vm; }
     q0 = at::vec::fmadd(a, a, q0); q1 = at::vec::fmadd(b, b, q1);
     q2 = at::vec::fmadd(c, c, q2); q3 = at::vec::fmadd(d, d, q3);
   }
   for (; i < N; i += K) {
     const int64_t n = std::min<int64_t>(K, N - i);
     if (n == K) IOT::load(x + i, a, b); else IOT::load(x + i, n, a, b);
-    a = a - vm; b = b - vm;
+    if constexpr (kCentre) { a = a - vm; b = b - vm; }
     if (n < K) keep_first(a, b, n);
     q0 = at::vec::fmadd(a, a, q0); q1 = at::vec::fmadd(b, b, q1);
   }
@@ -132,7 +132,7 @@ inline acc_t<T> row_centred_squares(const T* __restrict x, int64_t N, acc_t<T> m
 
 // y = (x - mu) * rs * w + b over a row (w, b widened; either may be null). x - mu first: the
 // shorter x * rs - mu * rs would cancel digits for rows with a large mean.
-template <typename T>
+template <typename T, bool kCentre>
 inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, acc_t<T> mu, acc_t<T> rs,
                            const acc_t<T>* __restrict w, const acc_t<T>* __restrict b, const T* xn,
                            bool stream) {
@@ -143,7 +143,8 @@ inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, ac
   const V vr(rs), vm(mu);
   auto block = [=](int64_t j, int64_t n, V& a, V& c) {
     if (n == K) IOT::load(x + j, a, c); else IOT::load(x + j, n, a, c);
-    a = (a - vm) * vr; c = (c - vm) * vr;
+    if constexpr (kCentre) { a = a - vm; c = c - vm; }
+    a = a * vr; c = c * vr;
     V w0, w1, b0, b1;
     if (w && b) {
       load_acc(w, j, n, w0, w1); load_acc(b, j, n, b0, b1);
@@ -195,11 +196,11 @@ void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, a
       const T* x = X + r * N;
       Acc mu = 0;
       if constexpr (!kRms) mu = static_cast<Acc>(row_sum<T>(x, N) / static_cast<double>(N));
-      const Acc var = static_cast<Acc>(row_centred_squares<T>(x, N, mu) / static_cast<double>(N));
+      const Acc var = static_cast<Acc>(row_centred_squares<T, !kRms>(x, N, mu) / static_cast<double>(N));
       const Acc rs = Acc(1) / std::sqrt(var + static_cast<Acc>(eps));
       if constexpr (!kRms) MEAN[r] = mu;
       RSTD[r] = rs;
-      norm_write_row<T>(x, Y + r * N, N, mu, rs, wf, bf, r + 1 < M ? x + N : nullptr, stream);
+      norm_write_row<T, !kRms>(x, Y + r * N, N, mu, rs, wf, bf, r + 1 < M ? x + N : nullptr, stream);
     }
     if (stream) stream_fence();
   });
@@ -219,7 +220,7 @@ struct NormBwdRow {
   V c1, c2;   // the row's mean of g*w*xhat and of g*w
 };
 
-template <typename T>
+template <typename T, bool kCentre>
 inline void bwd_load(const T* __restrict dy, const T* __restrict s, int64_t j, int64_t n,
                      const Vectorized<acc_t<T>>& vr, const Vectorized<acc_t<T>>& vm,
                      const acc_t<T>* __restrict w, const acc_t<T>* __restrict b, bool from_y,
@@ -240,7 +241,8 @@ inline void bwd_load(const T* __restrict dy, const T* __restrict s, int64_t j, i
     }
     if (w) { h0 = h0 / w0; h1 = h1 / w1; }
   } else {
-    h0 = (h0 - vm) * vr; h1 = (h1 - vm) * vr;
+    if constexpr (kCentre) { h0 = h0 - vm; h1 = h1 - vm; }
+    h0 = h0 * vr; h1 = h1 * vr;
   }
   if (!full) keep_first(h0, h1, n);
 }
@@ -257,7 +259,7 @@ inline void bwd_stats(NormBwdRow<T>& row, int64_t N, const acc_t<T>* __restrict 
   V s1a(Acc(0)), s1b(Acc(0)), s2a(Acc(0)), s2b(Acc(0)), g0, g1, h0, h1, w0, w1;
   for (int64_t j = 0; j < N; j += K) {
     const int64_t n = std::min<int64_t>(K, N - j);
-    bwd_load<T>(dy, s, j, n, row.vr, row.vm, w, b, from_y, g0, g1, h0, h1, w0, w1);
+    bwd_load<T, !kRms>(dy, s, j, n, row.vr, row.vm, w, b, from_y, g0, g1, h0, h1, w0, w1);
     const V ga = g0 * w0, gb = g1 * w1;
     if constexpr (!kRms) { s1a = s1a + ga; s1b = s1b + gb; }
     s2a = at::vec::fmadd(ga, h0, s2a); s2b = at::vec::fmadd(gb, h1, s2b);
@@ -279,7 +281,7 @@ inline void store_block(T* p, int64_t n, bool nt, const Vectorized<acc_t<T>>& a,
 // The write pass of one row: dx, and the weight/bias gradient partials (dw += g*xhat, db += g).
 // dyn, sn: the next row, prefetched meanwhile. (Two rows per pass, halving the partials'
 // traffic, measured slower: four input streams and two prefetch streams per block.)
-template <typename T>
+template <typename T, bool kRms>
 inline void bwd_write(const NormBwdRow<T>& row, int64_t N, const acc_t<T>* __restrict w,
                       const acc_t<T>* __restrict b, bool from_y, acc_t<T>* __restrict dw,
                       acc_t<T>* __restrict db, const T* dyn, const T* sn, bool stream) {
@@ -292,9 +294,9 @@ inline void bwd_write(const NormBwdRow<T>& row, int64_t N, const acc_t<T>* __res
     const int64_t n = std::min<int64_t>(K, N - j);
     if (dyn) { prefetch_next(dyn + j); prefetch_next(sn + j); }
     V g0, g1, h0, h1, w0, w1;
-    bwd_load<T>(row.dy, row.s, j, n, row.vr, row.vm, w, b, from_y, g0, g1, h0, h1, w0, w1);
-    const V d0 = at::vec::fnmadd(h0, row.c1, g0 * w0) - row.c2;
-    const V d1 = at::vec::fnmadd(h1, row.c1, g1 * w1) - row.c2;
+    bwd_load<T, !kRms>(row.dy, row.s, j, n, row.vr, row.vm, w, b, from_y, g0, g1, h0, h1, w0, w1);
+    V d0 = at::vec::fnmadd(h0, row.c1, g0 * w0), d1 = at::vec::fnmadd(h1, row.c1, g1 * w1);
+    if constexpr (!kRms) { d0 = d0 - row.c2; d1 = d1 - row.c2; }
     store_block<T>(row.dx + j, n, nt, d0 * row.vr, d1 * row.vr);
     if (dw) {
       V a0, a1;
@@ -338,7 +340,7 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
       for (int64_t r = p * M / P; r < end; ++r) {
         const NormBwdRow<T> row = make(r);
         const bool next = r + 1 < M;
-        bwd_write<T>(row, N, wf, bf, from_y, dw, db, next ? DY + (r + 1) * N : nullptr,
+        bwd_write<T, kRms>(row, N, wf, bf, from_y, dw, db, next ? DY + (r + 1) * N : nullptr,
                      next ? S + (r + 1) * N : nullptr, stream);
       }
     }
