@@ -90,6 +90,44 @@ def test_upper_triang(kernels, dtype, sq):
     assert (mine[0].triu(1) == 0).all() and (mine[1].triu(1) == 0).all()
 
 
+def test_fp32_exp_accuracy(kernels):
+    # The fp32 kernels use a degree-6 polynomial exp (~1.3 ulp, fast_math.h): a few ulp of the
+    # fp64 softmax over the whole range exp sees after the max subtraction (down to -87.3).
+    x = torch.linspace(-95.0, 0.0, 4 * 777, dtype=torch.float64).view(1, 4, 1, 777)
+    x = x[..., torch.randperm(777, generator=torch.Generator().manual_seed(0))]
+    x = x.float()
+    y = scaled_softmax(x, 1.0).double()
+    ref = torch.softmax(x.double(), -1)
+    torch.testing.assert_close(y, ref, rtol=4e-7, atol=1e-38)
+    # exp of arguments below ln(FLT_MIN) is exactly 0, as for ATen's exp_u20
+    assert (y[ref < 1e-38] == 0).all()
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=ids)
+def test_masked_shift_far_above_row(kernels, dtype):
+    # Masked scores far above the unmasked ones (the kernel shifts by the unmasked bound first,
+    # then by the exact masked max), negative scales and a fully masked row.
+    x = scores((2, 2, 4, 70), dtype)
+    mask = torch.zeros(1, 1, 4, 70, dtype=torch.bool)
+    mask[..., 10:] = True
+    mask[..., 2, :] = True
+    x[..., 10:] += 500.0
+    x[..., 1, :10] -= 5000.0  # unmasked entries down at -2500: masked -10000 still far below
+    for scale in (0.5, -0.5):
+        xs = x if scale > 0 else -x
+        ref = ops.reference_scaled_masked_softmax_fwd(xs, mask, scale)
+        torch.testing.assert_close(scaled_masked_softmax(xs, mask, scale), ref, **TOL[dtype])
+
+
+def test_non_finite_rows(kernels):
+    x = scores((1, 3, 2, 40), torch.float32)
+    x[0, 0, 0, 5] = float("nan")
+    x[0, 1, 1, 7] = float("inf")
+    x[0, 2, 0, 9] = float("-inf")
+    ref = ops.reference_scaled_softmax_fwd(x, 0.5)
+    torch.testing.assert_close(scaled_softmax(x, 0.5), ref, equal_nan=True, **TOL[torch.float32])
+
+
 def test_matches_sdpa(kernels):
     q, k, v = (scores((2, 4, 33, 16), torch.float32, s) for s in range(3))
     sm = FusedScaleMaskSoftmax(False, False, AttnMaskType.causal, True, None, True, 16**-0.5)

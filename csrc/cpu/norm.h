@@ -4,9 +4,12 @@
 // the statistics pass reads a row from memory, the later passes find it in L1/L2, so every
 // element crosses the memory bus once per direction. Statistics are fp32 for fp32/fp16/bf16
 // data (fp64 for fp64): mean first, then the centred sum of squares (two-pass, stable).
-// Weights may be the input's dtype or fp32 ("mixed": half input, fp32 weights); the output
-// always has the input's dtype. The weight/bias gradients are summed per row block into fp32
-// partials that are added in block order, so the result is the same on every run.
+// Weights may be the input's dtype or fp32 ("mixed": half input, fp32 weights), widened to fp32
+// once per call; the output always has the input's dtype. Row reductions use four
+// accumulators, and every pass is a plain function over local registers (lambdas capturing the
+// block registers by reference made GCC keep them on the stack). The weight/bias gradients
+// are summed per row block into fp32 partials that are added in block order, so the result is
+// the same on every run.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -14,7 +17,9 @@
 
 #include <optional>
 #include <tuple>
+#include <vector>
 
+#include "cpu/fast_math.h"
 #include "cpu/multi_tensor_apply.h"
 
 namespace mpnb::cpu {
@@ -57,59 +62,145 @@ inline void check_param(const std::optional<at::Tensor>& p, const at::Tensor& x,
               "float32 (mixed).");
 }
 
+// Weights (and biases) widened to Acc once per call: the row passes load them without
+// conversion (16-bit weights cost four extra ops per block otherwise). Returns nullptr for none.
+template <typename W, typename Acc>
+inline const Acc* widen_param(const W* p, int64_t n, std::vector<Acc>& buf) {
+  if (!p) return nullptr;
+  if constexpr (std::is_same_v<W, Acc>) {
+    return p;
+  } else {
+    buf.resize(n);
+    for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<Acc>(p[i]);
+    return buf.data();
+  }
+}
+
+template <typename Acc>
+inline void load_acc(const Acc* p, int64_t j, int64_t n, Vectorized<Acc>& a, Vectorized<Acc>& b) {
+  if (n == IO<Acc, Acc>::kWidth) IO<Acc, Acc>::load(p + j, a, b);
+  else IO<Acc, Acc>::load(p + j, n, a, b);
+}
+
 // ---- forward -----------------------------------------------------------------------------
+
+// Sum of a row: two blocks per step into four accumulators (an add's latency is 3-4 cycles).
+template <typename T>
+inline acc_t<T> row_sum(const T* __restrict x, int64_t N) {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  using IOT = IO<T, Acc>;
+  constexpr int64_t K = IOT::kWidth;
+  V s0(Acc(0)), s1(Acc(0)), s2(Acc(0)), s3(Acc(0)), a, b, c, d;
+  int64_t i = 0;
+  for (; i + 2 * K <= N; i += 2 * K) {
+    IOT::load(x + i, a, b); IOT::load(x + i + K, c, d);
+    s0 = s0 + a; s1 = s1 + b; s2 = s2 + c; s3 = s3 + d;
+  }
+  for (; i < N; i += K) {
+    if (i + K <= N) IOT::load(x + i, a, b); else IOT::load(x + i, N - i, a, b);  // zero padded
+    s0 = s0 + a; s1 = s1 + b;
+  }
+  return static_cast<Acc>(hsum((s0 + s1) + (s2 + s3)));
+}
+
+// Sum of (x - mu)^2 over a row, four accumulators (kCentre false: mu is 0, no subtraction).
+template <typename T, bool kCentre>
+inline acc_t<T> row_centred_squares(const T* __restrict x, int64_t N, acc_t<T> mu) {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  using IOT = IO<T, Acc>;
+  constexpr int64_t K = IOT::kWidth;
+  const V vm(mu);
+  V q0(Acc(0)), q1(Acc(0)), q2(Acc(0)), q3(Acc(0)), a, b, c, d;
+  int64_t i = 0;
+  for (; i + 2 * K <= N; i += 2 * K) {
+    IOT::load(x + i, a, b); IOT::load(x + i + K, c, d);
+    if constexpr (kCentre) { a = a - vm; b = b - vm; c = c - vm; d = d - vm; }
+    q0 = at::vec::fmadd(a, a, q0); q1 = at::vec::fmadd(b, b, q1);
+    q2 = at::vec::fmadd(c, c, q2); q3 = at::vec::fmadd(d, d, q3);
+  }
+  for (; i < N; i += K) {
+    const int64_t n = std::min<int64_t>(K, N - i);
+    if (n == K) IOT::load(x + i, a, b); else IOT::load(x + i, n, a, b);
+    if constexpr (kCentre) { a = a - vm; b = b - vm; }
+    if (n < K) keep_first(a, b, n);
+    q0 = at::vec::fmadd(a, a, q0); q1 = at::vec::fmadd(b, b, q1);
+  }
+  return static_cast<Acc>(hsum((q0 + q1) + (q2 + q3)));
+}
+
+// y = (x - mu) * rs * w + b over a row (w, b widened; either may be null). x - mu first: the
+// shorter x * rs - mu * rs would cancel digits for rows with a large mean.
+template <typename T, bool kCentre>
+inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, acc_t<T> mu, acc_t<T> rs,
+                           const acc_t<T>* __restrict w, const acc_t<T>* __restrict b, const T* xn,
+                           bool stream) {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  using IOT = IO<T, Acc>;
+  constexpr int64_t K = IOT::kWidth;
+  const V vr(rs), vm(mu);
+  auto block = [=](int64_t j, int64_t n, V& a, V& c) {
+    if (n == K) IOT::load(x + j, a, c); else IOT::load(x + j, n, a, c);
+    if constexpr (kCentre) { a = a - vm; c = c - vm; }
+    a = a * vr; c = c * vr;
+    V w0, w1, b0, b1;
+    if (w && b) {
+      load_acc(w, j, n, w0, w1); load_acc(b, j, n, b0, b1);
+      a = at::vec::fmadd(a, w0, b0); c = at::vec::fmadd(c, w1, b1);
+    } else if (w) {
+      load_acc(w, j, n, w0, w1);
+      a = a * w0; c = c * w1;
+    }
+  };
+  V a, c;
+  int64_t j = 0;
+  if (stream) {
+    const int64_t head = align_head(y, N);
+    while (j < head) {
+      const int64_t n = std::min<int64_t>(K, head - j);
+      block(j, n, a, c);
+      IOT::store(y + j, n, a, c);
+      j += n;
+    }
+    for (; j + K <= N; j += K) {
+      if (xn) prefetch_next(xn + j);
+      block(j, K, a, c);
+      IOT::stream(y + j, a, c);
+    }
+  } else {
+    for (; j + K <= N; j += K) {
+      if (xn) prefetch_next(xn + j);
+      block(j, K, a, c);
+      IOT::store(y + j, a, c);
+    }
+  }
+  if (j < N) {
+    block(j, N - j, a, c);
+    IOT::store(y + j, N - j, a, c);
+  }
+}
 
 template <typename T, typename W, bool kRms>
 void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, acc_t<T>* RSTD,
                      int64_t M, int64_t N, double eps) {
   using Acc = acc_t<T>;
-  using V = Vectorized<Acc>;
-  using IOT = IO<T, Acc>;
-  using IOW = IO<W, Acc>;
-  constexpr int64_t K = IOT::kWidth;
-  static_assert(K == IOW::kWidth, "input and weight blocks differ");
+  std::vector<Acc> wbuf, bbuf;
+  const Acc* wf = widen_param<W, Acc>(w, N, wbuf);
+  const Acc* bf = widen_param<W, Acc>(b, N, bbuf);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
   const bool stream = stream_output<T>(M * N);
   at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
-    V a, c, w0(Acc(1)), w1(Acc(1)), b0(Acc(0)), b1(Acc(0));
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = X + r * N;
-      T* y = Y + r * N;
       Acc mu = 0;
-      if constexpr (!kRms) {
-        V s0(Acc(0)), s1(Acc(0));
-        int64_t i = 0;
-        for (; i + K <= N; i += K) { IOT::load(x + i, a, c); s0 = s0 + a; s1 = s1 + c; }
-        if (i < N) { IOT::load(x + i, N - i, a, c); s0 = s0 + a; s1 = s1 + c; }
-        mu = static_cast<Acc>(hsum(s0 + s1) / static_cast<double>(N));
-      }
-      const V vm(mu);
-      V q0(Acc(0)), q1(Acc(0));
-      int64_t i = 0;
-      for (; i + K <= N; i += K) {
-        IOT::load(x + i, a, c);
-        a = a - vm; c = c - vm;
-        q0 = at::vec::fmadd(a, a, q0); q1 = at::vec::fmadd(c, c, q1);
-      }
-      if (i < N) {
-        IOT::load(x + i, N - i, a, c);
-        a = a - vm; c = c - vm;
-        keep_first(a, c, N - i);
-        q0 = at::vec::fmadd(a, a, q0); q1 = at::vec::fmadd(c, c, q1);
-      }
-      const Acc var = static_cast<Acc>(hsum(q0 + q1) / static_cast<double>(N));
+      if constexpr (!kRms) mu = static_cast<Acc>(row_sum<T>(x, N) / static_cast<double>(N));
+      const Acc var = static_cast<Acc>(row_centred_squares<T, !kRms>(x, N, mu) / static_cast<double>(N));
       const Acc rs = Acc(1) / std::sqrt(var + static_cast<Acc>(eps));
       if constexpr (!kRms) MEAN[r] = mu;
       RSTD[r] = rs;
-      const V vr(rs);
-      const T* xn = r + 1 < M ? x + N : nullptr;
-      write_blocks<T, Acc>(y, N, stream, [&](int64_t j, int64_t n, V& a, V& c) {
-        if (xn) prefetch_next(xn + j);
-        if (n == K) IOT::load(x + j, a, c); else IOT::load(x + j, n, a, c);
-        a = (a - vm) * vr; c = (c - vm) * vr;
-        if (w) { if (n == K) IOW::load(w + j, w0, w1); else IOW::load(w + j, n, w0, w1); a = a * w0; c = c * w1; }
-        if (b) { if (n == K) IOW::load(b + j, b0, b1); else IOW::load(b + j, n, b0, b1); a = a + b0; c = c + b1; }
-      });
+      norm_write_row<T, !kRms>(x, Y + r * N, N, mu, rs, wf, bf, r + 1 < M ? x + N : nullptr, stream);
     }
     if (stream) stream_fence();
   });
@@ -118,73 +209,139 @@ void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, a
 // ---- backward ----------------------------------------------------------------------------
 
 // xhat of one block: from the input (x - mean) * rstd, or from the output (y - b) / w.
+template <typename T>
+struct NormBwdRow {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  const T* dy;
+  const T* s;
+  T* dx;
+  V vr, vm;  // rstd, mean
+  V c1, c2;   // the row's mean of g*w*xhat and of g*w
+};
+
+template <typename T, bool kCentre>
+inline void bwd_load(const T* __restrict dy, const T* __restrict s, int64_t j, int64_t n,
+                     const Vectorized<acc_t<T>>& vr, const Vectorized<acc_t<T>>& vm,
+                     const acc_t<T>* __restrict w, const acc_t<T>* __restrict b, bool from_y,
+                     Vectorized<acc_t<T>>& g0, Vectorized<acc_t<T>>& g1, Vectorized<acc_t<T>>& h0,
+                     Vectorized<acc_t<T>>& h1, Vectorized<acc_t<T>>& w0, Vectorized<acc_t<T>>& w1) {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  using IOT = IO<T, Acc>;
+  const bool full = n == IOT::kWidth;
+  if (full) { IOT::load(dy + j, g0, g1); IOT::load(s + j, h0, h1); }
+  else { IOT::load(dy + j, n, g0, g1); IOT::load(s + j, n, h0, h1); }
+  if (w) load_acc(w, j, n, w0, w1); else { w0 = V(Acc(1)); w1 = w0; }
+  if (from_y) {
+    if (b) {
+      V b0, b1;
+      load_acc(b, j, n, b0, b1);
+      h0 = h0 - b0; h1 = h1 - b1;
+    }
+    if (w) { h0 = h0 / w0; h1 = h1 / w1; }
+  } else {
+    if constexpr (kCentre) { h0 = h0 - vm; h1 = h1 - vm; }
+    h0 = h0 * vr; h1 = h1 * vr;
+  }
+  if (!full) keep_first(h0, h1, n);
+}
+
+// Row statistics of the backward: c1 = mean(g*w*xhat), c2 = mean(g*w) (0 for RMS).
+template <typename T, bool kRms>
+inline void bwd_stats(NormBwdRow<T>& row, int64_t N, const acc_t<T>* __restrict w,
+                      const acc_t<T>* __restrict b, bool from_y) {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  constexpr int64_t K = IO<T, Acc>::kWidth;
+  const T* __restrict dy = row.dy;
+  const T* __restrict s = row.s;
+  V s1a(Acc(0)), s1b(Acc(0)), s2a(Acc(0)), s2b(Acc(0)), g0, g1, h0, h1, w0, w1;
+  for (int64_t j = 0; j < N; j += K) {
+    const int64_t n = std::min<int64_t>(K, N - j);
+    bwd_load<T, !kRms>(dy, s, j, n, row.vr, row.vm, w, b, from_y, g0, g1, h0, h1, w0, w1);
+    const V ga = g0 * w0, gb = g1 * w1;
+    if constexpr (!kRms) { s1a = s1a + ga; s1b = s1b + gb; }
+    s2a = at::vec::fmadd(ga, h0, s2a); s2b = at::vec::fmadd(gb, h1, s2b);
+  }
+  const Acc inv_n = Acc(1) / static_cast<Acc>(N);
+  row.c1 = V(static_cast<Acc>(hsum(s2a + s2b)) * inv_n);
+  row.c2 = V(kRms ? Acc(0) : static_cast<Acc>(hsum(s1a + s1b)) * inv_n);
+}
+
+template <typename T>
+inline void store_block(T* p, int64_t n, bool nt, const Vectorized<acc_t<T>>& a,
+                        const Vectorized<acc_t<T>>& b) {
+  using IOT = IO<T, acc_t<T>>;
+  if (n < IOT::kWidth) IOT::store(p, n, a, b);
+  else if (nt) IOT::stream(p, a, b);
+  else IOT::store(p, a, b);
+}
+
+// The write pass of one row: dx, and the weight/bias gradient partials (dw += g*xhat, db += g).
+// dyn, sn: the next row, prefetched meanwhile. (Two rows per pass, halving the partials'
+// traffic, measured slower: four input streams and two prefetch streams per block.)
+template <typename T, bool kRms>
+inline void bwd_write(const NormBwdRow<T>& row, int64_t N, const acc_t<T>* __restrict w,
+                      const acc_t<T>* __restrict b, bool from_y, acc_t<T>* __restrict dw,
+                      acc_t<T>* __restrict db, const T* dyn, const T* sn, bool stream) {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  using IOA = IO<Acc, Acc>;
+  constexpr int64_t K = IO<T, Acc>::kWidth;
+  const bool nt = stream && align_head(row.dx, N) == 0;
+  for (int64_t j = 0; j < N; j += K) {
+    const int64_t n = std::min<int64_t>(K, N - j);
+    if (dyn) { prefetch_next(dyn + j); prefetch_next(sn + j); }
+    V g0, g1, h0, h1, w0, w1;
+    bwd_load<T, !kRms>(row.dy, row.s, j, n, row.vr, row.vm, w, b, from_y, g0, g1, h0, h1, w0, w1);
+    V d0 = at::vec::fnmadd(h0, row.c1, g0 * w0), d1 = at::vec::fnmadd(h1, row.c1, g1 * w1);
+    if constexpr (!kRms) { d0 = d0 - row.c2; d1 = d1 - row.c2; }
+    store_block<T>(row.dx + j, n, nt, d0 * row.vr, d1 * row.vr);
+    if (dw) {
+      V a0, a1;
+      load_acc(dw, j, n, a0, a1);
+      a0 = at::vec::fmadd(g0, h0, a0); a1 = at::vec::fmadd(g1, h1, a1);
+      if (n == K) IOA::store(dw + j, a0, a1); else IOA::store(dw + j, n, a0, a1);
+    }
+    if (db) {
+      V a0, a1;
+      load_acc(db, j, n, a0, a1);
+      a0 = a0 + g0; a1 = a1 + g1;
+      if (n == K) IOA::store(db + j, a0, a1); else IOA::store(db + j, n, a0, a1);
+    }
+  }
+}
+
 template <typename T, typename W, bool kRms>
 void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<T>* RSTD,
                      const W* w, const W* b, T* DX, acc_t<T>* DW, acc_t<T>* DB, int64_t M,
                      int64_t N, bool from_y) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
-  using IOT = IO<T, Acc>;
-  using IOW = IO<W, Acc>;
-  constexpr int64_t K = IOT::kWidth;
+  std::vector<Acc> wbuf, bbuf;
+  const Acc* wf = widen_param<W, Acc>(w, N, wbuf);
+  const Acc* bf = widen_param<W, Acc>(b, N, bbuf);
   const int64_t P = std::max<int64_t>(1, std::min<int64_t>(M, at::get_num_threads()));
   const bool stream = stream_output<T>(M * N);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       Acc* dw = DW ? DW + p * N : nullptr;
       Acc* db = DB ? DB + p * N : nullptr;
-      for (int64_t r = p * M / P; r < (p + 1) * M / P; ++r) {
-        const T* dy = DY + r * N;
-        const T* s = S + r * N;
-        T* dx = DX + r * N;
-        const V vm(kRms || from_y ? Acc(0) : MEAN[r]), vr(RSTD[r]);
-        V g0, g1, h0, h1, w0(Acc(1)), w1(Acc(1)), b0(Acc(0)), b1(Acc(0));
-        // Loads one block: g = dy * w, h = xhat (zero past n).
-        auto block = [&](int64_t j, int64_t n) {
-          const bool full = n == K;
-          if (full) { IOT::load(dy + j, g0, g1); IOT::load(s + j, h0, h1); }
-          else { IOT::load(dy + j, n, g0, g1); IOT::load(s + j, n, h0, h1); }
-          if (w) { if (full) IOW::load(w + j, w0, w1); else IOW::load(w + j, n, w0, w1); }
-          if (from_y) {
-            if (b) { if (full) IOW::load(b + j, b0, b1); else IOW::load(b + j, n, b0, b1); }
-            if (w || b) { h0 = (h0 - b0) / w0; h1 = (h1 - b1) / w1; }
-          } else {
-            h0 = (h0 - vm) * vr; h1 = (h1 - vm) * vr;
-          }
-          if (!full) keep_first(h0, h1, n);
-        };
-        V s1a(Acc(0)), s1b(Acc(0)), s2a(Acc(0)), s2b(Acc(0));
-        int64_t j = 0;
-        auto reduce = [&](int64_t jj, int64_t n) {
-          block(jj, n);
-          const V ga = g0 * w0, gb = g1 * w1;
-          s1a = s1a + ga; s1b = s1b + gb;
-          s2a = at::vec::fmadd(ga, h0, s2a); s2b = at::vec::fmadd(gb, h1, s2b);
-        };
-        for (; j + K <= N; j += K) reduce(j, K);
-        if (j < N) reduce(j, N - j);
-        const Acc inv_n = Acc(1) / static_cast<Acc>(N);
-        const V c1(static_cast<Acc>(hsum(s2a + s2b)) * inv_n);
-        const V c2(kRms ? Acc(0) : static_cast<Acc>(hsum(s1a + s1b)) * inv_n);
-        const T* dyn = r + 1 < M ? dy + N : nullptr;
-        write_blocks<T, Acc>(dx, N, stream, [&](int64_t jj, int64_t n, V& d0, V& d1) {
-          if (dyn) { prefetch_next(dyn + jj); prefetch_next(s + N + jj); }
-          block(jj, n);
-          const bool full = n == K;
-          d0 = vr * (g0 * w0 - c2 - h0 * c1); d1 = vr * (g1 * w1 - c2 - h1 * c1);
-          if (dw) {
-            V a0, a1;
-            if (full) IO<Acc, Acc>::load(dw + jj, a0, a1); else IO<Acc, Acc>::load(dw + jj, n, a0, a1);
-            a0 = at::vec::fmadd(g0, h0, a0); a1 = at::vec::fmadd(g1, h1, a1);
-            if (full) IO<Acc, Acc>::store(dw + jj, a0, a1); else IO<Acc, Acc>::store(dw + jj, n, a0, a1);
-          }
-          if (db) {
-            V a0, a1;
-            if (full) IO<Acc, Acc>::load(db + jj, a0, a1); else IO<Acc, Acc>::load(db + jj, n, a0, a1);
-            a0 = a0 + g0; a1 = a1 + g1;
-            if (full) IO<Acc, Acc>::store(db + jj, a0, a1); else IO<Acc, Acc>::store(db + jj, n, a0, a1);
-          }
-        });
+      const int64_t end = (p + 1) * M / P;
+      auto make = [&](int64_t r) {
+        NormBwdRow<T> row;
+        row.dy = DY + r * N; row.s = S + r * N; row.dx = DX + r * N;
+        const Acc rs = RSTD[r], mu = kRms || from_y ? Acc(0) : MEAN[r];
+        row.vr = V(rs); row.vm = V(mu);
+        bwd_stats<T, kRms>(row, N, wf, bf, from_y);
+        return row;
+      };
+      for (int64_t r = p * M / P; r < end; ++r) {
+        const NormBwdRow<T> row = make(r);
+        const bool next = r + 1 < M;
+        bwd_write<T, kRms>(row, N, wf, bf, from_y, dw, db, next ? DY + (r + 1) * N : nullptr,
+                     next ? S + (r + 1) * N : nullptr, stream);
       }
     }
     if (stream) stream_fence();
@@ -232,7 +389,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Tensor& input,
   const auto x = input.contiguous();
   const auto w = weight.has_value() ? std::optional<at::Tensor>(weight->contiguous()) : std::nullopt;
   const auto b = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
-  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto y = empty_output_like(x);
   auto stat_opts = x.options().dtype(acc_type(x));
   auto mean = at::empty({kRms ? 0 : sh.rows}, stat_opts);
   auto rstd = at::empty({sh.rows}, stat_opts);
@@ -267,7 +424,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(
   const auto w = weight.has_value() ? std::optional<at::Tensor>(weight->contiguous()) : std::nullopt;
   const auto b = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
   const auto m = mean.contiguous(), r = rstd.contiguous();
-  auto dx = at::empty_like(s, at::MemoryFormat::Contiguous);
+  auto dx = empty_output_like(s);
   const int64_t P = std::max<int64_t>(1, std::min<int64_t>(sh.rows, at::get_num_threads()));
   auto opts = s.options().dtype(acc_type(s));
   at::Tensor dw_part = w ? at::zeros({P, sh.cols}, opts) : at::Tensor();

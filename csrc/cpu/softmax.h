@@ -17,15 +17,20 @@
 #include <limits>
 #include <vector>
 
+#include "cpu/fast_math.h"
 #include "cpu/multi_tensor_apply.h"
 
 namespace mpnb::cpu {
 
 constexpr float kMaskedValue = -10000.0f;
 
+// max(a, b) lanewise; NaN need not propagate here (a NaN input makes the row's sum NaN anyway).
 template <typename V>
-inline V vexp(const V& x) {
-  return x.exp_u20();
+inline V vmax(const V& a, const V& b) {
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+  if constexpr (std::is_same_v<V, fVec>) return fVec(_mm256_max_ps(a, b));
+#endif
+  return at::vec::maximum(a, b);
 }
 
 // Replace lanes whose mask byte is nonzero by `fill` (16 mask bytes for a, b).
@@ -43,26 +48,112 @@ inline void apply_mask(const uint8_t* m, int64_t n, fVec& a, fVec& b, const fVec
   b = _mm256_blendv_ps(b, fill, hi);
 #else
   alignas(64) float fa[2 * fVec::size()];
+  alignas(64) float ff[fVec::size()];
   a.store(fa);
   b.store(fa + fVec::size());
+  fill.store(ff);
   for (int64_t i = 0; i < 2 * fVec::size() && i < 16; ++i)
-    if (src[i]) fa[i] = kMaskedValue;
+    if (src[i]) fa[i] = ff[0];
   a = fVec::loadu(fa);
   b = fVec::loadu(fa + fVec::size());
 #endif
 }
 
-inline void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec& /*fill*/) {
+inline void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec& fill) {
   alignas(64) double da[2 * dVec::size()];
+  alignas(64) double df[dVec::size()];
   a.store(da);
   b.store(da + dVec::size());
+  fill.store(df);
   for (int64_t i = 0; i < std::min<int64_t>(n, 2 * dVec::size()); ++i)
-    if (m[i]) da[i] = static_cast<double>(kMaskedValue);
+    if (m[i]) da[i] = df[0];
   a = dVec::loadu(da);
   b = dVec::loadu(da + dVec::size());
 }
 
+// Lanes k.. of a block (a, b) set to v.
+template <typename V>
+inline void pad_lanes(V& a, V& b, int64_t k, const V& v) {
+  a = k >= V::size() ? a : V::set(v, a, k);
+  b = k >= 2 * V::size() ? b : (k > V::size() ? V::set(v, b, k - V::size()) : v);
+}
+
+// max(x[0:L)) (kNeg: max(-x[0:L)) = -min), four accumulators; the block holding L is loaded
+// whole when the row (n) has it.
+template <typename T, bool kNeg>
+inline acc_t<T> row_max(const T* __restrict x, int64_t L, int64_t n) {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  using IOT = IO<T, Acc>;
+  constexpr int64_t K = IOT::kWidth;
+  const V ninf(-std::numeric_limits<Acc>::infinity()), zero(Acc(0));
+  V h0 = ninf, h1 = ninf, h2 = ninf, h3 = ninf, a, b, c, d;
+  int64_t i = 0;
+  for (; i + 2 * K <= L; i += 2 * K) {
+    IOT::load(x + i, a, b);
+    IOT::load(x + i + K, c, d);
+    if constexpr (kNeg) { a = zero - a; b = zero - b; c = zero - c; d = zero - d; }
+    h0 = vmax(h0, a); h1 = vmax(h1, b); h2 = vmax(h2, c); h3 = vmax(h3, d);
+  }
+  for (; i < L; i += K) {
+    const int64_t k = std::min<int64_t>(K, L - i), kl = std::min<int64_t>(K, n - i);
+    if (kl == K) IOT::load(x + i, a, b); else IOT::load(x + i, kl, a, b);
+    if constexpr (kNeg) { a = zero - a; b = zero - b; }
+    if (k < K) pad_lanes(a, b, k, ninf);
+    h0 = vmax(h0, a); h1 = vmax(h1, b);
+  }
+  const V h = at::vec::maximum(at::vec::maximum(h0, h1), at::vec::maximum(h2, h3));
+  return at::vec::vec_reduce_all<Acc>([](V& p, V& q) { return at::vec::maximum(p, q); }, h);
+}
+
+// Pass 2 of softmax_row: buf = exp(x * scale - shift) over [0, L), masked lanes
+// exp(-10000 - shift), lanes past L (to the end of L's block) zero; returns the sum. The block
+// holding L is loaded whole when the row (n) has it: no partial (memcpy) load in causal rows.
+// Prefetches the next row (xn, mn).
+template <typename T>
+inline acc_t<T> softmax_exp_pass(const T* __restrict x, const uint8_t* __restrict mask,
+                                 acc_t<T>* __restrict buf, int64_t L, int64_t n, acc_t<T> scale,
+                                 acc_t<T> shift, const T* xn, const uint8_t* mn) {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  using IOT = IO<T, Acc>;
+  constexpr int64_t K = IOT::kWidth;
+  const V vs(scale), vm(-shift), fill(static_cast<Acc>(kMaskedValue) - shift);
+  const V ninf(-std::numeric_limits<Acc>::infinity());
+  V s0(Acc(0)), s1(Acc(0)), a, b;
+  int64_t j = 0;
+  for (; j + K <= L; j += K) {
+    if (xn) prefetch_next(xn + j);
+    if (mn && j % 64 == 0) prefetch_next(mn + j);
+    IOT::load(x + j, a, b);
+    a = at::vec::fmadd(a, vs, vm); b = at::vec::fmadd(b, vs, vm);
+    if (mask) apply_mask(mask + j, K, a, b, fill);
+    a = softmax_exp(a); b = softmax_exp(b);
+    a.store(buf + j); b.store(buf + j + V::size());
+    s0 = s0 + a; s1 = s1 + b;
+  }
+  if (j < L) {
+    const int64_t k = L - j, kl = std::min<int64_t>(K, n - j);
+    if (kl == K) IOT::load(x + j, a, b); else IOT::load(x + j, kl, a, b);
+    a = at::vec::fmadd(a, vs, vm); b = at::vec::fmadd(b, vs, vm);
+    if (mask) apply_mask(mask + j, k, a, b, fill);
+    pad_lanes(a, b, k, ninf);  // exp(-inf) = 0
+    a = softmax_exp(a); b = softmax_exp(b);
+    a.store(buf + j); b.store(buf + j + V::size());
+    s0 = s0 + a; s1 = s1 + b;
+  }
+  return static_cast<Acc>(hsum(s0 + s1));
+}
+
 // One row: y[0:L) = softmax(x[0:L) * scale, masked), y[L:n) = 0.
+//
+// Pass 1 reads the row from memory and finds its largest (smallest for scale < 0) element: the
+// shift m = max(x * scale) follows without the mask, and with a mask m' = max(m, -10000) is an upper
+// bound of the masked row's max. Pass 2 (in cache) computes e = exp(x * scale - m') with masked
+// lanes at -10000 - m' into an fp32 scratch row and sums it; pass 3 writes e / sum. Softmax does
+// not depend on the shift, and an upper bound is exact unless it lies far above the masked max
+// (the unmasked entries underflow): when the sum is below 2^-20 (m' more than 13.9 above it,
+// e.g. a fully masked row) pass 2 runs again with the exact masked max.
 template <typename T>
 inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_t n, acc_t<T> scale,
                         acc_t<T>* buf, const T* xn, const uint8_t* mn, bool stream) {
@@ -70,40 +161,35 @@ inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
   constexpr int64_t K = IOT::kWidth;
-  const V vs(scale), fill(static_cast<Acc>(kMaskedValue));
-  const V lowest(-std::numeric_limits<Acc>::infinity());
-  V m0 = lowest, m1 = lowest, a, b;
-  int64_t i = 0;
-  for (; i < L; i += K) {
-    const int64_t k = std::min<int64_t>(K, L - i);
-    if (k == K) IOT::load(x + i, a, b); else IOT::load(x + i, k, a, b);
-    a = a * vs; b = b * vs;
-    if (mask) apply_mask(mask + i, k, a, b, fill);
-    if (k < K) {  // padded lanes must not raise the max
-      a = k >= V::size() ? a : V::set(lowest, a, k);
-      b = k >= 2 * V::size() ? b : (k > V::size() ? V::set(lowest, b, k - V::size()) : lowest);
+  const V ninf(-std::numeric_limits<Acc>::infinity());
+  V a, b;
+  auto vmax_all = [](const V& v) {
+    return at::vec::vec_reduce_all<Acc>([](V& p, V& q) { return at::vec::maximum(p, q); }, v);
+  };
+  Acc shift = scale >= Acc(0) ? row_max<T, false>(x, L, n) * scale : -row_max<T, true>(x, L, n) * scale;
+  if (mask) shift = std::max(shift, static_cast<Acc>(kMaskedValue));
+  Acc sum = softmax_exp_pass<T>(x, mask, buf, L, n, scale, shift, xn, mn);
+  if (mask && sum < Acc(1.0 / (1 << 20))) {  // rare: the exact masked max
+    const V vs(scale), fill(static_cast<Acc>(kMaskedValue));
+    V m0 = ninf, m1 = ninf;
+    for (int64_t j = 0; j < L; j += K) {
+      const int64_t k = std::min<int64_t>(K, L - j);
+      if (k == K) IOT::load(x + j, a, b); else IOT::load(x + j, k, a, b);
+      a = a * vs; b = b * vs;
+      apply_mask(mask + j, k, a, b, fill);
+      if (k < K) pad_lanes(a, b, k, ninf);
+      m0 = at::vec::maximum(m0, a); m1 = at::vec::maximum(m1, b);
     }
-    a.store(buf + i); b.store(buf + i + V::size());
-    m0 = at::vec::maximum(m0, a); m1 = at::vec::maximum(m1, b);
+    sum = softmax_exp_pass<T>(x, mask, buf, L, n, scale, vmax_all(at::vec::maximum(m0, m1)),
+                              nullptr, nullptr);
   }
-  const Acc mx = at::vec::vec_reduce_all<Acc>([](V& p, V& q) { return at::vec::maximum(p, q); },
-                                              at::vec::maximum(m0, m1));
-  const V vm(mx);
-  V s0(Acc(0)), s1(Acc(0));
-  for (i = 0; i < L; i += K) {  // padded lanes hold -inf: exp gives 0
-    if (xn) prefetch_next(xn + i);
-    if (mn && i % 64 == 0) prefetch_next(mn + i);
-    a = vexp(V::loadu(buf + i) - vm);
-    b = vexp(V::loadu(buf + i + V::size()) - vm);
-    a.store(buf + i); b.store(buf + i + V::size());
-    s0 = s0 + a; s1 = s1 + b;
-  }
-  const V inv(static_cast<Acc>(1.0 / hsum(s0 + s1)));
-  write_blocks<T, Acc>(y, L, stream, [&](int64_t j, int64_t, V& p, V& q) {
+  const V inv(static_cast<Acc>(1.0 / static_cast<double>(sum)));
+  const int64_t Lp = std::min<int64_t>(n, (L + K - 1) / K * K);  // buf is 0 in [L, Lp)
+  write_blocks<T, Acc>(y, Lp, stream, [&](int64_t j, int64_t, V& p, V& q) {
     p = V::loadu(buf + j) * inv;
     q = V::loadu(buf + j + V::size()) * inv;
   });
-  write_zeros<T, Acc>(y + L, n - L, stream);
+  write_zeros<T, Acc>(y + Lp, n - Lp, stream);
 }
 
 // Rows of length sk; mask rows found through (b, h, i) strides (mask last dim contiguous).
@@ -158,19 +244,28 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
         IOT::load(dy + i, g0, g1); IOT::load(y + i, y0, y1);
         d0 = at::vec::fmadd(g0, y0, d0); d1 = at::vec::fmadd(g1, y1, d1);
       }
-      if (i < L) {  // zero padding on both sides: products vanish
-        IOT::load(dy + i, L - i, g0, g1); IOT::load(y + i, L - i, y0, y1);
+      const V zero(Acc(0));
+      if (i < L) {  // the block holding L, whole when the row has it; lanes from L zeroed
+        const int64_t kl = std::min<int64_t>(K, sk - i);
+        if (kl == K) { IOT::load(dy + i, g0, g1); IOT::load(y + i, y0, y1); }
+        else { IOT::load(dy + i, kl, g0, g1); IOT::load(y + i, kl, y0, y1); }
+        pad_lanes(g0, g1, L - i, zero); pad_lanes(y0, y1, L - i, zero);
         d0 = at::vec::fmadd(g0, y0, d0); d1 = at::vec::fmadd(g1, y1, d1);
       }
       const V dot(static_cast<Acc>(hsum(d0 + d1))), vs(static_cast<Acc>(scale));
       const bool next = r + 1 < rows;
-      write_blocks<T, Acc>(dx, L, stream, [&](int64_t j, int64_t n, V& p, V& q) {
+      const int64_t Lp = std::min<int64_t>(sk, (L + K - 1) / K * K);
+      write_blocks<T, Acc>(dx, Lp, stream, [&](int64_t j, int64_t n, V& p, V& q) {
         if (next) { prefetch_next(dy + sk + j); prefetch_next(y + sk + j); }
         if (n == K) { IOT::load(dy + j, g0, g1); IOT::load(y + j, y0, y1); }
         else { IOT::load(dy + j, n, g0, g1); IOT::load(y + j, n, y0, y1); }
+        if (j + K > L) {  // lanes from L on (a block past L only after an unaligned head)
+          const int64_t k = std::max<int64_t>(L - j, 0);
+          pad_lanes(g0, g1, k, zero); pad_lanes(y0, y1, k, zero);
+        }
         p = vs * (y0 * (g0 - dot)); q = vs * (y1 * (g1 - dot));
       });
-      write_zeros<T, Acc>(dx + L, sk - L, stream);
+      write_zeros<T, Acc>(dx + Lp, sk - Lp, stream);
     }
     if (stream) stream_fence();
   });
@@ -188,7 +283,7 @@ inline void check_softmax_input(const at::Tensor& x, int64_t min_dim, const char
 inline at::Tensor softmax_fwd(const at::Tensor& input, const std::optional<at::Tensor>& mask, double scale,
                               bool causal, const char* op) {
   const auto x = input.contiguous();
-  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  auto y = empty_output_like(x);
   const int64_t sk = x.dim() ? x.size(-1) : 1;
   const int64_t sq = x.dim() >= 2 ? x.size(-2) : 1;
   const int64_t rows = sk ? x.numel() / sk : 0;
@@ -240,7 +335,7 @@ inline at::Tensor scaled_softmax_bwd_cpu(const at::Tensor& grad_out, const at::T
               ": grad_out ", grad_out.sizes(), " ", grad_out.scalar_type(), " does not match the ",
               "softmax output ", output.sizes(), " ", output.scalar_type(), ".");
   const auto dy = grad_out.contiguous(), y = output.contiguous();
-  auto dx = at::empty_like(y, at::MemoryFormat::Contiguous);
+  auto dx = empty_output_like(y);
   const int64_t sk = y.dim() ? y.size(-1) : 1;
   const int64_t sq = y.dim() >= 2 ? y.size(-2) : 1;
   const int64_t rows = sk ? y.numel() / sk : 0;

@@ -16,7 +16,12 @@ Three kinds of case:
 
 Outputs are allocated fresh on every call by both sides. With glibc's default allocator a
 fresh output of 32 MiB or more is page-faulted on every call; run the suite twice, plain and
-with ``MALLOC_MMAP_MAX_=0`` (the header reports it), to see the difference.
+with ``MALLOC_MMAP_MAX_=0`` (the header reports it), to see the difference. mpnb's layer
+kernels advise transparent huge pages (``madvise(MADV_HUGEPAGE)``) on outputs of 16 MiB or
+more, so in the plain run their fresh outputs fault 2 MiB at a time; PyTorch's outputs do the
+same only with ``THP_MEM_ALLOC_ENABLE=1`` (c10's switch for the same advice), which a fair
+plain-allocator comparison should also set. With ``MALLOC_MMAP_MAX_=0`` the heap reuses
+memory that is already backed and the advice changes nothing.
 """
 
 from __future__ import annotations
