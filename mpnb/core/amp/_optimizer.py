@@ -116,8 +116,7 @@ class OptimizerAmp:
         self._own_dense = _dense(self.own)
         self._own_one_dtype = len({p.dtype for p in self.own}) <= 1
         # Master pairs grouped by model dtype once: one kernel call per group and step.
-        self._pairs = [([self.model_params[i] for i in idx], [self.masters[i] for i in idx],
-                        [None] * len(idx))
+        self._pairs = [([self.model_params[i] for i in idx], [self.masters[i] for i in idx])
                        for idx in _groups_by_dtype(self.model_params).values()]
         self._pairs_dense = _dense(self.model_params) and _dense(self.masters)
 
@@ -207,7 +206,7 @@ class OptimizerAmp:
         """``master.grad = model.grad * scale_tensor`` (fp32; added to an existing master grad)."""
         from mpnb.core.ops import multi_tensor_scale
 
-        for params, masters, _ in self._pairs:
+        for params, masters in self._pairs:
             grads = read_grads(params)
             if (not all(map(is_, read_grads(masters), repeat(None)))
                     or not all(map(is_not, grads, repeat(None)))):
@@ -303,7 +302,7 @@ class OptimizerAmp:
             if not self._pairs_dense:
                 torch._foreach_copy_(self.model_params, self.masters)
                 return
-            for params, masters, _ in self._pairs:  # fp32 * 1.0 is exact: a plain rounding copy
+            for params, masters in self._pairs:  # fp32 * 1.0 is exact: a plain rounding copy
                 multi_tensor_scale(self._copy_flag, masters, params, 1.0)
 
     # ---- state dict: the fp32 masters travel with the optimizer's state ---------------------

@@ -153,6 +153,12 @@ def op_path(name: str, device: str = "cpu") -> str:
 _CALLERS: dict[str, Callable] = {}
 
 
+def _loaded_module():
+    """The extension's Python module once the kernels are loaded (never loads them), or None."""
+    status = cpu_extension().status()
+    return status.module if status is not None else None
+
+
 def op_caller(name: str) -> Callable:
     """The function to call ``torch.ops.mpnb.<name>`` with, positional arguments only.
 
@@ -172,8 +178,7 @@ def op_caller(name: str) -> Callable:
 
 def _make_caller(name: str) -> Callable:
     overload = getattr(torch.ops.mpnb, name).default
-    status = cpu_extension().status()
-    module = status.module if status is not None else None
+    module = _loaded_module()
     if module is None or not hasattr(module, "caller") or os.environ.get("MPNB_DIRECT_CALL") == "0":
         return overload
     direct = module.caller(name)
@@ -203,8 +208,7 @@ def read_grads(params, drop_none: bool = False) -> list:
     grad before and after each backward. The extension's reader is used once the kernels are
     loaded (without loading them); otherwise this is the plain Python read.
     """
-    status = cpu_extension().status()
-    module = status.module if status is not None else None
+    module = _loaded_module()
     if module is not None and not torch.compiler.is_compiling():
         return module.grads(params, drop_none)
     if drop_none:
