@@ -282,6 +282,50 @@ def test_update_scale_hysteresis_semantics(kernels):
     assert huge[0].item() == pytest.approx(3e38)  # never grows to inf
 
 
+# ---- update_loss_scale_: the rule, the clamp and the inverse in one op -----------------------
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(0.0, 2.0**24), (2.0, 64.0), (1.0, 1.0)])
+def test_update_loss_scale_sequence_matches_reference(kernels, lo, hi):
+    g = torch.Generator().manual_seed(int(hi))
+    k = (*_state(scale=16.0, hyst=2), torch.empty(1))
+    r = (*_state(scale=16.0, hyst=2), torch.empty(1))
+    for _ in range(300):
+        found = torch.tensor([float(torch.rand(1, generator=g).item() < 0.4)])
+        ops.update_loss_scale_(k[0], k[3], k[1], k[2], found, 2.0, 0.5, 2, 2, lo, hi)
+        mt.reference_update_loss_scale_(r[0], r[3], r[1], r[2], found, 2.0, 0.5, 2, 2, lo, hi)
+        for a, b in zip(k, r, strict=True):
+            assert torch.equal(a, b)
+        assert lo <= k[0].item() <= hi and k[3].item() == 1.0 / k[0].item()
+
+
+def test_update_loss_scale_is_the_three_calls_it_replaces(kernels):
+    g = torch.Generator().manual_seed(3)
+    scale, growth, hyst = _state(scale=3.0, hyst=1)
+    inv = torch.empty(1)
+    t_scale, t_growth, t_hyst = (t.clone() for t in (scale, growth, hyst))
+    for _ in range(200):
+        found = torch.tensor([float(torch.rand(1, generator=g).item() < 0.3)])
+        ops.update_loss_scale_(scale, inv, growth, hyst, found, 2.0, 0.5, 3, 1, 0.75, 96.0)
+        ops.update_scale_hysteresis(t_scale, t_growth, t_hyst, found, 2.0, 0.5, 3, 1)
+        t_scale.clamp_(0.75, 96.0)
+        assert torch.equal(scale, t_scale) and torch.equal(growth, t_growth)
+        assert torch.equal(inv, torch.reciprocal(t_scale))
+
+
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_update_loss_scale_errors(kernels, path):
+    fn = ops.update_loss_scale_ if path == "kernel" else mt.reference_update_loss_scale_
+    scale, growth, hyst = _state()
+    with pytest.raises(TypeError, match="inv_scale must be a one-element float32"):
+        fn(scale, torch.empty(1, dtype=torch.float64), growth, hyst, flag(), 2.0, 0.5, 10, 1,
+           0.0, 1.0e6)
+    with pytest.raises(ValueError, match="min_scale <= max_scale"):
+        fn(scale, torch.empty(1), growth, hyst, flag(), 2.0, 0.5, 10, 1, 8.0, 4.0)
+    with pytest.raises(TypeError, match="growth_tracker must be a one-element int32"):
+        fn(scale, torch.empty(1), growth.float(), hyst, flag(), 2.0, 0.5, 10, 1, 0.0, 1.0e6)
+
+
 # ---- errors -------------------------------------------------------------------------------
 
 
@@ -319,6 +363,8 @@ def _opcheck_cases():
         "multi_tensor_l2norm": (flag(), x, True, s),
         "multi_tensor_check_finite": (flag(), x),
         "update_scale_hysteresis": (*_state(), torch.zeros(1), 2.0, 0.5, 2000, 2),
+        "update_loss_scale_": (_state()[0], torch.empty(1), *_state()[1:], torch.ones(1), 2.0,
+                               0.5, 2000, 1, 1.0, 2.0**24),
     }
 
 

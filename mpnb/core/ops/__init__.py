@@ -16,7 +16,9 @@ from mpnb.core.ops.multi_tensor import (
     reference_multi_tensor_check_finite,
     reference_multi_tensor_l2norm,
     reference_multi_tensor_scale,
+    reference_update_loss_scale_,
     reference_update_scale_hysteresis,
+    update_loss_scale_,
     update_scale_hysteresis,
 )
 
@@ -34,9 +36,11 @@ __all__ = [
     "multi_tensor_l2norm",
     "multi_tensor_scale",
     "update_scale_hysteresis",
+    "update_loss_scale_",
     "reference_multi_tensor_axpby",
     "reference_multi_tensor_check_finite",
     "reference_multi_tensor_l2norm",
     "reference_multi_tensor_scale",
     "reference_update_scale_hysteresis",
+    "reference_update_loss_scale_",
 ]

@@ -24,11 +24,13 @@ __all__ = [
     "multi_tensor_l2norm",
     "multi_tensor_check_finite",
     "update_scale_hysteresis",
+    "update_loss_scale_",
     "reference_multi_tensor_scale",
     "reference_multi_tensor_axpby",
     "reference_multi_tensor_l2norm",
     "reference_multi_tensor_check_finite",
     "reference_update_scale_hysteresis",
+    "reference_update_loss_scale_",
 ]
 
 _SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -341,9 +343,9 @@ def _(noop_flag, tensors):
 
 
 def _check_scaler_state(
-    current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_interval
+    current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_interval,
+    op: str = "update_scale_hysteresis",
 ):
-    op = "update_scale_hysteresis"
     if current_scale.dtype != torch.float32 or current_scale.numel() != 1:
         raise TypeError(f"{op}: current_scale must be a one-element float32 tensor.")
     for name, t in (("growth_tracker", growth_tracker), ("hysteresis_tracker", hysteresis_tracker)):
@@ -459,11 +461,103 @@ def _(
     return None
 
 
+# ---- the whole loss-scale update of one step -------------------------------------------------
+
+
+def _check_loss_scale_args(inv_scale, min_scale: float, max_scale: float) -> None:
+    op = "update_loss_scale_"
+    if inv_scale.dtype != torch.float32 or inv_scale.numel() != 1:
+        raise TypeError(f"{op}: inv_scale must be a one-element float32 tensor.")
+    if not min_scale <= max_scale:
+        raise ValueError(f"{op}: min_scale ({min_scale}) is above max_scale ({max_scale}); pass "
+                         "min_scale <= max_scale.")
+
+
+def reference_update_loss_scale_(
+    current_scale,
+    inv_scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float,
+    max_scale: float,
+) -> None:
+    """Reference of :func:`update_loss_scale_`: the hysteresis rule, ``clamp_``, ``reciprocal``."""
+    _check_scaler_state(
+        current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_interval,
+        "update_loss_scale_",
+    )
+    _check_loss_scale_args(inv_scale, min_scale, max_scale)
+    reference_update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker,
+                                      found_inf, growth_factor, backoff_factor, growth_interval,
+                                      hysteresis)
+    current_scale.clamp_(float(min_scale), float(max_scale))
+    torch.reciprocal(current_scale, out=inv_scale)
+
+
+def update_loss_scale_(
+    current_scale,
+    inv_scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_factor: float,
+    backoff_factor: float,
+    growth_interval: int,
+    hysteresis: int,
+    min_scale: float,
+    max_scale: float,
+) -> None:
+    """One step's whole dynamic loss-scale update, in place, in one call.
+
+    :func:`update_scale_hysteresis`, then ``current_scale`` clamped to
+    ``[min_scale, max_scale]`` and ``inv_scale = 1 / current_scale``: what a loss scaler
+    otherwise does with three calls (the CPU kernel makes it one). No host sync on any device.
+
+    Args:
+        current_scale, inv_scale: one-element float32 tensors.
+        growth_tracker, hysteresis_tracker: one-element int32 tensors.
+        found_inf: one-element tensor, nonzero after an overflow.
+        growth_factor, backoff_factor, growth_interval, hysteresis: as in
+            :func:`update_scale_hysteresis`.
+        min_scale, max_scale: the clamp bounds (``0.0`` for no lower bound).
+
+    Example::
+
+        >>> scale, inv = torch.full((1,), 65536.0), torch.empty(1)
+        >>> growth, hyst = torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32)
+        >>> update_loss_scale_(scale, inv, growth, hyst, torch.ones(1), 2.0, 0.5, 2000, 1,
+        ...                    0.0, 2.0**24)   # an overflow: scale 32768, inv 1/32768
+    """
+    if use_kernel(current_scale):
+        op_caller("update_loss_scale_")(
+            current_scale, inv_scale, growth_tracker, hysteresis_tracker, found_inf,
+            float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis),
+            float(min_scale), float(max_scale),
+        )
+    else:
+        reference_update_loss_scale_(
+            current_scale, inv_scale, growth_tracker, hysteresis_tracker, found_inf,
+            growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+        )
+
+
+@register_fake("update_loss_scale_")
+def _(current_scale, inv_scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
+      backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
+    return None
+
+
 for _name, _ref in (
     ("multi_tensor_scale", reference_multi_tensor_scale),
     ("multi_tensor_axpby", reference_multi_tensor_axpby),
     ("multi_tensor_l2norm", reference_multi_tensor_l2norm),
     ("multi_tensor_check_finite", reference_multi_tensor_check_finite),
     ("update_scale_hysteresis", reference_update_scale_hysteresis),
+    ("update_loss_scale_", reference_update_loss_scale_),
 ):
     register_op(OpInfo(_name, "multi_tensor", _ref))
