@@ -25,6 +25,7 @@ LIST_OPS = [
     "multi_tensor_l2norm",
     "multi_tensor_check_finite",
     "update_scale_hysteresis",
+    "update_loss_scale_",
     "fused_adam_",
     "fused_adagrad_",
     "fused_sgd_",
@@ -262,3 +263,136 @@ def test_read_grads_matches_python_reads():
         read_grads(ps)
     after = sys.getrefcount(ps[0].grad)  # outside the assert: pytest keeps its operands alive
     assert after == before
+
+
+# ---- amp's grad work in C++: any_grad and unscale_grads -------------------------------------
+
+
+def _params(n=6, dtype=torch.bfloat16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ps = [torch.nn.Parameter(torch.zeros(3 + 5 * i, dtype=dtype)) for i in range(n)]
+    for i, p in enumerate(ps):
+        if i != 2:  # one param unused by the backward
+            p.grad = (torch.randn(p.shape, generator=g) * 1024).to(dtype)
+    return ps
+
+
+def _scaler_state(scale=1024.0):
+    scale_t = torch.tensor([scale])
+    return (torch.zeros(1), torch.reciprocal(scale_t), scale_t,
+            torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+
+
+def test_any_grad_matches_python_reads():
+    from mpnb.core.ops._registry import any_grad
+
+    ps = [torch.nn.Parameter(torch.zeros(2)) for _ in range(3)]
+    assert any_grad(ps) is False and any_grad([]) is False
+    ps[2].grad = torch.ones(2)
+    assert any_grad(ps) is True and any_grad(tuple(ps)) is True
+    sub = [torch.zeros(2).as_subclass(Sub)]
+    assert any_grad(sub) is False
+    sub[0].grad = torch.ones(2)
+    assert any_grad(sub) is True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_unscale_grads_equals_multi_tensor_scale_and_the_update(dtype):
+    from mpnb.core.ops._registry import unscale_grads
+
+    _needs_kernels()
+    a, b = _params(dtype=dtype), _params(dtype=dtype)
+    b[4].grad[1] = float("inf")
+    a[4].grad[1] = float("inf")
+    fa, inva, sa, ga, ha = _scaler_state()
+    fb, invb, sb, gb, hb = _scaler_state()
+    versions = [p.grad._version for p in a if p.grad is not None]
+    assert unscale_grads(a, fa, inva, (sa, ga, ha, 2.0, 0.5, 2000, 1, 1.0, 2.0**24)) is True
+    assert [p.grad._version for p in a if p.grad is not None] == [v + 1 for v in versions]
+    set_b = [p.grad for p in b if p.grad is not None]
+    mt.multi_tensor_scale(fb, set_b, set_b, 1.0, scale_tensor=invb)
+    mt.update_loss_scale_(sb, invb, gb, hb, fb, 2.0, 0.5, 2000, 1, 1.0, 2.0**24)
+    assert a[2].grad is None
+    for pa, pb in zip(a, b, strict=True):
+        if pa.grad is not None:
+            assert torch.equal(pa.grad, pb.grad)
+    for x, y in ((fa, fb), (inva, invb), (sa, sb), (ga, gb), (ha, hb)):
+        assert torch.equal(x, y)
+    assert fa.item() == 1.0 and sa.item() == 512.0 and inva.item() == 1.0 / 512.0
+
+
+def test_unscale_grads_leaves_the_python_path_everything_it_cannot_do_alike():
+    from mpnb.core.ops._registry import unscale_grads
+
+    _needs_kernels()
+
+    def untouched(ps, update=None):
+        before = [None if p.grad is None else p.grad.clone() for p in ps]
+        f, inv, scale, growth, hyst = _scaler_state()
+        args = None if update is None else (scale, growth, hyst, *update)
+        assert unscale_grads(ps, f, inv, args) is False
+        for p, g in zip(ps, before, strict=True):
+            assert (p.grad is None and g is None) or torch.equal(p.grad, g)
+        assert f.item() == 0.0 and scale.item() == 1024.0 and inv.item() == 1.0 / 1024.0
+
+    mixed = _params() + _params(n=2, dtype=torch.float32)
+    untouched(mixed, (2.0, 0.5, 2000, 1, 0.0, 1e9))  # two dtypes: grouped in Python
+    strided = _params()
+    strided[1].grad = torch.zeros(2 * strided[1].numel(), dtype=torch.bfloat16)[::2]
+    untouched(strided)  # a non-contiguous grad
+    sub_param = _params()
+    sub_param.append(torch.zeros(3, dtype=torch.bfloat16).as_subclass(Sub))
+    untouched(sub_param)
+    sub_grad = _params()
+    sub_grad[0].grad = sub_grad[0].grad.as_subclass(Sub)
+    untouched(sub_grad)
+    untouched(_params(), (2.0, 0.5, "2000", 1, 0.0, 1e9))  # an argument of another type
+
+    class PassThrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    with PassThrough():
+        untouched(_params())
+
+
+def test_unscale_grads_keeps_refcounts_and_is_seen_by_modes():
+    from mpnb.core.ops._registry import unscale_grads
+
+    _needs_kernels()
+    ps = _params(dtype=torch.float32)
+    f, inv, scale, growth, hyst = _scaler_state()
+    upd = (scale, growth, hyst, 2.0, 0.5, 2000, 1, 0.0, 2.0**24)
+    before = [sys.getrefcount(p.grad) for p in ps if p.grad is not None]
+    for _ in range(20):
+        unscale_grads(ps, f, inv, upd)
+    after = [sys.getrefcount(p.grad) for p in ps if p.grad is not None]
+    assert after == before
+    seen = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with Record():
+        assert unscale_grads(ps, f, inv, upd) is True
+    assert seen == ["mpnb.multi_tensor_scale.default", "mpnb.update_loss_scale_.default"]
+
+
+def test_env_reader_follows_os_environ(monkeypatch):
+    from mpnb.core.ops._build import env_reader
+
+    read = env_reader("MPNB_TEST_ENV_READER")
+    monkeypatch.delenv("MPNB_TEST_ENV_READER", raising=False)
+    assert read() is None
+    monkeypatch.setenv("MPNB_TEST_ENV_READER", "1")
+    assert read() == "1" == __import__("os").environ.get("MPNB_TEST_ENV_READER")
+    monkeypatch.setenv("MPNB_TEST_ENV_READER", "")
+    assert read() == ""
+    monkeypatch.delenv("MPNB_TEST_ENV_READER")
+    assert read() is None
+    monkeypatch.setenv("MPNB_DISABLE_EXT", "1")
+    assert cpu_extension().disabled
+    monkeypatch.setenv("MPNB_DISABLE_EXT", "0")
+    assert not cpu_extension().disabled

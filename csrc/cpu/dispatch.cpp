@@ -116,6 +116,7 @@ using OptT = const std::optional<at::Tensor>&;
   X(multi_tensor_l2norm, std::tuple<at::Tensor, at::Tensor>(T, TL, bool, OptT))                \
   X(multi_tensor_check_finite, void(T, TL))                                                    \
   X(update_scale_hysteresis, void(T, T, T, T, double, double, int64_t, int64_t))               \
+  X(update_loss_scale_, void(T, T, T, T, T, double, double, int64_t, int64_t, double, double))  \
   X(fused_adam_, void(TL, TL, TL, TL, TL, TL, double, double, double, double, double, bool,   \
                       bool, OptT, OptT))                                                       \
   X(fused_adagrad_, void(TL, TL, TL, TL, TL, double, double, double, double, bool, OptT,      \
@@ -438,11 +439,149 @@ PyObject* grads_of(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs
   END_HANDLE_TH_ERRORS
 }
 
+// ---- 3. amp's per-step grad work, without a Python object per grad -----------------------
+// Reading `.grad` makes (or finds) a Python object for every grad: ~80 ns per param, twice a
+// step. amp only needs to know whether any grad is set before a backward, and to unscale the
+// grads after it; both are done here on the params' C++ grads.
+
+// The Python object of a tensor if it has one (nullptr otherwise); `unknown` on a PyTorch
+// without PyObjectSlot::load_pyobj (the callers then take their Python path).
+PyObject* const kUnknownPyObj = reinterpret_cast<PyObject*>(1);
+template <class Slot>
+auto slot_pyobj(const Slot* s, int) -> decltype(s->load_pyobj()) {
+  return s->load_pyobj();
+}
+template <class Slot>
+PyObject* slot_pyobj(const Slot*, long) {
+  return kUnknownPyObj;
+}
+
+// A grad that Python code may treat specially: a tensor subclass (its Python object is not an
+// exact torch.Tensor/Parameter) or a tensor with the Python dispatch key.
+inline bool plain_grad(const at::Tensor& g) {
+  if (g.unsafeGetTensorImpl()->key_set().has(c10::DispatchKey::Python)) return false;
+  PyObject* obj = slot_pyobj(g.unsafeGetTensorImpl()->pyobj_slot(), 0);
+  return obj == nullptr || (obj != kUnknownPyObj && THPVariable_CheckExact(obj));
+}
+
+// any_grad(params) -> True when some param has a .grad.
+PyObject* any_grad(PyObject* /*module*/, PyObject* params) {
+  HANDLE_TH_ERRORS
+  if (!PyList_Check(params) && !PyTuple_Check(params)) {
+    PyErr_SetString(PyExc_TypeError, "any_grad(params): pass a list of tensors.");
+    return nullptr;
+  }
+  // Re-read the size and the item each time: a subclass's .grad property is Python code.
+  for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(params); ++i) {
+    PyObject* p = PySequence_Fast_GET_ITEM(params, i);
+    if (THPVariable_CheckExact(p)) {
+      if (THPVariable_Unpack(p).grad().defined()) Py_RETURN_TRUE;
+      continue;
+    }
+    Py_INCREF(p);
+    PyRef keep(p);
+    PyRef g(PyObject_GetAttrString(p, "grad"));  // a subclass: its .grad may be a property
+    if (g.obj == nullptr) return nullptr;
+    if (g.obj != Py_None) Py_RETURN_TRUE;
+  }
+  Py_RETURN_FALSE;
+  END_HANDLE_TH_ERRORS
+}
+
+// unscale_grads(params, found_inf, inv_scale, update=None) -> bool
+// The set grads of `params` (unused params are skipped) times inv_scale, in place, with
+// found_inf raised on inf/NaN: one call of mpnb::multi_tensor_scale through the dispatcher.
+// With `update` = (scale, growth_tracker, hysteresis_tracker, growth_factor, backoff_factor,
+// growth_interval, hysteresis, min_scale, max_scale), mpnb::update_loss_scale_ follows (the
+// dynamic scale update of the step), so a scale_loss exit is one call from Python.
+// Returns False without doing anything when the Python path must decide instead: a param or
+// grad that is a tensor subclass or carries the Python key, grads of several dtypes, a
+// non-CPU or non-contiguous grad, an active TorchFunctionMode, an argument of another type.
+PyObject* unscale_grads(PyObject* /*module*/, PyObject* const* args, Py_ssize_t nargs) {
+  HANDLE_TH_ERRORS
+  static const auto scale_op = c10::Dispatcher::singleton()
+                                   .findSchemaOrThrow("mpnb::multi_tensor_scale", "")
+                                   .typed<void(T, TL, TL, double, OptT)>();
+  static const auto update_op =
+      c10::Dispatcher::singleton()
+          .findSchemaOrThrow("mpnb::update_loss_scale_", "")
+          .typed<void(T, T, T, T, T, double, double, int64_t, int64_t, double, double)>();
+  if ((nargs != 3 && nargs != 4) || (!PyList_Check(args[0]) && !PyTuple_Check(args[0]))) {
+    PyErr_SetString(PyExc_TypeError,
+                    "unscale_grads(params, found_inf, inv_scale, update=None): pass a list of "
+                    "tensors, two one-element tensors and None or the update's 9 arguments.");
+    return nullptr;
+  }
+  PyObject* update = nargs == 4 ? args[3] : Py_None;
+  if (at::impl::torch_function_mode_enabled() || !THPVariable_CheckExact(args[1]) ||
+      !THPVariable_CheckExact(args[2]) || !THPVariable_Unpack(args[1]).device().is_cpu())
+    Py_RETURN_FALSE;
+  if (update != Py_None && (!PyTuple_Check(update) || PyTuple_GET_SIZE(update) != 9))
+    Py_RETURN_FALSE;
+  // Convert every argument before any work: a StepAside leaves everything untouched.
+  std::optional<std::tuple<From<const at::Tensor&>, From<const at::Tensor&>, From<const at::Tensor&>,
+                           From<double>, From<double>, From<int64_t>, From<int64_t>, From<double>,
+                           From<double>>>
+      upd;
+  try {
+    if (update != Py_None) {
+      PyObject* const* u = &PyTuple_GET_ITEM(update, 0);
+      upd.emplace(From<const at::Tensor&>(u[0]), From<const at::Tensor&>(u[1]),
+                  From<const at::Tensor&>(u[2]), From<double>(u[3]), From<double>(u[4]),
+                  From<int64_t>(u[5]), From<int64_t>(u[6]), From<double>(u[7]), From<double>(u[8]));
+    }
+  } catch (const StepAside&) {
+    Py_RETURN_FALSE;
+  }
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(args[0]);
+  PyObject** items = PySequence_Fast_ITEMS(args[0]);
+  // The GIL stays held while the handles are borrowed (nothing can reset a .grad meanwhile);
+  // a call with enough work to matter takes owning handles and releases it.
+  BorrowedVec borrowed;  // released, never decref'd, when it goes away (also on return False)
+  auto& grads = borrowed.v;
+  grads.reserve(static_cast<size_t>(n));
+  int64_t numel = 0;
+  for (Py_ssize_t i = 0; i < n; ++i) {
+    if (!THPVariable_CheckExact(items[i])) Py_RETURN_FALSE;
+    const at::Tensor& g = THPVariable_Unpack(items[i]).grad();
+    if (!g.defined()) continue;
+    if (!g.device().is_cpu() || !plain_grad(g) || !g.is_contiguous()) Py_RETURN_FALSE;
+    if (!grads.empty() && g.scalar_type() != grads[0].scalar_type()) Py_RETURN_FALSE;
+    numel += g.numel();
+    grads.push_back(at::Tensor(c10::intrusive_ptr<at::TensorImpl, at::UndefinedTensorImpl>::reclaim(
+        g.unsafeGetTensorImpl())));
+  }
+  From<const at::Tensor&> flag(args[1]);
+  From<const std::optional<at::Tensor>&> inv(args[2]);
+  if (grads.empty()) {
+  } else if (numel < (int64_t{1} << 17)) {
+    scale_op.call(flag.get(), borrowed.v, borrowed.v, 1.0, inv.get());
+  } else {
+    std::vector<at::Tensor> owned(borrowed.v.begin(), borrowed.v.end());
+    NoGil no_gil;
+    scale_op.call(flag.get(), owned, owned, 1.0, inv.get());
+  }
+  if (upd.has_value()) {
+    auto& u = *upd;
+    update_op.call(std::get<0>(u).get(), *inv.get(), std::get<1>(u).get(), std::get<2>(u).get(),
+                   flag.get(), std::get<3>(u).get(), std::get<4>(u).get(), std::get<5>(u).get(),
+                   std::get<6>(u).get(), std::get<7>(u).get(), std::get<8>(u).get());
+  }
+  Py_RETURN_TRUE;
+  END_HANDLE_TH_ERRORS
+}
+
 PyMethodDef module_methods[] = {
     {"caller", make_caller, METH_O,
      "caller(name): a direct positional caller of torch.ops.mpnb.<name>, or None."},
     {"grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(grads_of)), METH_FASTCALL,
      "grads(params, drop_none): [p.grad for p in params], read in C++."},
+    {"any_grad", any_grad, METH_O, "any_grad(params): True when some param has a .grad."},
+    {"unscale_grads", reinterpret_cast<PyCFunction>(reinterpret_cast<void*>(unscale_grads)),
+     METH_FASTCALL,
+     "unscale_grads(params, found_inf, inv_scale, update=None): unscale the params' grads in "
+     "place in one multi_tensor_scale call, then the loss-scale update if given; False when "
+     "the Python path must do it."},
     {nullptr, nullptr, 0, nullptr}};
 
 #define MPNB_STR_(x) #x

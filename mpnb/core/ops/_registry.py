@@ -26,6 +26,8 @@ __all__ = [
     "op_path",
     "op_caller",
     "read_grads",
+    "any_grad",
+    "unscale_grads",
 ]
 
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
@@ -123,8 +125,8 @@ def use_kernel(*args) -> bool:
     Only the first tensor's device is looked at here (O(1) per call); the kernel checks every
     tensor itself and raises a clear error on a mix of devices.
     """
-    t = _first_tensor(args)
-    if t is not None and t.device.type != "cpu":
+    t = args[0] if args and type(args[0]) is torch.Tensor else _first_tensor(args)
+    if t is not None and not t.is_cpu:
         return False  # CUDA and others run PyTorch's own ops through the reference
     return kernel_ready()
 
@@ -153,10 +155,18 @@ def op_path(name: str, device: str = "cpu") -> str:
 _CALLERS: dict[str, Callable] = {}
 
 
+_MODULE: list = []  # the loaded extension module, once known (a loaded .so stays loaded)
+
+
 def _loaded_module():
     """The extension's Python module once the kernels are loaded (never loads them), or None."""
+    if _MODULE:
+        return _MODULE[0]
     status = cpu_extension().status()
-    return status.module if status is not None else None
+    module = status.module if status is not None else None
+    if module is not None:
+        _MODULE.append(module)
+    return module
 
 
 def op_caller(name: str) -> Callable:
@@ -214,3 +224,42 @@ def read_grads(params, drop_none: bool = False) -> list:
     if drop_none:
         return [g for g in map(_grad, params) if g is not None]
     return list(map(_grad, params))
+
+
+def any_grad(params) -> bool:
+    """True when some param of the list ``params`` has a ``.grad`` (read in C++ when loaded)."""
+    module = _loaded_module()
+    if module is not None and not torch.compiler.is_compiling():
+        return module.any_grad(params)
+    return any(g is not None for g in map(_grad, params))
+
+
+def unscale_grads(params: list, found_inf: torch.Tensor, inv_scale: torch.Tensor,
+                  update: tuple | None = None) -> bool:
+    """``g *= inv_scale`` for every set ``.grad`` of ``params``, in one kernel call; inf/NaN
+    raise ``found_inf``. With ``update`` (the arguments of
+    :func:`mpnb.core.ops.update_loss_scale_` after ``found_inf``, in its order, with
+    ``inv_scale`` left out: ``(scale, growth_tracker, hysteresis_tracker, growth_factor,
+    backoff_factor, growth_interval, hysteresis, min_scale, max_scale)``) the loss-scale
+    update follows in the same call.
+
+    Returns False, having done nothing, where the caller's Python path must do the work: no
+    kernels (not built, ``MPNB_DISABLE_EXT=1``), ``torch.compile`` tracing,
+    ``MPNB_DIRECT_CALL=0``, grads that are not plain contiguous CPU tensors of one dtype.
+
+    The grads are read in C++ and never become Python objects (about 80 ns each otherwise);
+    both ops go through the dispatcher (``mpnb::multi_tensor_scale``,
+    ``mpnb::update_loss_scale_``), so modes and the profiler see them.
+    """
+    if not kernel_ready() or torch.compiler.is_compiling():
+        return False
+    fn = _CALLERS.get("@unscale_grads")
+    if fn is None:  # decided once, as op_caller decides for each op
+        module = _loaded_module()
+        off = module is None or os.environ.get("MPNB_DIRECT_CALL") == "0"
+        fn = _CALLERS["@unscale_grads"] = _never if off else module.unscale_grads
+    return fn(params, found_inf, inv_scale, update)
+
+
+def _never(*args) -> bool:
+    return False
