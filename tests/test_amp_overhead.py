@@ -91,11 +91,12 @@ def test_kernel_calls_per_step_do_not_grow_with_the_params(level):
             ops.pop("empty", None)
     assert small == big
     # amp's kernels of a step (SGD's own foreach op and record_function markers aside): clear
-    # the flag, scale the loss, one unscale (O2: grads into masters), the scale update and its
-    # inverse, and under O2 one master -> model copy. No .item(): the host read is a .tolist().
+    # the flag, scale the loss, one unscale (O2: grads into masters), the scale update (rule,
+    # clamp and inverse in one op), and under O2 one master -> model copy. No .item(): the host
+    # read is a .tolist().
     amp_ops = {k: v for k, v in big.items() if not k.startswith(("_record_function", "_foreach"))}
     assert amp_ops == {"zero_": 1, "mul": 1, "multi_tensor_scale": 2 if level == "O2" else 1,
-                       "update_scale_hysteresis": 1, "reciprocal": 1}
+                       "update_loss_scale_": 1}
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -123,7 +124,7 @@ def test_fused_optimizer_step_is_constant_too():
 
     small, big = _amp_ops("O2", 10, fused), _amp_ops("O2", 80, fused)
     assert small == big
-    assert big["update_scale_hysteresis"] == 1 and big["_local_scalar_dense"] == 0
+    assert big["update_loss_scale_"] == 1 and big["_local_scalar_dense"] == 0
 
 
 def test_param_groups_added_after_initialize_get_masters():
@@ -168,3 +169,42 @@ def test_overflow_flag_survives_a_later_block_of_the_same_scaler():
     ob.step()
     assert torch.equal(ma.weight, a0)  # overflowed: skipped
     assert not torch.equal(mb.weight, b0)
+
+
+@pytest.mark.parametrize("loss_scale", ["dynamic", 128.0])
+def test_one_call_exit_trains_bitwise_like_the_python_path(monkeypatch, loss_scale):
+    # The common scale_loss exit is one C++ call (unscale + scale update); the Python path
+    # (two calls) is what it replaces. Overflows, skips, backoff and growth must match bitwise.
+    from mpnb.core.ops import _registry
+
+    def run(one_call: bool):
+        if not one_call:
+            monkeypatch.setitem(_registry._CALLERS, "@unscale_grads", _registry._never)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", EmulatedHalfWarning)
+            model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
+                                        verbosity=0, loss_scale=loss_scale)
+        amp.current_handle().scalers[0].scale_window = 3
+        g = torch.Generator().manual_seed(1)
+        scales = []
+        for i in range(12):
+            x = torch.randn(4, 6, generator=g)
+            opt.zero_grad()
+            bad = loss_scale == "dynamic" and i in (4, 5, 9)  # a static scale never skips
+            loss = model(x).float().pow(2).mean() * (float("inf") if bad else 1.0)
+            with amp.scale_loss(loss, opt) as scaled:
+                scaled.backward()
+            opt.step()
+            scales.append(amp.current_handle().scalers[0].loss_scale())
+        monkeypatch.undo()
+        return [p.detach().clone() for p in model.parameters()], scales
+
+    (fast, fast_scales), (slow, slow_scales) = run(True), run(False)
+    assert fast_scales == slow_scales
+    if loss_scale == "dynamic":
+        assert len(set(fast_scales)) > 2  # backed off and grew
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)

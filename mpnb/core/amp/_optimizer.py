@@ -15,7 +15,7 @@ import torch
 
 from mpnb.core.amp._skip import drop_grads, is_torch_optim, snapshot
 from mpnb.core.amp.scaler import LossScaler
-from mpnb.core.ops._registry import read_grads
+from mpnb.core.ops._registry import any_grad, read_grads, unscale_grads
 
 __all__ = ["OptimizerAmp"]
 
@@ -136,10 +136,9 @@ class OptimizerAmp:
             self._adopt_new_groups(opt)  # add_param_group after amp.initialize
         if self.pending_delay or self.fused:
             return
-        grads = read_grads(self.own)
-        if all(map(is_, grads, repeat(None))):  # the common case: zero_grad() left every grad None
+        if not any_grad(self.own):  # the common case: zero_grad() left every grad None
             return
-        for i, (p, g) in enumerate(zip(self.own, grads, strict=True)):
+        for i, (p, g) in enumerate(zip(self.own, read_grads(self.own), strict=True)):
             if g is not None:
                 self._stash[i], p.grad = g, None
                 self._stashed = True
@@ -178,8 +177,30 @@ class OptimizerAmp:
         torch.maximum(self.step_flag, scaler.found_inf, out=self.step_flag)
         self._flag = self.step_flag
 
+    def unscale_and_update(self, scaler: LossScaler) -> bool:
+        """The common ``scale_loss`` exit in one C++ call: unscale, then the scale update.
+
+        Taken when this optimizer is the block's only one, its grads unscale in place (no
+        fp32 masters of amp's, no fused seam, nothing stashed from an earlier backward, no
+        delay) and its overflow flag is not yet set this step. Returns False, having done
+        nothing, otherwise; the caller then runs :meth:`after_backward` and
+        :meth:`LossScaler.update`.
+        """
+        if (self.fused or self.masters or self._stashed or self._flag is not None
+                or not self.own or not self._own_one_dtype):
+            return False
+        if not unscale_grads(self.own, scaler.found_inf, scaler.inv_scale, scaler.update_args()):
+            return False
+        if scaler not in self.used:
+            self.used.append(scaler)
+        self.pending_delay = False
+        self._flag = scaler.lend_flag(self)
+        return True
+
     def _unscale_own(self, scaler: LossScaler) -> None:
         if not self._stashed:  # the common case: one backward per step, a fast path
+            if unscale_grads(self.own, scaler.found_inf, scaler.inv_scale):
+                return  # read and unscaled in C++: one kernel call, no Python grad objects
             grads = read_grads(self.own, drop_none=True)
             # Autograd gives a grad its param's dtype and layout: dense params, dense grads.
             if not self._own_dense:

@@ -73,11 +73,13 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None,
         ...     scaled_loss.backward()
         >>> optimizer.step()          # skipped (bitwise) if the grads overflowed
     """
-    opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
     if registry.latest is None:
         raise ValueError("amp.scale_loss called before amp.initialize; call `model, optimizer "
                          "= amp.initialize(model, optimizer, opt_level=...)` first.")
-    found = [registry.lookup(o) for o in opts]
+    if not isinstance(optimizers, (list, tuple)):  # the common case: one optimizer
+        handle, st = registry.lookup(optimizers)
+        return handle.scale_loss(loss, [st], loss_id, delay_unscale)
+    found = [registry.lookup(o) for o in optimizers]
     handle = found[0][0]
     if any(h is not handle for h, _ in found):
         raise ValueError("amp.scale_loss: the optimizers come from different amp.initialize "

@@ -50,6 +50,8 @@ class _ScaleLossBlock:
         if exc_type is not None or scaler is None:
             return False  # the exception propagates; nothing is unscaled
         alone = len(self.states) == 1
+        if alone and not self.delay and self.states[0].unscale_and_update(scaler):
+            return False  # the common case: unscale and scale update in one call
         for st in self.states:
             st.after_backward(scaler, self.delay, alone)
         if not self.delay and any(not st.fused for st in self.states):

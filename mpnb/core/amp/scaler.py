@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mpnb.core.ops import multi_tensor_scale, update_scale_hysteresis
+from mpnb.core.ops import multi_tensor_scale, update_loss_scale_
 
 __all__ = ["LossScaler", "LossScaleCollapseError"]
 
@@ -66,7 +66,7 @@ class LossScaler:
         self.scale_factor, self.scale_window = float(scale_factor), int(scale_window)
         self.min_loss_scale, self.max_loss_scale = min_loss_scale, max_loss_scale
         self.max_skips_at_min = max_skips_at_min
-        dev = torch.device(device)
+        dev = self._device = torch.device(device)
         # scale, inv_scale and found_inf are views of one buffer: a step reads them in one go.
         self._packed = torch.zeros(3, dtype=torch.float32, device=dev)
         self.scale, self.inv_scale, self.found_inf = self._packed.split(1)
@@ -76,7 +76,6 @@ class LossScaler:
         self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=dev)
         self.hysteresis_tracker = torch.ones(1, dtype=torch.int32, device=dev)
         self.skips_at_min = 0
-        self._known_range = (first, first)  # host bounds of the device scale, see update()
 
     @property
     def floor(self) -> float:
@@ -89,6 +88,8 @@ class LossScaler:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """``loss.float() * scale`` on the device (no sync)."""
+        if loss.dtype is torch.float32 and loss.device == self._device:
+            return loss * self.scale
         return loss.float() * self.scale.to(loss.device)
 
     def clear_overflow(self) -> None:
@@ -97,7 +98,8 @@ class LossScaler:
         An optimizer whose only unscale this step was by this scaler uses ``found_inf`` as its
         step flag instead of copying it (one kernel less per step); it gets a copy here first.
         """
-        self._release_flag()
+        if self._borrowers:
+            self._release_flag()
         self.found_inf.zero_()
 
     def lend_flag(self, borrower) -> torch.Tensor:
@@ -106,10 +108,9 @@ class LossScaler:
         return self.found_inf
 
     def _release_flag(self) -> None:
-        if self._borrowers:
-            for b in self._borrowers:
-                b.own_flag()
-            self._borrowers.clear()
+        for b in self._borrowers:
+            b.own_flag()
+        self._borrowers.clear()
 
     def read(self) -> tuple[float, float]:
         """``(found_inf, scale)`` as Python floats: a host sync (once per step, see handle)."""
@@ -141,30 +142,32 @@ class LossScaler:
     def update(self, found_inf: torch.Tensor | None = None) -> None:
         """Apex's dynamic update from ``found_inf`` (default: this scaler's), on the device.
 
-        The clamp to ``[min_loss_scale, max_loss_scale]`` is launched only when it can change
-        the scale: the host keeps bounds of the device scale (exact after each step's sync,
-        widened by ``scale_factor`` per update), so most steps cost two kernel calls.
+        One call of :func:`mpnb.core.ops.update_loss_scale_`: the hysteresis rule, the clamp
+        to ``[min_loss_scale, max_loss_scale]`` and ``inv_scale = 1 / scale``.
         """
         if not self.dynamic:
             return
         flag = self.found_inf if found_inf is None else found_inf
-        update_scale_hysteresis(self.scale, self.growth_tracker, self.hysteresis_tracker, flag,
-                                self.scale_factor, 1.0 / self.scale_factor, self.scale_window, 1)
-        f = max(self.scale_factor, 1.0 / self.scale_factor)
-        lo_known, hi_known = self._known_range[0] / f, self._known_range[1] * f
         lo = 0.0 if self.min_loss_scale is None else float(self.min_loss_scale)
-        if lo_known < lo or hi_known > self.max_loss_scale:
-            self.scale.clamp_(lo, float(self.max_loss_scale))
-            lo_known, hi_known = max(lo_known, lo), min(hi_known, float(self.max_loss_scale))
-        self._known_range = (lo_known, hi_known)
-        torch.reciprocal(self.scale, out=self.inv_scale)
+        update_loss_scale_(self.scale, self.inv_scale, self.growth_tracker,
+                           self.hysteresis_tracker, flag, self.scale_factor,
+                           1.0 / self.scale_factor, self.scale_window, 1, lo,
+                           float(self.max_loss_scale))
+
+    def update_args(self) -> tuple | None:
+        """What :meth:`update` passes to ``update_loss_scale_`` besides ``inv_scale`` and the
+        flag, in :func:`mpnb.core.ops._registry.unscale_grads`'s order; None when static."""
+        if not self.dynamic:
+            return None
+        lo = 0.0 if self.min_loss_scale is None else float(self.min_loss_scale)
+        return (self.scale, self.growth_tracker, self.hysteresis_tracker, self.scale_factor,
+                1.0 / self.scale_factor, self.scale_window, 1, lo, float(self.max_loss_scale))
 
     def note_step(self, skipped: bool, scale: float) -> None:
         """Count skipped steps at the floor; raise once there are ``max_skips_at_min`` in a row.
 
         ``skipped`` and ``scale`` are host values the caller read in its one sync of the step.
         """
-        self._known_range = (scale, scale)
         if not skipped or not self.dynamic or scale > self.floor:
             self.skips_at_min = 0
             return
@@ -200,4 +203,3 @@ class LossScaler:
         self.hysteresis_tracker.fill_(int(state.get("hysteresis_tracker", 1)))
         self.skips_at_min = int(state.get("skips_at_min", 0))
         self.clear_overflow()
-        self._known_range = (float(state["loss_scale"]),) * 2
