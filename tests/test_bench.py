@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -126,6 +127,29 @@ def test_run_case_rows_and_roles():
 def test_unreachable_target_is_a_miss():
     rows = run_case(_tiny_case(target=1e9), Options.make(quick=True, rounds=1))
     assert rows[1].status == "MISS"
+
+
+def test_max_extra_is_the_time_added_to_the_baseline():
+    import time
+
+    def sleeper(s):
+        def f():
+            t = time.perf_counter()
+            while time.perf_counter() - t < s:
+                pass
+        return f
+
+    case = Case("c", "w", [Candidate("base", sleeper(200e-6)),
+                           Candidate("adds 300us", sleeper(500e-6), max_extra_s=1e-3),
+                           Candidate("adds 300us, tight", sleeper(500e-6), max_extra_s=100e-6)],
+                min_rounds=6)
+    rows = run_case(case, Options.make(rounds=2, warmup=1, round_time=0.004))
+    assert all(r.rounds == 6 for r in rows)  # min_rounds raised the rounds outside --quick
+    assert 250e-6 < rows[1].extra_s < 600e-6 and rows[0].extra_s is None
+    assert (rows[1].status, rows[2].status) == ("PASS", "MISS")
+    assert re.search(r"\+\d+\.\dus \(<=1000\)", format_rows(rows).splitlines()[3])
+    quick = run_case(case, Options.make(quick=True, rounds=1))
+    assert quick[0].rounds == 1  # --quick keeps its own round count
 
 
 def test_no_bandwidth_baselines_without_bytes():

@@ -23,7 +23,7 @@ hidden warm-up calls to every measurement and defaults to one thread.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -65,6 +65,9 @@ class Candidate:
         target: the speed-up over the case's baseline this candidate must reach (``1.7`` for
             "at least 1.7x faster"), or None.
         bw_target: the fraction of the same-run bandwidth baseline it must reach (``0.85``).
+        max_extra_s: the time it may add to the baseline's, in seconds (the median over rounds
+            of this minus the baseline), for a candidate that does the baseline's work plus its
+            own (``50e-6``: "at most 50 us on top"), or None.
     """
 
     name: str
@@ -73,6 +76,7 @@ class Candidate:
     access: str = RMW
     target: float | None = None
     bw_target: float | None = None
+    max_extra_s: float | None = None
 
 
 @dataclass
@@ -86,6 +90,8 @@ class Case:
         bandwidth_numel: fp32 elements of the same-run bandwidth baselines (usually the
             workload's element count); 0 runs none.
         device: where the bandwidth buffers live (the candidates' tensors are the suite's).
+        min_rounds: rounds this case takes at least (outside ``--quick``): a time difference
+            (``max_extra_s``) of a few percent of the times needs more rounds than a ratio.
     """
 
     name: str
@@ -93,6 +99,7 @@ class Case:
     candidates: Sequence[Candidate]
     bandwidth_numel: int = 0
     device: str = "cpu"
+    min_rounds: int = 0
 
     @property
     def label(self) -> str:
@@ -143,7 +150,8 @@ class Row:
     ``role`` is ``"baseline"``, ``"candidate"`` or ``"bandwidth"``. Times are seconds per
     call; ``ratio`` is the median of per-round ``baseline / this`` (above 1: faster than
     PyTorch) and ``ratio_iqr`` its spread; ``bw_frac`` is the median per-round fraction of
-    the ``bw_ref`` bandwidth; ``status`` is ``"PASS"``/``"MISS"`` against the targets, or ``""``;
+    the ``bw_ref`` bandwidth; ``extra_s`` is the median per-round time above the baseline's;
+    ``status`` is ``"PASS"``/``"MISS"`` against the targets, or ``""``;
     ``preempt_per_call`` counts the OS's involuntary context switches of the process per call
     (well above 0: the machine is contended and a parallel region waited for a preempted thread).
     """
@@ -165,6 +173,8 @@ class Row:
     bw_ref: str = ""
     bw_frac: float | None = None
     bw_target: float | None = None
+    extra_s: float | None = None
+    extra_target_s: float | None = None
     status: str = ""
     preempt_per_call: float = 0.0
     times_s: tuple[float, ...] = ()
@@ -200,6 +210,8 @@ def _status(row: Row) -> str:
         checks.append(row.ratio >= row.target)
     if row.bw_target is not None and row.bw_frac is not None:
         checks.append(row.bw_frac >= row.bw_target)
+    if row.extra_target_s is not None and row.extra_s is not None:
+        checks.append(row.extra_s <= row.extra_target_s)
     return "" if not checks else ("PASS" if all(checks) else "MISS")
 
 
@@ -210,6 +222,8 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
     """
     if not case.candidates:
         raise ValueError(f"case {case.label!r} has no candidates.")
+    if case.min_rounds > opts.rounds and not opts.quick:
+        opts = replace(opts, rounds=case.min_rounds)
     bw = _bandwidth_candidates(case)
     cands = [*case.candidates, *bw.values()]
     times, numbers, preempted = time_rounds(cands, opts)
@@ -236,6 +250,8 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
         if role == "candidate":
             row.ratio, row.ratio_iqr = ratio_summary(base_t, t)
             row.target = c.target
+            row.extra_s = median([x - b for x, b in zip(t, base_t, strict=True)])
+            row.extra_target_s = c.max_extra_s
         if c.bytes:
             row.gbps = c.bytes / row.median_s / 1e9
             if c.access in bw_t:

@@ -101,6 +101,8 @@ def _fmt_ratio(row: Row) -> str:
         return "1 (base)"
     if row.ratio is None:
         return ""
+    if row.extra_target_s is not None and row.extra_s is not None:
+        return f"+{row.extra_s * 1e6:.1f}us (<={row.extra_target_s * 1e6:g})"
     text = f"{row.ratio:.2f}x"
     return f"{text} (>={row.target:g})" if row.target is not None else text
 
@@ -119,7 +121,7 @@ _COLUMNS = (  # title, width, cell
     ("candidate", 38, lambda r: r.candidate),
     ("median", 9, lambda r: _fmt_time(r.median_s)),
     ("spread", 7, lambda r: f"{100 * r.iqr_s / r.median_s:.0f}%" if r.median_s else ""),
-    ("vs PyTorch", 16, _fmt_ratio),
+    ("vs PyTorch", 17, _fmt_ratio),
     ("GB/s", 6, lambda r: f"{r.gbps:.1f}" if r.gbps is not None else ""),
     ("% bw", 11, _fmt_bw),
     ("status", 6, lambda r: r.status),
