@@ -145,14 +145,12 @@ class LossScaler:
         One call of :func:`mpnb.core.ops.update_loss_scale_`: the hysteresis rule, the clamp
         to ``[min_loss_scale, max_loss_scale]`` and ``inv_scale = 1 / scale``.
         """
-        if not self.dynamic:
+        args = self.update_args()
+        if args is None:
             return
+        scale, growth, hyst, *rule = args
         flag = self.found_inf if found_inf is None else found_inf
-        lo = 0.0 if self.min_loss_scale is None else float(self.min_loss_scale)
-        update_loss_scale_(self.scale, self.inv_scale, self.growth_tracker,
-                           self.hysteresis_tracker, flag, self.scale_factor,
-                           1.0 / self.scale_factor, self.scale_window, 1, lo,
-                           float(self.max_loss_scale))
+        update_loss_scale_(scale, self.inv_scale, growth, hyst, flag, *rule)
 
     def update_args(self) -> tuple | None:
         """What :meth:`update` passes to ``update_loss_scale_`` besides ``inv_scale`` and the
