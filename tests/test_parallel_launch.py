@@ -123,3 +123,27 @@ def test_example_script_runs_under_torchrun_and_plain_python(how):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env, cwd=ROOT)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     assert "params identical across ranks: True" in proc.stdout
+
+
+def _world_size():
+    return dist.get_world_size()
+
+
+def test_under_torchrun_launch_tears_down_the_group_it_made(monkeypatch):
+    # A gloo group alive at interpreter exit can abort the rank from gloo's threads
+    # ("terminate called without an active exception"): launch destroys the group it made,
+    # and leaves one the caller made to the caller.
+    port = launch_mod.free_port()
+    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                     MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    assert launch_mod.under_torchrun()
+    assert launch(_world_size, 1, backend="gloo", timeout=60) == [1]
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", rank=0, world_size=1,
+                            init_method=f"tcp://127.0.0.1:{launch_mod.free_port()}")
+    try:
+        assert launch(_world_size, 1, backend="gloo") == [1]
+        assert dist.is_initialized()
+    finally:
+        dist.destroy_process_group()

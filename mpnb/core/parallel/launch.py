@@ -104,6 +104,7 @@ def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, conn) -> No
             timeout=datetime.timedelta(seconds=timeout),
         )
         out = fn(*args)
+        dist.barrier()  # every rank done with the group before any tears it down
         conn.send_bytes(_by_value(("ok", rank, out)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
         msg = ("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc())
@@ -200,9 +201,18 @@ def launch(
         raise ValueError(f"launch: nprocs must be at least 1, got {nprocs}.")
     backend = backend or _default_backend()
     if under_torchrun():
-        if not dist.is_initialized():
-            dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-        return [fn(*args)]
+        if dist.is_initialized():
+            return [fn(*args)]  # the caller's group: the caller tears it down
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
+        out = fn(*args)
+        # A group left alive at interpreter exit aborts the process from gloo's threads
+        # ("terminate called without an active exception"), and no rank may close its
+        # connections while another still talks on them: all meet, then all tear down.
+        # (After an exception the group is left alone: tearing it down while the other
+        # ranks sit in a collective would hang; torchrun stops them.)
+        dist.barrier()
+        dist.destroy_process_group()
+        return [out]
     if dist.is_initialized():
         raise RuntimeError(
             "launch: this process is already in a process group; launch starts new ranks. "
