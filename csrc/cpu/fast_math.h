@@ -1,12 +1,16 @@
 // Vectorized exp for kernels whose arguments are at most ~0 (softmax after max subtraction).
 //
-// softmax_exp(x) = 2^n * p(r), n = round(x / ln 2), r = x - n ln 2 (Cody-Waite, two steps),
-// p a degree-6 polynomial fitted for relative error on [-ln2/2, ln2/2]. Error: at most ~1.3 ulp
-// of the correctly rounded exp on [-87.33, 0] (measured against fp64 exp on 2M points). Below
-// ln(FLT_MIN) = -87.33 (and for -inf) the result is exactly 0, not a subnormal, as ATen's
-// exp_u20 does; NaN propagates. Arguments above ~88.7 are not supported (the softmax kernels
-// never pass them: x - max(x) <= 0). 15 vector ops per register against ~20 for exp_u20 (whose
-// degree-5 polynomial is good to ~2.3 ulp) and ~40 for Sleef's 1-ulp exp.
+// softmax_exp(x) = 2^k * 2^(j/8) * e^r with n = 8k + j = round(8 x / ln 2) and r = x - n ln2/8
+// (Cody-Waite, two steps; |r| <= ln2/16). 2^(j/8) comes from an 8-entry table held in one
+// register (one vpermps, indexed by the low bits of n), 2^k is added into its exponent field,
+// and e^r - 1 = r (1 + c2 r + c3 r^2) is a degree-3 polynomial fitted for relative error on
+// [-ln2/16, ln2/16] (2.6e-8); the result is t + t (e^r - 1) with t = 2^k 2^(j/8), one rounding.
+// Error: at most 1.15 ulp of the correctly rounded exp on [-87.33, 0] (measured against fp64
+// exp at every float in [-1, 0] and every 7th below). Below ln(FLT_MIN) = -87.33 (and for -inf)
+// the result is exactly 0, not a subnormal, as ATen's exp_u20 does; NaN propagates. Arguments
+// above ~88.7 are not supported (the softmax kernels never pass them: x - max(x) <= 0).
+// 7 multiply-add-pipe ops per register (the limit of the softmax forward on AVX2) against 11
+// for a degree-6 polynomial on [-ln2/2, ln2/2], ~15 for exp_u20 and ~30 for Sleef's 1-ulp exp.
 // fp64 uses ATen's exp (Sleef, 1 ulp).
 //
 // Also here: empty_output_like, the output allocation of the layer kernels (norm.h, softmax.h).
@@ -30,22 +34,25 @@ inline at::vec::Vectorized<double> softmax_exp(const at::vec::Vectorized<double>
 inline at::vec::Vectorized<float> softmax_exp(const at::vec::Vectorized<float>& x) {
 #if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
   const __m256 v = x;
+  // 2^(j/8), j = 0..7, each rounded to nearest fp32
+  const __m256 table = _mm256_setr_ps(1.0f, 1.0905077326652577f, 1.1892071150027210f,
+                                      1.2968395546510096f, 1.4142135623730951f, 1.5422108254079407f,
+                                      1.6817928305074290f, 1.8340080864093424f);
   const __m256 magic = _mm256_set1_ps(12582912.0f);  // 1.5 * 2^23: round to integer
-  const __m256 t = _mm256_fmadd_ps(v, _mm256_set1_ps(1.44269504088896341f), magic);
+  const __m256 t = _mm256_fmadd_ps(v, _mm256_set1_ps(11.541560327111707f), magic);  // 8 / ln 2
   const __m256 n = _mm256_sub_ps(t, magic);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), v);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 p = _mm256_set1_ps(0.001384413568302989f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.008374152705073357f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.04166799411177635f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.16666431725025177f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(0.4999999403953552f));
+  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f / 8), v);  // ln2/8, high part exact
+  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f / 8), r);
+  // t's low mantissa bits hold n (two's complement): its low 3 bits pick the table entry, the
+  // rest (shifted into the exponent field) is k.
+  const __m256i ti = _mm256_castps_si256(t);
+  const __m256i k = _mm256_and_si256(_mm256_slli_epi32(ti, 20), _mm256_set1_epi32(int(0xFF800000u)));
+  const __m256 scale = _mm256_castsi256_ps(
+      _mm256_add_epi32(_mm256_castps_si256(_mm256_permutevar8x32_ps(table, ti)), k));
+  __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(0.16666874f), r, _mm256_set1_ps(0.50006455f));
   p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
-  // t's low mantissa bits hold n (two's complement): (n + 127) << 23 is 2^n.
-  const __m256i e = _mm256_add_epi32(_mm256_slli_epi32(_mm256_castps_si256(t), 23),
-                                     _mm256_set1_epi32(127 << 23));
-  const __m256 y = _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+  p = _mm256_mul_ps(p, r);  // e^r - 1
+  const __m256 y = _mm256_fmadd_ps(p, scale, scale);
   const __m256 tiny = _mm256_cmp_ps(v, _mm256_set1_ps(-87.33654475f), _CMP_LT_OQ);
   return _mm256_andnot_ps(tiny, y);
 #else

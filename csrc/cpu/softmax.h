@@ -1,11 +1,13 @@
 // Apex's fused scaled (masked) softmax on the CPU (the kernels behind FusedScaleMaskSoftmax).
 //
-// Softmax runs over the last dim; one thread owns whole rows. Forward: one pass reads the row,
-// scales and masks it into an fp32 scratch row (in L1/L2) tracking the max; a second pass
-// exponentiates in the scratch and sums; a third writes the normalized row. So each element is
-// read from memory once and written once. Masked elements become -10000 after scaling (as
-// Apex and Megatron do, so a fully masked row is uniform); the upper-triangular (causal)
-// variant has no mask tensor: row i keeps columns 0..i and writes zeros after them.
+// Softmax runs over the last dim; one thread owns whole rows. Forward: one pass reads the row
+// from memory for its max; a second exponentiates it (scaled, masked, shifted) into an fp32
+// scratch row (in L1/L2) and sums; the normalized row is written during the next row's second
+// pass (two scratch rows per thread), so the output's streaming stores overlap the exp
+// arithmetic, the bound of this kernel on AVX2. Each element is read from memory once and
+// written once. Masked elements become -10000 after scaling (as Apex and Megatron do, so a fully
+// masked row is uniform); the upper-triangular (causal) variant has no mask tensor: row i keeps
+// columns 0..i and writes zeros after them.
 // Backward, shared by every variant: dx = scale * y * (dy - sum(dy * y)), reading y and dy once
 // and writing dx once (the second pass finds the row in cache).
 #pragma once
@@ -71,6 +73,27 @@ inline void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec
   b = dVec::loadu(da + dVec::size());
 }
 
+// Lanes whose mask byte is nonzero set to 0: the exp of a masked score, when that underflows
+// (see softmax_exp_pass). Bitwise and-ing after the exp takes no multiply-add port, which the
+// blend before it (apply_mask) does on AVX2, where the exp alone keeps those ports busy.
+inline void zero_masked(const uint8_t* m, int64_t n, fVec& a, fVec& b) {
+#if defined(CPU_CAPABILITY_AVX2)
+  alignas(16) uint8_t buf[16] = {0};
+  const uint8_t* src = m;
+  if (n < 16) { std::memcpy(buf, m, n); src = buf; }
+  const __m128i keep = _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)),
+                                      _mm_setzero_si128());
+  a = _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_cvtepi8_epi32(keep)));
+  b = _mm256_and_ps(b, _mm256_castsi256_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(keep, 8))));
+#else
+  apply_mask(m, n, a, b, fVec(0.0f));
+#endif
+}
+
+inline void zero_masked(const uint8_t* m, int64_t n, dVec& a, dVec& b) {
+  apply_mask(m, n, a, b, dVec(0.0));
+}
+
 // Lanes k.. of a block (a, b) set to v.
 template <typename V>
 inline void pad_lanes(V& a, V& b, int64_t k, const V& v) {
@@ -106,57 +129,105 @@ inline acc_t<T> row_max(const T* __restrict x, int64_t L, int64_t n) {
   return at::vec::vec_reduce_all<Acc>([](V& p, V& q) { return at::vec::maximum(p, q); }, h);
 }
 
-// Pass 2 of softmax_row: buf = exp(x * scale - shift) over [0, L), masked lanes
-// exp(-10000 - shift), lanes past L (to the end of L's block) zero; returns the sum. The block
-// holding L is loaded whole when the row (n) has it: no partial (memcpy) load in causal rows.
-// Prefetches the next row (xn, mn).
+// A finished row waiting for its normalized write, y[0:Lp) = buf[0:Lp) * inv and y[Lp:n) = 0.
+// Its full blocks are written during the next row's exp pass (see softmax_fwd_kernel); `done`
+// counts the elements written so far.
 template <typename T>
+struct PendingRow {
+  T* y = nullptr;
+  const acc_t<T>* buf = nullptr;
+  acc_t<T> inv = 0;
+  int64_t Lp = 0, n = 0, done = 0;
+  bool interleave = false;  // its blocks may be written one by one (aligned, or not streaming)
+};
+
+// The normalized block j of a pending row.
+template <typename T>
+inline void pending_block(const PendingRow<T>& p, int64_t j, Vectorized<acc_t<T>>& a,
+                          Vectorized<acc_t<T>>& b) {
+  using V = Vectorized<acc_t<T>>;
+  const V inv(p.inv);
+  a = V::loadu(p.buf + j) * inv;
+  b = V::loadu(p.buf + j + V::size()) * inv;
+}
+
+// The rest of a pending row: the blocks from `done` on, then the zeros after Lp.
+template <typename T>
+inline void finish_row(const PendingRow<T>& p, bool stream) {
+  using Acc = acc_t<T>;
+  using V = Vectorized<Acc>;
+  write_blocks<T, Acc>(p.y + p.done, p.Lp - p.done, stream, [&](int64_t j, int64_t, V& a, V& b) {
+    pending_block(p, p.done + j, a, b);
+  });
+  write_zeros<T, Acc>(p.y + p.Lp, p.n - p.Lp, stream);
+}
+
+// Pass 2 of a row: buf = exp(x * scale - shift) over [0, L), masked lanes exp(-10000 - shift),
+// lanes past L (to the end of L's block) zero; returns the sum. The block holding L is loaded
+// whole when the row (n) has it: no partial (memcpy) load in causal rows. Prefetches the next
+// row (xn, mn), and writes the pending row's full blocks as it goes (pend, may be null): the
+// streaming stores of one row drain while the exp of the next keeps the arithmetic busy.
+// kZero: masked lanes are zeroed after the exp instead of set to -10000 - shift before it, the
+// same values whenever exp(-10000 - shift) underflows to 0 (the caller checks).
+template <typename T, bool kZero>
 inline acc_t<T> softmax_exp_pass(const T* __restrict x, const uint8_t* __restrict mask,
                                  acc_t<T>* __restrict buf, int64_t L, int64_t n, acc_t<T> scale,
-                                 acc_t<T> shift, const T* xn, const uint8_t* mn) {
+                                 acc_t<T> shift, const T* xn, const uint8_t* mn,
+                                 PendingRow<T>* pend, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
   constexpr int64_t K = IOT::kWidth;
   const V vs(scale), vm(-shift), fill(static_cast<Acc>(kMaskedValue) - shift);
   const V ninf(-std::numeric_limits<Acc>::infinity());
-  V s0(Acc(0)), s1(Acc(0)), a, b;
+  const int64_t pend_end = pend && pend->interleave ? pend->Lp / K * K : 0;
+  T* const py = pend ? pend->y : nullptr;
+  V s0(Acc(0)), s1(Acc(0)), a, b, c, d;
   int64_t j = 0;
   for (; j + K <= L; j += K) {
     if (xn) prefetch_next(xn + j);
     if (mn && j % 64 == 0) prefetch_next(mn + j);
     IOT::load(x + j, a, b);
     a = at::vec::fmadd(a, vs, vm); b = at::vec::fmadd(b, vs, vm);
-    if (mask) apply_mask(mask + j, K, a, b, fill);
+    if (mask && !kZero) apply_mask(mask + j, K, a, b, fill);
     a = softmax_exp(a); b = softmax_exp(b);
+    if (mask && kZero) zero_masked(mask + j, K, a, b);
     a.store(buf + j); b.store(buf + j + V::size());
     s0 = s0 + a; s1 = s1 + b;
+    if (j < pend_end) {
+      pending_block(*pend, j, c, d);
+      if (stream) IOT::stream(py + j, c, d); else IOT::store(py + j, c, d);
+    }
   }
+  if (pend) pend->done = std::min(j, pend_end);
   if (j < L) {
     const int64_t k = L - j, kl = std::min<int64_t>(K, n - j);
     if (kl == K) IOT::load(x + j, a, b); else IOT::load(x + j, kl, a, b);
     a = at::vec::fmadd(a, vs, vm); b = at::vec::fmadd(b, vs, vm);
-    if (mask) apply_mask(mask + j, k, a, b, fill);
+    if (mask && !kZero) apply_mask(mask + j, k, a, b, fill);
     pad_lanes(a, b, k, ninf);  // exp(-inf) = 0
     a = softmax_exp(a); b = softmax_exp(b);
+    if (mask && kZero) zero_masked(mask + j, k, a, b);
     a.store(buf + j); b.store(buf + j + V::size());
     s0 = s0 + a; s1 = s1 + b;
   }
   return static_cast<Acc>(hsum(s0 + s1));
 }
 
-// One row: y[0:L) = softmax(x[0:L) * scale, masked), y[L:n) = 0.
+// One row: buf[0:L) = exp(x[0:L) * scale - shift, masked), zero to the end of L's block; returns
+// the sum (the caller writes y = buf / sum). Finishes the pending row (pend, may be null).
 //
 // Pass 1 reads the row from memory and finds its largest (smallest for scale < 0) element: the
-// shift m = max(x * scale) follows without the mask, and with a mask m' = max(m, -10000) is an upper
-// bound of the masked row's max. Pass 2 (in cache) computes e = exp(x * scale - m') with masked
-// lanes at -10000 - m' into an fp32 scratch row and sums it; pass 3 writes e / sum. Softmax does
-// not depend on the shift, and an upper bound is exact unless it lies far above the masked max
-// (the unmasked entries underflow): when the sum is below 2^-20 (m' more than 13.9 above it,
-// e.g. a fully masked row) pass 2 runs again with the exact masked max.
+// shift m = max(x * scale) follows without the mask, and with a mask m' = max(m, -10000) is an
+// upper bound of the masked row's max. Pass 2 (in cache) computes e = exp(x * scale - m') with
+// masked lanes at -10000 - m' into the fp32 scratch row and sums it. Softmax does not depend on
+// the shift, and an upper bound is exact unless it lies far above the masked max (the unmasked
+// entries underflow): when the sum is below 2^-20 (m' more than 13.9 above it, e.g. a fully
+// masked row) pass 2 runs again with the exact masked max.
 template <typename T>
-inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_t n, acc_t<T> scale,
-                        acc_t<T>* buf, const T* xn, const uint8_t* mn, bool stream) {
+inline acc_t<T> softmax_row(const T* x, const uint8_t* mask, int64_t L, int64_t n, acc_t<T> scale,
+                            acc_t<T>* buf, const T* xn, const uint8_t* mn, PendingRow<T>* pend,
+                            bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
@@ -168,7 +239,11 @@ inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_
   };
   Acc shift = scale >= Acc(0) ? row_max<T, false>(x, L, n) * scale : -row_max<T, true>(x, L, n) * scale;
   if (mask) shift = std::max(shift, static_cast<Acc>(kMaskedValue));
-  Acc sum = softmax_exp_pass<T>(x, mask, buf, L, n, scale, shift, xn, mn);
+  // exp(-10000 - shift) is exactly 0 (fp32 and fp64) when -10000 - shift < -800
+  const bool zero = mask && static_cast<Acc>(kMaskedValue) - shift < Acc(-800);
+  Acc sum = zero ? softmax_exp_pass<T, true>(x, mask, buf, L, n, scale, shift, xn, mn, pend, stream)
+                 : softmax_exp_pass<T, false>(x, mask, buf, L, n, scale, shift, xn, mn, pend, stream);
+  if (pend) finish_row(*pend, stream);
   if (mask && sum < Acc(1.0 / (1 << 20))) {  // rare: the exact masked max
     const V vs(scale), fill(static_cast<Acc>(kMaskedValue));
     V m0 = ninf, m1 = ninf;
@@ -180,16 +255,11 @@ inline void softmax_row(const T* x, const uint8_t* mask, T* y, int64_t L, int64_
       if (k < K) pad_lanes(a, b, k, ninf);
       m0 = at::vec::maximum(m0, a); m1 = at::vec::maximum(m1, b);
     }
-    sum = softmax_exp_pass<T>(x, mask, buf, L, n, scale, vmax_all(at::vec::maximum(m0, m1)),
-                              nullptr, nullptr);
+    sum = softmax_exp_pass<T, false>(x, mask, buf, L, n, scale,
+                                     vmax_all(at::vec::maximum(m0, m1)), nullptr, nullptr, nullptr,
+                                     stream);
   }
-  const V inv(static_cast<Acc>(1.0 / static_cast<double>(sum)));
-  const int64_t Lp = std::min<int64_t>(n, (L + K - 1) / K * K);  // buf is 0 in [L, Lp)
-  write_blocks<T, Acc>(y, Lp, stream, [&](int64_t j, int64_t, V& p, V& q) {
-    p = V::loadu(buf + j) * inv;
-    q = V::loadu(buf + j + V::size()) * inv;
-  });
-  write_zeros<T, Acc>(y + Lp, n - Lp, stream);
+  return sum;
 }
 
 // Rows of length sk; mask rows found through (b, h, i) strides (mask last dim contiguous).
@@ -203,6 +273,9 @@ struct MaskView {
   }
 };
 
+// Each thread keeps two scratch rows: row r's exponentials are normalized and written while row
+// r + 1's are computed (software pipelining), so the output's streaming stores overlap the exp
+// arithmetic instead of following it.
 template <typename T>
 void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale, const MaskView& mv,
                         bool causal, int64_t sq) {
@@ -211,13 +284,26 @@ void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sk, 1));
   const bool stream = stream_output<T>(rows * sk);
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
-    std::vector<Acc> buf(((sk + K - 1) / K) * K + K);
+    const int64_t width = ((sk + K - 1) / K) * K + K;
+    std::vector<Acc> bufs(2 * width);
+    Acc* cur = bufs.data();
+    Acc* prev = cur + width;
+    PendingRow<T> pend;
+    bool pending = false;
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t L = causal ? std::min<int64_t>(r % sq + 1, sk) : sk;
-      const bool next = r + 1 < rows;
-      softmax_row<T>(X + r * sk, mv.row(r), Y + r * sk, L, sk, static_cast<Acc>(scale), buf.data(),
-                     next ? X + (r + 1) * sk : nullptr, next ? mv.row(r + 1) : nullptr, stream);
+      const bool next = r + 1 < r1;
+      const Acc sum = softmax_row<T>(X + r * sk, mv.row(r), L, sk, static_cast<Acc>(scale), cur,
+                                     next ? X + (r + 1) * sk : nullptr, next ? mv.row(r + 1) : nullptr,
+                                     pending ? &pend : nullptr, stream);
+      T* y = Y + r * sk;
+      pend = {y, cur, static_cast<Acc>(1.0 / static_cast<double>(sum)),
+              std::min<int64_t>(sk, (L + K - 1) / K * K), sk, 0,  // buf is 0 in [L, Lp)
+              !stream || align_head(y, sk) == 0};
+      pending = true;
+      std::swap(cur, prev);
     }
+    if (pending) finish_row(pend, stream);
     if (stream) stream_fence();
   });
 }
