@@ -104,6 +104,19 @@ def test_fp32_exp_accuracy(kernels):
     assert (y[ref < 1e-38] == 0).all()
 
 
+def test_fp32_exp_ulp_error(kernels):
+    # A row [v, 0] with v < -17: the shift is 0 and 1 + exp(v) rounds to 1 in fp32, so the
+    # first output is the kernel's exp(v) itself, unrounded by the division. fast_math.h's
+    # table exp is within 1.15 ulp of the correctly rounded exp.
+    v = torch.linspace(-87.3, -17.0, 200_003, dtype=torch.float64).float()
+    x = torch.stack([v, torch.zeros_like(v)], -1).view(1, 1, -1, 2)
+    got = scaled_softmax(x, 1.0)[..., 0].flatten().double()
+    ref = torch.exp(v.double())
+    ulp = (torch.nextafter(ref.float(), torch.tensor(float("inf"))).double() - ref.float().double())
+    err = ((got - ref).abs() / ulp).max().item()
+    assert err <= 1.2, f"exp error {err:.3f} ulp"
+
+
 @pytest.mark.parametrize("dtype", (torch.float32, torch.float64), ids=ids)
 def test_masked_shift_far_above_row(kernels, dtype):
     # Masked scores far above the unmasked ones (the kernel shifts by the unmasked bound first,
