@@ -1,4 +1,4 @@
-"""Package discovery only (metadata lives in pyproject.toml); pure Python, no torch at build time."""
+"""Package discovery only (metadata lives in pyproject.toml); pure Python, no torch at build."""
 
 from setuptools import find_packages, setup
 

@@ -25,11 +25,15 @@ from mpnb.parallel import DistributedDataParallel, convert_syncbn_model, launch
 def train(steps: int) -> dict:
     """One rank's training loop; returns its last loss and whether it matches rank 0."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    dev = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
+    dev = (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend() == "nccl"
         else torch.device("cpu")
+    )
     torch.manual_seed(0)  # the same initial model everywhere (DDP also broadcasts rank 0's)
-    net = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32),
-                              torch.nn.ReLU(), torch.nn.Linear(32, 4))
+    net = torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.BatchNorm1d(32), torch.nn.ReLU(), torch.nn.Linear(32, 4)
+    )
     net = convert_syncbn_model(net).to(dev)
     opt = FusedAdam(net.parameters(), lr=1e-2)
     with warnings.catch_warnings():
@@ -49,8 +53,10 @@ def train(steps: int) -> dict:
     dist.broadcast(ref, src=0)
     same = bool(torch.equal(flat, ref))
     if rank == 0 or not same:
-        print(f"rank {rank}/{world}: loss {loss.item():.4f}, params identical across ranks: "
-              f"{same}", flush=True)
+        print(
+            f"rank {rank}/{world}: loss {loss.item():.4f}, params identical across ranks: {same}",
+            flush=True,
+        )
     return {"rank": rank, "loss": loss.item(), "identical": same}
 
 

@@ -27,7 +27,7 @@ _PREFIX = "apex"
 
 
 def _target(fullname: str) -> str:
-    return "mpnb" + fullname[len(_PREFIX):]
+    return "mpnb" + fullname[len(_PREFIX) :]
 
 
 class ApexAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -52,7 +52,9 @@ class ApexAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
             raise ModuleNotFoundError(
                 f"No module named {fullname!r}: the Apex alias maps it to {real!r}, which this "
                 f"mpnb does not provide (yet). Check `python -c 'import {real}'`, or remove this "
-                "import from the script.", name=fullname)
+                "import from the script.",
+                name=fullname,
+            )
         is_pkg = found.submodule_search_locations is not None
         return importlib.machinery.ModuleSpec(fullname, self, is_package=is_pkg)
 
@@ -76,7 +78,8 @@ class ApexAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         if existing is not None and not getattr(existing, "__name__", "").startswith("mpnb"):
             raise RuntimeError(
                 "mpnb.compat.apex_alias: a real 'apex' package is already imported; call "
-                "apex_alias() before anything imports apex, or uninstall that apex.")
+                "apex_alias() before anything imports apex, or uninstall that apex."
+            )
         if self not in sys.meta_path:
             sys.meta_path.insert(0, self)
         self.installed = True

@@ -9,6 +9,11 @@ bash scripts/setup-browser.sh
 . .venv/bin/activate
 mpnb build-ext
 
+# The format gate: lint and formatting of the whole tree (code, tests, notebooks).
+echo "scripts/test.sh: ruff check + ruff format --check"
+ruff check .
+ruff format --check .
+
 # pytest exit code 5 (nothing collected) is a failure, not a pass.
 run_pytest() {
   set +e

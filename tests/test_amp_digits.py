@@ -27,8 +27,13 @@ class _CNN(torch.nn.Module):
     def __init__(self):
         super().__init__()
         self.body = torch.nn.Sequential(
-            torch.nn.Conv2d(1, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
-            torch.nn.MaxPool2d(2), torch.nn.Flatten(), torch.nn.Linear(8 * 16, 10))
+            torch.nn.Conv2d(1, 8, 3, padding=1),
+            torch.nn.BatchNorm2d(8),
+            torch.nn.ReLU(),
+            torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(),
+            torch.nn.Linear(8 * 16, 10),
+        )
 
     def forward(self, x):
         return self.body(x.view(-1, 1, 8, 8))
@@ -39,8 +44,7 @@ def _accuracy(make, level):
     torch.manual_seed(0)
     model = make()
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
-    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
-                                verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
     g = torch.Generator().manual_seed(1)
     for _ in range(STEPS):
         idx = torch.randint(0, len(xtr), (BATCH,), generator=g)

@@ -40,8 +40,9 @@ def _setup(level, layers, opt_cls=None):
     make = opt_cls or (lambda p: torch.optim.SGD(p, lr=1e-3, foreach=True))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedHalfWarning)
-        model, opt = amp.initialize(model, make(model.parameters()), opt_level=level,
-                                    half_dtype=torch.bfloat16, verbosity=0)
+        model, opt = amp.initialize(
+            model, make(model.parameters()), opt_level=level, half_dtype=torch.bfloat16, verbosity=0
+        )
     params = list(model.parameters())
     grads = [torch.full_like(p, 2.0) for p in params]
     loss = torch.ones(())
@@ -95,8 +96,12 @@ def test_kernel_calls_per_step_do_not_grow_with_the_params(level):
     # clamp and inverse in one op), and under O2 one master -> model copy. No .item(): the host
     # read is a .tolist().
     amp_ops = {k: v for k, v in big.items() if not k.startswith(("_record_function", "_foreach"))}
-    assert amp_ops == {"zero_": 1, "mul": 1, "multi_tensor_scale": 2 if level == "O2" else 1,
-                       "update_loss_scale_": 1}
+    assert amp_ops == {
+        "zero_": 1,
+        "mul": 1,
+        "multi_tensor_scale": 2 if level == "O2" else 1,
+        "update_loss_scale_": 1,
+    }
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
@@ -134,8 +139,9 @@ def test_param_groups_added_after_initialize_get_masters():
     model = torch.nn.Sequential(a, b)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedHalfWarning)
-        model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16,
-                                    verbosity=0)
+        model, opt = amp.initialize(
+            model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0
+        )
     opt.add_param_group({"params": list(b.parameters())})
     before = b.weight.detach().clone()
     loss = model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum()
@@ -157,8 +163,9 @@ def test_overflow_flag_survives_a_later_block_of_the_same_scaler():
     oa, ob = (torch.optim.SGD(m.parameters(), lr=0.1) for m in (ma, mb))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedHalfWarning)
-        (ma, mb), (oa, ob) = amp.initialize([ma, mb], [oa, ob], opt_level="O1",
-                                            half_dtype=torch.bfloat16, verbosity=0)
+        (ma, mb), (oa, ob) = amp.initialize(
+            [ma, mb], [oa, ob], opt_level="O1", half_dtype=torch.bfloat16, verbosity=0
+        )
     loss = torch.ones(())
     for model, bad in ((ma, True), (mb, False)):
         with amp.scale_loss(loss, oa if model is ma else ob):
@@ -185,8 +192,14 @@ def test_one_call_exit_trains_bitwise_like_the_python_path(monkeypatch, loss_sca
         opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", EmulatedHalfWarning)
-            model, opt = amp.initialize(model, opt, opt_level="O1", half_dtype=torch.bfloat16,
-                                        verbosity=0, loss_scale=loss_scale)
+            model, opt = amp.initialize(
+                model,
+                opt,
+                opt_level="O1",
+                half_dtype=torch.bfloat16,
+                verbosity=0,
+                loss_scale=loss_scale,
+            )
         amp.current_handle().scalers[0].scale_window = 3
         g = torch.Generator().manual_seed(1)
         scales = []

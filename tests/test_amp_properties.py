@@ -13,8 +13,9 @@ HALVES = [torch.bfloat16, torch.float16]
 
 
 def _net():
-    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6),
-                               torch.nn.ReLU(), torch.nn.Linear(6, 2))
+    return torch.nn.Sequential(
+        torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.ReLU(), torch.nn.Linear(6, 2)
+    )
 
 
 def _init(level, half=torch.bfloat16, **kw):
@@ -64,21 +65,26 @@ def test_dtypes_of_params_buffers_masters_outputs(level, half):
     assert out.dtype == (half if level == "O1" else torch.float32)
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(opt_level="O4"), ["O0, O1, O2, O3"]),
-    (dict(opt_level="02"), ["letter O"]),
-    (dict(opt_level="O2", keep_batchnorm_fp32="yes"), ["True, False"]),
-    (dict(opt_level="O1", master_weights=True), ["O1", "O2"]),
-    (dict(opt_level="O1", keep_batchnorm_fp32=True), ["keep_batchnorm_fp32"]),
-    (dict(opt_level="O1", cast_model_type=torch.float16), ["cast_model_type"]),
-    (dict(opt_level="O2", loss_scale=-1), ["dynamic", "positive"]),
-    (dict(opt_level="O2", loss_scale="auto"), ["dynamic"]),
-    (dict(opt_level="O2", half_dtype=torch.float64), ["torch.float16", "torch.bfloat16"]),
-    (dict(opt_level="O2", half_dtype=torch.bfloat16, cast_model_type=torch.float16),
-     ["conflicts"]),
-    (dict(opt_level="O0", master_weights=True), ["master_weights"]),
-    (dict(opt_level="O2", num_losses=0), ["num_losses"]),
-])
+@pytest.mark.parametrize(
+    "kw, words",
+    [
+        (dict(opt_level="O4"), ["O0, O1, O2, O3"]),
+        (dict(opt_level="02"), ["letter O"]),
+        (dict(opt_level="O2", keep_batchnorm_fp32="yes"), ["True, False"]),
+        (dict(opt_level="O1", master_weights=True), ["O1", "O2"]),
+        (dict(opt_level="O1", keep_batchnorm_fp32=True), ["keep_batchnorm_fp32"]),
+        (dict(opt_level="O1", cast_model_type=torch.float16), ["cast_model_type"]),
+        (dict(opt_level="O2", loss_scale=-1), ["dynamic", "positive"]),
+        (dict(opt_level="O2", loss_scale="auto"), ["dynamic"]),
+        (dict(opt_level="O2", half_dtype=torch.float64), ["torch.float16", "torch.bfloat16"]),
+        (
+            dict(opt_level="O2", half_dtype=torch.bfloat16, cast_model_type=torch.float16),
+            ["conflicts"],
+        ),
+        (dict(opt_level="O0", master_weights=True), ["master_weights"]),
+        (dict(opt_level="O2", num_losses=0), ["num_losses"]),
+    ],
+)
 def test_invalid_input_names_the_choices(kw, words):
     m = _net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
@@ -151,8 +157,9 @@ def test_fp16_on_cpu_warns_once_and_bf16_does_not():
 def test_bf16_unsupported_device_raises_with_reason(monkeypatch):
     import mpnb.core.amp._initialize as init
 
-    monkeypatch.setattr(init, "half_support", lambda d: {"bfloat16": "unsupported",
-                                                          "float16": "native"})
+    monkeypatch.setattr(
+        init, "half_support", lambda d: {"bfloat16": "unsupported", "float16": "native"}
+    )
     monkeypatch.setattr(init, "cuda_info", lambda i: {"name": "Tesla V100", "capability": "7.0"})
     with pytest.raises(ValueError, match="7.0.*8.0.*float16"):
         HardwareCheck()(torch.device("cuda", 0), torch.bfloat16)

@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 
-SCRIPT = textwrap.dedent('''
+SCRIPT = textwrap.dedent("""
     import sys, warnings
     import torch
     from mpnb import amp
@@ -52,20 +52,20 @@ SCRIPT = textwrap.dedent('''
     torch.save({"params": [t.clone() for t in model.state_dict().values()],
                 "masters": [p.detach().clone() for p in amp.master_params(opt)],
                 "opt": opt.state_dict()["state"], "amp": amp.state_dict()}, path + "." + mode)
-''')
+""")
 
 
 def _run(tmp_path, *args):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    r = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True,
-                       timeout=300)
+    r = subprocess.run(
+        [sys.executable, str(script), *args], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stderr[-3000:]
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("level, half", [("O2", "bfloat16"), ("O1", "bfloat16"),
-                                         ("O2", "float16")])
+@pytest.mark.parametrize("level, half", [("O2", "bfloat16"), ("O1", "bfloat16"), ("O2", "float16")])
 def test_resume_in_fresh_process_is_bitwise(tmp_path, level, half):
     path, k = str(tmp_path / "run"), "4"
     _run(tmp_path, "full", level, half, path, k)

@@ -118,14 +118,18 @@ def _step(m, opt, scale_by=1.0, loss_id=0):
 def _snapshot(m, opt):
     params = [p.detach().clone() for p in (*m.parameters(), *m.buffers())]
     masters = [p.detach().clone() for p in amp.master_params(opt)]
-    state = {k: (v.clone() if torch.is_tensor(v) else v)
-             for st in opt.state.values() for k, v in st.items()}
+    state = {
+        k: (v.clone() if torch.is_tensor(v) else v)
+        for st in opt.state.values()
+        for k, v in st.items()
+    }
     return params, masters, [opt.state[p] for p in amp.master_params(opt)], state
 
 
 def _bitwise_equal(a, b):
-    return len(a) == len(b) and all(torch.equal(x, y) and x.dtype == y.dtype
-                                    for x, y in zip(a, b, strict=False))
+    return len(a) == len(b) and all(
+        torch.equal(x, y) and x.dtype == y.dtype for x, y in zip(a, b, strict=False)
+    )
 
 
 class PlainSGD(torch.optim.Optimizer):
@@ -249,8 +253,7 @@ def test_fused_optimizer_seam(level):
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_mpnb_fused_adam_through_the_seam(level):
     optimizers = pytest.importorskip("mpnb.optimizers")
-    m, opt = _setup(level, torch.bfloat16,
-                    opt_cls=lambda p, lr: optimizers.FusedAdam(p, lr=lr))
+    m, opt = _setup(level, torch.bfloat16, opt_cls=lambda p, lr: optimizers.FusedAdam(p, lr=lr))
     h = amp.current_handle()
     _step(m, opt)
     if level == "O2":

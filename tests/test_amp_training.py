@@ -135,8 +135,9 @@ def test_lr_scheduler_with_o2_changes_the_masters_lr():
         deltas.append(((before - opt.param_groups[0]["params"][0]) / g).nanmean().item())
     assert deltas == pytest.approx([1.0, 0.5, 0.25], rel=1e-3)
     assert m[0].weight.dtype == torch.bfloat16
-    torch.testing.assert_close(m[0].weight.float(), opt.param_groups[0]["params"][0],
-                               rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(
+        m[0].weight.float(), opt.param_groups[0]["params"][0], rtol=1e-2, atol=1e-2
+    )
 
 
 @pytest.mark.parametrize("half", HALVES)
@@ -170,9 +171,13 @@ def test_o1_casts_and_disable_casts_and_decorators(half):
     m.register_forward_hook(fwd_hook)
     m = _init(m, None, "O1", half)
     assert m(torch.randn(2, 4)).dtype == half
-    assert seen == {"float": (torch.float32, torch.float32), "half": half,
-                    "promote": (torch.float32, torch.float32), "disabled": torch.float32,
-                    "plain": half}
+    assert seen == {
+        "float": (torch.float32, torch.float32),
+        "half": half,
+        "promote": (torch.float32, torch.float32),
+        "disabled": torch.float32,
+        "plain": half,
+    }
     f16(torch.ones(1))  # outside O1 the wrappers change nothing
     assert seen["half"] == torch.float32
 

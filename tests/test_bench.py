@@ -137,12 +137,19 @@ def test_max_extra_is_the_time_added_to_the_baseline():
             t = time.perf_counter()
             while time.perf_counter() - t < s:
                 pass
+
         return f
 
-    case = Case("c", "w", [Candidate("base", sleeper(200e-6)),
-                           Candidate("adds 300us", sleeper(500e-6), max_extra_s=1e-3),
-                           Candidate("adds 300us, tight", sleeper(500e-6), max_extra_s=100e-6)],
-                min_rounds=6)
+    case = Case(
+        "c",
+        "w",
+        [
+            Candidate("base", sleeper(200e-6)),
+            Candidate("adds 300us", sleeper(500e-6), max_extra_s=1e-3),
+            Candidate("adds 300us, tight", sleeper(500e-6), max_extra_s=100e-6),
+        ],
+        min_rounds=6,
+    )
     rows = run_case(case, Options.make(rounds=2, warmup=1, round_time=0.004))
     assert all(r.rounds == 6 for r in rows)  # min_rounds raised the rounds outside --quick
     assert 250e-6 < rows[1].extra_s < 600e-6 and rows[0].extra_s is None

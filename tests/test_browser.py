@@ -73,19 +73,34 @@ def lab(tmp_path):
     labconfig = tmp_path / "config" / "labconfig"
     labconfig.mkdir(parents=True)
     (labconfig / "page_config.json").write_text(
-        '{"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": true}}')
+        '{"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": true}}'
+    )
     port, token = _free_port(), secrets.token_hex(16)
-    env = dict(os.environ, JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
-               JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"))
-    cmd = [sys.executable, "-m", "jupyter", "lab", "--no-browser", "--allow-root",
-           "--ServerApp.ip=127.0.0.1", f"--ServerApp.port={port}",
-           "--ServerApp.port_retries=0", f"--IdentityProvider.token={token}",
-           f"--ServerApp.root_dir={tmp_path}", "--LabApp.expose_app_in_browser=True",
-           "--LabApp.news_url=None", "--LabApp.check_for_updates_class="
-           "jupyterlab.NeverCheckForUpdate"]
+    env = dict(
+        os.environ,
+        JUPYTER_CONFIG_DIR=str(tmp_path / "config"),
+        JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),
+    )
+    cmd = [
+        sys.executable,
+        "-m",
+        "jupyter",
+        "lab",
+        "--no-browser",
+        "--allow-root",
+        "--ServerApp.ip=127.0.0.1",
+        f"--ServerApp.port={port}",
+        "--ServerApp.port_retries=0",
+        f"--IdentityProvider.token={token}",
+        f"--ServerApp.root_dir={tmp_path}",
+        "--LabApp.expose_app_in_browser=True",
+        "--LabApp.news_url=None",
+        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate",
+    ]
     log = open(tmp_path / "server.log", "w")  # noqa: SIM115 - closed below
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, cwd=tmp_path, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         base = f"http://127.0.0.1:{port}"
         _wait_http(f"{base}/api/status?token={token}", proc, timeout=90)
@@ -102,17 +117,22 @@ def lab(tmp_path):
 
 
 def _run_all_and_wait(page, timeout_ms: int) -> None:
-    page.wait_for_function("() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext.session"
-                           " && window.jupyterapp.shell.currentWidget.sessionContext.session"
-                           ".kernel", timeout=120_000)
+    page.wait_for_function(
+        "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
+        " && window.jupyterapp.shell.currentWidget.sessionContext"
+        " && window.jupyterapp.shell.currentWidget.sessionContext.session"
+        " && window.jupyterapp.shell.currentWidget.sessionContext.session"
+        ".kernel",
+        timeout=120_000,
+    )
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
     # the last cell prints "... history rows" once everything above it has passed
     page.locator(".jp-OutputArea-output pre:has-text('history rows')").first.wait_for(
-        timeout=timeout_ms)
-    errors = page.locator(".jp-OutputArea-output[data-mime-type="
-                          "'application/vnd.jupyter.stderr']:has-text('Error')")
+        timeout=timeout_ms
+    )
+    errors = page.locator(
+        ".jp-OutputArea-output[data-mime-type='application/vnd.jupyter.stderr']:has-text('Error')"
+    )
     assert errors.count() == 0, errors.first.inner_text()[:2000]
 
 
@@ -132,8 +152,9 @@ def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
     base, token = lab
     console_errors: list[str] = []
     with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=CHROMIUM, headless=True,
-                                    args=["--no-sandbox", "--disable-gpu"])
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
+        )
         try:
             page = browser.new_page(viewport={"width": 1400, "height": 1000})
             page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
@@ -157,7 +178,8 @@ def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
             # the Speed chart (plotly) has one bar per configuration, labelled on the x axis
             for name in CONFIGS:
                 widget.locator(f".js-plotly-plot .xtick text:text-is('{name}')").first.wait_for(
-                    timeout=60_000)
+                    timeout=60_000
+                )
             bars = widget.locator(".js-plotly-plot .bars path").count()
             assert bars >= len(CONFIGS), f"speed chart shows {bars} bars"
             widget.scroll_into_view_if_needed()

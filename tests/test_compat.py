@@ -29,12 +29,15 @@ def test_alias_resolves_and_is_removed_on_exit():
         import apex  # noqa: F401
 
 
-@pytest.mark.parametrize("name, real", [
-    ("apex.optimizers", "mpnb.optimizers"),
-    ("apex.normalization", "mpnb.normalization"),
-    ("apex.parallel", "mpnb.parallel"),
-    ("apex.does_not_exist", "mpnb.does_not_exist"),
-])
+@pytest.mark.parametrize(
+    "name, real",
+    [
+        ("apex.optimizers", "mpnb.optimizers"),
+        ("apex.normalization", "mpnb.normalization"),
+        ("apex.parallel", "mpnb.parallel"),
+        ("apex.does_not_exist", "mpnb.does_not_exist"),
+    ],
+)
 def test_missing_modules_name_the_mpnb_module(name, real):
     import importlib
     import importlib.util
@@ -49,7 +52,8 @@ def test_missing_modules_name_the_mpnb_module(name, real):
 
 def test_python_m_mpnb_apex_runs_unchanged_script(tmp_path):
     script = tmp_path / "apex_train.py"
-    script.write_text(textwrap.dedent("""
+    script.write_text(
+        textwrap.dedent("""
         import sys
         import torch
         from apex import amp
@@ -61,11 +65,17 @@ def test_python_m_mpnb_apex_runs_unchanged_script(tmp_path):
             scaled_loss.backward()
         optimizer.step()
         print("OK", sys.argv[1:], model.weight.dtype, __name__)
-    """))
-    r = subprocess.run([sys.executable, "-m", "mpnb.apex", str(script), "O2", "x"],
-                       capture_output=True, text=True, timeout=120)
+    """)
+    )
+    r = subprocess.run(
+        [sys.executable, "-m", "mpnb.apex", str(script), "O2", "x"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 0, r.stderr[-2000:]
     assert "OK ['O2', 'x'] torch.bfloat16 __main__" in r.stdout
-    r = subprocess.run([sys.executable, "-m", "mpnb.apex"], capture_output=True, text=True,
-                       timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "mpnb.apex"], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2 and "usage" in r.stderr

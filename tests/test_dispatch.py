@@ -279,8 +279,13 @@ def _params(n=6, dtype=torch.bfloat16, seed=0):
 
 def _scaler_state(scale=1024.0):
     scale_t = torch.tensor([scale])
-    return (torch.zeros(1), torch.reciprocal(scale_t), scale_t,
-            torch.zeros(1, dtype=torch.int32), torch.ones(1, dtype=torch.int32))
+    return (
+        torch.zeros(1),
+        torch.reciprocal(scale_t),
+        scale_t,
+        torch.zeros(1, dtype=torch.int32),
+        torch.ones(1, dtype=torch.int32),
+    )
 
 
 def test_any_grad_matches_python_reads():

@@ -10,8 +10,7 @@ HALVES = [torch.bfloat16, torch.float16]
 
 def _net(half):
     torch.manual_seed(0)
-    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6),
-                              torch.nn.Linear(6, 2))
+    net = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
     return fu.convert_network(net, half)
 
 
@@ -20,8 +19,9 @@ def test_network_helpers(half):
     net = _net(half)
     assert net[0].weight.dtype == half and net[1].weight.dtype == torch.float32
     assert net[1].running_mean.dtype == torch.float32
-    wrapped = fu.network_to_half(torch.nn.Sequential(torch.nn.Linear(2, 2),
-                                                     torch.nn.BatchNorm1d(2)), half)
+    wrapped = fu.network_to_half(
+        torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.BatchNorm1d(2)), half
+    )
     assert wrapped(torch.randn(3, 2)).dtype == half
     assert wrapped[1][1].weight.dtype == torch.float32
     model_p, master_p = fu.prep_param_lists(net)
@@ -60,12 +60,15 @@ def test_loss_scalers_apex_rules():
 @pytest.mark.parametrize("dynamic", [False, True])
 def test_fp16_optimizer_trains_like_fp32(half, dynamic):
     net = _net(half)
-    ref = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6),
-                              torch.nn.Linear(6, 2))
+    ref = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6), torch.nn.Linear(6, 2))
     ref.load_state_dict({k: v.float() for k, v in net.state_dict().items()})
-    opt = fu.FP16_Optimizer(torch.optim.SGD(net.parameters(), lr=0.1),
-                            static_loss_scale=128.0, dynamic_loss_scale=dynamic,
-                            dynamic_loss_args={"init_scale": 2.0**10}, verbose=False)
+    opt = fu.FP16_Optimizer(
+        torch.optim.SGD(net.parameters(), lr=0.1),
+        static_loss_scale=128.0,
+        dynamic_loss_scale=dynamic,
+        dynamic_loss_args={"init_scale": 2.0**10},
+        verbose=False,
+    )
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     x = torch.randn(8, 4)
     for _ in range(3):
@@ -85,8 +88,9 @@ def test_fp16_optimizer_trains_like_fp32(half, dynamic):
 
 def test_fp16_optimizer_overflow_skips_and_state_dict_and_scheduler():
     net = _net(torch.bfloat16)
-    opt = fu.FP16_Optimizer(torch.optim.Adam(net.parameters(), lr=0.1),
-                            dynamic_loss_scale=True, verbose=False)
+    opt = fu.FP16_Optimizer(
+        torch.optim.Adam(net.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False
+    )
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1, gamma=0.5)
     x = torch.randn(4, 4, dtype=torch.bfloat16)
     opt.zero_grad()
@@ -101,12 +105,15 @@ def test_fp16_optimizer_overflow_skips_and_state_dict_and_scheduler():
     assert opt.clip_master_grads(1.0) == -1
     opt.step()
     assert opt.loss_scale == scale / 2
-    assert all(torch.equal(a, b) for a, b in
-               zip(before, [p for g in opt.param_groups for p in g["params"]], strict=False))
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(before, [p for g in opt.param_groups for p in g["params"]], strict=False)
+    )
     sd = opt.state_dict()
     net2 = _net(torch.bfloat16)
-    opt2 = fu.FP16_Optimizer(torch.optim.Adam(net2.parameters(), lr=0.1),
-                             dynamic_loss_scale=True, verbose=False)
+    opt2 = fu.FP16_Optimizer(
+        torch.optim.Adam(net2.parameters(), lr=0.1), dynamic_loss_scale=True, verbose=False
+    )
     opt2.load_state_dict(sd)
     assert opt2.loss_scale == opt.loss_scale
     for a, b in zip(opt.fp32_from_fp16_groups[0], opt2.fp32_from_fp16_groups[0], strict=False):

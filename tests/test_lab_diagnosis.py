@@ -46,8 +46,13 @@ def test_trace_overflow_bf16_has_fp32_range():
 def test_underflow_report_flushes_less_with_a_larger_scale():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 4))
-    r = mpnb.lab.underflow_report(model, torch.randn(4, 8), loss_fn=lambda o: o.mean() * 1e-6,
-                                  dtype=torch.float16, loss_scale=(1.0, 2.0**16))
+    r = mpnb.lab.underflow_report(
+        model,
+        torch.randn(4, 8),
+        loss_fn=lambda o: o.mean() * 1e-6,
+        dtype=torch.float16,
+        loss_scale=(1.0, 2.0**16),
+    )
     s = r.summary.set_index("loss_scale")
     assert s.loc[1.0, "flushed"] > 0.1 and s.loc[2.0**16, "flushed"] == 0
     assert r.histogram["count"].sum() == s.loc[1.0, "nonzero"]
@@ -58,8 +63,14 @@ def test_underflow_report_flushes_less_with_a_larger_scale():
 def test_profile_phases_modules_flops_ops():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
-    r = mpnb.lab.profile(model, torch.randn(16, 32), opt_levels=("O0", "O1", "O2"),
-                         half_dtype="bf16", steps=2, warmup=1)
+    r = mpnb.lab.profile(
+        model,
+        torch.randn(16, 32),
+        opt_levels=("O0", "O1", "O2"),
+        half_dtype="bf16",
+        steps=2,
+        warmup=1,
+    )
     assert r.errors == {}
     assert set(r.phases.phase) == set(PHASES) and (r.phases.time_ms >= 0).all()
     o1 = r.modules[r.modules.opt_level == "O1"].set_index("module")

@@ -15,12 +15,12 @@ def _close(a, b, rel=0.01):
 
 def test_known_allocations_peak_and_dedup():
     with MemoryTracker() as m:
-        a = torch.empty(MIB // 4)                       # 1 MiB fp32
-        v = a.view(512, -1)                             # a view: no new bytes
-        a.add_(1.0)                                     # in place: no new bytes
+        a = torch.empty(MIB // 4)  # 1 MiB fp32
+        v = a.view(512, -1)  # a view: no new bytes
+        a.add_(1.0)  # in place: no new bytes
         b = torch.zeros(MIB // 2, dtype=torch.bfloat16)  # 1 MiB bf16
-        del b                                           # freed: the peak stays 2 MiB
-        c = torch.ones(MIB // 8)                        # 0.5 MiB
+        del b  # freed: the peak stays 2 MiB
+        c = torch.ones(MIB // 8)  # 0.5 MiB
     assert _close(m.peak_bytes, 2 * MIB)
     assert m.breakdown()["activations"] == m.peak_bytes
     del a, v, c
@@ -76,7 +76,7 @@ def test_o2_reports_half_params_and_fp32_masters(half):
     with MemoryTracker(model, opt) as m:
         _step(model, opt, x)
     bd = m.breakdown()
-    assert _close(bd["params"], 2 * n)          # half model params
+    assert _close(bd["params"], 2 * n)  # half model params
     assert _close(bd["master_weights"], 4 * n)  # fp32 masters in param_groups
     assert _close(bd["optimizer_state"], 8 * n)
 

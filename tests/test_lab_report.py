@@ -14,8 +14,14 @@ from mpnb.lab.html_report import CHARTS
 
 @pytest.fixture(scope="module")
 def df():
-    w = workloads.custom(_Fragile, _data(), nn.functional.cross_entropy, workloads.accuracy,
-                         metric_name="accuracy", batch_size=16)
+    w = workloads.custom(
+        _Fragile,
+        _data(),
+        nn.functional.cross_entropy,
+        workloads.accuracy,
+        metric_name="accuracy",
+        batch_size=16,
+    )
     return mpnb.lab.compare(w, steps=6, progress=False, threads=1)  # O2/O3 are error rows
 
 
@@ -47,14 +53,41 @@ def test_report_rejects_a_foreign_frame(tmp_path):
 @pytest.mark.slow
 def test_cli_compare_prints_the_table_and_writes_the_report(tmp_path, capsys):
     out = tmp_path / "report.html"
-    rc = main(["compare", "--workload", "mlp", "--opt-levels", "O0,O2", "--steps", "6",
-               "--threads", "1", "--no-progress", "--out", str(out)])
+    rc = main(
+        [
+            "compare",
+            "--workload",
+            "mlp",
+            "--opt-levels",
+            "O0,O2",
+            "--steps",
+            "6",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--out",
+            str(out),
+        ]
+    )
     text = capsys.readouterr().out
     assert rc == 0 and out.exists()
     assert "O0 fp32 b64" in text and "O2 bf16 b64" in text and "vs O0" in text
     assert "hardware:" in text
-    rc = main(["compare", "--opt-levels", "O0", "--steps", "4", "--threads", "1",
-               "--no-progress", "--out", "", "--json"])
+    rc = main(
+        [
+            "compare",
+            "--opt-levels",
+            "O0",
+            "--steps",
+            "4",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--out",
+            "",
+            "--json",
+        ]
+    )
     rows = json.loads(capsys.readouterr().out)["rows"]
     assert rc == 0 and rows[0]["configuration"] == "O0 fp32 b64"
 

@@ -23,19 +23,41 @@ def _tiny():
 
 
 def _tiny_workload(**kw):
-    return workloads.custom(_tiny, _data(), nn.functional.cross_entropy, workloads.accuracy,
-                            eval_data=_data(128, 1), metric_name="accuracy", lr=1e-2,
-                            batch_size=16, **kw)
+    return workloads.custom(
+        _tiny,
+        _data(),
+        nn.functional.cross_entropy,
+        workloads.accuracy,
+        eval_data=_data(128, 1),
+        metric_name="accuracy",
+        lr=1e-2,
+        batch_size=16,
+        **kw,
+    )
 
 
 def test_every_column_for_every_level_bf16_and_fp16():
     # SGD: pure-fp16 Adam (O3) diverges here, which the next tests cover as an error row.
-    df = mpnb.lab.compare(_tiny_workload(), half_dtype=("bf16", "fp16"), steps=8,
-                          optimizer="sgd", progress=False, threads=1)
+    df = mpnb.lab.compare(
+        _tiny_workload(),
+        half_dtype=("bf16", "fp16"),
+        steps=8,
+        optimizer="sgd",
+        progress=False,
+        threads=1,
+    )
     assert list(df.columns) == list(COLUMNS)
     assert sorted(df.configuration) == sorted(
-        ["O0 fp32 b16", "O1 bf16 b16", "O2 bf16 b16", "O3 bf16 b16", "O1 fp16 b16",
-         "O2 fp16 b16", "O3 fp16 b16"])
+        [
+            "O0 fp32 b16",
+            "O1 bf16 b16",
+            "O2 bf16 b16",
+            "O3 bf16 b16",
+            "O1 fp16 b16",
+            "O2 fp16 b16",
+            "O3 fp16 b16",
+        ]
+    )
     assert (df.error == "").all(), df.error.tolist()
     numeric = [c for c in COLUMNS if c.endswith(("_ms", "_mib", "_s", "_O0", "loss", "metric"))]
     for c in numeric:
@@ -67,8 +89,14 @@ class _Fragile(nn.Module):
 
 
 def test_failing_configuration_is_an_error_row_and_others_run():
-    w = workloads.custom(_Fragile, _data(), nn.functional.cross_entropy, workloads.accuracy,
-                         metric_name="accuracy", batch_size=16)
+    w = workloads.custom(
+        _Fragile,
+        _data(),
+        nn.functional.cross_entropy,
+        workloads.accuracy,
+        metric_name="accuracy",
+        batch_size=16,
+    )
     df = mpnb.lab.compare(w, steps=5, progress=False, threads=1).set_index("opt_level")
     assert df.loc["O0", "error"] == "" and df.loc["O1", "error"] == ""
     for lvl in ("O2", "O3"):
@@ -92,10 +120,17 @@ def test_nan_divergence_is_an_error_row_with_its_history():
 
 
 def test_loss_scale_dict_history_records_skipped_steps():
-    df = mpnb.lab.compare(_tiny_workload(), opt_levels=("O0", "O2"), half_dtype="fp16",
-                          steps=10, progress=False, threads=1,
-                          loss_scale=dict(init_scale=2.0**24, growth_factor=2.0,
-                                          backoff_factor=0.125, growth_interval=1000))
+    df = mpnb.lab.compare(
+        _tiny_workload(),
+        opt_levels=("O0", "O2"),
+        half_dtype="fp16",
+        steps=10,
+        progress=False,
+        threads=1,
+        loss_scale=dict(
+            init_scale=2.0**24, growth_factor=2.0, backoff_factor=0.125, growth_interval=1000
+        ),
+    )
     row = df.set_index("opt_level").loc["O2"]
     assert row.error == "" and row.skipped_steps >= 1
     hist = df.attrs["history"]
@@ -120,8 +155,9 @@ def test_bad_requests_raise_before_running():
 
 @pytest.mark.slow
 def test_isolate_runs_each_configuration_in_a_subprocess():
-    df = mpnb.lab.compare("mlp", opt_levels=("O0",), steps=4, progress=False, threads=1,
-                          isolate=True)  # one subprocess: each pays for importing torch
+    df = mpnb.lab.compare(
+        "mlp", opt_levels=("O0",), steps=4, progress=False, threads=1, isolate=True
+    )  # one subprocess: each pays for importing torch
     assert (df.error == "").all(), df.error.tolist()
     assert df.attrs["method"] == "isolated subprocesses"
     assert df.metric.notna().all() and len(df.attrs["history"]) == 4

@@ -28,8 +28,9 @@ def _train(name, level="O0", steps=None, half="bf16"):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name,steps,floor", [("mlp", 80, 0.85), ("cnn", 100, 0.8),
-                                              ("transformer", 150, 0.18)])
+@pytest.mark.parametrize(
+    "name,steps,floor", [("mlp", 80, 0.85), ("cnn", 100, 0.8), ("transformer", 150, 0.18)]
+)
 def test_builtin_workload_trains(name, steps, floor):
     w, res, first, last = _train(name, steps=steps)
     assert last < 0.6 * first, (first, last)
@@ -59,11 +60,18 @@ def test_custom_workload_accepts_tensors_dataset_and_dataloader():
     ds = torch.utils.data.TensorDataset(x, y)
     dl = torch.utils.data.DataLoader(ds, batch_size=16)
     for data in ((x, y), ds, dl):
-        w = workloads.custom(lambda: torch.nn.Linear(8, 3), data,
-                             torch.nn.functional.cross_entropy, workloads.accuracy)
+        w = workloads.custom(
+            lambda: torch.nn.Linear(8, 3),
+            data,
+            torch.nn.functional.cross_entropy,
+            workloads.accuracy,
+        )
         bx, by = next(w.batches(16, seed=0))
         assert bx.shape == (16, 8) and by.shape == (16,)
         assert w.fixed_batch()[0].shape[1] == 8
     with pytest.raises(TypeError, match="Dataset"):
-        next(workloads.custom(lambda: torch.nn.Linear(8, 3), [1, 2, 3],
-                              torch.nn.functional.cross_entropy).batches(4, 0))
+        next(
+            workloads.custom(
+                lambda: torch.nn.Linear(8, 3), [1, 2, 3], torch.nn.functional.cross_entropy
+            ).batches(4, 0)
+        )

@@ -318,8 +318,19 @@ def test_update_loss_scale_errors(kernels, path):
     fn = ops.update_loss_scale_ if path == "kernel" else mt.reference_update_loss_scale_
     scale, growth, hyst = _state()
     with pytest.raises(TypeError, match="inv_scale must be a one-element float32"):
-        fn(scale, torch.empty(1, dtype=torch.float64), growth, hyst, flag(), 2.0, 0.5, 10, 1,
-           0.0, 1.0e6)
+        fn(
+            scale,
+            torch.empty(1, dtype=torch.float64),
+            growth,
+            hyst,
+            flag(),
+            2.0,
+            0.5,
+            10,
+            1,
+            0.0,
+            1.0e6,
+        )
     with pytest.raises(ValueError, match="min_scale <= max_scale"):
         fn(scale, torch.empty(1), growth, hyst, flag(), 2.0, 0.5, 10, 1, 8.0, 4.0)
     with pytest.raises(TypeError, match="growth_tracker must be a one-element int32"):
@@ -363,8 +374,18 @@ def _opcheck_cases():
         "multi_tensor_l2norm": (flag(), x, True, s),
         "multi_tensor_check_finite": (flag(), x),
         "update_scale_hysteresis": (*_state(), torch.zeros(1), 2.0, 0.5, 2000, 2),
-        "update_loss_scale_": (_state()[0], torch.empty(1), *_state()[1:], torch.ones(1), 2.0,
-                               0.5, 2000, 1, 1.0, 2.0**24),
+        "update_loss_scale_": (
+            _state()[0],
+            torch.empty(1),
+            *_state()[1:],
+            torch.ones(1),
+            2.0,
+            0.5,
+            2000,
+            1,
+            1.0,
+            2.0**24,
+        ),
     }
 
 

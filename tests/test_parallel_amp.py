@@ -32,7 +32,10 @@ CONFIGS = [
 def _net() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 16), torch.nn.ReLU(),
+        torch.nn.Linear(8, 16),
+        torch.nn.ReLU(),
+        torch.nn.Linear(16, 16),
+        torch.nn.ReLU(),
         torch.nn.Linear(16, 4),
     )
 
@@ -58,8 +61,9 @@ def _train(level: str, opt_name: str, ddp_kw: dict) -> dict:
     opt = _opt(opt_name, model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16,
-                                    verbosity=0)
+        model, opt = amp.initialize(
+            model, opt, opt_level=level, half_dtype=torch.bfloat16, verbosity=0
+        )
     model = DDP(model, message_size=200, **ddp_kw)
     start = [p.detach().float().clone() for p in model.parameters()]
     g = torch.Generator().manual_seed(100 + dist.get_rank())  # different data per rank
@@ -72,8 +76,10 @@ def _train(level: str, opt_name: str, ddp_kw: dict) -> dict:
             scaled.backward()
         opt.step()
         spread = max(spread, _spread(model.parameters()), _spread(amp.master_params(opt)))
-    moved = max((p.detach().float() - s).abs().max().item()
-                for p, s in zip(model.parameters(), start, strict=True))
+    moved = max(
+        (p.detach().float() - s).abs().max().item()
+        for p, s in zip(model.parameters(), start, strict=True)
+    )
     dtypes = sorted({str(p.dtype) for p in model.parameters()})
     return {"spread": spread, "moved": moved, "dtypes": dtypes}
 

@@ -74,7 +74,7 @@ def _gathered_mean(local: list[torch.Tensor]) -> list[torch.Tensor]:
 def _ddp_checks() -> dict[str, float]:
     r = dist.get_rank()
     x, y = _data()
-    xs, ys = x[r * B:(r + 1) * B], y[r * B:(r + 1) * B]
+    xs, ys = x[r * B : (r + 1) * B], y[r * B : (r + 1) * B]
     ref = _mlp()
     _step(ref, x, y)
     ref_g = [p.grad.clone() for p in ref.parameters()]
@@ -141,8 +141,12 @@ def _half_and_unused_checks(xs, ys, r) -> dict[str, float]:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in plain.parameters()]
         want = _gathered_mean(grads)
         _step(m, xs, ys, **kw)
-        errs.append(max(_rel(p.grad, w) if w.abs().max() > 0 else p.grad.abs().max().item()
-                        for p, w in zip(m.parameters(), want, strict=True)))
+        errs.append(
+            max(
+                _rel(p.grad, w) if w.abs().max() > 0 else p.grad.abs().max().item()
+                for p, w in zip(m.parameters(), want, strict=True)
+            )
+        )
     out["unused"] = max(errs)
     # no_sync: the first micro-batch accumulates locally, the second reduces the sum
     m = DDP(_mlp(), message_size=30)
@@ -175,9 +179,16 @@ def ddp_results():
 
 
 GRAD_KEYS = [
-    *(f"{n}/it{i}" for n in ("overlap", "one_bucket", "delay", "streams", "predivide",
-                             "fp32_of_fp32") for i in range(3)),
-    "sum_predivide4", "triggers", "retain", "vs_torch_ddp", "reducer",
+    *(
+        f"{n}/it{i}"
+        for n in ("overlap", "one_bucket", "delay", "streams", "predivide", "fp32_of_fp32")
+        for i in range(3)
+    ),
+    "sum_predivide4",
+    "triggers",
+    "retain",
+    "vs_torch_ddp",
+    "reducer",
 ]
 
 

@@ -115,8 +115,16 @@ def test_example_script_runs_under_torchrun_and_plain_python(how):
     script = str(ROOT / "examples" / "ddp_train.py")
     if how == "torchrun":
         # --standalone: torchrun picks its own free port on localhost (no port race)
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               "--nproc_per_node=2", script, "--steps", "3"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc_per_node=2",
+            script,
+            "--steps",
+            "3",
+        ]
     else:
         cmd = [sys.executable, script, "--steps", "3"]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
@@ -134,14 +142,16 @@ def test_under_torchrun_launch_tears_down_the_group_it_made(monkeypatch):
     # ("terminate called without an active exception"): launch destroys the group it made,
     # and leaves one the caller made to the caller.
     port = launch_mod.free_port()
-    for k, v in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                     MASTER_PORT=str(port)).items():
+    for k, v in dict(
+        RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)
+    ).items():
         monkeypatch.setenv(k, v)
     assert launch_mod.under_torchrun()
     assert launch(_world_size, 1, backend="gloo", timeout=60) == [1]
     assert not dist.is_initialized()
-    dist.init_process_group("gloo", rank=0, world_size=1,
-                            init_method=f"tcp://127.0.0.1:{launch_mod.free_port()}")
+    dist.init_process_group(
+        "gloo", rank=0, world_size=1, init_method=f"tcp://127.0.0.1:{launch_mod.free_port()}"
+    )
     try:
         assert launch(_world_size, 1, backend="gloo") == [1]
         assert dist.is_initialized()

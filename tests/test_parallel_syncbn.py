@@ -19,11 +19,24 @@ from mpnb.core.ops.welford import (
 from mpnb.parallel import SyncBatchNorm, convert_syncbn_model, launch
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-SHAPES = [((7, 5), False), ((4, 3, 33), False), ((3, 6, 4, 5), False), ((2, 3, 2, 3, 4), False),
-          ((9, 17), True), ((2, 5, 6, 19), True), ((1200, 40), True), ((300, 2, 70), False),
-          ((0, 4, 3), False), ((0, 6), True)]
-BN = {2: torch.nn.BatchNorm1d, 3: torch.nn.BatchNorm1d, 4: torch.nn.BatchNorm2d,
-      5: torch.nn.BatchNorm3d}
+SHAPES = [
+    ((7, 5), False),
+    ((4, 3, 33), False),
+    ((3, 6, 4, 5), False),
+    ((2, 3, 2, 3, 4), False),
+    ((9, 17), True),
+    ((2, 5, 6, 19), True),
+    ((1200, 40), True),
+    ((300, 2, 70), False),
+    ((0, 4, 3), False),
+    ((0, 6), True),
+]
+BN = {
+    2: torch.nn.BatchNorm1d,
+    3: torch.nn.BatchNorm1d,
+    4: torch.nn.BatchNorm2d,
+    5: torch.nn.BatchNorm3d,
+}
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -47,8 +60,11 @@ def test_welford_parallel_matches_reference_with_an_empty_rank(kernels):
     # merging the halves of a batch gives the statistics of the whole batch
     x = torch.randn(16, 6, dtype=torch.float64)
     parts = [welford_mean_var(h, True) for h in (x[:5], x[5:])]
-    m, v = welford_parallel(torch.stack([p[0] for p in parts]), torch.stack([p[1] for p in parts]),
-                            torch.tensor([5.0, 11.0], dtype=torch.float64))
+    m, v = welford_parallel(
+        torch.stack([p[0] for p in parts]),
+        torch.stack([p[1] for p in parts]),
+        torch.tensor([5.0, 11.0], dtype=torch.float64),
+    )
     torch.testing.assert_close(v, x.var(0, correction=0), rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(m, x.mean(0), rtol=1e-12, atol=1e-12)
 
@@ -120,8 +136,11 @@ def test_fuse_relu_residual_and_channel_layouts(kernels):
 
 
 def test_convert_keeps_weights_and_buffers_and_leaves_the_original():
-    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 1), torch.nn.BatchNorm2d(4),
-                              torch.nn.Sequential(torch.nn.BatchNorm1d(4, affine=False)))
+    net = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 4, 1),
+        torch.nn.BatchNorm2d(4),
+        torch.nn.Sequential(torch.nn.BatchNorm1d(4, affine=False)),
+    )
     net[1].running_mean.fill_(0.5)
     net[1].weight.data.fill_(2.0)
     net.eval()
@@ -189,8 +208,10 @@ def _rank_case(shape, n0, kw, dtype):
         return (a.double() - b.double()).abs().max().item() if a.numel() else 0.0
 
     return {
-        "y": err(y, y_ref[sl]), "dx": err(xs.grad, xd.grad[sl]),
-        "dw": err(gw[0], ref.weight.grad), "db": err(gw[1], ref.bias.grad),
+        "y": err(y, y_ref[sl]),
+        "dx": err(xs.grad, xd.grad[sl]),
+        "dw": err(gw[0], ref.weight.grad),
+        "db": err(gw[1], ref.bias.grad),
         "running": err(stats, torch.stack([ref.running_mean, ref.running_var])),
         "ranks_equal": err(parts[0], parts[1]),
     }

@@ -24,14 +24,16 @@ class Scale(torch.nn.Module):
 
 def _model():
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), Scale(1e5),
-                               torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 32), torch.nn.ReLU(), Scale(1e5), torch.nn.Linear(32, 4)
+    )
 
 
 @pytest.fixture(scope="module")
 def pw():
-    return mpnb.widgets.profile(_model(), torch.randn(8, 16), opt_levels=("O0", "O3"),
-                                half_dtype="fp16", steps=2, threads=1)
+    return mpnb.widgets.profile(
+        _model(), torch.randn(8, 16), opt_levels=("O0", "O3"), half_dtype="fp16", steps=2, threads=1
+    )
 
 
 def test_phases_and_flops_figures_hold_the_lab_numbers(pw):
@@ -63,13 +65,21 @@ def test_threads_are_restored(pw):
     import torch as _t
 
     before = _t.get_num_threads()
-    mpnb.widgets.profile(_model(), torch.randn(8, 16), opt_levels=("O0",), steps=2,
-                         memory=False, trace=False, threads=1 if before != 1 else 2)
+    mpnb.widgets.profile(
+        _model(),
+        torch.randn(8, 16),
+        opt_levels=("O0",),
+        steps=2,
+        memory=False,
+        trace=False,
+        threads=1 if before != 1 else 2,
+    )
     assert _t.get_num_threads() == before
 
 
 def test_failures_are_shown_not_raised():
-    pw = mpnb.widgets.profile(_model(), (torch.randn(8, 16),), opt_levels=("O0",), steps=2,
-                              trace=False)
+    pw = mpnb.widgets.profile(
+        _model(), (torch.randn(8, 16),), opt_levels=("O0",), steps=2, trace=False
+    )
     assert "memory" in pw.failures.value and "single input tensor" in pw.failures.value
     assert "not run" in pw.tabs.children[5].value

@@ -13,6 +13,7 @@ from mpnb.core.ops import all_ops, cache_root, cpu_extension, op_path
 
 __all__ = ["report"]
 
+
 def _import_families() -> None:
     # Each op family registers its ops on import: import every public module of mpnb.core.ops.
     import importlib

@@ -34,8 +34,13 @@ class LabScaler(LossScaler):
     """
 
     def __init__(self, spec: LossScaleSpec, device="cpu", timed: bool = False):
-        super().__init__("dynamic", init_scale=spec.init_scale, scale_factor=spec.growth_factor,
-                         scale_window=spec.growth_interval, device=device)
+        super().__init__(
+            "dynamic",
+            init_scale=spec.init_scale,
+            scale_factor=spec.growth_factor,
+            scale_window=spec.growth_interval,
+            device=device,
+        )
         self.backoff_factor = spec.backoff_factor
         self.timed = timed
         self.update_seconds: list[float] = []
@@ -44,8 +49,16 @@ class LabScaler(LossScaler):
         """Grow by ``growth_factor`` after ``growth_interval`` clean steps, back off on inf/NaN."""
         t0 = benchmark.timer() if self.timed else 0.0
         flag = self.found_inf if found_inf is None else found_inf
-        update_scale_hysteresis(self.scale, self.growth_tracker, self.hysteresis_tracker, flag,
-                                self.scale_factor, self.backoff_factor, self.scale_window, 1)
+        update_scale_hysteresis(
+            self.scale,
+            self.growth_tracker,
+            self.hysteresis_tracker,
+            flag,
+            self.scale_factor,
+            self.backoff_factor,
+            self.scale_window,
+            1,
+        )
         self.scale.clamp_(0.0, float(self.max_loss_scale))
         torch.reciprocal(self.scale, out=self.inv_scale)
         if self.timed:

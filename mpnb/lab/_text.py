@@ -24,14 +24,22 @@ from mpnb.core.transformer.functional import FusedScaleMaskSoftmax
 __all__ = ["VOCAB", "generate_tokens", "TinyLM", "lm_sequences"]
 
 _DET = {"s": ["the", "a", "every", "one"], "p": ["the", "some", "many", "two"]}
-_NOUN = {"s": ["cat", "dog", "bird", "child", "robot", "farmer"],
-         "p": ["cats", "dogs", "birds", "children", "robots", "farmers"]}
-_VERB = {"s": ["sees", "likes", "chases", "helps", "finds"],
-         "p": ["see", "like", "chase", "help", "find"]}
+_NOUN = {
+    "s": ["cat", "dog", "bird", "child", "robot", "farmer"],
+    "p": ["cats", "dogs", "birds", "children", "robots", "farmers"],
+}
+_VERB = {
+    "s": ["sees", "likes", "chases", "helps", "finds"],
+    "p": ["see", "like", "chase", "help", "find"],
+}
 _ADJ = ["small", "red", "quick", "old", "happy"]
 _PREP = ["near", "with", "behind"]
-VOCAB = sorted({w for d in (_DET, _NOUN, _VERB) for ws in d.values() for w in ws}
-               | set(_ADJ) | set(_PREP) | {".", "and"})
+VOCAB = sorted(
+    {w for d in (_DET, _NOUN, _VERB) for ws in d.values() for w in ws}
+    | set(_ADJ)
+    | set(_PREP)
+    | {".", "and"}
+)
 
 
 def _noun_phrase(rng: random.Random, number: str) -> list[str]:
@@ -73,7 +81,7 @@ def lm_sequences(tokens: torch.Tensor, seq_len: int) -> tuple[torch.Tensor, torc
     """Cut ``tokens`` into non-overlapping ``(inputs, next-token targets)`` of ``seq_len``."""
     n = (len(tokens) - 1) // seq_len
     x = tokens[: n * seq_len].view(n, seq_len)
-    y = tokens[1: n * seq_len + 1].view(n, seq_len)
+    y = tokens[1 : n * seq_len + 1].view(n, seq_len)
     return x, y
 
 
@@ -83,14 +91,15 @@ class _Block(nn.Module):
         self.heads = heads
         self.ln1, self.ln2 = FusedLayerNorm(d), FusedLayerNorm(d)
         self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
-        self.softmax = FusedScaleMaskSoftmax(False, False, AttnMaskType.causal, True, None, True,
-                                             1.0 / math.sqrt(d // heads))
+        self.softmax = FusedScaleMaskSoftmax(
+            False, False, AttnMaskType.causal, True, None, True, 1.0 / math.sqrt(d // heads)
+        )
         self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, d = x.shape
         q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, d // self.heads).unbind(2)
-        q, k, v = (z.transpose(1, 2) for z in (q, k, v))          # b, h, t, d/h
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))  # b, h, t, d/h
         att = self.softmax(q @ k.transpose(-1, -2), None)
         x = x + self.proj((att @ v).transpose(1, 2).reshape(b, t, d))
         return x + self.mlp(self.ln2(x))

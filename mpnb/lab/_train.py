@@ -23,8 +23,15 @@ from mpnb.lab.config import RunConfig
 from mpnb.lab.memory import MemoryTracker
 from mpnb.lab.workloads import Workload
 
-__all__ = ["RunResult", "Trainer", "run_config", "make_optimizer", "to_device", "DivergenceError",
-           "describe_error"]
+__all__ = [
+    "RunResult",
+    "Trainer",
+    "run_config",
+    "make_optimizer",
+    "to_device",
+    "DivergenceError",
+    "describe_error",
+]
 
 _MIB = 2.0**20
 
@@ -81,9 +88,14 @@ def _setup(cfg: RunConfig, w: Workload):
     model = w.model_fn().to(cfg.device)
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr or w.lr)
     scale = None if cfg.opt_level == "O0" else cfg.loss_scale
-    model, opt = amp.initialize(model, opt, opt_level=cfg.opt_level, half_dtype=cfg.dtype,
-                                loss_scale=scale if isinstance(scale, float) else None,
-                                verbosity=0)
+    model, opt = amp.initialize(
+        model,
+        opt,
+        opt_level=cfg.opt_level,
+        half_dtype=cfg.dtype,
+        loss_scale=scale if isinstance(scale, float) else None,
+        verbosity=0,
+    )
     scaler = _scaler.install(amp.current_handle(), scale, cfg.device)
     return model, opt, scaler
 
@@ -182,22 +194,38 @@ class Trainer:
     def _record(self, i: int, phase: str, loss: torch.Tensor, dt: float) -> None:
         scaler = self.scaler
         # The one host sync of the step: loss, overflow flag and scale, read together.
-        lv, found, scale = torch.cat([loss.float().view(1), scaler.found_inf.view(1),
-                                      scaler.scale.view(1)]).tolist()
+        lv, found, scale = torch.cat(
+            [loss.float().view(1), scaler.found_inf.view(1), scaler.scale.view(1)]
+        ).tolist()
         skipped = found > 0 and scaler.dynamic
-        why = "" if not skipped else ("loss is inf/NaN" if not math.isfinite(lv)
-                                      else "inf/NaN in the gradients")
-        self.res.history.append(dict(step=i, loss=lv, loss_scale=scale, step_time_ms=dt * 1e3,
-                                     skipped=skipped, skip_reason=why, phase=phase))
+        why = (
+            ""
+            if not skipped
+            else ("loss is inf/NaN" if not math.isfinite(lv) else "inf/NaN in the gradients")
+        )
+        self.res.history.append(
+            dict(
+                step=i,
+                loss=lv,
+                loss_scale=scale,
+                step_time_ms=dt * 1e3,
+                skipped=skipped,
+                skip_reason=why,
+                phase=phase,
+            )
+        )
         if not skipped and not math.isfinite(lv):
             hint = ""
             if self.cfg.opt_level == "O3":
-                hint = (" O3 keeps no fp32 master weights or optimizer state (Adam's eps=1e-8 "
-                        "is 0 in fp16); O2 keeps them in fp32.")
+                hint = (
+                    " O3 keeps no fp32 master weights or optimizer state (Adam's eps=1e-8 "
+                    "is 0 in fp16); O2 keeps them in fp32."
+                )
             raise DivergenceError(
                 f"NaN divergence: the loss became {lv} at step {i} and the step was not skipped "
                 f"(loss scale {'static ' if not scaler.dynamic else ''}{scale:g}); lower the "
-                f"learning rate, use dynamic loss scaling, or bf16 (fp32's range).{hint}")
+                f"learning rate, use dynamic loss scaling, or bf16 (fp32's range).{hint}"
+            )
 
     def finish(self) -> RunResult:
         """Evaluate, fill the row and free the model; returns the :class:`RunResult`."""
@@ -242,16 +270,22 @@ def _timing_row(cfg: RunConfig, history: list[dict]) -> dict:
     timed = [h["step_time_ms"] for h in history if h["phase"] == "timed"]
     med = median(timed)
     losses = [h["loss"] for h in history[-10:] if math.isfinite(h["loss"])]
-    return dict(step_time_ms=med, step_time_iqr_ms=iqr(timed), timed_steps=len(timed),
-                samples_per_s=cfg.batch_size / (med / 1e3) if timed else math.nan,
-                final_loss=sum(losses) / len(losses) if losses else math.nan,
-                skipped_steps=sum(h["skipped"] for h in history),
-                final_loss_scale=history[-1]["loss_scale"] if history else math.nan)
+    return dict(
+        step_time_ms=med,
+        step_time_iqr_ms=iqr(timed),
+        timed_steps=len(timed),
+        samples_per_s=cfg.batch_size / (med / 1e3) if timed else math.nan,
+        final_loss=sum(losses) / len(losses) if losses else math.nan,
+        skipped_steps=sum(h["skipped"] for h in history),
+        final_loss_scale=history[-1]["loss_scale"] if history else math.nan,
+    )
 
 
 def _memory_row(tracker: MemoryTracker, peak: int, cuda: bool) -> dict:
-    row = {"peak_mem_mib": peak / _MIB,
-           "mem_method": "torch.cuda.max_memory_allocated" if cuda else "dispatch tracker"}
+    row = {
+        "peak_mem_mib": peak / _MIB,
+        "mem_method": "torch.cuda.max_memory_allocated" if cuda else "dispatch tracker",
+    }
     for role, nbytes in tracker.breakdown().items():
         row[f"mem_{role}_mib"] = nbytes / _MIB
     return row
@@ -264,8 +298,9 @@ def describe_error(e: BaseException) -> str:
     if isinstance(e, (DivergenceError, LossScaleCollapseError)):
         return str(e)
     where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
-    loc = f" (at {where.filename.rsplit('/', 1)[-1]}:{where.lineno} in {where.name})" if where \
-        else ""
+    loc = (
+        f" (at {where.filename.rsplit('/', 1)[-1]}:{where.lineno} in {where.name})" if where else ""
+    )
     return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}{loc}"
 
 

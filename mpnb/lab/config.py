@@ -22,8 +22,13 @@ from mpnb.core.hardware import default_half_dtype
 __all__ = ["LossScaleSpec", "RunConfig", "expand", "resolve_device", "DTYPES"]
 
 OPT_LEVELS = ("O0", "O1", "O2", "O3")
-DTYPES = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-          "float16": torch.float16, "half": torch.float16}
+DTYPES = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
 OPTIMIZERS = ("adam", "adamw", "sgd", "fused_adam", "fused_sgd")
 
 
@@ -48,11 +53,16 @@ class LossScaleSpec:
     growth_interval: int = 2000
 
     def __post_init__(self):
-        if not (self.init_scale > 0 and self.growth_factor >= 1 and 0 < self.backoff_factor <= 1
-                and self.growth_interval > 0):
+        if not (
+            self.init_scale > 0
+            and self.growth_factor >= 1
+            and 0 < self.backoff_factor <= 1
+            and self.growth_interval > 0
+        ):
             raise ValueError(
                 f"loss_scale={self!r} is invalid: need init_scale > 0, growth_factor >= 1, "
-                "0 < backoff_factor <= 1 and growth_interval > 0.")
+                "0 < backoff_factor <= 1 and growth_interval > 0."
+            )
 
 
 @dataclass(frozen=True)
@@ -126,35 +136,51 @@ def _loss_scale(value) -> float | LossScaleSpec | None:
         try:
             return LossScaleSpec(**value)
         except TypeError as e:
-            raise ValueError(f"loss_scale={value!r}: {e}; the keys are init_scale, "
-                             "growth_factor, backoff_factor, growth_interval.") from None
+            raise ValueError(
+                f"loss_scale={value!r}: {e}; the keys are init_scale, "
+                "growth_factor, backoff_factor, growth_interval."
+            ) from None
     if value == "dynamic":
         return LossScaleSpec()
     if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
         return float(value)
-    raise ValueError(f"loss_scale={value!r} is invalid; use None, 'dynamic', a positive "
-                     "number (static) or a dict(init_scale, growth_factor, backoff_factor, "
-                     "growth_interval).")
+    raise ValueError(
+        f"loss_scale={value!r} is invalid; use None, 'dynamic', a positive "
+        "number (static) or a dict(init_scale, growth_factor, backoff_factor, "
+        "growth_interval)."
+    )
 
 
 def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
     bad = [lvl for lvl in opt_levels if lvl not in OPT_LEVELS]
     if bad or not opt_levels:
-        raise ValueError(f"opt_levels={tuple(opt_levels)!r}: {bad or 'none given'} invalid; "
-                         f"choose from {OPT_LEVELS}.")
+        raise ValueError(
+            f"opt_levels={tuple(opt_levels)!r}: {bad or 'none given'} invalid; "
+            f"choose from {OPT_LEVELS}."
+        )
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes={tuple(batch_sizes)!r}: need positive ints.")
     if not isinstance(steps, int) or steps < 2:
-        raise ValueError(f"steps={steps!r}: need an int >= 2 (timed steps plus one "
-                         "memory-tracked step).")
+        raise ValueError(
+            f"steps={steps!r}: need an int >= 2 (timed steps plus one memory-tracked step)."
+        )
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is invalid; choose from {OPTIMIZERS}.")
 
 
-def expand(workload: str, opt_levels: Sequence[str] = OPT_LEVELS, half_dtype="auto",
-           batch_sizes: Sequence[int] = (64,), steps: int = 100, optimizer: str = "adam",
-           lr: float | None = None, loss_scale=None, device="auto", seed: int = 0,
-           warmup: int | None = None) -> list[RunConfig]:
+def expand(
+    workload: str,
+    opt_levels: Sequence[str] = OPT_LEVELS,
+    half_dtype="auto",
+    batch_sizes: Sequence[int] = (64,),
+    steps: int = 100,
+    optimizer: str = "adam",
+    lr: float | None = None,
+    loss_scale=None,
+    device="auto",
+    seed: int = 0,
+    warmup: int | None = None,
+) -> list[RunConfig]:
     """Validate a request and expand it into one :class:`RunConfig` per configuration.
 
     ``half_dtype`` may be one dtype or a sequence (``("bf16", "fp16")``): each half opt level
@@ -173,7 +199,8 @@ def expand(workload: str, opt_levels: Sequence[str] = OPT_LEVELS, half_dtype="au
     out = []
     for b in batch_sizes:
         for lvl in levels:
-            for h in (["fp32"] if lvl == "O0" else names):
-                out.append(RunConfig(workload, lvl, h, b, steps, optimizer, lr, scale, dev,
-                                     seed, wu))
+            for h in ["fp32"] if lvl == "O0" else names:
+                out.append(
+                    RunConfig(workload, lvl, h, b, steps, optimizer, lr, scale, dev, seed, wu)
+                )
     return out

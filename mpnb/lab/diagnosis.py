@@ -72,25 +72,38 @@ class _Watch(TorchDispatchMode):
 def _run(model, x, loss_fn, watch: _Watch | None) -> list[dict]:
     """Forward + backward with hooks on every module; rows in execution order."""
     rows, hooks = [], []
+
     def enter(name, phase):
         def hook(m, *args):
             if watch is not None:
                 watch.module, watch.phase = name, phase
+
         return hook
 
     def measure(name, phase):
         def hook(m, *args):  # (args, output) forward; (grad_input, grad_output) backward
             amax, amin, bad = _stats(_tensors(args[-1]))
-            rows.append(dict(module=name, type=type(m).__name__, phase=phase, absmax=amax,
-                             absmin=amin, nonfinite=bad))
+            rows.append(
+                dict(
+                    module=name,
+                    type=type(m).__name__,
+                    phase=phase,
+                    absmax=amax,
+                    absmin=amin,
+                    nonfinite=bad,
+                )
+            )
+
         return hook
 
     for name, mod in model.named_modules():
         name = name or "(model)"
-        hooks += [mod.register_forward_pre_hook(enter(name, "forward")),
-                  mod.register_forward_hook(measure(name, "forward")),
-                  mod.register_full_backward_pre_hook(enter(name, "backward")),
-                  mod.register_full_backward_hook(measure(name, "backward"))]
+        hooks += [
+            mod.register_forward_pre_hook(enter(name, "forward")),
+            mod.register_forward_hook(measure(name, "forward")),
+            mod.register_full_backward_pre_hook(enter(name, "backward")),
+            mod.register_full_backward_hook(measure(name, "backward")),
+        ]
     try:
         with warnings.catch_warnings():  # inputs need no grad: hooks then see output grads
             warnings.filterwarnings("ignore", "Full backward hook is firing")
@@ -140,8 +153,9 @@ def _status(r, fi) -> str:
     return "ok"
 
 
-def trace_overflow(model: torch.nn.Module, inputs, loss_fn=None,
-                   dtype: torch.dtype = torch.float16) -> TraceResult:
+def trace_overflow(
+    model: torch.nn.Module, inputs, loss_fn=None, dtype: torch.dtype = torch.float16
+) -> TraceResult:
     """Find the first module (and op) whose output or gradient leaves ``dtype``'s range.
 
     Args:
@@ -166,8 +180,7 @@ def trace_overflow(model: torch.nn.Module, inputs, loss_fn=None,
     with watch:
         got = pd.DataFrame(_run(half, _cast(inputs, dtype), loss_fn, watch))
     table = ref.copy()
-    table["nonfinite_half"] = (got["nonfinite"].values if len(got) == len(ref)
-                               else False)
+    table["nonfinite_half"] = got["nonfinite"].values if len(got) == len(ref) else False
     table["dtype_max"], table["dtype_tiny"] = fi.max, fi.tiny
     table["status"] = [_status(r, fi) for _, r in table.iterrows()]
     table = table.drop(columns=["nonfinite"])
@@ -183,17 +196,24 @@ def _result(dtype, table: pd.DataFrame, first) -> TraceResult:
     elif len(bad):
         op, module, phase = None, bad.iloc[0].module, bad.iloc[0].phase
     else:
-        return TraceResult(dtype, None, None, None, table,
-                           f"every module's outputs and gradients fit {name}: nothing to keep "
-                           "in fp32.")
+        return TraceResult(
+            dtype,
+            None,
+            None,
+            None,
+            table,
+            f"every module's outputs and gradients fit {name}: nothing to keep in fp32.",
+        )
     row = table[(table.module == module) & (table.phase == phase)]
     kind = row.iloc[0].type if len(row) else "?"
     amax = float(row.absmax.max()) if len(row) else math.nan
-    advice = (f"keep `{module}` ({kind}) in fp32: its {phase} values reach {amax:.3g} in fp32, "
-              f"beyond {name}'s max {torch.finfo(dtype).max:.3g}. Under O1 register its "
-              "function with amp.register_float_function (or run it in torch.autocast("
-              "enabled=False) on .float() inputs); under O2/O3 keep the module fp32 and cast its "
-              "input with .float(). Or use bf16, which has fp32's range.")
+    advice = (
+        f"keep `{module}` ({kind}) in fp32: its {phase} values reach {amax:.3g} in fp32, "
+        f"beyond {name}'s max {torch.finfo(dtype).max:.3g}. Under O1 register its "
+        "function with amp.register_float_function (or run it in torch.autocast("
+        "enabled=False) on .float() inputs); under O2/O3 keep the module fp32 and cast its "
+        "input with .float(). Or use bf16, which has fp32's range."
+    )
     return TraceResult(dtype, module, op, phase, table, advice)
 
 
@@ -222,14 +242,21 @@ def _shares(g: torch.Tensor, scale: float, dtype) -> dict:
     n = max(int(nz.sum()), 1)
     h = v.to(dtype)
     fi = torch.finfo(dtype)
-    return dict(nonzero=int(nz.sum()), flushed=int(((h == 0) & nz).sum()) / n,
-                subnormal=int(((h.abs() < fi.tiny) & (h != 0)).sum()) / n,
-                overflow=int(torch.isinf(h).sum()) / n)
+    return dict(
+        nonzero=int(nz.sum()),
+        flushed=int(((h == 0) & nz).sum()) / n,
+        subnormal=int(((h.abs() < fi.tiny) & (h != 0)).sum()) / n,
+        overflow=int(torch.isinf(h).sum()) / n,
+    )
 
 
-def underflow_report(model: torch.nn.Module, inputs, loss_fn=None,
-                     dtype: torch.dtype = torch.float16,
-                     loss_scale: float | Sequence[float] = 1.0) -> UnderflowReport:
+def underflow_report(
+    model: torch.nn.Module,
+    inputs,
+    loss_fn=None,
+    dtype: torch.dtype = torch.float16,
+    loss_scale: float | Sequence[float] = 1.0,
+) -> UnderflowReport:
     """The share of gradient values that flush to zero in ``dtype`` at each ``loss_scale``.
 
     The gradients are computed once in fp32 (on a deep copy), multiplied by each loss scale
@@ -256,6 +283,9 @@ def underflow_report(model: torch.nn.Module, inputs, loss_fn=None,
     bins, counts = torch.unique(b, return_counts=True)
     hist = pd.DataFrame({"log2_bin": bins.tolist(), "count": counts.tolist()})
     fi = torch.finfo(dtype)
-    thr = {"min_subnormal": math.log2(fi.smallest_normal * fi.eps),
-           "min_normal": math.log2(fi.tiny), "max": math.log2(fi.max)}
+    thr = {
+        "min_subnormal": math.log2(fi.smallest_normal * fi.eps),
+        "min_normal": math.log2(fi.tiny),
+        "max": math.log2(fi.max),
+    }
     return UnderflowReport(dtype, summary, params, hist, thr)

@@ -20,10 +20,24 @@ __all__ = ["report", "figures", "CHARTS"]
 
 CHARTS = ("speed", "memory", "accuracy", "loss", "loss_scale")
 
-_TABLE_COLS = ("configuration", "precision", "step_time_ms", "step_time_iqr_ms", "samples_per_s",
-               "speedup_vs_O0", "peak_mem_mib", "mem_saving_vs_O0", "final_loss", "metric",
-               "metric_vs_O0", "output_diff_vs_O0", "skipped_steps", "final_loss_scale",
-               "warnings", "error")
+_TABLE_COLS = (
+    "configuration",
+    "precision",
+    "step_time_ms",
+    "step_time_iqr_ms",
+    "samples_per_s",
+    "speedup_vs_O0",
+    "peak_mem_mib",
+    "mem_saving_vs_O0",
+    "final_loss",
+    "metric",
+    "metric_vs_O0",
+    "output_diff_vs_O0",
+    "skipped_steps",
+    "final_loss_scale",
+    "warnings",
+    "error",
+)
 
 
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
@@ -32,20 +46,26 @@ def _ok(df: pd.DataFrame) -> pd.DataFrame:
 
 def _speed(go, df):
     ok = _ok(df)
-    fig = go.Figure(go.Bar(
-        x=ok.configuration, y=ok.step_time_ms,
-        error_y=dict(type="data", array=(ok.step_time_iqr_ms / 2).tolist()),
-        text=[f"{s:.2f}x vs O0" if not math.isnan(s) else "" for s in ok.speedup_vs_O0],
-        textposition="outside"))
-    fig.update_layout(title="Step time (median; error bar: IQR/2). Lower is faster",
-                      yaxis_title="ms per step")
+    fig = go.Figure(
+        go.Bar(
+            x=ok.configuration,
+            y=ok.step_time_ms,
+            error_y=dict(type="data", array=(ok.step_time_iqr_ms / 2).tolist()),
+            text=[f"{s:.2f}x vs O0" if not math.isnan(s) else "" for s in ok.speedup_vs_O0],
+            textposition="outside",
+        )
+    )
+    fig.update_layout(
+        title="Step time (median; error bar: IQR/2). Lower is faster", yaxis_title="ms per step"
+    )
     return fig
 
 
 def _memory(go, df):
     ok = _ok(df)
-    fig = go.Figure([go.Bar(name=r.replace("_", " "), x=ok.configuration, y=ok[f"mem_{r}_mib"])
-                     for r in ROLES])
+    fig = go.Figure(
+        [go.Bar(name=r.replace("_", " "), x=ok.configuration, y=ok[f"mem_{r}_mib"]) for r in ROLES]
+    )
     fig.update_layout(barmode="stack", title="Peak tensor memory by role", yaxis_title="MiB")
     return fig
 
@@ -53,8 +73,14 @@ def _memory(go, df):
 def _accuracy(go, df):
     ok = _ok(df)
     name = str(df.metric_name.iloc[0]) if len(df) else "metric"
-    fig = go.Figure(go.Bar(x=ok.configuration, y=ok.metric,
-                           text=[f"{m:.4f}" for m in ok.metric], textposition="outside"))
+    fig = go.Figure(
+        go.Bar(
+            x=ok.configuration,
+            y=ok.metric,
+            text=[f"{m:.4f}" for m in ok.metric],
+            textposition="outside",
+        )
+    )
     fig.update_layout(title=f"Held-out {name}", yaxis_title=name)
     return fig
 
@@ -77,19 +103,25 @@ def figures(df: pd.DataFrame) -> dict:
         "memory": _memory(go, df),
         "accuracy": _accuracy(go, df),
         "loss": _history_lines(go, df, "loss", "Training loss per step", log=False),
-        "loss_scale": _history_lines(go, df, "loss_scale",
-                                     "Loss scale per step (drops mark skipped steps)", log=True),
+        "loss_scale": _history_lines(
+            go, df, "loss_scale", "Loss scale per step (drops mark skipped steps)", log=True
+        ),
     }
 
 
 def _hardware_html(df: pd.DataFrame) -> str:
     hw = df.attrs.get("hardware", {})
-    items = "".join(f"<li><b>{html.escape(str(k))}</b>: {html.escape(str(v))}</li>"
-                    for k, v in hw.items() if k != "summary")
+    items = "".join(
+        f"<li><b>{html.escape(str(k))}</b>: {html.escape(str(v))}</li>"
+        for k, v in hw.items()
+        if k != "summary"
+    )
     method = html.escape(str(df.attrs.get("method", "")))
-    return (f"<p>{html.escape(str(hw.get('summary', '')))}</p><ul>{items}</ul>"
-            f"<p>Timing: {method}; medians of per-step times after warm-up "
-            "(torch.utils.benchmark.timer); speed-up = median of per-step ratios vs O0.</p>")
+    return (
+        f"<p>{html.escape(str(hw.get('summary', '')))}</p><ul>{items}</ul>"
+        f"<p>Timing: {method}; medians of per-step times after warm-up "
+        "(torch.utils.benchmark.timer); speed-up = median of per-step ratios vs O0.</p>"
+    )
 
 
 def report(df: pd.DataFrame, path: str | Path, title: str = "mpnb compare") -> Path:
@@ -117,10 +149,13 @@ def report(df: pd.DataFrame, path: str | Path, title: str = "mpnb compare") -> P
     charts = "".join(
         f'<section id="chart-{name}">'
         + fig.to_html(full_html=False, include_plotlyjs=False, div_id=f"plot-{name}")
-        + "</section>" for name, fig in figures(df).items())
+        + "</section>"
+        for name, fig in figures(df).items()
+    )
     cols = [c for c in _TABLE_COLS if c in df.columns]
-    table = df[cols].to_html(index=False, float_format=lambda v: f"{v:.4g}", na_rep="-",
-                             border=0, classes="rows")
+    table = df[cols].to_html(
+        index=False, float_format=lambda v: f"{v:.4g}", na_rep="-", border=0, classes="rows"
+    )
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}

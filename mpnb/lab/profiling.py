@@ -63,8 +63,9 @@ class _Level:
         opt = make_optimizer(opt_name, self.model.parameters(), lr)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.model, self.opt = amp.initialize(self.model, opt, opt_level=level,
-                                                  half_dtype=half, verbosity=0)
+            self.model, self.opt = amp.initialize(
+                self.model, opt, opt_level=level, half_dtype=half, verbosity=0
+            )
         self.scaler = _scaler.install(amp.current_handle(), None, device, timed=True)
 
     def step(self, x, loss_fn) -> dict[str, float]:
@@ -87,8 +88,13 @@ class _Level:
         self.opt.step()
         t4 = clock()
         up_step = sum(ups[n_up:]) - up_exit  # a fused optimizer updates the scale in step()
-        return {"forward": t1 - t0, "backward": t2 - t1, "unscale": t3 - t2 - up_exit,
-                "optimizer_step": t4 - t3 - up_step, "scaler_update": up_exit + up_step}
+        return {
+            "forward": t1 - t0,
+            "backward": t2 - t1,
+            "unscale": t3 - t2 - up_exit,
+            "optimizer_step": t4 - t3 - up_step,
+            "scaler_update": up_exit + up_step,
+        }
 
 
 def _module_table(model, x) -> list[dict]:
@@ -97,6 +103,7 @@ def _module_table(model, x) -> list[dict]:
     def pre(name):
         def hook(mod, args):
             starts[name] = benchmark.timer()
+
         return hook
 
     def post(name):
@@ -104,15 +111,24 @@ def _module_table(model, x) -> list[dict]:
             dt = benchmark.timer() - starts.pop(name, benchmark.timer())
             o = out[0] if isinstance(out, (tuple, list)) else out
             is_t = isinstance(o, torch.Tensor)
-            rows.append(dict(module=name, type=type(mod).__name__, time_ms=dt * 1e3,
-                             output_mib=o.numel() * o.element_size() / 2**20 if is_t else 0.0,
-                             output_dtype=str(o.dtype).replace("torch.", "") if is_t else "-"))
+            rows.append(
+                dict(
+                    module=name,
+                    type=type(mod).__name__,
+                    time_ms=dt * 1e3,
+                    output_mib=o.numel() * o.element_size() / 2**20 if is_t else 0.0,
+                    output_dtype=str(o.dtype).replace("torch.", "") if is_t else "-",
+                )
+            )
+
         return hook
 
     for name, mod in model.named_modules():
         if name and not any(True for _ in mod.children()):
-            hooks += [mod.register_forward_pre_hook(pre(name)),
-                      mod.register_forward_hook(post(name))]
+            hooks += [
+                mod.register_forward_pre_hook(pre(name)),
+                mod.register_forward_hook(post(name)),
+            ]
     try:
         with torch.no_grad():
             _forward(model, x)
@@ -140,8 +156,15 @@ def _op_table(lv: _Level, x, loss_fn, top: int) -> list[dict]:
     with torch_profile(activities=acts) as prof:
         lv.step(x, loss_fn)
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    return [dict(op=e.key, calls=e.count, self_cpu_ms=e.self_cpu_time_total / 1e3,
-                 cpu_total_ms=e.cpu_time_total / 1e3) for e in events[:top]]
+    return [
+        dict(
+            op=e.key,
+            calls=e.count,
+            self_cpu_ms=e.self_cpu_time_total / 1e3,
+            cpu_total_ms=e.cpu_time_total / 1e3,
+        )
+        for e in events[:top]
+    ]
 
 
 def _profile_level(model, x, loss_fn, level, half, opt_name, lr, device, steps, warmup, top):
@@ -155,15 +178,27 @@ def _profile_level(model, x, loss_fn, level, half, opt_name, lr, device, steps, 
     phases = {k: median(v) * 1e3 for k, v in times.items()}
     flops = _flops(lv, x, loss_fn)
     fb = (phases["forward"] + phases["backward"]) / 1e3
-    return (phases, _module_table(lv.model, x),
-            dict(flops=flops, fwd_bwd_ms=fb * 1e3, flop_per_s=flops / fb if fb > 0 else 0.0),
-            _op_table(lv, x, loss_fn, top))
+    return (
+        phases,
+        _module_table(lv.model, x),
+        dict(flops=flops, fwd_bwd_ms=fb * 1e3, flop_per_s=flops / fb if fb > 0 else 0.0),
+        _op_table(lv, x, loss_fn, top),
+    )
 
 
-def profile(model: torch.nn.Module, example_inputs, loss_fn=None,
-            opt_levels=("O0", "O1", "O2", "O3"), half_dtype="auto", optimizer: str = "adam",
-            lr: float = 1e-3, steps: int = 5, warmup: int = 2, device=None,
-            top_ops: int = 15) -> ProfileResult:
+def profile(
+    model: torch.nn.Module,
+    example_inputs,
+    loss_fn=None,
+    opt_levels=("O0", "O1", "O2", "O3"),
+    half_dtype="auto",
+    optimizer: str = "adam",
+    lr: float = 1e-3,
+    steps: int = 5,
+    warmup: int = 2,
+    device=None,
+    top_ops: int = 15,
+) -> ProfileResult:
     """Profile one training step of ``model`` under each opt level.
 
     Args:
@@ -192,8 +227,9 @@ def profile(model: torch.nn.Module, example_inputs, loss_fn=None,
     phases, modules, flops, ops, errors = [], [], [], [], {}
     for level in opt_levels:
         try:
-            ph, mods, fl, op = _profile_level(model, x, loss_fn, level, half, optimizer, lr,
-                                              dev, steps, warmup, top_ops)
+            ph, mods, fl, op = _profile_level(
+                model, x, loss_fn, level, half, optimizer, lr, dev, steps, warmup, top_ops
+            )
         except Exception as e:  # noqa: BLE001 - one failing level must not lose the others
             errors[level] = describe_error(e)
             continue
@@ -201,10 +237,14 @@ def profile(model: torch.nn.Module, example_inputs, loss_fn=None,
         modules += [dict(opt_level=level, **m) for m in mods]
         flops.append(dict(opt_level=level, **fl))
         ops += [dict(opt_level=level, **o) for o in op]
-    cols = (["opt_level", "phase", "time_ms"],
-            ["opt_level", "module", "type", "time_ms", "output_mib", "output_dtype"],
-            ["opt_level", "flops", "fwd_bwd_ms", "flop_per_s"],
-            ["opt_level", "op", "calls", "self_cpu_ms", "cpu_total_ms"])
-    frames = [pd.DataFrame(rows, columns=c) for rows, c in zip((phases, modules, flops, ops),
-                                                               cols, strict=True)]
+    cols = (
+        ["opt_level", "phase", "time_ms"],
+        ["opt_level", "module", "type", "time_ms", "output_mib", "output_dtype"],
+        ["opt_level", "flops", "fwd_bwd_ms", "flop_per_s"],
+        ["opt_level", "op", "calls", "self_cpu_ms", "cpu_total_ms"],
+    )
+    frames = [
+        pd.DataFrame(rows, columns=c)
+        for rows, c in zip((phases, modules, flops, ops), cols, strict=True)
+    ]
     return ProfileResult(*frames, errors)

@@ -32,11 +32,35 @@ from mpnb.lab.memory import ROLES
 __all__ = ["compare", "hardware_summary", "COLUMNS"]
 
 COLUMNS = (
-    "configuration", "workload", "opt_level", "half_dtype", "precision", "batch_size", "steps",
-    "optimizer", "device", "hardware", "step_time_ms", "step_time_iqr_ms", "timed_steps",
-    "samples_per_s", "speedup_vs_O0", "peak_mem_mib", *[f"mem_{r}_mib" for r in ROLES],
-    "mem_method", "mem_saving_vs_O0", "final_loss", "eval_loss", "metric_name", "metric",
-    "metric_vs_O0", "output_diff_vs_O0", "skipped_steps", "final_loss_scale", "warnings", "error",
+    "configuration",
+    "workload",
+    "opt_level",
+    "half_dtype",
+    "precision",
+    "batch_size",
+    "steps",
+    "optimizer",
+    "device",
+    "hardware",
+    "step_time_ms",
+    "step_time_iqr_ms",
+    "timed_steps",
+    "samples_per_s",
+    "speedup_vs_O0",
+    "peak_mem_mib",
+    *[f"mem_{r}_mib" for r in ROLES],
+    "mem_method",
+    "mem_saving_vs_O0",
+    "final_loss",
+    "eval_loss",
+    "metric_name",
+    "metric",
+    "metric_vs_O0",
+    "output_diff_vs_O0",
+    "skipped_steps",
+    "final_loss_scale",
+    "warnings",
+    "error",
 )
 
 
@@ -50,9 +74,17 @@ def hardware_summary(device: str = "cpu") -> dict:
     """
     cpu, hs = cpu_info(), half_support(device)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
-    out = {"device": device, "torch": torch.__version__, "threads": torch.get_num_threads(),
-           "cpus": os.cpu_count(), "load_avg": load, "cpu": cpu.model, "isa": cpu.isa,
-           "bf16": hs["bfloat16"], "fp16": hs["float16"]}
+    out = {
+        "device": device,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "cpus": os.cpu_count(),
+        "load_avg": load,
+        "cpu": cpu.model,
+        "isa": cpu.isa,
+        "bf16": hs["bfloat16"],
+        "fp16": hs["float16"],
+    }
     if torch.device(device).type == "cuda":
         out["gpu"] = cuda_info(torch.device(device).index or 0)
         name = out["gpu"]["name"]
@@ -60,8 +92,10 @@ def hardware_summary(device: str = "cpu") -> dict:
         name = f"{cpu.model} ({cpu.isa}, {out['threads']} threads)"
     out["summary"] = f"{name}; bf16 {hs['bfloat16']}, fp16 {hs['float16']}"
     if load > (out["cpus"] or 1):
-        out["summary"] += (f"; load average {load:.1f} on {out['cpus']} CPUs: other processes "
-                           "compete, timings are noisy")
+        out["summary"] += (
+            f"; load average {load:.1f} on {out['cpus']} CPUs: other processes "
+            "compete, timings are noisy"
+        )
     return out
 
 
@@ -84,8 +118,10 @@ def _precision(cfg: RunConfig, hw: dict) -> tuple[str, list[str]]:
     status = hw[cfg.half_dtype]
     notes = []
     if status == "emulated":
-        notes.append(f"{cfg.half_dtype} is emulated on this {hw['device']} (no native "
-                     f"{cfg.half_dtype} instructions): expect it slower than fp32, not faster")
+        notes.append(
+            f"{cfg.half_dtype} is emulated on this {hw['device']} (no native "
+            f"{cfg.half_dtype} instructions): expect it slower than fp32, not faster"
+        )
     return f"{cfg.half_dtype} ({status})", notes
 
 
@@ -119,9 +155,11 @@ def _isolated(configs, workload, w, bar, threads) -> list[RunResult]:
             with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
                 out.append(ex.submit(_run_isolated, cfg, spec, threads).result())
         except (pickle.PicklingError, AttributeError, TypeError) as e:
-            res = RunResult(cfg, error="isolate=True needs a picklable workload (model_fn, "
-                            "loss_fn, metric_fn defined at module level, not lambdas): "
-                            + describe_error(e))
+            res = RunResult(
+                cfg,
+                error="isolate=True needs a picklable workload (model_fn, "
+                "loss_fn, metric_fn defined at module level, not lambdas): " + describe_error(e),
+            )
             out.append(res)
         except Exception as e:  # noqa: BLE001 - a crashed subprocess is this row's error
             out.append(RunResult(cfg, error="the subprocess failed: " + describe_error(e)))
@@ -139,8 +177,11 @@ def _baseline(results: list[RunResult], cfg: RunConfig) -> RunResult | None:
 
 def _paired_speedup(base: RunResult, res: RunResult) -> float:
     t0 = {h["step"]: h["step_time_ms"] for h in base.history if h["phase"] == "timed"}
-    ratios = [t0[h["step"]] / h["step_time_ms"] for h in res.history
-              if h["phase"] == "timed" and h["step"] in t0 and h["step_time_ms"] > 0]
+    ratios = [
+        t0[h["step"]] / h["step_time_ms"]
+        for h in res.history
+        if h["phase"] == "timed" and h["step"] in t0 and h["step_time_ms"] > 0
+    ]
     return median(ratios)
 
 
@@ -153,10 +194,19 @@ def _rel_diff(out: torch.Tensor | None, ref: torch.Tensor | None) -> float:
 def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
     cfg, nan = res.config, math.nan
     precision, notes = _precision(cfg, hw)
-    row = dict(configuration=cfg.label, workload=w.name, opt_level=cfg.opt_level,
-               half_dtype=cfg.half_dtype, precision=precision, batch_size=cfg.batch_size,
-               steps=cfg.steps, optimizer=cfg.optimizer, device=cfg.device,
-               hardware=hw["summary"], metric_name=w.metric_name)
+    row = dict(
+        configuration=cfg.label,
+        workload=w.name,
+        opt_level=cfg.opt_level,
+        half_dtype=cfg.half_dtype,
+        precision=precision,
+        batch_size=cfg.batch_size,
+        steps=cfg.steps,
+        optimizer=cfg.optimizer,
+        device=cfg.device,
+        hardware=hw["summary"],
+        metric_name=w.metric_name,
+    )
     row.update(res.row)
     ok = res.error is None and base is not None
     bpeak = base.row.get("peak_mem_mib", nan) if base else nan
@@ -165,7 +215,9 @@ def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
         mem_saving_vs_O0=1 - row.get("peak_mem_mib", nan) / bpeak if ok else nan,
         metric_vs_O0=row.get("metric", nan) - base.row.get("metric", nan) if ok else nan,
         output_diff_vs_O0=_rel_diff(res.output, base.output) if ok else nan,
-        warnings="; ".join(notes + res.warnings), error=res.error or "")
+        warnings="; ".join(notes + res.warnings),
+        error=res.error or "",
+    )
     if base is None and res.error is None:
         row["warnings"] = "; ".join(filter(None, [row["warnings"], "no O0 row to compare with"]))
     return {c: row.get(c, nan) for c in COLUMNS}
@@ -176,8 +228,18 @@ def _frames(results: list[RunResult], w, hw: dict) -> pd.DataFrame:
     df = pd.DataFrame(rows, columns=list(COLUMNS))
     hist = [dict(configuration=r.config.label, **h) for r in results for h in r.history]
     df.attrs["history"] = pd.DataFrame(
-        hist, columns=["configuration", "step", "loss", "loss_scale", "step_time_ms", "skipped",
-                       "skip_reason", "phase"])
+        hist,
+        columns=[
+            "configuration",
+            "step",
+            "loss",
+            "loss_scale",
+            "step_time_ms",
+            "skipped",
+            "skip_reason",
+            "phase",
+        ],
+    )
     df.attrs["hardware"] = hw
     return df
 
@@ -188,18 +250,30 @@ def _progress(total: int, enabled: bool):
     except ImportError:  # tqdm is a dependency; without it, no bar
         enabled = False
     if not enabled:
+
         class _Null:
             def update(self, n=1): ...
             def close(self): ...
+
         return _Null()
     return tqdm(total=total, desc="mpnb compare", unit="step", leave=False, mininterval=1.0)
 
 
-def compare(workload="mlp", opt_levels: Sequence[str] = ("O0", "O1", "O2", "O3"),
-            half_dtype="auto", batch_sizes: Sequence[int] | None = None,
-            steps: int | None = None, optimizer: str = "adam", lr: float | None = None,
-            loss_scale=None, device="auto", seed: int = 0, progress: bool = True,
-            isolate: bool = False, threads: int | None = None) -> pd.DataFrame:
+def compare(
+    workload="mlp",
+    opt_levels: Sequence[str] = ("O0", "O1", "O2", "O3"),
+    half_dtype="auto",
+    batch_sizes: Sequence[int] | None = None,
+    steps: int | None = None,
+    optimizer: str = "adam",
+    lr: float | None = None,
+    loss_scale=None,
+    device="auto",
+    seed: int = 0,
+    progress: bool = True,
+    isolate: bool = False,
+    threads: int | None = None,
+) -> pd.DataFrame:
     """Train ``workload`` under each opt level (and half dtype, batch size); one row each.
 
     Args:
@@ -231,8 +305,18 @@ def compare(workload="mlp", opt_levels: Sequence[str] = ("O0", "O1", "O2", "O3")
         >>> df[["configuration", "step_time_ms", "speedup_vs_O0", "metric"]]
     """
     w = _workloads.get(workload)
-    configs = expand(w.name, opt_levels, half_dtype, batch_sizes or (w.batch_size,),
-                     steps or w.steps, optimizer, lr, loss_scale, device, seed)
+    configs = expand(
+        w.name,
+        opt_levels,
+        half_dtype,
+        batch_sizes or (w.batch_size,),
+        steps or w.steps,
+        optimizer,
+        lr,
+        loss_scale,
+        device,
+        seed,
+    )
     with _threads(threads):
         hw = hardware_summary(configs[0].device)
         bar = _progress(sum(c.steps for c in configs), progress)

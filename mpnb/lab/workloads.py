@@ -76,11 +76,18 @@ class Workload:
         if isinstance(data, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in data):
             data = TensorDataset(*data)
         if not isinstance(data, Dataset):
-            raise TypeError(f"workload {self.name!r}: data must be (inputs, targets) tensors, "
-                            f"a Dataset or a DataLoader, got {type(data).__name__}.")
+            raise TypeError(
+                f"workload {self.name!r}: data must be (inputs, targets) tensors, "
+                f"a Dataset or a DataLoader, got {type(data).__name__}."
+            )
         g = torch.Generator().manual_seed(seed)
-        return DataLoader(data, batch_size=batch_size, shuffle=train, generator=g,
-                          drop_last=train and len(data) >= batch_size)
+        return DataLoader(
+            data,
+            batch_size=batch_size,
+            shuffle=train,
+            generator=g,
+            drop_last=train and len(data) >= batch_size,
+        )
 
     def batches(self, batch_size: int, seed: int) -> Iterator[Batch]:
         """Training batches forever, in the same order for the same seed."""
@@ -110,14 +117,24 @@ def _split(batch, name: str) -> Batch:
     if isinstance(batch, (tuple, list)) and len(batch) == 2:
         return batch[0], batch[1]
     n = len(batch) if hasattr(batch, "__len__") else "?"
-    raise ValueError(f"workload {name!r}: each batch must be (inputs, targets), got "
-                     f"{type(batch).__name__} of length {n}.")
+    raise ValueError(
+        f"workload {name!r}: each batch must be (inputs, targets), got "
+        f"{type(batch).__name__} of length {n}."
+    )
 
 
-def custom(model_fn: Callable[[], nn.Module], data, loss_fn: Callable,
-           metric_fn: Callable | None = None, eval_data=None, name: str = "custom",
-           metric_name: str | None = None, lr: float = 1e-3, batch_size: int = 64,
-           steps: int = 100) -> Workload:
+def custom(
+    model_fn: Callable[[], nn.Module],
+    data,
+    loss_fn: Callable,
+    metric_fn: Callable | None = None,
+    eval_data=None,
+    name: str = "custom",
+    metric_name: str | None = None,
+    lr: float = 1e-3,
+    batch_size: int = 64,
+    steps: int = 100,
+) -> Workload:
     """A workload from your own model, data, loss and (optional) metric.
 
     Args:
@@ -134,14 +151,27 @@ def custom(model_fn: Callable[[], nn.Module], data, loss_fn: Callable,
         ...            nn.functional.cross_entropy, metric_fn=accuracy, metric_name="accuracy")
     """
     if not callable(model_fn) or isinstance(model_fn, nn.Module):
-        raise TypeError("custom: model_fn must be a function returning a fresh model "
-                        "(lambda: MyNet()), not a model: every configuration starts from the "
-                        "same fresh weights.")
+        raise TypeError(
+            "custom: model_fn must be a function returning a fresh model "
+            "(lambda: MyNet()), not a model: every configuration starts from the "
+            "same fresh weights."
+        )
     if not callable(loss_fn):
         raise TypeError(f"custom: loss_fn must be callable, got {type(loss_fn).__name__}.")
     ev = data if eval_data is None and metric_fn is not None else eval_data
-    return Workload(name, model_fn, data, ev, loss_fn, metric_fn,
-                    metric_name or ("metric" if metric_fn else "-"), None, lr, batch_size, steps)
+    return Workload(
+        name,
+        model_fn,
+        data,
+        ev,
+        loss_fn,
+        metric_fn,
+        metric_name or ("metric" if metric_fn else "-"),
+        None,
+        lr,
+        batch_size,
+        steps,
+    )
 
 
 def _digits(seed: int = 0):
@@ -165,9 +195,17 @@ class DigitsCNN(nn.Module):
     def __init__(self):
         super().__init__()
         self.body = nn.Sequential(
-            nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Flatten(), nn.Linear(16 * 4, 10))
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 16, 3, padding=1),
+            nn.BatchNorm2d(16),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Flatten(),
+            nn.Linear(16 * 4, 10),
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.body(x.view(-1, 1, 8, 8))
@@ -186,15 +224,36 @@ def _builtin(name: str) -> Workload:
     if name in ("mlp", "cnn"):
         train, ev = _digits()
         make = _mlp if name == "mlp" else DigitsCNN
-        return Workload(name, make, train, ev, nn.functional.cross_entropy, accuracy,
-                        "accuracy", 0.1, lr=1e-2 if name == "mlp" else 5e-3, batch_size=64,
-                        steps=150)
+        return Workload(
+            name,
+            make,
+            train,
+            ev,
+            nn.functional.cross_entropy,
+            accuracy,
+            "accuracy",
+            0.1,
+            lr=1e-2 if name == "mlp" else 5e-3,
+            batch_size=64,
+            steps=150,
+        )
     from mpnb.lab._text import VOCAB, generate_tokens, lm_sequences
 
     train = lm_sequences(generate_tokens(30_000, seed=0), _SEQ)
     ev = lm_sequences(generate_tokens(3_000, seed=1), _SEQ)
-    return Workload("transformer", _lm_model, train, ev, _flat_ce, accuracy,
-                    "next-token accuracy", 1.0 / len(VOCAB), lr=1e-2, batch_size=16, steps=150)
+    return Workload(
+        "transformer",
+        _lm_model,
+        train,
+        ev,
+        _flat_ce,
+        accuracy,
+        "next-token accuracy",
+        1.0 / len(VOCAB),
+        lr=1e-2,
+        batch_size=16,
+        steps=150,
+    )
 
 
 _BUILTIN = ("mlp", "cnn", "transformer")
@@ -210,6 +269,8 @@ def get(workload: str | Workload) -> Workload:
     if isinstance(workload, Workload):
         return workload
     if workload not in _BUILTIN:
-        raise ValueError(f"workload={workload!r} is unknown; built in: {', '.join(_BUILTIN)} "
-                         "(or pass mpnb.lab.workloads.custom(...)).")
+        raise ValueError(
+            f"workload={workload!r} is unknown; built in: {', '.join(_BUILTIN)} "
+            "(or pass mpnb.lab.workloads.custom(...))."
+        )
     return _builtin(workload)

@@ -34,10 +34,15 @@ class HardwareCheck:
         status = half_support(device)[name]
         if status == "unsupported":
             info = cuda_info(device.index or 0) if device.type == "cuda" else None
-            why = (f"{info['name']} has compute capability {info['capability']}; bf16 needs 8.0+"
-                   if info else f"{device} has no {name} support")
-            raise ValueError(f"amp.initialize: half_dtype=torch.{name} is not supported: {why}. "
-                             "Use half_dtype=torch.float16 (or opt_level='O0').")
+            why = (
+                f"{info['name']} has compute capability {info['capability']}; bf16 needs 8.0+"
+                if info
+                else f"{device} has no {name} support"
+            )
+            raise ValueError(
+                f"amp.initialize: half_dtype=torch.{name} is not supported: {why}. "
+                "Use half_dtype=torch.float16 (or opt_level='O0')."
+            )
         key = (device.type, dtype)
         if status == "emulated" and dtype == torch.float16 and key not in self.warned:
             self.warned.add(key)
@@ -45,7 +50,9 @@ class HardwareCheck:
                 "amp: this CPU has no native float16 (no avx512_fp16/amx_fp16): fp16 is emulated "
                 "in software and far slower than fp32 (matmuls ~50-150x). Use "
                 "half_dtype=torch.bfloat16 (the CPU default) unless you need fp16 numerics.",
-                EmulatedHalfWarning, stacklevel=3)
+                EmulatedHalfWarning,
+                stacklevel=3,
+            )
 
 
 hardware_check = HardwareCheck()
@@ -56,8 +63,10 @@ def _as_list(obj, kind: type, what: str) -> tuple[list, bool]:
     items = list(obj) if was_list else [obj]
     for x in items:
         if not isinstance(x, kind):
-            raise TypeError(f"amp.initialize: {what} must be a {kind.__module__}.{kind.__name__} "
-                            f"or a list of them, got {type(x).__name__}.")
+            raise TypeError(
+                f"amp.initialize: {what} must be a {kind.__module__}.{kind.__name__} "
+                f"or a list of them, got {type(x).__name__}."
+            )
     return items, was_list
 
 
@@ -68,8 +77,9 @@ def _attach_model(model: torch.nn.Module, props: Properties, states: list[Optimi
         hooks += CastForward(props.cast_model_type, out).attach(model)
     if props.patch_torch_functions:
         dev = model_device(model).type
-        hooks += AutocastForward(dev, props.half_dtype, default_registry,
-                                 props.cast_model_outputs).attach(model)
+        hooks += AutocastForward(
+            dev, props.half_dtype, default_registry, props.cast_model_outputs
+        ).attach(model)
     elif props.cast_model_type is None and props.cast_model_outputs is not None:
         hooks += CastForward(None, props.cast_model_outputs).attach(model)
 
@@ -81,10 +91,23 @@ def _attach_model(model: torch.nn.Module, props: Properties, states: list[Optimi
     return hooks
 
 
-def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model_type=None,
-               patch_torch_functions=None, keep_batchnorm_fp32=None, master_weights=None,
-               loss_scale=None, cast_model_outputs=None, num_losses=1, verbosity=1,
-               min_loss_scale=None, max_loss_scale=2.0**24, half_dtype=None):
+def initialize(
+    models,
+    optimizers=None,
+    enabled=True,
+    opt_level="O1",
+    cast_model_type=None,
+    patch_torch_functions=None,
+    keep_batchnorm_fp32=None,
+    master_weights=None,
+    loss_scale=None,
+    cast_model_outputs=None,
+    num_losses=1,
+    verbosity=1,
+    min_loss_scale=None,
+    max_loss_scale=2.0**24,
+    half_dtype=None,
+):
     """Set up mixed precision for ``models`` and ``optimizers`` (Apex's ``amp.initialize``).
 
     Args:
@@ -106,28 +129,40 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
         >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
     """
     model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
-    opt_list, opts_was_list = ([], False) if optimizers is None else _as_list(
-        optimizers, torch.optim.Optimizer, "optimizers")
+    opt_list, opts_was_list = (
+        ([], False)
+        if optimizers is None
+        else _as_list(optimizers, torch.optim.Optimizer, "optimizers")
+    )
     if not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be a positive int, got {num_losses!r}.")
     for m in model_list:
         if m in registry.models:
-            raise ValueError("amp.initialize: this model was already initialized; call "
-                             "amp.initialize once per model (build a fresh model to change level).")
+            raise ValueError(
+                "amp.initialize: this model was already initialized; call "
+                "amp.initialize once per model (build a fresh model to change level)."
+            )
     for o in opt_list:
         if o in registry.optimizers:
             raise ValueError(
-                "amp.initialize: this optimizer was already initialized; pass it once.")
+                "amp.initialize: this optimizer was already initialized; pass it once."
+            )
     device = model_device(model_list[0]) if model_list else torch.device("cpu")
     props = resolve_properties(
-        opt_level, device, enabled=enabled, cast_model_type=cast_model_type,
-        patch_torch_functions=patch_torch_functions, keep_batchnorm_fp32=keep_batchnorm_fp32,
-        master_weights=master_weights, loss_scale=loss_scale,
-        cast_model_outputs=cast_model_outputs, half_dtype=half_dtype)
+        opt_level,
+        device,
+        enabled=enabled,
+        cast_model_type=cast_model_type,
+        patch_torch_functions=patch_torch_functions,
+        keep_batchnorm_fp32=keep_batchnorm_fp32,
+        master_weights=master_weights,
+        loss_scale=loss_scale,
+        cast_model_outputs=cast_model_outputs,
+        half_dtype=half_dtype,
+    )
     if verbosity:
         print(format_properties(props))
-    handle = _build(props, model_list, opt_list, device, num_losses, min_loss_scale,
-                    max_loss_scale)
+    handle = _build(props, model_list, opt_list, device, num_losses, min_loss_scale, max_loss_scale)
     registry.latest = handle
     models_out = model_list if models_was_list else model_list[0]
     if optimizers is None:
@@ -137,7 +172,9 @@ def initialize(models, optimizers=None, enabled=True, opt_level="O1", cast_model
 
 def _build(props, model_list, opt_list, device, num_losses, min_loss_scale, max_loss_scale):
     uses_half = props.patch_torch_functions or props.cast_model_type in (
-        torch.float16, torch.bfloat16)
+        torch.float16,
+        torch.bfloat16,
+    )
     if props.enabled and uses_half:
         hardware_check(device, props.half_dtype)
     if props.enabled and props.cast_model_type is not None:
@@ -149,9 +186,15 @@ def _build(props, model_list, opt_list, device, num_losses, min_loss_scale, max_
     if props.enabled:
         for m in model_list:
             hooks += _attach_model(m, props, states)
-    scalers = [LossScaler(props.loss_scale, min_loss_scale=min_loss_scale,
-                          max_loss_scale=max_loss_scale, device=device)
-               for _ in range(num_losses)]
+    scalers = [
+        LossScaler(
+            props.loss_scale,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            device=device,
+        )
+        for _ in range(num_losses)
+    ]
     handle = AmpHandle(props, scalers, states, hooks)
     for i, o in enumerate(opt_list):
         registry.optimizers[o] = states[i] if states else None

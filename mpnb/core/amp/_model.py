@@ -78,16 +78,23 @@ class AutocastForward:
     makes re-entrant forwards safe.
     """
 
-    def __init__(self, device_type: str, dtype: torch.dtype, registry: CastRegistry,
-                 output_dtype: torch.dtype | None = None):
+    def __init__(
+        self,
+        device_type: str,
+        dtype: torch.dtype,
+        registry: CastRegistry,
+        output_dtype: torch.dtype | None = None,
+    ):
         self.device_type, self.dtype, self.registry = device_type, dtype, registry
         self.output_dtype = output_dtype
         self._stack: list[contextlib.ExitStack] = []
 
     def attach(self, model: torch.nn.Module) -> list:
         """Register the hooks on ``model``; returns their removable handles."""
-        return [model.register_forward_pre_hook(self._enter),
-                model.register_forward_hook(self._exit, always_call=True)]
+        return [
+            model.register_forward_pre_hook(self._enter),
+            model.register_forward_hook(self._exit, always_call=True),
+        ]
 
     def _enter(self, module, args):
         stack = contextlib.ExitStack()

@@ -22,7 +22,6 @@ __all__ = ["OptimizerAmp"]
 _HALF = (torch.float16, torch.bfloat16)
 
 
-
 def _groups_by_dtype(tensors: list[torch.Tensor]) -> dict[torch.dtype, list[int]]:
     out: dict[torch.dtype, list[int]] = {}
     for i, t in enumerate(tensors):
@@ -69,8 +68,9 @@ class OptimizerAmp:
         self.fused = bool(getattr(optimizer, "_mpnb_accepts_scale", False))
         # A fused optimizer that keeps fp32 masters itself (one pass reads the half grads and
         # writes masters and half params): amp places no masters of its own.
-        self.internal_masters = (master_weights and self.fused
-                                 and hasattr(optimizer, "_mpnb_use_master_weights"))
+        self.internal_masters = (
+            master_weights and self.fused and hasattr(optimizer, "_mpnb_use_master_weights")
+        )
         if self.internal_masters:
             optimizer._mpnb_use_master_weights()
             master_weights = False
@@ -100,7 +100,7 @@ class OptimizerAmp:
 
     def _adopt_new_groups(self, optimizer) -> None:
         """Sort the params of groups not seen yet into masters/own and cache the lists."""
-        for group in optimizer.param_groups[self._n_groups:]:
+        for group in optimizer.param_groups[self._n_groups :]:
             for i, p in enumerate(group["params"]):
                 if self.master_weights and p.dtype in _HALF:
                     m = torch.nn.Parameter(p.detach().float(), requires_grad=p.requires_grad)
@@ -116,8 +116,10 @@ class OptimizerAmp:
         self._own_dense = _dense(self.own)
         self._own_one_dtype = len({p.dtype for p in self.own}) <= 1
         # Master pairs grouped by model dtype once: one kernel call per group and step.
-        self._pairs = [([self.model_params[i] for i in idx], [self.masters[i] for i in idx])
-                       for idx in _groups_by_dtype(self.model_params).values()]
+        self._pairs = [
+            ([self.model_params[i] for i in idx], [self.masters[i] for i in idx])
+            for idx in _groups_by_dtype(self.model_params).values()
+        ]
         self._pairs_dense = _dense(self.model_params) and _dense(self.masters)
 
     @property
@@ -149,8 +151,7 @@ class OptimizerAmp:
             self.step_flag.copy_(self._flag)
             self._flag = self.step_flag
 
-    def after_backward(self, scaler: LossScaler, delay_unscale: bool,
-                       alone: bool = False) -> None:
+    def after_backward(self, scaler: LossScaler, delay_unscale: bool, alone: bool = False) -> None:
         """After a backward: unscale into the grads the optimizer reads (unless delayed).
 
         ``alone``: this optimizer is the only one of the ``scale_loss`` block, so the scaler's
@@ -186,8 +187,14 @@ class OptimizerAmp:
         nothing, otherwise; the caller then runs :meth:`after_backward` and
         :meth:`LossScaler.update`.
         """
-        if (self.fused or self.masters or self._stashed or self._flag is not None
-                or not self.own or not self._own_one_dtype):
+        if (
+            self.fused
+            or self.masters
+            or self._stashed
+            or self._flag is not None
+            or not self.own
+            or not self._own_one_dtype
+        ):
             return False
         if not unscale_grads(self.own, scaler.found_inf, scaler.inv_scale, scaler.update_args()):
             return False
@@ -229,8 +236,9 @@ class OptimizerAmp:
 
         for params, masters in self._pairs:
             grads = read_grads(params)
-            if (not all(map(is_, read_grads(masters), repeat(None)))
-                    or not all(map(is_not, grads, repeat(None)))):
+            if not all(map(is_, read_grads(masters), repeat(None))) or not all(
+                map(is_not, grads, repeat(None))
+            ):
                 self._to_masters_general(params, masters, flag, scale_tensor)
                 continue
             # The common case: every model param has a grad and no master has one yet.
@@ -269,12 +277,14 @@ class OptimizerAmp:
             raise RuntimeError(
                 "amp: optimizer.step() after scale_loss(..., delay_unscale=True) with no "
                 "unscale: the grads are still scaled. End the accumulation with a scale_loss "
-                "block that has delay_unscale=False before stepping.")
+                "block that has delay_unscale=False before stepping."
+            )
         if self.fused:
             if len(self.used) > 1:
                 raise ValueError(
                     "amp: an optimizer with _mpnb_accepts_scale takes one loss_id per step, got "
-                    f"{len(self.used)}; use one loss_id for it, or a separate optimizer per loss.")
+                    f"{len(self.used)}; use one loss_id for it, or a separate optimizer per loss."
+                )
             s = self.used[0]
             s.clear_overflow()
             optimizer._mpnb_set_scale(s.inv_scale, s.found_inf)
@@ -289,8 +299,7 @@ class OptimizerAmp:
         for s, scale in zip(self.used, vals[1:], strict=False):
             s.note_step(skip, scale)
         if skip:
-            self._skip = drop_grads(optimizer) if is_torch_optim(optimizer) else snapshot(
-                optimizer)
+            self._skip = drop_grads(optimizer) if is_torch_optim(optimizer) else snapshot(optimizer)
         return None
 
     def _post_step(self, optimizer, args, kwargs):
@@ -344,7 +353,8 @@ class OptimizerAmp:
             raise ValueError(
                 f"amp: the optimizer state holds {len(saved)} fp32 master params but this "
                 f"optimizer has {len(self.masters)}; load a checkpoint of the same model and "
-                "opt level.")
+                "opt level."
+            )
         with torch.no_grad():
             src = [s.to(m.device) for s, m in zip(saved, self.masters, strict=True)]
             torch._foreach_copy_(self.masters, src)

@@ -18,9 +18,14 @@ __all__ = ["Properties", "OptLevel", "OPT_LEVELS", "resolve_properties", "format
 
 _HALF = (torch.float16, torch.bfloat16)
 _DTYPE_NAMES = {
-    "float16": torch.float16, "fp16": torch.float16, "half": torch.float16,
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float32": torch.float32, "fp32": torch.float32, "float": torch.float32,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
 }
 
 
@@ -62,12 +67,15 @@ class OptLevel:
         """The Apex defaults of this level with ``half`` as the half dtype."""
         cast = {"O0": torch.float32, "O1": None, "O2": half, "O3": half}[self.name]
         return Properties(
-            enabled=True, opt_level=self.name, cast_model_type=cast,
+            enabled=True,
+            opt_level=self.name,
+            cast_model_type=cast,
             patch_torch_functions=self.name == "O1",
             keep_batchnorm_fp32={"O2": True, "O3": False}.get(self.name),
             master_weights=self.name == "O2",
             loss_scale="dynamic" if self.name in ("O1", "O2") else 1.0,
-            cast_model_outputs=None, half_dtype=half,
+            cast_model_outputs=None,
+            half_dtype=half,
         )
 
 
@@ -113,15 +121,18 @@ def _check_o1(over: dict) -> None:
     if over.get("cast_model_type") not in (None, torch.float32):
         raise ValueError(
             "amp.initialize: O1 casts inside torch.autocast, not the model's weights, so "
-            "cast_model_type must stay None with O1; use opt_level='O2' or 'O3' to cast the model.")
+            "cast_model_type must stay None with O1; use opt_level='O2' or 'O3' to cast the model."
+        )
     if over.get("master_weights") is True:
         raise ValueError(
             "amp.initialize: master_weights=True makes no sense with O1 (the weights are already "
-            "fp32); remove it, or use opt_level='O2'.")
+            "fp32); remove it, or use opt_level='O2'."
+        )
     if over.get("keep_batchnorm_fp32") is not None:
         raise ValueError(
             "amp.initialize: with O1 batch norms already run in fp32 under autocast, so "
-            "keep_batchnorm_fp32 must be None; remove it, or use opt_level='O2'.")
+            "keep_batchnorm_fp32 must be None; remove it, or use opt_level='O2'."
+        )
 
 
 def resolve_properties(opt_level: str = "O1", device="cpu", **overrides) -> Properties:
@@ -141,7 +152,8 @@ def resolve_properties(opt_level: str = "O1", device="cpu", **overrides) -> Prop
         hint = " (use the letter O, not zero)" if str(opt_level).startswith("0") else ""
         raise ValueError(
             f"amp.initialize: unknown opt_level {opt_level!r}{hint}; valid choices: "
-            f"{', '.join(OPT_LEVELS)}.")
+            f"{', '.join(OPT_LEVELS)}."
+        )
     unknown = set(overrides) - {f.name for f in dataclasses.fields(Properties)}
     if unknown:
         raise ValueError(f"amp.initialize: unknown properties {sorted(unknown)}.")
@@ -176,7 +188,8 @@ def _resolve_half(over: dict, device) -> torch.dtype:
             if half is not None and half != cast:
                 raise ValueError(
                     f"amp.initialize: cast_model_type={cast} conflicts with half_dtype={half}; "
-                    "pass only one of them, or the same dtype to both.")
+                    "pass only one of them, or the same dtype to both."
+                )
             half = cast
     return half or default_half_dtype(device)
 
@@ -186,11 +199,13 @@ def _check_consistent(p: Properties) -> None:
         raise ValueError(
             f"amp.initialize: master_weights=True needs a half model (cast_model_type "
             f"{p.half_dtype}), got cast_model_type={p.cast_model_type}; drop master_weights or "
-            "use opt_level='O2'.")
+            "use opt_level='O2'."
+        )
     if p.keep_batchnorm_fp32 and p.cast_model_type not in _HALF:
         raise ValueError(
             "amp.initialize: keep_batchnorm_fp32=True only applies when the model is cast to "
-            "half (O2/O3); drop it or pick opt_level='O2' or 'O3'.")
+            "half (O2/O3); drop it or pick opt_level='O2' or 'O3'."
+        )
 
 
 def format_properties(p: Properties) -> str:

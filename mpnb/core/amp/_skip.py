@@ -39,8 +39,10 @@ def snapshot(optimizer):
     saved = (
         [p.detach().clone() for p in params],
         {p: copy.deepcopy(optimizer.state[p]) for p in params if p in optimizer.state},
-        [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
-         for g in optimizer.param_groups],
+        [
+            {k: copy.deepcopy(v) for k, v in g.items() if k != "params"}
+            for g in optimizer.param_groups
+        ],
     )
 
     def restore(items):

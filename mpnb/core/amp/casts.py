@@ -20,8 +20,14 @@ from collections.abc import Callable, Iterator
 import torch
 
 __all__ = [
-    "CastRegistry", "default_registry", "disable_casts", "half_function", "float_function",
-    "promote_function", "register_half_function", "register_float_function",
+    "CastRegistry",
+    "default_registry",
+    "disable_casts",
+    "half_function",
+    "float_function",
+    "promote_function",
+    "register_half_function",
+    "register_float_function",
     "register_promote_function",
 ]
 
@@ -143,7 +149,8 @@ class CastRegistry:
         if not hasattr(module, name):
             raise ValueError(
                 f"amp.register_{policy}_function: {getattr(module, '__name__', module)!r} has no "
-                f"attribute {name!r}; pass the module (or class) that defines it and its name.")
+                f"attribute {name!r}; pass the module (or class) that defines it and its name."
+            )
         if not callable(getattr(module, name)):
             raise ValueError(f"amp.register_{policy}_function: {name!r} is not callable.")
         self.entries[(id(module), name)] = (module, name, policy)

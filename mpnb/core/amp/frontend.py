@@ -16,8 +16,15 @@ import torch
 from mpnb.core.amp._optimizer import OptimizerAmp
 from mpnb.core.amp.handle import AmpHandle
 
-__all__ = ["AmpRegistry", "registry", "scale_loss", "master_params", "state_dict",
-           "load_state_dict", "current_handle"]
+__all__ = [
+    "AmpRegistry",
+    "registry",
+    "scale_loss",
+    "master_params",
+    "state_dict",
+    "load_state_dict",
+    "current_handle",
+]
 
 
 class AmpRegistry:
@@ -33,12 +40,14 @@ class AmpRegistry:
         """The handle and state of ``optimizer``, or a ValueError saying to initialize first."""
         if not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(
-                f"amp: expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+                f"amp: expected a torch.optim.Optimizer, got {type(optimizer).__name__}."
+            )
         if optimizer not in self.optimizers:
             raise ValueError(
                 "amp: this optimizer was not passed to amp.initialize; call "
                 "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)` before "
-                "amp.scale_loss / amp.master_params, and use the optimizer it returns.")
+                "amp.scale_loss / amp.master_params, and use the optimizer it returns."
+            )
         return self.handles[optimizer], self.optimizers[optimizer]
 
 
@@ -48,14 +57,21 @@ registry = AmpRegistry()
 def current_handle() -> AmpHandle:
     """The handle of the latest ``amp.initialize`` (ValueError before any)."""
     if registry.latest is None:
-        raise ValueError("amp: amp.initialize has not been called yet; call "
-                         "`model, optimizer = amp.initialize(model, optimizer)` first.")
+        raise ValueError(
+            "amp: amp.initialize has not been called yet; call "
+            "`model, optimizer = amp.initialize(model, optimizer)` first."
+        )
     return registry.latest
 
 
-def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None,
-               delay_unscale: bool = False, delay_overflow_check: bool = False
-               ) -> contextlib.AbstractContextManager[torch.Tensor]:
+def scale_loss(
+    loss: torch.Tensor,
+    optimizers,
+    loss_id: int = 0,
+    model=None,
+    delay_unscale: bool = False,
+    delay_overflow_check: bool = False,
+) -> contextlib.AbstractContextManager[torch.Tensor]:
     """Context manager yielding the scaled loss; on exit the grads are unscaled.
 
     Args:
@@ -74,16 +90,20 @@ def scale_loss(loss: torch.Tensor, optimizers, loss_id: int = 0, model=None,
         >>> optimizer.step()          # skipped (bitwise) if the grads overflowed
     """
     if registry.latest is None:
-        raise ValueError("amp.scale_loss called before amp.initialize; call `model, optimizer "
-                         "= amp.initialize(model, optimizer, opt_level=...)` first.")
+        raise ValueError(
+            "amp.scale_loss called before amp.initialize; call `model, optimizer "
+            "= amp.initialize(model, optimizer, opt_level=...)` first."
+        )
     if not isinstance(optimizers, (list, tuple)):  # the common case: one optimizer
         handle, st = registry.lookup(optimizers)
         return handle.scale_loss(loss, [st], loss_id, delay_unscale)
     found = [registry.lookup(o) for o in optimizers]
     handle = found[0][0]
     if any(h is not handle for h, _ in found):
-        raise ValueError("amp.scale_loss: the optimizers come from different amp.initialize "
-                         "calls; pass optimizers of one initialize per scale_loss block.")
+        raise ValueError(
+            "amp.scale_loss: the optimizers come from different amp.initialize "
+            "calls; pass optimizers of one initialize per scale_loss block."
+        )
     return handle.scale_loss(loss, [s for _, s in found], loss_id, delay_unscale)
 
 

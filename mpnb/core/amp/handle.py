@@ -38,7 +38,8 @@ class _ScaleLossBlock:
         if not 0 <= self.loss_id < n:
             raise ValueError(
                 f"amp.scale_loss: loss_id={self.loss_id} but amp.initialize(num_losses="
-                f"{n}) made loss ids 0..{n - 1}; pass a valid loss_id or raise num_losses.")
+                f"{n}) made loss ids 0..{n - 1}; pass a valid loss_id or raise num_losses."
+            )
         self.scaler = scaler = h.scalers[self.loss_id]
         for st in self.states:
             st.prepare_backward()
@@ -76,15 +77,25 @@ class AmpHandle:
         >>> opt.step()
     """
 
-    def __init__(self, properties: Properties, scalers: list[LossScaler],
-                 opt_states: list[OptimizerAmp], hooks: list):
+    def __init__(
+        self,
+        properties: Properties,
+        scalers: list[LossScaler],
+        opt_states: list[OptimizerAmp],
+        hooks: list,
+    ):
         self.properties = properties
         self.scalers = scalers
         self.opt_states = opt_states
         self.hooks = hooks
 
-    def scale_loss(self, loss: torch.Tensor, opt_states: list[OptimizerAmp], loss_id: int = 0,
-                   delay_unscale: bool = False) -> _ScaleLossBlock:
+    def scale_loss(
+        self,
+        loss: torch.Tensor,
+        opt_states: list[OptimizerAmp],
+        loss_id: int = 0,
+        delay_unscale: bool = False,
+    ) -> _ScaleLossBlock:
         """A context manager yielding ``loss * scale``; on exit it unscales the grads.
 
         The grads of ``opt_states``' params are unscaled when the block exits without an
@@ -104,7 +115,8 @@ class AmpHandle:
             raise ValueError(
                 f"amp.load_state_dict: the state has {len(keys)} loss scalers but "
                 f"amp.initialize(num_losses={len(self.scalers)}) made {len(self.scalers)}; "
-                "initialize with the num_losses the checkpoint was saved with.")
+                "initialize with the num_losses the checkpoint was saved with."
+            )
         for i, s in enumerate(self.scalers):
             s.load_state_dict(state[f"loss_scaler{i}"])
 

@@ -51,10 +51,17 @@ class LossScaler:
         >>> s.update()
     """
 
-    def __init__(self, loss_scale="dynamic", init_scale: float = 2.0**16,
-                 scale_factor: float = 2.0, scale_window: int = 2000,
-                 min_loss_scale: float | None = None, max_loss_scale: float = 2.0**24,
-                 max_skips_at_min: int | None = 100, device="cpu"):
+    def __init__(
+        self,
+        loss_scale="dynamic",
+        init_scale: float = 2.0**16,
+        scale_factor: float = 2.0,
+        scale_window: int = 2000,
+        min_loss_scale: float | None = None,
+        max_loss_scale: float = 2.0**24,
+        max_skips_at_min: int | None = 100,
+        device="cpu",
+    ):
         if scale_window <= 0:
             raise ValueError(f"LossScaler: scale_window must be positive, got {scale_window}.")
         self.dynamic = loss_scale == "dynamic"
@@ -117,8 +124,12 @@ class LossScaler:
         scale, _, found = self._packed.tolist()
         return found, scale
 
-    def unscale(self, model_grads: Sequence[torch.Tensor], out: Sequence[torch.Tensor],
-                accumulate: Sequence[torch.Tensor | None] | None = None) -> None:
+    def unscale(
+        self,
+        model_grads: Sequence[torch.Tensor],
+        out: Sequence[torch.Tensor],
+        accumulate: Sequence[torch.Tensor | None] | None = None,
+    ) -> None:
         """``out = model_grads / scale`` in one multi-tensor pass; flags inf/NaN in found_inf.
 
         Args:
@@ -158,8 +169,17 @@ class LossScaler:
         if not self.dynamic:
             return None
         lo = 0.0 if self.min_loss_scale is None else float(self.min_loss_scale)
-        return (self.scale, self.growth_tracker, self.hysteresis_tracker, self.scale_factor,
-                1.0 / self.scale_factor, self.scale_window, 1, lo, float(self.max_loss_scale))
+        return (
+            self.scale,
+            self.growth_tracker,
+            self.hysteresis_tracker,
+            self.scale_factor,
+            1.0 / self.scale_factor,
+            self.scale_window,
+            1,
+            lo,
+            float(self.max_loss_scale),
+        )
 
     def note_step(self, skipped: bool, scale: float) -> None:
         """Count skipped steps at the floor; raise once there are ``max_skips_at_min`` in a row.
@@ -177,7 +197,8 @@ class LossScaler:
                 "non-finite even unscaled, so training would never progress. Check the loss and "
                 "the inputs for inf/NaN, lower the learning rate, or use bf16 (half_dtype="
                 "torch.bfloat16, fp32's range); pass min_loss_scale or max_skips_at_min=None to "
-                "change this check.")
+                "change this check."
+            )
 
     def state_dict(self) -> dict:
         """Apex-compatible state (``loss_scale``, ``unskipped``) plus ours (host sync)."""
@@ -193,8 +214,10 @@ class LossScaler:
         """Restore :meth:`state_dict` output (or an Apex ``loss_scalerN`` entry)."""
         missing = {"loss_scale", "unskipped"} - set(state)
         if missing:
-            raise ValueError(f"LossScaler.load_state_dict: missing keys {sorted(missing)}; pass "
-                             "an entry of amp.state_dict().")
+            raise ValueError(
+                f"LossScaler.load_state_dict: missing keys {sorted(missing)}; pass "
+                "an entry of amp.state_dict()."
+            )
         self.scale.fill_(float(state["loss_scale"]))
         torch.reciprocal(self.scale, out=self.inv_scale)
         self.growth_tracker.fill_(int(state["unskipped"]))

@@ -16,7 +16,17 @@ from mpnb.core.fp16_utils.fp16util import (
 from mpnb.core.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
 
 __all__ = [
-    "FP16_Optimizer", "BN_convert_float", "clip_grad_norm", "convert_module", "convert_network",
-    "master_params_to_model_params", "model_grads_to_master_grads", "network_to_half",
-    "prep_param_lists", "to_python_float", "tofp16", "DynamicLossScaler", "LossScaler",
+    "FP16_Optimizer",
+    "BN_convert_float",
+    "clip_grad_norm",
+    "convert_module",
+    "convert_network",
+    "master_params_to_model_params",
+    "model_grads_to_master_grads",
+    "network_to_half",
+    "prep_param_lists",
+    "to_python_float",
+    "tofp16",
+    "DynamicLossScaler",
+    "LossScaler",
 ]

@@ -34,13 +34,20 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
         >>> opt.zero_grad(); opt.backward(loss); opt.clip_master_grads(1.0); opt.step()
     """
 
-    def __init__(self, init_optimizer: torch.optim.Optimizer, static_loss_scale: float = 1.0,
-                 dynamic_loss_scale: bool = False, dynamic_loss_args: dict | None = None,
-                 verbose: bool = True):
+    def __init__(
+        self,
+        init_optimizer: torch.optim.Optimizer,
+        static_loss_scale: float = 1.0,
+        dynamic_loss_scale: bool = False,
+        dynamic_loss_args: dict | None = None,
+        verbose: bool = True,
+    ):
         # Deliberately no Optimizer.__init__: param_groups and state are the wrapped optimizer's.
         if not isinstance(init_optimizer, torch.optim.Optimizer):
-            raise TypeError("FP16_Optimizer: init_optimizer must be a torch.optim.Optimizer, got "
-                            f"{type(init_optimizer).__name__}.")
+            raise TypeError(
+                "FP16_Optimizer: init_optimizer must be a torch.optim.Optimizer, got "
+                f"{type(init_optimizer).__name__}."
+            )
         self.optimizer = init_optimizer
         self.verbose = verbose
         self.fp16_groups, self.fp32_from_fp16_groups, self.fp32_from_fp32_groups = [], [], []
@@ -60,8 +67,11 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
             self.fp32_from_fp16_groups.append(masters)
             self.fp32_from_fp32_groups.append(fp32)
         self.dynamic_loss_scale = dynamic_loss_scale
-        self.loss_scaler = (DynamicLossScaler(**(dynamic_loss_args or {}))
-                            if dynamic_loss_scale else LossScaler(static_loss_scale))
+        self.loss_scaler = (
+            DynamicLossScaler(**(dynamic_loss_args or {}))
+            if dynamic_loss_scale
+            else LossScaler(static_loss_scale)
+        )
         self.overflow = False
         self.first_closure_call_this_step = True
         self._flag = torch.zeros(1, dtype=torch.float32)
@@ -102,8 +112,9 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
                 elif p.grad is not None:
                     p.grad.detach_().zero_()
 
-    def backward(self, loss: torch.Tensor, update_master_grads: bool = True,
-                 retain_graph: bool = False) -> None:
+    def backward(
+        self, loss: torch.Tensor, update_master_grads: bool = True, retain_graph: bool = False
+    ) -> None:
         """``(loss * scale).backward()``, then (by default) :meth:`update_master_grads`."""
         self.loss_scaler.backward(loss, retain_graph=retain_graph)
         if update_master_grads:
@@ -113,16 +124,18 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
         """Unscale model grads into the fp32 master grads in one pass, flagging overflow."""
         self._flag.zero_()
         inv = 1.0 / self.loss_scale
-        for half, masters, fp32 in zip(self.fp16_groups, self.fp32_from_fp16_groups,
-                                       self.fp32_from_fp32_groups, strict=True):
+        for half, masters, fp32 in zip(
+            self.fp16_groups, self.fp32_from_fp16_groups, self.fp32_from_fp32_groups, strict=True
+        ):
             pairs = [(p, m) for p, m in zip(half, masters, strict=True) if p.grad is not None]
             for m in masters:
                 if m.grad is None:
                     m.grad = torch.zeros_like(m)
             for dt in {p.dtype for p, _ in pairs}:
                 sel = [(p, m) for p, m in pairs if p.dtype == dt]
-                multi_tensor_scale(self._flag, [p.grad.contiguous() for p, _ in sel],
-                                   [m.grad for _, m in sel], inv)
+                multi_tensor_scale(
+                    self._flag, [p.grad.contiguous() for p, _ in sel], [m.grad for _, m in sel], inv
+                )
             own = [p.grad for p in fp32 if p.grad is not None]
             for dt in {g.dtype for g in own}:
                 g = [x for x in own if x.dtype == dt]
@@ -139,14 +152,18 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
     def step(self, closure=None):
         """Step the masters and copy them into the model, or skip the step after an overflow."""
         if closure is not None:
-            raise NotImplementedError("FP16_Optimizer.step(closure) is not supported; call "
-                                      "backward(loss) and step() instead.")
+            raise NotImplementedError(
+                "FP16_Optimizer.step(closure) is not supported; call "
+                "backward(loss) and step() instead."
+            )
         scale = self.loss_scale
         self.loss_scaler.update_scale(self.overflow)
         if self.overflow:
             if self.verbose:
-                print(f"OVERFLOW! Skipping step. Attempted loss scale: {scale}, reducing to "
-                      f"{self.loss_scale}")
+                print(
+                    f"OVERFLOW! Skipping step. Attempted loss scale: {scale}, reducing to "
+                    f"{self.loss_scale}"
+                )
             return None
         self.optimizer.step()
         with torch.no_grad():
@@ -176,8 +193,12 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
         self.first_closure_call_this_step = state_dict["first_closure_call_this_step"]
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
         with torch.no_grad():
-            for cur, saved, half in zip(self.fp32_from_fp16_groups, state_dict["fp32_from_fp16"],
-                                        self.fp16_groups, strict=True):
+            for cur, saved, half in zip(
+                self.fp32_from_fp16_groups,
+                state_dict["fp32_from_fp16"],
+                self.fp16_groups,
+                strict=True,
+            ):
                 for m, s, p in zip(cur, saved, half, strict=True):
                     m.copy_(s)
                     p.copy_(s)

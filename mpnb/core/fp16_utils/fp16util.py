@@ -9,9 +9,16 @@ from mpnb.core.amp._model import cast_model
 from mpnb.core.ops import multi_tensor_scale
 
 __all__ = [
-    "tofp16", "BN_convert_float", "network_to_half", "convert_module", "convert_network",
-    "prep_param_lists", "model_grads_to_master_grads", "master_params_to_model_params",
-    "to_python_float", "clip_grad_norm",
+    "tofp16",
+    "BN_convert_float",
+    "network_to_half",
+    "convert_module",
+    "convert_network",
+    "prep_param_lists",
+    "model_grads_to_master_grads",
+    "master_params_to_model_params",
+    "to_python_float",
+    "clip_grad_norm",
 ]
 
 clip_grad_norm = torch.nn.utils.clip_grad_norm_
@@ -82,8 +89,10 @@ def prep_param_lists(model: torch.nn.Module, flat_master: bool = False):
     model_params = [p for p in model.parameters() if p.requires_grad]
     if flat_master:
         if len({p.dtype for p in model_params}) > 1:
-            raise ValueError("prep_param_lists(flat_master=True): the params have several dtypes"
-                             "; cast the model to one dtype or use flat_master=False.")
+            raise ValueError(
+                "prep_param_lists(flat_master=True): the params have several dtypes"
+                "; cast the model to one dtype or use flat_master=False."
+            )
         flat = torch._utils._flatten_dense_tensors([p.detach() for p in model_params]).float()
         master = torch.nn.Parameter(flat)
         master.grad = torch.zeros_like(master)
@@ -96,8 +105,7 @@ def model_grads_to_master_grads(model_params, master_params, flat_master: bool =
     """Copy model grads into the master grads (fp32), allocating them when missing."""
     if flat_master:
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in model_params]
-        master_params[0].grad = torch._utils._flatten_dense_tensors(
-            [g.float() for g in grads])
+        master_params[0].grad = torch._utils._flatten_dense_tensors([g.float() for g in grads])
         return
     src, dst = [], []
     for model, master in zip(model_params, master_params, strict=True):

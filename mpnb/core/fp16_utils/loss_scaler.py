@@ -72,8 +72,9 @@ class DynamicLossScaler(LossScaler):
         >>> s.update_scale(s.has_overflow(model.parameters()))
     """
 
-    def __init__(self, init_scale: float = 2.0**32, scale_factor: float = 2.0,
-                 scale_window: int = 1000):
+    def __init__(
+        self, init_scale: float = 2.0**32, scale_factor: float = 2.0, scale_window: int = 1000
+    ):
         super().__init__(init_scale)
         self.cur_iter = 0
         self.last_overflow_iter = -1

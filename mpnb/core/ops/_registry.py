@@ -234,8 +234,9 @@ def any_grad(params) -> bool:
     return any(g is not None for g in map(_grad, params))
 
 
-def unscale_grads(params: list, found_inf: torch.Tensor, inv_scale: torch.Tensor,
-                  update: tuple | None = None) -> bool:
+def unscale_grads(
+    params: list, found_inf: torch.Tensor, inv_scale: torch.Tensor, update: tuple | None = None
+) -> bool:
     """``g *= inv_scale`` for every set ``.grad`` of ``params``, in one kernel call; inf/NaN
     raise ``found_inf``. With ``update`` (the arguments of
     :func:`mpnb.core.ops.update_loss_scale_` after ``found_inf``, in its order, with

@@ -343,7 +343,11 @@ def _(noop_flag, tensors):
 
 
 def _check_scaler_state(
-    current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_interval,
+    current_scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_interval,
     op: str = "update_scale_hysteresis",
 ):
     if current_scale.dtype != torch.float32 or current_scale.numel() != 1:
@@ -469,8 +473,10 @@ def _check_loss_scale_args(inv_scale, min_scale: float, max_scale: float) -> Non
     if inv_scale.dtype != torch.float32 or inv_scale.numel() != 1:
         raise TypeError(f"{op}: inv_scale must be a one-element float32 tensor.")
     if not min_scale <= max_scale:
-        raise ValueError(f"{op}: min_scale ({min_scale}) is above max_scale ({max_scale}); pass "
-                         "min_scale <= max_scale.")
+        raise ValueError(
+            f"{op}: min_scale ({min_scale}) is above max_scale ({max_scale}); pass "
+            "min_scale <= max_scale."
+        )
 
 
 def reference_update_loss_scale_(
@@ -488,13 +494,24 @@ def reference_update_loss_scale_(
 ) -> None:
     """Reference of :func:`update_loss_scale_`: the hysteresis rule, ``clamp_``, ``reciprocal``."""
     _check_scaler_state(
-        current_scale, growth_tracker, hysteresis_tracker, found_inf, growth_interval,
+        current_scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_inf,
+        growth_interval,
         "update_loss_scale_",
     )
     _check_loss_scale_args(inv_scale, min_scale, max_scale)
-    reference_update_scale_hysteresis(current_scale, growth_tracker, hysteresis_tracker,
-                                      found_inf, growth_factor, backoff_factor, growth_interval,
-                                      hysteresis)
+    reference_update_scale_hysteresis(
+        current_scale,
+        growth_tracker,
+        hysteresis_tracker,
+        found_inf,
+        growth_factor,
+        backoff_factor,
+        growth_interval,
+        hysteresis,
+    )
     current_scale.clamp_(float(min_scale), float(max_scale))
     torch.reciprocal(current_scale, out=inv_scale)
 
@@ -535,20 +552,48 @@ def update_loss_scale_(
     """
     if use_kernel(current_scale):
         op_caller("update_loss_scale_")(
-            current_scale, inv_scale, growth_tracker, hysteresis_tracker, found_inf,
-            float(growth_factor), float(backoff_factor), int(growth_interval), int(hysteresis),
-            float(min_scale), float(max_scale),
+            current_scale,
+            inv_scale,
+            growth_tracker,
+            hysteresis_tracker,
+            found_inf,
+            float(growth_factor),
+            float(backoff_factor),
+            int(growth_interval),
+            int(hysteresis),
+            float(min_scale),
+            float(max_scale),
         )
     else:
         reference_update_loss_scale_(
-            current_scale, inv_scale, growth_tracker, hysteresis_tracker, found_inf,
-            growth_factor, backoff_factor, growth_interval, hysteresis, min_scale, max_scale,
+            current_scale,
+            inv_scale,
+            growth_tracker,
+            hysteresis_tracker,
+            found_inf,
+            growth_factor,
+            backoff_factor,
+            growth_interval,
+            hysteresis,
+            min_scale,
+            max_scale,
         )
 
 
 @register_fake("update_loss_scale_")
-def _(current_scale, inv_scale, growth_tracker, hysteresis_tracker, found_inf, growth_factor,
-      backoff_factor, growth_interval, hysteresis, min_scale, max_scale):
+def _(
+    current_scale,
+    inv_scale,
+    growth_tracker,
+    hysteresis_tracker,
+    found_inf,
+    growth_factor,
+    backoff_factor,
+    growth_interval,
+    hysteresis,
+    min_scale,
+    max_scale,
+):
     return None
 
 

@@ -13,8 +13,15 @@ __all__ = ["convert_syncbn_model"]
 
 
 def _convert(bn: _BatchNorm, process_group, channel_last: bool) -> SyncBatchNorm:
-    new = SyncBatchNorm(bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats,
-                        process_group=process_group, channel_last=channel_last)
+    new = SyncBatchNorm(
+        bn.num_features,
+        bn.eps,
+        bn.momentum,
+        bn.affine,
+        bn.track_running_stats,
+        process_group=process_group,
+        channel_last=channel_last,
+    )
     if bn.affine:  # the copy's own Parameters: optimizer-visible identity of the copy
         new.weight, new.bias = bn.weight, bn.bias
     if bn.track_running_stats:
@@ -34,8 +41,9 @@ def _walk(module: torch.nn.Module, process_group, channel_last: bool) -> torch.n
     return module
 
 
-def convert_syncbn_model(module: torch.nn.Module, process_group=None,
-                         channel_last: bool = False) -> torch.nn.Module:
+def convert_syncbn_model(
+    module: torch.nn.Module, process_group=None, channel_last: bool = False
+) -> torch.nn.Module:
     """Return a deep copy of ``module`` whose ``BatchNorm1d/2d/3d`` (and
     ``torch.nn.SyncBatchNorm``) layers are :class:`SyncBatchNorm`, weights and buffers kept.
 

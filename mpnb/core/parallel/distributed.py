@@ -182,10 +182,17 @@ class DistributedDataParallel(torch.nn.Module):
         self._reducers = []
         for b, idx in enumerate(plan.buckets):
             ps = [self.params[i] for i in idx]
-            self._reducers.append(FlatReduce(
-                [p.numel() for p in ps], ps[0].dtype, ps[0].device, self.allreduce_always_fp32,
-                self.gradient_predivide_factor, self.gradient_average,
-                self.groups[b % len(self.groups)]))
+            self._reducers.append(
+                FlatReduce(
+                    [p.numel() for p in ps],
+                    ps[0].dtype,
+                    ps[0].device,
+                    self.allreduce_always_fp32,
+                    self.gradient_predivide_factor,
+                    self.gradient_average,
+                    self.groups[b % len(self.groups)],
+                )
+            )
 
     def _reset_iteration(self) -> None:
         self._queued = False
@@ -256,8 +263,9 @@ class DistributedDataParallel(torch.nn.Module):
         with ctx if self.prof else contextlib.nullcontext():
             if self._plan is None:
                 order = sync_order(self._order, len(self.params), self.groups[0])
-                self._use_plan(plan_buckets(
-                    self.params, order, self.message_size, self._trigger_idx))
+                self._use_plan(
+                    plan_buckets(self.params, order, self.message_size, self._trigger_idx)
+                )
                 self._pending = [len(b) for b in self._plan.buckets]
                 self._launched = [False] * len(self._pending)
             for b in range(len(self._plan.buckets)):

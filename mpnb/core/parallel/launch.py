@@ -92,15 +92,22 @@ def _by_value(msg) -> bytes:
 
 def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, conn) -> None:
     os.environ.update(
-        MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(nprocs), LOCAL_WORLD_SIZE=str(nprocs),
+        MASTER_ADDR=LOOPBACK,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(nprocs),
+        LOCAL_WORLD_SIZE=str(nprocs),
     )
     try:
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            backend, init_method=f"tcp://{LOOPBACK}:{port}", rank=rank, world_size=nprocs,
+            backend,
+            init_method=f"tcp://{LOOPBACK}:{port}",
+            rank=rank,
+            world_size=nprocs,
             timeout=datetime.timedelta(seconds=timeout),
         )
         out = fn(*args)
@@ -151,7 +158,10 @@ def _collect(procs, conns, nprocs: int, timeout: float) -> list:
                 if msg[0] == "error":
                     raise RankError(
                         f"launch: rank {msg[1]} raised {msg[2]}\n--- traceback of rank "
-                        f"{msg[1]} ---\n{msg[3]}", msg[1], msg[3])
+                        f"{msg[1]} ---\n{msg[3]}",
+                        msg[1],
+                        msg[3],
+                    )
                 results[rank] = msg[2]
             elif obj in sentinels and sentinels[obj] not in results:
                 rank = sentinels[obj]
@@ -162,7 +172,9 @@ def _collect(procs, conns, nprocs: int, timeout: float) -> list:
                 raise RankError(
                     f"launch: rank {rank} died with exit code {procs[rank].exitcode} before "
                     "reporting (killed, out of memory, or a crash in native code); the other "
-                    "ranks were stopped.", rank)
+                    "ranks were stopped.",
+                    rank,
+                )
     return [results[r] for r in range(nprocs)]
 
 
@@ -226,7 +238,9 @@ def launch(
         for rank in range(nprocs):
             recv, send = ctx.Pipe(duplex=False)
             p = ctx.Process(
-                target=_worker, name=f"mpnb-rank{rank}", daemon=True,
+                target=_worker,
+                name=f"mpnb-rank{rank}",
+                daemon=True,
                 args=(rank, nprocs, fn, args, backend, port, timeout, threads, send),
             )
             p.start()

@@ -12,8 +12,10 @@ from mpnb.core.parallel.sync_batchnorm_kernel import sync_batch_norm
 
 __all__ = ["SyncBatchNorm"]
 
-_NHWC = {4: ((0, 2, 3, 1), (0, 3, 1, 2), torch.channels_last),
-         5: ((0, 2, 3, 4, 1), (0, 4, 1, 2, 3), torch.channels_last_3d)}
+_NHWC = {
+    4: ((0, 2, 3, 1), (0, 3, 1, 2), torch.channels_last),
+    5: ((0, 2, 3, 4, 1), (0, 4, 1, 2, 3), torch.channels_last_3d),
+}
 
 
 class SyncBatchNorm(_BatchNorm):
@@ -39,9 +41,19 @@ class SyncBatchNorm(_BatchNorm):
         >>> y = bn(torch.randn(8, 16, 4, 4))          # mean/var over all ranks' batches
     """
 
-    def __init__(self, num_features: int, eps: float = 1e-5, momentum: float | None = 0.1,
-                 affine: bool = True, track_running_stats: bool = True, process_group=None,
-                 channel_last: bool = False, fuse_relu: bool = False, device=None, dtype=None):
+    def __init__(
+        self,
+        num_features: int,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        affine: bool = True,
+        track_running_stats: bool = True,
+        process_group=None,
+        channel_last: bool = False,
+        fuse_relu: bool = False,
+        device=None,
+        dtype=None,
+    ):
         super().__init__(num_features, eps, momentum, affine, track_running_stats, device, dtype)
         self.process_group = process_group
         self.channel_last = channel_last
@@ -59,8 +71,11 @@ class SyncBatchNorm(_BatchNorm):
             raise ValueError(
                 f"SyncBatchNorm: the {where} dim of input {tuple(input.shape)} is {c}, but "
                 f"num_features is {self.num_features}; "
-                + ("pass channel_last=False for (N, C, ...) input." if self.channel_last
-                   else "pass channel_last=True for (N, ..., C) input.")
+                + (
+                    "pass channel_last=False for (N, C, ...) input."
+                    if self.channel_last
+                    else "pass channel_last=True for (N, ..., C) input."
+                )
             )
 
     def _momentum(self) -> float:
@@ -79,14 +94,31 @@ class SyncBatchNorm(_BatchNorm):
         rm, rv = (self.running_mean, self.running_var) if keep else (None, None)
         x, channel_last, back = input, self.channel_last, None
         nhwc = _NHWC.get(input.dim())
-        if (not channel_last and nhwc and not input.is_contiguous()
-                and input.is_contiguous(memory_format=nhwc[2])):
+        if (
+            not channel_last
+            and nhwc
+            and not input.is_contiguous()
+            and input.is_contiguous(memory_format=nhwc[2])
+        ):
             x, channel_last, back = input.permute(nhwc[0]), True, nhwc[1]
             z = None if z is None else z.permute(nhwc[0])
-        y = sync_batch_norm(x, self.weight, self.bias, rm, rv, self.eps, momentum,
-                            self.process_group, channel_last, self.fuse_relu, z, training)
+        y = sync_batch_norm(
+            x,
+            self.weight,
+            self.bias,
+            rm,
+            rv,
+            self.eps,
+            momentum,
+            self.process_group,
+            channel_last,
+            self.fuse_relu,
+            z,
+            training,
+        )
         return y if back is None else y.permute(back)
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, channel_last={self.channel_last}, "
-                f"fuse_relu={self.fuse_relu}")
+        return (
+            f"{super().extra_repr()}, channel_last={self.channel_last}, fuse_relu={self.fuse_relu}"
+        )

@@ -48,7 +48,7 @@ def _global_stats(x3, group, world):
     parts = [torch.empty_like(mine) for _ in range(world)]
     dist.all_gather(parts, mine, group=group)
     g = torch.stack(parts)
-    gm, gv = welford_parallel(g[:, :c].cpu(), g[:, c:2 * c].cpu(), g[:, 2 * c].cpu())
+    gm, gv = welford_parallel(g[:, :c].cpu(), g[:, c : 2 * c].cpu(), g[:, 2 * c].cpu())
     total = float(g[:, 2 * c].sum().item())
     return gm.to(device=mean.device, dtype=mean.dtype), gv.to(mean.device, mean.dtype), total
 
@@ -79,8 +79,21 @@ class SyncBatchnormFunction(torch.autograd.Function):
     """``y = relu?((x - mean) * invstd * w + b + z)`` with mean/var over every rank's batch."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, running_mean, running_var, eps, momentum, group,
-                channel_last, fuse_relu, z, training):
+    def forward(
+        ctx,
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        eps,
+        momentum,
+        group,
+        channel_last,
+        fuse_relu,
+        z,
+        training,
+    ):
         x3, dims = _shape(x, channel_last)
         world = world_of(group)
         if training:
@@ -99,8 +112,16 @@ class SyncBatchnormFunction(torch.autograd.Function):
         invstd = torch.rsqrt(var + eps)
         y = _normalize(x3, mean, invstd, weight, bias, z, fuse_relu, x.dtype).view(x.shape)
         ctx.save_for_backward(x, weight, mean, invstd, y if fuse_relu else None)
-        ctx.meta = (channel_last, fuse_relu, z is not None, group, world, total, training,
-                    bias is not None)
+        ctx.meta = (
+            channel_last,
+            fuse_relu,
+            z is not None,
+            group,
+            world,
+            total,
+            training,
+            bias is not None,
+        )
         return y
 
     @staticmethod
@@ -124,7 +145,7 @@ class SyncBatchnormFunction(torch.autograd.Function):
                 sum_dy, sum_dy_xmu = both.chunk(2)
             mean_dy = sum_dy / total
             mean_dy_xmu = sum_dy_xmu / total
-            dx = (g3 - _bcast(mean_dy, x3) - xmu * _bcast(invstd * invstd * mean_dy_xmu, x3))
+            dx = g3 - _bcast(mean_dy, x3) - xmu * _bcast(invstd * invstd * mean_dy_xmu, x3)
             dx = dx * _bcast(scale, x3)
         else:
             dx = g3 * _bcast(scale, x3)
@@ -133,9 +154,20 @@ class SyncBatchnormFunction(torch.autograd.Function):
         return dx, gw, gb, None, None, None, None, None, None, None, dz, None
 
 
-def sync_batch_norm(x, weight, bias, running_mean, running_var, eps=1e-5, momentum=0.1,
-                    process_group=None, channel_last=False, fuse_relu=False, z=None,
-                    training=True):
+def sync_batch_norm(
+    x,
+    weight,
+    bias,
+    running_mean,
+    running_var,
+    eps=1e-5,
+    momentum=0.1,
+    process_group=None,
+    channel_last=False,
+    fuse_relu=False,
+    z=None,
+    training=True,
+):
     """Functional SyncBatchNorm (see :class:`mpnb.parallel.SyncBatchNorm`).
 
     Args:
@@ -149,6 +181,17 @@ def sync_batch_norm(x, weight, bias, running_mean, running_var, eps=1e-5, moment
 
         >>> y = sync_batch_norm(torch.randn(4, 3, 8), torch.ones(3), torch.zeros(3), None, None)
     """
-    return SyncBatchnormFunction.apply(x, weight, bias, running_mean, running_var, eps,
-                                       momentum, process_group, channel_last, fuse_relu, z,
-                                       training)
+    return SyncBatchnormFunction.apply(
+        x,
+        weight,
+        bias,
+        running_mean,
+        running_var,
+        eps,
+        momentum,
+        process_group,
+        channel_last,
+        fuse_relu,
+        z,
+        training,
+    )

@@ -77,10 +77,14 @@ def _o1_step_case(half, dev) -> Case:
             scaled.backward()
         opt.step()
 
-    return Case("O1 train step", f"MLP 3xLinear(64,64) b16 {_name(half)}", [
-        Candidate("torch.autocast + GradScaler", torch_step),
-        Candidate("mpnb.amp O1", mpnb_step, target=0.95),
-    ])
+    return Case(
+        "O1 train step",
+        f"MLP 3xLinear(64,64) b16 {_name(half)}",
+        [
+            Candidate("torch.autocast + GradScaler", torch_step),
+            Candidate("mpnb.amp O1", mpnb_step, target=0.95),
+        ],
+    )
 
 
 def _name(dtype) -> str:
@@ -167,13 +171,18 @@ def _forward_case(half, dev, layers: int) -> Case:
         def call():
             with torch.no_grad():
                 return model(x)
+
         return call
 
-    return Case("forward", f"{layers}xLinear(256,256) b32 no_grad {_name(half)}", [
-        Candidate("mpnb.amp O1 (autocast)", run(o1)),
-        Candidate("mpnb.amp O2 (half weights)", run(o2), target=2.0),
-        Candidate("fp32, no amp (reference)", run(fp32)),
-    ])
+    return Case(
+        "forward",
+        f"{layers}xLinear(256,256) b32 no_grad {_name(half)}",
+        [
+            Candidate("mpnb.amp O1 (autocast)", run(o1)),
+            Candidate("mpnb.amp O2 (half weights)", run(o2), target=2.0),
+            Candidate("fp32, no amp (reference)", run(fp32)),
+        ],
+    )
 
 
 def _overhead_case(dev) -> Case:
@@ -209,6 +218,7 @@ def _overhead_case(dev) -> Case:
                 unscale_grads(ps, found, inv, update)
                 packed.tolist()  # the step's one host read
             opt.step()
+
         return step
 
     holder = torch.nn.Module()
@@ -236,12 +246,17 @@ def _overhead_case(dev) -> Case:
         scaler.step(gs_opt)
         scaler.update()
 
-    return Case("amp overhead", "200 x 1-element params, SGD foreach, O1", [
-        Candidate("step + amp's kernels called bare", plain(True)),
-        Candidate("step + amp.scale_loss (amp)", amp_step, max_extra_s=50e-6),
-        Candidate("step, no loss scaling (reference)", plain(False)),
-        Candidate("step + torch GradScaler (reference)", grad_scaler_step),
-    ], min_rounds=40)
+    return Case(
+        "amp overhead",
+        "200 x 1-element params, SGD foreach, O1",
+        [
+            Candidate("step + amp's kernels called bare", plain(True)),
+            Candidate("step + amp.scale_loss (amp)", amp_step, max_extra_s=50e-6),
+            Candidate("step, no loss scaling (reference)", plain(False)),
+            Candidate("step + torch GradScaler (reference)", grad_scaler_step),
+        ],
+        min_rounds=40,
+    )
 
 
 def cases(opts: Options) -> Iterator[Case]:

@@ -48,12 +48,18 @@ def _rank_main(rank: int, port: int, width: int, depth: int, batch: int, conn) -
     from mpnb.parallel import DistributedDataParallel
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=2, timeout=datetime.timedelta(seconds=_REPLY_S))
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=2,
+        timeout=datetime.timedelta(seconds=_REPLY_S),
+    )
     bucket = 2**18  # elements (1 MiB of fp32) per bucket for both implementations
     variants = {
-        "torch": torch.nn.parallel.DistributedDataParallel(_model(width, depth),
-                                                           bucket_cap_mb=bucket * 4 / 2**20),
+        "torch": torch.nn.parallel.DistributedDataParallel(
+            _model(width, depth), bucket_cap_mb=bucket * 4 / 2**20
+        ),
         "mpnb": DistributedDataParallel(_model(width, depth), message_size=bucket),
         "mpnb_delay": DistributedDataParallel(_model(width, depth), delay_allreduce=True),
     }
@@ -90,8 +96,12 @@ class _Ranks:
         self.conns, self.procs = [], []
         for rank in range(2):
             mine, theirs = ctx.Pipe()
-            p = ctx.Process(target=_rank_main, args=(rank, port, width, depth, batch, theirs),
-                            daemon=True, name=f"mpnb-bench-ddp-rank{rank}")
+            p = ctx.Process(
+                target=_rank_main,
+                args=(rank, port, width, depth, batch, theirs),
+                daemon=True,
+                name=f"mpnb-bench-ddp-rank{rank}",
+            )
             p.start()
             self.conns.append(mine)
             self.procs.append(p)
@@ -105,7 +115,8 @@ class _Ranks:
                 self.close()
                 raise RuntimeError(
                     f"bench ddp: rank {rank} did not answer {cmd[0]!r} within {_REPLY_S:.0f} s "
-                    "(it died or hangs); the ranks were stopped. Re-run with --quick to check.")
+                    "(it died or hangs); the ranks were stopped. Re-run with --quick to check."
+                )
             out.append(c.recv())
         return out
 
@@ -147,13 +158,22 @@ def cases(opts: Options) -> Iterator[Case]:
             over_ms, early = _exposed_ms(ranks, "mpnb", steps)
             hidden = 1.0 - over_ms / delay_ms if delay_ms > 0 else 0.0
             workload = f"MLP {depth}x{width} ({params / 1e6:.2f}M params) b{batch}, 2 gloo ranks"
-            yield Case("DDP train step", workload, [
-                Candidate("torch DDP (1 MiB buckets)", lambda r=ranks: r.call("step", "torch")),
-                Candidate(f"mpnb DDP (1 MiB; {hidden:.0%} comm hidden: {over_ms:.1f}/"
-                          f"{delay_ms:.1f} ms)",
-                          lambda r=ranks: r.call("step", "mpnb"), target=0.9),
-                Candidate("mpnb DDP delay_allreduce=True",
-                          lambda r=ranks: r.call("step", "mpnb_delay")),
-            ])
+            yield Case(
+                "DDP train step",
+                workload,
+                [
+                    Candidate("torch DDP (1 MiB buckets)", lambda r=ranks: r.call("step", "torch")),
+                    Candidate(
+                        f"mpnb DDP (1 MiB; {hidden:.0%} comm hidden: {over_ms:.1f}/"
+                        f"{delay_ms:.1f} ms)",
+                        lambda r=ranks: r.call("step", "mpnb"),
+                        target=0.9,
+                    ),
+                    Candidate(
+                        "mpnb DDP delay_allreduce=True",
+                        lambda r=ranks: r.call("step", "mpnb_delay"),
+                    ),
+                ],
+            )
         finally:
             ranks.close()
