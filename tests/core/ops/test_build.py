@@ -12,7 +12,7 @@ import pytest
 
 from mpnb.core.ops._build import Extension, csrc_dir
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def test_key_depends_on_sources_and_flags(tmp_path, monkeypatch):

@@ -18,7 +18,7 @@ from mpnb.parallel import RankError, launch
 
 pytestmark = pytest.mark.dist
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]
 launch_mod = importlib.import_module("mpnb.core.parallel.launch")  # the module, not the function
 
 

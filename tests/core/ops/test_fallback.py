@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 
-TESTS = Path(__file__).resolve().parent
+TESTS = Path(__file__).resolve().parents[2]
 # Test files of op families whose kernels have a reference path.
 FAMILY_TESTS = sorted(
     str(p)
     for pattern in ("test_multi_tensor.py", "test_optim_*.py", "test_layers_*.py")
-    for p in TESTS.glob(pattern)
+    for p in TESTS.rglob(pattern)
 )
 
 

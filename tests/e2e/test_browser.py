@@ -29,7 +29,7 @@ import pytest
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "03_opt_levels.ipynb"
 SCREENSHOT = ROOT / "docs" / "img" / "compare-widget.png"
 CHROMIUM = os.environ.get("MPNB_CHROMIUM", "/usr/bin/chromium")
