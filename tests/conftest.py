@@ -1,4 +1,10 @@
-"""Shared test configuration: GPU cases skip cleanly without CUDA; kernel fixtures fail loudly."""
+"""Shared test configuration: GPU cases skip cleanly without CUDA; kernel fixtures fail loudly.
+
+``op_impl`` runs a test twice: on the C++ kernels and on the pure-PyTorch references (the
+references are switched in through the dispatcher by ``mpnb.core.ops.use_reference``, inside
+the test's process). With ``MPNB_DISABLE_EXT=1`` the kernels are never built and both
+parameters run the references.
+"""
 
 from __future__ import annotations
 
@@ -25,13 +31,25 @@ def kernels_expected() -> bool:
 @pytest.fixture(scope="session")
 def kernels() -> bool:
     """Build/load the CPU kernels once; fail (never skip) if they were expected and did not load."""
-    from mpnb.core.ops import cpu_extension, kernel_ready
+    from mpnb.core.ops import cpu_extension, ensure_kernels
 
-    ready = kernel_ready()
+    ready = ensure_kernels()
     if kernels_expected():
         status = cpu_extension().status()
         assert ready, f"the CPU kernels failed to build/load: {status.reason if status else '?'}"
     return ready
+
+
+@pytest.fixture(params=["kernel", "reference"])
+def op_impl(request, kernels):
+    """Run the test on the C++ kernels, then on the references (switched in the dispatcher)."""
+    if request.param == "kernel":
+        yield "kernel"
+        return
+    from mpnb.core.ops import use_reference
+
+    with use_reference():
+        yield "reference"
 
 
 @pytest.fixture

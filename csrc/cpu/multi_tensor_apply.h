@@ -9,11 +9,17 @@
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 
+#include <optional>
 #include <vector>
 
 #include "cpu/vec_io.h"
 
 namespace mpnb::cpu {
+
+// A `Tensor[]` argument as the dispatcher hands it over: the boxed call's list itself, read
+// in place (`list[i]` is a `const at::Tensor&`; no per-tensor copy or refcount change).
+// The helpers below take any list type with size() and operator[] (also at::TensorList).
+using Tensors = c10::List<at::Tensor>;
 
 // Elements per chunk: 3 lists of fp32 chunks (in, out, state) stay inside a 1 MiB L2 share.
 constexpr int64_t kChunkElems = 1 << 15;
@@ -34,11 +40,12 @@ struct ChunkTable {
   int64_t numel = 0;
 };
 
-inline ChunkTable make_chunks(at::TensorList tensors, int64_t chunk = kChunkElems) {
+template <class L>
+inline ChunkTable make_chunks(const L& tensors, int64_t chunk = kChunkElems) {
   ChunkTable t;
   t.first_chunk.reserve(tensors.size() + 1);
   int64_t count = 0;
-  for (const auto& x : tensors) count += (x.numel() + chunk - 1) / chunk;
+  for (size_t i = 0; i < tensors.size(); ++i) count += (tensors[i].numel() + chunk - 1) / chunk;
   t.chunks.reserve(count);
   for (int64_t i = 0; i < static_cast<int64_t>(tensors.size()); ++i) {
     t.first_chunk.push_back(static_cast<int64_t>(t.chunks.size()));
@@ -67,7 +74,8 @@ inline void for_each_chunk(const ChunkTable& table, const F& fn) {
 // ---- argument checks shared by every multi-tensor op ------------------------------------
 // Value and type problems raise ValueError / TypeError in Python, as the references do.
 
-inline void check_list(at::TensorList list, const char* op, const char* what, int64_t n) {
+template <class L>
+inline void check_list(const L& list, const char* op, const char* what, int64_t n) {
   TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == n, op, ": list '", what, "' has ",
               list.size(), " tensors but the first list has ", n,
               "; pass lists of equal length.");
@@ -85,7 +93,8 @@ inline void check_list(at::TensorList list, const char* op, const char* what, in
   }
 }
 
-inline void check_same_sizes(at::TensorList a, at::TensorList b, const char* op, const char* what) {
+template <class A, class B>
+inline void check_same_sizes(const A& a, const B& b, const char* op, const char* what) {
   for (size_t i = 0; i < a.size(); ++i)
     TORCH_CHECK_VALUE(a[i].numel() == b[i].numel(), op, ": tensor ", i, " of '", what, "' has ",
                 b[i].numel(), " elements but its partner has ", a[i].numel(),
@@ -96,7 +105,8 @@ inline bool is_float_type(at::ScalarType t) {
   return t == at::kFloat || t == at::kHalf || t == at::kBFloat16 || t == at::kDouble;
 }
 
-inline void check_float(at::TensorList list, const char* op, const char* what) {
+template <class L>
+inline void check_float(const L& list, const char* op, const char* what) {
   if (list.empty()) return;
   const auto t = list[0].scalar_type();
   TORCH_CHECK_TYPE(is_float_type(t), op, ": list '", what, "' is ", t,
@@ -106,28 +116,12 @@ inline void check_float(at::TensorList list, const char* op, const char* what) {
 // Set a flag tensor (any dtype) to 1.
 inline void raise_flag(const at::Tensor& flag) { flag.fill_(1); }
 
-// Dispatch a float dtype (fp32/fp16/bf16/fp64) to a C++ type.
-#define MPNB_DISPATCH_FLOAT(TYPE, NAME, ...)                                   \
-  [&] {                                                                        \
-    switch (TYPE) {                                                            \
-      case at::kFloat: { using NAME = float; return __VA_ARGS__(); }           \
-      case at::kHalf: { using NAME = c10::Half; return __VA_ARGS__(); }        \
-      case at::kBFloat16: { using NAME = c10::BFloat16; return __VA_ARGS__(); } \
-      case at::kDouble: { using NAME = double; return __VA_ARGS__(); }         \
-      default: TORCH_CHECK(false, "mpnb: unsupported dtype ", TYPE);           \
-    }                                                                          \
-  }()
-
-// Dispatch the 16/32-bit float dtypes (computed in fp32) to a C++ type.
-#define MPNB_DISPATCH_HALF_FLOAT(TYPE, NAME, ...)                              \
-  [&] {                                                                        \
-    switch (TYPE) {                                                            \
-      case at::kFloat: { using NAME = float; return __VA_ARGS__(); }           \
-      case at::kHalf: { using NAME = c10::Half; return __VA_ARGS__(); }        \
-      case at::kBFloat16: { using NAME = c10::BFloat16; return __VA_ARGS__(); } \
-      default: TORCH_CHECK(false, "mpnb: unsupported dtype ", TYPE,             \
-                           " (float32, float16 and bfloat16 mix; float64 only with float64)"); \
-    }                                                                          \
-  }()
+// The value of an optional one-element tensor (1.0 when absent).
+inline double scalar_of(const std::optional<at::Tensor>& t, const char* op, const char* what) {
+  if (!t.has_value()) return 1.0;
+  TORCH_CHECK_VALUE(t->numel() == 1, op, ": '", what, "' must hold one value, got ", t->numel(),
+                    ".");
+  return t->item<double>();
+}
 
 }  // namespace mpnb::cpu

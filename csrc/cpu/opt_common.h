@@ -17,6 +17,7 @@
 // phases. The pre-pass reads 2 B/param of the 30 B/param a bf16 O2 AdamW step moves (~7%).
 #pragma once
 
+#include <ATen/Dispatch_v2.h>
 #include <torch/library.h>
 
 #include <array>
@@ -186,9 +187,15 @@ void apply_update(at::TensorList params, at::TensorList grads, at::TensorList ma
 }
 
 // Dispatch (param dtype, grad dtype) over fp32/fp16/bf16 and call fn.template operator()<p_t, g_t>.
-#define MPNB_DISPATCH_OPT(PT, GT, ...)                             \
-  MPNB_DISPATCH_HALF_FLOAT(PT, p_t, [&] {                          \
-    MPNB_DISPATCH_HALF_FLOAT(GT, g_t, [&] { __VA_ARGS__; });       \
-  })
+// Calls f.template operator()<p_t, g_t>() with the C++ types of the params' and grads' dtypes
+// (fp32, fp16 or bf16 each; the state is always fp32).
+template <typename F>
+void dispatch_param_grad(at::ScalarType pt, at::ScalarType gt, const F& f) {
+  AT_DISPATCH_V2(pt, "mpnb optimizer params", AT_WRAP([&] {
+    using p_t = scalar_t;
+    AT_DISPATCH_V2(gt, "mpnb optimizer grads", AT_WRAP([&] { f.template operator()<p_t, scalar_t>(); }),
+                   at::kFloat, at::kHalf, at::kBFloat16);
+  }), at::kFloat, at::kHalf, at::kBFloat16);
+}
 
 }  // namespace mpnb::cpu::opt

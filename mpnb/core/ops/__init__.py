@@ -1,46 +1,66 @@
-"""The only door to mpnb's compiled kernels.
+"""The only door to mpnb's compiled kernels: one module per op family, one op library.
 
-``torch.ops.mpnb.*`` are defined in C++ (``csrc/``) and built just in time by ``_build``;
-the typed wrappers here pick the kernel, PyTorch's own ops (CUDA) or the pure-PyTorch
-reference, with one signature for all three.
+Each module ``mpnb/core/ops/<family>.py`` defines its ops' schemas with ``torch.library``
+(namespace ``mpnb``), their pure-PyTorch references (``reference_<op>``), the PyTorch-ops
+path for devices without a kernel of ours, the fakes, and one-line wrappers that call
+``torch.ops.mpnb.<op>``. The C++ kernels (``csrc/cpu/<family>.cpp``) register themselves for
+the CPU key when the library is loaded (built just in time on first use). PyTorch's
+dispatcher is the only way to an op: :func:`op_path` says which implementation it picks.
 """
 
+from mpnb.core.ops import axpby, check_finite, l2norm, loss_scale, scale
 from mpnb.core.ops._build import ExtensionWarning, cache_root, cpu_extension
-from mpnb.core.ops._registry import OpInfo, all_ops, kernel_ready, op_path, use_kernel
-from mpnb.core.ops.multi_tensor import (
-    multi_tensor_axpby,
+from mpnb.core.ops._library import (
+    OpInfo,
+    Sample,
+    all_ops,
+    ensure_kernels,
+    kernels_loaded,
+    op_info,
+    op_path,
+    use_reference,
+)
+from mpnb.core.ops.axpby import multi_tensor_axpby, reference_multi_tensor_axpby
+from mpnb.core.ops.check_finite import (
     multi_tensor_check_finite,
-    multi_tensor_l2norm,
-    multi_tensor_scale,
-    reference_multi_tensor_axpby,
     reference_multi_tensor_check_finite,
-    reference_multi_tensor_l2norm,
-    reference_multi_tensor_scale,
+)
+from mpnb.core.ops.l2norm import multi_tensor_l2norm, reference_multi_tensor_l2norm
+from mpnb.core.ops.loss_scale import (
     reference_update_loss_scale_,
     reference_update_scale_hysteresis,
     update_loss_scale_,
     update_scale_hysteresis,
 )
+from mpnb.core.ops.scale import multi_tensor_scale, reference_multi_tensor_scale
 
 __all__ = [
     "ExtensionWarning",
     "OpInfo",
+    "Sample",
     "all_ops",
+    "axpby",
     "cache_root",
+    "check_finite",
     "cpu_extension",
-    "kernel_ready",
+    "ensure_kernels",
+    "kernels_loaded",
+    "l2norm",
+    "loss_scale",
+    "op_info",
     "op_path",
-    "use_kernel",
+    "scale",
+    "use_reference",
     "multi_tensor_axpby",
     "multi_tensor_check_finite",
     "multi_tensor_l2norm",
     "multi_tensor_scale",
-    "update_scale_hysteresis",
     "update_loss_scale_",
+    "update_scale_hysteresis",
     "reference_multi_tensor_axpby",
     "reference_multi_tensor_check_finite",
     "reference_multi_tensor_l2norm",
     "reference_multi_tensor_scale",
-    "reference_update_scale_hysteresis",
     "reference_update_loss_scale_",
+    "reference_update_scale_hysteresis",
 ]

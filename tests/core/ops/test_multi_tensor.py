@@ -1,6 +1,6 @@
 """Multi-tensor ops: the compiled kernels against their references, Apex's flag semantics,
-hypothesis-placed infs/NaNs, errors, and opcheck. With MPNB_DISABLE_EXT=1 the same tests run
-on the reference path (see test_fallback.py)."""
+hypothesis-placed infs/NaNs, errors, and the PyTorch-ops paths that serve CUDA. (The op-table
+test runs every op x dtype x {kernel, reference} and opcheck.)"""
 
 from __future__ import annotations
 
@@ -13,7 +13,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpnb.core import ops
-from mpnb.core.ops import multi_tensor as mt
+from mpnb.core.ops import check_finite as cf
+from mpnb.core.ops import scale as sc
+
+mt = ops  # the references are exported beside the wrappers
 
 HALF_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 PAIRS = [*itertools.product(HALF_FLOAT, HALF_FLOAT), (torch.float64, torch.float64)]
@@ -361,47 +364,6 @@ def test_errors_name_the_problem_and_the_fix(kernels, path):
         axpby(flag(), a, a, a, 1.0, 1.0, 2)
 
 
-# ---- opcheck ------------------------------------------------------------------------------
-
-
-def _opcheck_cases():
-    x = make([5, 40000], torch.bfloat16)
-    y = [torch.empty(5), torch.empty(40000)]
-    s = torch.tensor([0.5])
-    return {
-        "multi_tensor_scale": (flag(), x, y, 0.5, s),
-        "multi_tensor_axpby": (flag(), y, y, [torch.empty(5), torch.empty(40000)], 1.0, 2.0, -1),
-        "multi_tensor_l2norm": (flag(), x, True, s),
-        "multi_tensor_check_finite": (flag(), x),
-        "update_scale_hysteresis": (*_state(), torch.zeros(1), 2.0, 0.5, 2000, 2),
-        "update_loss_scale_": (
-            _state()[0],
-            torch.empty(1),
-            *_state()[1:],
-            torch.ones(1),
-            2.0,
-            0.5,
-            2000,
-            1,
-            1.0,
-            2.0**24,
-        ),
-    }
-
-
-@pytest.mark.parametrize("name", list(_opcheck_cases()))
-def test_opcheck(kernels, name):
-    if not kernels:
-        pytest.skip("opcheck needs the compiled op (MPNB_DISABLE_EXT=1 runs the references)")
-    op = getattr(torch.ops.mpnb, name).default
-    torch.library.opcheck(op, _opcheck_cases()[name])
-
-
-def test_every_registered_op_has_an_opcheck_case():
-    names = {i.name for i in ops.all_ops() if i.family == "multi_tensor"}
-    assert names == set(_opcheck_cases())
-
-
 # ---- the foreach paths that serve CUDA tensors (exercised here on CPU tensors) ------------
 
 
@@ -412,15 +374,21 @@ def test_foreach_scale_path_matches_reference(din):
     a = [torch.empty_like(t, dtype=torch.float32) for t in src]
     b = [torch.empty_like(t, dtype=torch.float32) for t in src]
     fa, fb = flag(), flag()
-    assert mt._foreach_multi_tensor_scale(fa, src, a, 0.125, torch.tensor([2.0]))
+    sc._torch_multi_tensor_scale(fa, src, a, 0.125, torch.tensor([2.0]))
     mt.reference_multi_tensor_scale(fb, src, b, 0.125, torch.tensor([2.0]))
     assert_same(a, b)
     assert fa.item() == fb.item() == 1
 
 
-def test_foreach_scale_path_declines_half_destinations():
+def test_foreach_scale_path_falls_back_to_the_reference_for_half_destinations():
     src = make([10], torch.float32)
-    assert not mt._foreach_multi_tensor_scale(flag(), src, [torch.empty(10).half()], 1.0)
+    src[0][3] = math.nan
+    out, ref = [torch.empty(10).half()], [torch.empty(10).half()]
+    fa, fb = flag(), flag()
+    sc._torch_multi_tensor_scale(fa, src, out, 2.0)
+    mt.reference_multi_tensor_scale(fb, src, ref, 2.0)
+    assert_same(out, ref)
+    assert fa.item() == fb.item() == 1
 
 
 @pytest.mark.parametrize("dtype", HALF_FLOAT, ids=ids)
@@ -428,11 +396,11 @@ def test_foreach_check_finite_path(dtype):
     xs = make([7, 3000], dtype, seed=9)
     before = [x.clone() for x in xs]
     f = flag()
-    mt._foreach_multi_tensor_check_finite(f, xs)
+    cf._torch_multi_tensor_check_finite(f, xs)
     assert f.item() == 0
     assert_same(xs, before)  # unscaling by 1.0 preserves every bit
     xs[1][17] = math.nan
-    mt._foreach_multi_tensor_check_finite(f, xs)
+    cf._torch_multi_tensor_check_finite(f, xs)
     assert f.item() == 1
 
 

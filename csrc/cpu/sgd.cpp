@@ -6,8 +6,10 @@
 //   g = g + momentum * buf (nesterov) or g = buf
 //   g = g + wd * w                     (wd_after_momentum)
 //   w = w + g * (-lr)
-#pragma once
+#include <ATen/ATen.h>
+#include <torch/library.h>
 
+#include "cpu/autograd.h"
 #include "cpu/opt_common.h"
 
 namespace mpnb::cpu::opt {
@@ -50,21 +52,21 @@ inline void fused_sgd_cpu(at::TensorList params, at::TensorList grads,
   SgdBody body{fVec(static_cast<float>(weight_decay)), fVec(static_cast<float>(momentum)),
                fVec(static_cast<float>(1 - dampening)), fVec(static_cast<float>(-lr)),
                weight_decay != 0.0, wd_after_momentum, has_mom, nesterov, &first};
-  MPNB_DISPATCH_OPT(params[0].scalar_type(), grads[0].scalar_type(), [&] {
-    if (has_mom)
-      apply_update<p_t, g_t, 1>(params, grads, masters, {momentum_buffers}, inv, body);
-    else
-      apply_update<p_t, g_t, 0>(params, grads, masters, {}, inv, body);
-  }());
+  dispatch_param_grad(params[0].scalar_type(), grads[0].scalar_type(),
+                      [&]<typename p_t, typename g_t>() {
+                        if (has_mom)
+                          apply_update<p_t, g_t, 1>(params, grads, masters, {momentum_buffers},
+                                                    inv, body);
+                        else
+                          apply_update<p_t, g_t, 0>(params, grads, masters, {}, inv, body);
+                      });
 }
 
 }  // namespace mpnb::cpu::opt
 
-TORCH_LIBRARY_FRAGMENT(mpnb, m) {
-  m.def("fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
-        "Tensor(c!)[] masters, bool[] first_run, float lr, float momentum, float dampening, "
-        "float weight_decay, bool nesterov, bool wd_after_momentum, Tensor? inv_scale=None, "
-        "Tensor? found_inf=None) -> ()");
+TORCH_LIBRARY_IMPL(mpnb, CPU, m) {
+  m.impl("fused_sgd_", &mpnb::cpu::opt::fused_sgd_cpu);
 }
-
-TORCH_LIBRARY_IMPL(mpnb, CPU, m) { m.impl("fused_sgd_", &mpnb::cpu::opt::fused_sgd_cpu); }
+TORCH_LIBRARY_IMPL(mpnb, Autograd, m) {
+  m.impl("fused_sgd_", mpnb::cpu::below_autograd());
+}

@@ -8,8 +8,6 @@
 //
 //   forward:  y1 = x1 c1 - x2 s1,       y2 = x2 c2 + x1 s2
 //   backward: dx1 = dy1 c1 + dy2 s2,    dx2 = dy2 c2 - dy1 s1
-#pragma once
-
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -75,7 +73,7 @@ void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& s
   });
 }
 
-inline at::Tensor rope_cpu(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, int64_t group,
+at::Tensor rope_cpu(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, int64_t group,
                            bool transpose_output, bool backward) {
   const char* op = "mpnb::rope";
   TORCH_CHECK(is_float_type(t.scalar_type()), op, ": input is ", t.scalar_type(),
@@ -95,15 +93,11 @@ inline at::Tensor rope_cpu(const at::Tensor& t, const at::Tensor& cos, const at:
                        ? at::empty({t.size(1), t.size(0), t.size(2), t.size(3)}, t.options()).transpose(0, 1)
                        : at::empty(t.sizes(), t.options());
   if (t.numel() == 0) return out;
-  MPNB_DISPATCH_FLOAT(t.scalar_type(), T, [&] { rope_kernel<T>(x, c, s, out, group, backward); });
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "mpnb", [&] {
+    using T = scalar_t; rope_kernel<T>(x, c, s, out, group, backward); });
   return out;
 }
 
 }  // namespace mpnb::cpu
-
-TORCH_LIBRARY_FRAGMENT(mpnb, m) {
-  m.def("rope(Tensor t, Tensor cos, Tensor sin, int group, bool transpose_output=False, "
-        "bool backward=False) -> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(mpnb, CPU, m) { m.impl("rope", &mpnb::cpu::rope_cpu); }

@@ -10,8 +10,6 @@
 // columns 0..i and writes zeros after them.
 // Backward, shared by every variant: dx = scale * y * (dy - sum(dy * y)), reading y and dy once
 // and writing dx once (the second pass finds the row in cache).
-#pragma once
-
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -36,7 +34,7 @@ inline V vmax(const V& a, const V& b) {
 }
 
 // Replace lanes whose mask byte is nonzero by `fill` (16 mask bytes for a, b).
-inline void apply_mask(const uint8_t* m, int64_t n, fVec& a, fVec& b, const fVec& fill) {
+void apply_mask(const uint8_t* m, int64_t n, fVec& a, fVec& b, const fVec& fill) {
   alignas(16) uint8_t buf[16] = {0};
   const uint8_t* src = m;
   if (n < 16) { std::memcpy(buf, m, n); src = buf; }
@@ -61,7 +59,7 @@ inline void apply_mask(const uint8_t* m, int64_t n, fVec& a, fVec& b, const fVec
 #endif
 }
 
-inline void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec& fill) {
+void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec& fill) {
   alignas(64) double da[2 * dVec::size()];
   alignas(64) double df[dVec::size()];
   a.store(da);
@@ -76,7 +74,7 @@ inline void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec
 // Lanes whose mask byte is nonzero set to 0: the exp of a masked score, when that underflows
 // (see softmax_exp_pass). Bitwise and-ing after the exp takes no multiply-add port, which the
 // blend before it (apply_mask) does on AVX2, where the exp alone keeps those ports busy.
-inline void zero_masked(const uint8_t* m, int64_t n, fVec& a, fVec& b) {
+void zero_masked(const uint8_t* m, int64_t n, fVec& a, fVec& b) {
 #if defined(CPU_CAPABILITY_AVX2)
   alignas(16) uint8_t buf[16] = {0};
   const uint8_t* src = m;
@@ -90,13 +88,13 @@ inline void zero_masked(const uint8_t* m, int64_t n, fVec& a, fVec& b) {
 #endif
 }
 
-inline void zero_masked(const uint8_t* m, int64_t n, dVec& a, dVec& b) {
+void zero_masked(const uint8_t* m, int64_t n, dVec& a, dVec& b) {
   apply_mask(m, n, a, b, dVec(0.0));
 }
 
 // Lanes k.. of a block (a, b) set to v.
 template <typename V>
-inline void pad_lanes(V& a, V& b, int64_t k, const V& v) {
+void pad_lanes(V& a, V& b, int64_t k, const V& v) {
   a = k >= V::size() ? a : V::set(v, a, k);
   b = k >= 2 * V::size() ? b : (k > V::size() ? V::set(v, b, k - V::size()) : v);
 }
@@ -143,7 +141,7 @@ struct PendingRow {
 
 // The normalized block j of a pending row.
 template <typename T>
-inline void pending_block(const PendingRow<T>& p, int64_t j, Vectorized<acc_t<T>>& a,
+void pending_block(const PendingRow<T>& p, int64_t j, Vectorized<acc_t<T>>& a,
                           Vectorized<acc_t<T>>& b) {
   using V = Vectorized<acc_t<T>>;
   const V inv(p.inv);
@@ -153,7 +151,7 @@ inline void pending_block(const PendingRow<T>& p, int64_t j, Vectorized<acc_t<T>
 
 // The rest of a pending row: the blocks from `done` on, then the zeros after Lp.
 template <typename T>
-inline void finish_row(const PendingRow<T>& p, bool stream) {
+void finish_row(const PendingRow<T>& p, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   write_blocks<T, Acc>(p.y + p.done, p.Lp - p.done, stream, [&](int64_t j, int64_t, V& a, V& b) {
@@ -359,14 +357,14 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
 
 // ---- entry points ------------------------------------------------------------------------
 
-inline void check_softmax_input(const at::Tensor& x, int64_t min_dim, const char* op) {
+void check_softmax_input(const at::Tensor& x, int64_t min_dim, const char* op) {
   TORCH_CHECK(is_float_type(x.scalar_type()), op, ": input is ", x.scalar_type(),
               "; supported dtypes are float32, float16, bfloat16 and float64.");
   TORCH_CHECK(x.dim() >= min_dim, op, ": input must have at least ", min_dim, " dims, got shape ",
               x.sizes(), ".");
 }
 
-inline at::Tensor softmax_fwd(const at::Tensor& input, const std::optional<at::Tensor>& mask, double scale,
+at::Tensor softmax_fwd(const at::Tensor& input, const std::optional<at::Tensor>& mask, double scale,
                               bool causal, const char* op) {
   const auto x = input.contiguous();
   auto y = empty_output_like(x);
@@ -389,23 +387,24 @@ inline at::Tensor softmax_fwd(const at::Tensor& input, const std::optional<at::T
           m.stride(2)};
   }
   if (rows == 0) return y;
-  MPNB_DISPATCH_FLOAT(x.scalar_type(), T, [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mpnb", [&] {
+    using T = scalar_t;
     softmax_fwd_kernel<T>(x.const_data_ptr<T>(), y.mutable_data_ptr<T>(), rows, sk, scale, mv, causal, sq);
   });
   return y;
 }
 
-inline at::Tensor scaled_softmax_fwd_cpu(const at::Tensor& input, double scale) {
+at::Tensor scaled_softmax_fwd_cpu(const at::Tensor& input, double scale) {
   check_softmax_input(input, 1, "mpnb::scaled_softmax_fwd");
   return softmax_fwd(input, std::nullopt, scale, false, "mpnb::scaled_softmax_fwd");
 }
 
-inline at::Tensor scaled_masked_softmax_fwd_cpu(const at::Tensor& input, const at::Tensor& mask, double scale) {
+at::Tensor scaled_masked_softmax_fwd_cpu(const at::Tensor& input, const at::Tensor& mask, double scale) {
   check_softmax_input(input, 4, "mpnb::scaled_masked_softmax_fwd");
   return softmax_fwd(input, mask, scale, false, "mpnb::scaled_masked_softmax_fwd");
 }
 
-inline at::Tensor scaled_upper_triang_masked_softmax_fwd_cpu(const at::Tensor& input, double scale) {
+at::Tensor scaled_upper_triang_masked_softmax_fwd_cpu(const at::Tensor& input, double scale) {
   const char* op = "mpnb::scaled_upper_triang_masked_softmax_fwd";
   check_softmax_input(input, 2, op);
   TORCH_CHECK(input.size(-2) == input.size(-1), op, ": the causal softmax needs square [.., sq, sk] ",
@@ -413,7 +412,7 @@ inline at::Tensor scaled_upper_triang_masked_softmax_fwd_cpu(const at::Tensor& i
   return softmax_fwd(input, std::nullopt, scale, true, op);
 }
 
-inline at::Tensor scaled_softmax_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& output, double scale,
+at::Tensor scaled_softmax_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& output, double scale,
                                          bool upper_triang) {
   const char* op = "mpnb::scaled_softmax_bwd";
   check_softmax_input(output, upper_triang ? 2 : 1, op);
@@ -426,7 +425,8 @@ inline at::Tensor scaled_softmax_bwd_cpu(const at::Tensor& grad_out, const at::T
   const int64_t sq = y.dim() >= 2 ? y.size(-2) : 1;
   const int64_t rows = sk ? y.numel() / sk : 0;
   if (rows == 0) return dx;
-  MPNB_DISPATCH_FLOAT(y.scalar_type(), T, [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "mpnb", [&] {
+    using T = scalar_t;
     softmax_bwd_kernel<T>(dy.const_data_ptr<T>(), y.const_data_ptr<T>(), dx.mutable_data_ptr<T>(), rows,
                           sk, scale, upper_triang, sq);
   });
@@ -434,14 +434,6 @@ inline at::Tensor scaled_softmax_bwd_cpu(const at::Tensor& grad_out, const at::T
 }
 
 }  // namespace mpnb::cpu
-
-TORCH_LIBRARY_FRAGMENT(mpnb, m) {
-  m.def("scaled_softmax_fwd(Tensor input, float scale) -> Tensor");
-  m.def("scaled_masked_softmax_fwd(Tensor input, Tensor mask, float scale) -> Tensor");
-  m.def("scaled_upper_triang_masked_softmax_fwd(Tensor input, float scale) -> Tensor");
-  m.def("scaled_softmax_bwd(Tensor grad_out, Tensor output, float scale, bool upper_triang=False) "
-        "-> Tensor");
-}
 
 TORCH_LIBRARY_IMPL(mpnb, CPU, m) {
   m.impl("scaled_softmax_fwd", &mpnb::cpu::scaled_softmax_fwd_cpu);

@@ -353,7 +353,8 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
 template <typename F>
 inline void dispatch_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, const F& f) {
   const bool mixed = w.has_value() && w->scalar_type() != x.scalar_type();
-  MPNB_DISPATCH_FLOAT(x.scalar_type(), T, [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mpnb", [&] {
+    using T = scalar_t;
     if constexpr (std::is_same_v<T, double>) {
       f(static_cast<T*>(nullptr), static_cast<T*>(nullptr));
     } else {
@@ -449,56 +450,4 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(
   return {dx, reduce(dw_part, w), reduce(db_part, b)};
 }
 
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_fwd_cpu(
-    const at::Tensor& input, at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, double eps, bool /*memory_efficient: autograd only*/) {
-  return norm_fwd<false>(input, normalized_shape, weight, bias, eps, "mpnb::layer_norm_fwd");
-}
-
-inline std::tuple<at::Tensor, at::Tensor> rms_norm_fwd_cpu(const at::Tensor& input,
-                                                           at::IntArrayRef normalized_shape,
-                                                           const std::optional<at::Tensor>& weight,
-                                                           double eps, bool /*memory_efficient*/) {
-  auto [y, mean, rstd] = norm_fwd<true>(input, normalized_shape, weight, std::nullopt, eps,
-                                        "mpnb::rms_norm_fwd");
-  return {y, rstd};
-}
-
-inline std::tuple<at::Tensor, at::Tensor, at::Tensor> layer_norm_bwd_cpu(
-    const at::Tensor& grad_out, const at::Tensor& saved, const at::Tensor& mean, const at::Tensor& invvar,
-    at::IntArrayRef normalized_shape, const std::optional<at::Tensor>& weight,
-    const std::optional<at::Tensor>& bias, bool memory_efficient) {
-  return norm_bwd<false>(grad_out, saved, mean, invvar, normalized_shape, weight, bias, memory_efficient,
-                         "mpnb::layer_norm_bwd");
-}
-
-inline std::tuple<at::Tensor, at::Tensor> rms_norm_bwd_cpu(const at::Tensor& grad_out,
-                                                           const at::Tensor& saved, const at::Tensor& invvar,
-                                                           at::IntArrayRef normalized_shape,
-                                                           const std::optional<at::Tensor>& weight,
-                                                           bool memory_efficient) {
-  auto [dx, dw, db] = norm_bwd<true>(grad_out, saved, invvar, invvar, normalized_shape, weight,
-                                     std::nullopt, memory_efficient, "mpnb::rms_norm_bwd");
-  return {dx, dw};
-}
-
 }  // namespace mpnb::cpu
-
-TORCH_LIBRARY_FRAGMENT(mpnb, m) {
-  m.def("layer_norm_fwd(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, "
-        "float eps, bool memory_efficient=False) -> (Tensor, Tensor, Tensor)");
-  m.def("layer_norm_bwd(Tensor grad_out, Tensor saved, Tensor mean, Tensor invvar, "
-        "int[] normalized_shape, Tensor? weight, Tensor? bias, bool memory_efficient) "
-        "-> (Tensor, Tensor, Tensor)");
-  m.def("rms_norm_fwd(Tensor input, int[] normalized_shape, Tensor? weight, float eps, "
-        "bool memory_efficient=False) -> (Tensor, Tensor)");
-  m.def("rms_norm_bwd(Tensor grad_out, Tensor saved, Tensor invvar, int[] normalized_shape, "
-        "Tensor? weight, bool memory_efficient) -> (Tensor, Tensor)");
-}
-
-TORCH_LIBRARY_IMPL(mpnb, CPU, m) {
-  m.impl("layer_norm_fwd", &mpnb::cpu::layer_norm_fwd_cpu);
-  m.impl("layer_norm_bwd", &mpnb::cpu::layer_norm_bwd_cpu);
-  m.impl("rms_norm_fwd", &mpnb::cpu::rms_norm_fwd_cpu);
-  m.impl("rms_norm_bwd", &mpnb::cpu::rms_norm_bwd_cpu);
-}

@@ -5,8 +5,6 @@
 // the saved tensor once, writes dz once and sums db into fp32 per-block partials that are
 // added in block order (deterministic). act: 0 none, 1 relu (from y), 2 sigmoid (from y),
 // 3 gelu (erf form, from the pre-activation h).
-#pragma once
-
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -65,7 +63,7 @@ void act_bwd_kernel(const T* DY, const T* S, T* DZ, acc_t<T>* DB, int64_t M, int
   });
 }
 
-inline std::tuple<at::Tensor, at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad, const at::Tensor& saved,
+std::tuple<at::Tensor, at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad, const at::Tensor& saved,
                                                            int64_t activation, bool bias_grad) {
   const char* op = "mpnb::bias_act_bwd";
   TORCH_CHECK(is_float_type(grad.scalar_type()), op, ": grad is ", grad.scalar_type(),
@@ -83,7 +81,8 @@ inline std::tuple<at::Tensor, at::Tensor> bias_act_bwd_cpu(const at::Tensor& gra
   const auto acc = dy.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   at::Tensor part = bias_grad ? at::zeros({P, N}, dy.options().dtype(acc)) : at::Tensor();
   if (M > 0) {
-    MPNB_DISPATCH_FLOAT(dy.scalar_type(), T, [&] {
+    AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dy.scalar_type(), "mpnb", [&] {
+    using T = scalar_t;
       act_bwd_kernel<T>(dy.const_data_ptr<T>(), s.const_data_ptr<T>(), dz.mutable_data_ptr<T>(),
                         bias_grad ? part.mutable_data_ptr<acc_t<T>>() : nullptr, M, N, activation);
     });
@@ -93,9 +92,5 @@ inline std::tuple<at::Tensor, at::Tensor> bias_act_bwd_cpu(const at::Tensor& gra
 }
 
 }  // namespace mpnb::cpu
-
-TORCH_LIBRARY_FRAGMENT(mpnb, m) {
-  m.def("bias_act_bwd(Tensor grad, Tensor saved, int activation, bool bias_grad) -> (Tensor, Tensor)");
-}
 
 TORCH_LIBRARY_IMPL(mpnb, CPU, m) { m.impl("bias_act_bwd", &mpnb::cpu::bias_act_bwd_cpu); }

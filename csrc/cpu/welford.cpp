@@ -9,8 +9,6 @@
 //   channels first: input (N, C, L) contiguous; a chunk is one channel over a block of rows.
 //   channel last:   input (M, C) contiguous; a chunk is a block of rows, vectorized over C.
 // welford_parallel(mean[W,C], var[W,C], count[W]) merges W ranks' statistics (Chan, fp64).
-#pragma once
-
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -134,7 +132,7 @@ void welford_cl(const T* X, acc_t<T>* MEAN, acc_t<T>* VAR, int64_t M, int64_t C)
   }
 }
 
-inline std::tuple<at::Tensor, at::Tensor> welford_mean_var_cpu(const at::Tensor& input, bool channel_last) {
+std::tuple<at::Tensor, at::Tensor> welford_mean_var_cpu(const at::Tensor& input, bool channel_last) {
   const char* op = "mpnb::welford_mean_var";
   TORCH_CHECK(is_float_type(input.scalar_type()), op, ": input is ", input.scalar_type(),
               "; supported dtypes are float32, float16, bfloat16 and float64.");
@@ -146,7 +144,8 @@ inline std::tuple<at::Tensor, at::Tensor> welford_mean_var_cpu(const at::Tensor&
   auto mean = at::zeros({C}, x.options().dtype(acc));
   auto var = at::zeros({C}, x.options().dtype(acc));
   if (x.numel() == 0) return {mean, var};
-  MPNB_DISPATCH_FLOAT(x.scalar_type(), T, [&] {
+  AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mpnb", [&] {
+    using T = scalar_t;
     using Acc = acc_t<T>;
     if (channel_last) {
       welford_cl<T>(x.const_data_ptr<T>(), mean.mutable_data_ptr<Acc>(), var.mutable_data_ptr<Acc>(),
@@ -160,7 +159,7 @@ inline std::tuple<at::Tensor, at::Tensor> welford_mean_var_cpu(const at::Tensor&
   return {mean, var};
 }
 
-inline std::tuple<at::Tensor, at::Tensor> welford_parallel_cpu(const at::Tensor& mean, const at::Tensor& var,
+std::tuple<at::Tensor, at::Tensor> welford_parallel_cpu(const at::Tensor& mean, const at::Tensor& var,
                                                                const at::Tensor& count) {
   const char* op = "mpnb::welford_parallel";
   TORCH_CHECK(mean.dim() == 2 && var.sizes() == mean.sizes() && count.dim() == 1 &&
@@ -187,11 +186,6 @@ inline std::tuple<at::Tensor, at::Tensor> welford_parallel_cpu(const at::Tensor&
 }
 
 }  // namespace mpnb::cpu
-
-TORCH_LIBRARY_FRAGMENT(mpnb, m) {
-  m.def("welford_mean_var(Tensor input, bool channel_last=False) -> (Tensor, Tensor)");
-  m.def("welford_parallel(Tensor mean, Tensor var, Tensor count) -> (Tensor, Tensor)");
-}
 
 TORCH_LIBRARY_IMPL(mpnb, CPU, m) {
   m.impl("welford_mean_var", &mpnb::cpu::welford_mean_var_cpu);

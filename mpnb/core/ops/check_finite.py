@@ -1,0 +1,76 @@
+"""``mpnb::multi_tensor_check_finite``: is any element of a tensor list inf or NaN?
+
+Read-only, one pass, no copy: what a loss scaler needs before a fused optimizer step that
+unscales on the fly. Sets ``noop_flag`` to 1 on inf/NaN and never clears it.
+
+Kernels: ``csrc/cpu/check_finite.cpp`` (CPU, over the raw bits); on CUDA PyTorch's
+``_amp_foreach_non_finite_check_and_unscale_`` with a scale of exactly 1.0 (bit-preserving).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpnb.core.ops._checks import any_nonfinite, check_lists, raise_flag_if
+from mpnb.core.ops._library import Sample, define, ensure_kernels
+
+__all__ = ["multi_tensor_check_finite", "reference_multi_tensor_check_finite"]
+
+
+def reference_multi_tensor_check_finite(noop_flag, tensors) -> None:
+    """Reference of :func:`multi_tensor_check_finite` in plain PyTorch."""
+    check_lists("multi_tensor_check_finite", tensors)
+    raise_flag_if(noop_flag, any_nonfinite(tensors, noop_flag.device))
+
+
+def _torch_multi_tensor_check_finite(noop_flag, tensors) -> None:
+    """PyTorch's fused check (CUDA): unscale by exactly 1.0 into a found-inf flag."""
+    if not tensors or tensors[0].dtype == torch.float64:
+        reference_multi_tensor_check_finite(noop_flag, tensors)
+        return
+    dev = tensors[0].device
+    found = torch.zeros(1, dtype=torch.float32, device=dev)
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found, one)
+    raise_flag_if(noop_flag, found > 0)
+
+
+def _fake(noop_flag, tensors) -> None:
+    return None
+
+
+def _samples(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(3)
+    sizes = (0, 1, 17, 1000, 32768 * 2 + 5)
+    for plant in (None, float("inf"), float("-inf"), float("nan")):
+        xs = [torch.randn(n, generator=g, dtype=torch.float64).to(dtype) for n in sizes]
+        if plant is not None:
+            xs[4][32768 + 9] = plant
+        yield Sample((torch.zeros(1, dtype=torch.int32), xs), name=f"plant={plant}")
+
+
+OP = define(
+    "multi_tensor_check_finite(Tensor(a!) noop_flag, Tensor[] tensors) -> ()",
+    family="check_finite",
+    reference=reference_multi_tensor_check_finite,
+    fake=_fake,
+    torch_path=_torch_multi_tensor_check_finite,
+    sample_inputs=_samples,
+)
+_op = OP.overload
+
+
+def multi_tensor_check_finite(noop_flag, tensors) -> None:
+    """Set ``noop_flag`` to 1 if any element of ``tensors`` is inf or NaN; read-only, one pass.
+
+    Args:
+        noop_flag: a one-element tensor (any dtype), set to 1 on inf/NaN, never cleared.
+        tensors: contiguous tensors of one floating dtype.
+
+    Example::
+
+        >>> flag = torch.zeros(1)
+        >>> multi_tensor_check_finite(flag, [torch.tensor([1.0, float("inf")])])   # flag == 1
+    """
+    ensure_kernels()
+    _op(noop_flag, tensors)
