@@ -23,11 +23,18 @@ def _cmd_build_ext(args: argparse.Namespace) -> int:
         print("mpnb: MPNB_DISABLE_EXT=1 is set; unset it to build the kernels.", file=sys.stderr)
         return 2
     result = ext.build(force=args.force, verbose=args.verbose)
-    if not result.loaded:
+    if not result.loaded and not (args.force and result.built):
         print(f"mpnb: build failed: {result.reason}", file=sys.stderr)
         return 1
-    what = "rebuilt" if args.force else "built/loaded"
-    print(f"mpnb: CPU kernels {what} in {result.seconds:.1f} s: {result.path}")
+    if result.built:
+        print(
+            f"mpnb: CPU kernels built in {result.seconds:.1f} s ({result.compiled} build steps): "
+            f"{result.path}"
+        )
+    else:
+        print(f"mpnb: CPU kernels up to date (nothing compiled), loaded from {result.path}")
+    if result.note:
+        print(f"mpnb: note: {result.note}")
     return 0
 
 

@@ -14,27 +14,11 @@ from mpnb.core.ops import all_ops, cache_root, cpu_extension, op_path
 __all__ = ["report"]
 
 
-def _import_families() -> None:
-    # Each op family registers its ops on import: import every public module of mpnb.core.ops.
-    import importlib
-    import pkgutil
-
-    import mpnb.core.ops as ops_pkg
-
-    for info in pkgutil.iter_modules(ops_pkg.__path__):
-        if not info.name.startswith("_"):
-            importlib.import_module(f"mpnb.core.ops.{info.name}")
-
-
 def _toolchain() -> list[str]:
-    from torch.utils import cpp_extension
+    from mpnb.core.ops._build import _ninja
 
-    try:
-        cpp_extension.verify_ninja_availability()
-        ninja = shutil.which("ninja") or "found"
-    except RuntimeError:
-        ninja = "NOT FOUND (pip install ninja)"
-    cxx = os.environ.get("CXX", "c++")
+    ninja = _ninja() or "NOT FOUND (pip install ninja)"
+    cxx = cpu_extension().compiler()
     return [f"  ninja: {ninja}", f"  C++ compiler: {shutil.which(cxx) or f'{cxx} NOT FOUND'}"]
 
 
@@ -81,7 +65,6 @@ def report(build: bool = True) -> str:
     ext = cpu_extension()
     if build and not ext.disabled:
         ext.build()
-    _import_families()
     py = sys.version.split()[0]
     lines = [
         "mpnb doctor",
@@ -97,13 +80,18 @@ def report(build: bool = True) -> str:
     if ext.disabled:
         lines.append("  CPU kernels: disabled by MPNB_DISABLE_EXT=1 (references run)")
     elif status is None:
-        lines.append(
-            f"  CPU kernels: {'built' if ext.is_built() else 'not built yet'} (not loaded)"
-        )
+        problem = ext._verify(ext.library())
+        state = "built, library verified" if not problem else f"not usable yet ({problem})"
+        lines.append(f"  CPU kernels: {state}; not loaded (build on first use)")
     elif status.loaded:
-        lines.append(f"  CPU kernels: loaded from {status.path}")
+        lines.append(
+            f"  CPU kernels: loaded from {status.path} (library verified: its size and SHA-256 "
+            "match its build record)"
+        )
     else:
         lines.append(f"  CPU kernels: FAILED, references run. Reason: {status.reason}")
+    if status is not None and status.note:
+        lines.append(f"  note: {status.note}")
     lines.append("  CUDA kernels of ours: none yet (CUDA tensors run PyTorch's own fused CUDA ops)")
     lines.append("ops (family: op -> path on cpu | on cuda)")
     for info in all_ops():
