@@ -68,6 +68,11 @@ class Candidate:
         max_extra_s: the time it may add to the baseline's, in seconds (the median over rounds
             of this minus the baseline), for a candidate that does the baseline's work plus its
             own (``50e-6``: "at most 50 us on top"), or None.
+        extra_vs: the name of another candidate of the case: report the median over rounds of
+            ``(this - baseline) / (other - baseline)``, the cost this adds to the baseline's
+            work as a fraction of what the other adds (``extra_ratio``), or None.
+        max_extra_ratio: the most that fraction may be (``0.5``: "adds at most half of what
+            the other adds"), or None.
     """
 
     name: str
@@ -77,6 +82,8 @@ class Candidate:
     target: float | None = None
     bw_target: float | None = None
     max_extra_s: float | None = None
+    extra_vs: str | None = None
+    max_extra_ratio: float | None = None
 
 
 @dataclass
@@ -151,6 +158,7 @@ class Row:
     call; ``ratio`` is the median of per-round ``baseline / this`` (above 1: faster than
     PyTorch) and ``ratio_iqr`` its spread; ``bw_frac`` is the median per-round fraction of
     the ``bw_ref`` bandwidth; ``extra_s`` is the median per-round time above the baseline's;
+    ``extra_ratio`` is the median per-round ``(this - baseline) / (extra_vs - baseline)``;
     ``status`` is ``"PASS"``/``"MISS"`` against the targets, or ``""``;
     ``preempt_per_call`` counts the OS's involuntary context switches of the process per call
     (well above 0: the machine is contended and a parallel region waited for a preempted thread).
@@ -175,6 +183,9 @@ class Row:
     bw_target: float | None = None
     extra_s: float | None = None
     extra_target_s: float | None = None
+    extra_vs: str = ""
+    extra_ratio: float | None = None
+    extra_ratio_target: float | None = None
     status: str = ""
     preempt_per_call: float = 0.0
     times_s: tuple[float, ...] = ()
@@ -212,6 +223,8 @@ def _status(row: Row) -> str:
         checks.append(row.bw_frac >= row.bw_target)
     if row.extra_target_s is not None and row.extra_s is not None:
         checks.append(row.extra_s <= row.extra_target_s)
+    if row.extra_ratio_target is not None and row.extra_ratio is not None:
+        checks.append(row.extra_ratio <= row.extra_ratio_target)
     return "" if not checks else ("PASS" if all(checks) else "MISS")
 
 
@@ -252,6 +265,14 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
             row.target = c.target
             row.extra_s = median([x - b for x, b in zip(t, base_t, strict=True)])
             row.extra_target_s = c.max_extra_s
+            if c.extra_vs is not None:
+                other = [x.name for x in case.candidates].index(c.extra_vs)
+                row.extra_vs = c.extra_vs
+                row.extra_ratio = median([
+                    (x - b) / (o - b) if o != b else float("inf")
+                    for x, o, b in zip(t, times[other], base_t, strict=True)
+                ])  # fmt: skip
+                row.extra_ratio_target = c.max_extra_ratio
         if c.bytes:
             row.gbps = c.bytes / row.median_s / 1e9
             if c.access in bw_t:

@@ -27,7 +27,7 @@ ALLOCATOR_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "PYTORCH_CUDA_ALL
 
 
 def _kernel_paths(device: str) -> str:
-    # Imported here: building the kernels is the caller's choice (kernel_ready() builds them).
+    # Imported here: building the kernels is the caller's choice (ensure_kernels() builds them).
     from mpnb.core.ops import all_ops, op_path
 
     paths = {op.name: op_path(op.name, device) for op in all_ops()}
@@ -46,10 +46,10 @@ def collect_header(device: str = "cpu", build: bool = True) -> dict:
             and the build is never inside a timing.
     """
     from mpnb.core.hardware import cpu_info
-    from mpnb.core.ops import kernel_ready
+    from mpnb.core.ops import ensure_kernels
 
     if build:
-        kernel_ready()
+        ensure_kernels()
     cpu = cpu_info()
     header = {
         "date": datetime.datetime.now().astimezone().isoformat(timespec="seconds"),
@@ -103,6 +103,11 @@ def _fmt_ratio(row: Row) -> str:
         return ""
     if row.extra_target_s is not None and row.extra_s is not None:
         return f"+{row.extra_s * 1e6:.1f}us (<={row.extra_target_s * 1e6:g})"
+    if row.extra_ratio is not None:
+        text = f"+{row.extra_s * 1e6:.0f}us={row.extra_ratio:.2f}x"
+        if row.extra_ratio_target is not None:
+            text += f" (<={row.extra_ratio_target:g})"
+        return text
     text = f"{row.ratio:.2f}x"
     return f"{text} (>={row.target:g})" if row.target is not None else text
 

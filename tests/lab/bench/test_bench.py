@@ -129,34 +129,65 @@ def test_unreachable_target_is_a_miss():
     assert rows[1].status == "MISS"
 
 
-def test_max_extra_is_the_time_added_to_the_baseline():
-    import time
+def _fixed_times(monkeypatch, per_round: dict[str, list[float]]):
+    """Make run_case see these per-round times (seconds per call) instead of a clock's."""
+    from mpnb.lab.bench import _harness
 
-    def sleeper(s):
-        def f():
-            t = time.perf_counter()
-            while time.perf_counter() - t < s:
-                pass
+    def fake(cands, opts):
+        times = [list(per_round[c.name][: opts.rounds]) for c in cands]
+        return times, [1] * len(cands), [0.0] * len(cands)
 
-        return f
+    monkeypatch.setattr(_harness, "time_rounds", fake)
 
+
+def test_max_extra_is_the_time_added_to_the_baseline(monkeypatch):
+    _fixed_times(monkeypatch, {
+        "base": [200e-6, 210e-6, 190e-6, 400e-6, 200e-6, 205e-6],
+        "adds 300us": [500e-6, 505e-6, 495e-6, 700e-6, 500e-6, 510e-6],
+        "adds 300us, tight": [500e-6, 505e-6, 495e-6, 700e-6, 500e-6, 510e-6],
+    })  # fmt: skip
     case = Case(
         "c",
         "w",
         [
-            Candidate("base", sleeper(200e-6)),
-            Candidate("adds 300us", sleeper(500e-6), max_extra_s=1e-3),
-            Candidate("adds 300us, tight", sleeper(500e-6), max_extra_s=100e-6),
+            Candidate("base", lambda: None),
+            Candidate("adds 300us", lambda: None, max_extra_s=1e-3),
+            Candidate("adds 300us, tight", lambda: None, max_extra_s=100e-6),
         ],
         min_rounds=6,
     )
     rows = run_case(case, Options.make(rounds=2, warmup=1, round_time=0.004))
     assert all(r.rounds == 6 for r in rows)  # min_rounds raised the rounds outside --quick
-    assert 250e-6 < rows[1].extra_s < 600e-6 and rows[0].extra_s is None
+    assert abs(rows[1].extra_s - 300e-6) < 1e-9 and rows[0].extra_s is None
     assert (rows[1].status, rows[2].status) == ("PASS", "MISS")
-    assert re.search(r"\+\d+\.\dus \(<=1000\)", format_rows(rows).splitlines()[3])
+    assert re.search(r"\+300\.0us \(<=1000\)", format_rows(rows).splitlines()[3])
     quick = run_case(case, Options.make(quick=True, rounds=1))
     assert quick[0].rounds == 1  # --quick keeps its own round count
+
+
+def test_extra_ratio_compares_what_two_candidates_add_to_the_baseline(monkeypatch):
+    _fixed_times(monkeypatch, {
+        "base": [200e-6, 250e-6, 200e-6, 220e-6, 200e-6],
+        "other": [800e-6, 850e-6, 800e-6, 820e-6, 1200e-6],  # adds 600 us (1000 once)
+        "adds 150us": [350e-6, 400e-6, 350e-6, 370e-6, 350e-6],
+        "adds 450us": [650e-6, 700e-6, 650e-6, 670e-6, 650e-6],
+    })  # fmt: skip
+    case = Case(
+        "c",
+        "w",
+        [
+            Candidate("base", lambda: None),
+            Candidate("other", lambda: None),
+            Candidate("adds 150us", lambda: None, extra_vs="other", max_extra_ratio=0.5),
+            Candidate("adds 450us", lambda: None, extra_vs="other", max_extra_ratio=0.5),
+        ],
+    )
+    rows = run_case(case, Options.make(rounds=5, warmup=1, round_time=0.004))
+    # The median of the per-round ratios, not the ratio of the medians.
+    assert rows[2].extra_ratio == pytest.approx(0.25) and rows[3].extra_ratio == pytest.approx(0.75)
+    assert rows[1].extra_ratio is None and rows[2].extra_vs == "other"
+    assert (rows[2].status, rows[3].status) == ("PASS", "MISS")
+    assert re.search(r"\+150us=0\.25x \(<=0.5\)", format_rows(rows).splitlines()[4])
 
 
 def test_no_bandwidth_baselines_without_bytes():
