@@ -1,18 +1,23 @@
-// Backward epilogue of a dense layer + activation (apex.mlp, apex.fused_dense) on the CPU.
+// mpnb::bias_act_bwd on the CPU: the backward epilogue of a dense layer and its activation
+// (apex.mlp, apex.fused_dense). The schema is defined in mpnb/core/ops/dense.py.
 //
 // After y = act(x W^T + b), the backward needs dz = dy * act'(.) and db = sum_rows(dz). Done
 // by PyTorch ops that is three passes (act', multiply, column sum); here one pass reads dy and
 // the saved tensor once, writes dz once and sums db into fp32 per-block partials that are
 // added in block order (deterministic). act: 0 none, 1 relu (from y), 2 sigmoid (from y),
 // 3 gelu (erf form, from the pre-activation h).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
 
 #include "cpu/multi_tensor_apply.h"
 
 namespace mpnb::cpu {
+namespace {
 
 template <typename V>
 inline V act_grad(const V& s, int64_t act) {
@@ -64,16 +69,18 @@ void act_bwd_kernel(const T* DY, const T* S, T* DZ, acc_t<T>* DB, int64_t M, int
 }
 
 std::tuple<at::Tensor, at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad, const at::Tensor& saved,
-                                                           int64_t activation, bool bias_grad) {
+                                                    int64_t activation, bool bias_grad) {
   const char* op = "mpnb::bias_act_bwd";
-  TORCH_CHECK(is_float_type(grad.scalar_type()), op, ": grad is ", grad.scalar_type(),
-              "; supported dtypes are float32, float16, bfloat16 and float64.");
-  TORCH_CHECK(grad.sizes() == saved.sizes() && grad.scalar_type() == saved.scalar_type(), op, ": grad ",
-              grad.sizes(), " ", grad.scalar_type(), " does not match the saved activation ", saved.sizes(),
-              " ", saved.scalar_type(), ".");
-  TORCH_CHECK(activation >= 0 && activation <= 3, op, ": activation must be 0 (none), 1 (relu), ",
-              "2 (sigmoid) or 3 (gelu), got ", activation, ".");
-  TORCH_CHECK(grad.dim() >= 1, op, ": grad must have at least one dim.");
+  TORCH_CHECK_TYPE(is_float_type(grad.scalar_type()), op, ": grad is ", grad.scalar_type(),
+                   "; supported dtypes are float32, float16, bfloat16 and float64 (convert with ",
+                   ".float() or .to(torch.bfloat16)).");
+  TORCH_CHECK_VALUE(grad.sizes() == saved.sizes() && grad.scalar_type() == saved.scalar_type(), op,
+                    ": grad ", grad.sizes(), " ", grad.scalar_type(), " does not match the saved ",
+                    "activation ", saved.sizes(), " ", saved.scalar_type(), "; pass the tensor the ",
+                    "forward saved for this gradient.");
+  TORCH_CHECK_VALUE(activation >= 0 && activation <= 3, op, ": activation must be one of {'none': 0, ",
+                    "'relu': 1, 'sigmoid': 2, 'gelu': 3}, got ", activation, ".");
+  TORCH_CHECK_VALUE(grad.dim() >= 1, op, ": grad is a scalar; pass [..., features] gradients.");
   const auto dy = grad.contiguous(), s = saved.contiguous();
   auto dz = at::empty_like(dy, at::MemoryFormat::Contiguous);
   const int64_t N = dy.size(-1), M = N ? dy.numel() / N : 0;
@@ -82,7 +89,7 @@ std::tuple<at::Tensor, at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad, cons
   at::Tensor part = bias_grad ? at::zeros({P, N}, dy.options().dtype(acc)) : at::Tensor();
   if (M > 0) {
     AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, dy.scalar_type(), "mpnb", [&] {
-    using T = scalar_t;
+      using T = scalar_t;
       act_bwd_kernel<T>(dy.const_data_ptr<T>(), s.const_data_ptr<T>(), dz.mutable_data_ptr<T>(),
                         bias_grad ? part.mutable_data_ptr<acc_t<T>>() : nullptr, M, N, activation);
     });
@@ -91,6 +98,7 @@ std::tuple<at::Tensor, at::Tensor> bias_act_bwd_cpu(const at::Tensor& grad, cons
   return {dz, db};
 }
 
+}  // namespace
 }  // namespace mpnb::cpu
 
 TORCH_LIBRARY_IMPL(mpnb, CPU, m) { m.impl("bias_act_bwd", &mpnb::cpu::bias_act_bwd_cpu); }

@@ -13,7 +13,8 @@
 // for a degree-6 polynomial on [-ln2/2, ln2/2], ~15 for exp_u20 and ~30 for Sleef's 1-ulp exp.
 // fp64 uses ATen's exp (Sleef, 1 ulp).
 //
-// Also here: empty_output_like, the output allocation of the layer kernels (norm.h, softmax.h).
+// Also here: empty_output_like, the output allocation of the layer kernels (norm_common.h,
+// softmax.cpp).
 #pragma once
 
 #include <ATen/ATen.h>

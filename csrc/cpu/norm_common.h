@@ -1,4 +1,5 @@
-// Apex's fused layer norm and RMS norm on the CPU, forward and backward.
+// The row passes and argument checks shared by the two norm kernels, layer_norm.cpp and
+// rms_norm.cpp (Apex's fused layer norm and RMS norm on the CPU, forward and backward).
 //
 // The input is viewed as rows [M, N] (N = prod(normalized_shape)). One thread owns whole rows:
 // the statistics pass reads a row from memory, the later passes find it in L1/L2, so every
@@ -9,12 +10,18 @@
 // accumulators, and every pass is a plain function over local registers (lambdas capturing the
 // block registers by reference made GCC keep them on the stack). The weight/bias gradients
 // are summed per row block into fp32 partials that are added in block order, so the result is
-// the same on every run.
+// the same on every run with the same number of threads.
+//
+// The checks raise the Python exceptions (TypeError, ValueError) and messages of the
+// references' checks (mpnb/core/ops/_norm.py): the problem and the fix.
 #pragma once
 
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
-#include <torch/library.h>
 
+#include <algorithm>
+#include <cmath>
 #include <optional>
 #include <tuple>
 #include <vector>
@@ -36,30 +43,46 @@ struct NormShape {
   int64_t rows, cols;
 };
 
+inline void check_float_input(const at::Tensor& x, const char* op, const char* what) {
+  TORCH_CHECK_TYPE(is_float_type(x.scalar_type()), op, ": ", what, " is ", x.scalar_type(),
+                   "; supported dtypes are float32, float16, bfloat16 and float64 (convert with ",
+                   ".float() or .to(torch.bfloat16)).");
+}
+
 inline NormShape norm_shape(const at::Tensor& x, at::IntArrayRef nshape, const char* op) {
   const int64_t k = static_cast<int64_t>(nshape.size());
-  TORCH_CHECK(k >= 1 && x.dim() >= k, op, ": normalized_shape ", nshape, " needs an input with at ",
-              "least ", k, " dims, got shape ", x.sizes(), ".");
+  bool ok = k >= 1 && x.dim() >= k;
+  for (int64_t i = 0; ok && i < k; ++i) ok = x.size(x.dim() - k + i) == nshape[i];
+  TORCH_CHECK_VALUE(ok, op, ": input of shape ", x.sizes(), " does not end with normalized_shape ",
+                    nshape, "; normalized_shape must be the input's trailing dims (e.g. [hidden] ",
+                    "for (batch, seq, hidden)).");
   int64_t cols = 1;
-  for (int64_t i = 0; i < k; ++i) {
-    TORCH_CHECK(x.size(x.dim() - k + i) == nshape[i], op, ": input shape ", x.sizes(),
-                " does not end with normalized_shape ", nshape, "; pass the trailing dims.");
-    cols *= nshape[i];
-  }
+  for (int64_t i = 0; i < k; ++i) cols *= nshape[i];
   return {cols == 0 ? 0 : x.numel() / cols, cols};
 }
 
 inline void check_param(const std::optional<at::Tensor>& p, const at::Tensor& x, int64_t cols,
                         const char* op, const char* what) {
   if (!p.has_value()) return;
-  TORCH_CHECK(p->device() == x.device(), op, ": ", what, " is on ", p->device(), " but the input is on ",
-              x.device(), "; move them to one device.");
-  TORCH_CHECK(p->numel() == cols, op, ": ", what, " has ", p->numel(), " elements but normalized_shape ",
-              "holds ", cols, "; pass a ", what, " of normalized_shape.");
+  TORCH_CHECK_VALUE(p->device() == x.device(), op, ": ", what, " is on ", p->device(),
+                    " but the input is on ", x.device(), "; move both to one device.");
+  TORCH_CHECK_VALUE(p->numel() == cols, op, ": ", what, " has ", p->numel(),
+                    " elements but normalized_shape holds ", cols, "; pass a ", what,
+                    " of shape normalized_shape.");
   const auto t = p->scalar_type();
-  TORCH_CHECK(t == x.scalar_type() || (t == at::kFloat && x.scalar_type() != at::kDouble), op, ": ",
-              what, " is ", t, " but the input is ", x.scalar_type(), "; use the input's dtype or ",
-              "float32 (mixed).");
+  TORCH_CHECK_TYPE(t == x.scalar_type() || (t == at::kFloat && x.scalar_type() != at::kDouble), op,
+                   ": ", what, " is ", t, " but the input is ", x.scalar_type(), "; use the ",
+                   "input's dtype, or float32 weights with a half input (the mixed layers).");
+}
+
+inline void check_params(const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
+                         const at::Tensor& x, int64_t cols, const char* op) {
+  check_param(weight, x, cols, op, "weight");
+  check_param(bias, x, cols, op, "bias");
+  TORCH_CHECK_TYPE(!weight.has_value() || !bias.has_value() ||
+                       weight->scalar_type() == bias->scalar_type(),
+                   op, ": weight is ", weight->scalar_type(), " but bias is ", bias->scalar_type(),
+                   "; give them one dtype.");
 }
 
 // Weights (and biases) widened to Acc once per call: the row passes load them without
@@ -152,6 +175,9 @@ inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, ac
     } else if (w) {
       load_acc(w, j, n, w0, w1);
       a = a * w0; c = c * w1;
+    } else if (b) {
+      load_acc(b, j, n, b0, b1);
+      a = a + b0; c = c + b1;
     }
   };
   V a, c;
@@ -350,9 +376,13 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
 
 // ---- typed entry points ------------------------------------------------------------------
 
+// Calls f(T*, W*) with the input's type T and the parameters' type W (T, or float for the mixed
+// layers: fp32 weight and/or bias with a half input; the checks made both one dtype).
 template <typename F>
-inline void dispatch_norm(const at::Tensor& x, const std::optional<at::Tensor>& w, const F& f) {
-  const bool mixed = w.has_value() && w->scalar_type() != x.scalar_type();
+inline void dispatch_norm(const at::Tensor& x, const std::optional<at::Tensor>& w,
+                          const std::optional<at::Tensor>& b, const F& f) {
+  const auto& p = w.has_value() ? w : b;
+  const bool mixed = p.has_value() && p->scalar_type() != x.scalar_type();
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mpnb", [&] {
     using T = scalar_t;
     if constexpr (std::is_same_v<T, double>) {
@@ -378,15 +408,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Tensor& input,
                                                         const std::optional<at::Tensor>& weight,
                                                         const std::optional<at::Tensor>& bias, double eps,
                                                         const char* op) {
-  TORCH_CHECK(is_float_type(input.scalar_type()), op, ": input is ", input.scalar_type(),
-              "; supported dtypes are float32, float16, bfloat16 and float64.");
+  check_float_input(input, op, "input");
   const auto sh = norm_shape(input, nshape, op);
-  check_param(weight, input, sh.cols, op, "weight");
-  check_param(bias, input, sh.cols, op, "bias");
-  TORCH_CHECK(!weight.has_value() || !bias.has_value() || weight->scalar_type() == bias->scalar_type(),
-              op, ": weight is ", weight->scalar_type(), " but bias is ", bias->scalar_type(),
-              "; give them one dtype.");
-  TORCH_CHECK(!bias.has_value() || weight.has_value() || !kRms, op, ": bias needs a weight.");
+  check_params(weight, bias, input, sh.cols, op);
   const auto x = input.contiguous();
   const auto w = weight.has_value() ? std::optional<at::Tensor>(weight->contiguous()) : std::nullopt;
   const auto b = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
@@ -395,7 +419,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Tensor& input,
   auto mean = at::empty({kRms ? 0 : sh.rows}, stat_opts);
   auto rstd = at::empty({sh.rows}, stat_opts);
   if (sh.rows == 0) return {y, mean, rstd};
-  dispatch_norm(x, w, [&](auto* tp, auto* wp) {
+  dispatch_norm(x, w, b, [&](auto* tp, auto* wp) {
     using T = std::remove_pointer_t<decltype(tp)>;
     using Wt = std::remove_pointer_t<decltype(wp)>;
     norm_fwd_kernel<T, Wt, kRms>(x.const_data_ptr<T>(), opt_ptr<Wt>(w), opt_ptr<Wt>(b),
@@ -410,17 +434,19 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(
     const at::Tensor& grad_out, const at::Tensor& saved, const at::Tensor& mean, const at::Tensor& rstd,
     at::IntArrayRef nshape, const std::optional<at::Tensor>& weight, const std::optional<at::Tensor>& bias,
     bool memory_efficient, const char* op) {
+  check_float_input(saved, op, "saved");
   const auto sh = norm_shape(saved, nshape, op);
-  TORCH_CHECK(grad_out.sizes() == saved.sizes() && grad_out.scalar_type() == saved.scalar_type(), op,
-              ": grad_out ", grad_out.sizes(), " ", grad_out.scalar_type(), " does not match the saved ",
-              "tensor ", saved.sizes(), " ", saved.scalar_type(), ".");
-  TORCH_CHECK(rstd.numel() == sh.rows && rstd.scalar_type() == acc_type(saved), op,
-              ": invvar must hold one ", acc_type(saved), " per row (", sh.rows, "), got ", rstd.numel(),
-              " of ", rstd.scalar_type(), ".");
-  TORCH_CHECK(kRms || memory_efficient || mean.numel() == sh.rows, op, ": mean must hold one value ",
-              "per row (", sh.rows, "), got ", mean.numel(), ".");
-  check_param(weight, saved, sh.cols, op, "weight");
-  check_param(bias, saved, sh.cols, op, "bias");
+  TORCH_CHECK_VALUE(grad_out.sizes() == saved.sizes() && grad_out.scalar_type() == saved.scalar_type(),
+                    op, ": grad_out ", grad_out.sizes(), " ", grad_out.scalar_type(),
+                    " does not match the saved tensor ", saved.sizes(), " ", saved.scalar_type(),
+                    "; pass the gradient of the forward's output.");
+  TORCH_CHECK_VALUE(rstd.numel() == sh.rows && rstd.scalar_type() == acc_type(saved), op,
+                    ": invvar must hold one ", acc_type(saved), " per row (", sh.rows, "), got ",
+                    rstd.numel(), " of ", rstd.scalar_type(), "; pass the invvar the forward returned.");
+  TORCH_CHECK_VALUE(kRms || memory_efficient || mean.numel() == sh.rows, op,
+                    ": mean must hold one value per row (", sh.rows, "), got ", mean.numel(),
+                    "; pass the mean the forward returned.");
+  check_params(weight, bias, saved, sh.cols, op);
   const auto dy = grad_out.contiguous(), s = saved.contiguous();
   const auto w = weight.has_value() ? std::optional<at::Tensor>(weight->contiguous()) : std::nullopt;
   const auto b = bias.has_value() ? std::optional<at::Tensor>(bias->contiguous()) : std::nullopt;
@@ -431,7 +457,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(
   at::Tensor dw_part = w ? at::zeros({P, sh.cols}, opts) : at::Tensor();
   at::Tensor db_part = b ? at::zeros({P, sh.cols}, opts) : at::Tensor();
   if (sh.rows > 0) {
-    dispatch_norm(s, w, [&](auto* tp, auto* wp) {
+    dispatch_norm(s, w, b, [&](auto* tp, auto* wp) {
       using T = std::remove_pointer_t<decltype(tp)>;
       using Wt = std::remove_pointer_t<decltype(wp)>;
       using Acc = acc_t<T>;

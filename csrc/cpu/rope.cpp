@@ -1,4 +1,6 @@
-// Apex's fused rotary position embedding (RoPE) on the CPU, forward and backward.
+// mpnb::rope on the CPU: Apex's fused rotary position embedding (RoPE), forward and backward
+// (the backward is the transposed rotation, one flag of the same op). The schema is defined in
+// mpnb/core/ops/rope.py.
 //
 // t is [S, B, H, D] with any strides (the last dim contiguous); cos/sin are fp32 (fp64 for
 // fp64) tables [S, D2] with D2 <= D. The first D2 channels are cut into groups of `group`
@@ -8,12 +10,17 @@
 //
 //   forward:  y1 = x1 c1 - x2 s1,       y2 = x2 c2 + x1 s2
 //   backward: dx1 = dy1 c1 + dy2 s2,    dx2 = dy2 c2 - dy1 s1
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
+
+#include <algorithm>
 
 #include "cpu/multi_tensor_apply.h"
 
 namespace mpnb::cpu {
+namespace {
 
 template <typename T>
 void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out,
@@ -74,19 +81,31 @@ void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& s
 }
 
 at::Tensor rope_cpu(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, int64_t group,
-                           bool transpose_output, bool backward) {
+                    bool transpose_output, bool backward) {
   const char* op = "mpnb::rope";
-  TORCH_CHECK(is_float_type(t.scalar_type()), op, ": input is ", t.scalar_type(),
-              "; supported dtypes are float32, float16, bfloat16 and float64.");
-  TORCH_CHECK(t.dim() == 4, op, ": input must be [s, b, h, d], got ", t.sizes(), ".");
+  TORCH_CHECK_TYPE(is_float_type(t.scalar_type()), op, ": t is ", t.scalar_type(),
+                   "; supported dtypes are float32, float16, bfloat16 and float64 (convert with ",
+                   ".float() or .to(torch.bfloat16)).");
+  TORCH_CHECK_VALUE(t.dim() == 4, op, ": t must be [s, b, h, d], got shape ", t.sizes(),
+                    "; add the missing dims (e.g. t.unsqueeze(1) for [s, h, d]).");
   const auto acc = t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
-  TORCH_CHECK(cos.dim() == 2 && cos.sizes() == sin.sizes() && cos.size(0) == t.size(0) &&
-                  cos.size(1) <= t.size(3) && cos.scalar_type() == acc && sin.scalar_type() == acc,
-              op, ": cos/sin must be ", acc, " tables [s, d2] with d2 <= d; got ", cos.sizes(), " ",
-              cos.scalar_type(), " and ", sin.sizes(), " for input ", t.sizes(), ".");
+  const char* acc_name = acc == at::kDouble ? "float64" : "float32";
+  const int64_t S = t.size(0), D = t.size(3);
+  for (const auto* tab : {&cos, &sin}) {
+    const char* name = tab == &cos ? "cos" : "sin";
+    TORCH_CHECK_VALUE(tab->dim() == 2 && tab->size(0) == S && tab->size(1) <= D && tab->scalar_type() == acc,
+                      op, ": ", name, " must be a ", acc_name, " table [s=", S, ", d2<=", D, "], got ",
+                      tab->sizes(), " ", tab->scalar_type(), "; the freqs/cos/sin must cover every ",
+                      "position.");
+    TORCH_CHECK_VALUE(tab->device() == t.device(), op, ": ", name, " is on ", tab->device(),
+                      " but t is on ", t.device(), "; move both to one device.");
+  }
+  TORCH_CHECK_VALUE(cos.sizes() == sin.sizes(), op, ": cos ", cos.sizes(), " and sin ", sin.sizes(),
+                    " differ; build both from the same frequencies.");
   const int64_t D2 = cos.size(1);
-  TORCH_CHECK(group > 0 && group % 2 == 0 && D2 % group == 0, op, ": the rotary dim ", D2,
-              " must split into groups of an even size, got group ", group, ".");
+  TORCH_CHECK_VALUE(group > 0 && group % 2 == 0 && D2 % group == 0, op, ": the rotary dim ", D2,
+                    " must be a multiple of an even group, got group=", group,
+                    "; use an even number of rotary channels.");
   const auto x = t.stride(3) == 1 ? t : t.contiguous();
   const auto c = cos.contiguous(), s = sin.contiguous();
   at::Tensor out = transpose_output
@@ -94,10 +113,12 @@ at::Tensor rope_cpu(const at::Tensor& t, const at::Tensor& cos, const at::Tensor
                        : at::empty(t.sizes(), t.options());
   if (t.numel() == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "mpnb", [&] {
-    using T = scalar_t; rope_kernel<T>(x, c, s, out, group, backward); });
+    rope_kernel<scalar_t>(x, c, s, out, group, backward);
+  });
   return out;
 }
 
+}  // namespace
 }  // namespace mpnb::cpu
 
 TORCH_LIBRARY_IMPL(mpnb, CPU, m) { m.impl("rope", &mpnb::cpu::rope_cpu); }

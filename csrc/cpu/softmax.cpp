@@ -1,4 +1,6 @@
-// Apex's fused scaled (masked) softmax on the CPU (the kernels behind FusedScaleMaskSoftmax).
+// mpnb::scaled_softmax_fwd, scaled_masked_softmax_fwd, scaled_upper_triang_masked_softmax_fwd and
+// scaled_softmax_bwd on the CPU: Apex's fused scaled (masked) softmax, the kernels behind
+// FusedScaleMaskSoftmax. The schemas are defined in mpnb/core/ops/softmax.py.
 //
 // Softmax runs over the last dim; one thread owns whole rows. Forward: one pass reads the row
 // from memory for its max; a second exponentiates it (scaled, masked, shifted) into an fp32
@@ -10,17 +12,22 @@
 // columns 0..i and writes zeros after them.
 // Backward, shared by every variant: dx = scale * y * (dy - sum(dy * y)), reading y and dy once
 // and writing dx once (the second pass finds the row in cache).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "cpu/fast_math.h"
 #include "cpu/multi_tensor_apply.h"
 
 namespace mpnb::cpu {
+namespace {
 
 constexpr float kMaskedValue = -10000.0f;
 
@@ -33,8 +40,10 @@ inline V vmax(const V& a, const V& b) {
   return at::vec::maximum(a, b);
 }
 
-// Replace lanes whose mask byte is nonzero by `fill` (16 mask bytes for a, b).
-void apply_mask(const uint8_t* m, int64_t n, fVec& a, fVec& b, const fVec& fill) {
+// Replace lanes whose mask byte is nonzero by `fill` (16 mask bytes for a, b). The per-block
+// helpers of the row passes are `inline`: a hint GCC's inliner weighs, which keeps them inside
+// the hot loops (as they were when these kernels were one translation unit).
+inline void apply_mask(const uint8_t* m, int64_t n, fVec& a, fVec& b, const fVec& fill) {
   alignas(16) uint8_t buf[16] = {0};
   const uint8_t* src = m;
   if (n < 16) { std::memcpy(buf, m, n); src = buf; }
@@ -59,7 +68,7 @@ void apply_mask(const uint8_t* m, int64_t n, fVec& a, fVec& b, const fVec& fill)
 #endif
 }
 
-void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec& fill) {
+inline void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec& fill) {
   alignas(64) double da[2 * dVec::size()];
   alignas(64) double df[dVec::size()];
   a.store(da);
@@ -74,7 +83,7 @@ void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec& fill)
 // Lanes whose mask byte is nonzero set to 0: the exp of a masked score, when that underflows
 // (see softmax_exp_pass). Bitwise and-ing after the exp takes no multiply-add port, which the
 // blend before it (apply_mask) does on AVX2, where the exp alone keeps those ports busy.
-void zero_masked(const uint8_t* m, int64_t n, fVec& a, fVec& b) {
+inline void zero_masked(const uint8_t* m, int64_t n, fVec& a, fVec& b) {
 #if defined(CPU_CAPABILITY_AVX2)
   alignas(16) uint8_t buf[16] = {0};
   const uint8_t* src = m;
@@ -88,13 +97,13 @@ void zero_masked(const uint8_t* m, int64_t n, fVec& a, fVec& b) {
 #endif
 }
 
-void zero_masked(const uint8_t* m, int64_t n, dVec& a, dVec& b) {
+inline void zero_masked(const uint8_t* m, int64_t n, dVec& a, dVec& b) {
   apply_mask(m, n, a, b, dVec(0.0));
 }
 
 // Lanes k.. of a block (a, b) set to v.
 template <typename V>
-void pad_lanes(V& a, V& b, int64_t k, const V& v) {
+inline void pad_lanes(V& a, V& b, int64_t k, const V& v) {
   a = k >= V::size() ? a : V::set(v, a, k);
   b = k >= 2 * V::size() ? b : (k > V::size() ? V::set(v, b, k - V::size()) : v);
 }
@@ -141,7 +150,7 @@ struct PendingRow {
 
 // The normalized block j of a pending row.
 template <typename T>
-void pending_block(const PendingRow<T>& p, int64_t j, Vectorized<acc_t<T>>& a,
+inline void pending_block(const PendingRow<T>& p, int64_t j, Vectorized<acc_t<T>>& a,
                           Vectorized<acc_t<T>>& b) {
   using V = Vectorized<acc_t<T>>;
   const V inv(p.inv);
@@ -151,7 +160,7 @@ void pending_block(const PendingRow<T>& p, int64_t j, Vectorized<acc_t<T>>& a,
 
 // The rest of a pending row: the blocks from `done` on, then the zeros after Lp.
 template <typename T>
-void finish_row(const PendingRow<T>& p, bool stream) {
+inline void finish_row(const PendingRow<T>& p, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   write_blocks<T, Acc>(p.y + p.done, p.Lp - p.done, stream, [&](int64_t j, int64_t, V& a, V& b) {
@@ -358,14 +367,32 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
 // ---- entry points ------------------------------------------------------------------------
 
 void check_softmax_input(const at::Tensor& x, int64_t min_dim, const char* op) {
-  TORCH_CHECK(is_float_type(x.scalar_type()), op, ": input is ", x.scalar_type(),
-              "; supported dtypes are float32, float16, bfloat16 and float64.");
-  TORCH_CHECK(x.dim() >= min_dim, op, ": input must have at least ", min_dim, " dims, got shape ",
-              x.sizes(), ".");
+  TORCH_CHECK_TYPE(is_float_type(x.scalar_type()), op, ": input is ", x.scalar_type(),
+                   "; supported dtypes are float32, float16, bfloat16 and float64 (convert with ",
+                   ".float() or .to(torch.bfloat16)).");
+  TORCH_CHECK_VALUE(x.dim() >= min_dim, op, ": input must have at least ", min_dim,
+                    " dims, got shape ", x.sizes(), "; the softmax runs over the last dim.");
 }
 
+// A bool/uint8 mask [b or 1, np or 1, sq, sk] for [b, np, sq, sk] scores (true = masked out).
+void check_mask(const at::Tensor& x, const at::Tensor& mask, const char* op) {
+  TORCH_CHECK_VALUE(x.dim() == 4, op, ": input must be [b, np, sq, sk] scores, got shape ", x.sizes(),
+                    "; reshape the scores to four dims.");
+  TORCH_CHECK_TYPE(mask.scalar_type() == at::kBool || mask.scalar_type() == at::kByte, op, ": mask is ",
+                   mask.scalar_type(), "; pass a bool (or uint8) mask where True means 'masked out'.");
+  const bool fits = mask.dim() == 4 && (mask.size(0) == 1 || mask.size(0) == x.size(0)) &&
+                    (mask.size(1) == 1 || mask.size(1) == x.size(1)) && mask.size(2) == x.size(2) &&
+                    mask.size(3) == x.size(3);
+  TORCH_CHECK_VALUE(fits, op, ": mask of shape ", mask.sizes(), " does not fit scores of shape ",
+                    x.sizes(), "; Apex masks are [b or 1, np or 1, sq, sk] (here [", x.size(0),
+                    " or 1, ", x.size(1), " or 1, ", x.size(2), ", ", x.size(3), "]).");
+  TORCH_CHECK_VALUE(mask.device() == x.device(), op, ": mask is on ", mask.device(),
+                    " but the scores are on ", x.device(), "; move both to one device.");
+}
+
+// The forward of every variant, after its checks (mask: checked by check_mask).
 at::Tensor softmax_fwd(const at::Tensor& input, const std::optional<at::Tensor>& mask, double scale,
-                              bool causal, const char* op) {
+                       bool causal) {
   const auto x = input.contiguous();
   auto y = empty_output_like(x);
   const int64_t sk = x.dim() ? x.size(-1) : 1;
@@ -374,14 +401,6 @@ at::Tensor softmax_fwd(const at::Tensor& input, const std::optional<at::Tensor>&
   MaskView mv;
   at::Tensor m;
   if (mask.has_value()) {
-    TORCH_CHECK(x.dim() == 4, op, ": input must be [b, np, sq, sk], got ", x.sizes(), ".");
-    TORCH_CHECK(mask->scalar_type() == at::kBool || mask->scalar_type() == at::kByte, op, ": mask is ",
-                mask->scalar_type(), "; pass a bool or uint8 mask (true = masked out).");
-    TORCH_CHECK(mask->dim() == 4 && (mask->size(0) == 1 || mask->size(0) == x.size(0)) &&
-                    (mask->size(1) == 1 || mask->size(1) == x.size(1)) && mask->size(2) == sq &&
-                    mask->size(3) == sk,
-                op, ": mask of shape ", mask->sizes(), " does not fit input ", x.sizes(),
-                "; Apex masks are [b or 1, np or 1, sq, sk].");
     m = mask->contiguous().expand(x.sizes());
     mv = {reinterpret_cast<const uint8_t*>(m.const_data_ptr()), x.size(1), sq, m.stride(0), m.stride(1),
           m.stride(2)};
@@ -396,29 +415,33 @@ at::Tensor softmax_fwd(const at::Tensor& input, const std::optional<at::Tensor>&
 
 at::Tensor scaled_softmax_fwd_cpu(const at::Tensor& input, double scale) {
   check_softmax_input(input, 1, "mpnb::scaled_softmax_fwd");
-  return softmax_fwd(input, std::nullopt, scale, false, "mpnb::scaled_softmax_fwd");
+  return softmax_fwd(input, std::nullopt, scale, false);
 }
 
 at::Tensor scaled_masked_softmax_fwd_cpu(const at::Tensor& input, const at::Tensor& mask, double scale) {
-  check_softmax_input(input, 4, "mpnb::scaled_masked_softmax_fwd");
-  return softmax_fwd(input, mask, scale, false, "mpnb::scaled_masked_softmax_fwd");
+  const char* op = "mpnb::scaled_masked_softmax_fwd";
+  check_softmax_input(input, 1, op);
+  check_mask(input, mask, op);  // four dims, and a mask that fits them
+  return softmax_fwd(input, mask, scale, false);
 }
 
 at::Tensor scaled_upper_triang_masked_softmax_fwd_cpu(const at::Tensor& input, double scale) {
   const char* op = "mpnb::scaled_upper_triang_masked_softmax_fwd";
   check_softmax_input(input, 2, op);
-  TORCH_CHECK(input.size(-2) == input.size(-1), op, ": the causal softmax needs square [.., sq, sk] ",
-              "scores (sq == sk), got ", input.sizes(), ".");
-  return softmax_fwd(input, std::nullopt, scale, true, op);
+  TORCH_CHECK_VALUE(input.size(-2) == input.size(-1), op, ": the causal softmax needs square ",
+                    "[..., sq, sk] scores with sq == sk, got shape ", input.sizes(),
+                    "; use the masked softmax for other shapes.");
+  return softmax_fwd(input, std::nullopt, scale, true);
 }
 
 at::Tensor scaled_softmax_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& output, double scale,
-                                         bool upper_triang) {
+                                  bool upper_triang) {
   const char* op = "mpnb::scaled_softmax_bwd";
   check_softmax_input(output, upper_triang ? 2 : 1, op);
-  TORCH_CHECK(grad_out.sizes() == output.sizes() && grad_out.scalar_type() == output.scalar_type(), op,
-              ": grad_out ", grad_out.sizes(), " ", grad_out.scalar_type(), " does not match the ",
-              "softmax output ", output.sizes(), " ", output.scalar_type(), ".");
+  TORCH_CHECK_VALUE(grad_out.sizes() == output.sizes() && grad_out.scalar_type() == output.scalar_type(),
+                    op, ": grad_out ", grad_out.sizes(), " ", grad_out.scalar_type(), " does not match ",
+                    "the softmax output ", output.sizes(), " ", output.scalar_type(), "; pass the ",
+                    "gradient of that output.");
   const auto dy = grad_out.contiguous(), y = output.contiguous();
   auto dx = empty_output_like(y);
   const int64_t sk = y.dim() ? y.size(-1) : 1;
@@ -433,6 +456,7 @@ at::Tensor scaled_softmax_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& 
   return dx;
 }
 
+}  // namespace
 }  // namespace mpnb::cpu
 
 TORCH_LIBRARY_IMPL(mpnb, CPU, m) {

@@ -1,4 +1,6 @@
-// Per-channel batch statistics for SyncBatchNorm: Welford/Chan mean and biased variance.
+// mpnb::welford_mean_var and mpnb::welford_parallel on the CPU: SyncBatchNorm's per-channel
+// batch statistics (Welford/Chan mean and biased variance). The schemas are defined in
+// mpnb/core/ops/welford.py.
 //
 // welford_mean_var(input, channel_last) reads the input once per pass and returns, per channel,
 // the mean and the biased variance in fp32 (fp64 for fp64 input). The work is cut into chunks
@@ -9,20 +11,25 @@
 //   channels first: input (N, C, L) contiguous; a chunk is one channel over a block of rows.
 //   channel last:   input (M, C) contiguous; a chunk is a block of rows, vectorized over C.
 // welford_parallel(mean[W,C], var[W,C], count[W]) merges W ranks' statistics (Chan, fp64).
+#include <ATen/ATen.h>
+#include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu/multi_tensor_apply.h"
 
 namespace mpnb::cpu {
+namespace {
 
 struct Moments {
   double n = 0, mean = 0, m2 = 0;
   // Chan et al.'s pairwise merge; exact for n == 0 on either side.
-  inline void merge(double nb, double mb, double m2b) {
+  void merge(double nb, double mb, double m2b) {
     if (nb == 0) return;
     const double tot = n + nb, d = mb - mean;
     mean += d * nb / tot;
@@ -134,10 +141,11 @@ void welford_cl(const T* X, acc_t<T>* MEAN, acc_t<T>* VAR, int64_t M, int64_t C)
 
 std::tuple<at::Tensor, at::Tensor> welford_mean_var_cpu(const at::Tensor& input, bool channel_last) {
   const char* op = "mpnb::welford_mean_var";
-  TORCH_CHECK(is_float_type(input.scalar_type()), op, ": input is ", input.scalar_type(),
-              "; supported dtypes are float32, float16, bfloat16 and float64.");
-  TORCH_CHECK(input.dim() >= 2, op, ": input must have a batch and a channel dim, got shape ",
-              input.sizes(), ".");
+  TORCH_CHECK_TYPE(is_float_type(input.scalar_type()), op, ": input is ", input.scalar_type(),
+                   "; supported dtypes are float32, float16, bfloat16 and float64 (convert with ",
+                   ".float() or .to(torch.bfloat16)).");
+  TORCH_CHECK_VALUE(input.dim() >= 2, op, ": input of shape ", input.sizes(), " has no channel dim; ",
+                    "pass (N, C, ...) (or (N, ..., C) with channel_last=True).");
   const auto x = input.contiguous();
   const int64_t C = channel_last ? x.size(-1) : x.size(1);
   const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -160,16 +168,17 @@ std::tuple<at::Tensor, at::Tensor> welford_mean_var_cpu(const at::Tensor& input,
 }
 
 std::tuple<at::Tensor, at::Tensor> welford_parallel_cpu(const at::Tensor& mean, const at::Tensor& var,
-                                                               const at::Tensor& count) {
+                                                        const at::Tensor& count) {
   const char* op = "mpnb::welford_parallel";
-  TORCH_CHECK(mean.dim() == 2 && var.sizes() == mean.sizes() && count.dim() == 1 &&
-                  count.size(0) == mean.size(0),
-              op, ": expected mean and var of shape [world, C] and count of shape [world], got ",
-              mean.sizes(), ", ", var.sizes(), " and ", count.sizes(), ".");
-  TORCH_CHECK(at::isFloatingType(mean.scalar_type()) && var.scalar_type() == mean.scalar_type() &&
-                  count.scalar_type() == mean.scalar_type(),
-              op, ": mean, var and count must share one floating dtype, got ", mean.scalar_type(), ", ",
-              var.scalar_type(), " and ", count.scalar_type(), ".");
+  TORCH_CHECK_VALUE(mean.dim() == 2 && var.sizes() == mean.sizes() && count.dim() == 1 &&
+                        count.size(0) == mean.size(0),
+                    op, ": expected mean and var of shape [world, C] and count of shape [world], got ",
+                    mean.sizes(), ", ", var.sizes(), " and ", count.sizes(), "; stack one row per rank.");
+  TORCH_CHECK_TYPE(at::isFloatingType(mean.scalar_type()) && var.scalar_type() == mean.scalar_type() &&
+                       count.scalar_type() == mean.scalar_type(),
+                   op, ": mean, var and count must share one floating dtype, got ", mean.scalar_type(),
+                   ", ", var.scalar_type(), " and ", count.scalar_type(),
+                   "; convert the counts with .to(mean).");
   const auto m = mean.to(at::kDouble).contiguous(), v = var.to(at::kDouble).contiguous();
   const auto n = count.to(at::kDouble).contiguous();
   const int64_t W = m.size(0), C = m.size(1);
@@ -185,6 +194,7 @@ std::tuple<at::Tensor, at::Tensor> welford_parallel_cpu(const at::Tensor& mean, 
   return {om.to(mean.scalar_type()), ov.to(mean.scalar_type())};
 }
 
+}  // namespace
 }  // namespace mpnb::cpu
 
 TORCH_LIBRARY_IMPL(mpnb, CPU, m) {

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mpnb.core.ops.dense_ops import bias_act_bwd
+from mpnb.core.ops.dense import bias_act_bwd
 
 __all__ = [
     "FusedDense",

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mpnb.core.ops.dense_ops import ACTIVATIONS, bias_act_bwd
+from mpnb.core.ops.dense import ACTIVATIONS, bias_act_bwd
 
 __all__ = ["MLP", "mlp_function"]
 

@@ -16,7 +16,8 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from mpnb.core.ops.norm_ops import layer_norm_fwd, rms_norm_fwd
+from mpnb.core.ops.layer_norm import layer_norm_fwd
+from mpnb.core.ops.rms_norm import rms_norm_fwd
 
 __all__ = [
     "FusedLayerNorm",

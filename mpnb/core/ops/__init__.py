@@ -6,9 +6,23 @@ path for devices without a kernel of ours, the fakes, and one-line wrappers that
 ``torch.ops.mpnb.<op>``. The C++ kernels (``csrc/cpu/<family>.cpp``) register themselves for
 the CPU key when the library is loaded (built just in time on first use). PyTorch's
 dispatcher is the only way to an op: :func:`op_path` says which implementation it picks.
+
+``mpnb.core.ops.rope`` is the RoPE op's wrapper (the function shadows its module here); its
+module is imported by its full name (``from mpnb.core.ops.rope import reference_rope``).
 """
 
-from mpnb.core.ops import axpby, check_finite, l2norm, loss_scale, scale
+from mpnb.core.ops import (
+    axpby,
+    check_finite,
+    dense,
+    l2norm,
+    layer_norm,
+    loss_scale,
+    rms_norm,
+    scale,
+    softmax,
+    welford,
+)
 from mpnb.core.ops._build import ExtensionWarning, cache_root, cpu_extension
 from mpnb.core.ops._library import (
     OpInfo,
@@ -25,14 +39,46 @@ from mpnb.core.ops.check_finite import (
     multi_tensor_check_finite,
     reference_multi_tensor_check_finite,
 )
+from mpnb.core.ops.dense import ACTIVATIONS, bias_act_bwd, reference_bias_act_bwd
 from mpnb.core.ops.l2norm import multi_tensor_l2norm, reference_multi_tensor_l2norm
+from mpnb.core.ops.layer_norm import (
+    layer_norm_bwd,
+    layer_norm_fwd,
+    reference_layer_norm_bwd,
+    reference_layer_norm_fwd,
+)
 from mpnb.core.ops.loss_scale import (
     reference_update_loss_scale_,
     reference_update_scale_hysteresis,
     update_loss_scale_,
     update_scale_hysteresis,
 )
+from mpnb.core.ops.rms_norm import (
+    reference_rms_norm_bwd,
+    reference_rms_norm_fwd,
+    rms_norm_bwd,
+    rms_norm_fwd,
+)
+from mpnb.core.ops.rope import reference_rope, rope
 from mpnb.core.ops.scale import multi_tensor_scale, reference_multi_tensor_scale
+from mpnb.core.ops.softmax import (
+    MASKED_VALUE,
+    generic_scaled_masked_softmax_fwd,
+    reference_scaled_masked_softmax_fwd,
+    reference_scaled_softmax_bwd,
+    reference_scaled_softmax_fwd,
+    reference_scaled_upper_triang_masked_softmax_fwd,
+    scaled_masked_softmax_fwd,
+    scaled_softmax_bwd,
+    scaled_softmax_fwd,
+    scaled_upper_triang_masked_softmax_fwd,
+)
+from mpnb.core.ops.welford import (
+    reference_welford_mean_var,
+    reference_welford_parallel,
+    welford_mean_var,
+    welford_parallel,
+)
 
 __all__ = [
     "ExtensionWarning",
@@ -63,4 +109,36 @@ __all__ = [
     "reference_multi_tensor_scale",
     "reference_update_loss_scale_",
     "reference_update_scale_hysteresis",
+    "dense",
+    "layer_norm",
+    "rms_norm",
+    "softmax",
+    "welford",
+    "ACTIVATIONS",
+    "MASKED_VALUE",
+    "bias_act_bwd",
+    "generic_scaled_masked_softmax_fwd",
+    "layer_norm_bwd",
+    "layer_norm_fwd",
+    "rms_norm_bwd",
+    "rms_norm_fwd",
+    "rope",
+    "scaled_masked_softmax_fwd",
+    "scaled_softmax_bwd",
+    "scaled_softmax_fwd",
+    "scaled_upper_triang_masked_softmax_fwd",
+    "welford_mean_var",
+    "welford_parallel",
+    "reference_bias_act_bwd",
+    "reference_layer_norm_bwd",
+    "reference_layer_norm_fwd",
+    "reference_rms_norm_bwd",
+    "reference_rms_norm_fwd",
+    "reference_rope",
+    "reference_scaled_masked_softmax_fwd",
+    "reference_scaled_softmax_bwd",
+    "reference_scaled_softmax_fwd",
+    "reference_scaled_upper_triang_masked_softmax_fwd",
+    "reference_welford_mean_var",
+    "reference_welford_parallel",
 ]

@@ -1,6 +1,4 @@
-"""Per-channel batch statistics for SyncBatchNorm: typed wrappers, references and fakes.
-
-Two ops, each with a pure-PyTorch reference of the same signature:
+"""``mpnb::welford_mean_var`` and ``mpnb::welford_parallel``: SyncBatchNorm's batch statistics.
 
 * ``welford_mean_var(input, channel_last=False) -> (mean, var)``: per-channel mean and biased
   variance, fp32 (fp64 for fp64 input). Channels are dim 1 (``(N, C, *)``) or, with
@@ -8,14 +6,18 @@ Two ops, each with a pure-PyTorch reference of the same signature:
 * ``welford_parallel(mean, var, count) -> (mean, var)``: merges W ranks' statistics
   (``mean``/``var`` of shape ``[W, C]``, ``count`` of shape ``[W]``, one floating dtype) with
   Chan's formula in fp64; ranks with a count of 0 contribute nothing.
+
+Neither is differentiable (SyncBatchNorm's autograd function writes its own backward).
+
+Kernels: ``csrc/cpu/welford.cpp`` (CPU); the reference elsewhere.
 """
 
 from __future__ import annotations
 
 import torch
 
-from mpnb.core.ops._layer_common import acc_dtype, check_float
-from mpnb.core.ops._registry import OpInfo, register_fake, register_op, use_kernel
+from mpnb.core.ops._checks import acc_dtype, check_float
+from mpnb.core.ops._library import Sample, define, ensure_kernels
 
 __all__ = [
     "welford_mean_var",
@@ -25,7 +27,7 @@ __all__ = [
 ]
 
 
-def _check_input(x: torch.Tensor, op: str) -> None:
+def _check_input(op: str, x: torch.Tensor) -> None:
     check_float(op, x)
     if x.dim() < 2:
         raise ValueError(
@@ -34,23 +36,24 @@ def _check_input(x: torch.Tensor, op: str) -> None:
         )
 
 
-def _check_parallel(mean, var, count) -> None:
+def _check_parallel(op: str, mean, var, count) -> None:
     ok = mean.dim() == 2 and var.shape == mean.shape and count.shape == (mean.shape[0],)
     if not ok:
         raise ValueError(
-            "welford_parallel: expected mean and var of shape [world, C] and count of shape "
-            f"[world], got {tuple(mean.shape)}, {tuple(var.shape)} and {tuple(count.shape)}."
+            f"{op}: expected mean and var of shape [world, C] and count of shape [world], got "
+            f"{tuple(mean.shape)}, {tuple(var.shape)} and {tuple(count.shape)}; stack one row "
+            "per rank."
         )
     if not (mean.is_floating_point() and var.dtype == mean.dtype == count.dtype):
         raise TypeError(
-            "welford_parallel: mean, var and count must share one floating dtype, got "
-            f"{mean.dtype}, {var.dtype} and {count.dtype}; convert the counts with .to(mean)."
+            f"{op}: mean, var and count must share one floating dtype, got {mean.dtype}, "
+            f"{var.dtype} and {count.dtype}; convert the counts with .to(mean)."
         )
 
 
 def reference_welford_mean_var(input: torch.Tensor, channel_last: bool = False):
     """Reference of :func:`welford_mean_var`: ``torch.var_mean`` in fp64, rounded to fp32."""
-    _check_input(input, "welford_mean_var")
+    _check_input("welford_mean_var", input)
     dims = tuple(range(input.dim() - 1)) if channel_last else (0, *range(2, input.dim()))
     acc = acc_dtype(input)
     c = input.shape[-1] if channel_last else input.shape[1]
@@ -62,7 +65,7 @@ def reference_welford_mean_var(input: torch.Tensor, channel_last: bool = False):
 
 def reference_welford_parallel(mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor):
     """Reference of :func:`welford_parallel`: the closed form of the merge, in fp64."""
-    _check_parallel(mean, var, count)
+    _check_parallel("welford_parallel", mean, var, count)
     m, v, n = mean.double(), var.double(), count.double()[:, None]
     total = n.sum(0)
     safe = total.clamp_min(1e-300)
@@ -70,6 +73,85 @@ def reference_welford_parallel(mean: torch.Tensor, var: torch.Tensor, count: tor
     var_out = ((v + (m - mu) ** 2) * n).sum(0) / safe
     zero = total == 0
     return mu.masked_fill(zero, 0).to(mean.dtype), var_out.masked_fill(zero, 0).to(mean.dtype)
+
+
+def _fake_mean_var(input, channel_last=False):
+    c = input.shape[-1] if channel_last else input.shape[1]
+    acc = acc_dtype(input)
+    return input.new_empty(c, dtype=acc), input.new_empty(c, dtype=acc)
+
+
+def _fake_parallel(mean, var, count):
+    return mean.new_empty(mean.shape[1]), mean.new_empty(mean.shape[1])
+
+
+_SHAPES = (
+    ((7, 5), False),
+    ((4, 3, 33), False),
+    ((3, 6, 4, 5), False),
+    ((2, 3, 2, 3, 4), False),
+    ((300, 2, 70), False),
+    ((9, 17), True),
+    ((2, 5, 6, 19), True),
+    ((1200, 40), True),
+    ((0, 4, 3), False),
+    ((0, 6), True),
+)
+
+
+def _samples_mean_var(dtype):
+    for i, (shape, channel_last) in enumerate(_SHAPES):
+        g = torch.Generator().manual_seed(i)
+        x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3 + 1).to(dtype)
+        yield Sample((x, channel_last), name=f"{shape} channel_last={channel_last}")
+    g = torch.Generator().manual_seed(len(_SHAPES))
+    x = torch.randn(3, 4, 20, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
+    yield Sample((x, True), name="strided, channel_last")
+
+
+def _samples_parallel(dtype):
+    g = torch.Generator().manual_seed(0)
+    for world, c in ((1, 5), (2, 3), (4, 70)):
+        mean = (torch.randn(world, c, generator=g, dtype=torch.float64) * 2).to(dtype)
+        var = (torch.rand(world, c, generator=g, dtype=torch.float64) + 0.1).to(dtype)
+        count = torch.randint(1, 50, (world,), generator=g).to(dtype)
+        yield Sample((mean, var, count), name=f"world={world} C={c}")
+    mean = torch.randn(3, 4, generator=g, dtype=torch.float64).to(dtype)
+    var = torch.rand(3, 4, generator=g, dtype=torch.float64).to(dtype)
+    yield Sample((mean, var, torch.tensor([5.0, 0.0, 2.0]).to(dtype)), name="a rank without data")
+    yield Sample((mean, var, torch.zeros(3).to(dtype)), name="no data at all")
+
+
+# Kernel vs reference, measured over the samples: the kernel merges fp32 chunk statistics with
+# Chan's formula, the reference reduces in fp64; both round the result to fp32 once. The
+# statistics are fp32 for every half input. (The chunks depend on the shape only.)
+MEAN_VAR_TOLERANCE = {
+    torch.float32: (1e-6, 1e-6),
+    torch.float64: (1e-14, 1e-15),
+    torch.float16: (1e-6, 1e-6),
+    torch.bfloat16: (1e-6, 1e-6),
+}
+# Both merge in fp64 and round once to the statistics' dtype (bitwise but for fp64, where the
+# kernel's sequential merge and the reference's closed form differ in the last bits).
+PARALLEL_TOLERANCE = {torch.float64: (1e-14, 0.0)}
+
+MEAN_VAR = define(
+    "welford_mean_var(Tensor input, bool channel_last=False) -> (Tensor, Tensor)",
+    family="welford",
+    reference=reference_welford_mean_var,
+    fake=_fake_mean_var,
+    sample_inputs=_samples_mean_var,
+    tolerance=MEAN_VAR_TOLERANCE,
+)
+PARALLEL = define(
+    "welford_parallel(Tensor mean, Tensor var, Tensor count) -> (Tensor, Tensor)",
+    family="welford",
+    reference=reference_welford_parallel,
+    fake=_fake_parallel,
+    sample_inputs=_samples_parallel,
+    tolerance=PARALLEL_TOLERANCE,
+)
+_mean_var, _parallel = MEAN_VAR.overload, PARALLEL.overload
 
 
 def welford_mean_var(input: torch.Tensor, channel_last: bool = False):
@@ -81,10 +163,8 @@ def welford_mean_var(input: torch.Tensor, channel_last: bool = False):
         >>> mean.shape, var.dtype
         (torch.Size([3]), torch.float32)
     """
-    if use_kernel(input):
-        _check_input(input, "welford_mean_var")
-        return torch.ops.mpnb.welford_mean_var(input, bool(channel_last))
-    return reference_welford_mean_var(input, channel_last)
+    ensure_kernels()
+    return _mean_var(input, channel_last)
 
 
 def welford_parallel(mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor):
@@ -94,23 +174,5 @@ def welford_parallel(mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor)
 
         >>> m, v = welford_parallel(torch.zeros(2, 3), torch.ones(2, 3), torch.tensor([4., 2.]))
     """
-    if use_kernel(mean):
-        _check_parallel(mean, var, count)
-        return torch.ops.mpnb.welford_parallel(mean, var, count)
-    return reference_welford_parallel(mean, var, count)
-
-
-@register_fake("welford_mean_var")
-def _(input, channel_last=False):
-    c = input.shape[-1] if channel_last else input.shape[1]
-    acc = acc_dtype(input)
-    return input.new_empty(c, dtype=acc), input.new_empty(c, dtype=acc)
-
-
-@register_fake("welford_parallel")
-def _(mean, var, count):
-    return mean.new_empty(mean.shape[1]), mean.new_empty(mean.shape[1])
-
-
-register_op(OpInfo("welford_mean_var", "layer", reference_welford_mean_var))
-register_op(OpInfo("welford_parallel", "layer", reference_welford_parallel))
+    ensure_kernels()
+    return _parallel(mean, var, count)

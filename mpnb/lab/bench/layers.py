@@ -31,7 +31,7 @@ from collections.abc import Iterator
 import torch
 import torch.nn.functional as F
 
-from mpnb.core.ops import norm_ops, softmax_ops
+from mpnb.core import ops
 from mpnb.lab.bench._harness import RMW, Candidate, Case, Options
 
 __all__ = ["cases", "SHAPES"]
@@ -79,7 +79,7 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
             ),
             Candidate(
                 "mpnb FusedRMSNorm",
-                _fwd_bwd(lambda x, w: norm_ops.rms_norm_fwd(x, [cols], w, 1e-5)[0], (x, w), dy),
+                _fwd_bwd(lambda x, w: ops.rms_norm_fwd(x, [cols], w, 1e-5)[0], (x, w), dy),
                 target=_TARGETS[("rms", dtype)],
             ),
         ],
@@ -95,7 +95,7 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
             Candidate(
                 "mpnb FusedLayerNorm",
                 _fwd_bwd(
-                    lambda x, w, b: norm_ops.layer_norm_fwd(x, [cols], w, b, 1e-5)[0], (x, w, b), dy
+                    lambda x, w, b: ops.layer_norm_fwd(x, [cols], w, b, 1e-5)[0], (x, w, b), dy
                 ),
                 target=_TARGETS[("ln", dtype)],
             ),
@@ -104,8 +104,8 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
     if dtype != torch.float32:
         return
     xd, wd, bd = x.detach(), w.detach(), b.detach()
-    _, mean, rstd = norm_ops.layer_norm_fwd(xd, [cols], wd, bd, 1e-5)
-    _, rrms = norm_ops.rms_norm_fwd(xd, [cols], wd, 1e-5)
+    _, mean, rstd = ops.layer_norm_fwd(xd, [cols], wd, bd, 1e-5)
+    _, rrms = ops.rms_norm_fwd(xd, [cols], wd, 1e-5)
     yield Case(
         "layer_norm fwd",
         work,
@@ -113,7 +113,7 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
             Candidate("torch F.layer_norm", lambda: F.layer_norm(xd, [cols], wd, bd, 1e-5)),
             Candidate(
                 "mpnb layer_norm_fwd",
-                lambda: norm_ops.layer_norm_fwd(xd, [cols], wd, bd),
+                lambda: ops.layer_norm_fwd(xd, [cols], wd, bd),
                 2 * n * es,
                 RMW,
                 bw_target=_FWD_BW,
@@ -134,7 +134,7 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
             ),
             Candidate(
                 "mpnb layer_norm_bwd",
-                lambda: norm_ops.layer_norm_bwd(dy, xd, mean, rstd, [cols], wd, bd),
+                lambda: ops.layer_norm_bwd(dy, xd, mean, rstd, [cols], wd, bd),
                 3 * n * es,
                 RMW,
                 bw_target=_BWD_BW,
@@ -149,7 +149,7 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
             Candidate("torch F.rms_norm", lambda: F.rms_norm(xd, [cols], wd, 1e-5)),
             Candidate(
                 "mpnb rms_norm_fwd",
-                lambda: norm_ops.rms_norm_fwd(xd, [cols], wd),
+                lambda: ops.rms_norm_fwd(xd, [cols], wd),
                 2 * n * es,
                 RMW,
                 bw_target=_FWD_BW,
@@ -168,7 +168,7 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
             ),
             Candidate(
                 "mpnb rms_norm_bwd",
-                lambda: norm_ops.rms_norm_bwd(dy, xd, rrms, [cols], wd),
+                lambda: ops.rms_norm_bwd(dy, xd, rrms, [cols], wd),
                 3 * n * es,
                 RMW,
                 bw_target=_BWD_BW,
@@ -197,9 +197,7 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
             Candidate("torch x*s -> masked_fill -> softmax", _fwd_bwd(composite, (x,), dy)),
             Candidate(
                 "mpnb scaled_masked_softmax",
-                _fwd_bwd(
-                    lambda x: softmax_ops.scaled_masked_softmax_fwd(x, mask, _SCALE), (x,), dy
-                ),
+                _fwd_bwd(lambda x: ops.scaled_masked_softmax_fwd(x, mask, _SCALE), (x,), dy),
                 target=_TARGETS[("masked", dtype)],
             ),
         ],
@@ -222,7 +220,7 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
             Candidate(
                 "mpnb scaled_upper_triang_masked_softmax",
                 _fwd_bwd(
-                    lambda c: softmax_ops.scaled_upper_triang_masked_softmax_fwd(c, _SCALE),
+                    lambda c: ops.scaled_upper_triang_masked_softmax_fwd(c, _SCALE),
                     (c,),
                     dyc,
                 ),
@@ -233,7 +231,7 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
     if dtype != torch.float32:
         return
     xd = x.detach()
-    y = softmax_ops.scaled_masked_softmax_fwd(xd, mask, _SCALE)
+    y = ops.scaled_masked_softmax_fwd(xd, mask, _SCALE)
     yield Case(
         "scaled_masked_softmax fwd",
         work,
@@ -241,7 +239,7 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
             Candidate("torch x*s -> masked_fill -> softmax", lambda: composite(xd)),
             Candidate(
                 "mpnb scaled_masked_softmax_fwd",
-                lambda: softmax_ops.scaled_masked_softmax_fwd(xd, mask, _SCALE),
+                lambda: ops.scaled_masked_softmax_fwd(xd, mask, _SCALE),
                 2 * n * es + n // heads,
                 RMW,
                 bw_target=_FWD_BW,
@@ -259,7 +257,7 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
             ),
             Candidate(
                 "mpnb scaled_softmax_bwd",
-                lambda: softmax_ops.scaled_softmax_bwd(dy, y, _SCALE),
+                lambda: ops.scaled_softmax_bwd(dy, y, _SCALE),
                 3 * n * es,
                 RMW,
                 bw_target=_BWD_BW,

@@ -24,10 +24,10 @@ def _big(dtype: torch.dtype) -> torch.Tensor:
 def compiled(kernels):
     if not kernels:
         pytest.skip("streaming stores are a property of the compiled kernels")
-    from mpnb.core.ops import norm_ops, softmax_ops
+    from mpnb.core.ops import op_path
 
-    norm_ops.rms_norm_fwd(torch.randn(2, 4), [4], None, 1e-5)  # loads the library
-    softmax_ops.scaled_softmax_fwd(torch.randn(2, 4), 1.0)
+    for name in ("layer_norm_fwd", "rms_norm_fwd", "scaled_softmax_fwd"):
+        assert op_path(name) == "C++ kernel (cpu)", op_path(name)
 
 
 def _same_rows(big, small) -> None:

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from mpnb.core.ops._layer_common import acc_dtype, check_float
-from mpnb.core.ops.rope_ops import rope
+from mpnb.core.ops._checks import acc_dtype
+from mpnb.core.ops.rope import rope
 
 __all__ = [
     "fused_apply_rotary_pos_emb",
@@ -34,7 +34,7 @@ def _table(op: str, x: torch.Tensor, s: int, name: str, t: torch.Tensor) -> torc
 
 
 def _check_t(op: str, t: torch.Tensor, dims: int, layout: str) -> None:
-    check_float(op, t, "t")
+    # The layout only: the op checks the dtype (and the tables) itself.
     if t.dim() != dims:
         raise ValueError(f"{op}: t must be [{layout}], got shape {tuple(t.shape)}.")
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from mpnb.core.ops import softmax_ops as ops
+from mpnb.core.ops import softmax as ops
 from mpnb.core.transformer.enums import AttnMaskType
 
 __all__ = [

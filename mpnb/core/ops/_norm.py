@@ -1,0 +1,208 @@
+"""What the two norm families (``layer_norm.py``, ``rms_norm.py``) share: the references'
+argument checks, the backward formula, the fakes and the test samples.
+
+A norm views its input as rows ``[M, N]`` (``N = prod(normalized_shape)``); ``mean`` and
+``invvar`` hold one fp32 value per row (fp64 for fp64 input). ``saved`` is the input, or the
+output when ``memory_efficient`` (the backward then recomputes ``xhat = (y - b) / w``, as Apex
+does). The checks mirror the kernels' (``csrc/cpu/norm_common.h``), message for message.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+
+import torch
+
+from mpnb.core.ops._checks import acc_dtype, check_float, check_param, norm_rows
+from mpnb.core.ops._library import Sample
+
+Shape = Sequence[int]
+
+
+def _check_params(op: str, x: torch.Tensor, weight, bias, cols: int) -> None:
+    check_param(op, x, weight, cols, "weight")
+    check_param(op, x, bias, cols, "bias")
+    if weight is not None and bias is not None and weight.dtype != bias.dtype:
+        raise TypeError(
+            f"{op}: weight is {weight.dtype} but bias is {bias.dtype}; give them one dtype."
+        )
+
+
+def check_forward(op: str, x: torch.Tensor, shape: Shape, weight, bias=None) -> tuple[int, int]:
+    """Check a forward's arguments; return ``(rows, cols)``."""
+    check_float(op, x, "input")
+    rows, cols = norm_rows(op, x, shape)
+    _check_params(op, x, weight, bias, cols)
+    return rows, cols
+
+
+def check_backward(
+    op: str, grad_out, saved, mean, invvar, shape: Shape, weight, bias, memory_efficient: bool
+) -> tuple[int, int]:
+    """Check a backward's arguments (``mean`` None for RMS norm); return ``(rows, cols)``."""
+    check_float(op, saved, "saved")
+    rows, cols = norm_rows(op, saved, shape)
+    if grad_out.shape != saved.shape or grad_out.dtype != saved.dtype:
+        raise ValueError(
+            f"{op}: grad_out {tuple(grad_out.shape)} {grad_out.dtype} does not match the saved "
+            f"tensor {tuple(saved.shape)} {saved.dtype}; pass the gradient of the forward's "
+            "output."
+        )
+    acc = acc_dtype(saved)
+    if invvar.numel() != rows or invvar.dtype != acc:
+        raise ValueError(
+            f"{op}: invvar must hold one {acc} per row ({rows}), got {invvar.numel()} of "
+            f"{invvar.dtype}; pass the invvar the forward returned."
+        )
+    if mean is not None and not memory_efficient and mean.numel() != rows:
+        raise ValueError(
+            f"{op}: mean must hold one value per row ({rows}), got {mean.numel()}; pass the "
+            "mean the forward returned."
+        )
+    _check_params(op, saved, weight, bias, cols)
+    return rows, cols
+
+
+def _xhat(saved, mean, invvar, weight, bias, rows, cols, memory_efficient, acc):
+    s = saved.reshape(rows, cols).to(acc)
+    if not memory_efficient:
+        return s * invvar[:, None] if mean is None else (s - mean[:, None]) * invvar[:, None]
+    if bias is not None:
+        s = s - bias.reshape(cols).to(acc)
+    if weight is not None:
+        s = s / weight.reshape(cols).to(acc)
+    return s
+
+
+def backward(grad_out, saved, mean, invvar, rows, cols, weight, bias, memory_efficient):
+    """``(dx, dw, db)`` of a norm in fp32 (fp64 for fp64); ``mean`` None: RMS norm.
+
+    ``dx = invvar * (g - xhat * mean(g * xhat) - mean(g))`` with ``g = dy * w`` (RMS norm drops
+    the last term); ``dw = sum(dy * xhat)``, ``db = sum(dy)`` over the rows; a missing weight
+    or bias gets an empty gradient.
+    """
+    acc = acc_dtype(saved)
+    rms = mean is None
+    xhat = _xhat(saved, mean, invvar, weight, bias, rows, cols, memory_efficient, acc)
+    dy = grad_out.reshape(rows, cols).to(acc)
+    g = dy * weight.reshape(cols).to(acc) if weight is not None else dy
+    dx = g - xhat * (g * xhat).mean(dim=1, keepdim=True)
+    if not rms:
+        dx = dx - g.mean(dim=1, keepdim=True)
+    dx = (dx * invvar[:, None]).to(saved.dtype).reshape(saved.shape)
+    empty = saved.new_empty(0)
+    dw = empty if weight is None else (dy * xhat).sum(0).to(weight.dtype).view(weight.shape)
+    db = empty if bias is None else dy.sum(0).to(bias.dtype).view(bias.shape)
+    return dx, dw, db
+
+
+# ---- fakes ----------------------------------------------------------------------------------
+
+
+def fake_rows(x: torch.Tensor, shape: Shape) -> int:
+    """Rows of ``x`` normalized over ``shape`` (0 when ``shape`` holds a 0)."""
+    cols = 1
+    for s in shape:
+        cols *= s
+    return x.numel() // cols if cols else 0
+
+
+def fake_like(x: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor like ``x`` (every output the kernels allocate is contiguous)."""
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def fake_grad(p, saved: torch.Tensor) -> torch.Tensor:
+    """The gradient of an optional parameter: like ``p``, or empty when there is none."""
+    return saved.new_empty(0) if p is None else fake_like(p)
+
+
+# ---- test samples ---------------------------------------------------------------------------
+
+#: Kernel vs reference, measured over the samples below (with a margin for the weight/bias
+#: gradients, whose per-thread partial sums depend on the number of threads): fp32 statistics
+#: and sums differ in summation order only; a half output is within one rounding (rtol one
+#: ulp) of values that agree to ~1e-7.
+TOLERANCE = {
+    torch.float32: (1e-6, 2e-6),
+    torch.float64: (1e-12, 1e-15),
+    torch.float16: (2**-10, 1e-6),
+    torch.bfloat16: (2**-7, 1e-6),
+}
+
+
+def sample_data(rows, cols, dtype, wdtype=None, seed=0, shape=None):
+    """``(x, w, b, dy)``: ``x`` with a nonzero mean, ``w`` in [0.5, 1.5) (never 0, which the
+    memory-efficient backward divides by), ``b`` and ``dy`` standard normal."""
+    g = torch.Generator().manual_seed(seed)
+    shape = shape or (rows, cols)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2 + 0.5).to(dtype)
+    w = (torch.rand(cols, generator=g, dtype=torch.float64) + 0.5).to(wdtype or dtype)
+    b = torch.randn(cols, generator=g, dtype=torch.float64).to(wdtype or dtype)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+    return x, w, b, dy
+
+
+def sample_cases(dtype: torch.dtype) -> Iterator[dict]:
+    """The norm configurations the op-table test sweeps, as keyword dicts.
+
+    Keys: ``rows``, ``cols``, ``shape`` (the input's shape, default ``(rows, cols)``),
+    ``nshape`` (normalized_shape), ``affine`` (``"wb"``, ``"w"``, ``"b"`` or ``""``), ``wdtype``
+    (the parameters' dtype), ``me`` (memory_efficient), ``grad`` (leaves require grad),
+    ``transpose`` (a non-contiguous input).
+    The first case of each dtype is the one opcheck runs: across the dtypes it covers both
+    ``memory_efficient`` settings and fp32 weights with a half input (the mixed layers).
+    """
+    half = dtype in (torch.float16, torch.bfloat16)
+    first_me = dtype in (torch.float16, torch.float64)
+    yield dict(rows=3, cols=7, me=first_me, grad=True, wdtype=torch.float32 if half else dtype)
+    for i, cols in enumerate((1, 3, 1000, 4097)):
+        yield dict(rows=5, cols=cols, me=bool(i % 2))
+    if half:
+        for me in (False, True):
+            yield dict(rows=9, cols=1000, me=me, wdtype=torch.float32)
+        for affine in ("w", "b"):
+            yield dict(rows=4, cols=33, affine=affine, me=True, wdtype=torch.float32)
+    for affine in ("", "w", "b"):
+        yield dict(rows=4, cols=33, affine=affine, me=affine != "")
+    yield dict(rows=24, cols=30, shape=(4, 6, 10, 3), nshape=(10, 3), transpose=True)
+    yield dict(rows=0, cols=8)
+
+
+def sample_tensors(dtype: torch.dtype, case: dict):
+    """The tensors of one case: ``(x, w, b, dy, nshape)`` (``w``/``b`` None when not affine)."""
+    rows, cols = case["rows"], case["cols"]
+    shape = case.get("shape")
+    x, w, b, dy = sample_data(rows, cols, dtype, case.get("wdtype"), seed=rows + cols, shape=shape)
+    nshape = list(case.get("nshape", (cols,)))
+    if len(nshape) > 1:
+        w, b = w.reshape(nshape), b.reshape(nshape)
+    if case.get("transpose"):
+        x = x.transpose(0, 1).contiguous().transpose(0, 1)  # same values, strided memory
+        dy = dy.transpose(0, 1).contiguous().transpose(0, 1)
+    affine = case.get("affine", "wb")
+    w = w if "w" in affine else None
+    b = b if "b" in affine else None
+    if case.get("grad"):
+        x, w, b = (t.requires_grad_(True) if t is not None else None for t in (x, w, b))
+    return x, w, b, dy, nshape
+
+
+def sample_name(case: dict) -> str:
+    """A short readable name of a case."""
+    keys = ("rows", "cols", "nshape", "affine", "wdtype", "me", "transpose")
+    return " ".join(f"{k}={case[k]}" for k in keys if k in case)
+
+
+def backward_samples(dtype: torch.dtype, forward, rms: bool) -> Iterator[Sample]:
+    """Samples of a norm backward: every forward case, its statistics from ``forward``."""
+    for case in sample_cases(dtype):
+        x, w, b, dy, nshape = sample_tensors(dtype, {**case, "grad": False})
+        me = case.get("me", False)
+        if rms:
+            y, invvar = forward(x, nshape, w, 1e-5)
+            args = (dy, y if me else x, invvar, nshape, w, me)
+        else:
+            y, mean, invvar = forward(x, nshape, w, b, 1e-5)
+            args = (dy, y if me else x, mean, invvar, nshape, w, b, me)
+        yield Sample(args, name=sample_name(case))

@@ -1,0 +1,155 @@
+"""``mpnb::rope``: Apex's fused rotary position embedding, forward and backward in one op.
+
+``rope(t, cos, sin, group, transpose_output=False, backward=False)``: ``t`` is ``[s, b, h, d]``
+(any strides), ``cos``/``sin`` are fp32 (fp64 for fp64 ``t``) tables ``[s, d2]``, ``d2 <= d``.
+The first ``d2`` channels form groups of ``group`` channels, each rotated as ``rotate_half``
+(``y = x * cos + rotate_half(x) * sin``); the other channels pass through. ``backward=True``
+applies the transposed rotation (the gradient), which is also the op's autograd formula.
+``transpose_output`` lays the result out as ``[b, s, h, d]`` in memory (Apex's
+``transpose_output_memory``), still shaped ``[s, b, h, d]``.
+
+Kernels: ``csrc/cpu/rope.cpp`` (CPU); the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpnb.core.ops._checks import acc_dtype, check_float
+from mpnb.core.ops._library import Sample, define, ensure_kernels
+
+__all__ = ["rope", "reference_rope"]
+
+
+def _check(op: str, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, group: int) -> None:
+    check_float(op, t, "t")
+    if t.dim() != 4:
+        raise ValueError(
+            f"{op}: t must be [s, b, h, d], got shape {tuple(t.shape)}; add the missing dims "
+            "(e.g. t.unsqueeze(1) for [s, h, d])."
+        )
+    acc = acc_dtype(t)
+    s, _, _, d = t.shape
+    for name, tab in (("cos", cos), ("sin", sin)):
+        if tab.dim() != 2 or tab.shape[0] != s or tab.shape[1] > d or tab.dtype != acc:
+            raise ValueError(
+                f"{op}: {name} must be a {str(acc)[6:]} table [s={s}, d2<={d}], got "
+                f"{tuple(tab.shape)} {tab.dtype}; the freqs/cos/sin must cover every position."
+            )
+        if tab.device != t.device:
+            raise ValueError(
+                f"{op}: {name} is on {tab.device} but t is on {t.device}; move both to one device."
+            )
+    if cos.shape != sin.shape:
+        raise ValueError(
+            f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ; build both "
+            "from the same frequencies."
+        )
+    d2 = cos.shape[1]
+    if group <= 0 or group % 2 or d2 % group:
+        raise ValueError(
+            f"{op}: the rotary dim {d2} must be a multiple of an even group, got "
+            f"group={group}; use an even number of rotary channels."
+        )
+
+
+def reference_rope(t, cos, sin, group, transpose_output=False, backward=False):
+    """Reference of :func:`rope`, computed in fp32 (fp64 for fp64)."""
+    _check("rope", t, cos, sin, group)
+    acc = acc_dtype(t)
+    d2 = cos.shape[1]
+    half = group // 2
+    x = t.to(acc)
+    xr = x[..., :d2].unflatten(-1, (d2 // group, 2, half))
+    c = cos[:, None, None, :].unflatten(-1, (d2 // group, 2, half))
+    s = sin[:, None, None, :].unflatten(-1, (d2 // group, 2, half))
+    x1, x2 = xr[..., 0, :], xr[..., 1, :]
+    if backward:
+        y1 = x1 * c[..., 0, :] + x2 * s[..., 1, :]
+        y2 = x2 * c[..., 1, :] - x1 * s[..., 0, :]
+    else:
+        y1 = x1 * c[..., 0, :] - x2 * s[..., 0, :]
+        y2 = x2 * c[..., 1, :] + x1 * s[..., 1, :]
+    y = torch.cat([torch.stack([y1, y2], -2).flatten(-3), x[..., d2:]], -1).to(t.dtype)
+    return y.transpose(0, 1).contiguous().transpose(0, 1) if transpose_output else y
+
+
+def _fake(t, cos, sin, group, transpose_output=False, backward=False):
+    if transpose_output:
+        s, b, h, d = t.shape
+        return t.new_empty(b, s, h, d).transpose(0, 1)
+    return t.new_empty(t.shape)
+
+
+def _setup_context(ctx, inputs, output):
+    _t, cos, sin, group, _transpose, backward = inputs
+    ctx.group, ctx.backward = group, backward
+    ctx.save_for_backward(cos, sin)
+
+
+def _backward(ctx, grad_y):
+    cos, sin = ctx.saved_tensors
+    return _op(grad_y, cos, sin, ctx.group, False, not ctx.backward), None, None, None, None, None
+
+
+def _tables(s, d2, acc):
+    inv = 1.0 / 10000 ** (torch.arange(0, d2, 2, dtype=torch.float64) / d2)
+    f = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+    f = torch.cat([f, f], -1).to(acc)
+    return f.cos(), f.sin()
+
+
+def _samples(dtype):
+    acc = acc_dtype(torch.empty(0, dtype=dtype))
+
+    def make(shape, d2, seed, grad=False):
+        g = torch.Generator().manual_seed(seed)
+        t = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
+        return (t.requires_grad_(True) if grad else t, *_tables(shape[0], d2, acc))
+
+    # opcheck runs the first sample: its layout differs across the dtypes
+    first = dtype in (torch.float32, torch.bfloat16)
+    yield Sample((*make((4, 2, 3, 10), 8, 0, grad=True), 8, first, False), name="opcheck")
+    for d, d2 in ((64, 64), (64, 32), (6, 2), (130, 66)):
+        for transpose in (False, True):
+            for backward in (False, True):
+                t, c, s = make((7, 3, 2, d), d2, d + d2)
+                name = f"d={d} d2={d2} transpose={transpose} backward={backward}"
+                yield Sample((t, c, s, d2, transpose, backward), name=name)
+    t, c, s = make((9, 3, 4, 32), 32, 1)  # two groups of 16 (the 2-D image form)
+    yield Sample((t, c, s, 16, False, False), name="two groups")
+    t = make((3, 9, 4, 32), 32, 2)[0].transpose(0, 1)  # [9, 3, 4, 32] strided (bshd memory)
+    yield Sample((t, *_tables(9, 32, acc), 32, False, False), name="strided t")
+    yield Sample((*make((0, 2, 3, 8), 8, 3), 8, False, False), name="empty")
+
+
+OP = define(
+    "rope(Tensor t, Tensor cos, Tensor sin, int group, bool transpose_output=False, "
+    "bool backward=False) -> Tensor",
+    family="rope",
+    reference=reference_rope,
+    fake=_fake,
+    autograd=(_backward, _setup_context),
+    sample_inputs=_samples,  # kernel and reference agree bitwise (the same products and sums)
+)
+_op = OP.overload
+
+
+def rope(t, cos, sin, group, transpose_output=False, backward=False):
+    """Rotate ``t`` by the position tables (differentiable in ``t``); see the module docstring.
+
+    Args:
+        t: ``[s, b, h, d]`` (any strides; fp32, fp16, bf16 or fp64).
+        cos, sin: ``[s, d2]`` tables, fp32 (fp64 for fp64 ``t``), ``d2 <= d``.
+        group: channels per rotated group (even; ``d2`` a multiple of it).
+        transpose_output: return a tensor laid out as ``[b, s, h, d]`` in memory.
+        backward: apply the inverse (transposed) rotation.
+
+    Example::
+
+        >>> f = torch.arange(4.0)[:, None].expand(4, 8)
+        >>> rope(torch.randn(4, 2, 3, 8), f.cos(), f.sin(), 8).shape
+        torch.Size([4, 2, 3, 8])
+    """
+    ensure_kernels()
+    return _op(t, cos, sin, group, transpose_output, backward)

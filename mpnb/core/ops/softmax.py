@@ -1,0 +1,360 @@
+"""The fused scaled (masked) softmax ops of Apex's ``FusedScaleMaskSoftmax``.
+
+Softmax over the last dim, computed in fp32 for half input (fp64 for fp64), output in the
+input's dtype:
+
+* ``scaled_softmax_fwd(input, scale)``: ``softmax(input * scale)``.
+* ``scaled_masked_softmax_fwd(input, mask, scale)``: input ``[b, np, sq, sk]``, mask
+  ``[b or 1, np or 1, sq, sk]`` (bool or uint8, true = masked): masked scores become -10000
+  after scaling, as in Apex/Megatron (a fully masked row is uniform, not NaN). As in Apex,
+  the backward does not read the mask: a fully masked row passes its gradient through.
+* ``scaled_upper_triang_masked_softmax_fwd(input, scale)``: causal, ``[..., sq, sk]`` with
+  ``sq == sk``; row ``i`` keeps columns ``0..i`` and is exactly zero after them.
+* ``scaled_softmax_bwd(grad_out, output, scale, upper_triang=False)``: the one backward,
+  ``scale * y * (dy - sum(dy * y))``; the forwards are differentiable through it.
+
+Kernels: ``csrc/cpu/softmax.cpp`` (CPU); the reference elsewhere.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpnb.core.ops._checks import acc_dtype, check_float
+from mpnb.core.ops._library import Sample, define, ensure_kernels
+
+__all__ = [
+    "MASKED_VALUE",
+    "scaled_softmax_fwd",
+    "scaled_masked_softmax_fwd",
+    "scaled_upper_triang_masked_softmax_fwd",
+    "generic_scaled_masked_softmax_fwd",
+    "scaled_softmax_bwd",
+    "reference_scaled_softmax_fwd",
+    "reference_scaled_masked_softmax_fwd",
+    "reference_scaled_upper_triang_masked_softmax_fwd",
+    "reference_scaled_softmax_bwd",
+]
+
+#: The score a masked position gets after scaling (Apex's and Megatron's -10000).
+MASKED_VALUE = -10000.0
+
+
+def _check_scores(op: str, x: torch.Tensor, min_dim: int) -> None:
+    check_float(op, x, "input")
+    if x.dim() < min_dim:
+        raise ValueError(
+            f"{op}: input must have at least {min_dim} dims, got shape {tuple(x.shape)}; the "
+            "softmax runs over the last dim."
+        )
+
+
+def _check_mask(op: str, input: torch.Tensor, mask: torch.Tensor) -> None:
+    if input.dim() != 4:
+        raise ValueError(
+            f"{op}: input must be [b, np, sq, sk] scores, got shape {tuple(input.shape)}; "
+            "reshape the scores to four dims."
+        )
+    if mask.dtype not in (torch.bool, torch.uint8):
+        raise TypeError(
+            f"{op}: mask is {mask.dtype}; pass a bool (or uint8) mask where True means "
+            "'masked out'."
+        )
+    b, h, sq, sk = input.shape
+    ok = (
+        mask.dim() == 4
+        and mask.shape[0] in (1, b)
+        and mask.shape[1] in (1, h)
+        and tuple(mask.shape[2:]) == (sq, sk)
+    )
+    if not ok:
+        raise ValueError(
+            f"{op}: mask of shape {tuple(mask.shape)} does not fit scores of shape "
+            f"{tuple(input.shape)}; Apex masks are [b or 1, np or 1, sq, sk] "
+            f"(here [{b} or 1, {h} or 1, {sq}, {sk}])."
+        )
+    if mask.device != input.device:
+        raise ValueError(
+            f"{op}: mask is on {mask.device} but the scores are on {input.device}; move both "
+            "to one device."
+        )
+
+
+def _check_causal(op: str, input: torch.Tensor) -> None:
+    if input.dim() < 2 or input.shape[-1] != input.shape[-2]:
+        raise ValueError(
+            f"{op}: the causal softmax needs square [..., sq, sk] scores with sq == sk, got "
+            f"shape {tuple(input.shape)}; use the masked softmax for other shapes."
+        )
+
+
+# ---- references -----------------------------------------------------------------------------
+
+
+def reference_scaled_softmax_fwd(input, scale):
+    """``softmax(input * scale, -1)`` computed in fp32 (fp64 for fp64)."""
+    _check_scores("scaled_softmax_fwd", input, 1)
+    return torch.softmax(input.to(acc_dtype(input)) * scale, -1).to(input.dtype)
+
+
+def reference_scaled_masked_softmax_fwd(input, mask, scale):
+    """``softmax(masked_fill(input * scale, mask, -10000), -1)`` in fp32."""
+    op = "scaled_masked_softmax_fwd"
+    _check_scores(op, input, 1)
+    _check_mask(op, input, mask)
+    x = input.to(acc_dtype(input)) * scale
+    m = mask.bool()
+    # Value: -10000 where masked. Gradient, when this reference is differentiated directly:
+    # straight through, as Apex's kernel (its backward does not see the mask; it differs from
+    # masked_fill's only in fully masked rows).
+    x = torch.where(m, torch.full_like(x, MASKED_VALUE), x) + (x - x.detach()) * m
+    return torch.softmax(x, -1).to(input.dtype)
+
+
+def reference_scaled_upper_triang_masked_softmax_fwd(input, scale):
+    """Causal softmax: column ``j > i`` of row ``i`` is excluded (its probability is 0)."""
+    op = "scaled_upper_triang_masked_softmax_fwd"
+    _check_scores(op, input, 2)
+    _check_causal(op, input)
+    sq, sk = input.shape[-2:]
+    future = torch.ones(sq, sk, dtype=torch.bool, device=input.device).triu(1)
+    x = (input.to(acc_dtype(input)) * scale).masked_fill(future, float("-inf"))
+    return torch.softmax(x, -1).to(input.dtype)
+
+
+def reference_scaled_softmax_bwd(grad_out, output, scale, upper_triang=False):
+    """``scale * y * (dy - sum(dy * y, -1))`` in fp32; the backward of every variant."""
+    op = "scaled_softmax_bwd"
+    _check_scores(op, output, 2 if upper_triang else 1)
+    if grad_out.shape != output.shape or grad_out.dtype != output.dtype:
+        raise ValueError(
+            f"{op}: grad_out {tuple(grad_out.shape)} {grad_out.dtype} does not match the "
+            f"softmax output {tuple(output.shape)} {output.dtype}; pass the gradient of that "
+            "output."
+        )
+    acc = acc_dtype(output)
+    y, dy = output.to(acc), grad_out.to(acc)
+    return (scale * y * (dy - (dy * y).sum(-1, keepdim=True))).to(output.dtype)
+
+
+# ---- fakes and autograd ---------------------------------------------------------------------
+
+
+def _like(x):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+def _fake_fwd(input, scale):
+    return _like(input)
+
+
+def _fake_masked(input, mask, scale):
+    return _like(input)
+
+
+def _fake_bwd(grad_out, output, scale, upper_triang=False):
+    return _like(output)
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.scale = inputs[-1]
+    ctx.save_for_backward(output)
+
+
+def _autograd(upper_triang: bool, n_inputs: int):
+    def backward(ctx, grad_y):
+        (y,) = ctx.saved_tensors
+        return (_bwd(grad_y, y, ctx.scale, upper_triang),) + (None,) * (n_inputs - 1)
+
+    return backward, _setup_context
+
+
+# ---- samples --------------------------------------------------------------------------------
+
+
+def _scores(shape, dtype, seed, grad=False):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
+    return x.requires_grad_(True) if grad else x
+
+
+def _samples_fwd(dtype):
+    yield Sample((_scores((2, 3, 4, 20), dtype, 0, grad=True), 0.5), name="opcheck")
+    for sk in (1, 3, 1000, 4097):
+        yield Sample((_scores((2, 3, 4, sk), dtype, sk), 0.3), name=f"sk={sk}")
+    yield Sample((_scores((5, 37), dtype, 1), -0.7), name="2-d, negative scale")
+    yield Sample((_scores((0, 8), dtype, 2), 1.0), name="no rows")
+    yield Sample((_scores((3, 0), dtype, 3), 1.0), name="empty rows")
+    x = _scores((3, 40), dtype, 4)
+    x[0, 5], x[1, 7], x[2, 9] = float("nan"), float("inf"), float("-inf")
+    yield Sample((x, 0.5), name="nan, inf, -inf")
+
+
+def _mask(shape, seed, p=0.4, dtype=torch.bool):
+    g = torch.Generator().manual_seed(seed)
+    m = torch.rand(shape, generator=g) < p
+    return m.to(dtype)
+
+
+def _samples_masked(dtype):
+    x = _scores((2, 3, 4, 20), dtype, 0, grad=True)
+    m = _mask((2, 1, 4, 20), 0)
+    m[..., 0] = False  # no fully masked row: opcheck's gradient checks see a plain softmax
+    yield Sample((x, m, 0.5), name="opcheck")
+    for sk in (1, 3, 1000, 4097):
+        for mshape in ((2, 1, 5, sk), (1, 1, 5, sk), (2, 3, 5, sk), (1, 3, 5, sk)):
+            mdtype = torch.uint8 if sk % 2 else torch.bool
+            m = _mask(mshape, sk, dtype=mdtype)
+            m[0, 0, 1] = True  # a fully masked row: uniform, as Apex
+            yield Sample((_scores((2, 3, 5, sk), dtype, sk), m, 0.5), name=f"sk={sk} {mshape}")
+    # Masked scores far above the unmasked ones (the kernel shifts by the unmasked bound first,
+    # then by the exact masked max), negative scales, a fully masked row.
+    x = _scores((2, 2, 4, 70), torch.float64, 5)
+    m = torch.zeros(1, 1, 4, 70, dtype=torch.bool)
+    m[..., 10:], m[..., 2, :] = True, True
+    x[..., 10:] += 500.0
+    x[..., 1, :10] -= 5000.0
+    for scale in (0.5, -0.5):
+        xs = (x if scale > 0 else -x).to(dtype)
+        yield Sample((xs, m, scale), name=f"masked far above, scale={scale}")
+    x = _scores((2, 5, 3, 40), dtype, 6).transpose(1, 2)  # [2, 3, 5, 40] strided
+    yield Sample((x, _mask((2, 1, 5, 40), 6), 0.2), name="strided scores")
+    yield Sample((_scores((0, 3, 4, 5), dtype, 7), _mask((1, 1, 4, 5), 7), 1.0), name="empty")
+
+
+def _samples_causal(dtype):
+    yield Sample((_scores((6, 9, 9), dtype, 0, grad=True), 0.5), name="opcheck")
+    for sq in (1, 3, 37, 300):
+        yield Sample((_scores((4, sq, sq), dtype, sq), 0.7), name=f"sq={sq}")
+    yield Sample((_scores((2, 3, 17, 17), dtype, 7), -0.3), name="4-d, negative scale")
+    yield Sample((_scores((0, 5, 5), dtype, 8), 1.0), name="empty")
+
+
+def _samples_bwd(dtype):
+    shapes = ((2, 3, 4, 20), (2, 3, 4, 1), (2, 3, 4, 1000), (5, 4097), (0, 8), (3, 0))
+    for i, shape in enumerate(shapes):
+        y = reference_scaled_softmax_fwd(_scores(shape, dtype, i), 1.0)
+        yield Sample((_scores(shape, dtype, 10 + i), y, 0.3), name=f"{shape}")
+    for sq in (1, 3, 37, 300):
+        y = reference_scaled_upper_triang_masked_softmax_fwd(_scores((4, sq, sq), dtype, sq), 1.0)
+        yield Sample((_scores((4, sq, sq), dtype, sq + 1), y, 0.7, True), name=f"causal sq={sq}")
+
+
+# Kernel vs reference, measured over the samples: the fp32 exp is within 1.2 ulp of the
+# correctly rounded one and exactly 0 below ~1e-38 (torch's gives subnormals); a half output is
+# within one rounding (rtol one ulp). The backward's row sums differ in order only.
+FWD_TOLERANCE = {
+    torch.float32: (1e-6, 1e-9),
+    torch.float64: (1e-14, 1e-16),
+    torch.float16: (2**-10, 1e-7),
+    torch.bfloat16: (2**-7, 1e-7),
+}
+BWD_TOLERANCE = {
+    torch.float32: (1e-6, 1e-6),
+    torch.float64: (1e-13, 1e-16),
+    torch.float16: (2**-10, 1e-6),
+    torch.bfloat16: (2**-7, 1e-6),
+}
+
+FWD = define(
+    "scaled_softmax_fwd(Tensor input, float scale) -> Tensor",
+    family="softmax",
+    reference=reference_scaled_softmax_fwd,
+    fake=_fake_fwd,
+    autograd=_autograd(False, 2),
+    sample_inputs=_samples_fwd,
+    tolerance=FWD_TOLERANCE,
+)
+MASKED = define(
+    "scaled_masked_softmax_fwd(Tensor input, Tensor mask, float scale) -> Tensor",
+    family="softmax",
+    reference=reference_scaled_masked_softmax_fwd,
+    fake=_fake_masked,
+    autograd=_autograd(False, 3),
+    sample_inputs=_samples_masked,
+    tolerance=FWD_TOLERANCE,
+)
+CAUSAL = define(
+    "scaled_upper_triang_masked_softmax_fwd(Tensor input, float scale) -> Tensor",
+    family="softmax",
+    reference=reference_scaled_upper_triang_masked_softmax_fwd,
+    fake=_fake_fwd,
+    autograd=_autograd(True, 2),
+    sample_inputs=_samples_causal,
+    tolerance=FWD_TOLERANCE,
+)
+BWD = define(
+    "scaled_softmax_bwd(Tensor grad_out, Tensor output, float scale, bool upper_triang=False) "
+    "-> Tensor",
+    family="softmax",
+    reference=reference_scaled_softmax_bwd,
+    fake=_fake_bwd,
+    sample_inputs=_samples_bwd,
+    tolerance=BWD_TOLERANCE,
+)
+_fwd, _masked, _causal, _bwd = FWD.overload, MASKED.overload, CAUSAL.overload, BWD.overload
+
+
+def scaled_softmax_fwd(input: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
+    """Softmax of ``input * scale`` over the last dim (differentiable).
+
+    Example::
+
+        >>> scaled_softmax_fwd(torch.zeros(2, 4), 0.5)[0]
+        tensor([0.2500, 0.2500, 0.2500, 0.2500])
+    """
+    ensure_kernels()
+    return _fwd(input, scale)
+
+
+def scaled_masked_softmax_fwd(input: torch.Tensor, mask: torch.Tensor, scale: float = 1.0):
+    """Masked softmax of ``[b, np, sq, sk]`` scores (differentiable in ``input``).
+
+    Example::
+
+        >>> x = torch.randn(2, 4, 8, 8)
+        >>> pad = torch.zeros(2, 1, 8, 8, dtype=torch.bool); pad[..., 6:] = True
+        >>> scaled_masked_softmax_fwd(x, pad, 0.125)[..., 6:].abs().max() < 1e-3
+        tensor(True)
+    """
+    ensure_kernels()
+    return _masked(input, mask, scale)
+
+
+def generic_scaled_masked_softmax_fwd(input: torch.Tensor, mask: torch.Tensor, scale: float = 1.0):
+    """Apex's ``generic_scaled_masked_softmax`` (any ``sk``): the masked op, which takes any
+    ``sk`` on every device."""
+    ensure_kernels()
+    return _masked(input, mask, scale)
+
+
+def scaled_upper_triang_masked_softmax_fwd(input: torch.Tensor, scale: float = 1.0):
+    """Causal softmax of ``[..., sq, sq]`` scores without a mask tensor (differentiable).
+
+    Example::
+
+        >>> y = scaled_upper_triang_masked_softmax_fwd(torch.zeros(1, 3, 3))
+        >>> y[0, 1]
+        tensor([0.5000, 0.5000, 0.0000])
+    """
+    ensure_kernels()
+    return _causal(input, scale)
+
+
+def scaled_softmax_bwd(grad_out, output, scale: float = 1.0, upper_triang: bool = False):
+    """Gradient of any of the softmax forwards from its output ``y`` and ``grad_out``.
+
+    Args:
+        grad_out: the gradient of the forward's output.
+        output: the forward's output ``y``.
+        scale: the forward's scale.
+        upper_triang: the forward was the causal one (the masked-out upper triangle of the
+            gradient is exactly zero).
+
+    Example::
+
+        >>> y = scaled_softmax_fwd(torch.randn(2, 4), 0.5)
+        >>> dx = scaled_softmax_bwd(torch.ones_like(y), y, 0.5)   # zeros: softmax sums to 1
+    """
+    ensure_kernels()
+    return _bwd(grad_out, output, scale, upper_triang)
