@@ -78,8 +78,9 @@ C10_ALWAYS_INLINE void store_f32(float* x, int64_t i, int64_t k, const fVec& a,
 // Pass 1 of one chunk: the new m, v are stored, u is stored to `u_out` when given, and
 // sum(w^2), sum(u^2) are reduced in fp64.
 template <typename p_t, typename g_t>
-C10_ALWAYS_INLINE void lamb_pass1(const Chunk& ch, at::TensorList params, at::TensorList grads,
-                                  at::TensorList masters, at::TensorList ms, at::TensorList vs,
+C10_ALWAYS_INLINE void lamb_pass1(const Chunk& ch, const TensorRefs& params,
+                                  const TensorRefs& grads, const TensorRefs& masters,
+                                  const TensorRefs& ms, const TensorRefs& vs,
                                   float inv, const LambUpdate& upd_, float* u_out, double& w2,
                                   double& u2) {
   // A local copy: stores through the vector intrinsics may alias anything, so members read
@@ -87,11 +88,11 @@ C10_ALWAYS_INLINE void lamb_pass1(const Chunk& ch, at::TensorList params, at::Te
   const LambUpdate upd = upd_;
   const fVec vinv(inv);
   const int64_t t = ch.tensor, off = ch.offset, n = ch.len;
-  const g_t* g = grads[t].const_data_ptr<g_t>() + off;
-  const LambWeight<p_t> wt{params[t].mutable_data_ptr<p_t>() + off,
-                           masters.empty() ? nullptr : masters[t].mutable_data_ptr<float>() + off};
-  float* m = ms[t].mutable_data_ptr<float>() + off;
-  float* v = vs[t].mutable_data_ptr<float>() + off;
+  const g_t* g = cdata_of<g_t>(grads[t]) + off;
+  const LambWeight<p_t> wt{data_of<p_t>(params[t]) + off,
+                           masters.empty() ? nullptr : data_of<float>(masters[t]) + off};
+  float* m = data_of<float>(ms[t]) + off;
+  float* v = data_of<float>(vs[t]) + off;
   dVec a0(0.0), a1(0.0), b0(0.0), b1(0.0);
   fVec w0, w1, g0, g1, m0, m1, v0, v1;
   for (int64_t i = 0; i < n; i += kW) {
@@ -119,16 +120,17 @@ C10_ALWAYS_INLINE void lamb_pass1(const Chunk& ch, at::TensorList params, at::Te
 // Pass 2 of one chunk: w -= ratio * u, with u read back from `u_in`, or (when null)
 // recomputed from w and the new m, v that pass 1 stored; the same bits either way.
 template <typename p_t>
-C10_ALWAYS_INLINE void lamb_pass2(const Chunk& ch, at::TensorList params, at::TensorList masters,
-                                  at::TensorList ms, at::TensorList vs, const LambUpdate& upd_,
+C10_ALWAYS_INLINE void lamb_pass2(const Chunk& ch, const TensorRefs& params,
+                                  const TensorRefs& masters, const TensorRefs& ms,
+                                  const TensorRefs& vs, const LambUpdate& upd_,
                                   const float* u_in, float ratio) {
   const LambUpdate upd = upd_;
   const fVec r(ratio);
   const int64_t t = ch.tensor, off = ch.offset, n = ch.len;
-  const LambWeight<p_t> wt{params[t].mutable_data_ptr<p_t>() + off,
-                           masters.empty() ? nullptr : masters[t].mutable_data_ptr<float>() + off};
-  const float* m = ms[t].const_data_ptr<float>() + off;
-  const float* v = vs[t].const_data_ptr<float>() + off;
+  const LambWeight<p_t> wt{data_of<p_t>(params[t]) + off,
+                           masters.empty() ? nullptr : data_of<float>(masters[t]) + off};
+  const float* m = cdata_of<float>(ms[t]) + off;
+  const float* v = cdata_of<float>(vs[t]) + off;
   fVec w0, w1, u0, u1, m0, m1, v0, v1;
   for (int64_t i = 0; i < n; i += kW) {
     const int64_t k = std::min(kW, n - i);
@@ -169,8 +171,8 @@ constexpr int64_t kLambGroupElems = int64_t(10) << 16;
 // tensor's norms add its chunks' partials in chunk order: the bits depend neither on the
 // grouping nor on the thread count, and u (stored or recomputed) is the same.
 template <typename p_t, typename g_t>
-void lamb_apply(at::TensorList params, at::TensorList grads, at::TensorList masters,
-                at::TensorList ms, at::TensorList vs, float inv, const LambUpdate& upd,
+void lamb_apply(const TensorRefs& params, const TensorRefs& grads, const TensorRefs& masters,
+                const TensorRefs& ms, const TensorRefs& vs, float inv, const LambUpdate& upd,
                 float lr, bool norms) {
   const int64_t nt = static_cast<int64_t>(params.size());
   auto table = make_chunks(params);
@@ -182,7 +184,7 @@ void lamb_apply(at::TensorList params, at::TensorList grads, at::TensorList mast
       up->moments(w, g, s[0], s[1]);
       w = w - vlr * up->direction(t, w, s[0], s[1]);
     };
-    apply_update<p_t, g_t, 2>(params, grads, masters, {ms, vs}, inv, body);
+    apply_update<p_t, g_t, 2>(params, grads, masters, {&ms, &vs}, inv, body);
     return;
   }
   std::vector<double> pw(nc), pu(nc);
@@ -258,29 +260,35 @@ void lamb_apply(at::TensorList params, at::TensorList grads, at::TensorList mast
   }
 }
 
-inline void fused_lamb_cpu(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
-                           at::TensorList exp_avg_sqs, at::TensorList masters, at::TensorList steps,
+inline void fused_lamb_cpu(const Tensors& params_, const Tensors& grads_, const Tensors& exp_avgs_,
+                           const Tensors& exp_avg_sqs_, const Tensors& masters_,
+                           const Tensors& steps_,
                            const at::Tensor& global_grad_norm, double lr, double beta1,
                            double beta2, double eps, double weight_decay, bool adam_w_mode,
                            bool bias_correction, bool grad_averaging, double max_grad_norm,
                            bool use_nvlamb, const std::optional<at::Tensor>& inv_scale,
                            const std::optional<at::Tensor>& found_inf) {
   const char* op = "mpnb::fused_lamb_";
-  check_opt_lists(op, params, grads, masters, {exp_avgs, exp_avg_sqs});
+  const TensorRefs params(params_), grads(grads_), exp_avgs(exp_avgs_), exp_avg_sqs(exp_avg_sqs_),
+      masters(masters_), steps(steps_);
+  check_opt_lists(op, params, grads, masters, exp_avgs, exp_avg_sqs);
   const int64_t n = static_cast<int64_t>(params.size());
+  check_steps(steps, n, op);
+  TORCH_CHECK_VALUE(global_grad_norm.numel() == 1, op, ": global_grad_norm must hold one value, ",
+                    "got ", global_grad_norm.numel(),
+                    "; pass the one-element total of multi_tensor_l2norm.");
   if (n == 0 || step_skipped(found_inf, op)) return;
-  TORCH_CHECK(global_grad_norm.numel() == 1, op, ": global_grad_norm must hold one value.");
   const float inv = inv_of(inv_scale, op);
   const float gnorm = global_grad_norm.item<float>();
   const float mx = static_cast<float>(max_grad_norm);
   const float clip = (mx > 0.0f && gnorm > mx) ? gnorm / mx : 1.0f;
-  const auto step = advance_steps(steps, n, op);
-  std::vector<float> rbc1(n, 1.0f), rbc2(n, 1.0f);
-  if (bias_correction)
-    for (int64_t i = 0; i < n; ++i) {
-      rbc1[i] = static_cast<float>(1 / (1 - std::pow(beta1, step[i])));
-      rbc2[i] = static_cast<float>(1 / (1 - std::pow(beta2, step[i])));
-    }
+  const auto step = advance_steps(steps);
+  const auto rbc1 = per_step<float>(step, [&](double s) {
+    return bias_correction ? static_cast<float>(1 / (1 - std::pow(beta1, s))) : 1.0f;
+  });
+  const auto rbc2 = per_step<float>(step, [&](double s) {
+    return bias_correction ? static_cast<float>(1 / (1 - std::pow(beta2, s))) : 1.0f;
+  });
   LambUpdate upd{fVec(static_cast<float>(1.0 / static_cast<double>(clip))),
                  fVec(static_cast<float>(weight_decay)),
                  fVec(static_cast<float>(beta1)),

@@ -11,9 +11,9 @@ namespace mpnb::cpu::opt {
 
 // ---- NovoGrad --------------------------------------------------------------------------
 
-inline void fused_novograd_cpu(at::TensorList params, at::TensorList grads,
-                               at::TensorList exp_avgs, at::TensorList exp_avg_sqs,
-                               at::TensorList masters, at::TensorList steps,
+inline void fused_novograd_cpu(const Tensors& params_, const Tensors& grads_,
+                               const Tensors& exp_avgs_, const Tensors& exp_avg_sqs_,
+                               const Tensors& masters_, const Tensors& steps_,
                                const at::Tensor& grad_norms, double lr, double beta1,
                                double beta2, double eps, double weight_decay,
                                bool bias_correction, bool grad_averaging, bool reg_inside_moment,
@@ -21,32 +21,43 @@ inline void fused_novograd_cpu(at::TensorList params, at::TensorList grads,
                                const std::optional<at::Tensor>& inv_scale,
                                const std::optional<at::Tensor>& found_inf) {
   const char* op = "mpnb::fused_novograd_";
-  check_opt_lists(op, params, grads, masters, {exp_avgs});
+  const TensorRefs params(params_), grads(grads_), exp_avgs(exp_avgs_), exp_avg_sqs(exp_avg_sqs_),
+      masters(masters_), steps(steps_);
+  check_opt_lists(op, params, grads, masters, exp_avgs);
   const int64_t n = static_cast<int64_t>(params.size());
-  TORCH_CHECK(norm_type == 0 || norm_type == 2, op, ": norm_type must be 0 (max) or 2 (L2), got ",
-              norm_type, ".");
-  TORCH_CHECK(grad_norms.scalar_type() == at::kFloat && grad_norms.numel() == n &&
-                  grad_norms.is_contiguous(),
-              op, ": grad_norms must be a contiguous float32 tensor with one norm per param.");
-  TORCH_CHECK(static_cast<int64_t>(exp_avg_sqs.size()) == n, op,
-              ": exp_avg_sqs must hold one one-element float32 tensor per param.");
+  check_steps(steps, n, op);
+  TORCH_CHECK_VALUE(norm_type == 0 || norm_type == 2, op,
+                    ": norm_type must be 0 (max) or 2 (L2), got ", norm_type, "; pass 0 or 2.");
+  TORCH_CHECK_VALUE(grad_norms.scalar_type() == at::kFloat && grad_norms.numel() == n &&
+                        grad_norms.is_contiguous(),
+                    op, ": grad_norms must be a contiguous float32 tensor with one norm per ",
+                    "param, got ", grad_norms.scalar_type(), " with ", grad_norms.numel(),
+                    " elements for ", n, " params; pass multi_tensor_l2norm(..., ",
+                    "per_tensor=True)[1].float().contiguous().");
+  bool sqs_ok = static_cast<int64_t>(exp_avg_sqs.size()) == n;
+  for (size_t t = 0; sqs_ok && t < exp_avg_sqs.size(); ++t)
+    sqs_ok = exp_avg_sqs[t].numel() == 1 && exp_avg_sqs[t].scalar_type() == at::kFloat &&
+             exp_avg_sqs[t].device().is_cpu();
+  TORCH_CHECK_VALUE(sqs_ok, op, ": exp_avg_sqs must hold one one-element float32 tensor per ",
+                    "param; pass [torch.zeros(()) for p in params].");
   if (n == 0 || step_skipped(found_inf, op)) return;
   const float inv = inv_of(inv_scale, op);
-  const auto step = advance_steps(steps, n, op);
-  const float* gn = grad_norms.const_data_ptr<float>();
+  const auto step = advance_steps(steps);
+  const float* gn = cdata_of<float>(grad_norms);
   const float b2 = static_cast<float>(beta2), c2 = static_cast<float>(1 - beta2);
   // Per tensor, rounded once from fp64: 1/d, 1/(1 - beta1^t) and 1/((1 - beta1^t) d), so the
   // elementwise update multiplies instead of dividing twice.
+  const auto bc1s = per_step<double>(
+      step, [&](double s) { return bias_correction ? 1 - std::pow(beta1, s) : 1.0; });
+  const auto bc2s = per_step<double>(
+      step, [&](double s) { return bias_correction ? std::sqrt(1 - std::pow(beta2, s)) : 1.0; });
   std::vector<float> rd_(n), rbc1_(n), rbd_(n);
   for (int64_t t = 0; t < n; ++t) {
-    TORCH_CHECK(exp_avg_sqs[t].numel() == 1 && exp_avg_sqs[t].scalar_type() == at::kFloat, op,
-                ": exp_avg_sq ", t, " must be a one-element float32 tensor.");
-    float* v = exp_avg_sqs[t].mutable_data_ptr<float>();
+    float* v = data_of<float>(exp_avg_sqs[t]);
     if (step[t] == 1.0 && !init_zero) *v = gn[t];  // the first blend has no effect (Apex)
     else if (norm_type == 2) *v = std::sqrt(b2 * (*v * *v) + c2 * (gn[t] * gn[t]));
     else *v = b2 * *v + c2 * gn[t];
-    const double bc1 = bias_correction ? 1 - std::pow(beta1, step[t]) : 1.0;
-    const double bc2 = bias_correction ? std::sqrt(1 - std::pow(beta2, step[t])) : 1.0;
+    const double bc1 = bc1s[t], bc2 = bc2s[t];
     const double denom = *v / static_cast<float>(bc2) + static_cast<float>(eps);
     rd_[t] = static_cast<float>(1 / denom);
     rbc1_[t] = static_cast<float>(1 / bc1);
@@ -70,7 +81,7 @@ inline void fused_novograd_cpu(at::TensorList params, at::TensorList grads,
   };
   dispatch_param_grad(params[0].scalar_type(), grads[0].scalar_type(),
                       [&]<typename p_t, typename g_t>() {
-                        apply_update<p_t, g_t, 1>(params, grads, masters, {exp_avgs}, inv, body);
+                        apply_update<p_t, g_t, 1>(params, grads, masters, {&exp_avgs}, inv, body);
                       });
 }
 

@@ -1,4 +1,5 @@
-// Shared machinery of the fused optimizer kernels (opt_adam.h, opt_sgd.h, opt_lamb.h).
+// Shared machinery of the fused optimizer kernels (adam.cpp, adagrad.cpp, sgd.cpp, lamb.cpp,
+// novograd.cpp).
 //
 // Every update is elementwise over (param, grad, fp32 state...) and walks the chunk table of
 // multi_tensor_apply.h. With a master list the fp32 master weight is the one updated and the
@@ -36,23 +37,53 @@ constexpr int64_t kW = IO<float, float>::kWidth;
 // True when the caller's found_inf says an overflow was already seen: skip the whole step.
 inline bool step_skipped(const std::optional<at::Tensor>& found_inf, const char* op) {
   if (!found_inf.has_value()) return false;
-  TORCH_CHECK(found_inf->numel() == 1, op, ": found_inf must hold one value, got ",
-              found_inf->numel(), ".");
+  TORCH_CHECK_VALUE(found_inf->numel() == 1, op, ": found_inf must hold one value, got ",
+                    found_inf->numel(), "; pass a one-element tensor.");
   return found_inf->item<double>() != 0.0;
 }
 
 // The grad multiplier: 1 without a scaler, else the fp32 value of inv_scale.
 inline float inv_of(const std::optional<at::Tensor>& inv_scale, const char* op) {
   if (!inv_scale.has_value()) return 1.0f;
-  TORCH_CHECK(inv_scale->numel() == 1, op, ": inv_scale must hold one value, got ",
-              inv_scale->numel(), ".");
+  TORCH_CHECK_VALUE(inv_scale->numel() == 1, op, ": inv_scale must hold one value, got ",
+                    inv_scale->numel(), "; pass a one-element tensor.");
   return inv_scale->item<float>();
+}
+
+// One Tensor[] argument read once from the dispatcher's list (multi_tensor_apply.h's Tensors):
+// the list is taken by reference, never converted, and each element is looked up once here
+// (c10::List's operator[] goes through the IValue on every access; the kernels index each
+// list several times per tensor). The references live as long as the kernel's arguments.
+class TensorRefs {
+ public:
+  explicit TensorRefs(const Tensors& list) {
+    refs_.reserve(list.size());
+    for (size_t i = 0; i < list.size(); ++i) refs_.push_back(&list[i]);
+  }
+  size_t size() const { return refs_.size(); }
+  bool empty() const { return refs_.empty(); }
+  const at::Tensor& operator[](size_t i) const { return *refs_[i]; }
+
+ private:
+  std::vector<const at::Tensor*> refs_;
+};
+
+// The data of a tensor whose dtype the kernel has already checked (check_opt_lists,
+// check_steps): no second dtype check per access.
+template <typename T>
+C10_ALWAYS_INLINE T* data_of(const at::Tensor& t) {
+  return static_cast<T*>(t.mutable_data_ptr());
+}
+template <typename T>
+C10_ALWAYS_INLINE const T* cdata_of(const at::Tensor& t) {
+  return static_cast<const T*>(t.const_data_ptr());
 }
 
 // Validate one optimizer call's lists: params/grads of one dtype each (fp32/fp16/bf16), every
 // state and master list fp32 and the same sizes as params.
-inline void check_opt_lists(const char* op, at::TensorList params, at::TensorList grads,
-                            at::TensorList masters, std::initializer_list<at::TensorList> states) {
+template <class L, class... States>
+inline void check_opt_lists(const char* op, const L& params, const L& grads, const L& masters,
+                            const States&... states) {
   const int64_t n = static_cast<int64_t>(params.size());
   check_list(params, op, "params", n);
   check_list(grads, op, "grads", n);
@@ -64,33 +95,64 @@ inline void check_opt_lists(const char* op, at::TensorList params, at::TensorLis
     check_list(masters, op, "masters", n);
     check_same_sizes(params, masters, op, "masters");
   }
-  for (auto s : states) {
-    check_list(s, op, "state", n);
-    check_same_sizes(params, s, op, "state");
-  }
+  (check_list(states, op, "state", n), ...);
+  (check_same_sizes(params, states, op, "state"), ...);
   if (n == 0) return;
-  for (auto s : states)
+  auto opt_dtype = [&](const L& l, const char* what) {
+    const auto t = l[0].scalar_type();
+    TORCH_CHECK_TYPE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op, ": '", what,
+                     "' are ", t, "; the optimizer ops take float32, float16 or bfloat16 params ",
+                     "and grads (keep fp64 models on torch.optim).");
+  };
+  opt_dtype(params, "params");
+  opt_dtype(grads, "grads");
+  auto fp32_state = [&](const L& s) {
     TORCH_CHECK_TYPE(s[0].scalar_type() == at::kFloat, op, ": optimizer state must be float32, got ",
                 s[0].scalar_type(), "; keep state in fp32 (the optimizers do).");
+  };
+  (fp32_state(states), ...);
   TORCH_CHECK_TYPE(masters.empty() || masters[0].scalar_type() == at::kFloat, op,
-              ": master weights must be float32, got ", masters[0].scalar_type(), ".");
+              ": master weights must be float32, got ", masters[0].scalar_type(),
+              "; pass fp32 copies of the params (or no masters).");
 }
 
-// Check the per-param one-element fp32 step tensors and return their values after +1.
-inline std::vector<double> advance_steps(at::TensorList steps, int64_t n, const char* op) {
-  TORCH_CHECK(static_cast<int64_t>(steps.size()) == n, op, ": 'steps' must hold one tensor per ",
-              "param, got ", steps.size(), " for ", n, ".");
+// Check the per-param one-element fp32 CPU step tensors (before anything is written).
+template <class L>
+inline void check_steps(const L& steps, int64_t n, const char* op) {
+  TORCH_CHECK_VALUE(static_cast<int64_t>(steps.size()) == n, op,
+                    ": 'steps' must hold one tensor per param, got ", steps.size(), " for ", n,
+                    "; pass one one-element float32 tensor per param.");
+  for (int64_t i = 0; i < n; ++i) {
+    const at::Tensor& s = steps[i];
+    TORCH_CHECK_TYPE(s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": step ", i,
+                     " must be a one-element float32 tensor (torch's fused optimizers' format), ",
+                     "got ", s.scalar_type(), " with ", s.numel(),
+                     " elements; create it with torch.tensor(0.0).");
+    TORCH_CHECK_VALUE(s.device().is_cpu(), op, ": step ", i, " is on ", s.device(),
+                      "; the CPU kernel takes CPU step tensors (as torch.optim keeps them).");
+  }
+}
+
+// Advance the (checked) step tensors by one and return their new values.
+template <class L>
+inline std::vector<double> advance_steps(const L& steps) {
+  const int64_t n = static_cast<int64_t>(steps.size());
   std::vector<double> out(n);
   for (int64_t i = 0; i < n; ++i) {
-    TORCH_CHECK(steps[i].numel() == 1 && steps[i].scalar_type() == at::kFloat &&
-                    steps[i].device().is_cpu(),
-                op, ": step ", i, " must be a one-element float32 CPU tensor (torch's fused ",
-                "optimizers' format), got ", steps[i].scalar_type(), " with ", steps[i].numel(),
-                " elements.");
-    float* s = steps[i].mutable_data_ptr<float>();
+    float* s = data_of<float>(steps[i]);
     *s = *s + 1.0f;
     out[i] = static_cast<double>(*s);
   }
+  return out;
+}
+
+// Per-tensor factors that depend only on the step count, computed once per run of equal
+// counts (the params of one optimizer mostly share a step count): factor(step) -> T.
+template <typename T, typename F>
+inline std::vector<T> per_step(const std::vector<double>& steps, const F& factor) {
+  std::vector<T> out(steps.size());
+  for (size_t i = 0; i < steps.size(); ++i)
+    out[i] = (i > 0 && steps[i] == steps[i - 1]) ? out[i - 1] : factor(steps[i]);
   return out;
 }
 
@@ -116,17 +178,19 @@ inline void for_chunk_range(int64_t begin, int64_t end, int64_t numel, bool back
 }
 
 // The update of one chunk: apply `body(tensor, w, g, s)` to each fp32 register of 8 lanes.
-// (Forced inline, like `block` and every body: left to itself GCC stops inlining once the one
-// translation unit of csrc/ grows, calls the body out of line and spills all registers, which
-// halved the bf16 AdamW step. Bodies are small; the loop stays one straight-line block.)
+// (Forced inline, like `block` and every body: left to itself GCC calls the body out of line
+// and spills all registers, which halved the bf16 AdamW step. Bodies are small; the loop
+// stays one straight-line block.)
 // w is the weight (the fp32 master when `masters` is non-empty, else the param widened), g the
 // unscaled grad, s[k] the k-th state. The new w (rounded to the param dtype, and also to the
 // master) and the new states are stored. Tails use counted loads/stores (zero padding): the
-// padding lanes are computed and discarded, never stored.
+// padding lanes are computed and discarded, never stored. A register of the tensor's last
+// partial vector goes to `body.tail(...)` when the body has one: PyTorch's fused kernels
+// compute those elements in scalar code, whose rounding a body may mirror there.
 template <typename p_t, typename g_t, size_t NS, typename Body>
-C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, at::TensorList params, at::TensorList grads,
-                                    at::TensorList masters,
-                                    const std::array<at::TensorList, NS>& states, float inv,
+C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, const TensorRefs& params,
+                                    const TensorRefs& grads, const TensorRefs& masters,
+                                    const std::array<const TensorRefs*, NS>& states, float inv,
                                     const Body& body_) {
   // A local copy of the body (and of the members it holds by value): stores through the
   // vector intrinsics may alias anything, so members read through a reference would be
@@ -136,13 +200,19 @@ C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, at::TensorList params, at::
   const bool scaled = inv != 1.0f;
   const fVec vinv(inv);
   const int64_t t = ch.tensor, off = ch.offset, n = ch.len;
-  const g_t* g = grads[t].const_data_ptr<g_t>() + off;
-  p_t* p = params[t].mutable_data_ptr<p_t>() + off;
-  float* w = has_master ? masters[t].mutable_data_ptr<float>() + off : nullptr;
+  const g_t* g = cdata_of<g_t>(grads[t]) + off;
+  p_t* p = data_of<p_t>(params[t]) + off;
+  float* w = has_master ? data_of<float>(masters[t]) + off : nullptr;
   std::array<float*, NS> sp;
-  for (size_t k = 0; k < NS; ++k) sp[k] = states[k][t].template mutable_data_ptr<float>() + off;
+  for (size_t k = 0; k < NS; ++k) sp[k] = data_of<float>((*states[k])[t]) + off;
   fVec w0, w1, g0, g1;
   std::array<fVec, NS> s0, s1;
+  auto step = [&](fVec& w_, const fVec& g_, fVec* s_, bool partial) C10_ALWAYS_INLINE_ATTRIBUTE {
+    if constexpr (requires { body.tail(t, w_, g_, s_); }) {
+      if (partial) return body.tail(t, w_, g_, s_);
+    }
+    body(t, w_, g_, s_);
+  };
   auto block = [&](int64_t i, int64_t cnt, bool full) C10_ALWAYS_INLINE_ATTRIBUTE {
     if (full) {
       IO<g_t, float>::load(g + i, g0, g1);
@@ -159,8 +229,11 @@ C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, at::TensorList params, at::
       g0 = g0 * vinv;
       g1 = g1 * vinv;
     }
-    body(t, w0, g0, s0.data());
-    body(t, w1, g1, s1.data());
+    // A chunk ends a tensor unless it is a full kChunkElems (a multiple of kW): in the counted
+    // block, the first register is partial below fVec::size() elements, the second above.
+    constexpr int64_t V = fVec::size();
+    step(w0, g0, s0.data(), !full && cnt < V);
+    step(w1, g1, s1.data(), !full && cnt > V);
     if (full) {
       for (size_t k = 0; k < NS; ++k) IO<float, float>::store(sp[k] + i, s0[k], s1[k]);
       if (has_master) IO<float, float>::store(w + i, w0, w1);
@@ -176,10 +249,11 @@ C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, at::TensorList params, at::
   if (i < n) block(i, n - i, false);
 }
 
-// Update every chunk of the lists (see update_chunk), in parallel.
+// Update every chunk of the lists (see update_chunk), in parallel. `states` points at the
+// state lists (one per state of the update).
 template <typename p_t, typename g_t, size_t NS, typename Body>
-void apply_update(at::TensorList params, at::TensorList grads, at::TensorList masters,
-                  const std::array<at::TensorList, NS>& states, float inv, const Body& body) {
+void apply_update(const TensorRefs& params, const TensorRefs& grads, const TensorRefs& masters,
+                  const std::array<const TensorRefs*, NS>& states, float inv, const Body& body) {
   auto table = make_chunks(params);
   for_each_chunk(table, [&](int64_t, const Chunk& ch) {
     update_chunk<p_t, g_t, NS>(ch, params, grads, masters, states, inv, body);

@@ -1,4 +1,5 @@
-// Fused SGD with momentum on the CPU (Apex's FusedSGD; torch.optim.SGD's arithmetic).
+// Fused SGD with momentum on the CPU (Apex's FusedSGD; torch.optim.SGD's arithmetic: an fp32
+// step equals torch.optim.SGD's for-loop step bit for bit).
 //
 // Per element, in PyTorch's operation order (fmadd where ATen's add(..., alpha) uses one):
 //   g = g + wd * w                     (unless wd_after_momentum)
@@ -26,36 +27,41 @@ struct SgdBody {
       g = nesterov ? at::vec::fmadd(s[0], mom, g) : s[0];
     }
     if (has_wd && wd_after) g = at::vec::fmadd(w, wd, g);
-    w = w + g * neg_lr;
+    w = at::vec::fmadd(g, neg_lr, w);
   }
 };
 
-inline void fused_sgd_cpu(at::TensorList params, at::TensorList grads,
-                          at::TensorList momentum_buffers, at::TensorList masters,
-                          c10::List<bool> first_run, double lr, double momentum,
+inline void fused_sgd_cpu(const Tensors& params_, const Tensors& grads_,
+                          const Tensors& momentum_buffers_, const Tensors& masters_,
+                          const c10::List<bool>& first_run, double lr, double momentum,
                           double dampening, double weight_decay, bool nesterov,
                           bool wd_after_momentum, const std::optional<at::Tensor>& inv_scale,
                           const std::optional<at::Tensor>& found_inf) {
   const char* op = "mpnb::fused_sgd_";
+  const TensorRefs params(params_), grads(grads_), momentum_buffers(momentum_buffers_),
+      masters(masters_);
   const bool has_mom = momentum != 0.0;
-  if (has_mom) check_opt_lists(op, params, grads, masters, {momentum_buffers});
-  else check_opt_lists(op, params, grads, masters, {});
   const int64_t n = static_cast<int64_t>(params.size());
+  if (has_mom) {
+    check_opt_lists(op, params, grads, masters, momentum_buffers);
+    TORCH_CHECK_VALUE(static_cast<int64_t>(first_run.size()) == n, op,
+                      ": 'first_run' must hold one flag per param, got ", first_run.size(),
+                      " for ", n, "; pass True for each param whose momentum buffer is new.");
+  } else {
+    check_opt_lists(op, params, grads, masters);
+  }
   if (n == 0 || step_skipped(found_inf, op)) return;
   const float inv = inv_of(inv_scale, op);
   std::vector<uint8_t> first(n, 0);
-  if (has_mom) {
-    TORCH_CHECK(static_cast<int64_t>(first_run.size()) == n, op, ": 'first_run' must hold one ",
-                "flag per param, got ", first_run.size(), " for ", n, ".");
+  if (has_mom)
     for (int64_t i = 0; i < n; ++i) first[i] = first_run.get(i) ? 1 : 0;
-  }
   SgdBody body{fVec(static_cast<float>(weight_decay)), fVec(static_cast<float>(momentum)),
                fVec(static_cast<float>(1 - dampening)), fVec(static_cast<float>(-lr)),
                weight_decay != 0.0, wd_after_momentum, has_mom, nesterov, &first};
   dispatch_param_grad(params[0].scalar_type(), grads[0].scalar_type(),
                       [&]<typename p_t, typename g_t>() {
                         if (has_mom)
-                          apply_update<p_t, g_t, 1>(params, grads, masters, {momentum_buffers},
+                          apply_update<p_t, g_t, 1>(params, grads, masters, {&momentum_buffers},
                                                     inv, body);
                         else
                           apply_update<p_t, g_t, 0>(params, grads, masters, {}, inv, body);

@@ -11,7 +11,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mpnb.core.ops import multi_tensor as _mt
+from mpnb.core import ops as _mt
 
 __all__ = [
     "multi_tensor_scale",
@@ -152,7 +152,7 @@ def multi_tensor_adam(
     weight_decay,
 ) -> None:
     """``[grads, params, exp_avgs, exp_avg_sqs]``; ``mode`` 0 = Adam (L2), 1 = AdamW."""
-    from mpnb.core.ops.optimizers import fused_adam_
+    from mpnb.core.ops.adam import fused_adam_
 
     g, p, m, v = _lists("multi_tensor_adam", tensor_lists, 4)
     back: list = []
@@ -190,7 +190,7 @@ def multi_tensor_sgd(
 ) -> None:
     """``[grads, params, momentum_buffers]`` or, with fp16 model copies, ``[..., model_params]``
     (then ``params`` are the fp32 masters); grads are multiplied by ``scale`` first."""
-    from mpnb.core.ops.optimizers import fused_sgd_
+    from mpnb.core.ops.sgd import fused_sgd_
 
     if len(tensor_lists) == 4:
         g, masters, buf, params = (list(t) for t in tensor_lists)
@@ -235,7 +235,7 @@ def multi_tensor_lamb(
     use_nvlamb=False,
 ) -> None:
     """``[grads, params, exp_avgs, exp_avg_sqs]``; ``mode`` 0 = L2 decay, 1 = decoupled."""
-    from mpnb.core.ops.optimizers_lamb import fused_lamb_
+    from mpnb.core.ops.lamb import fused_lamb_
 
     g, p, m, v = _lists("multi_tensor_lamb", tensor_lists, 4)
     back: list = []
@@ -280,7 +280,7 @@ def multi_tensor_novograd(
 ) -> None:
     """``[grads, params, exp_avgs]``; ``grad_norms`` holds the per-tensor second moments and
     is blended with this step's grad norms in place (Apex); ``mode`` 0 = reg inside moment."""
-    from mpnb.core.ops.optimizers_lamb import fused_novograd_
+    from mpnb.core.ops.novograd import fused_novograd_
 
     g, p, m = _lists("multi_tensor_novograd", tensor_lists, 3)
     if norm_type == 2:
@@ -316,7 +316,7 @@ def multi_tensor_adagrad(
     chunk_size, noop_flag, tensor_lists, lr, epsilon, mode, weight_decay
 ) -> None:
     """``[grads, params, sums]``; ``mode`` 0 = L2 decay, 1 = decoupled (adagrad_w_mode)."""
-    from mpnb.core.ops.optimizers import fused_adagrad_
+    from mpnb.core.ops.adagrad import fused_adagrad_
 
     g, p, h = _lists("multi_tensor_adagrad", tensor_lists, 3)
     back: list = []

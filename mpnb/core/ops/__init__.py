@@ -12,14 +12,19 @@ module is imported by its full name (``from mpnb.core.ops.rope import reference_
 """
 
 from mpnb.core.ops import (
+    adagrad,
+    adam,
     axpby,
     check_finite,
     dense,
     l2norm,
+    lamb,
     layer_norm,
     loss_scale,
+    novograd,
     rms_norm,
     scale,
+    sgd,
     softmax,
     welford,
 )
@@ -34,6 +39,8 @@ from mpnb.core.ops._library import (
     op_path,
     use_reference,
 )
+from mpnb.core.ops.adagrad import fused_adagrad_, reference_fused_adagrad_
+from mpnb.core.ops.adam import fused_adam_, reference_fused_adam_
 from mpnb.core.ops.axpby import multi_tensor_axpby, reference_multi_tensor_axpby
 from mpnb.core.ops.check_finite import (
     multi_tensor_check_finite,
@@ -41,6 +48,7 @@ from mpnb.core.ops.check_finite import (
 )
 from mpnb.core.ops.dense import ACTIVATIONS, bias_act_bwd, reference_bias_act_bwd
 from mpnb.core.ops.l2norm import multi_tensor_l2norm, reference_multi_tensor_l2norm
+from mpnb.core.ops.lamb import fused_lamb_, reference_fused_lamb_
 from mpnb.core.ops.layer_norm import (
     layer_norm_bwd,
     layer_norm_fwd,
@@ -53,6 +61,7 @@ from mpnb.core.ops.loss_scale import (
     update_loss_scale_,
     update_scale_hysteresis,
 )
+from mpnb.core.ops.novograd import fused_novograd_, reference_fused_novograd_
 from mpnb.core.ops.rms_norm import (
     reference_rms_norm_bwd,
     reference_rms_norm_fwd,
@@ -61,6 +70,7 @@ from mpnb.core.ops.rms_norm import (
 )
 from mpnb.core.ops.rope import reference_rope, rope
 from mpnb.core.ops.scale import multi_tensor_scale, reference_multi_tensor_scale
+from mpnb.core.ops.sgd import fused_sgd_, reference_fused_sgd_
 from mpnb.core.ops.softmax import (
     MASKED_VALUE,
     generic_scaled_masked_softmax_fwd,
@@ -141,4 +151,19 @@ __all__ = [
     "reference_scaled_upper_triang_masked_softmax_fwd",
     "reference_welford_mean_var",
     "reference_welford_parallel",
+    "adagrad",
+    "adam",
+    "lamb",
+    "novograd",
+    "sgd",
+    "fused_adagrad_",
+    "fused_adam_",
+    "fused_lamb_",
+    "fused_novograd_",
+    "fused_sgd_",
+    "reference_fused_adagrad_",
+    "reference_fused_adam_",
+    "reference_fused_lamb_",
+    "reference_fused_novograd_",
+    "reference_fused_sgd_",
 ]

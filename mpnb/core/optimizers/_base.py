@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpnb.core.ops.multi_tensor import multi_tensor_check_finite
+from mpnb.core.ops.check_finite import multi_tensor_check_finite
 
 __all__ = ["FusedOptimizerBase"]
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from mpnb.core.ops.optimizers import fused_adam_
+from mpnb.core.ops.adam import fused_adam_
 from mpnb.core.optimizers._base import FusedOptimizerBase
 
 __all__ = ["FusedAdam"]

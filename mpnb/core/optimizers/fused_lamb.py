@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from mpnb.core.ops.multi_tensor import multi_tensor_l2norm
-from mpnb.core.ops.optimizers_lamb import fused_lamb_
+from mpnb.core.ops.l2norm import multi_tensor_l2norm
+from mpnb.core.ops.lamb import fused_lamb_
 from mpnb.core.optimizers._base import FusedOptimizerBase
 
 __all__ = ["FusedLAMB"]

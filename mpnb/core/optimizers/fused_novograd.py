@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from mpnb.core.ops.multi_tensor import multi_tensor_check_finite, multi_tensor_l2norm
-from mpnb.core.ops.optimizers_lamb import fused_novograd_
+from mpnb.core.ops.check_finite import multi_tensor_check_finite
+from mpnb.core.ops.l2norm import multi_tensor_l2norm
+from mpnb.core.ops.novograd import fused_novograd_
 from mpnb.core.optimizers._base import FusedOptimizerBase
 
 __all__ = ["FusedNovoGrad"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import required
 
-from mpnb.core.ops.optimizers import fused_sgd_
+from mpnb.core.ops.sgd import fused_sgd_
 from mpnb.core.optimizers._base import FusedOptimizerBase
 
 __all__ = ["FusedSGD"]

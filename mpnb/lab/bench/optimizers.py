@@ -25,7 +25,8 @@ from collections.abc import Iterator
 
 import torch
 
-from mpnb.core.ops.optimizers_lamb import reference_fused_lamb_, reference_fused_novograd_
+from mpnb.core.ops.lamb import reference_fused_lamb_
+from mpnb.core.ops.novograd import reference_fused_novograd_
 from mpnb.core.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
 from mpnb.lab.bench._harness import RMW, Candidate, Case, Options
 from mpnb.lab.bench.multi_tensor import gpt_numels

@@ -12,10 +12,10 @@ import torch
 
 import mpnb.core.ops
 from mpnb import amp
+from mpnb.core import ops as O
 from mpnb.core.amp import LossScaler
 from mpnb.core.amp._initialize import EmulatedHalfWarning
 from mpnb.core.ops import multi_tensor_scale
-from mpnb.core.ops import optimizers as O
 from mpnb.core.optimizers import FusedAdam, FusedSGD
 from mpnb.core.optimizers import fused_adam as adam_mod
 from mpnb.core.optimizers import fused_sgd as sgd_mod

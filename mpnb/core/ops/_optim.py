@@ -1,0 +1,303 @@
+"""What the optimizer op families share (``adam``, ``adagrad``, ``sgd``, ``lamb``, ``novograd``).
+
+Every optimizer op updates lists of params in place, with these conventions:
+
+* ``masters``: empty, or one fp32 tensor per param. When given, the master is the weight
+  that is updated and ``params`` (fp16/bf16) receive its rounded copy in the same pass.
+* ``steps``: one one-element float32 tensor per param (PyTorch's fused-optimizer format),
+  incremented by the op itself, so a skipped step never advances the count.
+* ``inv_scale``: optional one-element tensor; grads are multiplied by it in fp32 on the fly.
+* ``found_inf``: optional one-element tensor; when nonzero on entry the op writes nothing.
+  The ops never set it: the caller runs :func:`mpnb.core.ops.multi_tensor_check_finite`
+  over all grads first (``csrc/cpu/opt_common.h`` says why).
+
+This module holds the references' argument checks (the kernels check the same in
+``opt_common.h``), the references' per-tensor helpers, the recipe that runs PyTorch's own
+fused optimizer ops on CUDA (:func:`via_torch`), and the sample builder of the op-table test.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+
+from mpnb.core.ops._checks import check_lists
+from mpnb.core.ops._library import Sample
+
+__all__ = [
+    "OPT_DTYPES",
+    "advance",
+    "check_opt_lists",
+    "check_steps",
+    "f32",
+    "lists_for",
+    "no_outputs",
+    "opt_samples",
+    "opt_tolerance",
+    "skipped",
+    "store",
+    "unscaled",
+    "via_torch",
+    "weight",
+]
+
+#: The param (and grad) dtypes of the optimizer ops; state and masters are always fp32.
+OPT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+Tensors = Sequence[torch.Tensor]
+
+
+def no_outputs(*args, **kwargs) -> None:
+    """The fake of every optimizer op: they update their lists in place and return nothing."""
+    return None
+
+
+# ---- the references' checks (mirror opt_common.h) ------------------------------------------
+
+
+def check_opt_lists(op: str, params: Tensors, grads: Tensors, masters: Tensors, *states) -> None:
+    """Params and grads: one fp32/fp16/bf16 dtype per list, equal lengths and sizes;
+    ``masters`` empty or one fp32 tensor per param; every state list fp32, sized as ``params``."""
+    check_lists(op, params, grads=grads)
+    for name, lst in (("params", params), ("grads", grads)):
+        if lst and lst[0].dtype not in OPT_DTYPES:
+            raise TypeError(
+                f"{op}: '{name}' are {lst[0].dtype}; the optimizer ops take float32, float16 "
+                "or bfloat16 params and grads (keep fp64 models on torch.optim)."
+            )
+    if masters:
+        if len(masters) != len(params):
+            raise ValueError(
+                f"{op}: 'masters' must be empty (no master weights) or hold one fp32 tensor per "
+                f"param, got {len(masters)} for {len(params)} params."
+            )
+        check_lists(op, params, masters=masters)
+        if masters[0].dtype != torch.float32:
+            raise TypeError(
+                f"{op}: master weights must be float32, got {masters[0].dtype}; pass fp32 "
+                "copies of the params (or no masters)."
+            )
+    for state in states:
+        check_lists(op, params, state=state)
+        if state and state[0].dtype != torch.float32:
+            raise TypeError(
+                f"{op}: optimizer state must be float32, got {state[0].dtype}; keep state in "
+                "fp32 (the optimizers do)."
+            )
+
+
+def check_steps(op: str, steps: Tensors, n: int) -> None:
+    """One one-element float32 step tensor per param (``opt_common.h``'s ``advance_steps``)."""
+    if len(steps) != n:
+        raise ValueError(
+            f"{op}: 'steps' must hold one tensor per param, got {len(steps)} for {n}; pass "
+            "one one-element float32 tensor per param."
+        )
+    for i, s in enumerate(steps):
+        if s.numel() != 1 or s.dtype != torch.float32:
+            raise TypeError(
+                f"{op}: step {i} must be a one-element float32 tensor (torch's fused "
+                f"optimizers' format), got {s.dtype} with {s.numel()} elements; create it "
+                "with torch.tensor(0.0)."
+            )
+
+
+def _one_value(op: str, t: torch.Tensor, what: str) -> torch.Tensor:
+    if t.numel() != 1:
+        raise ValueError(
+            f"{op}: {what} must hold one value, got {t.numel()}; pass a one-element tensor."
+        )
+    return t.reshape(())
+
+
+def skipped(op: str, found_inf: torch.Tensor | None) -> bool:
+    """True when ``found_inf`` is set: the step writes nothing (one host read, as the kernel)."""
+    return found_inf is not None and bool(_one_value(op, found_inf, "found_inf").item() != 0)
+
+
+# ---- the references' per-tensor steps -------------------------------------------------------
+
+
+def unscaled(op: str, g: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
+    """The grad in fp32, multiplied by ``inv_scale`` (rounded to fp32) when one is given."""
+    g = g.float()
+    if inv_scale is not None:
+        inv = _one_value(op, inv_scale, "inv_scale")
+        g = g * inv.to(device=g.device, dtype=torch.float32)
+    return g
+
+
+def f32(x: float) -> torch.Tensor:
+    """A hyper-parameter as a 0-dim fp32 tensor: rounded to fp32 once, as the kernels hold it."""
+    return torch.tensor(x, dtype=torch.float32)
+
+
+def weight(params: Tensors, masters: Tensors, i: int) -> torch.Tensor:
+    """A fresh fp32 copy of weight ``i``: its master, or the param widened."""
+    return masters[i].clone() if masters else params[i].to(torch.float32, copy=True)
+
+
+def store(params: Tensors, masters: Tensors, i: int, w: torch.Tensor) -> None:
+    """Write the new fp32 weight ``i`` into its master and (rounded) into its param."""
+    if masters:
+        masters[i].copy_(w)
+    params[i].copy_(w)
+
+
+def advance(step: torch.Tensor) -> float:
+    """``step += 1`` in fp32, as the kernel; returns the new count."""
+    step.add_(1)
+    return float(step.item())
+
+
+# ---- PyTorch's fused ops (CUDA) ---------------------------------------------------------------
+
+
+def _fp32_weights(params: Tensors, masters: Tensors) -> list[torch.Tensor]:
+    # The fp32 tensors PyTorch's op updates: the masters, fp32 params themselves, or copies.
+    if masters:
+        return list(masters)
+    return [p if p.dtype == torch.float32 else p.float() for p in params]
+
+
+def _fp32_grads(grads: Tensors, inv_scale: torch.Tensor | None) -> list[torch.Tensor]:
+    # Always copies: PyTorch's CUDA fused ops write their (unscaled, decayed) grads back.
+    g32 = [g.to(torch.float32, copy=True) for g in grads]
+    if inv_scale is not None:
+        inv = inv_scale.to(device=g32[0].device, dtype=torch.float32).reshape(())
+        torch._foreach_mul_(g32, inv)
+    return g32
+
+
+def via_torch(
+    params: Tensors,
+    grads: Tensors,
+    masters: Tensors,
+    steps: Tensors,
+    inv_scale: torch.Tensor | None,
+    found_inf: torch.Tensor | None,
+    call: Callable[[list, list, torch.Tensor | None], None],
+) -> None:
+    """Run one of PyTorch's fused optimizer ops under the conventions of this module.
+
+    ``call(weights, grads, found)`` runs the op on fp32 weights (the masters, fp32 params, or
+    fp32 copies of half params) and fp32 unscaled copies of the grads (``grad * inv_scale``,
+    as the kernels do; PyTorch's own ``grad_scale`` would divide and write the grads back),
+    with ``found`` the flag as a 0-dim fp32 tensor. The step counts are advanced before the
+    call and a flagged step's advance is undone after it, on the device (PyTorch's recipe: no
+    host sync); the fp32 weights are then cast back into half params in one ``_foreach_copy_``.
+    """
+    if not params:
+        return
+    w = _fp32_weights(params, masters)
+    found = None
+    if found_inf is not None:
+        found = found_inf.to(device=params[0].device, dtype=torch.float32).reshape(())
+    if steps:
+        torch._foreach_add_(list(steps), 1)
+    call(w, _fp32_grads(grads, inv_scale), found)
+    if found is not None and steps:
+        torch._foreach_sub_(list(steps), [found] * len(steps))
+    if params[0].dtype != torch.float32:
+        torch._foreach_copy_(list(params), w)
+
+
+# ---- samples and tolerances for the op-table test ---------------------------------------------
+
+
+def opt_tolerance(fp32_atol: float) -> dict:
+    """An optimizer op's kernel-vs-reference tolerance, per (case dtype, tensor dtype).
+
+    The kernels mirror PyTorch's fused CPU kernels (explicit fmas, a per-tensor step size
+    rounded once), the references PyTorch's single-tensor ops: the fp32 values (weights,
+    masters, state) agree to 2 ulp, plus ``fp32_atol`` for values that cancel to near zero;
+    half params (the fp32 weight rounded once) agree to 1 ulp of their dtype (an fp32 weight
+    within an ulp of a rounding midpoint may round either way). Everything else (grads, step
+    counts) is bitwise. Measured on this op's samples, kernel vs reference.
+    """
+    fp32 = (2 * torch.finfo(torch.float32).eps, fp32_atol)
+    return {
+        torch.float32: fp32,
+        torch.float16: (torch.finfo(torch.float16).eps, 2.0**-24),  # + one subnormal ulp
+        torch.bfloat16: (torch.finfo(torch.bfloat16).eps, 0.0),
+        (torch.float16, torch.float32): fp32,
+        (torch.bfloat16, torch.float32): fp32,
+    }
+
+
+#: Odd sizes: a lone element, a partial vector block, several chunks (32768 elements each), and
+#: enough in all (> 2^17) for the kernels' parallel path.
+SIZES = (1, 7, 33, 4099, 70001, 65536 + 3)
+
+
+def lists_for(
+    pdt: torch.dtype,
+    gdt: torch.dtype,
+    master: bool,
+    nstate: int,
+    sizes: Sequence[int] = SIZES,
+    seed: int = 0,
+    grad_scale: float = 1.0,
+    step: float = 3.0,
+) -> tuple[list, list, list, list[list], list]:
+    """``(params, grads, masters, states, steps)`` of one optimizer call, seeded.
+
+    Params of ``pdt`` (with fp32 masters holding their exact values when ``master``), grads of
+    ``gdt`` times ``grad_scale``, ``nstate`` fp32 state lists of small positive values, and one
+    step tensor per param holding ``step``.
+    """
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.randn(n, generator=g).to(pdt) for n in sizes]
+    grads = [(torch.randn(n, generator=g) * grad_scale).to(gdt) for n in sizes]
+    masters = [p.float() for p in params] if master else []
+    states = [[torch.rand(n, generator=g) * 0.1 for n in sizes] for _ in range(nstate)]
+    steps = [torch.tensor(step) for _ in sizes]
+    return params, grads, masters, states, steps
+
+
+def _other(dtype: torch.dtype) -> torch.dtype:
+    return {torch.float32: torch.bfloat16, torch.bfloat16: torch.float16}.get(dtype, torch.float32)
+
+
+def opt_samples(
+    dtype: torch.dtype,
+    nstate: int,
+    args_of: Callable[[tuple, dict], tuple],
+    variants: Sequence[tuple[str, dict]],
+):
+    """The op-table samples of one optimizer op for params of ``dtype``.
+
+    ``args_of(lists, options)`` turns ``lists_for``'s lists and one set of options (the op's
+    hyper-parameters, ``inv_scale``, ``found_inf``) into the op's positional arguments.
+    Yields, for each ``(name, options)`` of ``variants`` (the op's own modes), a call on
+    params of ``dtype`` and grads of another dtype, with fp32 masters for half params (an
+    option ``sizes`` replaces the default tensor sizes of that call); then
+    the shared cases: params and grads of ``dtype`` without masters, masters with an
+    ``inv_scale`` and a clear ``found_inf``, a set ``found_inf`` (nothing may change, step
+    counts included) and empty lists.
+    """
+    half = dtype != torch.float32
+    inv = torch.full((1,), 1 / 64)  # the grads of the scaled cases are 64 times too large
+    for k, (name, options) in enumerate(variants):
+        options = dict(options)
+        sizes = options.pop("sizes", SIZES)
+        lists = lists_for(dtype, _other(dtype), half, nstate, sizes, seed=k)
+        yield Sample(args_of(lists, options), name=name)
+    base = {k: v for k, v in variants[0][1].items() if k != "sizes"}
+    shared = (
+        ("same-dtype grads, no masters", dict(master=False, gdt=dtype), {}),
+        ("masters, inv_scale", dict(master=True), dict(inv_scale=inv, found_inf=torch.zeros(1))),
+        (
+            "found_inf set",
+            dict(master=half),
+            dict(inv_scale=inv, found_inf=torch.ones(1, dtype=torch.int32)),
+        ),
+        ("empty lists", dict(master=half, sizes=()), dict(inv_scale=inv)),
+    )
+    for k, (name, lists_kw, extra) in enumerate(shared, start=len(variants)):
+        kw = dict(pdt=dtype, gdt=_other(dtype), nstate=nstate, seed=k) | lists_kw
+        if "inv_scale" in extra:
+            kw["grad_scale"] = 64.0
+        lists = lists_for(**kw)
+        yield Sample(args_of(lists, base | extra), name=name)

@@ -1,0 +1,198 @@
+"""``mpnb::fused_adam_``: one Adam or AdamW step over tensor lists, in place (Apex's FusedAdam).
+
+Conventions (``masters``, ``steps``, ``inv_scale``, ``found_inf``): :mod:`mpnb.core.ops._optim`.
+
+Kernels: ``csrc/cpu/adam.cpp`` (CPU; an fp32 step equals ``torch.optim.AdamW(fused=True)``
+and ``Adam(fused=True)`` bit for bit); on CUDA PyTorch's ``torch._fused_adamw_`` /
+``_fused_adam_`` (the reference without bias correction, which PyTorch's ops always apply).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from mpnb.core.ops._library import define, ensure_kernels
+from mpnb.core.ops._optim import (
+    OPT_DTYPES,
+    advance,
+    check_opt_lists,
+    check_steps,
+    no_outputs,
+    opt_samples,
+    opt_tolerance,
+    skipped,
+    store,
+    unscaled,
+    via_torch,
+    weight,
+)
+
+__all__ = ["fused_adam_", "reference_fused_adam_"]
+
+_NAME = "fused_adam_"
+
+
+def reference_fused_adam_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    masters,
+    steps,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """Reference of :func:`fused_adam_` (``torch.optim.adam._single_tensor_adam``'s ops)."""
+    check_opt_lists(_NAME, params, grads, masters, exp_avgs, exp_avg_sqs)
+    check_steps(_NAME, steps, len(params))
+    if not params or skipped(_NAME, found_inf):
+        return
+    for i in range(len(params)):
+        g, w = unscaled(_NAME, grads[i], inv_scale), weight(params, masters, i)
+        m, v = exp_avgs[i], exp_avg_sqs[i]
+        step = advance(steps[i])
+        if weight_decay != 0:
+            if adam_w_mode:
+                w.mul_(1 - lr * weight_decay)
+            else:
+                g = g.add(w, alpha=weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bc1 = 1 - beta1**step if bias_correction else 1.0
+        bc2 = 1 - beta2**step if bias_correction else 1.0
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        w.addcdiv_(m, denom, value=-lr / bc1)
+        store(params, masters, i, w)
+
+
+def _torch_fused_adam_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    masters,
+    steps,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """:func:`fused_adam_` through ``torch._fused_adamw_`` / ``_fused_adam_`` (CUDA); the
+    reference without bias correction (PyTorch's ops always apply it)."""
+    if not bias_correction:
+        reference_fused_adam_(
+            params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
+            weight_decay, adam_w_mode, bias_correction, inv_scale, found_inf,
+        )  # fmt: skip
+        return
+    op = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
+    via_torch(
+        params, grads, masters, steps, inv_scale, found_inf,
+        lambda w, g, found: op(
+            w, g, list(exp_avgs), list(exp_avg_sqs), [], list(steps), lr=lr, beta1=beta1,
+            beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
+            found_inf=found,
+        ),
+    )  # fmt: skip
+
+
+def _args(lists, o: dict) -> tuple:
+    params, grads, masters, (m, v), steps = lists
+    hyper = (o["lr"], 0.9, 0.999, 1e-8, o["weight_decay"], o["adam_w_mode"], o["bias_correction"])
+    return (params, grads, m, v, masters, steps, *hyper, o.get("inv_scale"), o.get("found_inf"))
+
+
+def _samples(dtype: torch.dtype):
+    adamw = dict(lr=1e-2, weight_decay=0.1, adam_w_mode=True, bias_correction=True)
+    variants = (
+        ("adamw", adamw),
+        ("adam, L2 decay", adamw | dict(adam_w_mode=False)),
+        ("no decay, no bias correction", adamw | dict(weight_decay=0.0, bias_correction=False)),
+    )
+    return opt_samples(dtype, 2, _args, variants)
+
+
+OP = define(
+    "fused_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] masters, Tensor(e!)[] steps, float lr, "
+    "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
+    "bool bias_correction, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()",
+    family="adam",
+    reference=reference_fused_adam_,
+    fake=no_outputs,
+    torch_path=_torch_fused_adam_,
+    dtypes=OPT_DTYPES,
+    sample_inputs=_samples,
+    tolerance=opt_tolerance(2e-8),
+)
+_op = OP.overload
+
+
+def fused_adam_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    masters,
+    steps,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    bias_correction: bool,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """One Adam (L2 decay) or AdamW (decoupled decay) step over lists, in place.
+
+    .. math::
+        g &= \\text{grad} \\cdot s^{-1} \\quad (+\\lambda w \\text{ without adam\\_w\\_mode}) \\\\
+        m &\\leftarrow \\beta_1 m + (1-\\beta_1) g, \\qquad
+        v \\leftarrow \\beta_2 v + (1-\\beta_2) g^2 \\\\
+        w &\\leftarrow w (1 - \\eta\\lambda)_{\\text{adam\\_w\\_mode}}
+             - \\frac{\\eta}{1-\\beta_1^t} \\frac{m}{\\sqrt{v}/\\sqrt{1-\\beta_2^t} + \\epsilon}
+
+    Args:
+        params: the weights (fp32, fp16 or bf16; one dtype), updated in place.
+        grads: one grad per param (fp32, fp16 or bf16; one dtype), read only.
+        exp_avgs, exp_avg_sqs: the fp32 moments, updated in place.
+        masters: empty, or fp32 master weights (updated; params get their rounded copy).
+        steps: one one-element float32 tensor per param, advanced by the op.
+        lr, beta1, beta2, eps, weight_decay: the hyper-parameters.
+        adam_w_mode: decoupled weight decay (AdamW) instead of L2 decay.
+        bias_correction: divide by :math:`1-\\beta^t`.
+        inv_scale: optional one-element tensor :math:`s^{-1}` multiplied into the grads.
+        found_inf: optional one-element tensor; nonzero: the step writes nothing.
+
+    See :mod:`mpnb.core.ops._optim` for the conventions of ``masters``, ``steps``,
+    ``inv_scale`` and ``found_inf``.
+
+    Example::
+
+        >>> p, g = [torch.randn(10)], [torch.randn(10)]
+        >>> m, v, step = [torch.zeros(10)], [torch.zeros(10)], [torch.tensor(0.0)]
+        >>> fused_adam_(p, g, m, v, [], step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+        ...             weight_decay=0.01, adam_w_mode=True, bias_correction=True)
+    """
+    ensure_kernels()
+    _op(
+        params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
+        weight_decay, adam_w_mode, bias_correction, inv_scale, found_inf,
+    )  # fmt: skip

@@ -1,0 +1,202 @@
+"""``mpnb::fused_sgd_``: one SGD step (with momentum) over tensor lists, in place (Apex's FusedSGD).
+
+Conventions (``masters``, ``inv_scale``, ``found_inf``): :mod:`mpnb.core.ops._optim`. SGD has
+no step count: ``first_run`` says, per param, that its momentum buffer is new.
+
+Kernels: ``csrc/cpu/sgd.cpp`` (CPU; ``torch.optim.SGD``'s arithmetic, bit for bit in fp32,
+and so equal to the reference); on CUDA PyTorch's
+``torch._fused_sgd_``, one call per ``first_run`` value (the reference with
+``wd_after_momentum``, which PyTorch's op lacks).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpnb.core.ops._library import define, ensure_kernels
+from mpnb.core.ops._optim import (
+    OPT_DTYPES,
+    check_opt_lists,
+    no_outputs,
+    opt_samples,
+    skipped,
+    store,
+    unscaled,
+    via_torch,
+    weight,
+)
+
+__all__ = ["fused_sgd_", "reference_fused_sgd_"]
+
+_NAME = "fused_sgd_"
+
+
+def _check_first_run(first_run, n: int) -> None:
+    if len(first_run) != n:
+        raise ValueError(
+            f"{_NAME}: 'first_run' must hold one flag per param, got {len(first_run)} for {n}; "
+            "pass True for each param whose momentum buffer is new."
+        )
+
+
+def reference_fused_sgd_(
+    params,
+    grads,
+    momentum_buffers,
+    masters,
+    first_run,
+    lr,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+    wd_after_momentum,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """Reference of :func:`fused_sgd_` (``torch.optim.sgd._single_tensor_sgd``'s ops)."""
+    if momentum != 0:
+        check_opt_lists(_NAME, params, grads, masters, momentum_buffers)
+        _check_first_run(first_run, len(params))
+    else:
+        check_opt_lists(_NAME, params, grads, masters)
+    if not params or skipped(_NAME, found_inf):
+        return
+    for i in range(len(params)):
+        g, w = unscaled(_NAME, grads[i], inv_scale), weight(params, masters, i)
+        if weight_decay != 0 and not wd_after_momentum:
+            g = g.add(w, alpha=weight_decay)
+        if momentum != 0:
+            buf = momentum_buffers[i]
+            if first_run[i]:
+                buf.copy_(g)
+            else:
+                buf.mul_(momentum).add_(g, alpha=1 - dampening)
+            g = g.add(buf, alpha=momentum) if nesterov else buf
+        if weight_decay != 0 and wd_after_momentum:
+            g = g.add(w, alpha=weight_decay)
+        w.add_(g, alpha=-lr)
+        store(params, masters, i, w)
+
+
+def _torch_fused_sgd_(
+    params,
+    grads,
+    momentum_buffers,
+    masters,
+    first_run,
+    lr,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+    wd_after_momentum,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """:func:`fused_sgd_` through ``torch._fused_sgd_`` (CUDA), one call per ``first_run``
+    value; the reference with ``wd_after_momentum``."""
+    if wd_after_momentum:
+        reference_fused_sgd_(
+            params, grads, momentum_buffers, masters, first_run, lr, momentum, dampening,
+            weight_decay, nesterov, wd_after_momentum, inv_scale, found_inf,
+        )  # fmt: skip
+        return
+    groups = {False: list(range(len(params)))}
+    if momentum != 0:
+        groups = {f: [i for i, x in enumerate(first_run) if bool(x) == f] for f in (False, True)}
+
+    def call(w, g, found):
+        for first, idx in groups.items():
+            if idx:
+                bufs = [momentum_buffers[i] for i in idx] if momentum != 0 else []
+                torch._fused_sgd_(
+                    [w[i] for i in idx], [g[i] for i in idx], bufs, weight_decay=weight_decay,
+                    momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
+                    maximize=False, is_first_step=first, found_inf=found,
+                )  # fmt: skip
+
+    via_torch(params, grads, masters, [], inv_scale, found_inf, call)
+
+
+def _args(lists, o: dict) -> tuple:
+    params, grads, masters, (bufs,), _ = lists
+    if o["momentum"] == 0:
+        bufs = []
+    first = [i % 2 == 0 for i in range(len(params))]  # new and old buffers in one call
+    hyper = (0.1, o["momentum"], 0.1, o["weight_decay"], o["nesterov"], o["wd_after_momentum"])
+    return (params, grads, bufs, masters, first, *hyper, o.get("inv_scale"), o.get("found_inf"))
+
+
+def _samples(dtype: torch.dtype):
+    mom = dict(momentum=0.9, weight_decay=0.01, nesterov=False, wd_after_momentum=False)
+    variants = (
+        ("momentum", mom),
+        ("nesterov", mom | dict(nesterov=True)),
+        ("wd_after_momentum", mom | dict(wd_after_momentum=True)),
+        ("no momentum, no buffers", mom | dict(momentum=0.0)),
+    )
+    return opt_samples(dtype, 1, _args, variants)
+
+
+OP = define(
+    "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
+    "Tensor(c!)[] masters, bool[] first_run, float lr, float momentum, float dampening, "
+    "float weight_decay, bool nesterov, bool wd_after_momentum, Tensor? inv_scale=None, "
+    "Tensor? found_inf=None) -> ()",
+    family="sgd",
+    reference=reference_fused_sgd_,
+    fake=no_outputs,
+    torch_path=_torch_fused_sgd_,
+    dtypes=OPT_DTYPES,
+    sample_inputs=_samples,  # kernel == reference bit for bit (torch.optim.SGD's arithmetic)
+)
+_op = OP.overload
+
+
+def fused_sgd_(
+    params,
+    grads,
+    momentum_buffers,
+    masters,
+    first_run,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    wd_after_momentum: bool = False,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """One SGD step over lists, in place (``momentum_buffers`` may be empty without momentum).
+
+    .. math::
+        g = \\text{grad}\\, s^{-1} + \\lambda w, \\quad
+        b \\leftarrow \\mu b + (1 - d) g \\;(b = g \\text{ on the first run}), \\quad
+        g = g + \\mu b \\text{ (nesterov) or } b, \\quad w \\leftarrow w - \\eta g
+
+    With ``wd_after_momentum`` the :math:`\\lambda w` term is added after the momentum.
+
+    Args:
+        params: the weights (fp32, fp16 or bf16; one dtype), updated in place.
+        grads: one grad per param (fp32, fp16 or bf16; one dtype), read only.
+        momentum_buffers: the fp32 buffers :math:`b` (empty when ``momentum`` is 0).
+        masters: empty, or fp32 master weights (updated; params get their rounded copy).
+        first_run: one bool per param: its buffer is new (set to :math:`g`, not blended).
+        lr, momentum, dampening, weight_decay, nesterov: ``torch.optim.SGD``'s options.
+        wd_after_momentum: add the decay after the momentum (Apex).
+        inv_scale: optional one-element tensor :math:`s^{-1}` multiplied into the grads.
+        found_inf: optional one-element tensor; nonzero: the step writes nothing.
+
+    Example::
+
+        >>> p, g, buf = [torch.randn(10)], [torch.randn(10)], [torch.zeros(10)]
+        >>> fused_sgd_(p, g, buf, [], [True], lr=0.1, momentum=0.9)
+    """
+    ensure_kernels()
+    _op(
+        params, grads, momentum_buffers, masters, first_run, lr, momentum, dampening,
+        weight_decay, nesterov, wd_after_momentum, inv_scale, found_inf,
+    )  # fmt: skip
