@@ -34,6 +34,20 @@ def kernels() -> bool:
     return ready
 
 
+@pytest.fixture(params=["kernel", "reference"])
+def op_impl(request, monkeypatch) -> str:
+    """Run the test once with mpnb's kernels and once with every op's pure-PyTorch reference.
+
+    ``"reference"`` sets ``MPNB_DISABLE_EXT=1`` for the test (read per call today); the
+    returned string says which implementation the ops take.
+    """
+    if request.param == "reference":
+        monkeypatch.setenv("MPNB_DISABLE_EXT", "1")
+    else:
+        monkeypatch.delenv("MPNB_DISABLE_EXT", raising=False)
+    return request.param
+
+
 @pytest.fixture
 def devices():
     """CPU always; CUDA when present."""
