@@ -14,7 +14,6 @@ from mpnb import amp
 from mpnb.core.amp import LossScaleCollapseError, LossScaler
 from mpnb.core.amp._initialize import EmulatedHalfWarning
 
-
 pytestmark = pytest.mark.usefixtures("op_impl")
 
 
