@@ -189,7 +189,7 @@ def resolve_properties(opt_level: str = "O1", device="cpu", **overrides) -> Prop
         "master_weights": lambda v: _bool("master_weights", v),
         "loss_scale": _loss_scale,
         "cast_model_outputs": _outputs,
-        "half_dtype": lambda v: v,
+        "half_dtype": lambda v: _dtype("half_dtype", v, _HALF),
     }
     props = dataclasses.replace(props, **{k: conv[k](v) for k, v in over.items()})
     _check_consistent(props)
