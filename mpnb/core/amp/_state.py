@@ -18,7 +18,7 @@ import weakref
 import torch
 
 from mpnb.core.amp import _checkpoint
-from mpnb.core.amp._strategies import FusedSeam, Strategy
+from mpnb.core.amp._strategies import Strategy
 from mpnb.core.amp.scaler import LossScaler
 
 __all__ = ["OptState", "AmpOptimizerState", "AmpStash"]
@@ -115,8 +115,6 @@ class AmpOptimizerState:
         if self.state is OptState.STEPPED:
             self.state = OptState.READY
         self.strategy.adopt(self.optimizer)  # add_param_group after amp.initialize
-        if isinstance(self.strategy, FusedSeam) and self.strategy.deferred is not None:
-            self.strategy.materialize(self)
         self.strategy.before_backward(self, keep_scaled=self.state is OptState.DELAYED)
         self.state = OptState.SCALING
 
