@@ -53,12 +53,14 @@ class Grads:
         self._simple = True  # one dtype, dense: the whole list is one kernel call
 
     def add(self, params: list) -> None:
+        """Serve ``params`` too (a param group added after ``amp.initialize``)."""
         self.params += params
         self._simple = len({p.dtype for p in self.params}) <= 1 and all(
             p.is_contiguous() for p in self.params
         )
 
     def before_backward(self, keep_scaled: bool) -> None:
+        """Set aside grads that are already unscaled, unless delayed grads accumulate."""
         if keep_scaled or not self.params:  # delayed: accumulate into the still-scaled grads
             return
         grads = [p.grad for p in self.params]
@@ -68,6 +70,7 @@ class Grads:
                 p.grad = None
 
     def unscale(self, scaler: LossScaler) -> None:
+        """``grad /= scale`` in place (plus the grads set aside), flagging inf/NaN."""
         params = self.params
         if not params:
             return
@@ -104,6 +107,7 @@ class Masters:
         self._flag: torch.Tensor | None = None
 
     def adopt(self, optimizer, group: dict, i: int, p: torch.nn.Parameter) -> None:
+        """Put an fp32 master of ``p`` in ``group["params"][i]`` (its state follows)."""
         # Contiguous whatever the model param's layout: amp's own buffers feed its kernels.
         m = torch.nn.Parameter(
             p.detach().to(torch.float32, memory_format=torch.contiguous_format).clone(),
@@ -116,6 +120,7 @@ class Masters:
         self.masters.append(m)
 
     def rebuild(self) -> None:
+        """Group the (model, master) pairs by model dtype: one kernel call per group."""
         self.pairs = []
         for sub in _by_dtype(self.model):
             params = [self.model[i] for i in sub]
@@ -126,6 +131,7 @@ class Masters:
             self._flag = torch.zeros(1, device=self.masters[0].device)
 
     def before_backward(self, keep_scaled: bool) -> None:
+        """Drop half grads an interrupted block left (delayed ones stay to accumulate)."""
         # Half grads left by an interrupted block are never added to the next one (Apex, too,
         # clears them here); delayed grads stay to accumulate.
         if not keep_scaled and self.model and _any_set([p.grad for p in self.model]):
@@ -160,6 +166,7 @@ class Masters:
             params[i].grad = None
 
     def discard(self) -> None:
+        """Drop the half model grads (a block raised)."""
         for p in self.model:
             p.grad = None
 

@@ -157,11 +157,13 @@ class FusedSeam(Strategy):
         self._one = torch.ones(1, dtype=torch.float32, device=dev)
 
     def before_backward(self, st, keep_scaled: bool) -> None:
+        """A block starts; grads still waiting, scaled, from an earlier block are unscaled."""
         if self.deferred is not None:  # a second block this step: no more deferring
             self.materialize(st)
         super().before_backward(st, keep_scaled)
 
     def unscale(self, st, scaler: LossScaler, alone: bool) -> bool:
+        """Leave a step's single block scaled for the optimizer (False), else unscale now."""
         if alone and self.masters is None and not st.flags and self.deferred is None:
             self.deferred = scaler
             st.handle.defer(st)
@@ -177,6 +179,7 @@ class FusedSeam(Strategy):
         st.flags.append(s.found_inf)
 
     def pre_step(self, st, optimizer) -> None:
+        """Hand the optimizer the scale to undo (1 if already unscaled) and the flag."""
         if self.deferred is not None:
             inv, flag = self.deferred.inv_scale, self.deferred.found_inf
         else:

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 
 import torch
 
-from mpnb.core.amp.handle import AmpHandle
+from mpnb.core.amp.handle import AmpHandle, _ScaleLossBlock
 
 __all__ = [
     "scale_loss",
@@ -54,18 +54,17 @@ def current_handle() -> AmpHandle:
     return handle
 
 
-def _handle_of(optimizer) -> AmpHandle:
+def _stash_of(optimizer):
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise TypeError(f"amp: expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
     stash = getattr(optimizer, "_amp_stash", None)
-    handle = getattr(stash, "handle", None)
-    if not isinstance(handle, AmpHandle):
+    if not isinstance(getattr(stash, "handle", None), AmpHandle):
         raise ValueError(
             "amp: this optimizer was not passed to amp.initialize; call "
             "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)` before "
             "amp.scale_loss, and use the optimizer it returns."
         )
-    return handle
+    return stash
 
 
 def scale_loss(
@@ -99,14 +98,16 @@ def scale_loss(
         >>> optimizer.step()          # skipped (bitwise) if the grads overflowed
     """
     if not isinstance(optimizers, (list, tuple)):  # the common case: one optimizer
-        return _handle_of(optimizers).scale_loss(loss, optimizers, loss_id, delay_unscale)
-    handles = [_handle_of(o) for o in optimizers]
-    if not handles or any(h is not handles[0] for h in handles):
+        stash = _stash_of(optimizers)
+        return _ScaleLossBlock(stash.handle, loss, [stash.amp_state], loss_id, delay_unscale)
+    stashes = [_stash_of(o) for o in optimizers]
+    if not stashes or any(s.handle is not stashes[0].handle for s in stashes):
         raise ValueError(
             "amp.scale_loss: pass one optimizer or a non-empty list of optimizers from one "
             "amp.initialize call per scale_loss block."
         )
-    return handles[0].scale_loss(loss, optimizers, loss_id, delay_unscale)
+    states = [s.amp_state for s in stashes]
+    return _ScaleLossBlock(stashes[0].handle, loss, states, loss_id, delay_unscale)
 
 
 def master_params(optimizer) -> Iterator[torch.nn.Parameter]:
