@@ -1,9 +1,13 @@
 """``mpnb.amp``: Apex's automatic mixed precision (O0-O3) on modern PyTorch, CPU and CUDA.
 
-O1 runs the forward under ``torch.autocast`` (entered by forward hooks); O2 casts the model to
-half (batch norms fp32) with fp32 master weights placed in ``optimizer.param_groups``; O3 is
-pure half. Loss scaling is an explicit :class:`LossScaler` per loss, on the device, with one
-host sync per optimizer step.
+O1 runs the forward under ``torch.autocast`` (entered by forward hooks) and casts the model's
+outputs to fp32; O2 casts the model to half (batch norms fp32) with fp32 master weights placed
+in ``optimizer.param_groups``; O3 is pure half. Loss scaling is an explicit
+:class:`LossScaler` per loss, following its :class:`LossScaleRule`, on the device, with one host
+sync per optimizer step.
+
+The names the lab and other front ends share are defined here once: :data:`OPT_LEVELS`,
+:data:`HALF_DTYPES` with :func:`parse_half_dtype`, and :func:`parse_loss_scale`.
 
 Example::
 
@@ -14,8 +18,16 @@ Example::
     >>> optimizer.step()
 """
 
-from mpnb.core.amp._initialize import EmulatedHalfWarning, initialize
-from mpnb.core.amp._properties import OPT_LEVELS, Properties, resolve_properties
+from mpnb.core.amp._config import (
+    HALF_DTYPES,
+    LossScaleRule,
+    half_dtype_name,
+    parse_half_dtype,
+    parse_loss_scale,
+)
+from mpnb.core.amp._initialize import EmulatedHalfWarning, PrecisionRecastWarning, initialize
+from mpnb.core.amp._properties import OPT_LEVELS, Properties, parse_opt_level, resolve_properties
+from mpnb.core.amp._state import AmpOptimizerState, AmpStash, OptState
 from mpnb.core.amp.casts import (
     disable_casts,
     float_function,
@@ -32,8 +44,8 @@ from mpnb.core.amp.frontend import (
     scale_loss,
     state_dict,
 )
-from mpnb.core.amp.handle import AmpHandle
-from mpnb.core.amp.scaler import LossScaleCollapseError, LossScaler
+from mpnb.core.amp.handle import AmpHandle, RoundedWeightsWarning
+from mpnb.core.amp.scaler import LossScaleCollapseError, LossScaler, StaticScaleOverflowWarning
 
 __all__ = [
     "initialize",
@@ -50,10 +62,22 @@ __all__ = [
     "register_promote_function",
     "current_handle",
     "AmpHandle",
+    "AmpOptimizerState",
+    "AmpStash",
+    "OptState",
     "LossScaler",
+    "LossScaleRule",
     "LossScaleCollapseError",
     "Properties",
     "OPT_LEVELS",
+    "HALF_DTYPES",
+    "parse_opt_level",
+    "parse_half_dtype",
+    "half_dtype_name",
+    "parse_loss_scale",
     "resolve_properties",
     "EmulatedHalfWarning",
+    "PrecisionRecastWarning",
+    "RoundedWeightsWarning",
+    "StaticScaleOverflowWarning",
 ]

@@ -2,28 +2,42 @@
 
 from __future__ import annotations
 
+import math
 import warnings
+from numbers import Real
 
 import torch
 
-from mpnb.core.amp._model import AutocastForward, CastForward, cast_model, model_device
-from mpnb.core.amp._optimizer import OptimizerAmp
+from mpnb.core.amp._config import LossScaleRule, parse_loss_scale
+from mpnb.core.amp._model import AutocastForward, CastForward, cast_model, check_model, model_device
 from mpnb.core.amp._properties import Properties, format_properties, resolve_properties
+from mpnb.core.amp._state import AmpOptimizerState, AmpStash
+from mpnb.core.amp._strategies import choose_strategy
 from mpnb.core.amp.casts import default_registry
-from mpnb.core.amp.frontend import registry
+from mpnb.core.amp.frontend import set_current_handle
 from mpnb.core.amp.handle import AmpHandle
 from mpnb.core.amp.scaler import LossScaler
 from mpnb.core.hardware import cuda_info, half_support
 
-__all__ = ["initialize", "EmulatedHalfWarning", "HardwareCheck"]
+__all__ = ["initialize", "EmulatedHalfWarning", "PrecisionRecastWarning", "HardwareCheck"]
+
+_HALF = (torch.float16, torch.bfloat16)
+_MODEL_MARK = "_amp_initialized"  # set on each model amp.initialize took (documented below)
 
 
 class EmulatedHalfWarning(UserWarning):
     """A half dtype runs emulated (in software) on this device: correct, but slow."""
 
 
+class PrecisionRecastWarning(UserWarning):
+    """amp cast a model that was already in another reduced precision (fp16 -> bf16, ...)."""
+
+
 class HardwareCheck:
-    """Say honestly what the device does with the half dtype: warn once, or refuse."""
+    """Say honestly what the device does with the half dtype: warn once, or refuse.
+
+    One instance per ``amp.initialize`` (it belongs to that call's handle).
+    """
 
     def __init__(self) -> None:
         self.warned: set[tuple[str, torch.dtype]] = set()
@@ -51,11 +65,8 @@ class HardwareCheck:
                 "in software and far slower than fp32 (matmuls ~50-150x). Use "
                 "half_dtype=torch.bfloat16 (the CPU default) unless you need fp16 numerics.",
                 EmulatedHalfWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-
-
-hardware_check = HardwareCheck()
 
 
 def _as_list(obj, kind: type, what: str) -> tuple[list, bool]:
@@ -70,25 +81,43 @@ def _as_list(obj, kind: type, what: str) -> tuple[list, bool]:
     return items, was_list
 
 
-def _attach_model(model: torch.nn.Module, props: Properties, states: list[OptimizerAmp]) -> list:
-    hooks = []
-    if props.cast_model_type is not None:
-        out = props.cast_model_outputs or torch.float32
-        hooks += CastForward(props.cast_model_type, out).attach(model)
-    if props.patch_torch_functions:
-        dev = model_device(model).type
-        hooks += AutocastForward(
-            dev, props.half_dtype, default_registry, props.cast_model_outputs
-        ).attach(model)
-    elif props.cast_model_type is None and props.cast_model_outputs is not None:
-        hooks += CastForward(None, props.cast_model_outputs).attach(model)
+def _bound(name: str, value) -> float | None:
+    if value is None:
+        return None
+    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value <= 0:
+        raise ValueError(
+            f"amp.initialize: {name}={value!r} is invalid; pass a positive finite number "
+            "(or None for the default)."
+        )
+    return float(value)
 
-    def refresh(module, incompatible):  # model.load_state_dict after initialize: re-read masters
-        for st in states:
-            st.refresh_masters_from_model()
 
-    hooks.append(model.register_load_state_dict_post_hook(refresh))
-    return hooks
+def _scale_rule(loss_scale, min_loss_scale, max_loss_scale) -> float | LossScaleRule:
+    """The scalers' static scale or dynamic rule, from ``loss_scale`` and the two bounds."""
+    low, high = _bound("min_loss_scale", min_loss_scale), _bound("max_loss_scale", max_loss_scale)
+    try:
+        parsed = parse_loss_scale(loss_scale)
+    except ValueError as e:
+        raise ValueError(f"amp.initialize: {e}") from None
+    if isinstance(parsed, float):
+        return parsed
+    rule, default = parsed or LossScaleRule(), LossScaleRule()
+    changes = {}
+    for key, value in (("min_loss_scale", low), ("max_loss_scale", high)):
+        mine = getattr(rule, key)
+        if value is None:
+            continue
+        if mine != getattr(default, key) and mine != value:
+            raise ValueError(
+                f"amp.initialize: {key}={value!r} conflicts with the loss_scale rule's "
+                f"{key}={mine!r}; pass it in one place."
+            )
+        changes[key] = value
+    try:
+        return rule.replace(**changes)
+    except ValueError as e:
+        raise ValueError(str(e).replace("LossScaleRule", "amp.initialize")) from None
 
 
 def initialize(
@@ -105,7 +134,7 @@ def initialize(
     num_losses=1,
     verbosity=1,
     min_loss_scale=None,
-    max_loss_scale=2.0**24,
+    max_loss_scale=None,
     half_dtype=None,
 ):
     """Set up mixed precision for ``models`` and ``optimizers`` (Apex's ``amp.initialize``).
@@ -115,18 +144,35 @@ def initialize(
         optimizers: a ``torch.optim.Optimizer``, a list, or None.
         opt_level: ``"O0"`` fp32, ``"O1"`` autocast, ``"O2"`` half model + fp32 masters,
             ``"O3"`` pure half.
-        half_dtype: ``torch.float16`` or ``torch.bfloat16`` (default fp16 on CUDA, bf16 on CPU).
+        half_dtype: ``torch.float16``/``torch.bfloat16`` or a name (``"bf16"``, ``"fp16"``,
+            ...; default fp16 on CUDA, bf16 on CPU).
+        loss_scale: the scalers' rule. ``"dynamic"`` (the default
+            :class:`~mpnb.core.amp.LossScaleRule`), a positive finite number (a static scale:
+            steps are never skipped, as in Apex), a :class:`~mpnb.core.amp.LossScaleRule`, or a
+            dict of its fields (GradScaler's names: ``dict(init_scale=2**24,
+            backoff_factor=0.125, growth_interval=100)``). None: the opt level's default
+            (dynamic for O1/O2, static 1.0 for O0/O3).
+        min_loss_scale, max_loss_scale: the dynamic scale's bounds (Apex's arguments; the
+            rule's fields). Default: no minimum, 2**24.
+        cast_model_outputs: dtype the model's floating outputs are cast to. Default fp32 at
+            every level, so a loss computed from them is fp32 (under O1 this is Apex's fp32
+            loss numerics); ``False`` leaves the outputs as the model made them. Tuples,
+            namedtuples, dicts, dataclasses and ``ModelOutput`` keep their type.
         num_losses: how many loss scalers (``loss_id`` of ``scale_loss``).
         verbosity: 1 prints the chosen properties, 0 is silent.
         The other arguments override the opt level's defaults as in Apex.
 
     Returns:
         ``models`` (same shape as given) if ``optimizers`` is None, else
-        ``(models, optimizers)``; the objects are the ones passed in.
+        ``(models, optimizers)``; the objects are the ones passed in. Each optimizer gets a
+        read-only ``optimizer._amp_stash`` (Apex's name; see
+        :class:`~mpnb.core.amp._state.AmpStash`) and each model an ``_amp_initialized = True``
+        mark; the latest call's handle is :func:`~mpnb.core.amp.current_handle`.
 
     Example::
 
-        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0)
+        >>> model, optimizer = amp.initialize(model, optimizer, opt_level="O2", verbosity=0,
+        ...                                   loss_scale=dict(backoff_factor=0.25))
     """
     model_list, models_was_list = _as_list(models, torch.nn.Module, "models")
     opt_list, opts_was_list = (
@@ -134,16 +180,16 @@ def initialize(
         if optimizers is None
         else _as_list(optimizers, torch.optim.Optimizer, "optimizers")
     )
-    if not isinstance(num_losses, int) or num_losses < 1:
+    if isinstance(num_losses, bool) or not isinstance(num_losses, int) or num_losses < 1:
         raise ValueError(f"amp.initialize: num_losses must be a positive int, got {num_losses!r}.")
     for m in model_list:
-        if m in registry.models:
+        if getattr(m, _MODEL_MARK, False):
             raise ValueError(
                 "amp.initialize: this model was already initialized; call "
                 "amp.initialize once per model (build a fresh model to change level)."
             )
     for o in opt_list:
-        if o in registry.optimizers:
+        if hasattr(o, "_amp_stash"):
             raise ValueError(
                 "amp.initialize: this optimizer was already initialized; pass it once."
             )
@@ -160,45 +206,71 @@ def initialize(
         cast_model_outputs=cast_model_outputs,
         half_dtype=half_dtype,
     )
+    rule = _scale_rule(
+        props.loss_scale if loss_scale is None else loss_scale, min_loss_scale, max_loss_scale
+    )
+    if props.enabled:
+        for m in model_list:
+            check_model(m)
     if verbosity:
         print(format_properties(props))
-    handle = _build(props, model_list, opt_list, device, num_losses, min_loss_scale, max_loss_scale)
-    registry.latest = handle
+    handle = _build(props, rule, model_list, opt_list, device, num_losses)
+    set_current_handle(handle)
     models_out = model_list if models_was_list else model_list[0]
     if optimizers is None:
         return models_out
     return models_out, (opt_list if opts_was_list else opt_list[0])
 
 
-def _build(props, model_list, opt_list, device, num_losses, min_loss_scale, max_loss_scale):
-    uses_half = props.patch_torch_functions or props.cast_model_type in (
-        torch.float16,
-        torch.bfloat16,
-    )
-    if props.enabled and uses_half:
-        hardware_check(device, props.half_dtype)
+def _uses_half(props: Properties) -> bool:
+    return props.patch_torch_functions or props.cast_model_type in _HALF
+
+
+def _build(props, rule, model_list, opt_list, device, num_losses) -> AmpHandle:
+    half = props.half_dtype if props.enabled and _uses_half(props) else None
+    scalers = [LossScaler(rule, device=device, half_dtype=half) for _ in range(num_losses)]
+    handle = AmpHandle(props, scalers)
+    if half is not None:
+        HardwareCheck()(device, half)
     if props.enabled and props.cast_model_type is not None:
         keep_bn = props.cast_model_type != torch.float32 and bool(props.keep_batchnorm_fp32)
+        recast: set[torch.dtype] = set()
         for m in model_list:  # before the optimizers: masters are made from the cast params
-            cast_model(m, props.cast_model_type, keep_bn)
-    states = [OptimizerAmp(o, props.master_weights) for o in opt_list] if props.enabled else []
-    hooks = []
-    if props.enabled:
-        for m in model_list:
-            hooks += _attach_model(m, props, states)
-    scalers = [
-        LossScaler(
-            props.loss_scale,
-            min_loss_scale=min_loss_scale,
-            max_loss_scale=max_loss_scale,
-            device=device,
-        )
-        for _ in range(num_losses)
-    ]
-    handle = AmpHandle(props, scalers, states, hooks)
-    for i, o in enumerate(opt_list):
-        registry.optimizers[o] = states[i] if states else None
-        registry.handles[o] = handle
+            recast |= cast_model(m, props.cast_model_type, keep_bn)
+        if recast and props.cast_model_type in _HALF:
+            names = ", ".join(sorted(str(d).split(".")[-1] for d in recast))
+            warnings.warn(
+                f"amp.initialize: the model had {names} params; opt_level={props.opt_level!r} "
+                f"cast them to {props.cast_model_type} (a lossy recast, not from fp32). Pass "
+                "half_dtype matching the model, or start from an fp32 model.",
+                PrecisionRecastWarning,
+                stacklevel=3,
+            )
+    for o in opt_list:
+        st = None
+        if props.enabled:
+            st = AmpOptimizerState(o, choose_strategy(o, props.master_weights), handle)
+            handle.opt_states.append(st)
+        o._amp_stash = AmpStash(st, handle)
     for m in model_list:
-        registry.models.add(m)
+        handle.hooks += _attach_model(m, props, handle)
+        setattr(m, _MODEL_MARK, True)
     return handle
+
+
+def _attach_model(model: torch.nn.Module, props: Properties, handle: AmpHandle) -> list:
+    out = props.cast_model_outputs
+    hooks = []
+    if not props.enabled:
+        pass
+    elif props.cast_model_type is not None:
+        hooks += CastForward(props.cast_model_type, out).attach(model)
+    if props.patch_torch_functions:
+        dev = model_device(model).type
+        hooks += AutocastForward(dev, props.half_dtype, default_registry.copy(), out).attach(model)
+    elif props.cast_model_type is None and out is not None:
+        hooks += CastForward(None, out).attach(model)
+    # model.load_state_dict after initialize: the fp32 masters follow (and keep the handle).
+    hooks.append(model.register_load_state_dict_pre_hook(handle.model_load_pre))
+    hooks.append(model.register_load_state_dict_post_hook(handle.model_load_post))
+    return hooks

@@ -13,7 +13,7 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from mpnb.core.amp.casts import CastRegistry, _cast
 
-__all__ = ["cast_model", "CastForward", "AutocastForward", "model_device"]
+__all__ = ["cast_model", "check_model", "CastForward", "AutocastForward", "model_device"]
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -23,24 +23,52 @@ def model_device(model: torch.nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
-def cast_model(model: torch.nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool) -> None:
+def check_model(model: torch.nn.Module) -> None:
+    """Refuse what amp cannot run: a model on the ``meta`` device, complex parameters."""
+    for name, t in (*model.named_parameters(), *model.named_buffers()):
+        if t.is_meta:
+            raise ValueError(
+                f"amp.initialize: {name!r} is on the meta device (shapes only, no data); "
+                "materialize the model first (model.to_empty(device=...) and load or "
+                "initialize its weights), then call amp.initialize."
+            )
+    for name, p in model.named_parameters():
+        if p.is_complex():
+            raise ValueError(
+                f"amp.initialize: parameter {name!r} is {p.dtype}; amp's half dtypes and loss "
+                "scaling are for real parameters. Store it as a real tensor (torch.view_as_real) "
+                "or keep this model out of amp.initialize."
+            )
+
+
+def cast_model(
+    model: torch.nn.Module, dtype: torch.dtype, keep_batchnorm_fp32: bool
+) -> set[torch.dtype]:
     """Cast floating params and buffers to ``dtype`` in place, keeping Parameter identity.
 
     Batch norms (``_BatchNorm`` subclasses, SyncBatchNorm included) stay fp32 when
     ``keep_batchnorm_fp32``. Parameters keep their identity (``param.data`` is replaced), so
     an optimizer built before ``amp.initialize`` still holds them.
+
+    Returns:
+        The dtypes other than fp32 and ``dtype`` that params were cast from (a recast, e.g.
+        an fp16 model made bf16), for the caller's warning.
     """
+    recast: set[torch.dtype] = set()
     for mod in model.modules():
         if keep_batchnorm_fp32 and isinstance(mod, _BatchNorm):
             continue
         for p in mod.parameters(recurse=False):
             if p.is_floating_point() and p.dtype != dtype:
+                if p.dtype != torch.float32:
+                    recast.add(p.dtype)
                 p.data = p.data.to(dtype)
                 if p.grad is not None:
                     p.grad = p.grad.to(dtype)
         for name, b in mod.named_buffers(recurse=False):
             if b is not None and b.is_floating_point() and b.dtype != dtype:
                 setattr(mod, name, b.to(dtype))
+    return recast
 
 
 class CastForward:

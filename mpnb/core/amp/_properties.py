@@ -12,21 +12,20 @@ from dataclasses import dataclass
 
 import torch
 
+from mpnb.core.amp._config import HALF_DTYPES, LossScaleRule, parse_loss_scale
 from mpnb.core.hardware import default_half_dtype
 
-__all__ = ["Properties", "OptLevel", "OPT_LEVELS", "resolve_properties", "format_properties"]
+__all__ = [
+    "Properties",
+    "OptLevel",
+    "OPT_LEVELS",
+    "parse_opt_level",
+    "resolve_properties",
+    "format_properties",
+]
 
 _HALF = (torch.float16, torch.bfloat16)
-_DTYPE_NAMES = {
-    "float16": torch.float16,
-    "fp16": torch.float16,
-    "half": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "bf16": torch.bfloat16,
-    "float32": torch.float32,
-    "fp32": torch.float32,
-    "float": torch.float32,
-}
+_DTYPE_NAMES = {**HALF_DTYPES, "float32": torch.float32, "fp32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -40,8 +39,11 @@ class Properties:
         patch_torch_functions: run forward under ``torch.autocast`` (O1).
         keep_batchnorm_fp32: keep batch norms fp32 when the model is cast.
         master_weights: keep fp32 master params in the optimizer.
-        loss_scale: ``"dynamic"`` or a fixed positive number.
-        cast_model_outputs: dtype forward outputs are cast to (None: Apex's default).
+        loss_scale: ``"dynamic"`` or a fixed positive number (Apex's values; the dynamic
+            rule itself is each :class:`~mpnb.core.amp.LossScaler`'s ``rule``).
+        cast_model_outputs: dtype the model's floating outputs are cast to (None: no cast).
+            fp32 by default at every level, so a loss computed from the outputs runs in fp32
+            (under O1 this gives the numerics of Apex's fp32 function list).
         half_dtype: ``torch.float16`` or ``torch.bfloat16``.
     """
 
@@ -74,7 +76,7 @@ class OptLevel:
             keep_batchnorm_fp32={"O2": True, "O3": False}.get(self.name),
             master_weights=self.name == "O2",
             loss_scale="dynamic" if self.name in ("O1", "O2") else 1.0,
-            cast_model_outputs=None,
+            cast_model_outputs=torch.float32,
             half_dtype=half,
         )
 
@@ -107,14 +109,34 @@ def _bool(name: str, value) -> bool:
 
 
 def _loss_scale(value) -> float | str:
-    if value == "dynamic":
-        return value
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    raise ValueError(
-        f"amp.initialize: loss_scale={value!r} is invalid; valid choices: 'dynamic' or a "
-        "positive number."
-    )
+    try:
+        parsed = parse_loss_scale(value)
+    except ValueError as e:
+        raise ValueError(f"amp.initialize: {e}") from None
+    return "dynamic" if isinstance(parsed, LossScaleRule) else parsed
+
+
+def _outputs(value) -> torch.dtype | None:
+    if value is False or value == "False":
+        return None  # no cast at all
+    return _dtype("cast_model_outputs", value, (*_HALF, torch.float32))
+
+
+def parse_opt_level(value) -> str:
+    """``value`` if it names an opt level, else a ValueError listing the valid ones.
+
+    Example::
+
+        >>> parse_opt_level("O2")
+        'O2'
+    """
+    if value not in OPT_LEVELS:
+        hint = " (use the letter O, not zero)" if str(value).startswith("0") else ""
+        raise ValueError(
+            f"amp.initialize: unknown opt_level {value!r}{hint}; valid choices: "
+            f"{', '.join(OPT_LEVELS)}."
+        )
+    return value
 
 
 def _check_o1(over: dict) -> None:
@@ -141,19 +163,16 @@ def resolve_properties(opt_level: str = "O1", device="cpu", **overrides) -> Prop
     Args:
         opt_level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (the letter O, not zero).
         device: where the model lives; picks the default half dtype (fp16 CUDA, bf16 CPU).
-        **overrides: any :class:`Properties` field; None means "the level's default".
+        **overrides: any :class:`Properties` field; None means "the level's default";
+            ``cast_model_outputs=False`` leaves the outputs uncast; ``loss_scale`` may also be
+            a :class:`~mpnb.core.amp.LossScaleRule` or a dict of its fields (``"dynamic"``).
 
     Example::
 
         >>> resolve_properties("O2", half_dtype=torch.float16).cast_model_type
         torch.float16
     """
-    if opt_level not in OPT_LEVELS:
-        hint = " (use the letter O, not zero)" if str(opt_level).startswith("0") else ""
-        raise ValueError(
-            f"amp.initialize: unknown opt_level {opt_level!r}{hint}; valid choices: "
-            f"{', '.join(OPT_LEVELS)}."
-        )
+    parse_opt_level(opt_level)
     unknown = set(overrides) - {f.name for f in dataclasses.fields(Properties)}
     if unknown:
         raise ValueError(f"amp.initialize: unknown properties {sorted(unknown)}.")
@@ -169,8 +188,8 @@ def resolve_properties(opt_level: str = "O1", device="cpu", **overrides) -> Prop
         "keep_batchnorm_fp32": lambda v: _bool("keep_batchnorm_fp32", v),
         "master_weights": lambda v: _bool("master_weights", v),
         "loss_scale": _loss_scale,
-        "cast_model_outputs": lambda v: _dtype("cast_model_outputs", v, (*_HALF, torch.float32)),
-        "half_dtype": lambda v: v,
+        "cast_model_outputs": _outputs,
+        "half_dtype": lambda v: _dtype("half_dtype", v, _HALF),
     }
     props = dataclasses.replace(props, **{k: conv[k](v) for k, v in over.items()})
     _check_consistent(props)

@@ -15,10 +15,12 @@ __all__ = ["drop_grads", "is_torch_optim", "snapshot"]
 
 
 def is_torch_optim(optimizer) -> bool:
+    """True for ``torch.optim``'s own optimizers (they skip params whose grad is None)."""
     return type(optimizer).__module__.startswith("torch.optim")
 
 
 def drop_grads(optimizer):
+    """Skip a ``torch.optim`` step by hiding every grad; returns ``(restore, saved)``."""
     # torch.optim optimizers skip params whose grad is None: no update, no state, no step count.
     saved = []
     for group in optimizer.param_groups:
@@ -34,6 +36,7 @@ def drop_grads(optimizer):
 
 
 def snapshot(optimizer):
+    """Skip any optimizer's step by copying and restoring it; returns ``(restore, saved)``."""
     # Any other optimizer: copy params, state and group settings, and put them back afterwards.
     params = [p for g in optimizer.param_groups for p in g["params"]]
     saved = (

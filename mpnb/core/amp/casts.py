@@ -14,8 +14,10 @@ raises). This is the only place amp wraps a function someone else owns.
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import functools
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 
 import torch
 
@@ -39,24 +41,54 @@ def _active_autocast() -> list[str]:
 
 
 def _cast(obj, dtype):
+    """``obj`` with every floating tensor cast to ``dtype``, its containers' types kept.
+
+    Tensors, tuples, namedtuples (and ``torch.return_types``), lists, dicts (``OrderedDict``,
+    ``defaultdict``, ...), dataclasses and Hugging Face ``ModelOutput`` (an ``OrderedDict``
+    that is also a dataclass) come back as the same type; anything else is returned as is.
+    """
     if isinstance(obj, torch.Tensor):
         return obj.to(dtype) if obj.is_floating_point() else obj
-    if isinstance(obj, (list, tuple)):
-        return type(obj)(_cast(o, dtype) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _cast(v, dtype) for k, v in obj.items()}
+    if isinstance(obj, (str, bytes)) or obj is None:
+        return obj
+    if isinstance(obj, Mapping):  # before dataclasses: a ModelOutput's items are its fields
+        out = copy.copy(obj)
+        for k, v in obj.items():
+            out[k] = _cast(v, dtype)
+        return out
+    if isinstance(obj, tuple):
+        items = [_cast(o, dtype) for o in obj]
+        if type(obj) is tuple:
+            return tuple(items)
+        return type(obj)(*items) if hasattr(obj, "_fields") else type(obj)(items)
+    if isinstance(obj, list):
+        items = [_cast(o, dtype) for o in obj]
+        if type(obj) is list:
+            return items
+        out = copy.copy(obj)
+        out[:] = items
+        return out
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        out = copy.copy(obj)
+        for f in dataclasses.fields(obj):
+            object.__setattr__(out, f.name, _cast(getattr(obj, f.name), dtype))
+        return out
     return obj
 
 
 def _widest(obj, found: list) -> None:
-    if isinstance(obj, torch.Tensor) and obj.is_floating_point():
-        found.append(obj.dtype)
+    if isinstance(obj, torch.Tensor):
+        if obj.is_floating_point():
+            found.append(obj.dtype)
+    elif isinstance(obj, Mapping):
+        for o in obj.values():
+            _widest(o, found)
     elif isinstance(obj, (list, tuple)):
         for o in obj:
             _widest(o, found)
-    elif isinstance(obj, dict):
-        for o in obj.values():
-            _widest(o, found)
+    elif dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        for f in dataclasses.fields(obj):
+            _widest(getattr(obj, f.name), found)
 
 
 @contextlib.contextmanager
@@ -144,6 +176,12 @@ class CastRegistry:
     def __init__(self) -> None:
         self.entries: dict[tuple[int, str], tuple[object, str, str]] = {}
 
+    def copy(self) -> CastRegistry:
+        """A snapshot: ``amp.initialize`` keeps the functions registered before it (Apex)."""
+        out = CastRegistry()
+        out.entries = dict(self.entries)
+        return out
+
     def register(self, module, name: str, policy: str) -> None:
         """Record ``module.name`` with ``policy`` (``"half"``, ``"float"``, ``"promote"``)."""
         if not hasattr(module, name):
@@ -175,6 +213,8 @@ class CastRegistry:
 
 
 default_registry = CastRegistry()
+"""Apex's module-level ``register_*_function`` calls record here (a compatibility surface);
+each ``amp.initialize`` takes a snapshot of it, as Apex applies them at initialize."""
 
 
 def register_half_function(module, name: str) -> None:

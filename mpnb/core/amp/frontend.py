@@ -1,8 +1,11 @@
-"""Apex's module-level amp API: ``scale_loss``, ``master_params``, ``state_dict``...
+"""Apex's handle-less amp API: ``scale_loss``, ``master_params``, ``state_dict``...
 
-Apex's API has no handle argument (``amp.state_dict()``), so one :class:`AmpRegistry` object
-maps each initialized optimizer (weakly) to its state and remembers the latest handle. All
-training state lives in the handle, its scalers and the per-optimizer objects.
+Apex's functions take no handle. ``amp.scale_loss(loss, optimizer)`` finds the optimizer's
+state through ``optimizer._amp_stash`` (a read-only view, see
+:class:`~mpnb.core.amp._state.AmpStash`), and ``amp.state_dict()``/``amp.load_state_dict()``
+act on the handle of the latest ``amp.initialize``, of which this module keeps one weak
+reference: Apex's compatibility surface. All training state lives in the handles, their
+scalers and the per-optimizer states.
 """
 
 from __future__ import annotations
@@ -13,55 +16,55 @@ from collections.abc import Iterator
 
 import torch
 
-from mpnb.core.amp._optimizer import OptimizerAmp
-from mpnb.core.amp.handle import AmpHandle
+from mpnb.core.amp.handle import AmpHandle, _ScaleLossBlock
 
 __all__ = [
-    "AmpRegistry",
-    "registry",
     "scale_loss",
     "master_params",
     "state_dict",
     "load_state_dict",
     "current_handle",
+    "set_current_handle",
 ]
 
-
-class AmpRegistry:
-    """Which optimizers and models amp manages, and the handle of the latest initialize."""
-
-    def __init__(self) -> None:
-        self.optimizers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.handles: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # optimizer -> handle
-        self.models: weakref.WeakSet = weakref.WeakSet()
-        self.latest: AmpHandle | None = None
-
-    def lookup(self, optimizer) -> tuple[AmpHandle, OptimizerAmp]:
-        """The handle and state of ``optimizer``, or a ValueError saying to initialize first."""
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(
-                f"amp: expected a torch.optim.Optimizer, got {type(optimizer).__name__}."
-            )
-        if optimizer not in self.optimizers:
-            raise ValueError(
-                "amp: this optimizer was not passed to amp.initialize; call "
-                "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)` before "
-                "amp.scale_loss / amp.master_params, and use the optimizer it returns."
-            )
-        return self.handles[optimizer], self.optimizers[optimizer]
+_latest: weakref.ref | None = None  # Apex compatibility: the latest amp.initialize's handle
 
 
-registry = AmpRegistry()
+def set_current_handle(handle: AmpHandle) -> None:
+    """Make ``handle`` the one Apex's handle-less functions act on (``amp.initialize`` does)."""
+    global _latest
+    _latest = weakref.ref(handle)
 
 
 def current_handle() -> AmpHandle:
-    """The handle of the latest ``amp.initialize`` (ValueError before any)."""
-    if registry.latest is None:
+    """The handle of the latest ``amp.initialize`` (ValueError before any, or once the
+    models and optimizers it managed are gone).
+
+    Example::
+
+        >>> amp.current_handle().scalers[0].loss_scale()
+        65536.0
+    """
+    handle = None if _latest is None else _latest()
+    if handle is None:
         raise ValueError(
-            "amp: amp.initialize has not been called yet; call "
+            "amp: no amp.initialize is in effect; call "
             "`model, optimizer = amp.initialize(model, optimizer)` first."
         )
-    return registry.latest
+    return handle
+
+
+def _stash_of(optimizer):
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"amp: expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
+    stash = getattr(optimizer, "_amp_stash", None)
+    if not isinstance(getattr(stash, "handle", None), AmpHandle):
+        raise ValueError(
+            "amp: this optimizer was not passed to amp.initialize; call "
+            "`model, optimizer = amp.initialize(model, optimizer, opt_level=...)` before "
+            "amp.scale_loss, and use the optimizer it returns."
+        )
+    return stash
 
 
 def scale_loss(
@@ -76,12 +79,17 @@ def scale_loss(
 
     Args:
         loss: the loss tensor.
-        optimizers: the optimizer (or list) whose params this backward reaches.
+        optimizers: the optimizer (or list) whose params this backward reaches; all from one
+            ``amp.initialize``.
         loss_id: which loss scaler to use (``0 .. num_losses-1``).
         model: accepted for Apex compatibility; unused.
         delay_unscale: keep the grads scaled to accumulate more backwards before unscaling.
         delay_overflow_check: accepted for Apex compatibility; the check is always on the
             device and read once per step.
+
+    Misuse raises an error naming the fix: ``optimizer.step()`` inside the block, a block
+    nested in another on the same optimizer, two ``step()`` calls after one backward, a step
+    after ``delay_unscale=True`` blocks only.
 
     Example::
 
@@ -89,28 +97,25 @@ def scale_loss(
         ...     scaled_loss.backward()
         >>> optimizer.step()          # skipped (bitwise) if the grads overflowed
     """
-    if registry.latest is None:
-        raise ValueError(
-            "amp.scale_loss called before amp.initialize; call `model, optimizer "
-            "= amp.initialize(model, optimizer, opt_level=...)` first."
-        )
     if not isinstance(optimizers, (list, tuple)):  # the common case: one optimizer
-        handle, st = registry.lookup(optimizers)
-        return handle.scale_loss(loss, [st], loss_id, delay_unscale)
-    found = [registry.lookup(o) for o in optimizers]
-    handle = found[0][0]
-    if any(h is not handle for h, _ in found):
+        stash = _stash_of(optimizers)
+        return _ScaleLossBlock(stash.handle, loss, [stash.amp_state], loss_id, delay_unscale)
+    stashes = [_stash_of(o) for o in optimizers]
+    if not stashes or any(s.handle is not stashes[0].handle for s in stashes):
         raise ValueError(
-            "amp.scale_loss: the optimizers come from different amp.initialize "
-            "calls; pass optimizers of one initialize per scale_loss block."
+            "amp.scale_loss: pass one optimizer or a non-empty list of optimizers from one "
+            "amp.initialize call per scale_loss block."
         )
-    return handle.scale_loss(loss, [s for _, s in found], loss_id, delay_unscale)
+    states = [s.amp_state for s in stashes]
+    return _ScaleLossBlock(stashes[0].handle, loss, states, loss_id, delay_unscale)
 
 
 def master_params(optimizer) -> Iterator[torch.nn.Parameter]:
     """The params ``optimizer`` updates: fp32 masters under O2, the model's params otherwise.
 
     Their ``.grad`` is unscaled after ``scale_loss`` exits, so clipping them clips real grads.
+    (With an ``mpnb.optimizers`` fused optimizer and a single ``scale_loss`` block, the grads
+    stay scaled until ``step()``: clip inside the optimizer instead.)
 
     Example::
 
@@ -128,5 +133,6 @@ def state_dict(destination: dict | None = None) -> dict:
 
 
 def load_state_dict(state: dict) -> None:
-    """Restore :func:`state_dict` output into the latest ``amp.initialize``'s scalers."""
+    """Restore :func:`state_dict` output into the latest ``amp.initialize``'s scalers (all of
+    it, or nothing when an entry is invalid)."""
     current_handle().load_state_dict(state)

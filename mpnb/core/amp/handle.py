@@ -1,24 +1,28 @@
-"""``AmpHandle``: the state of one ``amp.initialize`` call, and ``scale_loss``.
+"""``AmpHandle``: the state of one ``amp.initialize`` call, and its ``scale_loss`` blocks.
 
-Host syncs: one per optimizer step, in the optimizer's step pre-hook, where the overflow flag
-and the scales are read together (:class:`mpnb.core.amp._optimizer.OptimizerAmp`). Entering
-and leaving ``scale_loss`` never syncs: the loss is multiplied by the scale on the device and
-the unscale (``multi_tensor_scale`` with the device ``inv_scale``) writes the overflow flag on
-the device.
-
-Fused optimizers (next issue) plug in through ``optimizer._mpnb_accepts_scale``; see
-:class:`~mpnb.core.amp._optimizer.OptimizerAmp`.
+Entering and leaving ``scale_loss`` never syncs with the host: the loss is multiplied by the
+scale on the device, and the unscale (``multi_tensor_scale`` with the device ``inv_scale``)
+and the scale update (:meth:`~mpnb.core.amp.LossScaler.update`) write their results on the
+device. The one host read of a step happens in ``optimizer.step()`` (see
+:mod:`mpnb.core.amp._state`).
 """
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
-from mpnb.core.amp._optimizer import OptimizerAmp
 from mpnb.core.amp._properties import Properties
 from mpnb.core.amp.scaler import LossScaler
 
-__all__ = ["AmpHandle"]
+__all__ = ["AmpHandle", "RoundedWeightsWarning"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class RoundedWeightsWarning(UserWarning):
+    """A checkpoint's half weights went into fp32 params without their fp32 masters."""
 
 
 class _ScaleLossBlock:
@@ -32,6 +36,11 @@ class _ScaleLossBlock:
 
     def __enter__(self) -> torch.Tensor:
         h = self.handle
+        if not isinstance(self.loss, torch.Tensor):
+            raise TypeError(
+                f"amp.scale_loss: loss must be a torch.Tensor, got {type(self.loss).__name__}; "
+                "pass the loss tensor itself (not loss.item() or a Python number)."
+            )
         if not h.properties.enabled:
             return self.loss
         n = len(h.scalers)
@@ -40,22 +49,34 @@ class _ScaleLossBlock:
                 f"amp.scale_loss: loss_id={self.loss_id} but amp.initialize(num_losses="
                 f"{n}) made loss ids 0..{n - 1}; pass a valid loss_id or raise num_losses."
             )
-        self.scaler = scaler = h.scalers[self.loss_id]
+        scaler = h.scalers[self.loss_id]
         for st in self.states:
-            st.prepare_backward()
+            st.check_enter()
+        if h._deferred:
+            h.materialize(scaler, self.states)
+        for st in self.states:
+            st.enter()
         scaler.clear_overflow()
+        self.scaler = scaler
         return scaler.scale_loss(self.loss)
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         scaler = self.scaler
-        if exc_type is not None or scaler is None:
-            return False  # the exception propagates; nothing is unscaled
+        if scaler is None:
+            return False
+        if exc_type is not None:  # a backward interrupted (error, Ctrl-C): drop its grads
+            for st in self.states:
+                st.abort()
+            return False
+        if self.delay:
+            for st in self.states:
+                st.exit_delayed(scaler)
+            return False
         alone = len(self.states) == 1
-        if alone and not self.delay and self.states[0].unscale_and_update(scaler):
-            return False  # the common case: unscale and scale update in one call
+        unscaled = False
         for st in self.states:
-            st.after_backward(scaler, self.delay, alone)
-        if not self.delay and any(not st.fused for st in self.states):
+            unscaled |= st.exit_unscale(scaler, alone)
+        if unscaled:
             scaler.update()
         return False
 
@@ -64,61 +85,139 @@ class AmpHandle:
     """Everything one ``amp.initialize`` set up: properties, scalers, optimizer states, hooks.
 
     Args:
-        properties: the resolved :class:`Properties`.
-        scalers: one :class:`LossScaler` per ``loss_id``.
-        opt_states: one :class:`OptimizerAmp` per optimizer.
+        properties: the resolved :class:`~mpnb.core.amp.Properties`.
+        scalers: one :class:`~mpnb.core.amp.LossScaler` per ``loss_id``.
+
+    Attributes:
+        properties: as given (stable: Apex views are built on it).
+        scalers: as given (stable: Apex's ``_amp_state.loss_scalers`` view reads it).
+        opt_states: one :class:`~mpnb.core.amp._state.AmpOptimizerState` per optimizer.
         hooks: removable handles of the model hooks.
 
     Example::
 
         >>> model, opt = amp.initialize(model, opt, opt_level="O2")
-        >>> with amp.scale_loss(loss, opt) as scaled:
+        >>> handle = amp.current_handle()
+        >>> with handle.scale_loss(loss, opt) as scaled:
         ...     scaled.backward()
         >>> opt.step()
     """
 
-    def __init__(
-        self,
-        properties: Properties,
-        scalers: list[LossScaler],
-        opt_states: list[OptimizerAmp],
-        hooks: list,
-    ):
+    def __init__(self, properties: Properties, scalers: list[LossScaler]):
         self.properties = properties
         self.scalers = scalers
-        self.opt_states = opt_states
-        self.hooks = hooks
+        self.opt_states: list = []
+        self.hooks: list = []
+        self._deferred: list = []  # fused optimizers whose grads wait, scaled, for step()
+        self._incoming: dict = {}  # fp32 checkpoint values for half params, during a load
+        self._incoming_rounded: torch.dtype | None = None
+        self._rounded_warned = False
 
     def scale_loss(
-        self,
-        loss: torch.Tensor,
-        opt_states: list[OptimizerAmp],
-        loss_id: int = 0,
-        delay_unscale: bool = False,
+        self, loss: torch.Tensor, optimizers, loss_id: int = 0, delay_unscale: bool = False
     ) -> _ScaleLossBlock:
         """A context manager yielding ``loss * scale``; on exit it unscales the grads.
 
-        The grads of ``opt_states``' params are unscaled when the block exits without an
-        exception. With ``delay_unscale=True`` the grads stay scaled and accumulate until a
-        later block without it. On overflow the following ``optimizer.step()`` is skipped.
+        Args:
+            loss: the loss tensor.
+            optimizers: one optimizer of this handle, or a list of them.
+            loss_id: which loss scaler (``0 .. num_losses-1``).
+            delay_unscale: keep the grads scaled to accumulate more backwards first.
+
+        The grads of the optimizers' params are unscaled when the block exits without an
+        exception; a block that raises drops the grads its backward produced. On overflow
+        the following ``optimizer.step()`` is skipped (dynamic scale).
         """
-        return _ScaleLossBlock(self, loss, opt_states, loss_id, delay_unscale)
+        opts = optimizers if isinstance(optimizers, (list, tuple)) else [optimizers]
+        return _ScaleLossBlock(self, loss, [self.state_of(o) for o in opts], loss_id, delay_unscale)
+
+    def state_of(self, optimizer):
+        """The amp state of ``optimizer`` (ValueError if it is not one of this handle's)."""
+        stash = getattr(optimizer, "_amp_stash", None)
+        if stash is None or getattr(stash, "handle", None) is not self:
+            raise ValueError(
+                "amp: this optimizer was not passed to this amp.initialize; call `model, "
+                "optimizer = amp.initialize(model, optimizer, opt_level=...)` first and use the "
+                "optimizer it returns."
+            )
+        return stash.amp_state
+
+    # ---- fused optimizers whose grads wait, scaled, for their step --------------------------
+
+    def defer(self, st) -> None:
+        """Record that ``st``'s grads stay scaled until its step."""
+        self._deferred.append(st)
+
+    def undefer(self, st) -> None:
+        """``st``'s deferred grads were unscaled (or stepped)."""
+        if st in self._deferred:
+            self._deferred.remove(st)
+
+    def materialize(self, scaler: LossScaler, states: list) -> None:
+        """Before a block of ``scaler`` on ``states``: unscale the deferred grads it would
+        disturb (a second block on the same optimizer or the same scaler before the step)."""
+        for st in list(self._deferred):
+            if st.strategy.deferred is scaler or st in states:
+                st.strategy.materialize(st)
+
+    # ---- checkpoints -----------------------------------------------------------------------
 
     def state_dict(self) -> dict:
         """``{"loss_scaler0": {...}, ...}`` (Apex's keys; one host sync per scaler)."""
         return {f"loss_scaler{i}": s.state_dict() for i, s in enumerate(self.scalers)}
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output into the scalers."""
-        keys = sorted(k for k in state if k.startswith("loss_scaler"))
-        if len(keys) != len(self.scalers):
+    def load_state_dict(self, state) -> None:
+        """Restore :meth:`state_dict` output into the scalers: all of it or, on any bad entry
+        (ValueError naming the key), nothing."""
+        if not hasattr(state, "keys"):
             raise ValueError(
-                f"amp.load_state_dict: the state has {len(keys)} loss scalers but "
-                f"amp.initialize(num_losses={len(self.scalers)}) made {len(self.scalers)}; "
-                "initialize with the num_losses the checkpoint was saved with."
+                f"amp.load_state_dict: expected the dict amp.state_dict() returned, got "
+                f"{type(state).__name__}."
             )
-        for i, s in enumerate(self.scalers):
-            s.load_state_dict(state[f"loss_scaler{i}"])
+        keys = sorted(k for k in state if isinstance(k, str) and k.startswith("loss_scaler"))
+        expected = [f"loss_scaler{i}" for i in range(len(self.scalers))]
+        if sorted(keys) != sorted(expected):
+            raise ValueError(
+                f"amp.load_state_dict: the state has the loss scalers {keys} but "
+                f"amp.initialize(num_losses={len(self.scalers)}) made {expected}; initialize "
+                "with the num_losses the checkpoint was saved with."
+            )
+        pairs = zip(self.scalers, expected, strict=True)
+        checked = [s.check_state_dict(state[k], k) for s, k in pairs]
+        for s, c in zip(self.scalers, checked, strict=True):
+            s.apply_state(c)
+
+    def model_load_pre(self, module, state_dict, prefix, *args) -> None:
+        """Before ``model.load_state_dict``: note fp32 values meant for half params (their
+        masters take them exactly) and half values meant for fp32 params (rounded)."""
+        self._incoming, rounded = {}, None
+        for name, p in module.named_parameters():
+            t = state_dict.get(prefix + name)
+            if not isinstance(t, torch.Tensor) or t.shape != p.shape:
+                continue
+            if p.dtype in _HALF and t.dtype == torch.float32:
+                self._incoming[p] = t
+            elif p.dtype == torch.float32 and t.dtype in _HALF:
+                rounded = t.dtype
+        self._incoming_rounded = rounded
+
+    @torch.no_grad()
+    def model_load_post(self, module, incompatible) -> None:
+        """After ``model.load_state_dict``: masters re-read (or carried), never dropped silently."""
+        incoming, self._incoming = self._incoming, {}
+        carried = False
+        for st in self.opt_states:
+            carried |= _refresh(st, incoming)
+        rounded, self._incoming_rounded = self._incoming_rounded, None
+        if rounded is not None and not carried and not self._rounded_warned:
+            self._rounded_warned = True
+            warnings.warn(
+                f"amp: the model checkpoint holds {rounded} weights (an O2/O3 checkpoint), so "
+                "these fp32 params now hold rounded half values. Load the optimizer state "
+                "saved with it as well: amp carries its fp32 master weights into the params.",
+                RoundedWeightsWarning,
+                stacklevel=3,
+            )
 
     def remove_hooks(self) -> None:
         """Detach every model and optimizer hook this handle registered."""
@@ -128,3 +227,32 @@ class AmpHandle:
             for h in st.hooks:
                 h.remove()
         self.hooks = []
+
+
+def _refresh(st, incoming: dict) -> bool:
+    """Bring ``st``'s fp32 values in line with a freshly loaded model; True if a checkpoint's
+    fp32 masters (carried by an optimizer load) were kept over rounded model values."""
+    strategy = st.strategy
+    masters = strategy.masters
+    if masters is not None:
+        for p, m in zip(masters.model, masters.masters, strict=True):
+            if p in incoming:
+                m.copy_(incoming[p])
+            elif not torch.equal(m.to(p.dtype), p):
+                m.copy_(p)
+    if getattr(strategy, "internal_masters", False):
+        opt = st.optimizer
+        for p in strategy.own.params:
+            if p.dtype not in _HALF:
+                continue
+            m = opt.state.get(p, {}).get("master_param")
+            if p in incoming:
+                opt._mpnb_set_master(p, incoming[p])
+            elif m is not None and not torch.equal(m.to(p.dtype), p):
+                m.copy_(p)
+    kept = False
+    for p, v in st.carried:  # O0/O1/O3: a model load after the optimizer's must not round
+        if not torch.equal(p, v) and any(torch.equal(p, v.to(h).float()) for h in _HALF):
+            p.copy_(v)
+            kept = True
+    return kept or bool(st.carried)

@@ -1,93 +1,194 @@
-"""The loss scaler: one object per loss, its scale kept on the device.
+"""The loss scaler: one object per loss, its rule in the object and its scale on the device.
 
-Host syncs: none here except :meth:`LossScaler.state_dict`, :meth:`LossScaler.loss_scale` and
-:meth:`LossScaler.read`, which the optimizer's step pre-hook calls as its single per-step sync
-(:meth:`LossScaler.note_step` only takes numbers already fetched there; see
-:mod:`mpnb.core.amp.handle`).
+:class:`LossScaler` holds a :class:`~mpnb.core.amp.LossScaleRule` and applies it in one place,
+:meth:`LossScaler.update`, through one op (:func:`mpnb.core.ops.update_loss_scale_`). Every
+path of amp (O0-O3, masters or not, the fused-optimizer seam, kernel or reference) calls that
+method, so every path follows the same rule.
+
+Host syncs: none here except :meth:`LossScaler.loss_scale` and :meth:`LossScaler.state_dict`
+(for logging and checkpoints). The optimizer's step reads the overflow flags and the scales it
+needs in one go and hands them to :meth:`LossScaler.note_step`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
 
 import torch
 
+from mpnb.core.amp._collapse import (
+    CollapseCheck,
+    LossScaleCollapseError,
+    StaticScaleOverflowWarning,
+    warn_static_overflow,
+)
+from mpnb.core.amp._config import LossScaleRule, parse_loss_scale
 from mpnb.core.ops import multi_tensor_scale, update_loss_scale_
 
-__all__ = ["LossScaler", "LossScaleCollapseError"]
+__all__ = [
+    "LossScaler",
+    "LossScaleCollapseError",
+    "CollapseCheck",
+    "StaticScaleOverflowWarning",
+    "warn_static_overflow",
+]
+
+_INT32_MAX = 2**31 - 1
+_UNSET = object()
+_DISABLE = (
+    "pass amp.initialize(..., min_loss_scale=...) to set the floor, or "
+    "loss_scale=LossScaleRule(max_skips_at_min=None) to turn this check off"
+)
 
 
-class LossScaleCollapseError(RuntimeError):
-    """Raised when every step is skipped for overflow even at the minimum loss scale."""
+def _rule_field(name: str, doc: str) -> property:
+    def get(self):
+        return getattr(self.rule, name)
+
+    def set_(self, value):
+        self.rule = self.rule.replace(**{name: value})
+
+    return property(get, set_, doc=doc)
 
 
 class LossScaler:
-    """Dynamic or static loss scaling with Apex's numbers.
+    """Dynamic or static loss scaling; the scale, its inverse and counters on the device.
 
-    Dynamic: starts at ``init_scale`` (2**16), doubles after ``scale_window`` (2000)
-    consecutive clean unscales, halves on any inf/NaN gradient, and is clamped to
-    ``[min_loss_scale, max_loss_scale]``. Static (``loss_scale`` a number): the scale never
-    changes and, as in Apex, overflowing steps are not skipped.
-
-    The scale, its inverse, the growth tracker and the overflow flag are one-element tensors on
-    ``device``; :meth:`unscale` and :meth:`update` never sync with the host.
+    Dynamic: the :class:`~mpnb.core.amp.LossScaleRule` (GradScaler's names, Apex's numbers:
+    start at 2**16, double after 2000 clean steps, back off by 0.5 on inf/NaN, clamp to
+    ``[min_loss_scale, 2**24]``). Static (``loss_scale`` a number): the scale never changes and,
+    as in Apex, an overflowing step is not skipped (amp warns with
+    :class:`StaticScaleOverflowWarning`).
 
     Args:
-        loss_scale: ``"dynamic"`` or a positive number.
-        init_scale: the first dynamic scale.
-        scale_factor: growth factor (backoff is its inverse).
-        scale_window: clean steps between two growths.
-        min_loss_scale, max_loss_scale: clamp bounds (None: no lower bound).
-        max_skips_at_min: after this many consecutive skipped steps with the scale at its floor
-            (``min_loss_scale``, or 1.0 without one) raise :class:`LossScaleCollapseError`;
-            None disables the check.
+        loss_scale: ``"dynamic"``, a positive finite number (static), a
+            :class:`~mpnb.core.amp.LossScaleRule` or a dict of its fields.
+        init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
+        min_loss_scale, max_loss_scale, max_skips_at_min: override the rule's fields.
+        scale_factor, scale_window: Apex's names, accepted as aliases: ``scale_factor`` is the
+            growth factor and (unless ``backoff_factor`` is given) its inverse the backoff;
+            ``scale_window`` is ``growth_interval``.
         device: where the state lives.
+        half_dtype: the half dtype in use (for the collapse error's advice only).
+
+    Attributes:
+        rule: the :class:`~mpnb.core.amp.LossScaleRule` (the rule's fields are also readable
+            and assignable as attributes: ``scaler.growth_interval = 100``).
+        dynamic: False for a static scale.
+        scale, inv_scale: one-element fp32 tensors.
+        found_inf: the current ``scale_loss`` block's overflow flag (a new tensor per block).
 
     Example::
 
-        >>> s = LossScaler("dynamic", scale_window=3)
+        >>> s = LossScaler("dynamic", growth_interval=3, backoff_factor=0.25)
+        >>> s.clear_overflow()
         >>> g = [torch.ones(4) * 65536]
         >>> s.unscale(g, g)            # g == ones, s.found_inf == 0
         >>> s.update()
     """
 
+    growth_factor = _rule_field("growth_factor", "Multiply the scale by this when it grows.")
+    backoff_factor = _rule_field("backoff_factor", "Multiply the scale by this on overflow.")
+    growth_interval = _rule_field("growth_interval", "Clean steps between two growths.")
+    hysteresis = _rule_field("hysteresis", "Overflowing steps tolerated before a backoff.")
+    min_loss_scale = _rule_field("min_loss_scale", "Lower clamp of the scale (or None).")
+    max_loss_scale = _rule_field("max_loss_scale", "Upper clamp of the scale.")
+    max_skips_at_min = _rule_field("max_skips_at_min", "Skips at the floor before the error.")
+    scale_window = _rule_field("growth_interval", "Apex's name of ``growth_interval``.")
+
     def __init__(
         self,
         loss_scale="dynamic",
-        init_scale: float = 2.0**16,
-        scale_factor: float = 2.0,
-        scale_window: int = 2000,
-        min_loss_scale: float | None = None,
-        max_loss_scale: float = 2.0**24,
-        max_skips_at_min: int | None = 100,
+        *,
+        init_scale=None,
+        growth_factor=None,
+        backoff_factor=None,
+        growth_interval=None,
+        hysteresis=None,
+        min_loss_scale=None,
+        max_loss_scale=None,
+        max_skips_at_min=_UNSET,
+        scale_factor=None,
+        scale_window=None,
         device="cpu",
+        half_dtype=None,
     ):
-        if scale_window <= 0:
-            raise ValueError(f"LossScaler: scale_window must be positive, got {scale_window}.")
-        self.dynamic = loss_scale == "dynamic"
-        first = init_scale if self.dynamic else float(loss_scale)
-        if self.dynamic:
-            first = min(max_loss_scale, first)
-            if min_loss_scale is not None:
-                first = max(min_loss_scale, first)
-        self.scale_factor, self.scale_window = float(scale_factor), int(scale_window)
-        self.min_loss_scale, self.max_loss_scale = min_loss_scale, max_loss_scale
-        self.max_skips_at_min = max_skips_at_min
+        parsed = parse_loss_scale(loss_scale)
+        self.dynamic = not isinstance(parsed, float)
+        base = parsed if isinstance(parsed, LossScaleRule) else LossScaleRule()
+        given = dict(
+            init_scale=init_scale,
+            growth_factor=_alias(growth_factor, scale_factor, "growth_factor", "scale_factor"),
+            backoff_factor=backoff_factor,
+            growth_interval=_alias(
+                growth_interval, scale_window, "growth_interval", "scale_window"
+            ),
+            hysteresis=hysteresis,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+        )
+        if scale_factor is not None and backoff_factor is None:
+            given["backoff_factor"] = 1.0 / float(scale_factor)  # Apex: one factor both ways
+        changes = {k: v for k, v in given.items() if v is not None}
+        if max_skips_at_min is not _UNSET:
+            changes["max_skips_at_min"] = max_skips_at_min
+        self.half_dtype = half_dtype
+        self._collapse = CollapseCheck(1.0, None, half_dtype, _DISABLE)
+        try:
+            self.rule = base.replace(**changes)
+        except ValueError as e:
+            raise ValueError(str(e).replace("LossScaleRule", "LossScaler")) from None
         dev = self._device = torch.device(device)
-        # scale, inv_scale and found_inf are views of one buffer: a step reads them in one go.
-        self._packed = torch.zeros(3, dtype=torch.float32, device=dev)
-        self.scale, self.inv_scale, self.found_inf = self._packed.split(1)
-        self.scale.fill_(first)
-        torch.reciprocal(self.scale, out=self.inv_scale)
-        self._borrowers: list = []  # optimizer states whose step flag is found_inf, see below
+        first = self.rule.clamp(self.rule.init_scale) if self.dynamic else parsed
+        self.scale = torch.full((1,), first, dtype=torch.float32, device=dev)
+        self.inv_scale = torch.reciprocal(self.scale)
         self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=dev)
-        self.hysteresis_tracker = torch.ones(1, dtype=torch.int32, device=dev)
-        self.skips_at_min = 0
+        self.hysteresis_tracker = torch.full(
+            (1,), self.rule.hysteresis, dtype=torch.int32, device=dev
+        )
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=dev)
+        self.updates = 0  # how many times update() applied the rule (for profilers and tests)
+
+    @property
+    def rule(self) -> LossScaleRule:
+        """The :class:`~mpnb.core.amp.LossScaleRule` :meth:`update` applies."""
+        return self._rule
+
+    @rule.setter
+    def rule(self, value: LossScaleRule) -> None:
+        if not isinstance(value, LossScaleRule):
+            raise TypeError(
+                f"LossScaler.rule must be a LossScaleRule, got {type(value).__name__}; build "
+                "one with LossScaleRule(...) or parse_loss_scale(...)."
+            )
+        self._rule = value
+        check = self._collapse
+        check.floor, check.limit = value.collapse_floor, value.max_skips_at_min
+        check.floor_name = (
+            "no min_loss_scale is set, and a scale <= 1 amplifies nothing"
+            if value.min_loss_scale is None
+            else "min_loss_scale, the floor of the scale"
+        )
+
+    @property
+    def scale_factor(self) -> float:
+        """Apex's name of ``growth_factor``; assigning it also sets ``backoff_factor = 1/v``."""
+        return self.rule.growth_factor
+
+    @scale_factor.setter
+    def scale_factor(self, value: float) -> None:
+        self.rule = self.rule.replace(growth_factor=value, backoff_factor=1.0 / float(value))
 
     @property
     def floor(self) -> float:
-        """The scale at which skipped steps count towards :class:`LossScaleCollapseError`."""
-        return 1.0 if self.min_loss_scale is None else float(self.min_loss_scale)
+        """The scale at or below which skipped steps count towards the collapse error."""
+        return self.rule.collapse_floor
+
+    @property
+    def skips_at_min(self) -> int:
+        """Consecutive skipped steps at the floor so far."""
+        return self._collapse.count
 
     def loss_scale(self) -> float:
         """The current scale as a Python float (host sync: for logging only)."""
@@ -100,29 +201,12 @@ class LossScaler:
         return loss.float() * self.scale.to(loss.device)
 
     def clear_overflow(self) -> None:
-        """Reset the overflow flag before a new backward.
+        """Start a new ``scale_loss`` block: ``found_inf`` becomes a new zero flag.
 
-        An optimizer whose only unscale this step was by this scaler uses ``found_inf`` as its
-        step flag instead of copying it (one kernel less per step); it gets a copy here first.
+        The previous block's flag tensor is left as it was: an optimizer that has not stepped
+        yet still reads it.
         """
-        if self._borrowers:
-            self._release_flag()
-        self.found_inf.zero_()
-
-    def lend_flag(self, borrower) -> torch.Tensor:
-        """``found_inf``, as ``borrower``'s step flag until the next :meth:`clear_overflow`."""
-        self._borrowers.append(borrower)
-        return self.found_inf
-
-    def _release_flag(self) -> None:
-        for b in self._borrowers:
-            b.own_flag()
-        self._borrowers.clear()
-
-    def read(self) -> tuple[float, float]:
-        """``(found_inf, scale)`` as Python floats: a host sync (once per step, see handle)."""
-        scale, _, found = self._packed.tolist()
-        return found, scale
+        self.found_inf = torch.zeros(1, dtype=torch.float32, device=self._device)
 
     def unscale(
         self,
@@ -135,7 +219,7 @@ class LossScaler:
         Args:
             model_grads: the scaled gradients (any float dtype, one dtype per call).
             out: where the unscaled values go (may be ``model_grads``; fp32 master grads).
-            accumulate: optional tensors (or None) added to ``out`` afterwards (grads stashed
+            accumulate: optional tensors (or None) added to ``out`` afterwards (grads kept
                 from an earlier, already unscaled backward).
         """
         if not model_grads:
@@ -150,55 +234,37 @@ class LossScaler:
             if pairs:
                 torch._foreach_add_([o for o, _ in pairs], [a.to(o.dtype) for o, a in pairs])
 
-    def update(self, found_inf: torch.Tensor | None = None) -> None:
-        """Apex's dynamic update from ``found_inf`` (default: this scaler's), on the device.
+    def update(self) -> None:
+        """Apply the rule to this block's ``found_inf``, on the device (no-op when static).
 
-        One call of :func:`mpnb.core.ops.update_loss_scale_`: the hysteresis rule, the clamp
-        to ``[min_loss_scale, max_loss_scale]`` and ``inv_scale = 1 / scale``.
+        The one call of :func:`mpnb.core.ops.update_loss_scale_` in amp: the hysteresis rule,
+        the clamp to ``[floor, max_loss_scale]`` and ``inv_scale = 1 / scale``.
         """
-        args = self.update_args()
-        if args is None:
-            return
-        scale, growth, hyst, *rule = args
-        flag = self.found_inf if found_inf is None else found_inf
-        update_loss_scale_(scale, self.inv_scale, growth, hyst, flag, *rule)
-
-    def update_args(self) -> tuple | None:
-        """What :meth:`update` passes to ``update_loss_scale_`` besides ``inv_scale`` and the
-        flag, in :func:`mpnb.core.ops._registry.unscale_grads`'s order; None when static."""
         if not self.dynamic:
-            return None
-        lo = 0.0 if self.min_loss_scale is None else float(self.min_loss_scale)
-        return (
+            return
+        r = self.rule
+        update_loss_scale_(
             self.scale,
+            self.inv_scale,
             self.growth_tracker,
             self.hysteresis_tracker,
-            self.scale_factor,
-            1.0 / self.scale_factor,
-            self.scale_window,
-            1,
-            lo,
-            float(self.max_loss_scale),
+            self.found_inf,
+            r.growth_factor,
+            r.backoff_factor,
+            r.growth_interval,
+            r.hysteresis,
+            r.floor,
+            r.max_loss_scale,
         )
+        self.updates += 1
 
     def note_step(self, skipped: bool, scale: float) -> None:
         """Count skipped steps at the floor; raise once there are ``max_skips_at_min`` in a row.
 
         ``skipped`` and ``scale`` are host values the caller read in its one sync of the step.
         """
-        if not skipped or not self.dynamic or scale > self.floor:
-            self.skips_at_min = 0
-            return
-        self.skips_at_min += 1
-        if self.max_skips_at_min is not None and self.skips_at_min >= self.max_skips_at_min:
-            raise LossScaleCollapseError(
-                f"amp: {self.skips_at_min} consecutive optimizer steps were skipped for inf/NaN "
-                f"gradients with the loss scale at its floor ({scale:g}): the gradients are "
-                "non-finite even unscaled, so training would never progress. Check the loss and "
-                "the inputs for inf/NaN, lower the learning rate, or use bf16 (half_dtype="
-                "torch.bfloat16, fp32's range); pass min_loss_scale or max_skips_at_min=None to "
-                "change this check."
-            )
+        if self.dynamic:
+            self._collapse.note(skipped, scale)
 
     def state_dict(self) -> dict:
         """Apex-compatible state (``loss_scale``, ``unskipped``) plus ours (host sync)."""
@@ -210,17 +276,78 @@ class LossScaler:
             "skips_at_min": self.skips_at_min,
         }
 
-    def load_state_dict(self, state: dict) -> None:
-        """Restore :meth:`state_dict` output (or an Apex ``loss_scalerN`` entry)."""
+    def check_state_dict(self, state, key: str = "state") -> tuple:
+        """Validate :meth:`state_dict` output (or an Apex ``loss_scalerN`` entry) without
+        changing anything; returns what :meth:`load_state_dict` applies.
+
+        Raises ValueError naming the bad key: a scale that is not a positive finite number, a
+        count that is not an int in int32's range, a missing key.
+        """
+        if not isinstance(state, Mapping):
+            raise ValueError(
+                f"amp.load_state_dict: {key} must be a dict with 'loss_scale' and 'unskipped' "
+                f"(an entry of amp.state_dict()), got {type(state).__name__}."
+            )
         missing = {"loss_scale", "unskipped"} - set(state)
         if missing:
             raise ValueError(
-                f"LossScaler.load_state_dict: missing keys {sorted(missing)}; pass "
-                "an entry of amp.state_dict()."
+                f"amp.load_state_dict: {key} lacks {sorted(missing)}; pass an entry of "
+                "amp.state_dict()."
             )
-        self.scale.fill_(float(state["loss_scale"]))
+        scale = state["loss_scale"]
+        if (
+            isinstance(scale, bool)
+            or not isinstance(scale, (int, float))
+            or not math.isfinite(scale)
+            or scale <= 0
+        ):
+            raise ValueError(
+                f"amp.load_state_dict: {key}['loss_scale']={scale!r} is not a positive finite "
+                "number; the checkpoint is corrupt or not an amp.state_dict()."
+            )
+        counts = [_count(state, key, "unskipped", 0)]
+        counts.append(_count(state, key, "hysteresis_tracker", self.rule.hysteresis, low=None))
+        counts.append(_count(state, key, "skips_at_min", 0))
+        unskipped, hyst, skips = counts
+        scale = self.rule.clamp(float(scale)) if self.dynamic else float(scale)
+        # A count past the window (an Apex static scaler counts without bound) grows next time.
+        unskipped = min(unskipped, self.rule.growth_interval - 1)
+        return scale, unskipped, hyst, skips
+
+    def load_state_dict(self, state) -> None:
+        """Restore :meth:`state_dict` output (or an Apex ``loss_scalerN`` entry); validated
+        first (:meth:`check_state_dict`), so a bad entry changes nothing."""
+        self.apply_state(self.check_state_dict(state))
+
+    def apply_state(self, checked: tuple) -> None:
+        """Set the state from :meth:`check_state_dict`'s result."""
+        scale, unskipped, hyst, skips = checked
+        self.scale.fill_(scale)
         torch.reciprocal(self.scale, out=self.inv_scale)
-        self.growth_tracker.fill_(int(state["unskipped"]))
-        self.hysteresis_tracker.fill_(int(state.get("hysteresis_tracker", 1)))
-        self.skips_at_min = int(state.get("skips_at_min", 0))
+        self.growth_tracker.fill_(unskipped)
+        self.hysteresis_tracker.fill_(hyst)
+        self._collapse.count = skips
         self.clear_overflow()
+
+
+def _alias(value, alias, name: str, alias_name: str):
+    if alias is None:
+        return value
+    if value is not None and value != alias:
+        raise ValueError(
+            f"LossScaler: {name}={value!r} and its Apex alias {alias_name}={alias!r} disagree; "
+            "pass only one of them."
+        )
+    return alias
+
+
+def _count(state, key: str, name: str, default: int, low: int | None = 0) -> int:
+    value = state.get(name, default)
+    ok = isinstance(value, int) and not isinstance(value, bool)
+    if not ok or (low is not None and value < low) or abs(value) > _INT32_MAX:
+        raise ValueError(
+            f"amp.load_state_dict: {key}[{name!r}]={value!r} must be an int in "
+            f"[{0 if low is not None else -_INT32_MAX}, 2**31-1]; the checkpoint is corrupt or "
+            "not an amp.state_dict()."
+        )
+    return value

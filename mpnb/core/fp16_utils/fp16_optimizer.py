@@ -7,8 +7,12 @@ Host syncs: one per step, reading the overflow flag that the unscale pass wrote.
 
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
+
 import torch
 
+from mpnb.core.amp.scaler import CollapseCheck
 from mpnb.core.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
 from mpnb.core.ops import multi_tensor_scale
 
@@ -22,10 +26,16 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
 
     Args:
         init_optimizer: a ``torch.optim.Optimizer`` over the (half) model params.
-        static_loss_scale: fixed scale when ``dynamic_loss_scale`` is False.
-        dynamic_loss_scale: use :class:`DynamicLossScaler`.
+        static_loss_scale: fixed scale when ``dynamic_loss_scale`` is False (a positive
+            finite number).
+        dynamic_loss_scale: use :class:`DynamicLossScaler`; after ``max_skips_at_min``
+            (100) consecutive skipped steps at its floor scale 1 the step raises
+            :class:`~mpnb.core.amp.LossScaleCollapseError`, as amp does.
         dynamic_loss_args: keyword arguments of :class:`DynamicLossScaler`.
         verbose: print a line when a step is skipped.
+
+    ``state_dict()`` holds plain tensors and numbers only: it loads with ``torch.load``'s
+    defaults (``weights_only=True``).
 
     Example::
 
@@ -43,6 +53,8 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
         verbose: bool = True,
     ):
         # Deliberately no Optimizer.__init__: param_groups and state are the wrapped optimizer's.
+        if not dynamic_loss_scale:
+            LossScaler(static_loss_scale)  # refuses a scale that is not positive and finite
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "FP16_Optimizer: init_optimizer must be a torch.optim.Optimizer, got "
@@ -75,6 +87,14 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
         self.overflow = False
         self.first_closure_call_this_step = True
         self._flag = torch.zeros(1, dtype=torch.float32)
+        halves = {p.dtype for g in self.fp16_groups for p in g}
+        self._collapse = CollapseCheck(
+            1.0,
+            getattr(self.loss_scaler, "max_skips_at_min", None),
+            halves.pop() if len(halves) == 1 else None,
+            "pass dynamic_loss_args={'max_skips_at_min': None} to turn this check off",
+            "DynamicLossScaler never goes below 1, and a scale of 1 amplifies nothing",
+        )
 
     # ---- the wrapped optimizer's views (LR schedulers read and write these) -----------------
 
@@ -158,6 +178,9 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
             )
         scale = self.loss_scale
         self.loss_scaler.update_scale(self.overflow)
+        if self.dynamic_loss_scale:
+            self._collapse.limit = getattr(self.loss_scaler, "max_skips_at_min", None)
+            self._collapse.note(self.overflow, scale)
         if self.overflow:
             if self.verbose:
                 print(
@@ -175,9 +198,12 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
     # ---- checkpoints ----------------------------------------------------------------------
 
     def state_dict(self) -> dict:
-        """Scaler, overflow state, the wrapped optimizer's state and the fp32 masters."""
+        """Scaler, overflow state, the wrapped optimizer's state and the fp32 masters.
+
+        Plain tensors, numbers and strings only (``torch.load(..., weights_only=True)``).
+        """
         return {
-            "loss_scaler": self.loss_scaler,
+            "loss_scaler": _scaler_state(self.loss_scaler),
             "dynamic_loss_scale": self.dynamic_loss_scale,
             "overflow": self.overflow,
             "first_closure_call_this_step": self.first_closure_call_this_step,
@@ -186,19 +212,78 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
         }
 
     def load_state_dict(self, state_dict: dict) -> None:
-        """Restore :meth:`state_dict` output; masters and model params take the saved values."""
-        self.loss_scaler = state_dict["loss_scaler"]
-        self.dynamic_loss_scale = state_dict["dynamic_loss_scale"]
-        self.overflow = state_dict["overflow"]
-        self.first_closure_call_this_step = state_dict["first_closure_call_this_step"]
+        """Restore :meth:`state_dict` output (or an Apex checkpoint, whose scaler is an
+        object); masters and model params take the saved values. Validated first: a bad
+        checkpoint changes nothing."""
+        scaler = _scaler_from(state_dict.get("loss_scaler"))
+        saved = state_dict.get("fp32_from_fp16")
+        shapes = [[m.shape for m in g] for g in self.fp32_from_fp16_groups]
+        if (
+            not isinstance(saved, list)
+            or [
+                [getattr(t, "shape", None) for t in g] if isinstance(g, list) else None
+                for g in saved
+            ]
+            != shapes
+        ):
+            raise ValueError(
+                "FP16_Optimizer.load_state_dict: the checkpoint's fp32 masters do not match this "
+                "optimizer's params; load a checkpoint of the same model. Nothing was loaded."
+            )
         self.optimizer.load_state_dict(state_dict["optimizer_state_dict"])
+        self.loss_scaler = scaler
+        self.dynamic_loss_scale = bool(state_dict["dynamic_loss_scale"])
+        self.overflow = bool(state_dict["overflow"])
+        self.first_closure_call_this_step = bool(state_dict["first_closure_call_this_step"])
         with torch.no_grad():
-            for cur, saved, half in zip(
-                self.fp32_from_fp16_groups,
-                state_dict["fp32_from_fp16"],
-                self.fp16_groups,
-                strict=True,
+            for cur, saved_group, half in zip(
+                self.fp32_from_fp16_groups, saved, self.fp16_groups, strict=True
             ):
-                for m, s, p in zip(cur, saved, half, strict=True):
+                for m, s, p in zip(cur, saved_group, half, strict=True):
                     m.copy_(s)
                     p.copy_(s)
+
+
+_SCALER_KEYS = ("cur_scale", "cur_iter", "last_overflow_iter", "scale_factor", "scale_window")
+
+
+def _scaler_state(scaler) -> dict:
+    out = {"dynamic": isinstance(scaler, DynamicLossScaler), "cur_scale": scaler.cur_scale}
+    if out["dynamic"]:
+        out.update({k: getattr(scaler, k) for k in _SCALER_KEYS[1:]})
+        out["max_skips_at_min"] = scaler.max_skips_at_min
+    return out
+
+
+def _scaler_from(state) -> LossScaler:
+    """A scaler from :func:`_scaler_state` output or an Apex-pickled scaler, validated."""
+    if not isinstance(state, Mapping):  # Apex pickled the scaler object itself
+        state = {k: getattr(state, k) for k in _SCALER_KEYS if hasattr(state, k)}
+        state["dynamic"] = "scale_window" in state
+    scale = state.get("cur_scale")
+    ok = isinstance(scale, (int, float)) and not isinstance(scale, bool)
+    if not ok or not math.isfinite(scale) or scale <= 0:
+        raise ValueError(
+            f"FP16_Optimizer.load_state_dict: loss_scaler['cur_scale']={scale!r} is not a "
+            "positive finite number; the checkpoint is corrupt. Nothing was loaded."
+        )
+    if not state.get("dynamic"):
+        return LossScaler(scale)
+    try:
+        out = DynamicLossScaler(
+            scale,
+            state.get("scale_factor", 2.0),
+            state.get("scale_window", 1000),
+            state.get("max_skips_at_min", 100),
+        )
+    except ValueError as e:
+        raise ValueError(f"FP16_Optimizer.load_state_dict: {e} Nothing was loaded.") from None
+    for k in ("cur_iter", "last_overflow_iter"):
+        v = state.get(k, 0 if k == "cur_iter" else -1)
+        if isinstance(v, bool) or not isinstance(v, int):
+            raise ValueError(
+                f"FP16_Optimizer.load_state_dict: loss_scaler[{k!r}]={v!r} is not an int; the "
+                "checkpoint is corrupt. Nothing was loaded."
+            )
+        setattr(out, k, v)
+    return out

@@ -6,11 +6,21 @@ flag once (its host sync). New code should prefer :class:`mpnb.amp.LossScaler`.
 
 from __future__ import annotations
 
+import math
+from numbers import Real
+
 import torch
 
 from mpnb.core.ops import multi_tensor_check_finite
 
 __all__ = ["LossScaler", "DynamicLossScaler"]
+
+
+def _scale(owner: str, name: str, value) -> float:
+    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
+    if not ok or value <= 0:
+        raise ValueError(f"{owner}: {name}={value!r} must be a positive finite number.")
+    return float(value)
 
 
 def _grads_overflow(params) -> bool:
@@ -35,7 +45,7 @@ class LossScaler:
     """
 
     def __init__(self, scale: float = 1.0):
-        self.cur_scale = float(scale)
+        self.cur_scale = _scale("LossScaler", "scale", scale)
 
     @property
     def loss_scale(self) -> float:
@@ -63,8 +73,11 @@ class DynamicLossScaler(LossScaler):
 
     Args:
         init_scale: the first scale (Apex: 2**32).
-        scale_factor: growth and backoff factor.
+        scale_factor: growth and backoff factor (> 1).
         scale_window: clean iterations between growths.
+        max_skips_at_min: ``FP16_Optimizer`` raises
+            :class:`~mpnb.core.amp.LossScaleCollapseError` after this many consecutive skipped
+            steps at the floor scale 1 (None: never).
 
     Example::
 
@@ -73,13 +86,27 @@ class DynamicLossScaler(LossScaler):
     """
 
     def __init__(
-        self, init_scale: float = 2.0**32, scale_factor: float = 2.0, scale_window: int = 1000
+        self,
+        init_scale: float = 2.0**32,
+        scale_factor: float = 2.0,
+        scale_window: int = 1000,
+        max_skips_at_min: int | None = 100,
     ):
-        super().__init__(init_scale)
+        super().__init__(_scale("DynamicLossScaler", "init_scale", init_scale))
         self.cur_iter = 0
         self.last_overflow_iter = -1
-        self.scale_factor = float(scale_factor)
-        self.scale_window = int(scale_window)
+        self.scale_factor = _scale("DynamicLossScaler", "scale_factor", scale_factor)
+        if self.scale_factor <= 1:
+            raise ValueError(
+                f"DynamicLossScaler: scale_factor={scale_factor!r} must be > 1 (it is both the "
+                "growth and the inverse backoff factor)."
+            )
+        if isinstance(scale_window, bool) or not isinstance(scale_window, int) or scale_window < 1:
+            raise ValueError(
+                f"DynamicLossScaler: scale_window={scale_window!r} must be a positive int."
+            )
+        self.scale_window = scale_window
+        self.max_skips_at_min = max_skips_at_min
 
     def has_overflow(self, params) -> bool:
         """True when any grad of ``params`` holds inf or NaN (one pass, one host sync)."""

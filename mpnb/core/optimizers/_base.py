@@ -1,8 +1,8 @@
 """What every fused optimizer shares: gathering lists, master weights, the loss-scale seam.
 
-A subclass validates its hyper-parameters, names its fp32 state (``_state_keys``) and
-implements ``_update(group, bucket, inv_scale, found_inf)``, which calls one op of
-:mod:`mpnb.core.ops.optimizers`. Everything else lives here:
+A subclass checks its hyper-parameters with :func:`check_hyperparams`, names its fp32 state
+(``_state_keys``) and implements ``_update(group, bucket, inv_scale, found_inf)``, which calls
+one op of :mod:`mpnb.core.ops` (``adam``, ``sgd``, ...). Everything else lives here:
 
 * **Buckets.** A group's params are split by (device, param dtype, grad dtype); each bucket is
   one kernel call (a kernel takes one dtype per list).
@@ -13,6 +13,10 @@ implements ``_update(group, bucket, inv_scale, found_inf)``, which calls one op 
   ``grad_scale``/``found_inf`` attributes that ``torch.amp.GradScaler.step`` sets (because
   ``_step_supports_amp_scaling`` is True) hand the scale to the step: grads are unscaled in
   the kernel, and on inf/NaN nothing is written and ``found_inf`` is 1.
+* **Apex's attributes.** ``_dummy_overflow_buf`` and, per class, Apex's ``multi_tensor_*``
+  ops (:mod:`mpnb.core.amp_C`, callable through ``multi_tensor_applier`` with Apex's
+  positional signatures), for code that subclasses Apex's optimizers (fairseq's
+  ``FusedAdamV2``).
 """
 
 from __future__ import annotations
@@ -23,8 +27,10 @@ from dataclasses import dataclass, field
 import torch
 
 from mpnb.core.ops.check_finite import multi_tensor_check_finite
+from mpnb.core.optimizers._checks import check_hyperparams, check_loadable, number
 
-__all__ = ["FusedOptimizerBase"]
+__all__ = ["FusedOptimizerBase", "check_hyperparams"]
+
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -45,8 +51,7 @@ class Bucket:
 class _Plan:
     """A group's buckets, reused by later steps while what they were built from is unchanged.
 
-    Building the buckets walks every param (state lookups, dtype keys, checks): about 5 us a
-    param, which is as long as the update itself on a model of small layers. A step whose
+    Building the buckets walks every param (state lookups, dtype keys, checks). A step whose
     params (by identity), ``optimizer.state`` and master setting match the plan's, and where
     every param has a grad, only gathers the new grads.
     """
@@ -83,6 +88,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self.set_grad_none = bool(set_grad_none)
         self._pending_scale: tuple | None = None
         self._plans: dict[int, _Plan] = {}
+        self._dummy_overflow_buf = self._new_overflow_buf()
+
+    def _new_overflow_buf(self) -> torch.Tensor:
+        dev = next((p.device for g in self.param_groups for p in g["params"]), None)
+        return torch.zeros(1, dtype=torch.int32, device=dev)
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -90,36 +100,55 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self.__dict__.setdefault("set_grad_none", True)
         self._pending_scale = None
         self._plans = {}
+        self._dummy_overflow_buf = self._new_overflow_buf()
 
     # -- the loss-scale seam ---------------------------------------------------------------
-    def _mpnb_set_scale(self, inv_scale: torch.Tensor, found_inf: torch.Tensor) -> None:
+    def _mpnb_set_scale(
+        self, inv_scale: torch.Tensor, found_inf: torch.Tensor, skip: bool = True
+    ) -> None:
         """Hand the next ``step()`` a loss scale to undo and a flag to set on overflow.
 
         Args:
             inv_scale: one-element fp32 tensor, ``1 / loss_scale``.
             found_inf: one-element fp32 tensor; ``step()`` sets it to 1 when a grad holds
-                inf/NaN, and then writes nothing (params, masters, state, step counts).
+                inf/NaN (and, when it is already nonzero, takes the step as overflowed).
+            skip: True: an overflowing step writes nothing (params, masters, state, step
+                counts). False (a static loss scale, Apex's rule): it is flagged but taken.
         """
         for name, t in (("inv_scale", inv_scale), ("found_inf", found_inf)):
             if not isinstance(t, torch.Tensor) or t.numel() != 1:
                 raise TypeError(f"_mpnb_set_scale: {name} must be a one-element tensor.")
-        self._pending_scale = (inv_scale, found_inf)
+        self._pending_scale = (inv_scale, found_inf, bool(skip))
 
     def _mpnb_use_master_weights(self) -> None:
         """Switch on fp32 master weights (mpnb.amp O2 calls this instead of copying params)."""
         self.master_weights = True
         self._plans.clear()
 
+    @torch.no_grad()
+    def _mpnb_set_master(self, p: torch.Tensor, value: torch.Tensor) -> None:
+        """Make ``value`` the fp32 master of the half param ``p`` (amp restores checkpointed
+        masters through this, whichever optimizer saved them)."""
+        state = self.state[p]
+        if not state:
+            if self._has_step:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            self._init_state(p, state)
+        state["master_param"] = (
+            value.detach().to(device=p.device, dtype=torch.float32).reshape(p.shape).clone()
+        )
+        self._plans.clear()
+
     def _take_scale(self):
         if self._pending_scale is not None:
-            inv, found = self._pending_scale
+            inv, found, skip = self._pending_scale
             self._pending_scale = None
-            return inv.float(), found, self._check_grads
+            return inv.float(), found, self._check_grads, skip
         found = getattr(self, "found_inf", None)
         scale = getattr(self, "grad_scale", None)
         # torch.amp.GradScaler already ran its own finite check: no pre-pass here.
         inv = None if scale is None else scale.double().reciprocal().float()
-        return inv, found, False
+        return inv, found, False, True
 
     # -- gathering -------------------------------------------------------------------------
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
@@ -216,16 +245,17 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        inv_scale, found_inf, check = self._take_scale()
+        inv_scale, found_inf, check, skip = self._take_scale()
         work = [(g, self._buckets(g)) for g in self.param_groups]
         if found_inf is not None and check:
             for _, buckets in work:
                 for b in buckets:
                     multi_tensor_check_finite(found_inf, b.grads)
         self._prepare(work, inv_scale, found_inf)
+        flag = found_inf if skip else None  # a static scale: flagged, but the step is taken
         for group, buckets in work:
             for b in buckets:
-                self._update(group, b, inv_scale, found_inf)
+                self._update(group, b, inv_scale, flag)
         return loss
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
@@ -234,25 +264,30 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     # -- checkpoints -----------------------------------------------------------------------
     def load_state_dict(self, state_dict: dict) -> None:
-        """Load a checkpoint of this optimizer or of its PyTorch counterpart.
+        """Load a checkpoint of this optimizer or of its PyTorch counterpart, all or nothing.
 
-        ``torch.optim.Optimizer.load_state_dict`` casts floating state to each param's dtype;
-        the fused optimizers keep their state (and master weights) in fp32, so the saved
+        The checkpoint is validated first (group sizes, every state tensor's size, step
+        counts). ``torch.optim.Optimizer.load_state_dict`` casts floating state to each param's
+        dtype; the fused optimizers keep their state (and master weights) in fp32, so the saved
         fp32 tensors are put back, and group keys the checkpoint lacks get our defaults.
         """
+        check_loadable(self, state_dict)
         self._plans.clear()
         saved = state_dict["state"]
         ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
         super().load_state_dict(state_dict)
         params = itertools.chain.from_iterable(g["params"] for g in self.param_groups)
         for pid, p in zip(ids, params, strict=False):
+            state = self.state.get(p, {})
             for k, v in saved.get(pid, {}).items():
+                if k not in state:  # a load pre-hook took it out (amp: masters it keeps)
+                    continue
                 if not isinstance(v, torch.Tensor):
                     if k == "step":
-                        self.state[p][k] = torch.tensor(float(v), dtype=torch.float32)
+                        state[k] = torch.tensor(number(v), dtype=torch.float32)
                     continue
                 dtype = torch.float32 if v.is_floating_point() else v.dtype
-                self.state[p][k] = v.to(device=p.device, dtype=dtype, copy=True).contiguous()
+                state[k] = v.to(device=p.device, dtype=dtype, copy=True).contiguous()
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)

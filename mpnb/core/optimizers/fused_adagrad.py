@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from mpnb.core import amp_C
 from mpnb.core.ops.adagrad import fused_adagrad_
-from mpnb.core.optimizers._base import FusedOptimizerBase
+from mpnb.core.optimizers._base import FusedOptimizerBase, check_hyperparams
 
 __all__ = ["FusedAdagrad"]
 
@@ -31,6 +32,7 @@ class FusedAdagrad(FusedOptimizerBase):
     """
 
     _state_keys = ("sum",)
+    multi_tensor_adagrad = staticmethod(amp_C.multi_tensor_adagrad)  # Apex's attribute
 
     def __init__(
         self,
@@ -42,12 +44,7 @@ class FusedAdagrad(FusedOptimizerBase):
         adagrad_w_mode: bool = False,
         master_weights: bool = False,
     ) -> None:
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0).")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0).")
+        check_hyperparams("FusedAdagrad", lr=lr, eps=eps, weight_decay=weight_decay)
         defaults = dict(lr=lr, eps=eps, weight_decay=weight_decay, lr_decay=0.0)
         super().__init__(
             params, defaults, master_weights=master_weights, set_grad_none=set_grad_none

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+from mpnb.core import amp_C
 from mpnb.core.ops.adam import fused_adam_
-from mpnb.core.optimizers._base import FusedOptimizerBase
+from mpnb.core.optimizers._base import FusedOptimizerBase, check_hyperparams
 
 __all__ = ["FusedAdam"]
 
@@ -33,6 +34,9 @@ class FusedAdam(FusedOptimizerBase):
         master_weights: keep fp32 master copies of fp16/bf16 params; each step reads the half
             grad, updates the master and writes the half param in one pass.
 
+    Apex's ``multi_tensor_adam`` and ``_dummy_overflow_buf`` attributes are there for code that
+    subclasses Apex's FusedAdam (``multi_tensor_applier(self.multi_tensor_adam, ...)``).
+
     Example::
 
         >>> model = torch.nn.Linear(4, 4)
@@ -42,6 +46,7 @@ class FusedAdam(FusedOptimizerBase):
     """
 
     _state_keys = ("exp_avg", "exp_avg_sq")
+    multi_tensor_adam = staticmethod(amp_C.multi_tensor_adam)
 
     def __init__(
         self,
@@ -62,14 +67,7 @@ class FusedAdam(FusedOptimizerBase):
                 "FusedAdam does not support the AMSGrad variant; use "
                 "torch.optim.AdamW(amsgrad=True) instead."
             )
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
-        if eps < 0.0:
-            raise ValueError(f"Invalid epsilon value: {eps} (must be >= 0).")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"Invalid betas: {betas} (each must be in [0, 1)).")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0).")
+        check_hyperparams("FusedAdam", lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
         defaults = dict(
             lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay
         )

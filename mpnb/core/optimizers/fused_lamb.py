@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
 
+from mpnb.core import amp_C
 from mpnb.core.ops.l2norm import multi_tensor_l2norm
 from mpnb.core.ops.lamb import fused_lamb_
-from mpnb.core.optimizers._base import FusedOptimizerBase
+from mpnb.core.optimizers._base import FusedOptimizerBase, check_hyperparams
 
 __all__ = ["FusedLAMB"]
 
@@ -40,6 +43,8 @@ class FusedLAMB(FusedOptimizerBase):
 
     _state_keys = ("exp_avg", "exp_avg_sq")
     _check_grads = False  # the global grad-norm pass flags inf/NaN before any write
+    multi_tensor_lamb = staticmethod(amp_C.multi_tensor_lamb)  # Apex's attributes
+    multi_tensor_l2norm = staticmethod(amp_C.multi_tensor_l2norm)
 
     def __init__(
         self,
@@ -59,10 +64,12 @@ class FusedLAMB(FusedOptimizerBase):
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant; drop amsgrad=True.")
-        if lr < 0.0 if not isinstance(lr, torch.Tensor) else bool(lr < 0):
-            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
-        if not (0.0 <= betas[0] < 1.0 and 0.0 <= betas[1] < 1.0):
-            raise ValueError(f"Invalid betas: {betas} (each must be in [0, 1)).")
+        check_hyperparams("FusedLAMB", lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
+        if not math.isfinite(float(max_grad_norm)):
+            raise ValueError(
+                f"FusedLAMB: Invalid max_grad_norm: {max_grad_norm!r} (must be finite; <= 0 "
+                "turns the global clipping off)."
+            )
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from mpnb.core import amp_C
 from mpnb.core.ops.check_finite import multi_tensor_check_finite
 from mpnb.core.ops.l2norm import multi_tensor_l2norm
 from mpnb.core.ops.novograd import fused_novograd_
-from mpnb.core.optimizers._base import FusedOptimizerBase
+from mpnb.core.optimizers._base import FusedOptimizerBase, check_hyperparams
 
 __all__ = ["FusedNovoGrad"]
 
@@ -42,6 +43,8 @@ class FusedNovoGrad(FusedOptimizerBase):
     # The grad norms of every bucket are computed before any update and their pass flags
     # inf/NaN (norm_type 2), so the separate finite pre-pass would read the grads twice.
     _check_grads = False
+    multi_tensor_novograd = staticmethod(amp_C.multi_tensor_novograd)  # Apex's attributes
+    multi_tensor_l2norm = staticmethod(amp_C.multi_tensor_l2norm)
 
     def __init__(
         self,
@@ -65,8 +68,7 @@ class FusedNovoGrad(FusedOptimizerBase):
             raise ValueError(
                 f"FusedNovoGrad: norm_type must be 0 (max) or 2 (L2), got {norm_type}."
             )
-        if lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
+        check_hyperparams("FusedNovoGrad", lr=lr, eps=eps, weight_decay=weight_decay, betas=betas)
         defaults = dict(
             lr=lr,
             bias_correction=bias_correction,

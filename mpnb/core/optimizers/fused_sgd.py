@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 from torch.optim.optimizer import required
 
+from mpnb.core import amp_C
 from mpnb.core.ops.sgd import fused_sgd_
-from mpnb.core.optimizers._base import FusedOptimizerBase
+from mpnb.core.optimizers._base import FusedOptimizerBase, check_hyperparams
 
 __all__ = ["FusedSGD"]
 
@@ -38,6 +39,8 @@ class FusedSGD(FusedOptimizerBase):
         >>> opt = FusedSGD(model.parameters(), lr=0.1, momentum=0.9, nesterov=True)
     """
 
+    multi_tensor_sgd = staticmethod(amp_C.multi_tensor_sgd)  # Apex's attribute
+
     def __init__(
         self,
         params,
@@ -51,12 +54,9 @@ class FusedSGD(FusedOptimizerBase):
         set_grad_none: bool = False,
         master_weights: bool = False,
     ) -> None:
-        if lr is not required and lr < 0.0:
-            raise ValueError(f"Invalid learning rate: {lr} (must be >= 0).")
-        if momentum < 0.0:
-            raise ValueError(f"Invalid momentum value: {momentum} (must be >= 0).")
-        if weight_decay < 0.0:
-            raise ValueError(f"Invalid weight_decay value: {weight_decay} (must be >= 0).")
+        check_hyperparams(
+            "FusedSGD", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay
+        )
         if nesterov and (momentum <= 0 or dampening != 0):
             raise ValueError(
                 "Nesterov momentum requires a momentum and zero dampening; pass "

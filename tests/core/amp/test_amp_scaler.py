@@ -1,6 +1,7 @@
 """LossScaler numbers, skipped steps (bitwise), collapse error, one sync per step, fused seam.
 
-Every test runs twice: with the compiled kernels and with MPNB_DISABLE_EXT=1 (references).
+Every test runs twice (the ``op_impl`` fixture): with the compiled kernels and with the
+references.
 """
 
 import warnings
@@ -13,14 +14,7 @@ from mpnb import amp
 from mpnb.core.amp import LossScaleCollapseError, LossScaler
 from mpnb.core.amp._initialize import EmulatedHalfWarning
 
-
-@pytest.fixture(params=["kernel", "reference"], autouse=True)
-def ext(request, monkeypatch):
-    if request.param == "reference":
-        monkeypatch.setenv("MPNB_DISABLE_EXT", "1")
-    else:
-        monkeypatch.delenv("MPNB_DISABLE_EXT", raising=False)
-    return request.param
+pytestmark = pytest.mark.usefixtures("op_impl")
 
 
 def _clean(s):
@@ -221,7 +215,7 @@ class FakeFusedSGD(torch.optim.SGD):
 
     _mpnb_accepts_scale = True
 
-    def _mpnb_set_scale(self, inv_scale, found_inf):
+    def _mpnb_set_scale(self, inv_scale, found_inf, skip=True):
         self._inv, self._found = inv_scale, found_inf
 
     @torch.no_grad()

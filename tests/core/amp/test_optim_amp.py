@@ -125,7 +125,7 @@ def test_o2_fused_one_pass_trains_skips_and_matches_reference(kernels, monkeypat
     seen = {}
 
     def capture(optimizer, args, kwargs):  # runs after amp's pre-hook has handed the scale
-        inv, _ = optimizer._pending_scale
+        inv, _, _ = optimizer._pending_scale
         seen["grads"] = [p.grad.detach().clone() for p in params]
         seen["inv"] = inv.clone()
 

@@ -1,0 +1,74 @@
+"""What a loss scaler says when steps keep overflowing: the collapse error and the static-scale
+warning, shared by amp's :class:`~mpnb.core.amp.LossScaler` and ``FP16_Optimizer``."""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+__all__ = [
+    "LossScaleCollapseError",
+    "StaticScaleOverflowWarning",
+    "CollapseCheck",
+    "warn_static_overflow",
+]
+
+
+class LossScaleCollapseError(RuntimeError):
+    """Raised when every step is skipped for overflow even at the minimum loss scale."""
+
+
+class StaticScaleOverflowWarning(UserWarning):
+    """A static loss scale met inf/NaN gradients: as in Apex, the step was not skipped."""
+
+
+class CollapseCheck:
+    """Counts consecutive skipped steps at the scale's floor; raises past a limit.
+
+    Shared by :class:`LossScaler` and ``FP16_Optimizer``, so both raise the same error.
+
+    Args:
+        floor: skipped steps at a scale ``<= floor`` count.
+        limit: how many in a row raise (None: never).
+        half_dtype: the half dtype in use (None: unknown), for the advice.
+        disable: how to switch the check off, in the caller's own API.
+        floor_name: what the floor is, in words (for the message).
+    """
+
+    def __init__(
+        self, floor: float, limit: int | None, half_dtype, disable: str, floor_name: str = ""
+    ):
+        self.floor, self.limit, self.half_dtype, self.disable = floor, limit, half_dtype, disable
+        self.floor_name = floor_name
+        self.count = 0
+
+    def note(self, skipped: bool, scale: float) -> None:
+        """Record one step: ``skipped`` and the scale it ran at (host values)."""
+        if not skipped or scale > self.floor:
+            self.count = 0
+            return
+        self.count += 1
+        if self.limit is not None and self.count >= self.limit:
+            advice = {
+                torch.float16: "lower the learning rate, or use half_dtype=torch.bfloat16 "
+                "(fp32's range)",
+                torch.bfloat16: "lower the learning rate, or run the failing part in fp32",
+            }.get(self.half_dtype, "lower the learning rate")
+            raise LossScaleCollapseError(
+                f"{self.count} consecutive optimizer steps were skipped for inf/NaN gradients "
+                f"with the loss scale at or below {self.floor:g} ({self.floor_name}): the "
+                "gradients are non-finite even unscaled, so training would never progress. Check "
+                f"the loss and the inputs for inf/NaN, {advice}; {self.disable}."
+            )
+
+
+def warn_static_overflow(scale: float) -> None:
+    """Say that a static scale met inf/NaN gradients and the step ran anyway (Apex's rule)."""
+    warnings.warn(
+        f"amp: inf/NaN gradients with a static loss scale ({scale:g}): as in Apex, the step was "
+        "not skipped, so the weights may now hold inf/NaN. Use loss_scale='dynamic' (steps "
+        "with inf/NaN gradients are skipped), or find the overflow's source.",
+        StaticScaleOverflowWarning,
+        stacklevel=4,
+    )

@@ -1,0 +1,217 @@
+"""The three ways an amp step runs, one small object each, chosen once per optimizer.
+
+* :class:`InPlaceUnscale` (O0, O1, O3): the grads the optimizer reads are unscaled in place
+  when a ``scale_loss`` block ends.
+* :class:`MasterWeights` (O2 with an optimizer that keeps no masters of its own): amp places fp32
+  masters in ``optimizer.param_groups``; a block's end unscales the half model grads into fp32
+  master grads, and a step ends by copying the masters back into the model.
+* :class:`FusedSeam` (an optimizer with ``_mpnb_accepts_scale``, e.g. ``mpnb.optimizers``):
+  the grads stay scaled and the optimizer's ``step()`` unscales, checks and updates in one pass
+  (:meth:`~mpnb.core.optimizers.FusedAdam._mpnb_set_scale`). Under O2 such an optimizer keeps
+  the fp32 masters itself.
+
+Each strategy works on lists built once (again only when ``add_param_group`` adds a group): a
+step makes one multi-tensor call per dtype group, and its Python work per parameter is reading
+``.grad`` (and, for masters, setting the fp32 master's ``.grad``). The per-optimizer state
+machine (:mod:`mpnb.core.amp._state`) decides when each method runs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mpnb.core.amp._grads import Grads, Masters
+from mpnb.core.amp._skip import drop_grads, is_torch_optim, snapshot
+from mpnb.core.amp.scaler import LossScaler, warn_static_overflow
+
+__all__ = ["Strategy", "InPlaceUnscale", "MasterWeights", "FusedSeam", "choose_strategy"]
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+class Strategy:
+    """What the state machine asks of a step; the parts the three strategies share.
+
+    Args:
+        optimizer: the optimizer whose params (already cast by amp) this strategy serves.
+        master_weights: O2: fp32 masters for the half params (amp's, or the optimizer's own).
+    """
+
+    name = "in-place"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool):
+        self.own = Grads()
+        self.masters: Masters | None = Masters() if master_weights else None
+        self._n_groups = 0
+        self._skip: tuple | None = None
+        self.adopt(optimizer)
+
+    def adopt(self, optimizer) -> None:
+        """Sort the params of groups not seen yet into masters and in-place params."""
+        if len(optimizer.param_groups) == self._n_groups:
+            return
+        own = []
+        for group in optimizer.param_groups[self._n_groups :]:
+            for i, p in enumerate(group["params"]):
+                if self.masters is not None and p.dtype in _HALF:
+                    self.masters.adopt(optimizer, group, i, p)
+                else:
+                    own.append(p)
+        self.own.add(own)
+        if self.masters is not None:
+            self.masters.rebuild()
+        self._n_groups = len(optimizer.param_groups)
+
+    # ---- a scale_loss block ------------------------------------------------------------
+
+    def before_backward(self, st, keep_scaled: bool) -> None:
+        """A block starts; ``keep_scaled``: the grads hold delayed (still scaled) values."""
+        self.own.before_backward(keep_scaled)
+        if self.masters is not None:
+            self.masters.before_backward(keep_scaled)
+
+    def unscale(self, st, scaler: LossScaler, alone: bool) -> bool:
+        """A block ended: unscale its grads now (True), or leave them to the step (False)."""
+        self.own.unscale(scaler)
+        if self.masters is not None:
+            self.masters.unscale(scaler)
+        return True
+
+    def discard(self, st) -> None:
+        """A block raised: drop what it produced (the grads from before it stay)."""
+        self.own.discard()
+        if self.masters is not None:
+            self.masters.discard()
+
+    # ---- the step: the one host read happens in pre_step ----------------------------------
+
+    def pre_step(self, st, optimizer) -> None:
+        """Read every flag and scale of the step in one sync; skip the step on overflow."""
+        n = len(st.flags)
+        vals = torch.cat([*st.flags, *(s.scale for s in st.scalers)]).tolist()
+        st.host_syncs += 1
+        self._skip = None
+        if _verdict(st, any(v > 0 for v in vals[:n]), vals[n:]):
+            self._skip = drop_grads(optimizer) if is_torch_optim(optimizer) else snapshot(optimizer)
+
+    def post_step(self, st, optimizer) -> None:
+        """Undo a skipped step's bookkeeping, or copy the new masters into the model."""
+        skip, self._skip = self._skip, None
+        if skip is not None:
+            skip[0](skip[1])
+        elif self.masters is not None:
+            self.masters.copy_to_model()
+
+
+def _verdict(st, found: bool, scales: list[float]) -> bool:
+    """Skip on overflow with a dynamic scale; a static one steps anyway, with a warning."""
+    skip = found and any(s.dynamic for s in st.scalers)
+    if found and not skip:
+        warn_static_overflow(scales[0])
+    for s, scale in zip(st.scalers, scales, strict=True):
+        s.note_step(skip, scale)
+    return skip
+
+
+class InPlaceUnscale(Strategy):
+    """O0/O1/O3: grads unscaled in place at the end of each ``scale_loss`` block."""
+
+    name = "in-place"
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        super().__init__(optimizer, master_weights=False)
+
+
+class MasterWeights(Strategy):
+    """O2: amp's fp32 masters in ``param_groups``; half grads unscaled into their grads."""
+
+    name = "master-weights"
+
+    def __init__(self, optimizer: torch.optim.Optimizer):
+        super().__init__(optimizer, master_weights=True)
+
+
+class FusedSeam(Strategy):
+    """The optimizer unscales, checks and skips inside its own ``step()``.
+
+    A step with one block leaves the grads scaled and hands ``(inv_scale, found_inf)`` to the
+    optimizer (``optimizer._mpnb_set_scale``); the scale update and the step's one host read
+    follow the step. A step with several blocks (several ``loss_id``s, accumulation, or
+    another optimizer's block on the same scaler) unscales each block in place as
+    :class:`InPlaceUnscale` does and hands the optimizer a scale of 1 with the combined flag.
+    Under O2 an optimizer with ``_mpnb_use_master_weights()`` keeps the fp32 masters itself;
+    one without it gets amp's masters (unscaled into, as :class:`MasterWeights`).
+    """
+
+    name = "fused-seam"
+
+    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool):
+        internal = master_weights and hasattr(optimizer, "_mpnb_use_master_weights")
+        if internal:
+            optimizer._mpnb_use_master_weights()
+        super().__init__(optimizer, master_weights and not internal)
+        self.internal_masters = internal
+        self.deferred: LossScaler | None = None
+        self._flag: torch.Tensor | None = None
+        dev = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
+        self._one = torch.ones(1, dtype=torch.float32, device=dev)
+
+    def before_backward(self, st, keep_scaled: bool) -> None:
+        """A block starts; grads still waiting, scaled, from an earlier block are unscaled."""
+        if self.deferred is not None:  # a second block this step: no more deferring
+            self.materialize(st)
+        super().before_backward(st, keep_scaled)
+
+    def unscale(self, st, scaler: LossScaler, alone: bool) -> bool:
+        """Leave a step's single block scaled for the optimizer (False), else unscale now."""
+        if alone and self.masters is None and not st.flags and self.deferred is None:
+            self.deferred = scaler
+            st.handle.defer(st)
+            return False
+        return super().unscale(st, scaler, alone)
+
+    def materialize(self, st) -> None:
+        """Another block is coming: unscale the deferred grads in place now."""
+        s, self.deferred = self.deferred, None
+        st.handle.undefer(st)
+        self.own.unscale(s)
+        s.update()
+        st.flags.append(s.found_inf)
+
+    def pre_step(self, st, optimizer) -> None:
+        """Hand the optimizer the scale to undo (1 if already unscaled) and the flag."""
+        if self.deferred is not None:
+            inv, flag = self.deferred.inv_scale, self.deferred.found_inf
+        else:
+            inv = self._one
+            flag = st.flags[0] if len(st.flags) == 1 else torch.cat(st.flags).amax(0, True)
+        self._flag = flag
+        if any(s.dynamic for s in st.scalers):
+            optimizer._mpnb_set_scale(inv, flag)
+        else:  # a static scale: the optimizer flags inf/NaN but steps anyway (Apex)
+            optimizer._mpnb_set_scale(inv, flag, skip=False)
+
+    def post_step(self, st, optimizer) -> None:
+        """The deferred scale update, then the step's one host read."""
+        if self.deferred is not None:
+            s, self.deferred = self.deferred, None
+            st.handle.undefer(st)
+            s.update()
+        vals = torch.cat([self._flag, *(s.scale for s in st.scalers)]).tolist()
+        st.host_syncs += 1
+        self._flag = None
+        if not _verdict(st, vals[0] > 0, vals[1:]) and self.masters is not None:
+            self.masters.copy_to_model()
+
+
+def choose_strategy(optimizer: torch.optim.Optimizer, master_weights: bool) -> Strategy:
+    """The strategy for ``optimizer``: the fused seam if it has one, else masters or in place.
+
+    Example::
+
+        >>> choose_strategy(torch.optim.SGD(model.parameters(), lr=0.1), True).name
+        'master-weights'
+    """
+    if getattr(optimizer, "_mpnb_accepts_scale", False):
+        return FusedSeam(optimizer, master_weights)
+    return MasterWeights(optimizer) if master_weights else InPlaceUnscale(optimizer)

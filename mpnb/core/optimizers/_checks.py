@@ -1,0 +1,105 @@
+"""What the fused optimizers check before they change anything: hyper-parameters and loads."""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Mapping
+
+import torch
+from torch.optim.optimizer import required
+
+__all__ = ["check_hyperparams", "check_loadable", "number"]
+
+
+def number(value) -> float | None:
+    """``value`` as a float if it is a real number (or a one-element tensor), else None."""
+    if isinstance(value, torch.Tensor) and value.numel() == 1:
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def check_hyperparams(owner: str, *, betas=None, **values) -> None:
+    """Refuse what ``torch.optim`` refuses, and NaN/inf too; each error names the argument.
+
+    Args:
+        owner: the optimizer's name, for the message.
+        betas: a pair of numbers in ``[0, 1)`` (None: not an argument of ``owner``).
+        **values: numbers that must be finite and ``>= 0`` (``lr``, ``eps``,
+            ``weight_decay``, ``momentum``, ...); None or ``required`` are skipped.
+
+    Example::
+
+        >>> check_hyperparams("FusedAdam", lr=1e-3, eps=1e-8, betas=(0.9, 0.999))
+    """
+    for name, value in values.items():
+        if value is None or value is required:
+            continue
+        v = number(value)
+        if v is None or not math.isfinite(v) or v < 0:
+            what = "learning rate" if name == "lr" else f"{name} value"
+            raise ValueError(
+                f"{owner}: Invalid {what}: {value!r} (must be a finite number >= 0; pass "
+                f"{name}= a non-negative number)."
+            )
+    if betas is None:
+        return
+    pair = isinstance(betas, (tuple, list)) and len(betas) == 2
+    nums = [number(b) for b in betas] if pair else []
+    if not pair or any(b is None or not 0.0 <= b < 1.0 for b in nums):
+        raise ValueError(
+            f"{owner}: Invalid betas: {betas!r} (must be a pair (beta1, beta2) of numbers in "
+            "[0, 1), e.g. betas=(0.9, 0.999))."
+        )
+
+
+def check_loadable(optimizer, state_dict) -> None:
+    """Everything ``optimizer.load_state_dict(state_dict)`` needs, checked before anything
+    changes: the dict's shape, group sizes, each state tensor's size, step counts."""
+    name = type(optimizer).__name__
+    groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
+    saved = state_dict.get("state") if isinstance(state_dict, Mapping) else None
+    if not isinstance(groups, list) or not isinstance(saved, Mapping):
+        raise ValueError(
+            f"{name}.load_state_dict: expected a dict with 'state' and 'param_groups' (an "
+            "optimizer.state_dict()); nothing was loaded."
+        )
+    sizes = [len(g.get("params", ())) if isinstance(g, Mapping) else -1 for g in groups]
+    if sizes != [len(g["params"]) for g in optimizer.param_groups]:
+        raise ValueError(
+            f"{name}.load_state_dict: the checkpoint's param groups hold {sizes} params but "
+            f"this optimizer's hold {[len(g['params']) for g in optimizer.param_groups]}; load a "
+            "checkpoint of the same model and param groups. Nothing was loaded."
+        )
+    ids = itertools.chain.from_iterable(g["params"] for g in groups)
+    params = dict(
+        zip(
+            ids,
+            itertools.chain.from_iterable(g["params"] for g in optimizer.param_groups),
+            strict=True,
+        )
+    )
+    for pid, entries in saved.items():
+        p = params.get(pid)
+        if p is None:
+            continue
+        if not isinstance(entries, Mapping):
+            raise ValueError(
+                f"{name}.load_state_dict: the state of param {pid} is a "
+                f"{type(entries).__name__}, not a dict; nothing was loaded."
+            )
+        for k, v in entries.items():
+            if isinstance(v, torch.Tensor):
+                if v.dim() != 0 and v.numel() != p.numel():
+                    raise ValueError(
+                        f"{name}.load_state_dict: state[{pid}][{k!r}] has {v.numel()} "
+                        f"elements but param {pid} has {p.numel()}; load a checkpoint of "
+                        "the same model. Nothing was loaded."
+                    )
+            elif k == "step" and number(v) is None:
+                raise ValueError(
+                    f"{name}.load_state_dict: state[{pid}]['step']={v!r} is not a number; "
+                    "nothing was loaded."
+                )
