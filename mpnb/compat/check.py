@@ -103,6 +103,13 @@ class _Scanner(ast.NodeVisitor):
             self._use(full, node.lineno)
             self.bound[a.asname or a.name] = full
 
+    def visit_Name(self, node: ast.Name) -> None:
+        # ``DDP(model)`` after ``from apex.parallel import DistributedDataParallel as DDP``;
+        # names bound to modules are counted through their attribute chains instead.
+        full = self.bound.get(node.id)
+        if full is not None and full not in MODULES and isinstance(node.ctx, ast.Load):
+            self._use(full, node.lineno)
+
     def visit_Attribute(self, node: ast.Attribute) -> None:
         if isinstance(node.value, ast.Attribute):
             self._inner.add(id(node.value))
