@@ -44,11 +44,11 @@ def _has_children(name: str) -> bool:
 class ApexModuleProxy(types.ModuleType):
     """An Apex module under the alias: Apex's name, the attributes of its mpnb module.
 
-    Attribute lookup: the mpnb module's attribute, unless it is missing or is a submodule and
-    the table lists ``<this name>.<attr>`` as an Apex module: then that module (a proxy too).
-    When importlib binds an imported submodule onto this module, a class or function of the
-    same name that the mpnb module provides wins, as in Apex's packages (``apex.parallel.LARC``
-    is the class even after ``import apex.parallel.LARC``).
+    Attribute lookup: when the table lists ``<this name>.<attr>`` as an Apex module, that
+    module (a proxy too), unless the mpnb module's attribute of that name is a class: Apex's
+    packages rebind a submodule's name to its class (``from .LARC import LARC``), so
+    ``apex.parallel.LARC`` is the class, also after ``import apex.parallel.LARC``. Otherwise
+    the mpnb module's attribute.
     """
 
     def __init__(self, name: str, target: types.ModuleType) -> None:
@@ -60,7 +60,7 @@ class ApexModuleProxy(types.ModuleType):
         value = getattr(target, attr, _MISSING)
         child = f"{self.__name__}.{attr}"
         row = MODULES.get(child)
-        if row is not None and (value is _MISSING or isinstance(value, types.ModuleType)):
+        if row is not None and not isinstance(value, type):
             if row.status != LACKS:
                 return importlib.import_module(child)
             raise AttributeError(
@@ -77,10 +77,8 @@ class ApexModuleProxy(types.ModuleType):
 
     def __setattr__(self, attr: str, value) -> None:
         target = self.__dict__.get("__mpnb_module__")
-        if isinstance(value, types.ModuleType) and target is not None:
-            existing = getattr(target, attr, _MISSING)
-            if existing is not _MISSING and not isinstance(existing, types.ModuleType):
-                return  # keep the class/function, as Apex's package __init__ rebinds it
+        if isinstance(value, types.ModuleType) and isinstance(getattr(target, attr, None), type):
+            return  # the class keeps the name, as after Apex's ``from .LARC import LARC``
         super().__setattr__(attr, value)
 
     def __dir__(self) -> list[str]:

@@ -15,21 +15,16 @@ Example::
 
 from __future__ import annotations
 
+import importlib
+
 from mpnb.core.normalization.fused_layer_norm import *  # noqa: F401,F403
-from mpnb.core.normalization.fused_layer_norm import (
-    __all__ as _layers,
-)
-from mpnb.core.normalization.fused_layer_norm import (
-    fused_layer_norm,
-    fused_layer_norm_affine,
-    fused_rms_norm,
-    fused_rms_norm_affine,
-    mixed_dtype_fused_layer_norm_affine,
-    mixed_dtype_fused_rms_norm_affine,
-)
+
+# The module itself (``mpnb.core.normalization.fused_layer_norm`` as an attribute of its package
+# is the function of that name).
+_ln = importlib.import_module("mpnb.core.normalization.fused_layer_norm")
 
 __all__ = [
-    *_layers,
+    *_ln.__all__,
     "FusedLayerNormAffineFunction",
     "FusedLayerNormFunction",
     "FusedLayerNormAffineMixedDtypesFunction",
@@ -46,7 +41,9 @@ class FusedLayerNormAffineFunction:
     @staticmethod
     def apply(input, weight, bias, normalized_shape, eps, memory_efficient=False):
         """Layer norm with affine parameters (differentiable)."""
-        return fused_layer_norm_affine(input, weight, bias, normalized_shape, eps, memory_efficient)
+        return _ln.fused_layer_norm_affine(
+            input, weight, bias, normalized_shape, eps, memory_efficient
+        )
 
 
 class FusedLayerNormAffineMixedDtypesFunction:
@@ -56,7 +53,7 @@ class FusedLayerNormAffineMixedDtypesFunction:
     @staticmethod
     def apply(input, weight, bias, normalized_shape, eps, memory_efficient=False):
         """Layer norm of a half input with fp32 affine parameters (differentiable)."""
-        return mixed_dtype_fused_layer_norm_affine(
+        return _ln.mixed_dtype_fused_layer_norm_affine(
             input, weight, bias, normalized_shape, eps, memory_efficient
         )
 
@@ -68,7 +65,7 @@ class FusedLayerNormFunction:
     @staticmethod
     def apply(input, normalized_shape, eps, memory_efficient=False):
         """Layer norm without affine parameters (differentiable)."""
-        return fused_layer_norm(input, normalized_shape, eps, memory_efficient)
+        return _ln.fused_layer_norm(input, normalized_shape, eps, memory_efficient)
 
 
 class FusedRMSNormAffineFunction:
@@ -78,7 +75,7 @@ class FusedRMSNormAffineFunction:
     @staticmethod
     def apply(input, weight, normalized_shape, eps, memory_efficient=False):
         """RMS norm with a weight (differentiable)."""
-        return fused_rms_norm_affine(input, weight, normalized_shape, eps, memory_efficient)
+        return _ln.fused_rms_norm_affine(input, weight, normalized_shape, eps, memory_efficient)
 
 
 class FusedRMSNormAffineMixedDtypesFunction:
@@ -88,7 +85,7 @@ class FusedRMSNormAffineMixedDtypesFunction:
     @staticmethod
     def apply(input, weight, normalized_shape, eps, memory_efficient=False):
         """RMS norm of a half input with an fp32 weight (differentiable)."""
-        return mixed_dtype_fused_rms_norm_affine(
+        return _ln.mixed_dtype_fused_rms_norm_affine(
             input, weight, normalized_shape, eps, memory_efficient
         )
 
@@ -100,4 +97,4 @@ class FusedRMSNormFunction:
     @staticmethod
     def apply(input, normalized_shape, eps, memory_efficient=False):
         """RMS norm without a weight (differentiable)."""
-        return fused_rms_norm(input, normalized_shape, eps, memory_efficient)
+        return _ln.fused_rms_norm(input, normalized_shape, eps, memory_efficient)

@@ -33,8 +33,9 @@ def test_every_present_apex_module_resolves_to_its_mpnb_module(name):
         proxy = importlib.import_module(name)
         assert isinstance(proxy, ApexModuleProxy) and proxy.__name__ == name
         for attr in _public(target):
-            value = getattr(target, attr)
-            if isinstance(value, types.ModuleType):  # a subpackage: the Apex-named proxy of it
+            value, apex_child = getattr(target, attr), f"{name}.{attr}" in MODULES
+            # an Apex submodule's name gives that module (a proxy), unless mpnb binds a class
+            if isinstance(value, types.ModuleType) or (apex_child and not isinstance(value, type)):
                 assert getattr(proxy, attr).__name__ == f"{name}.{attr}"
             else:
                 assert getattr(proxy, attr) is value, f"{name}.{attr}"
@@ -81,6 +82,11 @@ def test_imports_as_apex_clients_write_them():
         # importing the LARC submodule leaves apex.parallel.LARC the class, as in Apex
         assert LARC is apex.parallel.LARC is mpnb.parallel.LARC
         assert flat_dist_call is mpnb_distributed.flat_dist_call
+        # mpnb.normalization has a *function* named fused_layer_norm; Apex's name is the module
+        import apex.normalization.fused_layer_norm as fln_module
+
+        assert fln_module.__name__ == "apex.normalization.fused_layer_norm"
+        assert apex.normalization.fused_layer_norm is fln_module
         assert callable(apply_flat_dist_call) and amp_C.multi_tensor_scale is not None
         assert amp._amp_state.__name__ == "apex.amp._amp_state"  # reachable as an attribute
         assert type(_amp_state).__name__ == "AmpStateView"
