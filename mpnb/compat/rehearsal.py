@@ -198,10 +198,19 @@ class CpuRehearsal:
         return noop
 
     def _stream_call(self, name: str):
+        report = self.report
+        what = f"torch.cuda.{name} -> CPU stand-in (no-op)"
+        if name in ("Stream", "Event"):  # classes stay classes (isinstance keeps working)
+            base = _Stream if name == "Stream" else _Event
+
+            def init(obj, *args, **kwargs):
+                report(what)
+                base.__init__(obj, *args, **kwargs)
+
+            return type(name, (base,), {"__init__": init, "__module__": __name__})
+
         def call(*args, **kwargs):
-            self.report(f"torch.cuda.{name} -> CPU stand-in (no-op)")
-            if name == "Event":
-                return _Event(*args, **kwargs)
+            report(what)
             if name == "stream":
                 return contextlib.nullcontext(args[0] if args else None)
             return _Stream()
@@ -214,7 +223,7 @@ class CpuRehearsal:
             self.report(f"torch.cuda.{name} -> a CPU tensor")
             if len(args) == 1 and isinstance(args[0], (list, tuple)):
                 return torch.tensor(args[0], dtype=dtype)
-            return torch.empty(*args, dtype=dtype)
+            return torch.empty(*(args or (0,)), dtype=dtype)
 
         make.__name__ = name
         return make

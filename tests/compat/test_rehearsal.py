@@ -54,6 +54,7 @@ def test_inside_the_rehearsal_cuda_code_runs_on_the_cpu_and_each_replacement_is_
             end.record()
             torch.cuda.synchronize()
             legacy = torch.cuda.FloatTensor([1.0, 2.0])
+            assert torch.cuda.LongTensor().numel() == 0 and isinstance(s, torch.cuda.Stream)
             pinned = x.pin_memory()
     assert x.device.type == z.device.type == legacy.device.type == pinned.device.type == "cpu"
     assert lin.weight.device.type == "cpu" and legacy.dtype == torch.float32
