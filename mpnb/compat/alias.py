@@ -30,7 +30,6 @@ from mpnb.compat.names import LACKS, MODULES
 __all__ = ["apex_alias", "ApexAlias", "ApexModuleProxy"]
 
 _MISSING = object()
-_NONE = types.SimpleNamespace(mpnb=None)
 
 
 def _claimed(fullname: str) -> bool:
@@ -83,8 +82,9 @@ class ApexModuleProxy(types.ModuleType):
 
     def __dir__(self) -> list[str]:
         target = self.__dict__["__mpnb_module__"]
-        kids = {k[len(self.__name__) + 1 :].split(".")[0] for k in MODULES}
-        kids = {k for k in kids if (MODULES.get(f"{self.__name__}.{k}") or _NONE).mpnb}
+        prefix = self.__name__ + "."
+        kids = {k[len(prefix) :] for k, row in MODULES.items() if k.startswith(prefix) and row.mpnb}
+        kids = {k for k in kids if "." not in k}
         return sorted(set(dir(target)) | set(self.__dict__) | kids)
 
 

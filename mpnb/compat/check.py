@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass, field
 
 from mpnb.compat.names import EMULATES, LACKS, MODULES, NAMES, PROVIDES
 
-__all__ = ["NameReport", "CheckReport", "check_script", "format_report", "report_json"]
+__all__ = ["NameReport", "CheckReport", "check_script", "resolve", "format_report", "report_json"]
 
 
 @dataclass(frozen=True)
@@ -51,7 +51,14 @@ class NameReport:
 
 @dataclass
 class CheckReport:
-    """Everything ``--check`` found in one script."""
+    """Everything ``--check`` found in one script.
+
+    Attributes:
+        script: the path as given.
+        names: one :class:`NameReport` per Apex name, in order of first use.
+        cuda_only: each CUDA-only call found (``".cuda()"``, ``'backend="nccl"'``...) and its
+            lines.
+    """
 
     script: str
     names: list[NameReport] = field(default_factory=list)
@@ -169,11 +176,8 @@ def _module_of(name: str) -> tuple[str | None, str | None]:
 
 
 def _has(module_name: str, attr: str) -> bool:
-    try:
-        module = importlib.import_module(module_name)
-        return attr in dir(module) or hasattr(module, attr)
-    except Exception:  # a module that fails to import does not provide the name
-        return False
+    module = importlib.import_module(module_name)
+    return attr in dir(module) or hasattr(module, attr)
 
 
 def resolve(name: str) -> tuple[str, str, str | None, str, str]:
