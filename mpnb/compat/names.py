@@ -64,7 +64,7 @@ class ApexName:
 
 _AMP_INTERNAL = "an Apex-internal module; use the public apex.amp functions"
 _MEGATRON = "Megatron-Core, or torch.distributed.tensor (DTensor) / torch.distributed.pipelining"
-_EXT = "an Apex CUDA extension; call its Python module instead"
+_EXT = "an Apex CUDA extension; its Python API (or the port) instead"
 
 _ROWS = [
     # the packages
@@ -338,8 +338,8 @@ _ROWS = [
         "the Welford and batch-norm kernels on mpnb's SyncBatchNorm steps",
     ),
     *(
-        ApexModule(ext, None, LACKS, f"its Python module: {py}", _EXT)
-        for ext, py in (
+        ApexModule(ext, None, LACKS, port, _EXT)
+        for ext, port in (
             ("mlp_cuda", "apex.mlp"),
             ("fused_dense_cuda", "apex.fused_dense"),
             ("scaled_masked_softmax_cuda", "apex.transformer.functional.fused_softmax"),
@@ -348,9 +348,9 @@ _ROWS = [
             ("scaled_softmax_cuda", "apex.transformer.functional"),
             ("fused_rotary_positional_embedding", "apex.transformer.functional.fused_rope"),
             ("fused_weight_gradient_mlp_cuda", "apex.fused_dense"),
-            ("distributed_adam_cuda", "apex.optimizers"),
-            ("distributed_lamb_cuda", "apex.optimizers"),
-            ("xentropy_cuda", "torch.nn.functional.cross_entropy"),
+            ("distributed_adam_cuda", "torch.distributed.optim.ZeroRedundancyOptimizer / FSDP"),
+            ("distributed_lamb_cuda", "torch.distributed.optim.ZeroRedundancyOptimizer / FSDP"),
+            ("xentropy_cuda", "torch.nn.functional.cross_entropy(label_smoothing=...)"),
             ("fast_multihead_attn", "torch.nn.functional.scaled_dot_product_attention"),
         )
     ),
