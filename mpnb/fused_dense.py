@@ -1,4 +1,4 @@
-"""Apex-compatible name: ``mpnb.fused_dense`` (see :mod:`mpnb.core.fused_dense`)."""
+"""Apex's name of :mod:`mpnb.core.fused_dense`; see mpnb.compat.names."""
 
 from mpnb.core.fused_dense import *  # noqa: F401,F403
 from mpnb.core.fused_dense import __all__  # noqa: F401

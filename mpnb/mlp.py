@@ -1,5 +1,4 @@
-"""Apex-compatible name: ``mpnb.mlp`` (see :mod:`mpnb.core.mlp`)."""
+"""Apex's name of :mod:`mpnb.core.mlp`; see mpnb.compat.names."""
 
-from mpnb.core.mlp import MLP, mlp_function
-
-__all__ = ["MLP", "mlp_function"]
+from mpnb.core.mlp import *  # noqa: F401,F403
+from mpnb.core.mlp import __all__  # noqa: F401

@@ -1,5 +1,4 @@
-"""Apex-compatible name: ``mpnb.multi_tensor_apply`` (see :mod:`mpnb.core.multi_tensor_apply`)."""
+"""Apex's name of :mod:`mpnb.core.multi_tensor_apply`; see mpnb.compat.names."""
 
-from mpnb.core.multi_tensor_apply import MultiTensorApply, multi_tensor_applier
-
-__all__ = ["MultiTensorApply", "multi_tensor_applier"]
+from mpnb.core.multi_tensor_apply import *  # noqa: F401,F403
+from mpnb.core.multi_tensor_apply import __all__  # noqa: F401

@@ -1,6 +1,4 @@
-"""Apex-compatible name: ``mpnb.transformer`` (see :mod:`mpnb.core.transformer`)."""
+"""Apex's name of :mod:`mpnb.core.transformer`; see mpnb.compat.names."""
 
-from mpnb.transformer import enums, functional
-from mpnb.transformer.enums import AttnMaskType
-
-__all__ = ["AttnMaskType", "enums", "functional"]
+from mpnb.core.transformer import *  # noqa: F401,F403
+from mpnb.core.transformer import __all__  # noqa: F401

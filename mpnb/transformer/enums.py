@@ -1,5 +1,4 @@
-"""Apex-compatible name: ``mpnb.transformer.enums``."""
+"""Apex's name of :mod:`mpnb.core.transformer.enums`; see mpnb.compat.names."""
 
-from mpnb.core.transformer.enums import AttnMaskType
-
-__all__ = ["AttnMaskType"]
+from mpnb.core.transformer.enums import *  # noqa: F401,F403
+from mpnb.core.transformer.enums import __all__  # noqa: F401

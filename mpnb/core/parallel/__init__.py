@@ -1,5 +1,7 @@
 """Apex's ``apex.parallel``: DistributedDataParallel, Reducer, SyncBatchNorm, LARC, launch."""
 
+from torch.distributed import ReduceOp
+
 from mpnb.core.parallel.convert import convert_syncbn_model
 from mpnb.core.parallel.distributed import CommStats, DistributedDataParallel
 from mpnb.core.parallel.larc import LARC
@@ -20,4 +22,5 @@ __all__ = [
     "RankError",
     "free_port",
     "under_torchrun",
+    "ReduceOp",
 ]

@@ -26,8 +26,25 @@ from mpnb.core.parallel._common import (
     require_dist,
     unique_params,
 )
+from mpnb.core.parallel.flat_dist import (
+    apply_flat_dist_call,
+    flat_dist_call,
+    split_by_type,
+    split_half_float_double,
+)
+from mpnb.core.parallel.reducer import Reducer
 
-__all__ = ["DistributedDataParallel", "CommStats"]
+# Apex's ``apex.parallel.distributed`` module held DDP, Reducer and the flat helpers together;
+# client code imports them from there, so this module lists all of them.
+__all__ = [
+    "DistributedDataParallel",
+    "CommStats",
+    "Reducer",
+    "apply_flat_dist_call",
+    "flat_dist_call",
+    "split_by_type",
+    "split_half_float_double",
+]
 
 
 @dataclass

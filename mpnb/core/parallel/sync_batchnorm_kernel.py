@@ -7,6 +7,11 @@ ReLU) in fp32. Backward: local ``sum(dy)`` and ``sum(dy * (x - mean))`` per chan
 ``all_reduce`` of both, then the input gradient; the weight and bias gradients stay local
 (summed over the ranks by DDP, as in Apex and PyTorch). Ranks may hold different batch sizes,
 including none.
+
+The three elementwise/reduction steps are functions of their own (:func:`batchnorm_forward`,
+:func:`reduce_bn`, :func:`batchnorm_backward`, Apex's ``syncbn`` kernels) and work on the
+input in its own shape: the output is a fresh tensor, never a view, so an in-place op after
+the layer (``ReLU(inplace=True)``) is allowed by autograd.
 """
 
 from __future__ import annotations
@@ -16,7 +21,14 @@ import torch.distributed as dist
 
 from mpnb.core.ops.welford import welford_mean_var, welford_parallel
 
-__all__ = ["SyncBatchnormFunction", "sync_batch_norm", "world_of"]
+__all__ = [
+    "SyncBatchnormFunction",
+    "sync_batch_norm",
+    "world_of",
+    "batchnorm_forward",
+    "reduce_bn",
+    "batchnorm_backward",
+]
 
 
 def world_of(group) -> int:
@@ -26,21 +38,28 @@ def world_of(group) -> int:
     return dist.get_world_size(group)
 
 
-def _shape(x: torch.Tensor, channel_last: bool) -> tuple[torch.Tensor, list[int]]:
-    # A view of x as (N, C, L) or (M, C), and the dims to reduce over.
+def _per_channel(v: torch.Tensor, x: torch.Tensor, channel_last: bool) -> torch.Tensor:
+    # A (C,) vector viewed to broadcast against x: (1, C, 1, ...) for (N, C, *), (C,) for
+    # (N, *, C) and (N, C).
     if channel_last or x.dim() == 2:
-        return x.reshape(x.numel() // max(x.shape[-1], 1), x.shape[-1]), [0]
-    return x.reshape(x.shape[0], x.shape[1], x.shape[2:].numel()), [0, 2]
+        return v
+    return v.view(1, -1, *([1] * (x.dim() - 2)))
 
 
-def _bcast(v: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    return v.view(1, -1, 1) if rows.dim() == 3 else v.view(1, -1)
+def _reduce_dims(x: torch.Tensor, channel_last: bool) -> list[int]:
+    if channel_last:
+        return list(range(x.dim() - 1))
+    return [0, *range(2, x.dim())]
 
 
-def _global_stats(x3, group, world):
-    channel_last = x3.dim() == 2
-    mean, var = welford_mean_var(x3, channel_last)
-    count = float(x3.numel() // max(x3.shape[1], 1))
+def _count(x: torch.Tensor, channel_last: bool) -> int:
+    c = x.shape[-1] if channel_last else x.shape[1]
+    return x.numel() // max(c, 1)
+
+
+def _global_stats(x, channel_last, group, world):
+    mean, var = welford_mean_var(x, channel_last)
+    count = float(_count(x, channel_last))
     if world == 1:
         return mean, var, count
     c = mean.numel()
@@ -62,17 +81,115 @@ def _update_running(running_mean, running_var, mean, var, total, momentum) -> No
             running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
 
 
-def _normalize(x3, mean, invstd, weight, bias, z, fuse_relu, dtype):
-    y = (x3.to(mean.dtype) - _bcast(mean, x3)) * _bcast(invstd, x3)
+def _affine(x, mean, invstd, weight, bias, z, channel_last):
+    # (x - mean) * invstd * w + b (+ z), in the statistics' dtype, in x's own shape.
+    acc = mean.dtype
+    y = (x.to(acc) - _per_channel(mean, x, channel_last)) * _per_channel(invstd, x, channel_last)
     if weight is not None:
-        y = y * _bcast(weight.to(mean.dtype), x3)
+        y = y * _per_channel(weight.to(acc), x, channel_last)
     if bias is not None:
-        y = y + _bcast(bias.to(mean.dtype), x3)
+        y = y + _per_channel(bias.to(acc), x, channel_last)
     if z is not None:
-        y = y + z.reshape(x3.shape).to(mean.dtype)
+        y = y + z.to(acc)
+    return y
+
+
+def batchnorm_forward(
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    z: torch.Tensor | None = None,
+    fuse_relu: bool = False,
+    channel_last: bool = False,
+) -> torch.Tensor:
+    """``relu?((x - mean) * invstd * weight + bias + z)`` in ``x``'s dtype (math in fp32 for half).
+
+    Args:
+        x: ``(N, C, *)``, or ``(N, *, C)`` with ``channel_last``.
+        mean, invstd: ``(C,)`` statistics (fp32 for half input).
+        weight, bias: ``(C,)`` or None. z: a residual of ``x``'s shape, or None.
+        fuse_relu: apply ReLU to the result.
+
+    Returns:
+        A new tensor of ``x``'s shape (never a view of ``x`` or of a temporary).
+
+    Example::
+
+        >>> x = torch.randn(4, 3, 5)
+        >>> var, mean = torch.var_mean(x, dim=(0, 2), correction=0)
+        >>> y = batchnorm_forward(x, mean, torch.rsqrt(var + 1e-5), None, None)
+    """
+    y = _affine(x, mean, invstd, weight, bias, z, channel_last)
     if fuse_relu:
         y = torch.relu(y)
-    return y.to(dtype)
+    return y.to(x.dtype)
+
+
+def reduce_bn(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    channel_last: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """This rank's per-channel ``sum(dy)``, ``sum(dy * (x - mean))`` and the affine gradients.
+
+    Returns:
+        ``(sum_dy, sum_dy_xmu, grad_weight, grad_bias)``: the sums in the statistics' dtype
+        (to be all-reduced over the ranks), the gradients in ``weight``'s dtype (None without
+        a weight).
+
+    Example::
+
+        >>> sum_dy, sum_dy_xmu, gw, gb = reduce_bn(dy, x, mean, invstd, weight)
+    """
+    acc = mean.dtype
+    dims = _reduce_dims(x, channel_last)
+    g = dy.to(acc)
+    xmu = x.to(acc) - _per_channel(mean, x, channel_last)
+    sum_dy = g.sum(dims)
+    sum_dy_xmu = (g * xmu).sum(dims)
+    if weight is None:
+        return sum_dy, sum_dy_xmu, None, None
+    return sum_dy, sum_dy_xmu, (sum_dy_xmu * invstd).to(weight.dtype), sum_dy.to(weight.dtype)
+
+
+def batchnorm_backward(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    mean: torch.Tensor,
+    invstd: torch.Tensor,
+    weight: torch.Tensor | None,
+    sum_dy: torch.Tensor,
+    sum_dy_xmu: torch.Tensor,
+    count: float,
+    channel_last: bool = False,
+) -> torch.Tensor:
+    r"""The input gradient of a training-mode batch norm, from the sums over every rank.
+
+    .. math::
+        dx = \bigl(dy - \tfrac{\sum dy}{n} - (x - \mu)\,\sigma^{-2}\,
+             \tfrac{\sum dy\,(x - \mu)}{n}\bigr)\,\sigma^{-1} w
+
+    Args:
+        sum_dy, sum_dy_xmu: :func:`reduce_bn`'s sums, already all-reduced over the ranks.
+        count: ``n``, the number of values per channel over every rank.
+
+    Example::
+
+        >>> dx = batchnorm_backward(dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, 64)
+    """
+    acc = mean.dtype
+    scale = invstd if weight is None else invstd * weight.to(acc)
+    mean_dy = sum_dy / count
+    mean_dy_xmu = sum_dy_xmu / count
+    xmu = x.to(acc) - _per_channel(mean, x, channel_last)
+    dx = dy.to(acc) - _per_channel(mean_dy, x, channel_last)
+    dx = dx - xmu * _per_channel(invstd * invstd * mean_dy_xmu, x, channel_last)
+    return (dx * _per_channel(scale, x, channel_last)).to(x.dtype)
 
 
 class SyncBatchnormFunction(torch.autograd.Function):
@@ -94,10 +211,9 @@ class SyncBatchnormFunction(torch.autograd.Function):
         z,
         training,
     ):
-        x3, dims = _shape(x, channel_last)
         world = world_of(group)
         if training:
-            mean, var, total = _global_stats(x3, group, world)
+            mean, var, total = _global_stats(x, channel_last, group, world)
             if total <= 1:
                 raise ValueError(
                     f"SyncBatchNorm: {int(total)} value(s) per channel over all ranks (input "
@@ -110,46 +226,35 @@ class SyncBatchnormFunction(torch.autograd.Function):
             if x.dtype == torch.float64:
                 mean, var = mean.double(), var.double()
         invstd = torch.rsqrt(var + eps)
-        y = _normalize(x3, mean, invstd, weight, bias, z, fuse_relu, x.dtype).view(x.shape)
-        ctx.save_for_backward(x, weight, mean, invstd, y if fuse_relu else None)
-        ctx.meta = (
-            channel_last,
-            fuse_relu,
-            z is not None,
-            group,
-            world,
-            total,
-            training,
-            bias is not None,
-        )
+        y = batchnorm_forward(x, mean, invstd, weight, bias, z, fuse_relu, channel_last)
+        # The ReLU's mask, not y: the caller may modify y in place (ReLU(inplace=True) after).
+        mask = y > 0 if fuse_relu else None
+        ctx.save_for_backward(x, weight, mean, invstd, mask)
+        ctx.meta = (channel_last, z is not None, group, world, total, training, bias is not None)
         return y
 
     @staticmethod
     def backward(ctx, dy):
-        x, weight, mean, invstd, y = ctx.saved_tensors
-        channel_last, fuse_relu, has_z, group, world, total, training, has_bias = ctx.meta
-        if fuse_relu:
-            dy = dy.masked_fill(y <= 0, 0)
-        x3, dims = _shape(x, channel_last)
-        g3 = dy.reshape(x3.shape).to(mean.dtype)
-        xmu = x3.to(mean.dtype) - _bcast(mean, x3)
-        sum_dy = g3.sum(dims)
-        sum_dy_xmu = (g3 * xmu).sum(dims)
-        gw = (sum_dy_xmu * invstd).to(weight.dtype) if weight is not None else None
-        gb = sum_dy.to(weight.dtype if weight is not None else x.dtype) if has_bias else None
-        scale = invstd if weight is None else invstd * weight.to(mean.dtype)
+        x, weight, mean, invstd, mask = ctx.saved_tensors
+        channel_last, has_z, group, world, total, training, has_bias = ctx.meta
+        if mask is not None:
+            dy = dy.masked_fill(~mask, 0)
+        sum_dy, sum_dy_xmu, gw, gb = reduce_bn(dy, x, mean, invstd, weight, channel_last)
+        if not has_bias:
+            gb = None
+        elif gb is None:  # a bias without a weight
+            gb = sum_dy.to(x.dtype)
         if training:
             if world > 1:
                 both = torch.cat([sum_dy, sum_dy_xmu])
                 dist.all_reduce(both, group=group)
                 sum_dy, sum_dy_xmu = both.chunk(2)
-            mean_dy = sum_dy / total
-            mean_dy_xmu = sum_dy_xmu / total
-            dx = g3 - _bcast(mean_dy, x3) - xmu * _bcast(invstd * invstd * mean_dy_xmu, x3)
-            dx = dx * _bcast(scale, x3)
+            dx = batchnorm_backward(
+                dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, total, channel_last
+            )
         else:
-            dx = g3 * _bcast(scale, x3)
-        dx = dx.to(x.dtype).view(x.shape)
+            scale = invstd if weight is None else invstd * weight.to(mean.dtype)
+            dx = (dy.to(mean.dtype) * _per_channel(scale, x, channel_last)).to(x.dtype)
         dz = dy if has_z else None
         return dx, gw, gb, None, None, None, None, None, None, None, dz, None
 
@@ -176,6 +281,10 @@ def sync_batch_norm(
         eps, momentum: as in ``nn.BatchNorm``. process_group: the ranks sharing statistics.
         fuse_relu: apply ReLU to the output. z: a residual added before the ReLU.
         training: use batch statistics (and update the running ones) or the running ones.
+
+    Returns:
+        A new tensor (not a view): in-place ops on it, such as ``ReLU(inplace=True)``, are
+        allowed and keep the gradients exact.
 
     Example::
 

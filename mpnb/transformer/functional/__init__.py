@@ -1,4 +1,4 @@
-"""Apex-compatible name: ``mpnb.transformer.functional``."""
+"""Apex's name of :mod:`mpnb.core.transformer.functional`; see mpnb.compat.names."""
 
 from mpnb.core.transformer.functional import *  # noqa: F401,F403
 from mpnb.core.transformer.functional import __all__  # noqa: F401

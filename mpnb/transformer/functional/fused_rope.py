@@ -1,4 +1,4 @@
-"""Apex-compatible name: ``mpnb.transformer.functional.fused_rope``."""
+"""Apex's name of :mod:`mpnb.core.transformer.functional.fused_rope`; see mpnb.compat.names."""
 
 from mpnb.core.transformer.functional.fused_rope import *  # noqa: F401,F403
 from mpnb.core.transformer.functional.fused_rope import __all__  # noqa: F401

@@ -1,4 +1,5 @@
-"""SyncBatchNorm: the Welford kernels, the module in one process, and 2 gloo ranks vs BatchNorm.
+"""SyncBatchNorm: the Welford kernels, the module in one process, and 2 gloo ranks vs BatchNorm
+(also a ResNet block with ReLU(inplace=True) after each SyncBN).
 
 The 2-rank checks run inside one launch; each rank holds a slice of one global batch (slices
 of different sizes, one of them empty) and compares with ``nn.BatchNorm`` on the whole batch.
@@ -217,8 +218,78 @@ def _rank_case(shape, n0, kw, dtype):
     }
 
 
+class _ResBlock(torch.nn.Module):
+    """torchvision's BasicBlock: conv-BN-ReLU(inplace), conv-BN, ``out += x``, ReLU(inplace)."""
+
+    def __init__(self, c: int, dims: int):
+        super().__init__()
+        if dims == 4:
+            self.a = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+            self.b = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+            bn = torch.nn.BatchNorm2d
+        else:
+            self.a, self.b = torch.nn.Linear(c, c, bias=False), torch.nn.Linear(c, c, bias=False)
+            bn = torch.nn.BatchNorm1d
+        self.bn1, self.bn2 = bn(c), bn(c)
+        self.relu = torch.nn.ReLU(inplace=True)
+
+    def forward(self, x):
+        out = self.relu(self.bn1(self.a(x)))
+        out = self.bn2(self.b(out))
+        out += x
+        return self.relu(out)
+
+
+BLOCKS = {  # name: (global input shape, rows of rank 0, dtype)
+    "block_4d_fp32": ((6, 4, 5, 5), 2, torch.float32),
+    "block_4d_bf16": ((6, 4, 5, 5), 4, torch.bfloat16),
+    "block_2d_fp32": ((10, 6), 3, torch.float32),
+    "block_2d_bf16": ((10, 6), 5, torch.bfloat16),
+}
+
+
+def _rel(a, b) -> float:
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-12)).item()
+
+
+def _block_case(shape, n0, dtype):
+    """Each rank runs the converted block on its rows; the gradients summed over the ranks must
+    equal those of one process running plain BatchNorm on the whole batch, in the same precision
+    (fp32, or bf16 as amp O1 runs it: fp32 params, the forward under autocast)."""
+    r = dist.get_rank()
+    g = torch.Generator().manual_seed(11)
+    x = torch.randn(shape, generator=g)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64)
+    torch.manual_seed(3)
+    ref = _ResBlock(shape[1], len(shape))
+    for bn in (ref.bn1, ref.bn2):
+        bn.weight.data.uniform_(0.5, 1.5, generator=g)
+        bn.bias.data.uniform_(-0.5, 0.5, generator=g)
+    ours = convert_syncbn_model(ref)
+    assert isinstance(ours.bn1, SyncBatchNorm) and isinstance(ours.bn2, SyncBatchNorm)
+    half = dtype == torch.bfloat16
+    xr = x.clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+        y_ref = ref(xr)
+    (y_ref.double() * dy).sum().backward()
+    sl = slice(0, n0) if r == 0 else slice(n0, shape[0])
+    xs = x[sl].clone().requires_grad_()
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=half):
+        y = ours(xs)
+    assert y.dtype == dtype
+    (y.double() * dy[sl]).sum().backward()
+    grads = {}
+    for (name, p), (_, p_ref) in zip(ours.named_parameters(), ref.named_parameters(), strict=True):
+        gsum = p.grad.double()
+        dist.all_reduce(gsum)
+        grads[name] = _rel(gsum, p_ref.grad)
+    return {"y": _rel(y, y_ref[sl].detach()), "dx": _rel(xs.grad, xr.grad[sl]), **grads}
+
+
 def _all_cases():
-    return {name: _rank_case(*case) for name, case in CASES.items()}
+    out = {name: _rank_case(*case) for name, case in CASES.items()}
+    out.update({name: _block_case(*case) for name, case in BLOCKS.items()})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -235,3 +306,45 @@ def test_two_ranks_match_batchnorm_on_the_concatenated_batch(two_ranks, name):
         assert r["ranks_equal"] == 0.0, f"rank {rank}: running stats differ across ranks"
         for key in ("y", "dx", "dw", "db", "running"):
             assert r[key] <= tol, f"rank {rank} {name}: {key} off by {r[key]:.3g}"
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", list(BLOCKS))
+def test_two_ranks_resnet_block_with_inplace_relu_matches_full_batch_batchnorm(two_ranks, name):
+    """conv/linear, SyncBN, ReLU(inplace=True) and ``out += x`` on 2 ranks: the output, the input
+    gradient and every parameter gradient equal single-process full-batch BatchNorm's (relative
+    L2 error; under bf16 autocast within bf16 rounding of the per-rank activations)."""
+    tol = 1e-2 if BLOCKS[name][2] == torch.bfloat16 else 1e-5
+    for rank, res in enumerate(two_ranks):
+        errs = res[name]
+        assert set(errs) >= {"y", "dx", "bn1.weight", "bn2.bias", "a.weight", "b.weight"}
+        for key, err in errs.items():
+            assert err <= tol, f"rank {rank} {name}: {key} off by {err:.3g} (relative)"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(6, 4), (3, 4, 3, 5)])
+@pytest.mark.parametrize("fuse_relu", [False, True])
+def test_inplace_ops_after_syncbn_keep_exact_gradients(kernels, dtype, shape, fuse_relu):
+    """One process: an in-place add then ReLU(inplace=True) on SyncBN's output (Apex's failure
+    mode: 'Output 0 of SyncBatchnormFunction is a view and is being modified inplace')."""
+    ref_bn, ours_bn = _pair(shape)
+    ours_bn.fuse_relu = fuse_relu
+    ours_bn.to(dtype)
+    ref_bn.double()
+    x = torch.randn(shape, dtype=torch.float64).to(dtype)
+    dy = torch.randn(shape, dtype=torch.float64)
+    xo, xr = x.clone().requires_grad_(), x.double().requires_grad_()
+    y = ours_bn(xo)
+    assert y._base is None  # a fresh tensor, not a view
+    y = torch.nn.functional.relu(y.add_(0.25), inplace=True)
+    (y.double() * dy).sum().backward()
+    y_ref = (
+        torch.relu(torch.relu(ref_bn(xr)) + 0.25) if fuse_relu else torch.relu(ref_bn(xr) + 0.25)
+    )
+    (y_ref * dy).sum().backward()
+    tol = 1e-2 if dtype == torch.bfloat16 else 1e-6
+    assert _rel(y, y_ref.detach()) <= tol
+    assert _rel(xo.grad, xr.grad) <= tol
+    assert _rel(ours_bn.weight.grad, ref_bn.weight.grad) <= tol
+    assert _rel(ours_bn.bias.grad, ref_bn.bias.grad) <= tol

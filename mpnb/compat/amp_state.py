@@ -1,0 +1,149 @@
+"""Apex's ``apex.amp._amp_state``, as a compatibility surface: a view onto mpnb's amp handle.
+
+Apex kept its amp state in a module-level singleton that client code reaches into, for example
+``amp._amp_state.loss_scalers[0].loss_scale()`` to log the scale, or NVIDIA's BERT recipe's
+``amp._amp_state.loss_scalers[0]._loss_scale = 2**20`` to start from a larger scale. mpnb keeps
+that state in the handle of the latest ``amp.initialize`` (:func:`mpnb.amp.current_handle`);
+this module shows it under Apex's names and owns nothing:
+
+* ``loss_scalers``: one :class:`LossScalerView` per loss, read-only except ``_loss_scale``,
+  whose assignment goes through the scaler's public ``load_state_dict`` (so the scaler's own
+  rule, clamp and device state stay in charge);
+* ``opt_properties``: the resolved, frozen :class:`mpnb.amp.Properties`;
+* ``handle``: the :class:`mpnb.amp.AmpHandle` itself.
+
+Before any ``amp.initialize`` these raise ``AttributeError`` (as Apex's did). The modern
+equivalent of all of this is ``torch.amp.GradScaler.get_scale()``.
+
+Example::
+
+    >>> from apex.amp._amp_state import _amp_state      # under mpnb's Apex alias
+    >>> _amp_state.loss_scalers[0].loss_scale()
+    65536.0
+"""
+
+from __future__ import annotations
+
+from mpnb.core.amp import current_handle, master_params
+
+__all__ = ["AmpStateView", "LossScalerView", "master_params"]
+
+_VIEWED = ("loss_scalers", "opt_properties", "handle")
+
+
+def _handle():
+    try:
+        return current_handle()
+    except ValueError as e:  # Apex: the attribute does not exist before initialize
+        raise AttributeError(str(e)) from None
+
+
+class LossScalerView:
+    """Apex's ``LossScaler`` attributes over one of mpnb's :class:`mpnb.amp.LossScaler`.
+
+    Args:
+        scaler: the real scaler (``current_handle().scalers[i]``).
+
+    Example::
+
+        >>> view = LossScalerView(amp.current_handle().scalers[0])
+        >>> view.loss_scale(), view.dynamic
+        (65536.0, True)
+    """
+
+    __slots__ = ("_scaler",)
+
+    def __init__(self, scaler) -> None:
+        object.__setattr__(self, "_scaler", scaler)
+
+    def loss_scale(self) -> float:
+        """The current scale (a host sync, as in Apex)."""
+        return self._scaler.loss_scale()
+
+    @property
+    def _loss_scale(self) -> float:
+        return self._scaler.loss_scale()
+
+    @_loss_scale.setter
+    def _loss_scale(self, value: float) -> None:
+        state = self._scaler.state_dict()
+        state["loss_scale"] = float(value)
+        self._scaler.load_state_dict(state)
+
+    @property
+    def dynamic(self) -> bool:
+        return self._scaler.dynamic
+
+    @property
+    def _unskipped(self) -> int:
+        return int(self._scaler.state_dict()["unskipped"])
+
+    @property
+    def _max_loss_scale(self) -> float:
+        return self._scaler.max_loss_scale
+
+    @property
+    def _min_loss_scale(self) -> float | None:
+        return self._scaler.min_loss_scale
+
+    @property
+    def _scale_seq_len(self) -> int:
+        return self._scaler.scale_window
+
+    def __setattr__(self, name: str, value) -> None:
+        if name == "_loss_scale":
+            object.__setattr__(self, name, value)
+            return
+        raise AttributeError(
+            f"amp._amp_state.loss_scalers[i].{name} is read-only in mpnb (a view onto the real "
+            "scaler; only _loss_scale can be set). Pass loss-scale settings to amp.initialize "
+            "(loss_scale=, min_loss_scale=, max_loss_scale=) instead."
+        )
+
+    def __repr__(self) -> str:
+        return f"LossScalerView({self._scaler!r})"
+
+
+class AmpStateView:
+    """Apex's ``_amp_state`` object: read-only, onto the latest ``amp.initialize``'s handle.
+
+    Example::
+
+        >>> AmpStateView().opt_properties.opt_level
+        'O1'
+    """
+
+    __slots__ = ()
+
+    @property
+    def handle(self):
+        return _handle()
+
+    @property
+    def loss_scalers(self) -> tuple[LossScalerView, ...]:
+        return tuple(LossScalerView(s) for s in _handle().scalers)
+
+    @property
+    def opt_properties(self):
+        return _handle().properties
+
+    def __setattr__(self, name: str, value) -> None:
+        raise AttributeError(
+            f"amp._amp_state.{name} is read-only in mpnb (a view onto "
+            "mpnb.amp.current_handle()); pass the setting to amp.initialize instead."
+        )
+
+
+_amp_state = AmpStateView()
+
+
+def __getattr__(name: str):
+    # ``amp._amp_state`` is this module when reached as an attribute of ``apex.amp``; Apex's
+    # object had these attributes, so the module answers for them too.
+    if name in _VIEWED:
+        return getattr(_amp_state, name)
+    raise AttributeError(f"module 'apex.amp._amp_state' (mpnb's view) has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_VIEWED])

@@ -1,0 +1,83 @@
+"""examples/apex/simple_distributed.py, a CUDA-only Apex script, runs unchanged on a CPU:
+``python -m mpnb.apex --cpu`` on one rank, and under torchrun on two gloo ranks."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from mpnb.apex import run_script
+from mpnb.parallel import free_port
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "examples" / "apex" / "simple_distributed.py"
+
+
+def test_the_example_is_written_for_cuda_and_apex():
+    src = EXAMPLE.read_text()
+    for apex_style in (
+        "from apex import amp",
+        "from apex.parallel import DistributedDataParallel",
+        'init_process_group(backend="nccl", init_method="env://")',
+        "torch.cuda.set_device(args.local_rank)",
+        ".cuda()",
+        "amp.initialize(",
+        "with amp.scale_loss(loss, optimizer) as scaled_loss:",
+        "ReLU(inplace=True)",
+        "convert_syncbn_model(model)",
+    ):
+        assert apex_style in src, apex_style
+
+
+@pytest.mark.slow
+def test_one_rank_in_process(kernels):
+    out = io.StringIO()
+    ns = run_script(str(EXAMPLE), ["--steps", "4"], cpu=True, stream=out)
+    summary = ns["summary"]
+    assert summary["world_size"] == 1 and summary["device"] == "cpu"
+    assert summary["final_loss"] < summary["first_loss"]
+    assert ".cuda() -> stays on the CPU" in out.getvalue()
+
+
+@pytest.mark.dist
+@pytest.mark.slow
+def test_two_ranks_under_torchrun_unchanged(kernels):
+    """torchrun starts 2 ranks of ``python -m mpnb.apex --cpu`` on the unchanged script: NCCL
+    becomes gloo, SyncBN + ReLU(inplace=True) trains, and the ranks end with equal weights."""
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes=1",
+        "--nproc-per-node=2",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_port()}",
+        "-m",
+        "mpnb.apex",
+        "--cpu",
+        str(EXAMPLE),
+        "--steps",
+        "15",
+    ]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
+    assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
+    ranks = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    assert sorted(s["rank"] for s in ranks) == [0, 1]
+    for s in ranks:
+        assert s["world_size"] == 2 and s["device"] == "cpu"
+        assert s["final_loss"] < s["first_loss"]
+        assert s["loss_scale"] > 0
+    assert ranks[0]["param_checksum"] == ranks[1]["param_checksum"]
+    assert r.stderr.count("init_process_group(backend='nccl') -> gloo") == 2  # once per rank
+    assert "torch.cuda.set_device() -> no-op" in r.stderr
