@@ -170,3 +170,45 @@ def test_bad_configs_are_refused_clearly(x):
         trace_precision(_mlp(), x, "O4")
     with pytest.raises(ValueError, match="stochastic_rounding"):
         trace_precision(_mlp(), x, "bf16-pure+sr")
+
+
+class _Ops:
+    @staticmethod
+    def gate(a, b):
+        return torch.sigmoid(a) * b
+
+
+class _Gated(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(K, H)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return _Ops.gate(h, h)
+
+
+def test_a_registered_function_is_named_in_the_trace(x):
+    from mpnb.core.amp.casts import default_registry
+
+    amp.register_float_function(_Ops, "gate")
+    try:
+        ops, _ = trace_precision(_Gated(), x, "O1", half_dtype=torch.bfloat16)
+    finally:
+        default_registry.entries.pop((id(_Ops), "gate"))
+    gate = _rows(ops, phase="forward", op="sigmoid")
+    assert gate["reason"].item() == "user-registration" and gate["dtype"].item() == "float32"
+    assert "float function _Ops.gate" in gate["detail"].item()
+    assert _rows(ops, phase="forward", op="addmm")["dtype"].item() == "bfloat16"
+
+
+def test_a_call_whose_argument_changed_in_place_has_an_unknown_rule():
+    from mpnb.lab._precision_trace import Call, autocast_policy
+
+    a, b = torch.randn(4, 4), torch.randn(4, 4)
+    call = Call(0, "torch.mm", torch.mm, True, (a, b), {}, (a._version, b._version))
+    assert autocast_policy(call, "cpu", torch.bfloat16) == "lower-precision"
+    a.add_(1)
+    assert autocast_policy(call, "cpu", torch.bfloat16) == "unknown"
+    soft = Call(1, "torch.softmax", torch.softmax, True, (b, -1), {}, (b._version,))
+    assert autocast_policy(soft, "cpu", torch.bfloat16) == "none"

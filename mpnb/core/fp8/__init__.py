@@ -30,7 +30,7 @@ from mpnb.core.fp8.convert import (
     float8_layers,
 )
 from mpnb.core.fp8.formats import E4M3, E5M2, E8M0, FP8_FORMATS, format_dtypes, fp8_max
-from mpnb.core.fp8.gemm import emulated_mm, fp8_mm, scaled_mm_blocker
+from mpnb.core.fp8.gemm import emulated_mm, fp8_mm, scaled_mm_blocker, scaled_mm_rule
 from mpnb.core.fp8.linear import Float8FallbackWarning, Float8Linear
 from mpnb.core.fp8.quantize import (
     Float8Operand,
@@ -82,6 +82,7 @@ __all__ = [
     "fp8_mm",
     "emulated_mm",
     "scaled_mm_blocker",
+    "scaled_mm_rule",
     "E4M3",
     "E5M2",
     "E8M0",

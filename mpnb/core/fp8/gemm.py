@@ -24,7 +24,7 @@ import torch
 
 from mpnb.core.fp8.quantize import Float8Operand
 
-__all__ = ["fp8_mm", "emulated_mm", "scaled_mm_blocker"]
+__all__ = ["fp8_mm", "emulated_mm", "scaled_mm_blocker", "scaled_mm_rule"]
 
 _MX_REASON = (
     "MXFP8 GEMMs run emulated (dequantize + float32 matmul) on every device: torch._scaled_mm "
@@ -45,26 +45,37 @@ def scaled_mm_blocker(a: Float8Operand, b: Float8Operand, out_dtype: torch.dtype
         >>> scaled_mm_blocker(quantize_tensorwise(x, E4M3), quantize_tensorwise(w, E4M3),
         ...                   torch.float32)      # None on CPU: torch._scaled_mm runs it
     """
-    if a.granularity == "mx":
-        return "recipe", _MX_REASON
     dev = a.data.device
-    if dev.type == "cpu":
+    cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
+    k, n = a.data.shape[1], b.data.shape[0]
+    return scaled_mm_rule(dev.type, cap, a.granularity, k, n, out_dtype)
+
+
+def scaled_mm_rule(device_type: str, capability, granularity: str, k: int, n: int, out_dtype):
+    """:func:`scaled_mm_blocker` on plain values (``capability``: CUDA's ``(major, minor)``).
+
+    Example::
+
+        >>> scaled_mm_rule("cuda", (9, 0), "tensorwise", 40, 64, torch.bfloat16)[0]
+        'shape'
+    """
+    if granularity == "mx":
+        return "recipe", _MX_REASON
+    if device_type == "cpu":
         return None
-    if dev.type != "cuda":
-        return "device", f"torch._scaled_mm has no FP8 GEMM on {dev.type}"
-    cap = torch.cuda.get_device_capability(dev)
-    need = (9, 0) if a.granularity == "rowwise" else (8, 9)
-    if cap < need:
+    if device_type != "cuda":
+        return "device", f"torch._scaled_mm has no FP8 GEMM on {device_type}"
+    need = (9, 0) if granularity == "rowwise" else (8, 9)
+    if tuple(capability) < need:
         return "device", (
-            f"{a.granularity} FP8 GEMMs need CUDA capability {need[0]}.{need[1]}+, this GPU "
-            f"has {cap[0]}.{cap[1]}"
+            f"{granularity} FP8 GEMMs need CUDA capability {need[0]}.{need[1]}+, this GPU "
+            f"has {capability[0]}.{capability[1]}"
         )
-    if a.granularity == "rowwise" and out_dtype != torch.bfloat16:
+    if granularity == "rowwise" and out_dtype != torch.bfloat16:
         return "out_dtype", (
             f"rowwise torch._scaled_mm on CUDA only writes bfloat16, this GEMM's output is "
             f"{out_dtype}"
         )
-    k, n = a.data.shape[1], b.data.shape[0]
     if k % 16 or n % 16:
         return "shape", (
             f"torch._scaled_mm on CUDA needs K and N multiples of 16, this GEMM has K={k}, N={n}"
