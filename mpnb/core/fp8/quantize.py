@@ -91,6 +91,7 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool = Fal
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, gran: str):
     """``sat(round(x * scale))`` as ``dtype``; ``scale`` broadcasts (0-d or ``(rows, 1)``)."""
     m = fp8_max(dtype)
+    scale = scale.float()  # a module cast to half (model.to(bf16)) casts its buffers too
     data = (x.float() * scale).clamp(-m, m).to(dtype).contiguous()
     return Float8Operand(data, scale.reciprocal(), gran)
 

@@ -172,10 +172,11 @@ class DelayedScaling(Float8Recipe):
             hist = layer.fp8_amax_history
             hist[:, i] = torch.roll(hist[:, i], 1)
             hist[0, i] = amax
-            reduced = hist[:, i].max() if self.amax_compute_algo == "max" else hist[0, i]
+            col = hist[:, i].float()  # float32 math even if the buffers were cast to half
+            reduced = col.max() if self.amax_compute_algo == "max" else col[0]
             new = reduced.new_tensor(fp8_max(dtype)) / reduced / 2.0**self.margin
             ok = (reduced > 0) & torch.isfinite(reduced)
-            layer.fp8_scale[i] = torch.where(ok, new, layer.fp8_scale[i])
+            layer.fp8_scale[i] = torch.where(ok, new, layer.fp8_scale[i].float())
 
 
 @dataclass(frozen=True)
