@@ -34,9 +34,11 @@ __all__ = ["ModuleTracker", "ApiMode", "OpMode", "Call", "OpFacts", "autocast_po
 
 _HALVES = (torch.float16, torch.bfloat16)
 _CAST_OPS = ("_to_copy", "to", "copy_", "_to_copy_out", "copy")
+# torch calls whose job is a dtype change
 CAST_APIS = frozenset(
-    "to float half bfloat16 double type type_as copy_ _to_copy".split()
-)  # torch calls whose job is a dtype change
+    ("to", "float", "half", "bfloat16", "double", "long", "int", "short", "bool", "byte")
+    + ("char", "type", "type_as", "copy_", "_to_copy")
+)
 
 
 def _amp_wrapper_code():
@@ -81,6 +83,10 @@ class OpFacts:
 
 
 def _func_name(func) -> str:
+    if isinstance(func, torch._ops.OpOverloadPacket):
+        return "torch.ops." + func._qualified_op_name.replace("::", ".")
+    if isinstance(func, torch._ops.OpOverload):
+        return f"torch.ops.{func.namespace}.{func._opname}"
     qual = getattr(func, "__qualname__", None) or getattr(func, "__name__", repr(func))
     mod = getattr(func, "__module__", None) or ""
     if qual.startswith(("TensorBase.", "Tensor.")):
@@ -251,10 +257,8 @@ def _op_name(func) -> str:
 def _kind(func, ins, outs) -> str:
     if func.is_view:
         return "view"
-    if func._opname in _CAST_OPS and ins and outs:
-        src, dst = ins[0].dtype, outs[0].dtype
-        if src != dst and src.is_floating_point and dst.is_floating_point:
-            return "cast"
+    if func._opname in _CAST_OPS and ins and outs and ins[0].dtype != outs[0].dtype:
+        return "cast"
     return "compute"
 
 
@@ -342,13 +346,20 @@ def autocast_policy(call: Call, device_type: str, half: torch.dtype) -> str:
     ``"unknown"`` (the call could not be re-run on its recorded arguments).
     """
     flat = [t for t in tree_flatten((call.args, call.kwargs))[0] if isinstance(t, torch.Tensor)]
+    if not any(t.is_floating_point() for t in flat):
+        return "none"  # autocast casts floating tensor arguments only
     if tuple(t._version for t in flat) != call.versions:
         return "unknown"  # an argument was changed in place after the call
     try:
         devices = [torch.cuda.current_device()] if device_type == "cuda" else []
         with torch.random.fork_rng(devices=devices), torch.no_grad():
-            o32, _ = _run(call, lambda x: _as(x, torch.float32), device_type, half, True)
-            oh, _ = _run(call, lambda x: _as(x, half), device_type, half, True)
+            to32, toh = (lambda x: _as(x, torch.float32)), (lambda x: _as(x, half))
+            o32, c32 = _run(call, to32, device_type, half, True)
+            oh, ch = _run(call, toh, device_type, half, True)
+            if o32 is None or oh is None:  # no floating output: did autocast cast anything?
+                base = (_run(call, to32, device_type, half, False)[1],
+                        _run(call, toh, device_type, half, False)[1])  # fmt: skip
+                return "none" if (c32, ch) == base else "unknown"
             if o32 == half:
                 return "lower-precision"
             if o32 == torch.float32 and oh == torch.float32:

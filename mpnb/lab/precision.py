@@ -15,7 +15,7 @@ Columns of ``trace.ops``:
 ``module_type`` its class
 ``api``        the torch call in your code the op came from (``torch.nn.functional.linear``)
 ``op``         the aten op (``addmm``, ``_to_copy``, ``_scaled_mm``)
-``kind``       ``compute``, ``cast`` (a floating dtype change) or ``view`` (no data moved)
+``kind``       ``compute``, ``cast`` (a dtype change) or ``view`` (no data moved)
 ``in_dtypes``  dtypes of its tensor inputs; ``out_dtypes``: of its outputs
 ``dtype``      the dtype it computes in (casts: the target; ``_scaled_mm``: its FP8 operands)
 ``reason``     one of :data:`REASONS`; ``detail``: the same in words, with specifics
@@ -155,6 +155,8 @@ def _reason(f, policies: dict, half: str, cfg) -> tuple[str, str]:
         return "backward", f"backward of {node}: the dtypes its forward saved"
     if f.kind == "view":
         return "view", "no computation"
+    if f.dtype is None:
+        return "promotion", "no floating tensors: nothing for a precision rule to change"
     api = call.name if call is not None else "-"
     if f.kind == "cast" and api.split(".")[-1] in CAST_APIS:
         return "explicit-cast", f"{api} to {f.dtype}"

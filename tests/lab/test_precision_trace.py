@@ -130,7 +130,8 @@ class _Block(torch.nn.Module):
         with amp.disable_casts():
             g = h.float() @ self.w
         s = _scores(g, self.w)
-        return torch.cat([g, h], 0).sum(0) + s.sum(0) + pen
+        pos = torch.arange(H, device=x.device).float() * h.argmax(-1).float().mean()
+        return torch.cat([g, h], 0).sum(0) + s.sum(0) + pen + pos
 
 
 def test_o1_reasons_fp32_list_promote_disabled_region_and_registration(x):
@@ -150,6 +151,10 @@ def test_o1_reasons_fp32_list_promote_disabled_region_and_registration(x):
     assert cat["reason"].item() == "autocast-promote" and cat["dtype"].item() == "float32"
     fp32 = summary.fp32_ops.set_index("op")
     assert fp32.loc["mse_loss", "reason"] == "autocast-fp32"
+    assert _rows(fwd, op="arange")["reason"].item() == "promotion"  # no floating inputs
+    assert set(_rows(fwd, op="_to_copy", api="Tensor.float")["reason"]) == {"explicit-cast"}
+    assert _rows(fwd, op="argmax")["reason"].item() == "promotion"  # measured: no autocast cast
+    assert "unknown" not in set(ops["reason"])
 
 
 def test_the_users_model_and_amp_state_are_untouched(x):
