@@ -35,7 +35,6 @@ Example::
 from __future__ import annotations
 
 import copy
-import warnings
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -291,8 +290,7 @@ def _trace(model, inputs, cfg, loss_fn, half, device):
     mode = OpMode(tracker, api, (Float8Linear,))
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     try:
-        with mode, api, warnings.catch_warnings():
-            warnings.simplefilter("ignore", amp.EmulatedHalfWarning)
+        with mode, api:
             out = work(*args)
             mode.phase = "loss"
             loss = loss_fn(out)
