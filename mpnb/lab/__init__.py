@@ -6,6 +6,7 @@
   :func:`workloads.custom` for your own.
 * :func:`profile`: per-phase and per-module times, FLOPs, the ``torch.profiler`` op table.
 * :func:`trace_overflow`, :func:`underflow_report`: which layer leaves the half range.
+* :func:`trace_precision`: which dtype every op of a step ran in, and why.
 * :func:`report`: one self-contained offline HTML page from a :func:`compare` DataFrame.
 
 Example::
@@ -31,6 +32,7 @@ _LAZY = {
     "trace_overflow": "diagnosis",
     "underflow_report": "diagnosis",
     "report": "html_report",
+    "trace_precision": "precision",
 }
 
 __all__ = [*_LAZY, "workloads"]

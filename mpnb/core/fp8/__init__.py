@@ -1,0 +1,100 @@
+"""``mpnb.fp8``: FP8 training of ``nn.Linear`` layers through torch's float8 dtypes.
+
+Four recipes, as module swaps (the fp32/bf16 weight stays the parameter the optimizer
+updates; each GEMM quantizes its operands on the fly):
+
+* ``"tensorwise"`` (:class:`TensorwiseScaling`): per-tensor current scaling;
+* ``"delayed"`` (:class:`DelayedScaling`): per-tensor scales from an amax history kept in the
+  layer's ``state_dict`` (TransformerEngine's defaults: 1024 steps, ``"max"``, margin 0);
+* ``"rowwise"`` (:class:`RowwiseScaling`): one scale per row of each GEMM operand;
+* ``"mxfp8"`` (:class:`MXFP8BlockScaling`): 32-element blocks with E8M0 power-of-two scales.
+
+The GEMMs run in ``torch._scaled_mm`` where the device supports the recipe (CPU: tensorwise
+and rowwise, any shape; CUDA sm89+/sm90+: multiples of 16), and otherwise as the same math
+emulated (dequantize, float32 matmul) with one :class:`Float8FallbackWarning` per layer. On a
+CPU, FP8 is always emulated in the end (``torch._scaled_mm`` itself dequantizes to float32):
+the numerics are FP8's, the speed is not. ``reference_*`` functions restate every recipe's
+math in plain PyTorch.
+
+Example::
+
+    >>> from mpnb import fp8
+    >>> model = fp8.convert_to_float8_training(model, "delayed")
+    >>> loss = model(x).float().pow(2).mean(); loss.backward(); optimizer.step()
+    >>> torch.save(model.state_dict(), "ckpt.pt")   # includes the amax histories
+"""
+
+from mpnb.core.fp8.convert import (
+    convert_from_float8_training,
+    convert_to_float8_training,
+    float8_layers,
+)
+from mpnb.core.fp8.formats import E4M3, E5M2, E8M0, FP8_FORMATS, format_dtypes, fp8_max
+from mpnb.core.fp8.gemm import emulated_mm, fp8_mm, scaled_mm_blocker, scaled_mm_rule
+from mpnb.core.fp8.linear import Float8FallbackWarning, Float8Linear
+from mpnb.core.fp8.quantize import (
+    Float8Operand,
+    amax_to_scale,
+    quantize_mx,
+    quantize_rowwise,
+    quantize_tensorwise,
+    quantize_with_scale,
+)
+from mpnb.core.fp8.recipes import (
+    RECIPES,
+    DelayedScaling,
+    Float8Recipe,
+    MXFP8BlockScaling,
+    RowwiseScaling,
+    TensorwiseScaling,
+    recipe,
+)
+from mpnb.core.fp8.reference import (
+    reference_delayed_scales,
+    reference_dequantize,
+    reference_float8_linear,
+    reference_quantize,
+    reference_quantize_mx,
+    reference_quantize_rowwise,
+    reference_quantize_tensorwise,
+    reference_scale,
+)
+
+__all__ = [
+    "convert_to_float8_training",
+    "convert_from_float8_training",
+    "float8_layers",
+    "Float8Linear",
+    "Float8FallbackWarning",
+    "Float8Recipe",
+    "TensorwiseScaling",
+    "DelayedScaling",
+    "RowwiseScaling",
+    "MXFP8BlockScaling",
+    "RECIPES",
+    "recipe",
+    "Float8Operand",
+    "amax_to_scale",
+    "quantize_with_scale",
+    "quantize_tensorwise",
+    "quantize_rowwise",
+    "quantize_mx",
+    "fp8_mm",
+    "emulated_mm",
+    "scaled_mm_blocker",
+    "scaled_mm_rule",
+    "E4M3",
+    "E5M2",
+    "E8M0",
+    "FP8_FORMATS",
+    "fp8_max",
+    "format_dtypes",
+    "reference_scale",
+    "reference_quantize",
+    "reference_quantize_tensorwise",
+    "reference_quantize_rowwise",
+    "reference_quantize_mx",
+    "reference_dequantize",
+    "reference_delayed_scales",
+    "reference_float8_linear",
+]

@@ -1,0 +1,94 @@
+"""Swap a model's ``nn.Linear`` layers for :class:`Float8Linear` and back, in place.
+
+Only modules whose type is exactly ``nn.Linear`` are swapped (a subclass may override
+``forward``; ``nn.MultiheadAttention``'s ``out_proj`` is never called as a module). The new
+layers share the old ones' Parameter objects, so an optimizer built before the swap keeps
+working and the ``state_dict`` keys stay those of the original model (plus the delayed
+recipe's two buffers per layer). Hooks registered on the old modules are not carried over.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from torch import nn
+
+from mpnb.core.fp8.linear import Float8Linear
+from mpnb.core.fp8.recipes import Float8Recipe
+from mpnb.core.fp8.recipes import recipe as make_recipe
+
+__all__ = ["convert_to_float8_training", "convert_from_float8_training", "float8_layers"]
+
+
+def _swap(model: nn.Module, make: Callable[[nn.Module, str], nn.Module | None]) -> nn.Module:
+    """Replace every module for which ``make(module, fqn)`` returns a new one (shared once)."""
+    done: dict[int, nn.Module] = {}
+
+    def new_for(mod: nn.Module, fqn: str):
+        if id(mod) not in done:
+            done[id(mod)] = make(mod, fqn) or mod
+        return done[id(mod)]
+
+    root = new_for(model, "")
+    if root is not model:
+        return root
+    # every (name, module) pair, shared modules included, listed before anything changes
+    for fqn, mod in list(model.named_modules(remove_duplicate=False))[1:]:
+        new = new_for(mod, fqn)
+        if new is not mod:
+            parent, _, name = fqn.rpartition(".")
+            setattr(model.get_submodule(parent), name, new)
+    return model
+
+
+def convert_to_float8_training(
+    model: nn.Module,
+    recipe: Float8Recipe | str = "tensorwise",
+    module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+) -> nn.Module:
+    """Swap the ``nn.Linear`` layers of ``model`` for FP8 ones (in place).
+
+    Args:
+        model: any module (if it is itself an ``nn.Linear``, a new module is returned).
+        recipe: ``"tensorwise"``, ``"delayed"``, ``"rowwise"``, ``"mxfp8"`` or a recipe
+            object (``mpnb.fp8.DelayedScaling(amax_history_len=16)``...).
+        module_filter_fn: ``(module, fqn) -> bool``; only layers it accepts are swapped
+            (for example, keep the classifier head in high precision).
+
+    Returns:
+        ``model`` (the same object) with its linear layers swapped.
+
+    Example::
+
+        >>> model = convert_to_float8_training(model, "delayed",
+        ...                                    module_filter_fn=lambda m, fqn: fqn != "head")
+        >>> opt = torch.optim.AdamW(model.parameters())   # or one built before: same params
+    """
+    rec = make_recipe(recipe)
+
+    def make(mod, fqn):
+        if type(mod) is not nn.Linear:
+            return None
+        if module_filter_fn is not None and not module_filter_fn(mod, fqn):
+            return None
+        return Float8Linear.from_linear(mod, rec, fqn or "(root)")
+
+    return _swap(model, make)
+
+
+def convert_from_float8_training(model: nn.Module) -> nn.Module:
+    """The inverse: every :class:`Float8Linear` back to an ``nn.Linear`` sharing its Parameters.
+
+    The recipe state (amax histories, scales) is dropped; the result's ``state_dict`` loads
+    into a model that was never converted.
+
+    Example::
+
+        >>> torch.save(convert_from_float8_training(model).state_dict(), "plain.pt")
+    """
+    return _swap(model, lambda mod, fqn: mod.to_linear() if type(mod) is Float8Linear else None)
+
+
+def float8_layers(model: nn.Module) -> dict[str, Float8Linear]:
+    """``{qualified name: layer}`` of the model's FP8 layers."""
+    return {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}

@@ -1,0 +1,207 @@
+"""``Float8Linear``: an ``nn.Linear`` whose three GEMMs run in FP8 under a recipe.
+
+Forward ``y = x W^T (+ b)``, backward ``dx = dy W`` and ``dW = dy^T x``: each GEMM gets its
+operands quantized along its contraction dim by the layer's recipe (E4M3 input and weight,
+E5M2 or E4M3 gradient) and runs in ``torch._scaled_mm`` where the device can, else the same
+math emulated (one ``Float8FallbackWarning`` per layer and cause). The weight parameter stays
+the high-precision master the optimizer updates; the bias is added after the GEMM in the
+output dtype and its gradient is the high-precision sum of ``dy``.
+
+What the backward keeps from the forward: per-tensor recipes the FP8 input and weight (one
+byte per element; their quantization serves both backward GEMMs); rowwise and MX the input
+quantized along the batch dim (for ``dW``) and the weight parameter (re-quantized along the
+output dim for ``dx``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+
+import torch
+from torch import nn
+
+from mpnb.core.fp8.gemm import fp8_mm, scaled_mm_blocker
+from mpnb.core.fp8.recipes import Float8Recipe
+from mpnb.core.fp8.recipes import recipe as make_recipe
+
+__all__ = ["Float8Linear", "Float8FallbackWarning"]
+
+
+class Float8FallbackWarning(UserWarning):
+    """A layer's FP8 GEMM could not run in ``torch._scaled_mm`` and runs emulated instead."""
+
+
+def _autocast_on(device_type: str) -> bool:
+    return torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type)
+
+
+def _no_autocast(device_type: str):
+    """Autocast off for the FP8 math (its dequantized matmul must stay float32)."""
+    if not torch.amp.is_autocast_available(device_type):
+        return contextlib.nullcontext()
+    return torch.autocast(device_type, enabled=False)
+
+
+class _Float8Matmul(torch.autograd.Function):
+    """``x @ weight.T`` with FP8 operands; gradients through FP8 GEMMs as well."""
+
+    @staticmethod
+    def forward(ctx, x, weight, layer, out_dtype):
+        rec, update = layer.recipe, layer.training
+        with _no_autocast(x.device.type):
+            xq = rec.quantize(layer, x, "input", update)
+            wq = rec.quantize(layer, weight, "weight", update)
+            y = layer._gemm("forward", xq, wq, out_dtype)
+            if rec.per_tensor:
+                ctx.operands = (xq, wq)
+            else:
+                ctx.operands = (rec.quantize(layer, x.t(), "input", False), None)
+                ctx.save_for_backward(weight)
+        ctx.layer, ctx.update = layer, update
+        ctx.dtypes = (x.dtype, weight.dtype)
+        return y
+
+    @staticmethod
+    def backward(ctx, gy):
+        layer = ctx.layer
+        rec = layer.recipe
+        xq, wq = ctx.operands
+        gy = gy.contiguous()
+        with _no_autocast(gy.device.type):
+            g_rows = rec.quantize(layer, gy, "grad_output", ctx.update)
+            if rec.per_tensor:
+                w_cols, g_cols, x_cols = wq.t(), g_rows.t(), xq.t()
+            else:
+                (weight,) = ctx.saved_tensors
+                w_cols = rec.quantize(layer, weight.t(), "weight", False)
+                g_cols = rec.quantize(layer, gy.t(), "grad_output", False)
+                x_cols = xq
+            gx = gw = None
+            if ctx.needs_input_grad[0]:
+                gx = layer._gemm("grad_input", g_rows, w_cols, ctx.dtypes[0])
+            if ctx.needs_input_grad[1]:
+                gw = layer._gemm("grad_weight", g_cols, x_cols, ctx.dtypes[1])
+        return gx, gw, None, None
+
+
+class Float8Linear(nn.Linear):
+    """``nn.Linear`` training in FP8 (see :mod:`mpnb.core.fp8.linear`).
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        recipe: a :class:`~mpnb.core.fp8.recipes.Float8Recipe` or its name (default
+            ``"tensorwise"``).
+        fqn: the layer's qualified name in its model, used in warnings
+            (:func:`convert_to_float8_training` sets it).
+
+    The output dtype is the input's, or the autocast dtype inside ``torch.autocast``. The
+    layer's ``state_dict`` has ``weight`` and ``bias`` as ``nn.Linear`` plus the recipe's
+    buffers (``DelayedScaling``: ``fp8_amax_history``, ``fp8_scale``); loading a checkpoint
+    without them (from a plain ``nn.Linear``) starts the recipe state fresh.
+
+    Example::
+
+        >>> layer = Float8Linear(64, 32, recipe="delayed")
+        >>> layer(torch.randn(16, 64)).sum().backward()
+        >>> layer.fp8_amax_history[0]        # this step's amax of input, weight, grad_output
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        device=None,
+        dtype=None,
+        *,
+        recipe: Float8Recipe | str = "tensorwise",
+        fqn: str = "",
+    ) -> None:
+        super().__init__(in_features, out_features, bias, device, dtype)
+        self._setup(recipe, fqn)
+
+    def _setup(self, rec, fqn: str) -> None:
+        self.recipe = make_recipe(rec)
+        self.fqn = fqn
+        self._fp8_warned: set[str] = set()
+        self.recipe.init_state(self)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe, fqn: str = "") -> Float8Linear:
+        """A ``Float8Linear`` sharing ``linear``'s weight and bias Parameters (same objects).
+
+        An optimizer built on the model before the swap keeps updating the same tensors.
+        """
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.register_parameter("bias", linear.bias)
+        new.train(linear.training)
+        new._setup(recipe, fqn)
+        return new
+
+    def to_linear(self) -> nn.Linear:
+        """A plain ``nn.Linear`` sharing this layer's weight and bias (recipe state dropped)."""
+        lin = nn.Linear.__new__(nn.Linear)
+        nn.Module.__init__(lin)
+        lin.in_features, lin.out_features = self.in_features, self.out_features
+        lin.weight = self.weight
+        lin.register_parameter("bias", self.bias)
+        lin.train(self.training)
+        return lin
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x W^T + b`` through FP8 GEMMs; ``x`` of any shape ``(..., in_features)``."""
+        if x.shape[-1] != self.in_features:
+            raise ValueError(
+                f"Float8Linear {self.fqn or '(unnamed)'}: input has {x.shape[-1]} features in "
+                f"its last dim, the layer expects in_features={self.in_features}."
+            )
+        dev = x.device.type
+        out_dtype = torch.get_autocast_dtype(dev) if _autocast_on(dev) else x.dtype
+        x2 = x.reshape(-1, self.in_features)
+        if x2.shape[0] == 0:  # no rows: nothing to quantize, an empty product
+            y = (x2 @ self.weight.t().to(x2.dtype)).to(out_dtype)
+        else:
+            y = _Float8Matmul.apply(x2, self.weight, self, out_dtype)
+        y = y.view(*x.shape[:-1], self.out_features)
+        return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def _gemm(self, which: str, a, b, out_dtype: torch.dtype) -> torch.Tensor:
+        blocker = scaled_mm_blocker(a, b, out_dtype)
+        if blocker is not None:
+            self._warn_fallback(which, *blocker)
+        return fp8_mm(a, b, out_dtype, scaled_mm=blocker is None)
+
+    def _warn_fallback(self, which: str, category: str, reason: str) -> None:
+        if category in self._fp8_warned:
+            return
+        self._fp8_warned.add(category)
+        warnings.warn(
+            f"mpnb.fp8: layer {self.fqn or '(unnamed Float8Linear)'!r} ({self.recipe.name}): "
+            f"its {which} GEMM cannot run in torch._scaled_mm: {reason}. It runs the same FP8 "
+            "math emulated (dequantized operands, float32 matmul): same numerics, no FP8 "
+            "speed-up. Shown once per layer and cause.",
+            Float8FallbackWarning,
+            stacklevel=3,
+        )
+
+    def _load_from_state_dict(
+        self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+    ):
+        own = [prefix + n for n, _ in self.named_buffers(recurse=False)]
+        absent = [k for k in own if k not in state_dict]
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
+        )
+        if absent and len(absent) == len(own):  # a plain nn.Linear checkpoint: fresh FP8 state
+            for k in absent:
+                if k in missing_keys:  # listed only when strict
+                    missing_keys.remove(k)
+            self.recipe.reset_state(self)
+
+    def extra_repr(self) -> str:
+        """``nn.Linear``'s description plus the recipe."""
+        return f"{super().extra_repr()}, recipe={self.recipe!r}"

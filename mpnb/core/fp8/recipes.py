@@ -1,0 +1,258 @@
+"""FP8 training recipes: how each GEMM operand of a linear layer is scaled into float8.
+
+A recipe is a small frozen object; its rule (how to quantize an operand, what state a layer
+keeps) lives in it. A layer's three tensors have roles: ``"input"`` and ``"weight"`` (forward
+dtype) and ``"grad_output"`` (gradient dtype: E5M2 in the ``"hybrid"`` format).
+
+===================  ==============================================  ========================
+recipe               scale of each operand                           like
+===================  ==============================================  ========================
+TensorwiseScaling    one per tensor, from its amax now               torchao ``tensorwise``
+DelayedScaling       one per tensor, from an amax history (state)    TransformerEngine
+RowwiseScaling       one per row of the GEMM operand, powers of two  torchao ``rowwise``
+MXFP8BlockScaling    one E8M0 power of two per 32 values             OCP MX / TE ``MXFP8``
+===================  ==============================================  ========================
+
+Example::
+
+    >>> recipe("delayed", amax_history_len=16).amax_compute_algo
+    'max'
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from mpnb.core.fp8.formats import format_dtypes, fp8_max
+from mpnb.core.fp8.quantize import (
+    Float8Operand,
+    quantize_mx,
+    quantize_rowwise,
+    quantize_tensorwise,
+    quantize_with_scale,
+)
+
+__all__ = [
+    "Float8Recipe",
+    "TensorwiseScaling",
+    "DelayedScaling",
+    "RowwiseScaling",
+    "MXFP8BlockScaling",
+    "RECIPES",
+    "ROLES",
+    "recipe",
+]
+
+ROLES = ("input", "weight", "grad_output")
+
+
+@dataclass(frozen=True)
+class Float8Recipe(abc.ABC):
+    """Base of the recipes: the FP8 format and the per-operand quantization rule.
+
+    Args:
+        fp8_format: ``"hybrid"`` (E4M3 input and weight, E5M2 gradients) or ``"e4m3"``.
+    """
+
+    fp8_format: str = "hybrid"
+    name: ClassVar[str] = ""
+    granularity: ClassVar[str] = "tensorwise"
+
+    def __post_init__(self) -> None:
+        format_dtypes(self.fp8_format)
+
+    def dtype(self, role: str) -> torch.dtype:
+        """The float8 dtype of ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``)."""
+        fwd, bwd = format_dtypes(self.fp8_format)
+        return bwd if role == "grad_output" else fwd
+
+    @property
+    def per_tensor(self) -> bool:
+        """True when one scale covers a whole tensor (its quantization survives a transpose)."""
+        return self.granularity == "tensorwise"
+
+    def init_state(self, layer: torch.nn.Module) -> None:
+        """Register the layer's recipe state (buffers); stateless recipes register nothing."""
+        return None
+
+    def reset_state(self, layer: torch.nn.Module) -> None:
+        """Put the layer's recipe state back to its initial values (no-op without state)."""
+        return None
+
+    @abc.abstractmethod
+    def quantize(self, layer, t: torch.Tensor, role: str, update: bool) -> Float8Operand:
+        """Quantize the 2-D ``t`` along its last dim; ``update`` records state (training)."""
+
+
+@dataclass(frozen=True)
+class TensorwiseScaling(Float8Recipe):
+    """Current per-tensor scaling: each tensor is scaled by ``fp8_max / amax`` of itself.
+
+    Args:
+        fp8_format: ``"hybrid"`` (default) or ``"e4m3"``.
+        power_of_2_scales: round each scale down to a power of two (exact rescaling).
+    """
+
+    power_of_2_scales: bool = False
+    name: ClassVar[str] = "tensorwise"
+
+    def quantize(self, layer, t, role, update):
+        """Per-tensor quantization with a scale from ``t``'s own amax (no state)."""
+        return quantize_tensorwise(t, self.dtype(role), self.power_of_2_scales)
+
+
+@dataclass(frozen=True)
+class DelayedScaling(Float8Recipe):
+    """Per-tensor scaling from an amax history (TransformerEngine's ``DelayedScaling``).
+
+    Step ``t`` quantizes each tensor with a scale computed after step ``t-1`` (1.0 at the
+    start): ``fp8_max / amax / 2**margin``, where ``amax`` reduces the last
+    ``amax_history_len`` amaxes (``"max"``, or ``"most_recent"``). A reduced amax of 0 or
+    inf/NaN keeps the previous scale. Values beyond the scaled range saturate.
+
+    Each layer keeps ``fp8_amax_history`` (``(amax_history_len, 3)``, newest first, one column
+    per role) and ``fp8_scale`` (``(3,)``) as buffers: in its ``state_dict``, restored on load.
+    The history advances once per forward (input, weight) and backward (grad_output) of a
+    layer in training mode; eval-mode forwards use the scales without recording.
+
+    Args:
+        fp8_format: ``"hybrid"`` (default, as TransformerEngine) or ``"e4m3"``.
+        amax_history_len: history length (TransformerEngine's default 1024).
+        amax_compute_algo: ``"max"`` (default) or ``"most_recent"``.
+        margin: scale down by ``2**margin`` for headroom (default 0).
+    """
+
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    margin: int = 0
+    name: ClassVar[str] = "delayed"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not isinstance(self.amax_history_len, int) or self.amax_history_len < 1:
+            raise ValueError(
+                f"amax_history_len={self.amax_history_len!r} is invalid; use an int >= 1 "
+                "(TransformerEngine's default is 1024)."
+            )
+        if self.amax_compute_algo not in ("max", "most_recent"):
+            raise ValueError(
+                f"amax_compute_algo={self.amax_compute_algo!r} is invalid; use 'max' or "
+                "'most_recent'."
+            )
+        if not isinstance(self.margin, int) or self.margin < 0:
+            raise ValueError(f"margin={self.margin!r} is invalid; use an int >= 0.")
+
+    def init_state(self, layer):
+        """Register ``fp8_amax_history`` (zeros) and ``fp8_scale`` (ones) on the weight's device."""
+        dev = layer.weight.device
+        layer.register_buffer("fp8_amax_history", torch.zeros(self.amax_history_len, 3, device=dev))
+        layer.register_buffer("fp8_scale", torch.ones(3, device=dev))
+
+    def reset_state(self, layer):
+        """Zero the history and set the scales back to 1."""
+        with torch.no_grad():
+            layer.fp8_amax_history.zero_()
+            layer.fp8_scale.fill_(1.0)
+
+    def quantize(self, layer, t, role, update):
+        """Quantize with the stored scale, then record ``t``'s amax when ``update``."""
+        i = ROLES.index(role)
+        dtype = self.dtype(role)
+        op = quantize_with_scale(t, layer.fp8_scale[i].clone(), dtype, "tensorwise")
+        if update:
+            self._record(layer, i, t.detach().abs().amax().float(), dtype)
+        return op
+
+    def _record(self, layer, i: int, amax: torch.Tensor, dtype: torch.dtype) -> None:
+        with torch.no_grad():
+            hist = layer.fp8_amax_history
+            hist[:, i] = torch.roll(hist[:, i], 1)
+            hist[0, i] = amax
+            col = hist[:, i].float()  # float32 math even if the buffers were cast to half
+            reduced = col.max() if self.amax_compute_algo == "max" else col[0]
+            new = reduced.new_tensor(fp8_max(dtype)) / reduced / 2.0**self.margin
+            ok = (reduced > 0) & torch.isfinite(reduced)
+            layer.fp8_scale[i] = torch.where(ok, new, layer.fp8_scale[i].float())
+
+
+@dataclass(frozen=True)
+class RowwiseScaling(Float8Recipe):
+    """One scale per row of each GEMM operand (torchao's ``rowwise`` recipe).
+
+    Each GEMM quantizes its operands along its own contraction dim, so the backward
+    re-quantizes the input and the gradient along the batch dim and the weight along the
+    output dim (from the high-precision tensors, as torchao does).
+
+    Args:
+        fp8_format: ``"e4m3"`` (default, as torchao) or ``"hybrid"``.
+        power_of_2_scales: round scales down to powers of two (default True, as torchao).
+    """
+
+    fp8_format: str = "e4m3"
+    power_of_2_scales: bool = True
+    name: ClassVar[str] = "rowwise"
+    granularity: ClassVar[str] = "rowwise"
+
+    def quantize(self, layer, t, role, update):
+        """Per-row quantization along the last dim (no state)."""
+        return quantize_rowwise(t, self.dtype(role), self.power_of_2_scales)
+
+
+@dataclass(frozen=True)
+class MXFP8BlockScaling(Float8Recipe):
+    """MXFP8: blocks of 32 values along the contraction dim share one E8M0 power of two.
+
+    The shared exponent follows the OCP MX spec v1.0: ``floor(log2(amax)) - emax`` of the
+    element format (8 for E4M3), so the block's largest value may saturate at 448. The GEMM
+    is computed from the dequantized operands in float32 on every device (see
+    :mod:`mpnb.core.fp8.gemm`); a layer says so once with a ``Float8FallbackWarning``.
+
+    Args:
+        fp8_format: ``"e4m3"`` (default, as TransformerEngine's MXFP8) or ``"hybrid"``.
+    """
+
+    fp8_format: str = "e4m3"
+    name: ClassVar[str] = "mxfp8"
+    granularity: ClassVar[str] = "mx"
+
+    def quantize(self, layer, t, role, update):
+        """32-element blocks along the last dim with E8M0 scales (no state)."""
+        return quantize_mx(t, self.dtype(role))
+
+
+RECIPES = {
+    cls.name: cls for cls in (TensorwiseScaling, DelayedScaling, RowwiseScaling, MXFP8BlockScaling)
+}
+
+
+def recipe(spec: str | Float8Recipe = "tensorwise", **options) -> Float8Recipe:
+    """A recipe from its name (``"tensorwise"``, ``"delayed"``, ``"rowwise"``, ``"mxfp8"``).
+
+    Args:
+        spec: a name, or a recipe object (returned as is when no options are given).
+        **options: the recipe's fields (``fp8_format``, ``amax_history_len``, ...).
+
+    Example::
+
+        >>> recipe("delayed", amax_history_len=16, margin=1)
+        DelayedScaling(fp8_format='hybrid', amax_history_len=16, amax_compute_algo='max', margin=1)
+    """
+    if isinstance(spec, Float8Recipe):
+        if options:
+            raise ValueError(
+                "recipe(): pass options with a recipe name, not with a recipe object "
+                "(use dataclasses.replace(recipe, ...) to change one)."
+            )
+        return spec
+    if spec not in RECIPES:
+        raise ValueError(f"unknown FP8 recipe {spec!r}; valid choices: {', '.join(RECIPES)}.")
+    try:
+        return RECIPES[spec](**options)
+    except TypeError as e:
+        raise ValueError(
+            f"recipe {spec!r}: {e}; see help(mpnb.fp8.{RECIPES[spec].__name__})."
+        ) from None

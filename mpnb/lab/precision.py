@@ -1,0 +1,312 @@
+"""``trace_precision``: which precision every op of one training step ran in, and why.
+
+One forward and backward of a copy of your model under a precision configuration (a name of
+:data:`mpnb.core.precision.PRECISION_CONFIGS`: ``"O1"``, ``"fp8-delayed"``...) records every
+aten op (see :mod:`mpnb.lab._precision_trace` for how) and explains its dtype with one of
+:data:`REASONS`. The result is a DataFrame (one row per op) and a :class:`PrecisionSummary`.
+
+Columns of ``trace.ops``:
+
+=============  ==============================================================================
+``seq``        order of execution
+``phase``      ``forward`` (inside the model), ``loss`` (``loss_fn``), ``backward``,
+               ``loss-scaling`` (amp's scaled loss and unscale)
+``module``     qualified name of the innermost module (``(root)``: the model; ``-``: none)
+``module_type`` its class
+``api``        the torch call in your code the op came from (``torch.nn.functional.linear``)
+``op``         the aten op (``addmm``, ``_to_copy``, ``_scaled_mm``)
+``kind``       ``compute``, ``cast`` (a dtype change) or ``view`` (no data moved)
+``in_dtypes``  dtypes of its tensor inputs; ``out_dtypes``: of its outputs
+``dtype``      the dtype it computes in (casts: the target; ``_scaled_mm``: its FP8 operands)
+``reason``     one of :data:`REASONS`; ``detail``: the same in words, with specifics
+``flops``      from ``torch.utils.flop_counter``'s formulas (0 for ops it has none for)
+``bytes``      bytes of its tensor inputs and outputs (0 for views)
+``grad_fn``    backward ops: the autograd node running (``AddmmBackward0``)
+=============  ==============================================================================
+
+Example::
+
+    >>> trace = mpnb.lab.trace_precision(model, torch.randn(32, 64), "O1")
+    >>> ops, summary = trace
+    >>> summary.by_dtype          # share of FLOPs and bytes per dtype
+    >>> summary.fp32_ops          # what stayed float32 under a half configuration, and why
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import NamedTuple
+
+import pandas as pd
+import torch
+
+from mpnb.core.fp8 import Float8Linear
+from mpnb.core.precision import AmpConfig, PrecisionConfig, PureBf16Config, get_config
+from mpnb.core.precision import resolve_half as _resolve_half
+from mpnb.lab._precision_trace import CAST_APIS, ApiMode, ModuleTracker, OpMode, autocast_policy
+
+__all__ = ["trace_precision", "PrecisionTrace", "PrecisionSummary", "REASONS", "COLUMNS"]
+
+REASONS = {
+    "autocast-lower-precision": "on torch.autocast's lower-precision list: ran in the half dtype",
+    "autocast-fp32": "on torch.autocast's float32 list: ran in float32",
+    "autocast-promote": "on torch.autocast's promote list: inputs cast to their widest dtype",
+    "autocast-cast": "a cast torch.autocast inserted before the op it wraps",
+    "autocast-disabled": "in a region where autocast was turned off (amp.disable_casts)",
+    "user-registration": "inside an amp.register_*_function / amp.half_function wrapper",
+    "explicit-cast": "a cast written in code (.to/.float/.half), yours or amp's cast hooks",
+    "fp8-recipe": "inside an mpnb.fp8 layer: quantization, FP8 GEMM, dequantization",
+    "promotion": "no cast rule applied: ran in its inputs' dtype (type promotion)",
+    "backward": "backward op: autocast does not run in backward; it follows the forward's dtypes",
+    "view": "a view: no computation, its input's dtype",
+    "unknown": "autocast was on but its rule for this call could not be measured",
+}
+
+COLUMNS = [
+    "seq", "phase", "module", "module_type", "api", "op", "kind", "in_dtypes", "out_dtypes",
+    "dtype", "reason", "detail", "flops", "bytes", "grad_fn",
+]  # fmt: skip
+
+
+@dataclass
+class PrecisionSummary:
+    """The aggregate views of a trace.
+
+    Attributes:
+        config, half_dtype, device: what was traced.
+        by_dtype: per compute dtype: ``ops``, ``flops``, ``flops_share``, ``bytes``,
+            ``bytes_share`` (views excluded; shares in 0..1).
+        by_reason: per reason: ``ops``, ``flops``, ``flops_share``.
+        fp32_ops: under a low-precision configuration, the float32 compute ops grouped by
+            ``phase, module, op, reason`` with ``calls``, ``flops``, ``bytes`` and a ``detail``.
+        fp8_emulated: FP8 ran on a device without FP8 hardware (CPU): FP8 numerics, not speed.
+    """
+
+    config: str
+    half_dtype: str
+    device: str
+    by_dtype: pd.DataFrame
+    by_reason: pd.DataFrame
+    fp32_ops: pd.DataFrame
+    fp8_emulated: bool
+
+    def __str__(self) -> str:
+        lines = [f"precision trace of {self.config} ({self.half_dtype}, {self.device})"]
+        for r in self.by_dtype.itertuples():
+            lines.append(
+                f"  {r.dtype:>24}: {r.flops_share:6.1%} of FLOPs, {r.bytes_share:6.1%} of bytes"
+            )
+        if len(self.fp32_ops):
+            lines.append(f"  float32 compute ops: {int(self.fp32_ops['calls'].sum())}")
+        if self.fp8_emulated:
+            lines.append("  FP8 is emulated on this device: FP8 numerics, not FP8 speed")
+        return "\n".join(lines)
+
+
+class PrecisionTrace(NamedTuple):
+    """``(ops, summary)``: unpack it, or use the attributes."""
+
+    ops: pd.DataFrame
+    summary: PrecisionSummary
+
+
+def _fp8_detail(f) -> str:
+    if f.op == "_scaled_mm":
+        return f"FP8 GEMM in torch._scaled_mm ({f.dtype})"
+    if f.kind == "cast" and f.dtype.startswith("float8"):
+        return f"quantize to {f.dtype}"
+    if f.kind == "cast" and f.in_dtypes[:1] == ("float8_e8m0fnu",):
+        return "E8M0 block scales to float32"
+    if f.kind == "cast" and f.in_dtypes[0].startswith("float8"):
+        return "dequantize (emulated FP8 GEMM)"
+    if f.op in ("mm", "matmul", "addmm"):
+        return "emulated FP8 GEMM: dequantized operands multiplied in float32"
+    return "FP8 scaling: amax, scale, saturation, bias"
+
+
+def _autocast_reason(f, policy: str, half: str) -> tuple[str, str]:
+    api = f.call.name
+    if f.kind == "cast":
+        if policy in ("lower-precision", "fp32", "promote"):
+            return "autocast-cast", f"cast to {f.dtype} for {api} ({policy} rule)"
+        return "promotion", f"a cast inside {api} (not autocast's)"
+    if policy == "lower-precision" and f.dtype == half:
+        return "autocast-lower-precision", f"{api} is on autocast's {half} list"
+    if policy == "fp32" and f.dtype == "float32":
+        return "autocast-fp32", f"{api} is on autocast's float32 list"
+    if policy == "promote":
+        return "autocast-promote", f"{api} is on autocast's promote list"
+    if policy == "unknown":
+        return "unknown", f"{api}: autocast's rule could not be measured"
+    return "promotion", f"{api} has no autocast rule (or none for {f.dtype}): inputs' dtype"
+
+
+def _reason(f, policies: dict, half: str, cfg) -> tuple[str, str]:
+    call = f.call
+    if f.fp8_module:
+        return "fp8-recipe", _fp8_detail(f)
+    if call is not None and call.wrapper is not None:
+        policy, fn = call.wrapper
+        return "user-registration", f"amp {policy} function {fn}"
+    if f.phase == "backward":
+        node = f.grad_fn or "the autograd engine (initial gradient)"
+        return "backward", f"backward of {node}: the dtypes its forward saved"
+    if f.kind == "view":
+        return "view", "no computation"
+    if f.dtype is None:
+        return "promotion", "no floating tensors: nothing for a precision rule to change"
+    api = call.name if call is not None else "-"
+    if f.kind == "cast" and api.split(".")[-1] in CAST_APIS:
+        return "explicit-cast", f"{api} to {f.dtype}"
+    if call is not None and call.autocast:
+        return _autocast_reason(f, policies.get(call.key, "unknown"), half)
+    if cfg.name == "O1" and f.phase == "forward" and f.module != "-":
+        return "autocast-disabled", f"{api} ran with autocast off inside an O1 forward"
+    if f.dtype == half and cfg.weights[0] != "float32":
+        return "promotion", f"its inputs are {half}: {cfg.name} cast the model's weights"
+    return "promotion", f"no autocast here: ran in its inputs' dtype ({f.dtype})"
+
+
+def _rows(facts, policies, half, cfg) -> list[dict]:
+    rows = []
+    for i, f in enumerate(facts):
+        reason, detail = _reason(f, policies, half, cfg)
+        rows.append(
+            dict(
+                seq=i,
+                phase=f.phase,
+                module=f.module,
+                module_type=f.module_type,
+                api=f.call.name if f.call is not None else "-",
+                op=f.op,
+                kind=f.kind,
+                in_dtypes=",".join(f.in_dtypes),
+                out_dtypes=",".join(f.out_dtypes),
+                dtype=f.dtype or "-",
+                reason=reason,
+                detail=detail,
+                flops=f.flops,
+                bytes=f.bytes,
+                grad_fn=f.grad_fn,
+            )  # fmt: skip
+        )
+    return rows
+
+
+def _share(df: pd.DataFrame, by: str, cols=("flops", "bytes")) -> pd.DataFrame:
+    g = df.groupby(by, sort=False).agg(ops=("op", "size"), **{c: (c, "sum") for c in cols})
+    for c in cols:
+        total = g[c].sum()
+        g[f"{c}_share"] = g[c] / total if total else 0.0
+    return g.sort_values(list(cols)[0], ascending=False).reset_index()
+
+
+def _summary(ops: pd.DataFrame, cfg: PrecisionConfig, half: str, device: str) -> PrecisionSummary:
+    work = ops[(ops["kind"] != "view") & (ops["dtype"] != "-")]
+    fp32 = work[(work["dtype"] == "float32") & (work["kind"] == "compute")]
+    if not cfg.low_precision:
+        fp32 = fp32.iloc[0:0]
+    keys = ["phase", "module", "op", "reason"]
+    fp32 = (
+        fp32.groupby(keys, sort=False)
+        .agg(
+            calls=("op", "size"),
+            flops=("flops", "sum"),
+            bytes=("bytes", "sum"),
+            detail=("detail", "first"),
+        )  # fmt: skip
+        .reset_index()
+    )
+    has_fp8 = ops["dtype"].str.startswith("float8").any()
+    return PrecisionSummary(
+        config=cfg.name,
+        half_dtype=half,
+        device=device,
+        by_dtype=_share(work, "dtype"),
+        by_reason=_share(ops, "reason", ("flops",)),
+        fp32_ops=fp32,
+        fp8_emulated=bool(has_fp8 and device == "cpu"),
+    )
+
+
+def _default_loss(out) -> torch.Tensor:
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    return out.float().pow(2).mean()
+
+
+def trace_precision(
+    model: torch.nn.Module,
+    inputs,
+    config: str | PrecisionConfig = "O1",
+    loss_fn=None,
+    half_dtype: torch.dtype | None = None,
+) -> PrecisionTrace:
+    """Run one forward and backward of a copy of ``model`` under ``config`` and explain every op.
+
+    Args:
+        model: an fp32 model (deep-copied; yours is not changed).
+        inputs: a tensor or a tuple of positional inputs, on the model's device.
+        config: a name of :data:`mpnb.core.precision.PRECISION_CONFIGS` or such an object.
+        loss_fn: ``output -> scalar loss`` (default: mean of the squared float32 output, as
+            :func:`mpnb.lab.profile`).
+        half_dtype: the O levels' half dtype (default: bf16 on CPU, fp16 on CUDA).
+
+    Returns:
+        A :class:`PrecisionTrace` ``(ops, summary)``: the op DataFrame (columns
+        :data:`COLUMNS`, documented in this module) and a :class:`PrecisionSummary`.
+
+    Example::
+
+        >>> ops, summary = trace_precision(model, x, "O1")
+        >>> ops[(ops.phase == "forward") & (ops.op == "addmm")][["module", "dtype", "reason"]]
+    """
+    from mpnb.core.amp.frontend import registry
+
+    cfg = get_config(config)
+    p = next(model.parameters(), None)
+    device = p.device if p is not None else torch.device("cpu")
+    half = _resolve_half(cfg, half_dtype, device)
+    latest = registry.latest  # amp.initialize on the copy must not replace the user's handle
+    try:
+        facts, policies = _trace(model, inputs, cfg, loss_fn or _default_loss, half, device)
+    finally:
+        registry.latest = latest
+    uses_half = cfg.weights[0] != "float32" or cfg.name == "O1"
+    half_name = str(half).replace("torch.", "") if uses_half else "-"
+    ops = pd.DataFrame(_rows(facts, policies, half_name, cfg), columns=COLUMNS)
+    return PrecisionTrace(ops, _summary(ops, cfg, half_name, device.type))
+
+
+def _trace(model, inputs, cfg, loss_fn, half, device):
+    from mpnb.core import amp
+
+    work = copy.deepcopy(model)
+    opt = torch.optim.SGD(work.parameters(), lr=0.0)  # never stepped
+    work, opt = cfg.apply(work, opt, half_dtype=half)
+    uses_amp = isinstance(cfg, (AmpConfig, PureBf16Config))
+    tracker = ModuleTracker(work)
+    api = ApiMode(device.type)
+    mode = OpMode(tracker, api, (Float8Linear,))
+    args = inputs if isinstance(inputs, tuple) else (inputs,)
+    try:
+        with mode, api:
+            out = work(*args)
+            mode.phase = "loss"
+            loss = loss_fn(out)
+            if uses_amp:
+                mode.phase = "loss-scaling"
+                with amp.scale_loss(loss, opt) as scaled:
+                    mode.phase = "backward"
+                    scaled.backward()
+                    mode.phase = "loss-scaling"
+            else:
+                mode.phase = "backward"
+                loss.backward()
+    finally:
+        tracker.remove()
+    used = {f.call.key for f in mode.ops if f.call is not None and f.call.autocast}
+    policies = {
+        k: autocast_policy(c, device.type, half) for k, c in api.samples.items() if k in used
+    }
+    return mode.ops, policies
