@@ -96,13 +96,17 @@ class DataSource:
 
     @property
     def fixed_batch_size(self) -> int | None:
-        """The batch size the data imposes (a DataLoader's, an iterator's first batch), or None."""
+        """The batch size the data imposes (a DataLoader's, the first batch of a generator
+        or iterator), or None for tensors and Datasets (any batch size works)."""
         if isinstance(self.data, DataLoader):
             return self.data.batch_size
         if self.kind == "iterator":
             first = self.data.get(0)
-            return None if first is None else batch_len(split_batch(first, self.name)[0])
-        return None
+        elif self.kind == "function":  # one call to see the first batch
+            first = next(iter(self.data()), None)
+        else:
+            return None
+        return None if first is None else batch_len(split_batch(first, self.name)[0])
 
     def _raw(self, batch_size: int, seed: int, train: bool) -> Iterator:
         if isinstance(self.data, DataLoader):

@@ -101,9 +101,14 @@ def _run(model, x, loss_fn, watch: _Watch | None) -> list[dict]:
         hooks += [
             mod.register_forward_pre_hook(enter(name, "forward")),
             mod.register_forward_hook(measure(name, "forward")),
-            mod.register_full_backward_pre_hook(enter(name, "backward")),
-            mod.register_full_backward_hook(measure(name, "backward")),
         ]
+        # Backward hooks on leaf modules only: they return tensors, while a container may
+        # return a dict or ModelOutput, for which torch warns on every call and skips the hook.
+        if not any(True for _ in mod.children()):
+            hooks += [
+                mod.register_full_backward_pre_hook(enter(name, "backward")),
+                mod.register_full_backward_hook(measure(name, "backward")),
+            ]
     try:
         with warnings.catch_warnings():  # inputs need no grad: hooks then see output grads
             warnings.filterwarnings("ignore", "Full backward hook is firing")
