@@ -142,14 +142,15 @@ def run(args: argparse.Namespace) -> int:
     the emulation note, the report path) goes to stderr.
     """
     import mpnb.lab
+    from mpnb.lab.runner import emulation_note, resolve_device
     from mpnb.lab.workloads import get
 
     dtype = args.dtype[0] if len(args.dtype) == 1 else args.dtype
     msg = sys.stderr if args.json else sys.stdout
     try:
-        w = get(args.workload, args.size, mpnb.lab.runner.resolve_device(args.device))
+        w = get(args.workload, args.size, resolve_device(args.device))
         print(f"mpnb compare: {w.description} ({w.size})", file=msg, flush=True)
-        note = mpnb.lab.runner.emulation_note(w, dtype, args.device)
+        note = emulation_note(w, dtype, args.device)
         if note:
             print(note, file=msg, flush=True)
         df = mpnb.lab.compare(

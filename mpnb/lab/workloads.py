@@ -263,22 +263,27 @@ class DigitsMLP(nn.Module):
 
 
 class DigitsCNN(nn.Module):
-    """Three conv + batch-norm blocks and a linear head for square digit images."""
+    """Three conv + batch-norm blocks and a linear head for square digit images.
+
+    The batch norms' running statistics use momentum 0.3 (torch's default is 0.1): after the
+    few dozen steps of a default run, 0.1 leaves them far from the data's statistics and
+    the held-out accuracy then swings between seeds.
+    """
 
     def __init__(self, width: int = 16, side: int = 16):
         super().__init__()
         w = width
         self.body = nn.Sequential(
             nn.Conv2d(1, w, 3, padding=1),
-            nn.BatchNorm2d(w),
+            nn.BatchNorm2d(w, momentum=0.3),
             nn.ReLU(),
             nn.MaxPool2d(2),
             nn.Conv2d(w, 2 * w, 3, padding=1),
-            nn.BatchNorm2d(2 * w),
+            nn.BatchNorm2d(2 * w, momentum=0.3),
             nn.ReLU(),
             nn.MaxPool2d(2),
             nn.Conv2d(2 * w, 2 * w, 3, padding=1),
-            nn.BatchNorm2d(2 * w),
+            nn.BatchNorm2d(2 * w, momentum=0.3),
             nn.ReLU(),
             nn.AdaptiveAvgPool2d(2),
             nn.Flatten(),

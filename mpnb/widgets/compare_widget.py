@@ -123,6 +123,7 @@ class CompareWidget(ControlsMixin, w.VBox):
         )
         self.observe(self.errors.guard(self._draw), names=["version"])
         self.observe(self._toggle_buttons, names=["running"])
+        self.size.disabled = not isinstance(workload, str)  # a custom workload has one size
         self.workload.observe(self.errors.guard(self._workload_changed), names="value")
         self.size.observe(self.errors.guard(self._workload_changed), names="value")
         self.validate()
