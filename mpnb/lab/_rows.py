@@ -113,7 +113,7 @@ def _precision(cfg, hw: dict) -> tuple[str, list[str]]:
     notes = []
     if status == "emulated":
         notes.append(
-            f"{cfg.half_dtype} is emulated on this {hw['device']} (no native "
+            f"{cfg.half_dtype} is emulated on this {str(hw['device']).upper()} (no native "
             f"{cfg.half_dtype} instructions): expect it slower than fp32, not faster"
         )
     return f"{cfg.half_dtype} ({status})", notes

@@ -155,7 +155,8 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
     if emulated:
         lines.append(
             f"{' and '.join(emulated)} {'is' if len(emulated) == 1 else 'are'} emulated on "
-            f"this {hw.get('device', 'device')} (no native instructions): half precision "
+            f"this {str(hw.get('device', 'device')).upper()} (no native instructions): half "
+            "precision "
             "saves memory here, not time."
         )
     est = gpu_estimate(df) if "flops_per_step" in df else pd.DataFrame()

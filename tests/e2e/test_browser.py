@@ -2,10 +2,11 @@
 
 Starts JupyterLab on 127.0.0.1 (a free port, a random token) over a temporary copy of
 ``notebooks/03_opt_levels.ipynb``, opens it in Debian's headless Chromium driven by Python
-playwright, runs every cell, clicks Run in the CompareWidget, waits until the Speed chart and
-the Table tab show every configuration, and checks that the browser console logged no error.
-A screenshot of the widget is saved in the test's temporary directory, and to
-``docs/img/compare-widget.png`` when ``MPNB_UPDATE_SCREENSHOT=1``.
+playwright, runs every cell, clicks Run in the CompareWidget (the default workload, a small
+GPT), waits until the Speed chart and the Table tab show every configuration, and checks that
+the verdict and a chart title are visible, that no error shows in the widget, and that the
+browser console logged no error. A screenshot of the widget is saved in the test's temporary
+directory, and to ``docs/img/compare-widget.png`` when ``MPNB_UPDATE_SCREENSHOT=1``.
 
 Chromium comes from ``scripts/setup-browser.sh`` (never ``playwright install``). Without it
 the test skips, except in CI (``CI=true``), where it fails. Every wait is bounded and the
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "03_opt_levels.ipynb"
 SCREENSHOT = ROOT / "docs" / "img" / "compare-widget.png"
 CHROMIUM = os.environ.get("MPNB_CHROMIUM", "/usr/bin/chromium")
-CONFIGS = ["O0 fp32 b32", "O1 bf16 b32", "O2 bf16 b32", "O3 bf16 b32"]
+CONFIGS = ["O0 fp32 b16", "O1 bf16 b16", "O2 bf16 b16", "O3 bf16 b16"]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -182,6 +183,13 @@ def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
                 )
             bars = widget.locator(".js-plotly-plot .bars path").count()
             assert bars >= len(CONFIGS), f"speed chart shows {bars} bars"
+            verdict = widget.locator(".mpnb-verdict").first
+            assert verdict.is_visible() and verdict.inner_text().startswith("Verdict:")
+            title = widget.locator(".js-plotly-plot .gtitle").first
+            assert title.is_visible() and "Speed vs O0" in title.inner_text()
+            text = widget.inner_text()
+            for bad in ("failed:", "Traceback", "Error:"):
+                assert bad not in text, f"the widget shows {bad!r}: {text[:2000]}"
             widget.scroll_into_view_if_needed()
             shot = tmp_path / "compare-widget.png"
             widget.screenshot(path=str(shot))
