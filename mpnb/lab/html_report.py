@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import html
 import math
+import textwrap
 from pathlib import Path
 
 import pandas as pd
 
 from mpnb.lab.memory import ROLES
 
-__all__ = ["report", "figures", "speed_bar", "CHARTS", "CHART_TEXT"]
+__all__ = ["report", "figures", "speed_bar", "chart_title", "CHARTS", "CHART_TEXT"]
 
 CHARTS = ("speed", "memory", "accuracy", "loss", "loss_scale")
 
@@ -86,14 +87,17 @@ def _ok(df: pd.DataFrame) -> pd.DataFrame:
     return df[df["error"].fillna("") == ""]
 
 
+def chart_title(name: str, width: int = 100) -> str:
+    """The chart's title with its "how to read" line below, wrapped to ``width`` characters."""
+    title, _, _, how = CHART_TEXT[name]
+    lines = "<br>".join(html.escape(line) for line in textwrap.wrap(how, width))
+    return f"{title}<br><sup>{lines}</sup>"
+
+
 def _layout(fig, name: str, **kw):
-    title, x, y, how = CHART_TEXT[name]
+    _, x, y, _ = CHART_TEXT[name]
     fig.update_layout(
-        title=dict(text=f"{title}<br><sup>{html.escape(how)}</sup>", font=dict(size=15)),
-        xaxis_title=x,
-        yaxis_title=y,
-        margin=dict(t=90),
-        **kw,
+        title_text=chart_title(name), xaxis_title=x, yaxis_title=y, margin=dict(t=110), **kw
     )
     return fig
 

@@ -4,6 +4,12 @@ Every function here only draws a :func:`mpnb.lab.compare` DataFrame (and its ``a
 nothing is measured. Titles, axis units and the "how to read" lines come from
 :data:`mpnb.lab.html_report.CHART_TEXT`, and the speed bar from
 :func:`mpnb.lab.html_report.speed_bar`, so the widget and the report show the same figure.
+
+Each figure is a plain ``go.Figure`` shown in an ``ipywidgets.Output`` as plotly's own
+mime bundle (rendered by JupyterLab's plotly extension): the Output's state holds the whole
+figure, so the chart renders whenever and however often a view attaches (after Run All, a
+reload, or an update made from the run's thread). ``FigureWidget`` views created early in a
+kernel were seen to render blank axes in JupyterLab and to drop later updates.
 """
 
 from __future__ import annotations
@@ -11,10 +17,12 @@ from __future__ import annotations
 import html
 import math
 
+import ipywidgets as w
 import pandas as pd
 import plotly.graph_objects as go
+import plotly.io as pio
 
-from mpnb.lab.html_report import CHART_TEXT, speed_bar
+from mpnb.lab.html_report import CHART_TEXT, chart_title, speed_bar
 
 __all__ = ["ResultViews", "MEMORY_ROLES", "table_html", "errors_html", "verdict_html"]
 
@@ -40,13 +48,19 @@ _TABLE_COLUMNS = {
 _DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 
 
-def _fig(name: str, **layout) -> go.FigureWidget:
-    title, x, y, how = CHART_TEXT[name]
-    return go.FigureWidget(
+_PLACEHOLDER = (
+    "<div style='padding:40px;color:#555'><b>{title}</b><br><i>No results yet: choose the "
+    "configurations and press Run.</i></div>"
+)
+
+
+def _fig(name: str, **layout) -> go.Figure:
+    _, x, y, _ = CHART_TEXT[name]
+    return go.Figure(
         layout=go.Layout(
-            title=dict(text=f"{title}<br><sup>{html.escape(how)}</sup>", font=dict(size=14)),
-            height=380,
-            margin=dict(t=95, b=50, l=70, r=20),
+            title=chart_title(name, 90),
+            height=400,
+            margin=dict(t=110, b=50, l=70, r=20),
             xaxis=dict(title=x),
             yaxis=dict(title=y),
             **layout,
@@ -62,9 +76,13 @@ class ResultViews:
     """The figures of the result tabs; :meth:`update` redraws them from a frame.
 
     Attributes:
-        speed, memory, accuracy, loss_curves, loss_scale: plotly ``FigureWidget`` s, created
-            once; their traces are updated inside ``batch_update()``.
+        speed, memory, accuracy, loss_curves, loss_scale: plotly ``Figure`` s, created once;
+            their traces are updated inside ``batch_update()`` (tests read them).
+        outputs: one ``ipywidgets.Output`` per figure (the tab contents); a "press Run"
+            placeholder until the first :meth:`update`.
     """
+
+    NAMES = ("speed", "memory", "accuracy", "loss_curves", "loss_scale")
 
     def __init__(self):
         self.speed = _fig("speed")
@@ -84,6 +102,32 @@ class ResultViews:
         self.accuracy.add_bar(x=[], y=[], name="metric", text=[], textposition="outside")
         self.loss_curves = _fig("loss")
         self.loss_scale = _fig("loss_scale", yaxis_type="log")
+        self.outputs = {n: w.Output(layout=w.Layout(min_height="420px")) for n in self.NAMES}
+        self._placeholders()
+
+    def _placeholders(self) -> None:
+        for name, out in self.outputs.items():
+            title = CHART_TEXT["loss" if name == "loss_curves" else name][0]
+            out.outputs = (
+                dict(
+                    output_type="display_data",
+                    data={"text/html": _PLACEHOLDER.format(title=html.escape(title))},
+                    metadata={},
+                ),
+            )
+
+    def render(self) -> None:
+        """Show every figure in its Output (the whole figure: no earlier state is needed)."""
+        mime = pio.renderers["plotly_mimetype"]
+        for name, out in self.outputs.items():
+            fig = getattr(self, name)
+            out.outputs = (
+                dict(
+                    output_type="display_data",
+                    data=mime.to_mimebundle(fig.to_plotly_json()),
+                    metadata={},
+                ),
+            )
 
     def clear(self) -> None:
         """Empty every figure (kept as the same objects) before a new run."""
@@ -95,6 +139,7 @@ class ResultViews:
             with fig.batch_update():
                 for tr in fig.data:
                     tr.x, tr.y, tr.visible = [], [], False
+        self._placeholders()
 
     def update(self, df: pd.DataFrame) -> None:
         """Redraw all figures from ``df``."""
@@ -116,8 +161,9 @@ class ResultViews:
                 name = str(ok["metric_name"].iloc[0])
                 self.accuracy.layout.yaxis.title = f"{name} (0-1, higher is better)"
         self._curves(df.attrs.get("history"), names)
+        self.render()
 
-    def _trace(self, fig: go.FigureWidget, name: str, **kw):
+    def _trace(self, fig: go.Figure, name: str, **kw):
         for tr in fig.data:
             if tr.name == name:
                 return tr

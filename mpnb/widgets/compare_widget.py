@@ -106,12 +106,13 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.verdict = w.HTML(verdict_html(None))
         self.hardware = w.HTML(hardware_html(self._device()))
         v = self.views
+        o = v.outputs
         tabs = [
-            ("Speed", v.speed),
-            ("Memory", v.memory),
-            ("Accuracy", v.accuracy),
-            ("Loss", v.loss_curves),
-            ("Loss scale", v.loss_scale),
+            ("Speed", o["speed"]),
+            ("Memory", o["memory"]),
+            ("Accuracy", o["accuracy"]),
+            ("Loss", o["loss_curves"]),
+            ("Loss scale", o["loss_scale"]),
             ("Table", self.table),
             ("Hardware", self.hardware),
         ]

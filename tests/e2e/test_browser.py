@@ -177,10 +177,15 @@ def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
             widget.get_by_text("done: 4 configurations").wait_for(timeout=30_000)
 
             # the Speed chart (plotly) has one bar per configuration, labelled on the x axis
-            for name in CONFIGS:
-                widget.locator(f".js-plotly-plot .xtick text:text-is('{name}')").first.wait_for(
-                    timeout=60_000
-                )
+            try:
+                for name in CONFIGS:
+                    widget.locator(f".js-plotly-plot .xtick text:text-is('{name}')").first.wait_for(
+                        timeout=60_000
+                    )
+            except Exception:
+                widget.screenshot(path=str(tmp_path / "failure.png"))  # what the user saw
+                (tmp_path / "console.txt").write_text("\n".join(console_errors))
+                raise
             bars = widget.locator(".js-plotly-plot .bars path").count()
             assert bars >= len(CONFIGS), f"speed chart shows {bars} bars"
             verdict = widget.locator(".mpnb-verdict").first

@@ -196,3 +196,16 @@ def test_cnn_and_hf_model_through_the_widget():
     cw.run_button.click()
     assert (cw.df["status"] == "ok").all(), cw.df["error"].tolist()
     assert cw.df["metric_name"][0] == "token accuracy"
+
+
+def test_charts_are_whole_figures_in_outputs_with_a_placeholder_before_run(finished):
+    from mpnb.widgets._compare_views import ResultViews
+
+    fresh = ResultViews()
+    for out in fresh.outputs.values():
+        assert "press Run" in out.outputs[0]["data"]["text/html"]
+    bundle = finished.views.outputs["speed"].outputs[0]["data"]
+    fig = bundle["application/vnd.plotly.v1+json"]
+    bar = next(t for t in fig["data"] if t["type"] == "bar")
+    assert list(bar["text"]) == list(finished.df["speed_label"])
+    assert "Speed vs O0" in fig["layout"]["title"]["text"]
