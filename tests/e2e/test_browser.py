@@ -157,7 +157,7 @@ def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
             executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
         )
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport={"width": 1500, "height": 2000})
             page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
             page.on("pageerror", lambda e: console_errors.append(f"pageerror: {e}"))
             page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}", timeout=120_000)
@@ -191,7 +191,7 @@ def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
             verdict = widget.locator(".mpnb-verdict").first
             assert verdict.is_visible() and verdict.inner_text().startswith("Verdict:")
             title = widget.locator(".js-plotly-plot .gtitle").first
-            assert title.is_visible() and "Speed vs O0" in title.inner_text()
+            assert title.is_visible() and "Speed vs O0" in (title.text_content() or "")
             text = widget.inner_text()
             for bad in ("failed:", "Traceback", "Error:"):
                 assert bad not in text, f"the widget shows {bad!r}: {text[:2000]}"
