@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
-# The main job: set up, build the kernels, then train the default workload under O0/O1/O2/O3
-# and print what each does to speed, memory and accuracy on this machine (+ out/report.html).
+# The main job: set up, build the kernels, then train the default workload (a small GPT on
+# generated text; --workload cnn|mlp, --size small|medium|large) under O0/O1/O2/O3 and print
+# what each does to speed, memory and accuracy on this machine, then the verdict
+# (+ out/report.html).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh

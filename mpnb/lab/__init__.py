@@ -1,9 +1,11 @@
 """``mpnb.lab``: the headless experiment engine (no IPython, no widgets).
 
-* :func:`compare`: train a workload under O0/O1/O2/O3 and return a DataFrame, one row per
-  configuration (speed, memory breakdown, accuracy, loss-scale history).
-* :mod:`workloads`: built-in workloads (digits MLP/CNN, a tiny Transformer LM) and
-  :func:`workloads.custom` for your own.
+* :func:`compare`: train a workload (a built-in one, or your model factory and data) under
+  O0/O1/O2/O3 and return a DataFrame, one row per configuration (one speed figure with its
+  interval, memory by role, accuracy, loss-scale history) and a :func:`verdict`.
+* :mod:`workloads`: built-in workloads (a small GPT on generated text, a CNN and an MLP on
+  digits, each small/medium/large) and :func:`workloads.custom` for your own;
+  :func:`transformers_workload` adapts a Hugging Face model in one call.
 * :func:`profile`: per-phase and per-module times, FLOPs, the ``torch.profiler`` op table.
 * :func:`trace_overflow`, :func:`underflow_report`: which layer leaves the half range.
 * :func:`trace_precision`: which dtype every op of a step ran in, and why.
@@ -12,7 +14,8 @@
 Example::
 
     >>> import mpnb.lab
-    >>> df = mpnb.lab.compare("mlp", opt_levels=("O0", "O2"), steps=60)
+    >>> df = mpnb.lab.compare("transformer", opt_levels=("O0", "O2"))
+    >>> print(df.attrs["verdict"]["text"])
     >>> mpnb.lab.report(df, "report.html")
 """
 
@@ -25,6 +28,10 @@ import importlib
 _LAZY = {
     "compare": "runner",
     "hardware_summary": "runner",
+    "verdict": "verdict",
+    "accuracy": "workloads",
+    "transformers_workload": "hf",
+    "torch_threads": "stats",
     "RunConfig": "config",
     "LossScaleSpec": "config",
     "MemoryTracker": "memory",

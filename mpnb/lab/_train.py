@@ -3,25 +3,31 @@
 Per step, one host sync reads the loss, the overflow flag and the loss scale together (the
 step was skipped when the flag is set under dynamic scaling). Step times come from
 ``torch.utils.benchmark.timer`` (it synchronizes CUDA); the first ``warmup`` steps and the
-last, memory-tracked step are recorded in the history but not in the timing statistics.
+memory-tracked step (:attr:`~mpnb.lab.config.RunConfig.memory_step`, which also counts the
+step's FLOPs and dispatched ops) are recorded in the history but not timed.
+
+The model's output is never assumed to be a tensor: ``loss_fn`` and ``metric_fn`` receive
+exactly what the model returned (a tensor, tuple, dict, dataclass or ``ModelOutput``).
 """
 
 from __future__ import annotations
 
 import math
-import traceback
 import warnings
 from dataclasses import dataclass, field
 
 import torch
 from torch.utils import benchmark
+from torch.utils.flop_counter import FlopCounterMode
 
-from mpnb.core.amp import EmulatedHalfWarning, LossScaleCollapseError
+from mpnb.core.amp import EmulatedHalfWarning
 from mpnb.lab import _scaler
-from mpnb.lab.bench._stats import iqr, median
+from mpnb.lab._data import batch_len
+from mpnb.lab._errors import DivergenceError, describe_error
 from mpnb.lab.config import RunConfig
 from mpnb.lab.memory import MemoryTracker
-from mpnb.lab.workloads import Workload
+from mpnb.lab.stats import iqr, median
+from mpnb.lab.workloads import Workload, logits_of
 
 __all__ = [
     "RunResult",
@@ -29,15 +35,12 @@ __all__ = [
     "run_config",
     "make_optimizer",
     "to_device",
+    "forward",
     "DivergenceError",
     "describe_error",
 ]
 
 _MIB = 2.0**20
-
-
-class DivergenceError(RuntimeError):
-    """The loss became inf/NaN on a step that was not skipped: training diverged."""
 
 
 @dataclass
@@ -47,9 +50,10 @@ class RunResult:
     config: RunConfig
     row: dict = field(default_factory=dict)
     history: list[dict] = field(default_factory=list)
-    output: torch.Tensor | None = None  # the fixed batch's output at initialization (fp32, CPU)
+    output: torch.Tensor | None = None  # the fixed batch's logits at initialization (fp32, CPU)
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
+    interrupted: str = ""  # "interrupted at step k of N" when Stop ended the run early
 
 
 def make_optimizer(name: str, params, lr: float) -> torch.optim.Optimizer:
@@ -73,12 +77,17 @@ def to_device(x, device):
     if isinstance(x, (tuple, list)):
         return type(x)(to_device(v, device) for v in x)
     if isinstance(x, dict):
-        return {k: to_device(v, device) for k, v in x.items()}
+        return type(x)({k: to_device(v, device) for k, v in x.items()})
     return x
 
 
-def _forward(model, x):
-    return model(*x) if isinstance(x, tuple) else model(x)
+def forward(model, x):
+    """Call ``model`` on a batch's inputs: ``model(*x)`` for a tuple, ``model(**x)`` for a dict."""
+    if isinstance(x, tuple):
+        return model(*x)
+    if isinstance(x, dict):
+        return model(**x)
+    return model(x)
 
 
 def _setup(cfg: RunConfig, w: Workload):
@@ -100,20 +109,33 @@ def _setup(cfg: RunConfig, w: Workload):
     return model, opt, scaler
 
 
-def _fixed_output(model, w: Workload, device) -> torch.Tensor:
-    x, _ = w.fixed_batch()
+def _logits_cpu(out) -> torch.Tensor | None:
+    try:
+        return logits_of(out).detach().float().cpu()
+    except (TypeError, StopIteration):
+        return None
+
+
+def _fixed_output(model, w: Workload, device) -> torch.Tensor | None:
+    x, _ = w.fixed_batch(64)
     model.eval()
     with torch.no_grad():
-        out = _forward(model, to_device(x, device)).float().cpu()
+        out = _logits_cpu(forward(model, to_device(x, device)))
     model.train()
     return out
 
 
-def _train_step(model, opt, x, y, loss_fn):
+def _train_step(model, opt, x, y, loss_fn) -> torch.Tensor:
     from mpnb import amp
 
     opt.zero_grad(set_to_none=True)
-    loss = loss_fn(_forward(model, x).float(), y)
+    loss = loss_fn(forward(model, x), y)
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise TypeError(
+            f"loss_fn returned {type(loss).__name__}"
+            f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; it must return "
+            "a scalar tensor (reduce it with .mean() or .sum())."
+        )
     with amp.scale_loss(loss, opt) as scaled:
         scaled.backward()
     opt.step()
@@ -123,16 +145,18 @@ def _train_step(model, opt, x, y, loss_fn):
 class Trainer:
     """One configuration's model, optimizer, data and history, advanced one step at a time.
 
-    The runner steps several trainers round-robin (A, B, A, B, ...) so that a shared
-    machine's drift slows every configuration alike; :func:`run_config` steps one alone.
-    Step ``steps - 1`` runs under the :class:`MemoryTracker` and is not timed.
+    The runner steps several trainers round-robin (step ``k`` of every configuration before
+    step ``k + 1`` of any) so that a shared machine's drift slows every configuration alike;
+    :func:`run_config` steps one alone. Step :attr:`RunConfig.memory_step` runs under the
+    :class:`MemoryTracker` (and a FLOP counter) and is not timed.
     """
 
     def __init__(self, cfg: RunConfig, w: Workload):
         self.cfg, self.w, self.res = cfg, w, RunResult(cfg)
         self.cuda = torch.device(cfg.device).type == "cuda"
-        self.model = self.opt = self.scaler = self.tracker = None
+        self.model = self.opt = self.scaler = self.tracker = self.batches = None
         self.peak = 0
+        self.steps_done = 0
         self._guard(self._setup)
 
     @property
@@ -147,7 +171,7 @@ class Trainer:
             try:
                 fn(*args)
             except Exception as e:  # noqa: BLE001 - any failure becomes this row's error
-                self.res.error = describe_error(e)
+                self.res.error = describe_error(e, self.cfg.label)
                 self.release()
         self.res.warnings += [str(c.message).split(". ")[0] for c in caught]
 
@@ -161,24 +185,31 @@ class Trainer:
         """Run training step ``i`` (a failure is recorded, never raised)."""
         if self.alive:
             self._guard(self._step, i)
+            self.steps_done = i + 1
 
     def _step(self, i: int) -> None:
         cfg, w = self.cfg, self.w
         x, y = next(self.batches)
         x, y = to_device(x, cfg.device), to_device(y, cfg.device)
-        phase = "warmup" if i < cfg.warmup else "memory" if i == cfg.steps - 1 else "timed"
+        phase = "warmup" if i < cfg.warmup else "memory" if i == cfg.memory_step else "timed"
         if phase == "memory":
             base = self._cuda_base()
-            with self.tracker:
+            flops = FlopCounterMode(display=False)
+            with self.tracker, flops:
                 t0 = benchmark.timer()
                 loss = _train_step(self.model, self.opt, x, y, w.loss_fn)
                 dt = benchmark.timer() - t0
             self.peak = self._cuda_peak(base) if self.cuda else self.tracker.peak_bytes
+            self.res.row.update(
+                flops_per_step=float(flops.get_total_flops()),
+                ops_per_step=float(self.tracker.ops),
+                samples_per_step=float(batch_len(x)),
+            )
         else:
             t0 = benchmark.timer()
             loss = _train_step(self.model, self.opt, x, y, w.loss_fn)
             dt = benchmark.timer() - t0
-        self._record(i, phase, loss, dt)
+        self._record(i, phase, loss, dt, batch_len(x))
 
     def _cuda_base(self) -> int:
         if not self.cuda:
@@ -191,11 +222,11 @@ class Trainer:
         # its start, plus this configuration's own resident tensors (known to the tracker).
         return torch.cuda.max_memory_allocated(self.cfg.device) - base + self.tracker.entry_bytes
 
-    def _record(self, i: int, phase: str, loss: torch.Tensor, dt: float) -> None:
+    def _record(self, i: int, phase: str, loss: torch.Tensor, dt: float, n: int) -> None:
         scaler = self.scaler
         # The one host sync of the step: loss, overflow flag and scale, read together.
         lv, found, scale = torch.cat(
-            [loss.float().view(1), scaler.found_inf.view(1), scaler.scale.view(1)]
+            [loss.float().view(1), scaler.found_inf.float().view(1), scaler.scale.view(1)]
         ).tolist()
         skipped = found > 0 and scaler.dynamic
         why = (
@@ -212,6 +243,7 @@ class Trainer:
                 skipped=skipped,
                 skip_reason=why,
                 phase=phase,
+                samples=n,
             )
         )
         if not skipped and not math.isfinite(lv):
@@ -227,19 +259,30 @@ class Trainer:
                 f"learning rate, use dynamic loss scaling, or bf16 (fp32's range).{hint}"
             )
 
-    def finish(self) -> RunResult:
-        """Evaluate, fill the row and free the model; returns the :class:`RunResult`."""
+    def finish(self, interrupted: bool = False) -> RunResult:
+        """Evaluate (unless interrupted), fill the row and free the model."""
+        if interrupted and self.steps_done < self.cfg.steps:
+            self.res.interrupted = (
+                f"interrupted at step {self.steps_done} of {self.cfg.steps} (Stop): speed from "
+                "the rounds finished before it, no held-out metric"
+            )
         if self.alive:
-            self._guard(self._finish)
-        self.res.row.update(_timing_row(self.cfg, self.res.history))
+            self._guard(self._finish, bool(self.res.interrupted))
+        self.res.row.update(_timing_row(self.res.history))
         self.res.warnings = list(dict.fromkeys(self.res.warnings))
         self.release()
         return self.res
 
-    def _finish(self) -> None:
-        eval_loss, metric = _evaluate(self.model, self.w, self.cfg.device)
-        self.res.row.update(_memory_row(self.tracker, self.peak, self.cuda))
-        self.res.row.update(eval_loss=eval_loss, metric=metric)
+    def _finish(self, interrupted: bool) -> None:
+        if self.tracker is not None and self.steps_done > self.cfg.memory_step:
+            self.res.row.update(_memory_row(self.tracker, self.peak, self.cuda))
+        if not interrupted:
+            eval_loss, metric = _evaluate(self.model, self.w, self.cfg.device)
+            self.res.row.update(eval_loss=eval_loss, metric=metric)
+            if self.w.eval is None and self.w.metric_fn is not None:
+                self.res.warnings.append(
+                    "the metric is measured on the first training batches (no eval_data given)"
+                )
 
     def release(self) -> None:
         """Drop the model, optimizer and data (and the CUDA cache)."""
@@ -249,32 +292,34 @@ class Trainer:
 
 
 def _evaluate(model, w: Workload, device) -> tuple[float, float]:
-    if w.eval is None:
-        return math.nan, math.nan
     model.eval()
     n = loss_sum = metric_sum = 0.0
     with torch.no_grad():
         for x, y in w.eval_batches():
             x, y = to_device(x, device), to_device(y, device)
-            out = _forward(model, x).float()
-            k = len(y)
+            out = forward(model, x)
+            k = batch_len(x)
             loss_sum += float(w.loss_fn(out, y)) * k
             if w.metric_fn is not None:
                 metric_sum += float(w.metric_fn(out, y)) * k
             n += k
     model.train()
+    if n == 0:
+        return math.nan, math.nan
     return loss_sum / n, (metric_sum / n if w.metric_fn is not None else math.nan)
 
 
-def _timing_row(cfg: RunConfig, history: list[dict]) -> dict:
-    timed = [h["step_time_ms"] for h in history if h["phase"] == "timed"]
-    med = median(timed)
+def _timing_row(history: list[dict]) -> dict:
+    timed = [h for h in history if h["phase"] == "timed"]
+    ms = [h["step_time_ms"] for h in timed]
+    med = median(ms)
     losses = [h["loss"] for h in history[-10:] if math.isfinite(h["loss"])]
+    samples = median([h["samples"] for h in timed]) if timed else math.nan
     return dict(
         step_time_ms=med,
-        step_time_iqr_ms=iqr(timed),
-        timed_steps=len(timed),
-        samples_per_s=cfg.batch_size / (med / 1e3) if timed else math.nan,
+        step_time_iqr_ms=iqr(ms),
+        timed_steps=len(ms),
+        samples_per_s=samples / (med / 1e3) if timed else math.nan,
         final_loss=sum(losses) / len(losses) if losses else math.nan,
         skipped_steps=sum(h["skipped"] for h in history),
         final_loss_scale=history[-1]["loss_scale"] if history else math.nan,
@@ -289,19 +334,6 @@ def _memory_row(tracker: MemoryTracker, peak: int, cuda: bool) -> dict:
     for role, nbytes in tracker.breakdown().items():
         row[f"mem_{role}_mib"] = nbytes / _MIB
     return row
-
-
-def describe_error(e: BaseException) -> str:
-    """One line naming the failure and, when known, the fix."""
-    if isinstance(e, (torch.OutOfMemoryError, MemoryError)):
-        return f"out of memory: {str(e).splitlines()[0][:200]}; try a smaller batch size."
-    if isinstance(e, (DivergenceError, LossScaleCollapseError)):
-        return str(e)
-    where = traceback.extract_tb(e.__traceback__)[-1] if e.__traceback__ else None
-    loc = (
-        f" (at {where.filename.rsplit('/', 1)[-1]}:{where.lineno} in {where.name})" if where else ""
-    )
-    return f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}{loc}"
 
 
 def run_config(cfg: RunConfig, w: Workload, on_step=None) -> RunResult:

@@ -14,11 +14,13 @@ __all__ = ["add_parser", "run", "format_table"]
 _SHOW = (
     ("configuration", "config", "{}"),
     ("precision", "precision", "{}"),
-    ("step_time_ms", "step ms", "{:.2f}"),
-    ("step_time_iqr_ms", "IQR ms", "{:.2f}"),
+    ("speed_label", "speed vs O0", "{}"),
+    ("speedup_vs_O0", "x O0", "{:.2f}"),
+    ("speedup_lo", "95% lo", "{:.2f}"),
+    ("speedup_hi", "95% hi", "{:.2f}"),
+    ("step_time_ms", "step ms", "{:.1f}"),
     ("samples_per_s", "samples/s", "{:.0f}"),
-    ("speedup_vs_O0", "vs O0", "{:.2f}x"),
-    ("peak_mem_mib", "peak MiB", "{:.3f}"),
+    ("peak_mem_mib", "peak MiB", "{:.1f}"),
     ("mem_saving_vs_O0", "mem saved", "{:+.0%}"),
     ("final_loss", "loss", "{:.4f}"),
     ("metric", "metric", "{:.4f}"),
@@ -49,7 +51,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "compare",
         help="train a workload under O0/O1/O2/O3: speed, memory, accuracy on this hardware",
     )
-    p.add_argument("--workload", default="mlp", choices=names(), help="default: mlp")
+    p.add_argument("--workload", default=names()[0], choices=names(), help=f"default: {names()[0]}")
+    p.add_argument(
+        "--size",
+        default="auto",
+        choices=("auto", "small", "medium", "large"),
+        help="workload size (default auto: small on CPU, medium on CUDA)",
+    )
     p.add_argument(
         "--opt-levels",
         type=_csv(str),
@@ -82,7 +90,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--isolate", action="store_true", help="each configuration in a subprocess")
     p.add_argument("--out", default="report.html", help="HTML report path ('' for none)")
-    p.add_argument("--json", action="store_true", help="print the rows as JSON, not a table")
+    p.add_argument(
+        "--json",
+        action="store_true",
+        help="print only JSON on stdout (hardware, load, verdict, rows); messages go to stderr",
+    )
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(func=run)
     return p
@@ -95,7 +107,7 @@ def _cell(value, fmt: str) -> str:
 
 
 def format_table(df) -> str:
-    """The rows of ``df`` as a fixed-width text table, then warnings and errors by config."""
+    """The rows of ``df`` as a fixed-width text table, then errors, then one note per warning."""
     head = [h for _, h, _ in _SHOW]
     rows = [[_cell(r[c], f) for c, _, f in _SHOW] for _, r in df.iterrows()]
     widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=False)]
@@ -103,26 +115,52 @@ def format_table(df) -> str:
     out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
     for _, r in df.iterrows():
         if r["error"]:
-            out.append(f"ERROR {r['configuration']}: {r['error']}")
+            out.append(f"ERROR {r['error']}")
     notes = {w for ws in df["warnings"] for w in str(ws).split("; ") if w}
     out += [f"note: {w}" for w in sorted(notes)]
     return "\n".join(out)
 
 
+def _json(df) -> str:
+    return json.dumps(
+        {
+            "hardware": df.attrs["hardware"],
+            "load": df.attrs["load"],
+            "method": df.attrs["method"],
+            "workload": df.attrs["workload"],
+            "verdict": df.attrs["verdict"],
+            "rows": json.loads(df.to_json(orient="records")),
+        },
+        indent=1,
+    )
+
+
 def run(args: argparse.Namespace) -> int:
-    """Run ``mpnb compare`` with parsed ``args``; returns the exit code."""
+    """Run ``mpnb compare`` with parsed ``args``; returns the exit code.
+
+    With ``--json`` stdout carries exactly one JSON document; every message (progress,
+    the emulation note, the report path) goes to stderr.
+    """
     import mpnb.lab
+    from mpnb.lab.runner import emulation_note, resolve_device
+    from mpnb.lab.workloads import get
 
     dtype = args.dtype[0] if len(args.dtype) == 1 else args.dtype
+    msg = sys.stderr if args.json else sys.stdout
     try:
+        w = get(args.workload, args.size, resolve_device(args.device))
+        print(f"mpnb compare: {w.description} ({w.size})", file=msg, flush=True)
+        note = emulation_note(w, dtype, args.device)
+        if note:
+            print(note, file=msg, flush=True)
         df = mpnb.lab.compare(
-            args.workload,
-            args.opt_levels,
-            dtype,
-            args.batch_sizes,
-            args.steps,
-            args.optimizer,
-            args.lr,
+            w,
+            opt_levels=args.opt_levels,
+            half_dtype=dtype,
+            batch_sizes=args.batch_sizes,
+            steps=args.steps,
+            optimizer=args.optimizer,
+            lr=args.lr,
             device=args.device,
             progress=not args.no_progress,
             isolate=args.isolate,
@@ -132,24 +170,18 @@ def run(args: argparse.Namespace) -> int:
         print(f"mpnb compare: {e}", file=sys.stderr)
         return 2
     if args.json:
-        print(
-            json.dumps(
-                {
-                    "hardware": df.attrs["hardware"],
-                    "method": df.attrs["method"],
-                    "rows": json.loads(df.to_json(orient="records")),
-                },
-                indent=1,
-            )
-        )
+        print(_json(df))
     else:
         hw = df.attrs["hardware"]
         print(
-            f"mpnb compare: workload {args.workload}, {df.steps.iloc[0]} steps, "
-            f"{df.attrs['method']}\nhardware: {hw['summary']}\n"
+            f"{df.steps.iloc[0]} steps, {df.attrs['method']}\nhardware: {hw['summary']}\n"
+            "speed vs O0: median over the steps of O0's step time / the configuration's, "
+            "with its 95% interval\n",
+            flush=True,
         )
         print(format_table(df))
+        print("\n" + df.attrs["verdict"]["text"])
     if args.out:
         path = mpnb.lab.report(df, args.out)
-        print(f"\nreport: {path}", file=sys.stderr if args.json else sys.stdout)
-    return 1 if (df["error"] != "").all() else 0
+        print(f"\nreport: {path}", file=msg)
+    return 1 if (df["status"] == "error").all() else 0

@@ -74,8 +74,8 @@ class RunConfig:
         opt_level: ``"O0"`` .. ``"O3"``.
         half_dtype: ``"bf16"`` or ``"fp16"`` (``"fp32"`` for O0, which uses no half dtype).
         batch_size: samples per step.
-        steps: optimizer steps (the first ``warmup`` and the last, memory-tracked, step are
-            not timed).
+        steps: optimizer steps (the first ``warmup`` steps and the memory-tracked step
+            :attr:`memory_step` are not timed).
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, ``"fused_adam"`` or ``"fused_sgd"``.
         lr: learning rate (None: the workload's default).
         loss_scale: None (the opt level's default), a static number, or a :class:`LossScaleSpec`.
@@ -100,6 +100,12 @@ class RunConfig:
     def label(self) -> str:
         """A short name: ``"O2 bf16 b64"``."""
         return f"{self.opt_level} {self.half_dtype} b{self.batch_size}"
+
+    @property
+    def memory_step(self) -> int:
+        """The step run under the memory tracker (the first after warm-up; never step 0,
+        when the optimizer state does not exist yet)."""
+        return max(1, self.warmup)
 
     @property
     def dtype(self) -> torch.dtype | None:

@@ -27,7 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from mpnb.lab._train import _forward
+from mpnb.lab._train import forward
 
 __all__ = ["TraceResult", "trace_overflow", "UnderflowReport", "underflow_report"]
 
@@ -101,13 +101,18 @@ def _run(model, x, loss_fn, watch: _Watch | None) -> list[dict]:
         hooks += [
             mod.register_forward_pre_hook(enter(name, "forward")),
             mod.register_forward_hook(measure(name, "forward")),
-            mod.register_full_backward_pre_hook(enter(name, "backward")),
-            mod.register_full_backward_hook(measure(name, "backward")),
         ]
+        # Backward hooks on leaf modules only: they return tensors, while a container may
+        # return a dict or ModelOutput, for which torch warns on every call and skips the hook.
+        if not any(True for _ in mod.children()):
+            hooks += [
+                mod.register_full_backward_pre_hook(enter(name, "backward")),
+                mod.register_full_backward_hook(measure(name, "backward")),
+            ]
     try:
         with warnings.catch_warnings():  # inputs need no grad: hooks then see output grads
             warnings.filterwarnings("ignore", "Full backward hook is firing")
-            loss = loss_fn(_forward(model, x))
+            loss = loss_fn(forward(model, x))
             if loss.requires_grad:
                 loss.float().backward()
     finally:
@@ -271,7 +276,7 @@ def underflow_report(
 
     m = copy.deepcopy(model).float()
     m.zero_grad(set_to_none=True)
-    (loss_fn or _default_loss)(_forward(m, inputs)).float().backward()
+    (loss_fn or _default_loss)(forward(m, inputs)).float().backward()
     grads = [(n, p.grad.detach()) for n, p in m.named_parameters() if p.grad is not None]
     scales = [float(loss_scale)] if isinstance(loss_scale, (int, float)) else list(loss_scale)
     rows = [dict(param=n, loss_scale=s, **_shares(g, s, dtype)) for s in scales for n, g in grads]

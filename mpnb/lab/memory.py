@@ -85,8 +85,9 @@ class MemoryTracker(TorchDispatchMode):
 
     Tensors that exist before the mode is entered count from the start if they belong to
     ``model`` or ``optimizer`` (params, grads, state), and from their first use in an op
-    otherwise. ``peak_bytes``, ``breakdown()`` and ``entry_bytes`` (the resident bytes at entry)
-    are readable afterwards; entering again starts a new measurement.
+    otherwise. ``peak_bytes``, ``breakdown()``, ``entry_bytes`` (the resident bytes at entry)
+    and ``ops`` (the ops dispatched inside) are readable afterwards; entering again starts a
+    new measurement.
 
     Example::
 
@@ -106,6 +107,7 @@ class MemoryTracker(TorchDispatchMode):
         self._peak_sizes: dict[int, int] = {}
         self._dirty = False
         self.entry_bytes = 0
+        self.ops = 0  # ops dispatched inside the mode (kernel launches, on a GPU)
         self._roles: dict[int, str] = {}
         self._stale = True  # a storage appeared since the roles were read: re-read them
 
@@ -149,7 +151,7 @@ class MemoryTracker(TorchDispatchMode):
     # ---- the mode -------------------------------------------------------------------------
 
     def __enter__(self):
-        self.live_bytes = self.peak_bytes = 0
+        self.live_bytes = self.peak_bytes = self.ops = 0
         self._at_peak, self._peak_sizes, self._stale = None, {}, True
         for t in self._known_tensors():
             self._add(t)
@@ -182,6 +184,7 @@ class MemoryTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        self.ops += 1
         self._refresh_roles()  # a safe point: no storage is being freed right now
         for t in tree_flatten((args, kwargs))[0]:
             if isinstance(t, torch.Tensor):

@@ -28,9 +28,10 @@ from torch.utils import benchmark
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpnb.lab import _scaler
-from mpnb.lab._train import _forward, describe_error, make_optimizer, to_device
-from mpnb.lab.bench._stats import median
+from mpnb.lab._errors import describe_error
+from mpnb.lab._train import forward, make_optimizer, to_device
 from mpnb.lab.config import DTYPES, _half_name, resolve_device
+from mpnb.lab.stats import median
 
 __all__ = ["ProfileResult", "profile", "PHASES"]
 
@@ -74,7 +75,7 @@ class _Level:
         clock = benchmark.timer
         self.opt.zero_grad(set_to_none=True)
         t0 = clock()
-        loss = loss_fn(_forward(self.model, x))
+        loss = loss_fn(forward(self.model, x))
         t1 = clock()
         cm = amp.scale_loss(loss, self.opt)
         scaled = cm.__enter__()
@@ -131,7 +132,7 @@ def _module_table(model, x) -> list[dict]:
             ]
     try:
         with torch.no_grad():
-            _forward(model, x)
+            forward(model, x)
     finally:
         for h in hooks:
             h.remove()
@@ -142,7 +143,7 @@ def _flops(lv: _Level, x, loss_fn) -> int:
     counter = FlopCounterMode(display=False)
     with counter:
         lv.opt.zero_grad(set_to_none=True)
-        loss_fn(_forward(lv.model, x)).float().backward()
+        loss_fn(forward(lv.model, x)).float().backward()
     lv.opt.zero_grad(set_to_none=True)
     lv.model.zero_grad(set_to_none=True)  # O2: the half grads must not reach the next step
     return counter.get_total_flops()

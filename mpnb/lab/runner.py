@@ -1,67 +1,42 @@
 """``compare``: the same workload under O0/O1/O2/O3, one DataFrame row per configuration.
 
 Method: every configuration starts from the same seed (same initial weights, same data
-order). By default the configurations train **round-robin in one process** (step ``i`` of
-each, in an order rotated every step), so a shared machine's drift slows them alike; the
-speed-up vs O0 is the median of the per-step ratios ``t_O0 / t_config`` over the timed steps
-(as in ``mpnb bench``). ``isolate=True`` instead runs each configuration alone in a fresh
-subprocess (no shared caches or allocator state; the ratios then pair steps of separate runs).
+order). The configurations of one batch size train **round-robin in one process**: step
+``k`` of every configuration runs before step ``k + 1`` of any (in an order rotated every
+round), so a shared machine's drift slows them alike. The speed figure is the median of the
+per-round ratios ``t_O0[k] / t_config[k]`` with a 95% bootstrap interval
+(:mod:`mpnb.lab._rows`); it is the one figure the bar, its label, the table and the report
+show. ``isolate=True`` instead runs each configuration alone in a fresh subprocess.
 
 A configuration that fails (unsupported dtype, out of memory, NaN divergence, an exception in
-your code) becomes a row with ``error`` set; the others still run.
+your code) becomes a row with ``error`` set, naming the configuration and your frame; the
+others still run. ``should_stop`` ends a run after the step in progress; the rows keep what
+was measured and say where they were interrupted.
 """
 
 from __future__ import annotations
 
-import contextlib
 import math
 import os
 import pickle
-from collections.abc import Sequence
+import sys
+import time
+from collections.abc import Callable, Sequence
 
 import pandas as pd
 import torch
 
 from mpnb.core.hardware import cpu_info, cuda_info, half_support
 from mpnb.lab import workloads as _workloads
-from mpnb.lab._train import RunResult, Trainer, describe_error
-from mpnb.lab.bench._stats import median
-from mpnb.lab.config import RunConfig, expand
-from mpnb.lab.memory import ROLES
+from mpnb.lab._data import is_data
+from mpnb.lab._errors import describe_error
+from mpnb.lab._rows import COLUMNS, frames
+from mpnb.lab._train import RunResult, Trainer
+from mpnb.lab.config import RunConfig, expand, resolve_device
+from mpnb.lab.stats import loadavg, torch_threads
+from mpnb.lab.verdict import TOLERANCE, verdict
 
-__all__ = ["compare", "hardware_summary", "COLUMNS"]
-
-COLUMNS = (
-    "configuration",
-    "workload",
-    "opt_level",
-    "half_dtype",
-    "precision",
-    "batch_size",
-    "steps",
-    "optimizer",
-    "device",
-    "hardware",
-    "step_time_ms",
-    "step_time_iqr_ms",
-    "timed_steps",
-    "samples_per_s",
-    "speedup_vs_O0",
-    "peak_mem_mib",
-    *[f"mem_{r}_mib" for r in ROLES],
-    "mem_method",
-    "mem_saving_vs_O0",
-    "final_loss",
-    "eval_loss",
-    "metric_name",
-    "metric",
-    "metric_vs_O0",
-    "output_diff_vs_O0",
-    "skipped_steps",
-    "final_loss_scale",
-    "warnings",
-    "error",
-)
+__all__ = ["compare", "hardware_summary", "emulation_note", "load_record", "COLUMNS"]
 
 
 def hardware_summary(device: str = "cpu") -> dict:
@@ -73,13 +48,13 @@ def hardware_summary(device: str = "cpu") -> dict:
         'emulated'
     """
     cpu, hs = cpu_info(), half_support(device)
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else math.nan
+    load = loadavg() or [math.nan]
     out = {
         "device": device,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
         "cpus": os.cpu_count(),
-        "load_avg": load,
+        "load_avg": load[0],
         "cpu": cpu.model,
         "isa": cpu.isa,
         "bf16": hs["bfloat16"],
@@ -91,180 +66,182 @@ def hardware_summary(device: str = "cpu") -> dict:
     else:
         name = f"{cpu.model} ({cpu.isa}, {out['threads']} threads)"
     out["summary"] = f"{name}; bf16 {hs['bfloat16']}, fp16 {hs['float16']}"
-    if load > (out["cpus"] or 1):
-        out["summary"] += (
-            f"; load average {load:.1f} on {out['cpus']} CPUs: other processes "
-            "compete, timings are noisy"
-        )
     return out
 
 
-@contextlib.contextmanager
-def _threads(n: int | None):
-    old = torch.get_num_threads()
-    if n is not None:
-        if n < 1:
-            raise ValueError(f"threads={n!r}: need a positive int or None (torch's default).")
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
+def emulation_note(w, half_dtype="auto", device="auto") -> str:
+    """One line when ``half_dtype`` is emulated on ``device``: what that costs, and the size.
+
+    Example::
+
+        >>> emulation_note(workloads.get("transformer"), "bf16", "cpu")
+        'bf16 is emulated on this CPU: ...'
+    """
+    from mpnb.lab.config import _half_name
+
+    dev = resolve_device(device)
+    halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)
+    names = list(dict.fromkeys(_half_name(h, dev) for h in halves))
+    hs = half_support(dev)
+    emulated = [n for n in names if hs["bfloat16" if n == "bf16" else "float16"] == "emulated"]
+    if not emulated:
+        return ""
+    size = f"; the workload is sized '{w.size}'" if getattr(w, "size", "") else ""
+    return (
+        f"note: {' and '.join(emulated)} {'is' if len(emulated) == 1 else 'are'} emulated on "
+        f"this {dev.upper()} (no native instructions): half-precision steps run several times "
+        f"slower than fp32 here{size} so that the run still finishes in about a minute "
+        "(--size medium/large for more)."
+    )
 
 
-def _precision(cfg: RunConfig, hw: dict) -> tuple[str, list[str]]:
-    if cfg.opt_level == "O0":
-        return "fp32", []
-    status = hw[cfg.half_dtype]
-    notes = []
-    if status == "emulated":
-        notes.append(
-            f"{cfg.half_dtype} is emulated on this {hw['device']} (no native "
-            f"{cfg.half_dtype} instructions): expect it slower than fp32, not faster"
+def load_record(start: list | None, end: list | None, threads: int, cpus: int) -> dict:
+    """Load averages at the start and end of a run, and whether other processes competed.
+
+    The 1-minute load at the start is other processes' (ours had not started); at the end it
+    includes our ``threads``. Others competed when their load plus ours exceeded the CPUs by
+    half a core or more: ``max(start, end - threads) + threads > cpus + 0.5``.
+    """
+    s = start[0] if start else math.nan
+    e = end[0] if end else math.nan
+    others = max(x for x in (s, e - threads, 0.0) if math.isfinite(x))
+    competed = others + threads > cpus + 0.5
+    note = ""
+    if competed:
+        note = (
+            f"Warning: other processes competed for the CPU (load average {s:.1f} at the "
+            f"start, {e:.1f} at the end, on {cpus} CPUs with {threads} thread(s) of ours): "
+            "every configuration was slowed, the ratios less so; rerun on a quiet machine "
+            "for steadier figures."
         )
-    return f"{cfg.half_dtype} ({status})", notes
+    return dict(start=start, end=end, threads=threads, cpus=cpus, competed=competed, note=note)
 
 
-def _interleaved(trainers: list[Trainer], steps: int, bar) -> list[RunResult]:
+class _Progress:
+    """Steps done, the configuration and step in progress, and an ETA; a tqdm bar if asked."""
+
+    def __init__(self, total: int, bar: bool, callback: Callable | None):
+        self.total, self.done, self.t0 = total, 0, time.perf_counter()
+        self.callback = callback
+        self.bar = None
+        if bar:
+            try:
+                from tqdm.auto import tqdm
+
+                self.bar = tqdm(
+                    total=total, desc="mpnb compare", unit="step", leave=False, file=sys.stderr
+                )
+            except ImportError:  # tqdm is a dependency; without it, no bar
+                self.bar = None
+
+    def update(self, cfg: RunConfig, step: int) -> None:
+        self.done += 1
+        elapsed = time.perf_counter() - self.t0
+        eta = elapsed / self.done * (self.total - self.done)
+        if self.bar is not None:
+            self.bar.set_postfix_str(f"{cfg.label} step {step + 1}/{cfg.steps}", refresh=False)
+            self.bar.update(1)
+        if self.callback is not None:
+            self.callback(
+                dict(
+                    configuration=cfg.label,
+                    step=step + 1,
+                    steps=cfg.steps,
+                    done=self.done,
+                    total=self.total,
+                    elapsed_s=elapsed,
+                    eta_s=eta,
+                )
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def _round_robin(trainers: list[Trainer], prog: _Progress, should_stop) -> tuple[list, bool]:
+    steps = trainers[0].cfg.steps
     for i in range(steps):
         k = i % len(trainers)
-        for t in trainers[k:] + trainers[:k]:  # rotate who goes first each step
+        for t in trainers[k:] + trainers[:k]:  # rotate who goes first each round
+            if should_stop is not None and should_stop():
+                return [t.finish(interrupted=True) for t in trainers], True
             if t.alive:
                 t.step(i)
-            bar.update(1)
-    return [t.finish() for t in trainers]
+            prog.update(t.cfg, i)
+    return [t.finish() for t in trainers], False
 
 
-def _run_isolated(cfg: RunConfig, workload, threads: int | None) -> RunResult:
+def _run_isolated(cfg: RunConfig, spec, threads: int | None) -> RunResult:
     from mpnb.lab._train import run_config
 
     if threads is not None:
         torch.set_num_threads(threads)  # a fresh process of its own: nothing to restore
-    return run_config(cfg, _workloads.get(workload))
+    name, size = spec if isinstance(spec, tuple) else (spec, None)
+    return run_config(cfg, _workloads.get(name, size, cfg.device))
 
 
-def _isolated(configs, workload, w, bar, threads) -> list[RunResult]:
+def _isolated(configs, spec, prog, threads, should_stop) -> tuple[list[RunResult], bool]:
     import concurrent.futures as cf
     import multiprocessing as mp
 
-    spec = workload if isinstance(workload, str) else w
     out = []
     for cfg in configs:
+        if should_stop is not None and should_stop():
+            return out, True
         try:
             pickle.dumps(spec)
             with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
                 out.append(ex.submit(_run_isolated, cfg, spec, threads).result())
         except (pickle.PicklingError, AttributeError, TypeError) as e:
-            res = RunResult(
-                cfg,
-                error="isolate=True needs a picklable workload (model_fn, "
-                "loss_fn, metric_fn defined at module level, not lambdas): " + describe_error(e),
+            msg = (
+                "isolate=True needs a picklable workload (model_fn, loss_fn, metric_fn "
+                "defined at module level, not lambdas): " + describe_error(e)
             )
-            out.append(res)
+            out.append(RunResult(cfg, error=f"{cfg.label}: {msg}"))
         except Exception as e:  # noqa: BLE001 - a crashed subprocess is this row's error
-            out.append(RunResult(cfg, error="the subprocess failed: " + describe_error(e)))
-        bar.update(cfg.steps)
-    return out
+            out.append(RunResult(cfg, error=f"{cfg.label}: the subprocess failed: {e}"))
+        for i in range(cfg.steps):
+            prog.update(cfg, i)
+    return out, False
 
 
-def _baseline(results: list[RunResult], cfg: RunConfig) -> RunResult | None:
-    for r in results:
-        c = r.config
-        if c.opt_level == "O0" and c.batch_size == cfg.batch_size and r.error is None:
-            return r
-    return None
-
-
-def _paired_speedup(base: RunResult, res: RunResult) -> float:
-    t0 = {h["step"]: h["step_time_ms"] for h in base.history if h["phase"] == "timed"}
-    ratios = [
-        t0[h["step"]] / h["step_time_ms"]
-        for h in res.history
-        if h["phase"] == "timed" and h["step"] in t0 and h["step_time_ms"] > 0
-    ]
-    return median(ratios)
-
-
-def _rel_diff(out: torch.Tensor | None, ref: torch.Tensor | None) -> float:
-    if out is None or ref is None or out.shape != ref.shape:
-        return math.nan
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
-
-
-def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
-    cfg, nan = res.config, math.nan
-    precision, notes = _precision(cfg, hw)
-    row = dict(
-        configuration=cfg.label,
-        workload=w.name,
-        opt_level=cfg.opt_level,
-        half_dtype=cfg.half_dtype,
-        precision=precision,
-        batch_size=cfg.batch_size,
-        steps=cfg.steps,
-        optimizer=cfg.optimizer,
-        device=cfg.device,
-        hardware=hw["summary"],
-        metric_name=w.metric_name,
+def _workload(workload, data, loss_fn, metric_fn, eval_data, size, device):
+    if isinstance(workload, (str, _workloads.Workload)):
+        if data is not None or loss_fn is not None or metric_fn is not None:
+            raise TypeError(
+                "compare: data, loss_fn and metric_fn go with a model factory "
+                "(compare(model_fn, data, loss_fn=...)), not with a workload name or Workload."
+            )
+        return _workloads.get(workload, size, device)
+    if callable(workload) and not isinstance(workload, torch.nn.Module):
+        if data is None or not (is_data(data) or callable(data)):
+            raise TypeError(
+                "compare(model_fn, data, ...): give the training data as (inputs, targets) "
+                "tensors, a Dataset, a DataLoader, a generator function or an iterator."
+            )
+        name = getattr(workload, "__name__", "custom")
+        name = "custom" if name == "<lambda>" else name
+        return _workloads.custom(workload, data, loss_fn, metric_fn, eval_data, name=name)
+    raise TypeError(
+        f"compare: workload must be a name ({', '.join(_workloads.names())}), a Workload or a "
+        f"function returning a fresh model, got {type(workload).__name__}; pass "
+        "lambda: model_object if you have a model (it is rebuilt for every configuration)."
     )
-    row.update(res.row)
-    ok = res.error is None and base is not None
-    bpeak = base.row.get("peak_mem_mib", nan) if base else nan
-    row.update(
-        speedup_vs_O0=_paired_speedup(base, res) if ok else nan,
-        mem_saving_vs_O0=1 - row.get("peak_mem_mib", nan) / bpeak if ok else nan,
-        metric_vs_O0=row.get("metric", nan) - base.row.get("metric", nan) if ok else nan,
-        output_diff_vs_O0=_rel_diff(res.output, base.output) if ok else nan,
-        warnings="; ".join(notes + res.warnings),
-        error=res.error or "",
-    )
-    if base is None and res.error is None:
-        row["warnings"] = "; ".join(filter(None, [row["warnings"], "no O0 row to compare with"]))
-    return {c: row.get(c, nan) for c in COLUMNS}
-
-
-def _frames(results: list[RunResult], w, hw: dict) -> pd.DataFrame:
-    rows = [_row(r, _baseline(results, r.config), w, hw) for r in results]
-    df = pd.DataFrame(rows, columns=list(COLUMNS))
-    hist = [dict(configuration=r.config.label, **h) for r in results for h in r.history]
-    df.attrs["history"] = pd.DataFrame(
-        hist,
-        columns=[
-            "configuration",
-            "step",
-            "loss",
-            "loss_scale",
-            "step_time_ms",
-            "skipped",
-            "skip_reason",
-            "phase",
-        ],
-    )
-    df.attrs["hardware"] = hw
-    return df
-
-
-def _progress(total: int, enabled: bool):
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:  # tqdm is a dependency; without it, no bar
-        enabled = False
-    if not enabled:
-
-        class _Null:
-            def update(self, n=1): ...
-            def close(self): ...
-
-        return _Null()
-    return tqdm(total=total, desc="mpnb compare", unit="step", leave=False, mininterval=1.0)
 
 
 def compare(
-    workload="mlp",
+    workload="transformer",
+    data=None,
+    *,
+    loss_fn: Callable | None = None,
+    metric_fn: Callable | None = None,
+    eval_data=None,
     opt_levels: Sequence[str] = ("O0", "O1", "O2", "O3"),
     half_dtype="auto",
     batch_sizes: Sequence[int] | None = None,
     steps: int | None = None,
+    size: str = "auto",
     optimizer: str = "adam",
     lr: float | None = None,
     loss_scale=None,
@@ -273,60 +250,97 @@ def compare(
     progress: bool = True,
     isolate: bool = False,
     threads: int | None = None,
+    on_progress: Callable[[dict], None] | None = None,
+    should_stop: Callable[[], bool] | None = None,
+    tolerance: float = TOLERANCE,
 ) -> pd.DataFrame:
-    """Train ``workload`` under each opt level (and half dtype, batch size); one row each.
+    """Train a workload under each opt level (and half dtype, batch size); one row each.
 
     Args:
-        workload: a built-in name (``"mlp"``, ``"cnn"``, ``"transformer"``) or a
-            :class:`~mpnb.lab.workloads.Workload` (see :func:`~mpnb.lab.workloads.custom`).
+        workload: a built-in name (``"transformer"``, ``"cnn"``, ``"mlp"``), a
+            :class:`~mpnb.lab.workloads.Workload`, or **your model factory** (a function
+            returning a fresh model), given with ``data``.
+        data: with a model factory: ``(inputs, targets)`` tensors, a ``Dataset``, a
+            ``DataLoader``, a generator function or an iterator of batches (dict batches
+            are passed as ``model(**batch)``, targets ``batch["labels"]``).
+        loss_fn: ``(output, target) -> scalar``; receives exactly what the model returned
+            (tensor, tuple, dict, dataclass, ``ModelOutput``). Default: cross-entropy on the
+            output's logits. metric_fn: ``(output, target) -> float``, e.g.
+            :func:`~mpnb.lab.workloads.accuracy` (it finds the logits in any output).
+        eval_data: held-out data for the metric (default: the first training batches).
         opt_levels: any of ``"O0"`` .. ``"O3"``.
         half_dtype: ``"bf16"``, ``"fp16"``, ``"auto"`` (bf16 on CPU, fp16 on CUDA) or a list.
-        batch_sizes: default: the workload's.
+        batch_sizes: default: the workload's (a DataLoader's own batch size).
         steps: optimizer steps per configuration (default: the workload's).
-        optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, ``"fused_adam"``, ``"fused_sgd"``.
-        lr: learning rate (default: the workload's).
-        loss_scale: for O1-O3: None (the level's default), a static number, or
-            ``dict(init_scale=, growth_factor=, backoff_factor=, growth_interval=)``.
-        device: ``"auto"``, ``"cpu"`` or ``"cuda"``.
-        seed: initial weights and data order, the same for every configuration.
-        progress: show a progress bar (stderr).
+        size: a built-in workload's size: ``"small"``, ``"medium"``, ``"large"`` or
+            ``"auto"`` (small on CPU, medium on CUDA).
+        optimizer, lr, loss_scale: ``"adam"``, ``"adamw"``, ``"sgd"``, ``"fused_adam"``,
+            ``"fused_sgd"``; the learning rate; for O1-O3 None (the level's default), a
+            static number or ``dict(init_scale=, growth_factor=, backoff_factor=,
+            growth_interval=)``.
+        device: ``"auto"``, ``"cpu"`` or ``"cuda"``. seed: weights and data order.
+        progress: show a progress bar (stderr) with the configuration, step and ETA.
         isolate: run each configuration in a fresh subprocess.
-        threads: ``torch.set_num_threads`` for the runs (restored afterwards; None: leave
-            it). On a shared or oversubscribed CPU, 1 thread is often far faster.
+        threads: ``torch.set_num_threads`` for the runs (restored afterwards; None: leave it).
+        on_progress: called after every step with ``configuration``, ``step``, ``steps``,
+            ``done``, ``total``, ``elapsed_s``, ``eta_s``.
+        should_stop: polled before every step; when it returns True the run ends there and
+            the rows keep what was measured (``status == "interrupted"``).
+        tolerance: the accuracy tolerance of the verdict.
 
     Returns:
-        A DataFrame with :data:`COLUMNS`; ``df.attrs["history"]`` holds the per-step loss,
-        loss scale, step time and skipped steps (long format), ``df.attrs["hardware"]`` the
-        :func:`hardware_summary`.
+        A DataFrame with :data:`COLUMNS`. ``attrs``: ``history`` (per-step loss, loss scale,
+        step time, skipped steps), ``hardware``, ``load`` (load averages at start and end,
+        ``competed``), ``method``, ``workload`` (name, size, description), ``verdict``
+        (:func:`mpnb.lab.verdict.verdict`) and ``stopped``.
 
     Example::
 
-        >>> df = mpnb.lab.compare("mlp", steps=60)
-        >>> df[["configuration", "step_time_ms", "speedup_vs_O0", "metric"]]
+        >>> df = mpnb.lab.compare("transformer", size="small")
+        >>> df[["configuration", "speed_label", "peak_mem_mib", "metric"]]
+        >>> print(df.attrs["verdict"]["text"])
+        >>> df = mpnb.lab.compare(lambda: MyNet(), (x, y), metric_fn=mpnb.lab.accuracy)
     """
-    w = _workloads.get(workload)
+    dev = resolve_device(device)
+    w = _workload(workload, data, loss_fn, metric_fn, eval_data, size, dev)
+    if batch_sizes is None:
+        batch_sizes = (w.batch_size,)
+    elif w.data_batch_size is not None and tuple(batch_sizes) != (w.data_batch_size,):
+        raise ValueError(
+            f"batch_sizes={tuple(batch_sizes)!r}: the data fixes the batch size "
+            f"({w.data_batch_size}); leave batch_sizes out, or give tensors or a Dataset."
+        )
     configs = expand(
-        w.name,
-        opt_levels,
-        half_dtype,
-        batch_sizes or (w.batch_size,),
-        steps or w.steps,
-        optimizer,
-        lr,
-        loss_scale,
-        device,
-        seed,
-    )
-    with _threads(threads):
-        hw = hardware_summary(configs[0].device)
-        bar = _progress(sum(c.steps for c in configs), progress)
+        w.name, opt_levels, half_dtype, batch_sizes, steps or w.steps, optimizer, lr,
+        loss_scale, dev, seed,
+    )  # fmt: skip
+    with torch_threads(threads):
+        load_start = loadavg()
+        hw = hardware_summary(dev)
+        prog = _Progress(sum(c.steps for c in configs), progress, on_progress)
+        results, stopped = [], False
         try:
             if isolate:
-                results = _isolated(configs, workload, w, bar, threads)
+                spec = (w.name, w.size) if isinstance(workload, str) else w
+                results, stopped = _isolated(configs, spec, prog, threads, should_stop)
             else:
-                results = _interleaved([Trainer(c, w) for c in configs], configs[0].steps, bar)
+                for b in dict.fromkeys(c.batch_size for c in configs):
+                    if stopped:
+                        break
+                    group = [Trainer(c, w) for c in configs if c.batch_size == b]
+                    got, stopped = _round_robin(group, prog, should_stop)
+                    results += got
         finally:
-            bar.close()
-    df = _frames(results, w, hw)
-    df.attrs["method"] = "isolated subprocesses" if isolate else "round-robin in one process"
+            prog.close()
+        n_threads = torch.get_num_threads()
+    df = frames(results, w, hw)
+    df.attrs["load"] = load_record(load_start, loadavg(), n_threads, hw["cpus"] or 1)
+    df.attrs["method"] = (
+        "isolated subprocesses" if isolate else "round-robin in one process (per batch size)"
+    )
+    df.attrs["workload"] = dict(
+        name=w.name, size=w.size, description=w.description, chance=w.chance
+    )
+    df.attrs["stopped"] = stopped
+    df.attrs["verdict"] = verdict(df, tolerance)
     return df

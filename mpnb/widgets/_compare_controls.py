@@ -1,11 +1,16 @@
 """The controls of :class:`~mpnb.widgets.CompareWidget` (a mixin: the widget's own attributes).
 
-They hold the request (workload, opt levels, half dtype with its hardware status, batch
-sizes, steps, optimizer, device, loss scaler) and turn it into :func:`mpnb.lab.compare`
-arguments; nothing runs here.
+They hold the request (workload and size, opt levels, half dtype with its hardware status,
+batch sizes, steps, optimizer, device, threads, loss scaler) and turn it into
+:func:`mpnb.lab.compare` arguments; nothing runs here. Every control is validated when it
+changes: a bad value shows its message right beside the control and disables Run until
+it is fixed.
 """
 
 from __future__ import annotations
+
+import html
+import os
 
 import ipywidgets as w
 import torch
@@ -16,27 +21,37 @@ __all__ = ["ControlsMixin", "LEVELS", "OPTIMIZERS", "parse_sizes"]
 
 LEVELS = ("O0", "O1", "O2", "O3")
 OPTIMIZERS = ("adam", "adamw", "sgd", "fused_adam", "fused_sgd")
+SIZES = ("auto", "small", "medium", "large")
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
-    """``"32, 64"`` -> ``(32, 64)``; a clear ValueError otherwise."""
+    """``"32, 64"`` -> ``(32, 64)``; ``""`` -> ``()`` (the workload's); a clear ValueError."""
+    parts = [s.strip() for s in text.replace(";", ",").split(",") if s.strip()]
     try:
-        sizes = tuple(int(s) for s in text.replace(";", ",").split(",") if s.strip())
+        sizes = tuple(int(s) for s in parts)
     except ValueError:
-        sizes = ()
-    if not sizes or min(sizes) < 1:
-        raise ValueError(f"batch sizes {text!r}: give positive integers separated by commas.")
+        sizes = (0,)
+    if sizes and min(sizes) < 1:
+        raise ValueError(
+            f"batch sizes {text!r}: give positive integers separated by commas "
+            "(or leave empty for the workload's own)."
+        )
     return sizes
 
 
+def _err() -> w.HTML:
+    return w.HTML("", layout=w.Layout(margin="0 0 0 8px"))
+
+
+def _row(control, err) -> w.HBox:
+    return w.HBox([control, err], layout=w.Layout(align_items="center"))
+
+
 class ControlsMixin:
-    """Builds the control widgets as attributes of the widget and reads them back."""
+    """Builds the control widgets as attributes of the widget, validates and reads them."""
 
-    # ---- controls ---------------------------------------------------------------------------
-
-    def _build_controls(
-        self, opt_levels, half_dtype, batch_sizes, steps, optimizer, device, loss_scale, threads
-    ):
+    def _build_controls(self, opt_levels, half_dtype, batch_sizes, steps, optimizer, device,
+                        loss_scale, threads, size):  # fmt: skip
         from mpnb.lab import workloads
 
         names = list(workloads.names())
@@ -44,6 +59,7 @@ class ControlsMixin:
         self.workload = w.Dropdown(
             options=list(dict.fromkeys([wl, *names])), value=wl, description="workload"
         )
+        self.size = w.Dropdown(options=SIZES, value=size, description="size")
         self.opt_levels = w.SelectMultiple(
             options=LEVELS, value=tuple(opt_levels), rows=4, description="opt levels"
         )
@@ -53,23 +69,34 @@ class ControlsMixin:
         self.half_dtype = w.ToggleButtons(description="half dtype")
         self._half_options(half_dtype)
         self.device.observe(self.errors.guard(lambda _: self._device_changed()), names="value")
-        self.batch_sizes = w.Text(", ".join(map(str, batch_sizes)), description="batch sizes")
-        self.steps = w.BoundedIntText(steps, min=4, max=100000, description="steps")
-        self.optimizer = w.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer")
-        self.threads = w.BoundedIntText(
-            threads or 0,
-            min=0,
-            max=1024,
-            description="threads",
-            tooltip="torch threads for the runs (0: torch's default)",
+        self.batch_sizes = w.Text(
+            ", ".join(map(str, batch_sizes or ())),
+            placeholder="the workload's",
+            description="batch sizes",
         )
+        self.steps = w.IntText(steps or 0, description="steps")
+        self.optimizer = w.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer")
+        self.threads = w.IntText(threads or 0, description="threads")
+        self.threads.tooltip = "torch threads for the runs (0: torch's default)"
         self._scaler_controls(loss_scale)
+        self.control_errors = {k: _err() for k in ("opt_levels", "batch_sizes", "steps", "threads")}
+        e = self.control_errors
         self.controls = w.Accordion(
             children=[
                 w.HBox(
                     [
-                        w.VBox([self.workload, self.device, self.half_dtype, self.opt_levels]),
-                        w.VBox([self.batch_sizes, self.steps, self.optimizer, self.threads]),
+                        w.VBox(
+                            [self.workload, self.size, self.device, self.half_dtype]
+                            + [_row(self.opt_levels, e["opt_levels"])]
+                        ),
+                        w.VBox(
+                            [
+                                _row(self.batch_sizes, e["batch_sizes"]),
+                                _row(self.steps, e["steps"]),
+                                self.optimizer,
+                                _row(self.threads, e["threads"]),
+                            ]
+                        ),
                         w.VBox(
                             [
                                 self.scale_mode,
@@ -86,6 +113,11 @@ class ControlsMixin:
             selected_index=0,
         )
         self.controls.set_title(0, "Configurations")
+        self._build_actions()
+        for c in (self.opt_levels, self.batch_sizes, self.steps, self.threads, self.workload):
+            c.observe(lambda _: self.validate(), names="value")
+
+    def _build_actions(self):
         self.run_button = w.Button(description="Run", button_style="primary", icon="play")
         self.stop_button = w.Button(description="Stop", icon="stop", disabled=True)
         wide = w.Layout(width="auto")
@@ -118,13 +150,9 @@ class ControlsMixin:
             options=["default", "dynamic", "static"], value=mode, description="loss scale"
         )
         self.init_scale = w.FloatLogSlider(
-            spec.get("init_scale", 2.0**16),
-            base=2,
-            min=0,
-            max=24,
-            step=1,
+            spec.get("init_scale", 2.0**16), base=2, min=0, max=24, step=1,
             description="initial scale",
-        )
+        )  # fmt: skip
         self.growth_factor = w.BoundedFloatText(
             spec.get("growth_factor", 2.0), min=1.0, max=16.0, step=0.5, description="growth"
         )
@@ -138,6 +166,44 @@ class ControlsMixin:
         self.static_scale = w.FloatLogSlider(
             static, base=2, min=0, max=24, step=1, description="static scale"
         )
+
+    # ---- validation ---------------------------------------------------------------------------
+
+    def input_errors(self) -> dict[str, str]:
+        """``{control: message}`` for every control whose value is invalid now."""
+        errs = {}
+        if not self.opt_levels.value:
+            errs["opt_levels"] = "choose at least one opt level"
+        try:
+            parse_sizes(self.batch_sizes.value)
+        except ValueError as e:
+            errs["batch_sizes"] = str(e)
+        if self.steps.value < 2:
+            errs["steps"] = (
+                f"steps {self.steps.value}: need at least 2 (one step is memory-tracked); "
+                "0 or less is refused, not clamped"
+            )
+        if self.threads.value < 0:
+            errs["threads"] = f"threads {self.threads.value}: use 0 (torch's default) or more"
+        return errs
+
+    def validate(self) -> bool:
+        """Show each control's error beside it; disable Run while any is invalid."""
+        errs = self.input_errors()
+        for k, box in self.control_errors.items():
+            msg = errs.get(k, "")
+            text = f"<span style='color:#b00020'>&#9888; {html.escape(msg)}</span>"
+            box.value = text if msg else ""
+        cpus = os.cpu_count() or 1
+        if "threads" not in errs and self.threads.value > cpus:
+            self.control_errors["threads"].value = (
+                f"<span style='color:#a05a00'>more than this machine's {cpus} CPUs: "
+                "threads will wait for each other</span>"
+            )
+        self.run_button.disabled = bool(errs) or self.running
+        return not errs
+
+    # ---- reading ------------------------------------------------------------------------------
 
     def _device(self) -> str:
         return self.device.value

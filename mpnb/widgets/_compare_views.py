@@ -1,7 +1,15 @@
 """The result views of :class:`~mpnb.widgets.CompareWidget`: figures built once, updated in place.
 
-Every function here only draws a :func:`mpnb.lab.compare` DataFrame (and its
-``attrs["history"]``); nothing is measured.
+Every function here only draws a :func:`mpnb.lab.compare` DataFrame (and its ``attrs``);
+nothing is measured. Titles, axis units and the "how to read" lines come from
+:data:`mpnb.lab.html_report.CHART_TEXT`, and the speed bar from
+:func:`mpnb.lab.html_report.speed_bar`, so the widget and the report show the same figure.
+
+Each figure is a plain ``go.Figure`` shown in an ``ipywidgets.Output`` as plotly's own
+mime bundle (rendered by JupyterLab's plotly extension): the Output's state holds the whole
+figure, so the chart renders whenever and however often a view attaches (after Run All, a
+reload, or an update made from the run's thread). ``FigureWidget`` views created early in a
+kernel were seen to render blank axes in JupyterLab and to drop later updates.
 """
 
 from __future__ import annotations
@@ -9,35 +17,50 @@ from __future__ import annotations
 import html
 import math
 
+import ipywidgets as w
 import pandas as pd
 import plotly.graph_objects as go
+import plotly.io as pio
 
-__all__ = ["ResultViews", "MEMORY_ROLES", "table_html", "errors_html"]
+from mpnb.lab.html_report import CHART_TEXT, chart_title, speed_bar
+
+__all__ = ["ResultViews", "MEMORY_ROLES", "table_html", "errors_html", "verdict_html"]
 
 MEMORY_ROLES = ("params", "grads", "master_weights", "optimizer_state", "activations")
-_TABLE_COLUMNS = [
-    "configuration",
-    "precision",
-    "step_time_ms",
-    "speedup_vs_O0",
-    "samples_per_s",
-    "peak_mem_mib",
-    "mem_saving_vs_O0",
-    "metric",
-    "final_loss",
-    "skipped_steps",
-    "final_loss_scale",
-    "warnings",
-    "error",
-]
+_TABLE_COLUMNS = {
+    "configuration": "configuration",
+    "precision": "precision",
+    "status": "status",
+    "speed_label": "speed vs O0",
+    "speedup_vs_O0": "x O0",
+    "speedup_lo": "95% low",
+    "speedup_hi": "95% high",
+    "step_time_ms": "step (ms)",
+    "samples_per_s": "samples/s",
+    "peak_mem_mib": "peak memory (MiB)",
+    "mem_saving_vs_O0": "memory saved vs O0",
+    "metric": "metric",
+    "final_loss": "final loss",
+    "skipped_steps": "skipped steps",
+    "final_loss_scale": "final loss scale",
+    "error": "error",
+}
+_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
 
 
-def _fig(title: str, x: str, y: str, **layout) -> go.FigureWidget:
-    return go.FigureWidget(
+_PLACEHOLDER = (
+    "<div style='padding:40px;color:#555'><b>{title}</b><br><i>No results yet: choose the "
+    "configurations and press Run.</i></div>"
+)
+
+
+def _fig(name: str, **layout) -> go.Figure:
+    _, x, y, _ = CHART_TEXT[name]
+    return go.Figure(
         layout=go.Layout(
-            title=title,
-            height=330,
-            margin=dict(t=45, b=45, l=60, r=20),
+            title=chart_title(name, 90),
+            height=400,
+            margin=dict(t=110, b=50, l=70, r=20),
             xaxis=dict(title=x),
             yaxis=dict(title=y),
             **layout,
@@ -50,32 +73,61 @@ def _num(v) -> float | None:
 
 
 class ResultViews:
-    """The figures and HTML panes of the result tabs; :meth:`update` redraws them from a frame.
+    """The figures of the result tabs; :meth:`update` redraws them from a frame.
 
     Attributes:
-        speed, memory, accuracy, loss_curves, loss_scale: plotly ``FigureWidget`` s, created
-            once; their traces are updated inside ``batch_update()``.
+        speed, memory, accuracy, loss_curves, loss_scale: plotly ``Figure`` s, created once;
+            their traces are updated inside ``batch_update()`` (tests read them).
+        outputs: one ``ipywidgets.Output`` per figure (the tab contents); a "press Run"
+            placeholder until the first :meth:`update`.
     """
 
+    NAMES = ("speed", "memory", "accuracy", "loss_curves", "loss_scale")
+
     def __init__(self):
-        self.speed = _fig(
-            "step time: bars = median ms/step (lower is faster)<br><sup>labels = speed vs an O0 "
-            "run trained side by side (median of per-step ratios)</sup>",
-            "configuration",
-            "ms / step",
+        self.speed = _fig("speed")
+        self.speed.add_bar(
+            x=[],
+            y=[],
+            name="speed vs O0",
+            text=[],
+            textposition="outside",
+            error_y=dict(type="data", symmetric=False, array=[], arrayminus=[]),
         )
-        self.speed.add_bar(x=[], y=[], name="step time", text=[], textposition="outside")
-        self.memory = _fig(
-            "memory at the tracked step, by role", "configuration", "MiB", barmode="stack"
-        )
+        self.speed.add_hline(y=1.0, line_dash="dash", line_color="gray")
+        self.memory = _fig("memory", barmode="stack")
         for role in MEMORY_ROLES:
             self.memory.add_bar(x=[], y=[], name=role.replace("_", " "))
-        self.accuracy = _fig("final metric", "configuration", "metric")
+        self.accuracy = _fig("accuracy")
         self.accuracy.add_bar(x=[], y=[], name="metric", text=[], textposition="outside")
-        self.loss_curves = _fig("training loss", "step", "loss")
-        self.loss_scale = _fig(
-            "loss scale (x: skipped steps)", "step", "loss scale", yaxis_type="log"
-        )
+        self.loss_curves = _fig("loss")
+        self.loss_scale = _fig("loss_scale", yaxis_type="log")
+        self.outputs = {n: w.Output(layout=w.Layout(min_height="420px")) for n in self.NAMES}
+        self._placeholders()
+
+    def _placeholders(self) -> None:
+        for name, out in self.outputs.items():
+            title = CHART_TEXT["loss" if name == "loss_curves" else name][0]
+            out.outputs = (
+                dict(
+                    output_type="display_data",
+                    data={"text/html": _PLACEHOLDER.format(title=html.escape(title))},
+                    metadata={},
+                ),
+            )
+
+    def render(self) -> None:
+        """Show every figure in its Output (the whole figure: no earlier state is needed)."""
+        mime = pio.renderers["plotly_mimetype"]
+        for name, out in self.outputs.items():
+            fig = getattr(self, name)
+            out.outputs = (
+                dict(
+                    output_type="display_data",
+                    data=mime.to_mimebundle(fig.to_plotly_json()),
+                    metadata={},
+                ),
+            )
 
     def clear(self) -> None:
         """Empty every figure (kept as the same objects) before a new run."""
@@ -87,27 +139,31 @@ class ResultViews:
             with fig.batch_update():
                 for tr in fig.data:
                     tr.x, tr.y, tr.visible = [], [], False
+        self._placeholders()
 
     def update(self, df: pd.DataFrame) -> None:
-        """Redraw all figures from ``df`` (the rows finished so far)."""
+        """Redraw all figures from ``df``."""
         ok = df[df["error"].fillna("") == ""]
         names = list(ok["configuration"])
+        d = speed_bar(df)
         with self.speed.batch_update():
             bar = self.speed.data[0]
-            bar.x, bar.y = names, list(ok["step_time_ms"])
-            bar.text = [f"{s:.2f}x O0" if _num(s) is not None else "" for s in ok["speedup_vs_O0"]]
+            bar.x, bar.y, bar.text = d["x"], d["y"], d["text"]
+            bar.error_y.array, bar.error_y.arrayminus = d["plus"], d["minus"]
         with self.memory.batch_update():
             for tr, role in zip(self.memory.data, MEMORY_ROLES, strict=True):
                 tr.x, tr.y = names, [_num(v) or 0.0 for v in ok[f"mem_{role}_mib"]]
         with self.accuracy.batch_update():
             bar = self.accuracy.data[0]
             bar.x, bar.y = names, list(ok["metric"])
-            bar.text = [f"{m:.3f}" for m in ok["metric"]]
+            bar.text = [f"{m:.3f}" if _num(m) is not None else "" for m in ok["metric"]]
             if len(ok):
-                self.accuracy.layout.yaxis.title = str(ok["metric_name"].iloc[0])
+                name = str(ok["metric_name"].iloc[0])
+                self.accuracy.layout.yaxis.title = f"{name} (0-1, higher is better)"
         self._curves(df.attrs.get("history"), names)
+        self.render()
 
-    def _trace(self, fig: go.FigureWidget, name: str, **kw):
+    def _trace(self, fig: go.Figure, name: str, **kw):
         for tr in fig.data:
             if tr.name == name:
                 return tr
@@ -118,11 +174,16 @@ class ResultViews:
         if hist is None or hist.empty:
             return
         with self.loss_curves.batch_update(), self.loss_scale.batch_update():
-            for name in names:
+            for i, name in enumerate(names):
                 h = hist[hist["configuration"] == name]
-                tr = self._trace(self.loss_curves, name, mode="lines")
+                style = dict(
+                    mode="lines+markers",
+                    marker=dict(size=4),
+                    line=dict(dash=_DASHES[i % len(_DASHES)]),
+                )
+                tr = self._trace(self.loss_curves, name, **style)
                 tr.x, tr.y, tr.visible = list(h["step"]), list(h["loss"]), True
-                tr = self._trace(self.loss_scale, name, mode="lines")
+                tr = self._trace(self.loss_scale, name, **style)
                 tr.x, tr.y, tr.visible = list(h["step"]), list(h["loss_scale"]), True
                 sk = h[h["skipped"].astype(bool)]
                 tr = self._trace(
@@ -134,19 +195,41 @@ class ResultViews:
                 tr.x, tr.y, tr.visible = list(sk["step"]), list(sk["loss_scale"]), len(sk) > 0
 
 
-def table_html(df: pd.DataFrame) -> str:
-    """The results as an HTML table (errors included, in red)."""
+def _fmt(col: str, v) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return ""
+    if col == "mem_saving_vs_O0":
+        return f"{v:+.0%}"
+    if col in ("speedup_vs_O0", "speedup_lo", "speedup_hi"):
+        return f"{v:.2f}"
+    if col == "samples_per_s":
+        return f"{v:,.0f}"
+    if col in ("skipped_steps",):
+        return f"{v:.0f}"
+    if col == "final_loss_scale":
+        return f"{v:g}"
+    if isinstance(v, float):
+        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
+    return str(v)
+
+
+def table_html(df: pd.DataFrame | None) -> str:
+    """The results as an HTML table with readable names and numbers (errors in red)."""
     if df is None or df.empty:
         return "<i>No results yet: choose the configurations and press Run.</i>"
     cols = [c for c in _TABLE_COLUMNS if c in df.columns]
-    fmt = {c: "{:.3g}".format for c in cols if pd.api.types.is_float_dtype(df[c])}
-    body = df[cols].to_html(
-        index=False, formatters=fmt, na_rep="", escape=True, classes="mpnb-table", border=0
+    head = "".join(f"<th>{html.escape(_TABLE_COLUMNS[c])}</th>" for c in cols)
+    body = "".join(
+        "<tr>" + "".join(f"<td>{html.escape(_fmt(c, r[c]))}</td>" for c in cols) + "</tr>"
+        for _, r in df.iterrows()
     )
-    return f"<div style='overflow-x:auto'>{body}</div>"
+    return (
+        "<div style='overflow-x:auto'><table class='mpnb-table' style='font-size:12px'>"
+        f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+    )
 
 
-def errors_html(df: pd.DataFrame) -> str:
+def errors_html(df: pd.DataFrame | None) -> str:
     """One red line per configuration that failed, with its error; empty when none did."""
     if df is None or df.empty:
         return ""
@@ -155,4 +238,20 @@ def errors_html(df: pd.DataFrame) -> str:
         f"<div style='color:#b00020'><b>{html.escape(r.configuration)}</b> failed: "
         f"{html.escape(str(r.error))}</div>"
         for r in bad.itertuples()
+    )
+
+
+def verdict_html(df: pd.DataFrame | None) -> str:
+    """The verdict box shown at the top of the widget (a placeholder before the first run)."""
+    if df is None or "verdict" not in df.attrs:
+        return (
+            "<div class='mpnb-verdict' style='color:#555'><i>The verdict appears here after "
+            "a run: press Run.</i></div>"
+        )
+    first, *rest = df.attrs["verdict"]["text"].splitlines()
+    items = "".join(f"<li>{html.escape(line)}</li>" for line in rest)
+    return (
+        "<div class='mpnb-verdict' style='border-left:4px solid #1f77b4;padding:4px 10px;"
+        f"background:#f4f8fc'><b>{html.escape(first)}</b><ul style='margin:4px 0'>{items}"
+        "</ul></div>"
     )

@@ -1,12 +1,10 @@
 """``CompareWidget``: the opt levels compared on your hardware, as an interactive view.
 
-The widget turns its controls into :func:`mpnb.lab.compare` calls and draws the DataFrames
-they return; it measures nothing itself. So that results appear as each configuration
-finishes (and Stop can end a run between configurations), it runs one call per
-configuration: the O0 baseline first, then each other configuration paired with a fresh O0
-run (round-robin in one process, so ``speedup_vs_O0`` is the median of per-step ratios
-against a baseline that ran at the same time). Only the requested configuration's row of
-each call is kept.
+The widget turns its controls into **one** :func:`mpnb.lab.compare` call (every configuration
+round-robin in one process, so the speed figure is the one ``compare`` computes) and draws
+the DataFrame it returns; it measures nothing itself. Progress (configuration, step, ETA)
+comes from ``compare``'s ``on_progress``; Stop is its ``should_stop``: the run ends after the
+step in progress and the rows keep what was measured, marked ``interrupted``.
 """
 
 from __future__ import annotations
@@ -19,7 +17,7 @@ import traitlets as t
 
 from mpnb.widgets._common import ErrorBox, hardware_html
 from mpnb.widgets._compare_controls import LEVELS, ControlsMixin, parse_sizes
-from mpnb.widgets._compare_views import ResultViews, errors_html, table_html
+from mpnb.widgets._compare_views import ResultViews, errors_html, table_html, verdict_html
 
 __all__ = ["CompareWidget", "compare"]
 
@@ -31,36 +29,38 @@ def _lab():
 
 
 class CompareWidget(ControlsMixin, w.VBox):
-    """Controls, a Run/Stop pair, a progress bar and result tabs over :func:`mpnb.lab.compare`.
+    """The verdict, controls, Run/Stop, progress and result tabs over :func:`mpnb.lab.compare`.
 
     Args:
-        workload: a built-in workload name or a :class:`mpnb.lab.workloads.Workload`.
-        opt_levels, half_dtype, batch_sizes, steps, optimizer, device: the initial controls.
+        workload: a built-in workload name, a :class:`mpnb.lab.workloads.Workload`, or your
+            model factory (with ``data``).
+        data, loss_fn, metric_fn, eval_data: with a model factory, as for
+            :func:`mpnb.lab.compare`.
+        opt_levels, half_dtype, batch_sizes, steps, optimizer, device, size: the initial
+            controls (``batch_sizes`` and ``steps`` None: the workload's own).
         loss_scale: None (each opt level's default), a number (static) or a dict of
             ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``.
         threaded: run in a background thread when Run is clicked (tests pass False).
-        threads: ``torch.set_num_threads`` for the runs (None: torch's default); on a shared
-            machine with few cores, 1 avoids threads waiting on each other.
+        threads: ``torch.set_num_threads`` for the runs (None: torch's default).
 
     Attributes:
-        df: the results so far (a :func:`mpnb.lab.compare` DataFrame with ``attrs``).
+        df: the results (a :func:`mpnb.lab.compare` DataFrame with ``attrs``).
         running: True while a run is in progress.
 
     Example::
 
-        >>> cw = CompareWidget("mlp", opt_levels=("O0", "O2"), steps=20, threaded=False)
+        >>> cw = CompareWidget("transformer", opt_levels=("O0", "O2"), threaded=False)
         >>> cw.run_button.click()
-        >>> cw.df[["configuration", "step_time_ms", "metric"]]
+        >>> cw.df[["configuration", "speed_label", "metric"]]
     """
 
-    #: bumped whenever :attr:`df` changes (a DataFrame cannot be a traitlet: ``==`` is
-    #: element-wise), observed to redraw
+    #: bumped whenever :attr:`df` changes (a DataFrame cannot be a traitlet), observed to redraw
     version = t.Int(0).tag(sync=False)
     running = t.Bool(False).tag(sync=False)
 
     @property
     def df(self) -> pd.DataFrame | None:
-        """The results so far (a :func:`mpnb.lab.compare` DataFrame), or None."""
+        """The results of the last run (a :func:`mpnb.lab.compare` DataFrame), or None."""
         return self._df
 
     @df.setter
@@ -70,17 +70,26 @@ class CompareWidget(ControlsMixin, w.VBox):
 
     def __init__(
         self,
-        workload="mlp",
+        workload="transformer",
+        data=None,
+        loss_fn=None,
+        metric_fn=None,
+        eval_data=None,
         opt_levels=LEVELS,
         half_dtype="auto",
-        batch_sizes=(32,),
-        steps: int = 30,
+        batch_sizes=None,
+        steps: int | None = None,
         optimizer: str = "adam",
         device: str = "auto",
         loss_scale=None,
         threaded: bool = True,
         threads: int | None = None,
+        size: str = "auto",
     ):
+        from mpnb.lab import workloads
+
+        if data is not None or not isinstance(workload, (str, workloads.Workload)):
+            workload = workloads.custom(workload, data, loss_fn, metric_fn, eval_data)
         self.threaded = threaded
         self._df: pd.DataFrame | None = None
         self._stop = threading.Event()
@@ -88,101 +97,115 @@ class CompareWidget(ControlsMixin, w.VBox):
         self._workload = workload
         self.errors = ErrorBox()
         self.views = ResultViews()
+        default = workloads.get(workload, size)
         self._build_controls(
-            opt_levels, half_dtype, batch_sizes, steps, optimizer, device, loss_scale, threads
-        )
+            opt_levels, half_dtype, batch_sizes, steps or default.steps, optimizer, device,
+            loss_scale, threads, size,
+        )  # fmt: skip
         self.table, self.config_errors = w.HTML(table_html(None)), w.HTML()
+        self.verdict = w.HTML(verdict_html(None))
         self.hardware = w.HTML(hardware_html(self._device()))
         v = self.views
-        self.tabs = w.Tab(
-            children=[
-                v.speed,
-                v.memory,
-                w.VBox([v.accuracy, v.loss_curves]),
-                v.loss_scale,
-                self.table,
-                self.hardware,
-            ]
-        )
-        for i, title in enumerate(
-            ("Speed", "Memory", "Accuracy", "Loss scale", "Table", "Hardware")
-        ):
+        o = v.outputs
+        tabs = [
+            ("Speed", o["speed"]),
+            ("Memory", o["memory"]),
+            ("Accuracy", o["accuracy"]),
+            ("Loss", o["loss_curves"]),
+            ("Loss scale", o["loss_scale"]),
+            ("Table", self.table),
+            ("Hardware", self.hardware),
+        ]
+        self.tabs = w.Tab(children=[c for _, c in tabs])
+        for i, (title, _) in enumerate(tabs):
             self.tabs.set_title(i, title)
-        super().__init__([self.controls, self.actions, self.config_errors, self.tabs, self.errors])
+        super().__init__(
+            [self.verdict, self.controls, self.actions, self.config_errors, self.tabs, self.errors]
+        )
         self.observe(self.errors.guard(self._draw), names=["version"])
         self.observe(self._toggle_buttons, names=["running"])
+        self.size.disabled = not isinstance(workload, str)  # a custom workload has one size
+        self.workload.observe(self.errors.guard(self._workload_changed), names="value")
+        self.size.observe(self.errors.guard(self._workload_changed), names="value")
+        self.validate()
+
+    def _workload_changed(self, change=None):
+        from mpnb.lab import workloads
+
+        named = self.workload.value
+        own = getattr(self._workload, "name", self._workload)
+        wl = self._workload if named == own else named
+        self.size.disabled = not isinstance(wl, str)
+        self.steps.value = workloads.get(wl, self.size.value, self._device()).steps
 
     # ---- running ----------------------------------------------------------------------------
 
-    def plan(self) -> list[tuple[tuple[str, ...], int]]:
-        """The :func:`mpnb.lab.compare` calls a run makes: ``(opt_levels, batch_size)`` each."""
-        levels = [lvl for lvl in LEVELS if lvl in self.opt_levels.value]
-        if not levels:
-            raise ValueError("choose at least one opt level.")
-        calls = []
-        for b in parse_sizes(self.batch_sizes.value):
-            calls += [(("O0",), b)] if "O0" in levels else []
-            calls += [(("O0", lvl), b) for lvl in levels if lvl != "O0"]
-        return calls
-
-    def run(self, _keep_stop: bool = False) -> pd.DataFrame:
-        """Run every configuration now, in this thread; returns (and keeps) the DataFrame."""
-        calls = self.plan()
-        if not _keep_stop:
-            self._stop.clear()
-        workload = (
-            self._workload
-            if self.workload.value == getattr(self._workload, "name", self._workload)
-            else self.workload.value
-        )
-        kw = dict(
+    def request(self) -> dict:
+        """The :func:`mpnb.lab.compare` arguments the controls stand for (ValueError if bad)."""
+        errs = self.input_errors()
+        if errs:
+            raise ValueError("; ".join(errs.values()))
+        named = self.workload.value
+        own = getattr(self._workload, "name", self._workload)
+        return dict(
+            workload=self._workload if named == own else named,
+            size=self.size.value,
+            opt_levels=tuple(lvl for lvl in LEVELS if lvl in self.opt_levels.value),
             half_dtype=self.half_dtype.value,
+            batch_sizes=parse_sizes(self.batch_sizes.value) or None,
             steps=int(self.steps.value),
             optimizer=self.optimizer.value,
             device=self._device(),
             loss_scale=self.loss_scale(),
             threads=self.threads.value or None,
-            progress=False,
         )
-        self.running, self.df = True, None
+
+    def run(self, _keep_stop: bool = False) -> pd.DataFrame:
+        """Run every configuration now, in this thread; returns (and keeps) the DataFrame."""
+        kw = self.request()
+        if not _keep_stop:
+            self._stop.clear()
+        self.running = True
         self.views.clear()
         self.config_errors.value = ""
-        self.progress.max, self.progress.value = len(calls), 0
-        frames, hists = [], []
+        self.errors.clear()
+        self.status.value = "starting..."
         try:
-            for i, (levels, b) in enumerate(calls):
-                if self._stop.is_set():
-                    self.status.value = f"stopped after {i} of {len(calls)} configurations"
-                    break
-                self.status.value = f"running {levels[-1]} b{b} ({i + 1}/{len(calls)})"
-                got = _lab().compare(workload, opt_levels=levels, batch_sizes=(b,), **kw)
-                row = got[got["opt_level"] == levels[-1]].copy()
-                row.attrs = {}  # concat compares attrs, and ours hold DataFrames
-                hist = got.attrs["history"]
-                frames.append(row)
-                hists.append(hist[hist["configuration"].isin(row["configuration"])])
-                df = pd.concat(frames, ignore_index=True)
-                df.attrs = dict(
-                    got.attrs,
-                    history=pd.concat(hists, ignore_index=True),
-                    method="one compare() per configuration, each paired with a "
-                    "fresh O0 run (round-robin)",
+            df = _lab().compare(
+                **kw, progress=False, on_progress=self._on_progress, should_stop=self._stop.is_set
+            )
+            n = len(df)
+            if df.attrs.get("stopped"):
+                self.status.value = (
+                    f"stopped: {int((df['status'] == 'interrupted').sum())} of {n} "
+                    "configurations interrupted, finished steps kept"
                 )
-                self.df = df
-                self.progress.value = i + 1
             else:
-                self.status.value = f"done: {len(calls)} configurations"
+                bad = int((df["status"] == "error").sum())
+                self.status.value = f"done: {n} configurations" + (f", {bad} failed" if bad else "")
+            self.df = df
         finally:
             self.running = False
         return self.df
 
+    def _on_progress(self, p: dict) -> None:
+        self.progress.max, self.progress.value = p["total"], p["done"]
+        self.status.value = (
+            f"{p['configuration']}: step {p['step']}/{p['steps']} - "
+            f"{p['done']}/{p['total']} steps, ETA {p['eta_s']:.0f} s"
+        )
+
     def _on_run(self):
         if self.running:
             return
+        if not self.validate():
+            raise ValueError(
+                "; ".join(self.input_errors().values()) + " (fix it beside the control)"
+            )
         if not self.threaded:
             self.run()
             return
-        self.plan()  # bad controls: the error shows now, nothing starts
+        self.request()  # bad controls: the error shows now, nothing starts
         self._stop.clear()
         self.running = True  # disable Run at once, before the thread starts
         self._thread = threading.Thread(
@@ -197,9 +220,9 @@ class CompareWidget(ControlsMixin, w.VBox):
             self.running = False
 
     def stop(self) -> None:
-        """Stop after the configuration in progress (its row is kept)."""
+        """End the run after the step in progress (the measured rows are kept)."""
         self._stop.set()
-        self.status.value = "stopping after the configuration in progress..."
+        self.status.value = "stopping after the step in progress..."
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for a threaded run; True when it has finished."""
@@ -209,8 +232,8 @@ class CompareWidget(ControlsMixin, w.VBox):
         return True
 
     def _toggle_buttons(self, change):
-        self.run_button.disabled = change["new"]
         self.stop_button.disabled = not change["new"]
+        self.validate()
 
     # ---- drawing and export -----------------------------------------------------------------
 
@@ -218,13 +241,15 @@ class CompareWidget(ControlsMixin, w.VBox):
         df = self.df
         self.table.value = table_html(df)
         self.config_errors.value = errors_html(df)
+        self.verdict.value = verdict_html(df)
         if df is None:
             return
         self.views.update(df)
-        hw = df.attrs.get("hardware", {})
+        hw, load = df.attrs.get("hardware", {}), df.attrs.get("load", {})
         self.hardware.value = hardware_html(self._device()) + (
             f"<p><b>Measured on:</b> {hw.get('summary', '')}; method: "
-            f"{df.attrs.get('method', '')}</p>"
+            f"{df.attrs.get('method', '')}; load average {load.get('start')} at the start, "
+            f"{load.get('end')} at the end.</p>"
         )
 
     def _require_df(self) -> pd.DataFrame:
@@ -247,22 +272,22 @@ class CompareWidget(ControlsMixin, w.VBox):
         return path
 
 
-def compare(workload="mlp", run: bool = False, **kwargs) -> CompareWidget:
+def compare(workload="transformer", data=None, run: bool = False, **kwargs) -> CompareWidget:
     """Make a :class:`CompareWidget` (shown when it is a cell's last expression).
 
     Args:
-        workload: as for :class:`CompareWidget`.
+        workload: a built-in name, a Workload, or your model factory (with ``data``).
+        data: your training data (see :func:`mpnb.lab.compare`).
         run: start the run at once (in a thread unless ``threaded=False``).
-        **kwargs: the other arguments of :class:`CompareWidget` (``opt_levels``,
-            ``half_dtype``, ``batch_sizes``, ``steps``, ``optimizer``, ``device``,
-            ``loss_scale``, ``threaded``, ``threads``).
+        **kwargs: the other arguments of :class:`CompareWidget` (``loss_fn``, ``metric_fn``,
+            ``opt_levels``, ``half_dtype``, ``batch_sizes``, ``steps``, ``size``, ...).
 
     Example::
 
-        >>> cw = mpnb.widgets.compare("mlp", opt_levels=("O0", "O1", "O2"), steps=20)
-        >>> cw
+        >>> cw = mpnb.widgets.compare("transformer", opt_levels=("O0", "O1", "O2"))
+        >>> cw = mpnb.widgets.compare(lambda: MyCNN(), (x, y), metric_fn=mpnb.lab.accuracy)
     """
-    cw = CompareWidget(workload, **kwargs)
+    cw = CompareWidget(workload, data, **kwargs)
     if run:
         cw.run_button.click()
     return cw

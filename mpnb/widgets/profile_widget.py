@@ -8,7 +8,6 @@ that leaves the half dtype's range), and shows the results in tabs. Nothing is m
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import html
 
@@ -17,6 +16,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from mpnb.lab.stats import torch_threads
 from mpnb.widgets._common import ErrorBox, hardware_html
 from mpnb.widgets._compare_views import MEMORY_ROLES
 
@@ -198,17 +198,6 @@ def _memory_frame(model, x, loss_fn, opt_levels, half_dtype, optimizer, lr, devi
     return df[df["opt_level"].isin(opt_levels)].reset_index(drop=True), None
 
 
-@contextlib.contextmanager
-def _threads(n: int | None):
-    old = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(old)
-
-
 def profile(
     model: torch.nn.Module,
     example_inputs,
@@ -246,7 +235,7 @@ def profile(
         half = "bf16" if default_half_dtype(dev) == torch.bfloat16 else "fp16"
     else:
         half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(half_dtype, half_dtype)
-    with _threads(threads):
+    with torch_threads(threads):
         result = mpnb.lab.profile(
             model, example_inputs, loss_fn, opt_levels, half, optimizer, lr, steps, device=dev
         )

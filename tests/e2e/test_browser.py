@@ -2,10 +2,11 @@
 
 Starts JupyterLab on 127.0.0.1 (a free port, a random token) over a temporary copy of
 ``notebooks/03_opt_levels.ipynb``, opens it in Debian's headless Chromium driven by Python
-playwright, runs every cell, clicks Run in the CompareWidget, waits until the Speed chart and
-the Table tab show every configuration, and checks that the browser console logged no error.
-A screenshot of the widget is saved in the test's temporary directory, and to
-``docs/img/compare-widget.png`` when ``MPNB_UPDATE_SCREENSHOT=1``.
+playwright, runs every cell, clicks Run in the CompareWidget (the default workload, a small
+GPT), waits until the Speed chart and the Table tab show every configuration, and checks that
+the verdict and a chart title are visible, that no error shows in the widget, and that the
+browser console logged no error. A screenshot of the widget is saved in the test's temporary
+directory, and to ``docs/img/compare-widget.png`` when ``MPNB_UPDATE_SCREENSHOT=1``.
 
 Chromium comes from ``scripts/setup-browser.sh`` (never ``playwright install``). Without it
 the test skips, except in CI (``CI=true``), where it fails. Every wait is bounded and the
@@ -33,7 +34,7 @@ ROOT = Path(__file__).resolve().parents[2]
 NOTEBOOK = ROOT / "notebooks" / "03_opt_levels.ipynb"
 SCREENSHOT = ROOT / "docs" / "img" / "compare-widget.png"
 CHROMIUM = os.environ.get("MPNB_CHROMIUM", "/usr/bin/chromium")
-CONFIGS = ["O0 fp32 b32", "O1 bf16 b32", "O2 bf16 b32", "O3 bf16 b32"]
+CONFIGS = ["O0 fp32 b16", "O1 bf16 b16", "O2 bf16 b16", "O3 bf16 b16"]
 IN_CI = os.environ.get("CI", "").lower() in ("1", "true", "yes")
 
 
@@ -156,7 +157,7 @@ def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
             executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
         )
         try:
-            page = browser.new_page(viewport={"width": 1400, "height": 1000})
+            page = browser.new_page(viewport={"width": 1500, "height": 2000})
             page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
             page.on("pageerror", lambda e: console_errors.append(f"pageerror: {e}"))
             page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}", timeout=120_000)
@@ -176,12 +177,24 @@ def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
             widget.get_by_text("done: 4 configurations").wait_for(timeout=30_000)
 
             # the Speed chart (plotly) has one bar per configuration, labelled on the x axis
-            for name in CONFIGS:
-                widget.locator(f".js-plotly-plot .xtick text:text-is('{name}')").first.wait_for(
-                    timeout=60_000
-                )
+            try:
+                for name in CONFIGS:
+                    widget.locator(f".js-plotly-plot .xtick text:text-is('{name}')").first.wait_for(
+                        timeout=60_000
+                    )
+            except Exception:
+                widget.screenshot(path=str(tmp_path / "failure.png"))  # what the user saw
+                (tmp_path / "console.txt").write_text("\n".join(console_errors))
+                raise
             bars = widget.locator(".js-plotly-plot .bars path").count()
             assert bars >= len(CONFIGS), f"speed chart shows {bars} bars"
+            verdict = widget.locator(".mpnb-verdict").first
+            assert verdict.is_visible() and verdict.inner_text().startswith("Verdict:")
+            title = widget.locator(".js-plotly-plot .gtitle").first
+            assert title.is_visible() and "Speed vs O0" in (title.text_content() or "")
+            text = widget.inner_text()
+            for bad in ("failed:", "Traceback", "Error:"):
+                assert bad not in text, f"the widget shows {bad!r}: {text[:2000]}"
             widget.scroll_into_view_if_needed()
             shot = tmp_path / "compare-widget.png"
             widget.screenshot(path=str(shot))

@@ -72,7 +72,7 @@ def test_cli_compare_prints_the_table_and_writes_the_report(tmp_path, capsys):
     text = capsys.readouterr().out
     assert rc == 0 and out.exists()
     assert "O0 fp32 b64" in text and "O2 bf16 b64" in text and "vs O0" in text
-    assert "hardware:" in text
+    assert "hardware:" in text and "\nVerdict:" in text
     rc = main(
         [
             "compare",
@@ -88,8 +88,9 @@ def test_cli_compare_prints_the_table_and_writes_the_report(tmp_path, capsys):
             "--json",
         ]
     )
-    rows = json.loads(capsys.readouterr().out)["rows"]
-    assert rc == 0 and rows[0]["configuration"] == "O0 fp32 b64"
+    doc = json.loads(capsys.readouterr().out)  # the default workload: the small GPT
+    assert rc == 0 and doc["rows"][0]["configuration"] == "O0 fp32 b16"
+    assert doc["workload"]["name"] == "transformer" and doc["workload"]["size"] == "small"
 
 
 def test_cli_bad_flag_is_a_clear_error(capsys):

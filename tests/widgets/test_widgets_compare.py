@@ -9,6 +9,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 from mpnb.lab import workloads  # noqa: E402
+from mpnb.lab.html_report import CHART_TEXT  # noqa: E402
 from mpnb.widgets import CompareWidget, compare  # noqa: E402
 
 
@@ -44,25 +45,28 @@ def finished():
     return cw
 
 
-def test_run_fills_the_dataframe(finished):
+def test_run_fills_the_dataframe_and_the_verdict(finished):
     cw = finished
     assert cw.errors.last_error is None, cw.errors.last_error
     df = cw.df
     assert list(df["configuration"]) == ["O0 fp32 b16", "O2 bf16 b16"]
-    assert (df["error"] == "").all() and (df["step_time_ms"] > 0).all()
+    assert (df["status"] == "ok").all() and (df["step_time_ms"] > 0).all()
     assert df.loc[1, "final_loss_scale"] == 2.0**10  # the widget's scaler settings were used
     hist = df.attrs["history"]
     assert set(hist["configuration"]) == set(df["configuration"])
     assert len(hist) == 2 * 5 and df.attrs["hardware"]["threads"] == 1  # the threads control
-    assert cw.progress.value == cw.progress.max == 2 and cw.status.value.startswith("done")
+    assert cw.progress.value == cw.progress.max == 10 and cw.status.value.startswith("done")
     assert not cw.run_button.disabled and cw.stop_button.disabled
+    assert cw.children[0] is cw.verdict  # the verdict is at the top
+    assert df.attrs["verdict"]["recommendation"] in cw.verdict.value.replace("&#x27;", "'")
 
 
-def test_figures_show_every_configuration(finished):
+def test_figures_show_the_one_speed_figure(finished):
     cw, df, v = finished, finished.df, finished.views
     names = list(df["configuration"])
-    assert list(v.speed.data[0].x) == names
-    assert list(v.speed.data[0].y) == pytest.approx(list(df["step_time_ms"]))
+    bar = v.speed.data[0]
+    assert list(bar.x) == names and list(bar.text) == list(df["speed_label"])
+    assert list(bar.y) == pytest.approx(list(df["speedup_vs_O0"]))
     for tr in v.memory.data:  # stacked bars: one trace per role
         role = tr.name.replace(" ", "_")
         assert list(tr.y) == pytest.approx(list(df[f"mem_{role}_mib"].fillna(0.0)))
@@ -73,7 +77,19 @@ def test_figures_show_every_configuration(finished):
     assert list(scale[names[1]].y) == [2.0**10] * 5
     for name in names:
         assert name in cw.table.value
-    assert "bfloat16" in cw.hardware.value and "Measured on" in cw.hardware.value
+    assert df.loc[1, "speed_label"] in cw.table.value
+    assert "bfloat16" in cw.hardware.value and "load average" in cw.hardware.value
+
+
+def test_every_chart_has_title_units_and_how_to_read(finished):
+    v = finished.views
+    figs = dict(speed=v.speed, memory=v.memory, accuracy=v.accuracy)
+    figs.update(loss=v.loss_curves, loss_scale=v.loss_scale)
+    for name, fig in figs.items():
+        title, _, y, how = CHART_TEXT[name]
+        assert title in fig.layout.title.text and "How to read" in fig.layout.title.text
+        assert fig.layout.xaxis.title.text and "(" in fig.layout.yaxis.title.text, name
+    assert "MiB" in v.memory.layout.yaxis.title.text
 
 
 def test_export_csv_and_html(finished, tmp_path):
@@ -87,6 +103,7 @@ def test_export_csv_and_html(finished, tmp_path):
     assert list(back["configuration"]) == list(finished.df["configuration"])
     page = (tmp_path / "out.html").read_text()
     assert all(name in page for name in finished.df["configuration"])
+    assert "Verdict" in page
 
 
 def test_failing_configuration_is_shown_and_others_kept():
@@ -102,32 +119,93 @@ def test_failing_configuration_is_shown_and_others_kept():
     cw.run_button.click()
     df = cw.df
     assert df.loc[0, "error"] == "" and "NaN divergence" in df.loc[1, "error"]
-    assert "O3 fp16 b32" in cw.config_errors.value and "failed" in cw.config_errors.value
-    assert list(cw.views.speed.data[0].x) == ["O0 fp32 b32"]  # the failed row is not drawn
+    assert df.loc[1, "error"].startswith("O3 fp16 b16")
+    assert "O3 fp16 b16" in cw.config_errors.value and "failed" in cw.config_errors.value
+    assert list(cw.views.speed.data[0].x) == ["O0 fp32 b16"]  # the failed row is not drawn
 
 
-def test_threaded_run_disables_run_and_stop_ends_it():
-    cw = compare(_tiny(), opt_levels=("O0", "O1", "O2", "O3"), steps=4)
-    first = []
+def test_stop_ends_within_one_step_and_keeps_the_rows():
+    cw = compare(_tiny(), opt_levels=("O0", "O1", "O2", "O3"), steps=40, threads=1)
+    seen = []
 
-    def stop_after_first(change):
-        if cw.df is not None and not first:
-            first.append(len(cw.df))
+    def stop_after_a_few(change):
+        seen.append(cw.progress.value)
+        if cw.progress.value == 6 and not cw._stop.is_set():
             cw.stop_button.click()
 
-    cw.observe(stop_after_first, names=["version"])
+    cw.progress.observe(stop_after_a_few, names="value")
     cw.run_button.click()
     assert cw.run_button.disabled and not cw.stop_button.disabled
     assert cw.join(timeout=300), "the run did not finish in 300 s"
-    assert first == [1] and len(cw.df) == 1
-    assert cw.status.value.startswith("stopped after 1 of 4")
-    assert not cw.run_button.disabled and cw.stop_button.disabled
+    assert max(seen) == 6  # no step ran after Stop
+    df = cw.df
+    assert len(df) == 4 and (df["status"] == "interrupted").all() and df.attrs["stopped"]
+    assert df["warnings"].str.contains("interrupted at step").all()
+    assert cw.status.value.startswith("stopped") and not cw.run_button.disabled
 
 
-def test_bad_controls_are_reported_in_the_widget():
-    cw = compare(_tiny(), steps=4)
-    cw.batch_sizes.value = "16, zero"
+def test_progress_names_configuration_step_and_eta(finished):
+    cw = CompareWidget(_tiny(), opt_levels=("O0", "O2"), steps=4, threaded=False, threads=1)
+    texts = []
+    cw.status.observe(lambda c: texts.append(c["new"]), names="value")
     cw.run_button.click()
-    assert "batch sizes" in cw.errors.last_error and not cw.running
+    steps = [t for t in texts if "step" in t and "ETA" in t]
+    assert steps and "O2 bf16 b16: step 4/4" in " ".join(steps)
+
+
+def test_bad_controls_are_shown_beside_them_and_block_run():
+    cw = compare(_tiny(), steps=4, threaded=False)
+    cw.batch_sizes.value = "16, zero"
+    assert "batch sizes" in cw.control_errors["batch_sizes"].value and cw.run_button.disabled
+    cw.batch_sizes.value = "16"
+    for bad in (0, -5):
+        cw.steps.value = bad
+        assert "refused" in cw.control_errors["steps"].value and cw.run_button.disabled
+    cw.steps.value = 4
+    cw.opt_levels.value = ()
+    assert "at least one" in cw.control_errors["opt_levels"].value and cw.run_button.disabled
+    cw.run_button.click()  # a click anyway: refused, nothing runs
+    assert "opt level" in cw.errors.last_error and cw.df is None
+    cw.opt_levels.value = ("O0",)
+    assert not cw.run_button.disabled and cw.control_errors["opt_levels"].value == ""
+    cw.threads.value = 10_000
+    assert "CPUs" in cw.control_errors["threads"].value and not cw.run_button.disabled
     cw.csv_button.click()  # nothing to export yet
     assert "press Run first" in cw.errors.last_error
+
+
+def test_cnn_and_hf_model_through_the_widget():
+    tr = pytest.importorskip("transformers")
+    tr.utils.logging.set_verbosity_error()
+    from mpnb.lab.hf import transformers_workload
+
+    x = torch.randn(64, 1, 12, 12)
+    cnn = lambda: torch.nn.Sequential(  # noqa: E731
+        torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(400, 2)
+    )
+    cw = compare(cnn, (x, (x.mean((1, 2, 3)) > 0).long()), metric_fn=workloads.accuracy,
+                 opt_levels=("O0", "O2"), steps=3, threaded=False, threads=1)  # fmt: skip
+    assert cw.batch_sizes.value == "" and cw.size.disabled is True
+    cw.run_button.click()
+    assert (cw.df["status"] == "ok").all(), cw.df["error"].tolist()
+    cfg = tr.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2,
+                        bos_token_id=0, eos_token_id=0)  # fmt: skip
+    ids = torch.randint(0, 64, (32, 16))
+    w = transformers_workload(lambda: tr.GPT2LMHeadModel(cfg), ids, batch_size=8)
+    cw = compare(w, opt_levels=("O0", "O1"), steps=3, threaded=False, threads=1)
+    cw.run_button.click()
+    assert (cw.df["status"] == "ok").all(), cw.df["error"].tolist()
+    assert cw.df["metric_name"][0] == "token accuracy"
+
+
+def test_charts_are_whole_figures_in_outputs_with_a_placeholder_before_run(finished):
+    from mpnb.widgets._compare_views import ResultViews
+
+    fresh = ResultViews()
+    for out in fresh.outputs.values():
+        assert "press Run" in out.outputs[0]["data"]["text/html"]
+    bundle = finished.views.outputs["speed"].outputs[0]["data"]
+    fig = bundle["application/vnd.plotly.v1+json"]
+    bar = next(t for t in fig["data"] if t["type"] == "bar")
+    assert list(bar["text"]) == list(finished.df["speed_label"])
+    assert "Speed vs O0" in fig["layout"]["title"]["text"]

@@ -42,10 +42,10 @@ _LAZY = {
     "Row": "_harness",
     "run_case": "_harness",
     "run_cases": "_harness",
-    "iqr": "_stats",
-    "median": "_stats",
-    "per_round_ratios": "_stats",
-    "ratio_summary": "_stats",
+    "iqr": "mpnb.lab.stats",
+    "median": "mpnb.lab.stats",
+    "per_round_ratios": "mpnb.lab.stats",
+    "ratio_summary": "mpnb.lab.stats",
     "Result": "_suite",
     "run_suite": "_suite",
 }
@@ -55,7 +55,8 @@ __all__ = [*_LAZY, "suites", "load_suite", "main"]
 
 def __getattr__(name: str):
     if name in _LAZY:
-        value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+        mod = _LAZY[name] if "." in _LAZY[name] else f"{__name__}.{_LAZY[name]}"
+        value = getattr(importlib.import_module(mod), name)
         globals()[name] = value
         return value
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -27,8 +27,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from mpnb.lab.bench._stats import iqr, median, per_round_ratios, quantile, ratio_summary
 from mpnb.lab.bench._timing import time_rounds
+from mpnb.lab.stats import iqr, median, per_round_ratios, quantile, ratio_summary
 
 __all__ = [
     "RMW",

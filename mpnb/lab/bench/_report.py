@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from mpnb.lab.bench._harness import Row
+from mpnb.lab.stats import loadavg
 
 __all__ = [
     "ALLOCATOR_ENV",
@@ -67,14 +68,6 @@ def collect_header(device: str = "cpu", build: bool = True) -> dict:
     if device.startswith("cuda") and torch.cuda.is_available():
         header["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return header
-
-
-def loadavg() -> list[float] | None:
-    """The 1/5/15-minute load averages (how busy the shared machine is), or None."""
-    try:
-        return [round(x, 2) for x in os.getloadavg()]
-    except OSError:
-        return None
 
 
 def format_header(header: dict) -> str:

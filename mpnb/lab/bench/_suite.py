@@ -2,15 +2,12 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
-
-import torch
 
 from mpnb.lab.bench._harness import Options, Row, run_cases
 from mpnb.lab.bench._registry import load_suite
-from mpnb.lab.bench._report import collect_header, format_header, format_rows, loadavg
+from mpnb.lab.bench._report import collect_header, format_header, format_rows
+from mpnb.lab.stats import loadavg, torch_threads
 
 __all__ = ["Result", "run_suite"]
 
@@ -28,17 +25,6 @@ class Result:
         return format_rows(self.rows)
 
 
-@contextlib.contextmanager
-def _threads(n: int | None) -> Iterator[None]:
-    before = torch.get_num_threads()
-    if n is not None:
-        torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
-
-
 def run_suite(name: str, opts: Options | None = None, echo: bool = False) -> Result:
     """Run suite ``name`` and return its :class:`Result` (``echo`` prints rows as they come).
 
@@ -52,7 +38,7 @@ def run_suite(name: str, opts: Options | None = None, echo: bool = False) -> Res
     """
     opts = opts or Options.make()
     module = load_suite(name)
-    with _threads(opts.threads):
+    with torch_threads(opts.threads):
         header = {"suite": name, **collect_header(opts.device)}
         header.update(rounds=opts.rounds, quick=opts.quick)
         if opts.scale != 1.0:

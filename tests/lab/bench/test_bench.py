@@ -18,7 +18,7 @@ import torch
 from mpnb.lab import bench
 from mpnb.lab.bench import READ, RMW, Candidate, Case, Options, run_case
 from mpnb.lab.bench._report import ALLOCATOR_ENV, format_rows
-from mpnb.lab.bench._stats import iqr, median, per_round_ratios, quantile, ratio_summary
+from mpnb.lab.stats import iqr, median, per_round_ratios, quantile, ratio_summary
 
 # ---- statistics ----------------------------------------------------------------------------
 

@@ -1,0 +1,192 @@
+"""From measured :class:`~mpnb.lab._train.RunResult` s to the DataFrame ``compare`` returns.
+
+The speed figure is computed here, once, and every view (the bar, its label, the table, the
+report, the CLI) reads the same three columns: ``speedup_vs_O0`` (the median of the
+per-round ratios ``t_O0[k] / t_config[k]`` over the rounds where both were timed),
+``speedup_lo``/``speedup_hi`` (a 95% bootstrap interval of that median) and ``speed_label``
+(the text shown: ``"2.00x slower than O0"``, or ``"no measurable difference"`` when the
+interval contains 1.0).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+import torch
+
+from mpnb.lab._train import RunResult
+from mpnb.lab.memory import ROLES
+from mpnb.lab.stats import median, median_ci
+
+__all__ = ["COLUMNS", "HISTORY_COLUMNS", "frames", "speed_label", "paired_ratios"]
+
+COLUMNS = (
+    "configuration",
+    "workload",
+    "opt_level",
+    "half_dtype",
+    "precision",
+    "batch_size",
+    "steps",
+    "optimizer",
+    "device",
+    "hardware",
+    "status",
+    "step_time_ms",
+    "step_time_iqr_ms",
+    "timed_steps",
+    "rounds",
+    "samples_per_s",
+    "speedup_vs_O0",
+    "speedup_lo",
+    "speedup_hi",
+    "speed_label",
+    "peak_mem_mib",
+    *[f"mem_{r}_mib" for r in ROLES],
+    "mem_method",
+    "mem_saving_vs_O0",
+    "flops_per_step",
+    "ops_per_step",
+    "final_loss",
+    "eval_loss",
+    "metric_name",
+    "metric",
+    "metric_vs_O0",
+    "output_diff_vs_O0",
+    "skipped_steps",
+    "final_loss_scale",
+    "warnings",
+    "error",
+)
+
+HISTORY_COLUMNS = [
+    "configuration",
+    "step",
+    "loss",
+    "loss_scale",
+    "step_time_ms",
+    "skipped",
+    "skip_reason",
+    "phase",
+    "samples",
+]
+
+
+def speed_label(speedup: float, lo: float, hi: float, baseline: bool = False) -> str:
+    """The one text every view shows for a speed figure.
+
+    ``"baseline"`` for O0; ``"no measurable difference"`` when the interval ``[lo, hi]``
+    contains 1.0; else ``"1.80x faster than O0"`` or ``"2.00x slower than O0"`` (slower:
+    the ratio of step times, ``1 / speedup``).
+
+    Example::
+
+        >>> speed_label(0.5, 0.45, 0.55)
+        '2.00x slower than O0'
+    """
+    if baseline:
+        return "baseline"
+    if speedup is None or not math.isfinite(speedup) or speedup <= 0:
+        return "no speed figure"
+    if math.isfinite(lo) and math.isfinite(hi) and lo <= 1.0 <= hi:
+        return "no measurable difference"
+    if speedup >= 1.0:
+        return f"{speedup:.2f}x faster than O0"
+    return f"{1.0 / speedup:.2f}x slower than O0"
+
+
+def paired_ratios(base: RunResult, res: RunResult) -> list[float]:
+    """``t_O0[k] / t_config[k]`` for every round ``k`` where both steps were timed."""
+    t0 = {h["step"]: h["step_time_ms"] for h in base.history if h["phase"] == "timed"}
+    return [
+        t0[h["step"]] / h["step_time_ms"]
+        for h in res.history
+        if h["phase"] == "timed" and h["step"] in t0 and h["step_time_ms"] > 0
+    ]
+
+
+def _precision(cfg, hw: dict) -> tuple[str, list[str]]:
+    if cfg.opt_level == "O0":
+        return "fp32", []
+    status = hw[cfg.half_dtype]
+    notes = []
+    if status == "emulated":
+        notes.append(
+            f"{cfg.half_dtype} is emulated on this {str(hw['device']).upper()} (no native "
+            f"{cfg.half_dtype} instructions): expect it slower than fp32, not faster"
+        )
+    return f"{cfg.half_dtype} ({status})", notes
+
+
+def _rel_diff(out: torch.Tensor | None, ref: torch.Tensor | None) -> float:
+    if out is None or ref is None or out.shape != ref.shape:
+        return math.nan
+    return float((out - ref).norm() / ref.norm().clamp_min(1e-30))
+
+
+def _baseline(results: list[RunResult], cfg) -> RunResult | None:
+    for r in results:
+        c = r.config
+        if c.opt_level == "O0" and c.batch_size == cfg.batch_size and r.error is None:
+            return r
+    return None
+
+
+def _speed(res: RunResult, base: RunResult | None) -> dict:
+    nan = math.nan
+    if base is None or res.error is not None:
+        return dict(speedup_vs_O0=nan, speedup_lo=nan, speedup_hi=nan, rounds=0)
+    ratios = paired_ratios(base, res)
+    if res is base:
+        return dict(speedup_vs_O0=1.0, speedup_lo=1.0, speedup_hi=1.0, rounds=len(ratios))
+    lo, hi = median_ci(ratios)
+    return dict(speedup_vs_O0=median(ratios), speedup_lo=lo, speedup_hi=hi, rounds=len(ratios))
+
+
+def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
+    cfg, nan = res.config, math.nan
+    precision, notes = _precision(cfg, hw)
+    row = dict(
+        configuration=cfg.label,
+        workload=w.name,
+        opt_level=cfg.opt_level,
+        half_dtype=cfg.half_dtype,
+        precision=precision,
+        batch_size=cfg.batch_size,
+        steps=cfg.steps,
+        optimizer=cfg.optimizer,
+        device=cfg.device,
+        hardware=hw["summary"],
+        metric_name=w.metric_name,
+    )
+    row.update(res.row)
+    row.update(_speed(res, base))
+    row["speed_label"] = (
+        "failed"
+        if res.error
+        else speed_label(row["speedup_vs_O0"], row["speedup_lo"], row["speedup_hi"], res is base)
+    )
+    ok = res.error is None and base is not None
+    bpeak = base.row.get("peak_mem_mib", nan) if base else nan
+    row.update(
+        mem_saving_vs_O0=1 - row.get("peak_mem_mib", nan) / bpeak if ok else nan,
+        metric_vs_O0=row.get("metric", nan) - base.row.get("metric", nan) if ok else nan,
+        output_diff_vs_O0=_rel_diff(res.output, base.output) if ok else nan,
+        warnings="; ".join(dict.fromkeys(filter(None, [*notes, *res.warnings, res.interrupted]))),
+        error=res.error or "",
+        status="error" if res.error else "interrupted" if res.interrupted else "ok",
+    )
+    if base is None and res.error is None:
+        row["warnings"] = "; ".join(filter(None, [row["warnings"], "no O0 row to compare with"]))
+    return {c: row.get(c, nan) for c in COLUMNS}
+
+
+def frames(results: list[RunResult], w, hw: dict) -> pd.DataFrame:
+    """The DataFrame of ``results`` with ``attrs["history"]`` (one row per step)."""
+    rows = [_row(r, _baseline(results, r.config), w, hw) for r in results]
+    df = pd.DataFrame(rows, columns=list(COLUMNS))
+    hist = [dict(configuration=r.config.label, **h) for r in results for h in r.history]
+    df.attrs["history"] = pd.DataFrame(hist, columns=HISTORY_COLUMNS)
+    df.attrs["hardware"] = hw
+    return df

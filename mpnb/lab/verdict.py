@@ -1,0 +1,212 @@
+"""The verdict: a short recommendation computed from the measured rows and the hardware.
+
+:func:`verdict` reads a :func:`mpnb.lab.compare` DataFrame and says which configuration is
+fastest within an accuracy tolerance (only if it is *measurably* faster than O0), which
+saves most memory, which half dtypes were emulated, and, clearly labelled as an estimate,
+what a GPU with native half precision would likely show.
+
+The estimate is a roofline from what the run measured: the FLOPs of one training step
+(``torch.utils.flop_counter``), the bytes it touches (the memory breakdown by role, each
+read and written about twice per step) and the ops it dispatches (one kernel launch each,
+about :data:`LAUNCH_US` microseconds of overhead on a GPU), against the published dense
+peak throughputs and memory bandwidths in :data:`GPU_PEAKS`::
+
+    t(config) = max(flops / peak[dtype], bytes / bandwidth) + ops * LAUNCH_US
+
+Real GPUs reach a fraction of their peaks; the estimate assumes the same fraction for every
+configuration, so only the ratio to O0 is reported.
+
+Example::
+
+    >>> v = verdict(df)
+    >>> print(v["text"])
+"""
+
+from __future__ import annotations
+
+import math
+
+import pandas as pd
+
+__all__ = ["GPU_PEAKS", "LAUNCH_US", "REFERENCE_GPU", "verdict", "gpu_estimate"]
+
+#: Published dense peaks (vendor data sheets, no sparsity): TFLOP/s for fp32 (CUDA cores),
+#: fp16 and bf16 (tensor cores, fp32 accumulate), and memory bandwidth in GB/s. ``None``:
+#: the dtype has no tensor-core support there.
+GPU_PEAKS = {
+    "NVIDIA T4": dict(fp32=8.1, fp16=65.0, bf16=None, gbps=320.0),
+    "NVIDIA V100 SXM2": dict(fp32=15.7, fp16=125.0, bf16=None, gbps=900.0),
+    "NVIDIA A100 SXM 80GB": dict(fp32=19.5, fp16=312.0, bf16=312.0, gbps=2039.0),
+    "NVIDIA L4": dict(fp32=30.3, fp16=121.0, bf16=121.0, gbps=300.0),
+    "NVIDIA RTX 4090": dict(fp32=82.6, fp16=165.2, bf16=165.2, gbps=1008.0),
+    "NVIDIA H100 SXM": dict(fp32=67.0, fp16=989.0, bf16=989.0, gbps=3350.0),
+}
+REFERENCE_GPU = "NVIDIA A100 SXM 80GB"
+#: typical eager-mode cost of one op (Python dispatch + kernel launch) on a GPU, microseconds
+LAUNCH_US = 5.0
+#: default accuracy tolerance: a configuration is "as accurate" as O0 within this much metric
+TOLERANCE = 0.02
+
+_ROLES = ("params", "grads", "master_weights", "optimizer_state", "activations")
+
+
+def _bytes(row) -> float:
+    total = sum(float(row.get(f"mem_{r}_mib", 0.0) or 0.0) for r in _ROLES)
+    return 2.0 * total * 2**20  # each tensor is written and read about once per step
+
+
+def _step_time(row, gpu: dict) -> float:
+    dtype = "fp32" if row["opt_level"] == "O0" else row["half_dtype"]
+    peak = gpu.get(dtype) or gpu["fp32"]  # no tensor cores for it: fp32 rate
+    flops = float(row.get("flops_per_step", math.nan))
+    ops = float(row.get("ops_per_step", 0.0) or 0.0)
+    compute = flops / (peak * 1e12)
+    memory = _bytes(row) / (gpu["gbps"] * 1e9)
+    return max(compute, memory) + ops * LAUNCH_US * 1e-6
+
+
+def gpu_estimate(df: pd.DataFrame) -> pd.DataFrame:
+    """Estimated speed-up vs O0 per GPU of :data:`GPU_PEAKS` and configuration (not measured).
+
+    Columns: ``gpu``, ``configuration``, ``est_step_ms``, ``est_speedup_vs_O0``,
+    ``bound`` (``"compute"``, ``"memory"`` or ``"launch overhead"``).
+    """
+    ok = df[(df["status"] != "error") & df["flops_per_step"].notna()]
+    rows = []
+    for gpu, peaks in GPU_PEAKS.items():
+        for _, grp in ok.groupby("batch_size", sort=False):
+            base = grp[grp["opt_level"] == "O0"]
+            if base.empty:
+                continue
+            t0 = _step_time(base.iloc[0], peaks)
+            for _, r in grp.iterrows():
+                t = _step_time(r, peaks)
+                dtype = "fp32" if r["opt_level"] == "O0" else r["half_dtype"]
+                parts = {
+                    "compute": r["flops_per_step"] / ((peaks.get(dtype) or peaks["fp32"]) * 1e12),
+                    "memory": _bytes(r) / (peaks["gbps"] * 1e9),
+                    "launch overhead": (r["ops_per_step"] or 0.0) * LAUNCH_US * 1e-6,
+                }
+                rows.append(
+                    dict(
+                        gpu=gpu,
+                        configuration=r["configuration"],
+                        est_step_ms=t * 1e3,
+                        est_speedup_vs_O0=t0 / t if t > 0 else math.nan,
+                        bound=max(parts, key=parts.get),
+                    )
+                )
+    cols = ["gpu", "configuration", "est_step_ms", "est_speedup_vs_O0", "bound"]
+    return pd.DataFrame(rows, columns=cols)
+
+
+def _fmt_metric(v: float) -> str:
+    return f"{v:.3f}" if math.isfinite(v) else "-"
+
+
+def _accurate(df: pd.DataFrame, tol: float) -> pd.Series:
+    d = df["metric_vs_O0"]
+    return d.isna() | (d >= -tol)
+
+
+def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
+    """A short recommendation from ``df``'s measured rows; see the module docstring.
+
+    Args:
+        df: a :func:`mpnb.lab.compare` DataFrame (with ``attrs["hardware"]``).
+        tolerance: the largest metric loss vs O0 that still counts as "as accurate".
+
+    Returns:
+        ``dict(text=..., recommendation=..., fastest=..., smallest=..., emulated=[...],
+        tolerance=..., gpu_estimate=[...])``: ``text`` is the lines every view prints.
+    """
+    hw = df.attrs.get("hardware", {})
+    ok = df[df["status"] == "ok"] if "status" in df else df[df["error"] == ""]
+    halves = [c for c in ok["half_dtype"].unique() if c in ("bf16", "fp16")]
+    emulated = [h for h in halves if hw.get(h) == "emulated"]
+    acc = ok[_accurate(ok, tolerance) & (ok["opt_level"] != "O0")]
+    faster = acc[acc["speedup_lo"] > 1.0]
+    fastest = faster.loc[faster["speedup_vs_O0"].idxmax()] if len(faster) else None
+    saving = acc[acc["mem_saving_vs_O0"] > 0.005]
+    smallest = saving.loc[saving["mem_saving_vs_O0"].idxmax()] if len(saving) else None
+    lines = []
+    if fastest is not None:
+        lines.append(
+            f"Fastest within {tolerance:g} {ok['metric_name'].iloc[0]} of O0: "
+            f"{fastest['configuration']}, {fastest['speed_label']}."
+        )
+    elif len(ok):
+        lines.append("No configuration is measurably faster than O0 on this machine.")
+    if smallest is not None:
+        lines.append(
+            f"Most memory saved: {smallest['configuration']}, peak "
+            f"{smallest['peak_mem_mib']:.1f} MiB vs O0's "
+            f"{smallest['peak_mem_mib'] / (1 - smallest['mem_saving_vs_O0']):.1f} MiB "
+            f"({smallest['mem_saving_vs_O0']:.0%} less)."
+        )
+    worse = ok[~_accurate(ok, tolerance)]
+    for _, r in worse.iterrows():
+        lines.append(
+            f"{r['configuration']} loses {-r['metric_vs_O0']:.3f} {r['metric_name']} vs O0 "
+            f"(beyond the {tolerance:g} tolerance): {_fmt_metric(r['metric'])}."
+        )
+    for _, r in df[df["status"] == "error"].iterrows():
+        lines.append(f"{r['configuration']} failed: see its error.")
+    if emulated:
+        lines.append(
+            f"{' and '.join(emulated)} {'is' if len(emulated) == 1 else 'are'} emulated on "
+            f"this {str(hw.get('device', 'device')).upper()} (no native instructions): half "
+            "precision "
+            "saves memory here, not time."
+        )
+    est = gpu_estimate(df) if "flops_per_step" in df else pd.DataFrame()
+    lines += _estimate_lines(est, hw)
+    load = df.attrs.get("load", {})
+    if load.get("competed"):
+        lines.append(load["note"])
+    rec = _recommendation(fastest, smallest, emulated, ok)
+    return dict(
+        text="\n".join([rec, *lines]),
+        recommendation=rec,
+        fastest=None if fastest is None else fastest["configuration"],
+        smallest=None if smallest is None else smallest["configuration"],
+        emulated=emulated,
+        tolerance=tolerance,
+        gpu_estimate=est.to_dict(orient="records"),
+    )
+
+
+def _recommendation(fastest, smallest, emulated, ok) -> str:
+    if not len(ok):
+        return "Verdict: every configuration failed; see the errors."
+    if fastest is not None:
+        return f"Verdict: use {fastest['configuration']} ({fastest['speed_label']})."
+    if smallest is not None:
+        why = " (half precision is emulated here)" if emulated else ""
+        return (
+            f"Verdict: for speed stay with O0 on this machine{why}; if memory is the limit, "
+            f"{smallest['configuration']} saves {smallest['mem_saving_vs_O0']:.0%}."
+        )
+    return "Verdict: O0 (fp32); no configuration was measurably better here."
+
+
+def _estimate_lines(est: pd.DataFrame, hw: dict) -> list[str]:
+    if est.empty:
+        return []
+    if str(hw.get("device", "cpu")).startswith("cuda") and "emulated" not in (
+        hw.get("bf16"),
+        hw.get("fp16"),
+    ):
+        return []  # measured on a GPU with native half: no estimate needed
+    ref = est[(est["gpu"] == REFERENCE_GPU) & (est["est_speedup_vs_O0"].notna())]
+    half = ref[~ref["configuration"].str.startswith("O0")]
+    if half.empty:
+        return []
+    best = half.loc[half["est_speedup_vs_O0"].idxmax()]
+    p = GPU_PEAKS[REFERENCE_GPU]
+    return [
+        f"Estimate, not measured: on an {REFERENCE_GPU} ({p['bf16']:.0f} TFLOP/s half, "
+        f"{p['fp32']} fp32, {p['gbps'] / 1e3:.1f} TB/s) {best['configuration']} would run "
+        f"about {best['est_speedup_vs_O0']:.1f}x O0's speed ({best['bound']}-bound at this "
+        "size; from the measured FLOPs, bytes and ops per step)."
+    ]

@@ -1,0 +1,132 @@
+"""The shared statistics, the load record, the verdict, Stop and progress, and `--json`."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pandas as pd
+import pytest
+import torch
+
+import mpnb.lab
+from mpnb.lab import stats, workloads
+from mpnb.lab.runner import load_record
+from mpnb.lab.verdict import GPU_PEAKS, gpu_estimate, verdict
+
+
+def test_median_ci_is_deterministic_and_brackets_the_median():
+    xs = [1.0, 1.1, 0.9, 1.05, 0.95, 1.2, 0.8]
+    lo, hi = stats.median_ci(xs)
+    assert (lo, hi) == stats.median_ci(xs) and lo <= stats.median(xs) <= hi
+    assert stats.median_ci([2.0] * 10) == (2.0, 2.0)
+    assert all(math.isnan(v) for v in stats.median_ci([1.0, 2.0]))
+
+
+def test_torch_threads_restores_also_on_error():
+    before = torch.get_num_threads()
+    with pytest.raises(RuntimeError), stats.torch_threads(1):
+        assert torch.get_num_threads() == 1
+        raise RuntimeError("body failed")
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="positive int"), stats.torch_threads(0):
+        pass
+
+
+def test_bench_uses_the_lab_statistics():
+    from mpnb.lab import bench
+    from mpnb.lab.bench import _harness, _suite
+
+    assert bench.median is stats.median and _harness.ratio_summary is stats.ratio_summary
+    assert _suite.torch_threads is stats.torch_threads
+
+
+def test_load_record_flags_competition():
+    assert not load_record([0.1, 0.1, 0.1], [1.0, 0.5, 0.2], 1, 2)["competed"]
+    busy = load_record([2.5, 2.0, 1.0], [3.4, 2.5, 1.2], 1, 2)
+    assert busy["competed"] and "other processes competed" in busy["note"]
+
+
+def _frame(o2_speed, o2_lo, o2_hi, o2_metric, o2_peak, half="emulated"):
+    rows = [
+        dict(configuration="O0 fp32 b16", opt_level="O0", half_dtype="fp32", status="ok",
+             error="", speedup_vs_O0=1.0, speedup_lo=1.0, speedup_hi=1.0,
+             speed_label="baseline", peak_mem_mib=100.0, mem_saving_vs_O0=0.0, metric=0.9,
+             metric_vs_O0=0.0, metric_name="accuracy", batch_size=16, flops_per_step=2e12,
+             ops_per_step=100.0, mem_params_mib=50.0, mem_activations_mib=50.0),
+        dict(configuration="O2 bf16 b16", opt_level="O2", half_dtype="bf16", status="ok",
+             error="", speedup_vs_O0=o2_speed, speedup_lo=o2_lo, speedup_hi=o2_hi,
+             speed_label=f"{o2_speed:.2f}x", peak_mem_mib=o2_peak,
+             mem_saving_vs_O0=1 - o2_peak / 100.0, metric=o2_metric,
+             metric_vs_O0=o2_metric - 0.9, metric_name="accuracy", batch_size=16,
+             flops_per_step=2e12, ops_per_step=100.0, mem_params_mib=25.0,
+             mem_activations_mib=25.0),
+    ]  # fmt: skip
+    df = pd.DataFrame(rows)
+    df.attrs["hardware"] = dict(device="cpu", bf16=half, fp16=half)
+    return df
+
+
+def test_verdict_picks_the_fastest_within_tolerance():
+    v = verdict(_frame(1.8, 1.6, 2.0, 0.895, 60.0, half="native"))
+    assert v["fastest"] == "O2 bf16 b16" and v["recommendation"].startswith("Verdict: use O2")
+    assert v["smallest"] == "O2 bf16 b16" and "40% less" in v["text"]
+    assert v["emulated"] == []
+
+
+def test_verdict_on_emulated_half_and_an_accuracy_loss():
+    v = verdict(_frame(0.2, 0.18, 0.22, 0.6, 60.0))
+    assert v["fastest"] is None and v["smallest"] is None  # it lost 0.3 accuracy
+    assert "loses 0.300 accuracy" in v["text"] and "emulated" in v["text"]
+    v = verdict(_frame(0.2, 0.18, 0.22, 0.9, 60.0))
+    assert "stay with O0" in v["recommendation"] and v["smallest"] == "O2 bf16 b16"
+    assert "Estimate, not measured" in v["text"]  # emulated here: what a GPU would show
+
+
+def test_gpu_estimate_is_a_roofline_of_the_measured_counts():
+    est = gpu_estimate(_frame(0.2, 0.18, 0.22, 0.9, 60.0)).set_index(["gpu", "configuration"])
+    a100 = est.loc[("NVIDIA A100 SXM 80GB", "O2 bf16 b16")]
+    p = GPU_PEAKS["NVIDIA A100 SXM 80GB"]
+    t0 = 2e12 / (p["fp32"] * 1e12) + 100 * 5e-6  # compute-bound fp32 + launches
+    t2 = 2e12 / (p["bf16"] * 1e12) + 100 * 5e-6
+    assert a100.est_speedup_vs_O0 == pytest.approx(t0 / t2) and a100.bound == "compute"
+    assert est.loc[("NVIDIA T4", "O2 bf16 b16")].est_speedup_vs_O0 == pytest.approx(1.0, rel=0.05)
+
+
+def _tiny():
+    x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
+    return workloads.custom(
+        lambda: torch.nn.Linear(8, 2), (x, (x[:, 0] > 0).long()),
+        metric_fn=workloads.accuracy, batch_size=16, steps=10,
+    )  # fmt: skip
+
+
+def test_should_stop_keeps_measured_rows_and_progress_has_an_eta():
+    events = []
+
+    def on_progress(p):
+        events.append(p)
+
+    df = mpnb.lab.compare(
+        _tiny(), opt_levels=("O0", "O2"), steps=10, progress=False, threads=1,
+        on_progress=on_progress, should_stop=lambda: len(events) >= 13,
+    )  # fmt: skip
+    assert len(events) == 13 and df.attrs["stopped"]
+    assert set(events[-1]) >= {"configuration", "step", "steps", "eta_s", "done", "total"}
+    assert events[-1]["total"] == 20 and events[-1]["eta_s"] >= 0
+    assert (df.status == "interrupted").all() and df.metric.isna().all()
+    assert df.timed_steps.gt(0).all() and df.peak_mem_mib.notna().all()
+    assert df.warnings.str.contains("interrupted at step 6 of 10|interrupted at step 7 of 10").all()
+
+
+def test_cli_json_writes_only_json_to_stdout(tmp_path):
+    out = tmp_path / "r.html"
+    cmd = [sys.executable, "-m", "mpnb.cli", "compare", "--workload", "mlp", "--size", "small",
+           "--steps", "4", "--opt-levels", "O0,O3", "--threads", "1", "--json",
+           "--out", str(out)]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)  # nothing but JSON on stdout
+    assert [r["configuration"] for r in doc["rows"]] == ["O0 fp32 b64", "O3 bf16 b64"]
+    assert doc["verdict"]["text"].startswith("Verdict") and "competed" in doc["load"]
+    assert f"report: {out}" in p.stderr and out.exists()
