@@ -47,6 +47,8 @@ TL_DTYPES = {
 }
 
 _F32 = struct.Struct("f")
+# Tensor types that hold real memory: any other subclass (fake, functional) means a tracer.
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def acc_of(dtype: torch.dtype):
