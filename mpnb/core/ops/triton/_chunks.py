@@ -9,6 +9,9 @@ The table is one int64 tensor on the device, built on the host and copied once p
   "carrier" tensor of that list, so an address becomes a typed pointer);
 * then one value per chunk: the index of its tensor (chunks of one tensor are consecutive).
 
+On CUDA the table goes up from pinned memory without blocking (a plain copy from pageable
+memory would synchronize the host with the stream on every call).
+
 Empty tensors get no chunk. Per-tensor reductions write one partial per chunk and
 :func:`segment_sum_kernel` adds each tensor's partials in a fixed order (deterministic, no
 atomics).
@@ -86,7 +89,12 @@ class ChunkTable:
         ]
         meta = torch.cat(parts, 1).reshape(-1)
         owner = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), counts)
-        table = torch.cat([meta, owner]).to(first[0].device)
+        table = torch.cat([meta, owner])
+        device = first[0].device
+        if device.type == "cuda":  # pinned and asynchronous: no host sync on the stream
+            table = table.pin_memory().to(device, non_blocking=True)
+        else:
+            table = table.to(device)
         return cls(table, n, int(owner.numel()), 2 + len(cols) + len(lists), chunk)
 
 

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import FLOATS
+from mpnb.core.ops._layer_common import check_float, check_param, norm_rows
 from mpnb.core.ops.triton._common import (
     acc_of,
     div,
@@ -39,45 +39,15 @@ _MAX_PROGS = 256  # programs of the backward (and rows of its partial-gradient b
 
 def rows_cols(op: str, x: torch.Tensor, shape: Sequence[int]) -> tuple[int, int]:
     """``(rows, cols)`` of ``x`` normalized over its trailing ``shape``; raise on a mismatch."""
-    shape = tuple(int(s) for s in shape)
-    k = len(shape)
-    if k == 0 or x.dim() < k or tuple(x.shape[x.dim() - k :]) != shape:
-        raise ValueError(
-            f"{op}: input of shape {tuple(x.shape)} does not end with normalized_shape {shape}; "
-            "normalized_shape must be the input's trailing dims (e.g. [hidden] for (batch, "
-            "seq, hidden))."
-        )
-    cols = 1
-    for s in shape:
-        cols *= s
-    return (x.numel() // cols if cols else 0), cols
+    check_float(op, x, "input")
+    return norm_rows(op, x, shape)
 
 
 def check_norm_args(op: str, x: torch.Tensor, cols: int, **params: torch.Tensor | None) -> None:
-    """Raise unless ``x`` is a supported float tensor and each affine param fits it."""
-    if x.dtype not in FLOATS:
-        raise TypeError(
-            f"{op}: input is {x.dtype}; supported dtypes are float32, float16, bfloat16 and "
-            "float64 (convert with .float() or .to(torch.bfloat16))."
-        )
-    dtypes = set()
+    """Raise unless each affine param fits ``x`` (``None`` for a missing one), one dtype."""
     for name, p in params.items():
-        if p is None:
-            continue
-        if p.device != x.device:
-            raise ValueError(f"{op}: {name} is on {p.device} but the input is on {x.device}.")
-        if p.numel() != cols:
-            raise ValueError(
-                f"{op}: {name} has {p.numel()} elements but normalized_shape holds {cols}; "
-                f"pass a {name} of shape normalized_shape."
-            )
-        if p.dtype != x.dtype and not (p.dtype == torch.float32 and x.dtype != torch.float64):
-            raise TypeError(
-                f"{op}: {name} is {p.dtype} but the input is {x.dtype}; use the input's dtype, "
-                "or float32 params with a half input (the mixed layers)."
-            )
-        dtypes.add(p.dtype)
-    if len(dtypes) > 1:
+        check_param(op, x, p, cols, name)
+    if len({p.dtype for p in params.values() if p is not None}) > 1:
         raise TypeError(f"{op}: weight and bias have different dtypes; give them one dtype.")
 
 

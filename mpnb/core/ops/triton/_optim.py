@@ -18,9 +18,22 @@ import triton.language as tl
 
 from mpnb.core.ops.triton._checks import check_lists, check_one, check_same_device
 from mpnb.core.ops.triton._chunks import ChunkTable
-from mpnb.core.ops.triton._common import flag_view, launch, to_acc
+from mpnb.core.ops.triton._common import flag_view, from_acc, launch, to_acc
 
-__all__ = ["OPT_DTYPES", "check_opt", "advance_steps", "pow64", "bias_corrections"]
+__all__ = [
+    "OPT_DTYPES",
+    "check_opt",
+    "check_steps",
+    "advance_steps",
+    "pow64",
+    "bias_corrections",
+    "step_of",
+    "not_found",
+    "load_scale",
+    "load_grad",
+    "load_weight",
+    "store_weight",
+]
 
 OPT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STEP_BLOCK = 256
@@ -98,6 +111,43 @@ def not_found(found_ptr, HAS_FOUND: tl.constexpr):
     else:
         ok = tl.full((), 1, tl.int32)
     return ok
+
+
+@triton.jit
+def load_scale(inv_ptr, HAS_INV: tl.constexpr):
+    """The grads' unscale factor ``inv_scale`` in fp32 (1 without one)."""
+    if HAS_INV:
+        inv = to_acc(tl.load(inv_ptr), tl.float32)
+    else:
+        inv = tl.full((), 1.0, tl.float32)
+    return inv
+
+
+@triton.jit
+def load_grad(g_ptr, offs, mask, inv, HAS_INV: tl.constexpr):
+    """Grads widened to fp32 and unscaled."""
+    g = to_acc(tl.load(g_ptr + offs, mask=mask, other=0.0), tl.float32)
+    if HAS_INV:
+        g = g * inv
+    return g
+
+
+@triton.jit
+def load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER: tl.constexpr):
+    """The fp32 weight: the master, or the param widened."""
+    if HAS_MASTER:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    else:
+        w = to_acc(tl.load(p_ptr + offs, mask=mask, other=0.0), tl.float32)
+    return w
+
+
+@triton.jit
+def store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER: tl.constexpr):
+    """Write the updated fp32 weight: into the master, and rounded into the param."""
+    if HAS_MASTER:
+        tl.store(w_ptr + offs, w, mask=mask)
+    tl.store(p_ptr + offs, from_acc(w, p_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -12,14 +12,18 @@ import triton
 import triton.language as tl
 
 from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable, chunk_info, tensor_ptr
-from mpnb.core.ops.triton._common import f32, flag_view, from_acc, join64, launch, split64, to_acc
+from mpnb.core.ops.triton._common import f32, flag_view, join64, launch, split64
 from mpnb.core.ops.triton._optim import (
     advance_steps,
     bias_corrections,
     check_opt,
     check_steps,
+    load_grad,
+    load_scale,
+    load_weight,
     not_found,
     step_of,
+    store_weight,
 )
 
 __all__ = ["fused_adam_"]
@@ -61,19 +65,13 @@ def _adam_kernel(
         step_size = tl.cast(neg_lr, tl.float32)
         sqrt_bc2 = tl.full((), 1.0, tl.float32)
     w_ptr = tensor_ptr(table, t, 6, w0, ROW)
-    if HAS_INV:
-        inv = to_acc(tl.load(inv_ptr), tl.float32)
+    inv = load_scale(inv_ptr, HAS_INV)
     lanes = tl.arange(0, BLOCK)
     for k in range(0, count, BLOCK):
         offs = start + k + lanes
         mask = k + lanes < count
-        g = to_acc(tl.load(g_ptr + offs, mask=mask, other=0.0), tl.float32)
-        if HAS_INV:
-            g = g * inv
-        if HAS_MASTER:
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        else:
-            w = to_acc(tl.load(p_ptr + offs, mask=mask, other=0.0), tl.float32)
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
         if HAS_WD:
             if ADAM_W:
                 w = w * decay
@@ -85,9 +83,7 @@ def _adam_kernel(
         w = w + tl.div_rn(step_size * m, denom)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
-        if HAS_MASTER:
-            tl.store(w_ptr + offs, w, mask=mask)
-        tl.store(p_ptr + offs, from_acc(w, p0.dtype.element_ty), mask=mask)
+        store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
 
 def fused_adam_(

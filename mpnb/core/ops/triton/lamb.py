@@ -23,14 +23,18 @@ from mpnb.core.ops.triton._chunks import (
     segment_sums,
     tensor_ptr,
 )
-from mpnb.core.ops.triton._common import f32, flag_view, from_acc, join64, launch, split64, to_acc
+from mpnb.core.ops.triton._common import f32, flag_view, join64, launch, split64, to_acc
 from mpnb.core.ops.triton._optim import (
     advance_steps,
     bias_corrections,
     check_opt,
     check_steps,
+    load_grad,
+    load_scale,
+    load_weight,
     not_found,
     step_of,
+    store_weight,
 )
 
 __all__ = ["fused_lamb_"]
@@ -60,15 +64,6 @@ def _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED: tl.constexpr):
 
 
 @triton.jit
-def _weight(p_ptr, w_ptr, offs, mask, HAS_MASTER: tl.constexpr):
-    if HAS_MASTER:
-        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-    else:
-        w = to_acc(tl.load(p_ptr + offs, mask=mask, other=0.0), tl.float32)
-    return w
-
-
-@triton.jit
 def _lamb_phase1(
     table, n_tensors, inv_ptr, found_ptr, gnorm_ptr, partials, p0, g0, m0, w0, s0,
     b1_hi, b1_lo, b2_hi, b2_lo, mx_hi, mx_lo, max_norm, beta1, beta3, beta2, one_m_b2, eps, wd,
@@ -88,18 +83,15 @@ def _lamb_phase1(
     mx = join64(mx_hi, mx_lo)
     clipped = (mx > 0.0) & (mx < gn.to(tl.float64))
     clip = tl.where(clipped, tl.div_rn(gn, tl.cast(max_norm, tl.float32)), 1.0)
-    if HAS_INV:
-        inv = to_acc(tl.load(inv_ptr), tl.float32)
+    inv = load_scale(inv_ptr, HAS_INV)
     w_sq = tl.zeros([BLOCK], dtype=tl.float64)
     u_sq = tl.zeros([BLOCK], dtype=tl.float64)
     lanes = tl.arange(0, BLOCK)
     for k in range(0, count, BLOCK):
         offs = start + k + lanes
         mask = k + lanes < count
-        g = to_acc(tl.load(g_ptr + offs, mask=mask, other=0.0), tl.float32)
-        if HAS_INV:
-            g = g * inv
-        w = _weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
         g = tl.div_rn(g, clip)
         if L2_WD:
             g = g + wd * w
@@ -140,13 +132,11 @@ def _lamb_phase2(
     for k in range(0, count, BLOCK):
         offs = start + k + lanes
         mask = k + lanes < count
-        w = _weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
         w = w - ratio * _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED)
-        if HAS_MASTER:
-            tl.store(w_ptr + offs, w, mask=mask)
-        tl.store(p_ptr + offs, from_acc(w, p0.dtype.element_ty), mask=mask)
+        store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
 
 def fused_lamb_(

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import FLOATS
+from mpnb.core.ops.rope_ops import check_rope
 from mpnb.core.ops.triton._common import from_acc, launch, next_pow2, to_acc, warps
 
 __all__ = ["rope"]
@@ -57,31 +57,9 @@ def _rope_kernel(
 
 
 def _check(op: str, t, cos, sin, group: int) -> None:
-    if not isinstance(t, torch.Tensor) or t.dtype not in FLOATS:
-        raise TypeError(
-            f"{op}: t must be a float32, float16, bfloat16 or float64 tensor, got "
-            f"{getattr(t, 'dtype', type(t).__name__)}."
-        )
-    if t.dim() != 4:
-        raise ValueError(f"{op}: t must be [s, b, h, d], got shape {tuple(t.shape)}.")
-    acc = torch.float64 if t.dtype == torch.float64 else torch.float32
-    s, _, _, d = t.shape
-    for name, tab in (("cos", cos), ("sin", sin)):
-        if tab.dim() != 2 or tab.shape[0] != s or tab.shape[1] > d or tab.dtype != acc:
-            raise ValueError(
-                f"{op}: {name} must be a {acc} table [s={s}, d2<={d}], got "
-                f"{tuple(tab.shape)} {tab.dtype}; the freqs/cos/sin must cover every position."
-            )
-        if tab.device != t.device:
-            raise ValueError(f"{op}: {name} is on {tab.device} but t is on {t.device}.")
-    if cos.shape != sin.shape:
+    check_rope(op, t, cos, sin, group)
+    if cos.shape != sin.shape:  # the kernel reads both tables over cos's columns
         raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ.")
-    d2 = cos.shape[1]
-    if group <= 0 or group % 2 or d2 % group:
-        raise ValueError(
-            f"{op}: the rotary dim {d2} must be a multiple of an even group, got "
-            f"group={group}; use an even number of rotary channels."
-        )
 
 
 def rope(t, cos, sin, group, transpose_output=False, backward=False) -> torch.Tensor:

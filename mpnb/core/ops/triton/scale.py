@@ -92,7 +92,7 @@ def multi_tensor_scale(
         return
     acc = acc_of(src[0].dtype)
     if acc == tl.float64:  # a float argument is fp32 in a kernel: carry the scale in a tensor
-        st = torch.tensor(float(scale), dtype=torch.float64, device=src[0].device)
+        st = torch.full((), float(scale), dtype=torch.float64, device=src[0].device)
         if scale_tensor is not None:
             st = st * scale_tensor.to(torch.float64).reshape(())
         scale_tensor, scale = st, 1.0

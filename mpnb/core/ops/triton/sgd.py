@@ -19,8 +19,15 @@ from mpnb.core.ops.triton._chunks import (
     tensor_col,
     tensor_ptr,
 )
-from mpnb.core.ops.triton._common import f32, flag_view, from_acc, launch, to_acc
-from mpnb.core.ops.triton._optim import check_opt, not_found
+from mpnb.core.ops.triton._common import f32, flag_view, launch
+from mpnb.core.ops.triton._optim import (
+    check_opt,
+    load_grad,
+    load_scale,
+    load_weight,
+    not_found,
+    store_weight,
+)
 
 __all__ = ["fused_sgd_"]
 
@@ -43,19 +50,13 @@ def _sgd_kernel(
     g_ptr = tensor_ptr(table, t, 4, g0, ROW)
     b_ptr = tensor_ptr(table, t, 5, b0, ROW)
     w_ptr = tensor_ptr(table, t, 6, w0, ROW)
-    if HAS_INV:
-        inv = to_acc(tl.load(inv_ptr), tl.float32)
+    inv = load_scale(inv_ptr, HAS_INV)
     lanes = tl.arange(0, BLOCK)
     for k in range(0, count, BLOCK):
         offs = start + k + lanes
         mask = k + lanes < count
-        g = to_acc(tl.load(g_ptr + offs, mask=mask, other=0.0), tl.float32)
-        if HAS_INV:
-            g = g * inv
-        if HAS_MASTER:
-            w = tl.load(w_ptr + offs, mask=mask, other=0.0)
-        else:
-            w = to_acc(tl.load(p_ptr + offs, mask=mask, other=0.0), tl.float32)
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
         if HAS_WD:
             if not WD_AFTER:
                 g = g + wd * w
@@ -71,9 +72,7 @@ def _sgd_kernel(
             if WD_AFTER:
                 g = g + wd * w
         w = w + neg_lr * g
-        if HAS_MASTER:
-            tl.store(w_ptr + offs, w, mask=mask)
-        tl.store(p_ptr + offs, from_acc(w, p0.dtype.element_ty), mask=mask)
+        store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
 
 def fused_sgd_(

@@ -14,7 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import FLOATS
+from mpnb.core.ops._layer_common import check_float
+from mpnb.core.ops.softmax_ops import check_mask
 from mpnb.core.ops.triton._common import (
     acc_of,
     div,
@@ -119,15 +120,6 @@ def _fwd_looped(
         tl.store(y_ptr + row + j + lanes, from_acc(y, y_ptr.dtype.element_ty), mask=j + lanes < k)
 
 
-def _check_input(op: str, x: torch.Tensor) -> None:
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOATS:
-        what = x.dtype if isinstance(x, torch.Tensor) else type(x).__name__
-        raise TypeError(
-            f"{op}: input is {what}; supported dtypes are float32, float16, bfloat16 and "
-            "float64 (convert with .float() or .to(torch.bfloat16))."
-        )
-
-
 def _forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, mode: int) -> torch.Tensor:
     x = x.contiguous()
     y = torch.empty_like(x)
@@ -160,35 +152,10 @@ def _forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, mode: int
     return y
 
 
-def _check_mask(op: str, x: torch.Tensor, mask) -> None:
-    if x.dim() != 4:
-        raise ValueError(f"{op}: input must be [b, np, sq, sk] scores, got shape {tuple(x.shape)}.")
-    if not isinstance(mask, torch.Tensor) or mask.dtype not in (torch.bool, torch.uint8):
-        what = mask.dtype if isinstance(mask, torch.Tensor) else type(mask).__name__
-        raise TypeError(
-            f"{op}: mask is {what}; pass a bool (or uint8) mask where True means 'masked out'."
-        )
-    b, h, sq, sk = x.shape
-    fits = (
-        mask.dim() == 4
-        and mask.shape[0] in (1, b)
-        and mask.shape[1] in (1, h)
-        and tuple(mask.shape[2:]) == (sq, sk)
-    )
-    if not fits:
-        raise ValueError(
-            f"{op}: mask of shape {tuple(mask.shape)} does not fit scores of shape "
-            f"{tuple(x.shape)}; Apex masks are [b or 1, np or 1, sq, sk] "
-            f"(here [{b} or 1, {h} or 1, {sq}, {sk}])."
-        )
-    if mask.device != x.device:
-        raise ValueError(f"{op}: mask is on {mask.device} but the scores are on {x.device}.")
-
-
 def scaled_softmax_fwd(input: torch.Tensor, scale: float) -> torch.Tensor:
     """``softmax(input * scale)`` over the last dim: the signature and semantics of
     :func:`mpnb.core.ops.softmax_ops.reference_scaled_softmax_fwd`."""
-    _check_input("scaled_softmax", input)
+    check_float("scaled_softmax", input)
     return _forward(input, None, scale, _NONE)
 
 
@@ -203,8 +170,8 @@ def scaled_masked_softmax_fwd(input: torch.Tensor, mask: torch.Tensor, scale: fl
         >>> y = scaled_masked_softmax_fwd(x, pad, 0.125)
     """
     op = "scaled_masked_softmax"
-    _check_input(op, input)
-    _check_mask(op, input, mask)
+    check_float(op, input)
+    check_mask(op, input, mask)
     return _forward(input, mask, scale, _MASK)
 
 
@@ -212,7 +179,7 @@ def scaled_upper_triang_masked_softmax_fwd(input: torch.Tensor, scale: float) ->
     """Causal softmax of ``[..., sq, sq]`` scores: the signature and semantics of
     :func:`mpnb.core.ops.softmax_ops.reference_scaled_upper_triang_masked_softmax_fwd`."""
     op = "scaled_upper_triang_masked_softmax"
-    _check_input(op, input)
+    check_float(op, input)
     if input.dim() < 2 or input.shape[-1] != input.shape[-2]:
         raise ValueError(
             f"{op}: the causal softmax needs square [..., sq, sk] scores with sq == sk, got "
@@ -262,7 +229,7 @@ def scaled_softmax_bwd(grad_out, output, scale: float, upper_triang: bool = Fals
     signature and semantics of :func:`mpnb.core.ops.softmax_ops.reference_scaled_softmax_bwd`
     (``upper_triang`` changes nothing in the result: the causal zeros stay zero)."""
     op = "scaled_softmax_bwd"
-    _check_input(op, output)
+    check_float(op, output, "output")
     if grad_out.shape != output.shape or grad_out.device != output.device:
         raise ValueError(
             f"{op}: grad_out is {tuple(grad_out.shape)} on {grad_out.device} but the output is "

@@ -97,7 +97,7 @@ def test_norm_refuses_bad_shapes(device):
         kernel("layer_norm_fwd")(x, [3], None, None, 1e-5)
     with pytest.raises(ValueError, match="weight has 3 elements"):
         kernel("rms_norm_fwd")(x, [4], torch.ones(3, device=device), 1e-5)
-    with pytest.raises(TypeError, match="float32 params with a half input"):
+    with pytest.raises(TypeError, match="float32 weights with a half input"):
         kernel("layer_norm_fwd")(x.half(), [4], torch.ones(4, device=device).double(), None, 1e-5)
 
 
