@@ -125,7 +125,7 @@ def test_l2norm_matches_reference(device, dtype, per_tensor, with_inv):
     assert fk.item() == fr.item() == 0
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_l2norm_nonfinite_flags(device, dtype):
     g = gen(5)
     ts = [randn(n, dtype, g) for n in SIZES]

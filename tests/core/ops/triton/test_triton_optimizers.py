@@ -163,9 +163,10 @@ def test_flagged_step_writes_nothing(device, name, opts):
     bitwise(got, base)
 
 
+@pytest.mark.parametrize("gdt", [F32, F16, BF16])
 @pytest.mark.parametrize("name,opts", [CASES[1], CASES[5], CASES[8]])
-def test_inf_nan_grads_propagate_as_in_reference(device, ulps, name, opts):
-    base = _state(F32, BF16, False, seed=3)
+def test_inf_nan_grads_propagate_as_in_reference(device, ulps, name, opts, gdt):
+    base = _state(F32, gdt, False, seed=3)
     poison(base[1], gen(4))
     got, want = _run(name, device, base, opts, inv=None)
     _check(got, want, ulps)
