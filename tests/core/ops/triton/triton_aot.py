@@ -72,12 +72,20 @@ def _cases():
         return torch.ones(*shape, dtype=dtype)
 
     op("multi_tensor_scale")(flag, [t(9, dtype=bf16)], [t(9)], 0.5, one)
+    op("multi_tensor_scale")(flag, [t(9, dtype=f64)], [t(9, dtype=f64)], 0.5)
     op("multi_tensor_l2norm")(flag, [t(9, dtype=bf16)], True, one)
+    op("multi_tensor_l2norm")(flag, [t(9, dtype=f64)], False)
     p, g, w, m, v, s = [t(9, dtype=bf16)], [t(9, dtype=bf16)], [t(9)], [t(9)], [t(9)], [t(1)]
     op("fused_adam_")(p, g, m, v, w, s, 1e-3, 0.9, 0.999, 1e-8, 0.1, True, True, one, one)
     op("fused_sgd_")(p, g, m, w, [True], 0.1, 0.9, 0.0, 0.01, True, False, one, one)
     lamb = (1e-2, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False)
     op("fused_lamb_")(p, g, m, v, w, s, one, *lamb, one, one)
+    # fp32 params, no masters, no unscale, no overflow flag, the other branches
+    p32 = [t(9)]
+    op("fused_adam_")(p32, g, m, v, [], s, 1e-3, 0.9, 0.999, 1e-8, 0.1, False, False, None, None)
+    op("fused_sgd_")(p32, g, [], [], [False], 0.1, 0.0, 0.0, 0.0, False, False, None, None)
+    lamb = (1e-2, 0.9, 0.999, 1e-6, 0.0, False, False, False, 0.0, True)
+    op("fused_lamb_")(p32, g, m, v, [], s, one, *lamb, None, None)
     for cols in (33, 9000):  # rows in one block, and rows walked in blocks
         x, wt = t(3, cols, dtype=bf16), t(cols)
         y, mean, rstd = op("layer_norm_fwd")(x, [cols], wt, wt, 1e-5)
@@ -89,6 +97,8 @@ def _cases():
         op("scaled_masked_softmax_fwd")(x, mask, 0.5)
         op("scaled_softmax_bwd")(x, x, 0.5)
     op("scaled_upper_triang_masked_softmax_fwd")(t(2, 9, 9, dtype=f64), 0.5)
+    op("scaled_softmax_fwd")(t(3, 70), 0.5)
+    op("rms_norm_bwd")(t(2, 40, dtype=bf16), t(2, 40, dtype=bf16), t(2), [40], None, False)
     op("rope")(t(3, 2, 2, 10, dtype=bf16), t(3, 8), t(3, 8), 4, True, True)
 
 
