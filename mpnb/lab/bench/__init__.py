@@ -6,6 +6,10 @@ A suite is a module ``mpnb/lab/bench/<name>.py`` (suite ``multi-tensor`` is modu
     def cases(opts: Options) -> Iterable[Case]:
         ...  # yield one Case per comparison, baseline (PyTorch) candidate first
 
+A suite that cannot run everywhere also defines ``unavailable(opts) -> str | None``: the
+reason it cannot run with ``opts`` here, which ``mpnb bench`` prints instead of running it
+(suite ``cuda``, the Triton kernels, needs a GPU; ``mpnb bench --device cuda`` runs it).
+
 Suites are found on disk and imported only when run, so ``mpnb bench --list`` is fast. The
 method (round-robin rounds, median of per-round ratios, same-run bandwidth baselines) is in
 :mod:`mpnb.lab.bench._harness`; see there before writing a suite.
@@ -87,14 +91,25 @@ def _parser() -> argparse.ArgumentParser:
         default=1.0,
         help="multiply workload sizes (smoke tests use tiny ones)",
     )
-    p.add_argument("--device", default="cpu", help="device for the suite's tensors")
+    p.add_argument(
+        "--device",
+        default="cpu",
+        help="device for the suite's tensors; `--device cuda` alone runs the GPU suite `cuda`",
+    )
     p.add_argument("--threads", type=int, help="torch threads for the run (default: unchanged)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``mpnb bench <suite> [--json PATH] [--rounds N] [--quick] [--filter S]``; ``--list``."""
+    """``mpnb bench <suite> [--json PATH] [--rounds N] [--quick] [--filter S]``; ``--list``.
+
+    ``mpnb bench --device cuda`` without a suite runs suite ``cuda``. Returns 2, with the
+    reason on stderr, when the suite cannot run here (an unknown suite, a bad option, or a
+    suite's ``unavailable(opts)``, such as the GPU suite on a machine without a GPU).
+    """
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if not args.suite and not args.list and args.device.startswith("cuda"):
+        args.suite = "cuda"  # `mpnb bench --device cuda`: the GPU kernels' suite
     if args.list or not args.suite:
         for name, doc in suites().items():
             print(f"{name:16} {doc}")
@@ -112,9 +127,13 @@ def main(argv: list[str] | None = None) -> int:
             device=args.device,
             threads=args.threads,
         )
-        load_suite(args.suite)
+        module = load_suite(args.suite)
     except (KeyError, ValueError) as e:
         print(f"mpnb bench: {e.args[0] if e.args else e}", file=sys.stderr)
+        return 2
+    why = getattr(module, "unavailable", lambda opts: None)(opts)
+    if why:
+        print(f"mpnb bench: {why}", file=sys.stderr)
         return 2
     result = run_suite(args.suite, opts, echo=True)
     if not result.rows:

@@ -1,0 +1,180 @@
+"""What the Triton optimizer steps share: their list checks, the step counter, fp64 powers.
+
+Conventions are those of :mod:`mpnb.core.ops.optimizers`: ``masters`` empty or one fp32
+tensor per param (the weight updated; ``params`` then receive its rounded copy in the same
+pass), ``steps`` one one-element fp32 tensor per param, ``inv_scale`` multiplied into the
+grads in fp32, and ``found_inf``: when nonzero on entry nothing is written, step counts
+included. The flag is read on the device (no host sync): every store is masked by it and
+:func:`advance_steps` adds ``found_inf == 0`` to each step after the update.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from mpnb.core.ops.triton._checks import check_lists, check_one, check_same_device
+from mpnb.core.ops.triton._chunks import ChunkTable
+from mpnb.core.ops.triton._common import flag_view, from_acc, launch, to_acc
+
+__all__ = [
+    "OPT_DTYPES",
+    "check_opt",
+    "check_steps",
+    "advance_steps",
+    "pow64",
+    "bias_corrections",
+    "step_of",
+    "not_found",
+    "load_scale",
+    "load_grad",
+    "load_weight",
+    "store_weight",
+]
+
+OPT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+_STEP_BLOCK = 256
+
+
+def check_opt(op: str, params, grads, masters, *states, inv_scale=None, found_inf=None) -> None:
+    """Raise unless the lists fit an optimizer step (the reference's checks, same messages)."""
+    check_lists(op, params, OPT_DTYPES, grads=grads)
+    if masters:
+        check_lists(op, params, OPT_DTYPES, masters=masters)
+        if masters[0].dtype != torch.float32:
+            raise TypeError(f"{op}: master weights must be float32, got {masters[0].dtype}.")
+    for state in states:
+        check_lists(op, params, OPT_DTYPES, state=state)
+        if state and state[0].dtype != torch.float32:
+            raise TypeError(
+                f"{op}: optimizer state must be float32, got {state[0].dtype}; keep state in "
+                "fp32 (the optimizers do)."
+            )
+    check_one(op, "inv_scale", inv_scale)
+    check_one(op, "found_inf", found_inf)
+    if params:
+        check_same_device(op, params[0], inv_scale=inv_scale, found_inf=found_inf)
+
+
+def check_steps(op: str, params: Sequence[torch.Tensor], steps: Sequence[torch.Tensor]) -> None:
+    """Raise unless ``steps`` holds one one-element float32 tensor per param, on its device."""
+    if len(steps) != len(params):
+        raise ValueError(
+            f"{op}: {len(steps)} step tensors for {len(params)} params; pass one per param."
+        )
+    for i, s in enumerate(steps):
+        if s.dtype != torch.float32 or s.numel() != 1 or s.device != params[i].device:
+            raise TypeError(
+                f"{op}: steps[{i}] must be a one-element float32 tensor on {params[i].device}, "
+                f"got {s.dtype} {tuple(s.shape)} on {s.device}."
+            )
+
+
+@triton.jit
+def pow64(base, n):
+    """``base ** n`` in fp64 for an integer ``n`` in [0, 2**31), by repeated squaring."""
+    acc = tl.full((), 1.0, tl.float64)
+    b = base
+    e = n
+    for _ in range(31):
+        acc = tl.where((e & 1) != 0, acc * b, acc)
+        b = b * b
+        e = e >> 1
+    return acc
+
+
+@triton.jit
+def bias_corrections(step, beta1, beta2):
+    """``(1 - beta1**step, 1 - beta2**step)`` in fp64 (``step`` a whole fp32 count)."""
+    n = step.to(tl.int32)
+    return 1.0 - pow64(beta1, n), 1.0 - pow64(beta2, n)
+
+
+@triton.jit
+def step_of(table, t, col, carrier, ROW: tl.constexpr):
+    """The step count this update uses: the stored count plus one."""
+    addr = tl.load(table + t * ROW + col)
+    return tl.load(addr.to(tl.pointer_type(carrier.dtype.element_ty))) + 1.0
+
+
+@triton.jit
+def not_found(found_ptr, HAS_FOUND: tl.constexpr):
+    """1 unless the caller's overflow flag is set, then 0 (int32: multiply a count by it).
+
+    A flagged step then runs no loop at all: nothing is read or written.
+    """
+    if HAS_FOUND:
+        ok = (to_acc(tl.load(found_ptr), tl.float32) == 0.0).to(tl.int32)
+    else:
+        ok = tl.full((), 1, tl.int32)
+    return ok
+
+
+@triton.jit
+def load_scale(inv_ptr, HAS_INV: tl.constexpr):
+    """The grads' unscale factor ``inv_scale`` in fp32 (1 without one)."""
+    if HAS_INV:
+        inv = to_acc(tl.load(inv_ptr), tl.float32)
+    else:
+        inv = tl.full((), 1.0, tl.float32)
+    return inv
+
+
+@triton.jit
+def load_grad(g_ptr, offs, mask, inv, HAS_INV: tl.constexpr):
+    """Grads widened to fp32 and unscaled."""
+    g = to_acc(tl.load(g_ptr + offs, mask=mask, other=0.0), tl.float32)
+    if HAS_INV:
+        g = g * inv
+    return g
+
+
+@triton.jit
+def load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER: tl.constexpr):
+    """The fp32 weight: the master, or the param widened."""
+    if HAS_MASTER:
+        w = tl.load(w_ptr + offs, mask=mask, other=0.0)
+    else:
+        w = to_acc(tl.load(p_ptr + offs, mask=mask, other=0.0), tl.float32)
+    return w
+
+
+@triton.jit
+def store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER: tl.constexpr):
+    """Write the updated fp32 weight: into the master, and rounded into the param."""
+    if HAS_MASTER:
+        tl.store(w_ptr + offs, w, mask=mask)
+    tl.store(p_ptr + offs, from_acc(w, p_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _advance_kernel(
+    table, n_tensors, found_ptr, s0, COL: tl.constexpr, HAS_FOUND: tl.constexpr,
+    ROW: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = t < n_tensors * not_found(found_ptr, HAS_FOUND)
+    addr = tl.load(table + t.to(tl.int64) * ROW + COL, mask=m, other=0)
+    ptr = addr.to(tl.pointer_type(s0.dtype.element_ty))
+    tl.store(ptr, tl.load(ptr, mask=m) + 1.0, mask=m)
+
+
+def advance_steps(tab: ChunkTable, col: int, steps, found_inf) -> None:
+    """``steps[i] += 1`` for every tensor (in table column ``col``) unless ``found_inf``."""
+    if not tab.n_tensors:
+        return
+    launch(
+        _advance_kernel,
+        (triton.cdiv(tab.n_tensors, _STEP_BLOCK),),
+        tab.table,
+        tab.n_tensors,
+        tab.table if found_inf is None else flag_view(found_inf),
+        steps[0],
+        COL=col,
+        HAS_FOUND=found_inf is not None,
+        ROW=tab.row,
+        BLOCK=_STEP_BLOCK,
+    )

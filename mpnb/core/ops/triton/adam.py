@@ -1,0 +1,151 @@
+"""``fused_adam_`` in Triton: one Adam/AdamW step over lists, in one pass per element.
+
+The O2 mixed-precision step: half grads are read and unscaled on the fly, the fp32 master
+weight and both moments are updated, and the half param receives the rounded master, all in
+one read and one write of each tensor; a set ``found_inf`` writes nothing. The bias
+corrections are computed per tensor on the device in fp64 from its step count (no host sync).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable, chunk_info, tensor_ptr
+from mpnb.core.ops.triton._common import f32, flag_view, join64, launch, split64
+from mpnb.core.ops.triton._optim import (
+    advance_steps,
+    bias_corrections,
+    check_opt,
+    check_steps,
+    load_grad,
+    load_scale,
+    load_weight,
+    not_found,
+    step_of,
+    store_weight,
+)
+
+__all__ = ["fused_adam_"]
+
+# Table columns: numel, first chunk, then (2) params, (3) grads, (4) exp_avgs, (5) exp_avg_sqs,
+# (6) the fp32 weights (masters, or the params themselves) and (7) steps.
+
+
+@triton.jit
+def _lerp(a, b, wt, SMALL: tl.constexpr):
+    # torch.lerp's two formulas (exact at both ends), chosen by |weight| < 0.5.
+    if SMALL:
+        out = a + wt * (b - a)
+    else:
+        out = b - (b - a) * (1.0 - wt)
+    return out
+
+
+@triton.jit
+def _adam_kernel(
+    table, n_tensors, inv_ptr, found_ptr, p0, g0, m0, w0, s0,
+    lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, neg_lr, one_m_b1, beta2, one_m_b2, eps, wd, decay,
+    ADAM_W: tl.constexpr, HAS_WD: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+    LERP_SMALL: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_INV: tl.constexpr,
+    HAS_FOUND: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
+    p_ptr = tensor_ptr(table, t, 2, p0, ROW)
+    g_ptr = tensor_ptr(table, t, 3, g0, ROW)
+    m_ptr = tensor_ptr(table, t, 4, m0, ROW)
+    v_ptr = tensor_ptr(table, t, 5, m0, ROW)
+    count = count * not_found(found_ptr, HAS_FOUND)
+    if BIAS_CORRECTION:
+        step = step_of(table, t, 7, s0, ROW)
+        bc1, bc2 = bias_corrections(step, join64(b1_hi, b1_lo), join64(b2_hi, b2_lo))
+        step_size = (-join64(lr_hi, lr_lo) / bc1).to(tl.float32)
+        sqrt_bc2 = tl.sqrt(bc2).to(tl.float32)
+    else:
+        step_size = tl.cast(neg_lr, tl.float32)
+        sqrt_bc2 = tl.full((), 1.0, tl.float32)
+    w_ptr = tensor_ptr(table, t, 6, w0, ROW)
+    inv = load_scale(inv_ptr, HAS_INV)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(0, count, BLOCK):
+        offs = start + k + lanes
+        mask = k + lanes < count
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
+        if HAS_WD:
+            if ADAM_W:
+                w = w * decay
+            else:
+                g = g + wd * w
+        m = _lerp(tl.load(m_ptr + offs, mask=mask, other=0.0), g, one_m_b1, LERP_SMALL)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + one_m_b2 * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
+        w = w + tl.div_rn(step_size * m, denom)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
+
+
+def fused_adam_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    masters,
+    steps,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """One Adam/AdamW step over lists, in place: the signature and semantics of
+    :func:`mpnb.core.ops.optimizers.reference_fused_adam_` (arguments positional, as the
+    ``mpnb::fused_adam_`` schema passes them).
+
+    Example::
+
+        >>> fused_adam_(params, grads, exp_avgs, exp_avg_sqs, masters, steps,
+        ...             1e-3, 0.9, 0.999, 1e-8, 0.01, True, True, inv_scale, found_inf)
+    """
+    op = "fused_adam_"
+    params, grads, masters = list(params), list(grads), list(masters)
+    exp_avgs, exp_avg_sqs, steps = list(exp_avgs), list(exp_avg_sqs), list(steps)
+    check_opt(
+        op, params, grads, masters, exp_avgs, exp_avg_sqs, inv_scale=inv_scale, found_inf=found_inf
+    )
+    check_steps(op, params, steps)
+    if not params:
+        return
+    w_list = masters if masters else params
+    tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, w_list, steps])
+    wt = 1.0 - beta1
+    if tab.n_chunks:
+        launch(
+            _adam_kernel,
+            (tab.n_chunks,),
+            tab.table,
+            tab.n_tensors,
+            tab.table if inv_scale is None else inv_scale,
+            tab.table if found_inf is None else flag_view(found_inf),
+            params[0], grads[0], exp_avgs[0], w_list[0], steps[0],
+            *split64(lr), *split64(beta1), *split64(beta2),
+            f32(-lr), f32(wt), f32(beta2), f32(1.0 - beta2), f32(eps), f32(weight_decay),
+            f32(1.0 - lr * weight_decay),
+            ADAM_W=bool(adam_w_mode),
+            HAS_WD=weight_decay != 0,
+            BIAS_CORRECTION=bool(bias_correction),
+            LERP_SMALL=abs(wt) < 0.5,
+            HAS_MASTER=bool(masters),
+            HAS_INV=inv_scale is not None,
+            HAS_FOUND=found_inf is not None,
+            ROW=tab.row,
+            CHUNK=tab.chunk,
+            BLOCK=BLOCK,
+            num_warps=WARPS,
+        )  # fmt: skip
+    advance_steps(tab, 7, steps, found_inf)

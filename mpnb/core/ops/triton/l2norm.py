@@ -1,0 +1,151 @@
+"""``multi_tensor_l2norm`` in Triton: the L2 norm of a whole list, and of each tensor.
+
+Three small launches, deterministic (no atomics): one program per chunk writes its sum of
+squares, :func:`~mpnb.core.ops.triton._chunks.segment_sums` adds each tensor's chunks in
+order, and one program adds the tensors, takes the square roots and raises the flag.
+
+Precision: squares are accumulated in fp64, as the reference does (an fp32 accumulation
+overflows once a value passes ~1.8e19, which bf16 and fp32 values can), so the result matches
+the reference to the last bits of an fp64 sum, whatever the summation order. On GPUs with
+slow fp64 (consumer cards: 1/64 of the fp32 rate) this may make the kernel compute-bound;
+the bench measures it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from mpnb.core.ops.triton._checks import check_lists, check_one, check_same_device
+from mpnb.core.ops.triton._chunks import (
+    BLOCK,
+    WARPS,
+    ChunkTable,
+    chunk_info,
+    segment_sums,
+    tensor_ptr,
+)
+from mpnb.core.ops.triton._common import acc_of, flag_view, launch, nonfinite, raise_flag, to_acc
+
+__all__ = ["multi_tensor_l2norm"]
+
+_TAIL = 1024  # tensors the finishing program handles per step
+
+
+@triton.jit
+def _sumsq_kernel(
+    table,
+    n_tensors,
+    inv_ptr,
+    partials,
+    x0,
+    HAS_INV: tl.constexpr,
+    ACC: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
+    x_ptr = tensor_ptr(table, t, 2, x0, ROW)
+    if HAS_INV:
+        inv = to_acc(tl.load(inv_ptr), ACC)
+    acc = tl.zeros([BLOCK], dtype=tl.float64)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(0, count, BLOCK):
+        m = k + lanes < count
+        v = to_acc(tl.load(x_ptr + start + k + lanes, mask=m, other=0.0), ACC)
+        if HAS_INV:
+            v = v * inv
+        w = v.to(tl.float64)
+        acc += w * w
+    tl.store(partials + tl.program_id(0), tl.sum(acc, axis=0))
+
+
+@triton.jit
+def _finish_kernel(
+    sq,
+    n_tensors,
+    total_ptr,
+    per_ptr,
+    flag_ptr,
+    PER_TENSOR: tl.constexpr,
+    ACC: tl.constexpr,
+    TAIL: tl.constexpr,
+):
+    lanes = tl.arange(0, TAIL)
+    acc = tl.zeros([TAIL], dtype=tl.float64)
+    for j in range(0, n_tensors, TAIL):
+        m = j + lanes < n_tensors
+        s = tl.load(sq + j + lanes, mask=m, other=0.0)
+        acc += s
+        if PER_TENSOR:
+            tl.store(per_ptr + j + lanes, tl.sqrt(s).to(ACC), mask=m)
+    total = tl.sqrt(tl.sum(acc, axis=0)).to(ACC)
+    tl.store(total_ptr, total)
+    raise_flag(flag_ptr, nonfinite(total))
+
+
+def multi_tensor_l2norm(
+    noop_flag: torch.Tensor,
+    tensors: Sequence[torch.Tensor],
+    per_tensor: bool = False,
+    inv_scale: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(total, per_tensor_norms)`` of ``tensors`` (times ``inv_scale``), flagging a
+    non-finite norm: the signature and semantics of
+    :func:`mpnb.core.ops.multi_tensor.multi_tensor_l2norm`.
+
+    Example::
+
+        >>> flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        >>> total, per = multi_tensor_l2norm(flag, [torch.ones(4, device="cuda")], True)
+    """
+    op = "multi_tensor_l2norm"
+    tensors = list(tensors)
+    check_lists(op, tensors)
+    check_one(op, "noop_flag", noop_flag)
+    check_one(op, "inv_scale", inv_scale)
+    if not tensors:
+        dev = noop_flag.device
+        return torch.zeros(1, device=dev), torch.empty(0, device=dev)
+    dev = tensors[0].device
+    check_same_device(op, tensors[0], noop_flag=noop_flag, inv_scale=inv_scale)
+    dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
+    acc = acc_of(dtype)
+    tab = ChunkTable.build([tensors])
+    partials = torch.empty(tab.n_chunks, dtype=torch.float64, device=dev)
+    if tab.n_chunks:
+        launch(
+            _sumsq_kernel,
+            (tab.n_chunks,),
+            tab.table,
+            tab.n_tensors,
+            tab.table if inv_scale is None else inv_scale,
+            partials,
+            tensors[0],
+            HAS_INV=inv_scale is not None,
+            ACC=acc,
+            ROW=tab.row,
+            CHUNK=tab.chunk,
+            BLOCK=BLOCK,
+            num_warps=WARPS,
+        )
+    sq = segment_sums(tab, partials)
+    total = torch.empty(1, dtype=dtype, device=dev)
+    per = torch.empty(len(tensors) if per_tensor else 0, dtype=dtype, device=dev)
+    launch(
+        _finish_kernel,
+        (1,),
+        sq,
+        tab.n_tensors,
+        total,
+        per,
+        flag_view(noop_flag),
+        PER_TENSOR=bool(per_tensor),
+        ACC=acc,
+        TAIL=_TAIL,
+    )
+    return total, per

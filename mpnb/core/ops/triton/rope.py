@@ -1,0 +1,95 @@
+"""Rotary position embedding in Triton: ``rope(t, cos, sin, group, transpose_output, backward)``.
+
+``t`` is ``[s, b, h, d]`` with any strides; ``cos``/``sin`` are fp32 (fp64 for fp64 ``t``)
+tables ``[s, d2]``. The first ``d2`` channels form groups of ``group`` channels, each rotated
+as ``rotate_half`` (``y = x * cos + rotate_half(x) * sin``); ``backward`` applies the
+transposed rotation; channels past ``d2`` pass through. Computed in fp32 (fp64), written in
+``t``'s dtype; ``transpose_output`` lays the result out as ``[b, s, h, d]`` in memory.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mpnb.core.ops.rope_ops import check_rope
+from mpnb.core.ops.triton._common import from_acc, launch, next_pow2, to_acc, warps
+
+__all__ = ["rope"]
+
+_TILE = 4096  # elements per program
+
+
+@triton.jit
+def _rope_kernel(
+    t_ptr, y_ptr, cos_ptr, sin_ptr, rows, B, H, d, d2,
+    ts, tb, th, td, ys, yb, yh, yd, cs, cd, ss, sd,
+    GROUP: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr,
+    ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    si = r // (B * H)
+    bi = r // H % B
+    hi = r % H
+    c = tl.arange(0, BLOCK)[None, :]
+    d_lim = tl.where(r < rows, d, 0)[:, None]
+    inside = c < d_lim
+    rot = c < tl.where(r < rows, d2, 0)[:, None]
+    half: tl.constexpr = GROUP // 2
+    first = c % GROUP < half
+    partner = tl.where(first, c + half, c - half)
+    t_row = (si * ts + bi * tb + hi * th)[:, None]
+    x = to_acc(tl.load(t_ptr + t_row + c * td, mask=inside, other=0.0), ACC)
+    xp = to_acc(tl.load(t_ptr + t_row + partner * td, mask=rot, other=0.0), ACC)
+    cs_row = (si * cs)[:, None]
+    sn_row = (si * ss)[:, None]
+    cosv = tl.load(cos_ptr + cs_row + c * cd, mask=rot, other=1.0).to(ACC)
+    if BACKWARD:  # y1 = x1 cos + x2 sin', y2 = x2 cos - x1 sin' (sin' at the partner channel)
+        sinv = tl.load(sin_ptr + sn_row + partner * sd, mask=rot, other=0.0).to(ACC)
+        sign = tl.where(first, 1.0, -1.0)
+    else:  # y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin
+        sinv = tl.load(sin_ptr + sn_row + c * sd, mask=rot, other=0.0).to(ACC)
+        sign = tl.where(first, -1.0, 1.0)
+    y = tl.where(rot, x * cosv + sign * (xp * sinv), x)
+    y_row = (si * ys + bi * yb + hi * yh)[:, None]
+    tl.store(y_ptr + y_row + c * yd, from_acc(y, y_ptr.dtype.element_ty), mask=inside)
+
+
+def _check(op: str, t, cos, sin, group: int) -> None:
+    check_rope(op, t, cos, sin, group)
+    if cos.shape != sin.shape:  # the kernel reads both tables over cos's columns
+        raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ.")
+
+
+def rope(t, cos, sin, group, transpose_output=False, backward=False) -> torch.Tensor:
+    """Rotate ``t`` by the position tables: the signature and semantics of
+    :func:`mpnb.core.ops.rope_ops.reference_rope` (see the module docstring).
+
+    Example::
+
+        >>> t = torch.randn(16, 2, 4, 64, device="cuda", dtype=torch.bfloat16)
+        >>> ang = torch.randn(16, 64, device="cuda")
+        >>> y = rope(t, ang.cos(), ang.sin(), 64)
+    """
+    op = "rope"
+    group = int(group)
+    _check(op, t, cos, sin, group)
+    s, b, h, d = t.shape
+    if transpose_output:
+        y = torch.empty((b, s, h, d), dtype=t.dtype, device=t.device).transpose(0, 1)
+    else:
+        y = torch.empty((s, b, h, d), dtype=t.dtype, device=t.device)
+    rows = s * b * h
+    if rows == 0 or d == 0:
+        return y
+    block = next_pow2(d)
+    nrows = max(1, _TILE // block)
+    launch(
+        _rope_kernel, (triton.cdiv(rows, nrows),), t, y, cos, sin, rows, b, h, d, cos.shape[1],
+        *t.stride(), *y.stride(), *cos.stride(), *sin.stride(),
+        GROUP=group, BACKWARD=bool(backward),
+        ACC=tl.float64 if t.dtype == torch.float64 else tl.float32, ROWS=nrows, BLOCK=block,
+        num_warps=warps(nrows * block),
+    )  # fmt: skip
+    return y

@@ -1,0 +1,115 @@
+"""``multi_tensor_scale`` in Triton: ``dst = src * scale`` over lists, with the inf/NaN flag.
+
+One launch for the whole list (see :mod:`~mpnb.core.ops.triton._chunks`); each element is
+read once, checked, multiplied in fp32 (fp64 for fp64 lists) and written once in ``dst``'s
+dtype: the unscale of half grads into fp32 master grads in one pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from mpnb.core.ops.triton._checks import check_lists, check_one, check_same_device
+from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable, chunk_info, tensor_ptr
+from mpnb.core.ops.triton._common import (
+    acc_of,
+    f32,
+    flag_view,
+    from_acc,
+    launch,
+    nonfinite,
+    raise_flag,
+    to_acc,
+)
+
+__all__ = ["multi_tensor_scale"]
+
+
+@triton.jit
+def _scale_kernel(
+    table,
+    n_tensors,
+    flag_ptr,
+    st_ptr,
+    scale,
+    src0,
+    dst0,
+    HAS_ST: tl.constexpr,
+    ACC: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
+    src = tensor_ptr(table, t, 2, src0, ROW)
+    dst = tensor_ptr(table, t, 3, dst0, ROW)
+    s = tl.cast(scale, ACC)
+    if HAS_ST:
+        s = s * to_acc(tl.load(st_ptr), ACC)
+    bad = tl.zeros([BLOCK], dtype=tl.int32)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(0, count, BLOCK):
+        offs = start + k + lanes
+        m = k + lanes < count
+        x = to_acc(tl.load(src + offs, mask=m, other=0.0), ACC)
+        bad = bad | nonfinite(x)
+        tl.store(dst + offs, from_acc(x * s, dst0.dtype.element_ty), mask=m)
+    raise_flag(flag_ptr, tl.max(bad, axis=0))
+
+
+def multi_tensor_scale(
+    noop_flag: torch.Tensor,
+    src: Sequence[torch.Tensor],
+    dst: Sequence[torch.Tensor],
+    scale: float,
+    scale_tensor: torch.Tensor | None = None,
+) -> None:
+    """``dst[i] = src[i] * scale`` (times ``scale_tensor``), flagging inf/NaN in ``src``.
+
+    The signature and semantics of :func:`mpnb.core.ops.multi_tensor.multi_tensor_scale`.
+
+    Example::
+
+        >>> flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        >>> grads = [torch.randn(10, device="cuda").bfloat16()]
+        >>> master = [torch.empty(10, device="cuda")]
+        >>> multi_tensor_scale(flag, grads, master, 1 / 1024)
+    """
+    op = "multi_tensor_scale"
+    src, dst = list(src), list(dst)
+    check_lists(op, src, dst=dst)
+    check_one(op, "noop_flag", noop_flag)
+    check_one(op, "scale_tensor", scale_tensor)
+    if not src:
+        return
+    check_same_device(op, src[0], noop_flag=noop_flag, scale_tensor=scale_tensor)
+    tab = ChunkTable.build([src, dst])
+    if not tab.n_chunks:
+        return
+    acc = acc_of(src[0].dtype)
+    if acc == tl.float64:  # a float argument is fp32 in a kernel: carry the scale in a tensor
+        st = torch.full((), float(scale), dtype=torch.float64, device=src[0].device)
+        if scale_tensor is not None:
+            st = st * scale_tensor.to(torch.float64).reshape(())
+        scale_tensor, scale = st, 1.0
+    launch(
+        _scale_kernel,
+        (tab.n_chunks,),
+        tab.table,
+        tab.n_tensors,
+        flag_view(noop_flag),
+        tab.table if scale_tensor is None else scale_tensor,
+        f32(scale),
+        src[0],
+        dst[0],
+        HAS_ST=scale_tensor is not None,
+        ACC=acc,
+        ROW=tab.row,
+        CHUNK=tab.chunk,
+        BLOCK=BLOCK,
+        num_warps=WARPS,
+    )

@@ -1,0 +1,140 @@
+"""``fused_sgd_`` in Triton: one SGD step (momentum, dampening, nesterov) over lists, one pass.
+
+Half grads are read and unscaled on the fly, the fp32 master and the momentum buffer are
+updated and the half param receives the rounded master; a set ``found_inf`` writes nothing.
+Each tensor's ``first_run`` (the buffer is initialised with the grad) is a column of the
+chunk table.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from mpnb.core.ops.triton._chunks import (
+    BLOCK,
+    WARPS,
+    ChunkTable,
+    chunk_info,
+    tensor_col,
+    tensor_ptr,
+)
+from mpnb.core.ops.triton._common import f32, flag_view, launch
+from mpnb.core.ops.triton._optim import (
+    check_opt,
+    load_grad,
+    load_scale,
+    load_weight,
+    not_found,
+    store_weight,
+)
+
+__all__ = ["fused_sgd_"]
+
+# Table columns: numel, first chunk, (2) first_run, then (3) params, (4) grads,
+# (5) momentum buffers (the params when there is no momentum) and (6) the fp32 weights.
+
+
+@triton.jit
+def _sgd_kernel(
+    table, n_tensors, inv_ptr, found_ptr, p0, g0, b0, w0,
+    neg_lr, momentum, one_m_damp, wd,
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
+    WD_AFTER: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_INV: tl.constexpr,
+    HAS_FOUND: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
+    count = count * not_found(found_ptr, HAS_FOUND)
+    first_run = tensor_col(table, t, 0, ROW) != 0
+    p_ptr = tensor_ptr(table, t, 3, p0, ROW)
+    g_ptr = tensor_ptr(table, t, 4, g0, ROW)
+    b_ptr = tensor_ptr(table, t, 5, b0, ROW)
+    w_ptr = tensor_ptr(table, t, 6, w0, ROW)
+    inv = load_scale(inv_ptr, HAS_INV)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(0, count, BLOCK):
+        offs = start + k + lanes
+        mask = k + lanes < count
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
+        if HAS_WD:
+            if not WD_AFTER:
+                g = g + wd * w
+        if HAS_MOMENTUM:
+            buf = tl.load(b_ptr + offs, mask=mask, other=0.0)
+            buf = tl.where(first_run, g, buf * momentum + one_m_damp * g)
+            tl.store(b_ptr + offs, buf, mask=mask)
+            if NESTEROV:
+                g = g + momentum * buf
+            else:
+                g = buf
+        if HAS_WD:
+            if WD_AFTER:
+                g = g + wd * w
+        w = w + neg_lr * g
+        store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
+
+
+def fused_sgd_(
+    params,
+    grads,
+    momentum_buffers,
+    masters,
+    first_run,
+    lr,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+    wd_after_momentum,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """One SGD step over lists, in place: the signature and semantics of
+    :func:`mpnb.core.ops.optimizers.reference_fused_sgd_` (arguments positional, as the
+    ``mpnb::fused_sgd_`` schema passes them; ``momentum_buffers`` may be empty without
+    momentum).
+
+    Example::
+
+        >>> fused_sgd_(params, grads, bufs, masters, [False] * len(params),
+        ...            0.1, 0.9, 0.0, 1e-4, True, False, inv_scale, found_inf)
+    """
+    op = "fused_sgd_"
+    params, grads, masters, bufs = list(params), list(grads), list(masters), list(momentum_buffers)
+    states = (bufs,) if momentum != 0 else ()
+    check_opt(op, params, grads, masters, *states, inv_scale=inv_scale, found_inf=found_inf)
+    if len(first_run) != len(params):
+        raise ValueError(
+            f"{op}: {len(first_run)} first_run values for {len(params)} params; pass one per param."
+        )
+    if not params:
+        return
+    w_list = masters if masters else params
+    b_list = bufs if momentum != 0 else params
+    tab = ChunkTable.build(
+        [params, grads, b_list, w_list], cols=[[int(bool(f)) for f in first_run]]
+    )
+    if not tab.n_chunks:
+        return
+    launch(
+        _sgd_kernel,
+        (tab.n_chunks,),
+        tab.table,
+        tab.n_tensors,
+        tab.table if inv_scale is None else inv_scale,
+        tab.table if found_inf is None else flag_view(found_inf),
+        params[0], grads[0], b_list[0], w_list[0],
+        f32(-lr), f32(momentum), f32(1.0 - dampening), f32(weight_decay),
+        HAS_MOMENTUM=momentum != 0,
+        NESTEROV=bool(nesterov),
+        HAS_WD=weight_decay != 0,
+        WD_AFTER=bool(wd_after_momentum),
+        HAS_MASTER=bool(masters),
+        HAS_INV=inv_scale is not None,
+        HAS_FOUND=found_inf is not None,
+        ROW=tab.row,
+        CHUNK=tab.chunk,
+        BLOCK=BLOCK,
+            num_warps=WARPS,
+    )  # fmt: skip

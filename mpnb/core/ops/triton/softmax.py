@@ -1,0 +1,259 @@
+"""Apex's fused scaled (masked, causal) softmax in Triton, forward and backward.
+
+Softmax over the last dim computed in fp32 (fp64 for fp64 input), output in the input dtype.
+Masked scores become -10000 after scaling (Apex/Megatron: a fully masked row is uniform);
+the causal variant excludes the columns after the diagonal (their probability is exactly 0).
+The backward, ``scale * y * (dy - sum(dy * y))``, serves every forward. Rows that fit in one
+block are held in registers, several per program; longer rows are walked in blocks (three
+reads in the forward, two in the backward).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mpnb.core.ops._layer_common import check_float
+from mpnb.core.ops.softmax_ops import check_mask
+from mpnb.core.ops.triton._common import (
+    acc_of,
+    div,
+    from_acc,
+    join64,
+    launch,
+    next_pow2,
+    split64,
+    to_acc,
+    warps,
+)
+
+__all__ = [
+    "scaled_softmax_fwd",
+    "scaled_masked_softmax_fwd",
+    "scaled_upper_triang_masked_softmax_fwd",
+    "scaled_softmax_bwd",
+]
+
+MASKED_VALUE = -10000.0
+_MASKED = tl.constexpr(MASKED_VALUE)  # what a kernel may read of a module constant
+MAX_FUSED = 8192  #: the longest row held in one block
+_TILE = 4096  # elements per program in the one-block path
+_BLOCK = 1024  # elements per step of the long-row path
+
+_NONE, _MASK, _CAUSAL = 0, 1, 2  # MODE of the forward kernels
+
+
+@triton.jit
+def _scale(hi, lo, ACC: tl.constexpr):
+    if ACC == tl.float64:
+        s = join64(hi, lo)
+    else:
+        s = tl.cast(hi, tl.float32)
+    return s
+
+
+@triton.jit
+def _scores(x_ptr, m_ptr, row, mrow, cols, lim, s, MODE: tl.constexpr, ACC: tl.constexpr):
+    """Scaled scores of columns ``cols < lim`` (masked: -10000), -inf for the others."""
+    inside = cols < lim
+    x = to_acc(tl.load(x_ptr + row + cols, mask=inside, other=0.0), ACC) * s
+    if MODE == 1:
+        masked = tl.load(m_ptr + mrow + cols, mask=inside, other=0) != 0
+        x = tl.where(masked, _MASKED, x)
+    return tl.where(inside, x, float("-inf")), inside
+
+
+@triton.jit
+def _limit(r, k, SQ, MODE: tl.constexpr):
+    # Columns a row keeps: all k, or 0..i for row i of a causal block.
+    lim = tl.zeros_like(r) + k
+    if MODE == 2:
+        lim = tl.minimum(lim, r % SQ + 1)
+    return lim
+
+
+@triton.jit
+def _fwd_fused(
+    x_ptr, y_ptr, m_ptr, rows, k, SQ, H, msb, msh, msq, s_hi, s_lo,
+    MODE: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+    rvalid = r < rows
+    lim = tl.where(rvalid, _limit(r, k, SQ, MODE), 0)
+    cols = tl.arange(0, BLOCK)[None, :]
+    row = r[:, None] * k
+    mrow = (r // (SQ * H) * msb + r // SQ % H * msh + r % SQ * msq)[:, None]
+    s = _scale(s_hi, s_lo, ACC)
+    x, inside = _scores(x_ptr, m_ptr, row, mrow, cols, lim[:, None], s, MODE, ACC)
+    x = tl.where(rvalid[:, None], x, 0.0)
+    e = tl.where(inside, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
+    y = div(e, tl.sum(e, axis=1)[:, None])
+    out = cols < tl.where(rvalid, k, 0)[:, None]
+    tl.store(y_ptr + row + cols, from_acc(y, y_ptr.dtype.element_ty), mask=out)
+
+
+@triton.jit
+def _fwd_looped(
+    x_ptr, y_ptr, m_ptr, rows, k, SQ, H, msb, msh, msq, s_hi, s_lo,
+    MODE: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0).to(tl.int64)
+    lim = _limit(r, k, SQ, MODE)
+    row = r * k
+    mrow = r // (SQ * H) * msb + r // SQ % H * msh + r % SQ * msq
+    s = _scale(s_hi, s_lo, ACC)
+    lanes = tl.arange(0, BLOCK)
+    mx = tl.full([BLOCK], float("-inf"), ACC)
+    for j in range(0, k, BLOCK):
+        x, _ = _scores(x_ptr, m_ptr, row, mrow, j + lanes, lim, s, MODE, ACC)
+        mx = tl.maximum(mx, x)
+    top = tl.max(mx, axis=0)
+    acc = tl.zeros([BLOCK], ACC)
+    for j in range(0, k, BLOCK):
+        x, inside = _scores(x_ptr, m_ptr, row, mrow, j + lanes, lim, s, MODE, ACC)
+        acc += tl.where(inside, tl.exp(x - top), 0.0)
+    total = tl.sum(acc, axis=0)
+    for j in range(0, k, BLOCK):
+        x, inside = _scores(x_ptr, m_ptr, row, mrow, j + lanes, lim, s, MODE, ACC)
+        y = div(tl.where(inside, tl.exp(x - top), 0.0), total)
+        tl.store(y_ptr + row + j + lanes, from_acc(y, y_ptr.dtype.element_ty), mask=j + lanes < k)
+
+
+def _forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, mode: int) -> torch.Tensor:
+    x = x.contiguous()
+    y = torch.empty_like(x)
+    k = x.shape[-1] if x.dim() else 1
+    rows = x.numel() // k if k else 0
+    if rows == 0:
+        return y
+    sq = x.shape[-2] if mode != _NONE else 1
+    h = x.shape[1] if mode == _MASK else 1
+    if mask is not None:
+        b, hh = x.shape[:2]
+        m = mask.expand(b, hh, sq, k)
+        if m.stride(-1) != 1:
+            m = m.contiguous()
+        m = m.view(torch.uint8) if m.dtype == torch.bool else m
+        msb, msh, msq = m.stride(0), m.stride(1), m.stride(2)
+    else:
+        m, msb, msh, msq = x, 0, 0, 0
+    args = (x, y, m, rows, k, sq, h, msb, msh, msq, *split64(scale))
+    kw = dict(MODE=mode, ACC=acc_of(x.dtype))
+    if k <= MAX_FUSED:
+        block = next_pow2(k)
+        nrows = max(1, _TILE // block)
+        launch(
+            _fwd_fused, (triton.cdiv(rows, nrows),), *args, ROWS=nrows, BLOCK=block,
+            num_warps=warps(nrows * block), **kw,
+        )  # fmt: skip
+    else:
+        launch(_fwd_looped, (rows,), *args, BLOCK=_BLOCK, **kw)
+    return y
+
+
+def scaled_softmax_fwd(input: torch.Tensor, scale: float) -> torch.Tensor:
+    """``softmax(input * scale)`` over the last dim: the signature and semantics of
+    :func:`mpnb.core.ops.softmax_ops.reference_scaled_softmax_fwd`."""
+    check_float("scaled_softmax", input)
+    return _forward(input, None, scale, _NONE)
+
+
+def scaled_masked_softmax_fwd(input: torch.Tensor, mask: torch.Tensor, scale: float):
+    """Masked softmax of ``[b, np, sq, sk]`` scores: the signature and semantics of
+    :func:`mpnb.core.ops.softmax_ops.reference_scaled_masked_softmax_fwd`.
+
+    Example::
+
+        >>> x = torch.randn(2, 4, 8, 8, device="cuda", dtype=torch.float16)
+        >>> pad = torch.zeros(2, 1, 8, 8, dtype=torch.bool, device="cuda"); pad[..., 6:] = True
+        >>> y = scaled_masked_softmax_fwd(x, pad, 0.125)
+    """
+    op = "scaled_masked_softmax"
+    check_float(op, input)
+    check_mask(op, input, mask)
+    return _forward(input, mask, scale, _MASK)
+
+
+def scaled_upper_triang_masked_softmax_fwd(input: torch.Tensor, scale: float) -> torch.Tensor:
+    """Causal softmax of ``[..., sq, sq]`` scores: the signature and semantics of
+    :func:`mpnb.core.ops.softmax_ops.reference_scaled_upper_triang_masked_softmax_fwd`."""
+    op = "scaled_upper_triang_masked_softmax"
+    check_float(op, input)
+    if input.dim() < 2 or input.shape[-1] != input.shape[-2]:
+        raise ValueError(
+            f"{op}: the causal softmax needs square [..., sq, sk] scores with sq == sk, got "
+            f"shape {tuple(input.shape)}."
+        )
+    return _forward(input, None, scale, _CAUSAL)
+
+
+@triton.jit
+def _bwd_fused(
+    dy_ptr, y_ptr, dx_ptr, rows, k, s_hi, s_lo,
+    ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    cols = tl.arange(0, BLOCK)
+    m = (r[:, None] < rows) & (cols[None, :] < k)
+    offs = r.to(tl.int64)[:, None] * k + cols[None, :]
+    y = to_acc(tl.load(y_ptr + offs, mask=m, other=0.0), ACC)
+    dy = to_acc(tl.load(dy_ptr + offs, mask=m, other=0.0), ACC)
+    dot = tl.sum(dy * y, axis=1)
+    dx = _scale(s_hi, s_lo, ACC) * y * (dy - dot[:, None])
+    tl.store(dx_ptr + offs, from_acc(dx, dx_ptr.dtype.element_ty), mask=m)
+
+
+@triton.jit
+def _bwd_looped(dy_ptr, y_ptr, dx_ptr, rows, k, s_hi, s_lo, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64) * k
+    lanes = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], ACC)
+    for j in range(0, k, BLOCK):
+        m = j + lanes < k
+        y = to_acc(tl.load(y_ptr + row + j + lanes, mask=m, other=0.0), ACC)
+        acc += y * to_acc(tl.load(dy_ptr + row + j + lanes, mask=m, other=0.0), ACC)
+    dot = tl.sum(acc, axis=0)
+    s = _scale(s_hi, s_lo, ACC)
+    for j in range(0, k, BLOCK):
+        m = j + lanes < k
+        y = to_acc(tl.load(y_ptr + row + j + lanes, mask=m, other=0.0), ACC)
+        dy = to_acc(tl.load(dy_ptr + row + j + lanes, mask=m, other=0.0), ACC)
+        tl.store(
+            dx_ptr + row + j + lanes, from_acc(s * y * (dy - dot), dx_ptr.dtype.element_ty), mask=m
+        )
+
+
+def scaled_softmax_bwd(grad_out, output, scale: float, upper_triang: bool = False):
+    """``scale * y * (dy - sum(dy * y))``, the backward of every softmax forward here: the
+    signature and semantics of :func:`mpnb.core.ops.softmax_ops.reference_scaled_softmax_bwd`
+    (``upper_triang`` changes nothing in the result: the causal zeros stay zero)."""
+    op = "scaled_softmax_bwd"
+    check_float(op, output, "output")
+    if grad_out.shape != output.shape or grad_out.device != output.device:
+        raise ValueError(
+            f"{op}: grad_out is {tuple(grad_out.shape)} on {grad_out.device} but the output is "
+            f"{tuple(output.shape)} on {output.device}; pass the gradient of the output."
+        )
+    y, dy = output.contiguous(), grad_out.contiguous()
+    dx = torch.empty_like(y)
+    k = y.shape[-1] if y.dim() else 1
+    rows = y.numel() // k if k else 0
+    if rows == 0:
+        return dx
+    args = (dy, y, dx, rows, k, *split64(scale))
+    if k <= MAX_FUSED:
+        block = next_pow2(k)
+        nrows = max(1, _TILE // block)
+        launch(
+            _bwd_fused,
+            (triton.cdiv(rows, nrows),),
+            *args,
+            ACC=acc_of(y.dtype),
+            ROWS=nrows,
+            BLOCK=block,
+            num_warps=warps(nrows * block),
+        )
+    else:
+        launch(_bwd_looped, (rows,), *args, ACC=acc_of(y.dtype), BLOCK=_BLOCK)
+    return dx

@@ -1,0 +1,83 @@
+"""Inputs and comparisons shared by the Triton interpreter tests (imported by name)."""
+
+from __future__ import annotations
+
+import torch
+
+HALF = (torch.float16, torch.bfloat16)
+FLOATS = (torch.float32, torch.float16, torch.bfloat16)
+#: sizes crossing the block (1024) and chunk (8192) boundaries, with an empty tensor
+SIZES = (0, 1, 7, 1025, 8193)
+
+
+def kernel(name: str):
+    """The Triton launcher of op ``name`` (the interpreted one, during these tests)."""
+    from mpnb.core.ops.triton import launcher
+
+    return launcher(name)
+
+
+def gen(seed: int) -> torch.Generator:
+    """A seeded CPU generator."""
+    return torch.Generator().manual_seed(seed)
+
+
+def randn(shape, dtype, g: torch.Generator, scale: float = 1.0) -> torch.Tensor:
+    """``randn * scale`` drawn in fp32, then cast."""
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def poison(ts, g: torch.Generator, count: int = 3) -> list[tuple[int, int]]:
+    """Put inf, -inf and NaN at ``count`` random positions of the non-empty tensors of ``ts``;
+    returns the ``(tensor, element)`` positions."""
+    live = [i for i, t in enumerate(ts) if t.numel()]
+    values = (float("inf"), float("nan"), float("-inf"))
+    where = []
+    for k in range(count):
+        i = live[int(torch.randint(len(live), (1,), generator=g))]
+        j = int(torch.randint(ts[i].numel(), (1,), generator=g))
+        ts[i].view(-1)[j] = values[k % 3]
+        where.append((i, j))
+    return where
+
+
+def clone(x):
+    """A deep copy of a tensor or nested lists of tensors."""
+    if isinstance(x, torch.Tensor):
+        return x.clone()
+    return [clone(t) for t in x]
+
+
+def on(device: str, x):
+    """``x`` (a tensor or nested lists of tensors) copied to ``device``."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device, copy=True)
+    return [on(device, t) for t in x]
+
+
+def close(actual, expected, ulps: float = 2.0) -> None:
+    """Equal to ``ulps`` units of the dtype's precision (relative, and absolute at the
+    tensor's scale), with inf/NaN at the same positions."""
+    if isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected, strict=True):
+            close(a, e, ulps)
+        return
+    actual = actual.cpu()
+    assert actual.dtype == expected.dtype and actual.shape == expected.shape
+    eps = torch.finfo(expected.dtype).eps
+    finite = expected[torch.isfinite(expected)]
+    scale = float(finite.abs().max()) if finite.numel() else 1.0
+    torch.testing.assert_close(
+        actual, expected, rtol=ulps * eps, atol=ulps * eps * max(scale, 1e-30), equal_nan=True
+    )
+
+
+def bitwise(actual, expected) -> None:
+    """Identical values (NaN where NaN), dtypes and shapes."""
+    if isinstance(expected, (list, tuple)):
+        assert len(actual) == len(expected)
+        for a, e in zip(actual, expected, strict=True):
+            bitwise(a, e)
+        return
+    torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0, equal_nan=True)
