@@ -20,7 +20,7 @@ import numbers
 
 import torch
 
-from mpnb.core.ops.norm_ops import layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
+from mpnb.core.ops import layer_norm_bwd, layer_norm_fwd, rms_norm_bwd, rms_norm_fwd
 
 __all__ = [
     "forward",

@@ -92,7 +92,19 @@ def report(build: bool = True) -> str:
         lines.append(f"  CPU kernels: FAILED, references run. Reason: {status.reason}")
     if status is not None and status.note:
         lines.append(f"  note: {status.note}")
-    lines.append("  CUDA kernels of ours: none yet (CUDA tensors run PyTorch's own fused CUDA ops)")
+    from mpnb.core.ops.triton import triton_status
+
+    tri = triton_status()
+    if tri.usable:
+        lines.append(
+            f"  CUDA kernels of ours: Triton {tri.version}, opted in with MPNB_TRITON=1 "
+            "(unmeasured on a GPU: compare with `mpnb bench --device cuda`)"
+        )
+    else:
+        lines.append(
+            f"  CUDA kernels of ours (Triton): not used; {tri.reason}. CUDA tensors run "
+            "PyTorch's own fused CUDA ops"
+        )
     lines.append("ops (family: op -> path on cpu | on cuda)")
     for info in all_ops():
         lines.append(

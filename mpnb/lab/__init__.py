@@ -33,7 +33,7 @@ _LAZY = {
     "transformers_workload": "hf",
     "torch_threads": "stats",
     "RunConfig": "config",
-    "LossScaleSpec": "config",
+    "LossScaleRule": "config",
     "MemoryTracker": "memory",
     "profile": "profiling",
     "trace_overflow": "diagnosis",

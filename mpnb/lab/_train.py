@@ -21,7 +21,6 @@ from torch.utils import benchmark
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpnb.core.amp import EmulatedHalfWarning
-from mpnb.lab import _scaler
 from mpnb.lab._data import batch_len
 from mpnb.lab._errors import DivergenceError, describe_error
 from mpnb.lab.config import RunConfig
@@ -98,15 +97,9 @@ def _setup(cfg: RunConfig, w: Workload):
     opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr or w.lr)
     scale = None if cfg.opt_level == "O0" else cfg.loss_scale
     model, opt = amp.initialize(
-        model,
-        opt,
-        opt_level=cfg.opt_level,
-        half_dtype=cfg.dtype,
-        loss_scale=scale if isinstance(scale, float) else None,
-        verbosity=0,
+        model, opt, opt_level=cfg.opt_level, half_dtype=cfg.dtype, loss_scale=scale, verbosity=0
     )
-    scaler = _scaler.install(amp.current_handle(), scale, cfg.device)
-    return model, opt, scaler
+    return model, opt, amp.current_handle().scalers[0]
 
 
 def _logits_cpu(out) -> torch.Tensor | None:

@@ -17,52 +17,18 @@ from dataclasses import dataclass
 
 import torch
 
-from mpnb.core.hardware import default_half_dtype
+from mpnb.core.amp import (
+    HALF_DTYPES,
+    OPT_LEVELS,
+    LossScaleRule,
+    half_dtype_name,
+    parse_half_dtype,
+    parse_loss_scale,
+)
 
-__all__ = ["LossScaleSpec", "RunConfig", "expand", "resolve_device", "DTYPES"]
+__all__ = ["RunConfig", "expand", "resolve_device", "half_name", "LossScaleRule"]
 
-OPT_LEVELS = ("O0", "O1", "O2", "O3")
-DTYPES = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
 OPTIMIZERS = ("adam", "adamw", "sgd", "fused_adam", "fused_sgd")
-
-
-@dataclass(frozen=True)
-class LossScaleSpec:
-    """Dynamic loss scaling parameters (``torch.amp.GradScaler``'s names).
-
-    Args:
-        init_scale: the first scale.
-        growth_factor: multiply the scale by this after ``growth_interval`` clean steps.
-        backoff_factor: multiply the scale by this on an inf/NaN gradient.
-        growth_interval: clean steps between two growths.
-
-    Example::
-
-        >>> LossScaleSpec(init_scale=2.0**10, growth_interval=100)
-    """
-
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
-
-    def __post_init__(self):
-        if not (
-            self.init_scale > 0
-            and self.growth_factor >= 1
-            and 0 < self.backoff_factor <= 1
-            and self.growth_interval > 0
-        ):
-            raise ValueError(
-                f"loss_scale={self!r} is invalid: need init_scale > 0, growth_factor >= 1, "
-                "0 < backoff_factor <= 1 and growth_interval > 0."
-            )
 
 
 @dataclass(frozen=True)
@@ -78,7 +44,8 @@ class RunConfig:
             :attr:`memory_step` are not timed).
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, ``"fused_adam"`` or ``"fused_sgd"``.
         lr: learning rate (None: the workload's default).
-        loss_scale: None (the opt level's default), a static number, or a :class:`LossScaleSpec`.
+        loss_scale: None (the opt level's default), a static number, or a
+            :class:`~mpnb.core.amp.LossScaleRule` (passed to ``amp.initialize``).
         device: ``"cpu"`` or ``"cuda[:i]"`` (already resolved, never ``"auto"``).
         seed: model initialization and data order; the same for every configuration.
         warmup: untimed steps at the start.
@@ -91,7 +58,7 @@ class RunConfig:
     steps: int
     optimizer: str = "adam"
     lr: float | None = None
-    loss_scale: float | LossScaleSpec | None = None
+    loss_scale: float | LossScaleRule | None = None
     device: str = "cpu"
     seed: int = 0
     warmup: int = 3
@@ -110,7 +77,7 @@ class RunConfig:
     @property
     def dtype(self) -> torch.dtype | None:
         """The half dtype as a torch dtype (None for O0)."""
-        return DTYPES.get(self.half_dtype)
+        return HALF_DTYPES.get(self.half_dtype)
 
 
 def resolve_device(device: str | torch.device = "auto") -> str:
@@ -125,36 +92,9 @@ def resolve_device(device: str | torch.device = "auto") -> str:
     return str(dev)
 
 
-def _half_name(half_dtype, device: str) -> str:
-    if half_dtype in (None, "auto"):
-        return "bf16" if default_half_dtype(device) == torch.bfloat16 else "fp16"
-    if isinstance(half_dtype, torch.dtype):
-        half_dtype = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(half_dtype, half_dtype)
-    if half_dtype not in DTYPES:
-        raise ValueError(f"half_dtype={half_dtype!r} is invalid; use 'bf16', 'fp16' or 'auto'.")
-    return "bf16" if DTYPES[half_dtype] == torch.bfloat16 else "fp16"
-
-
-def _loss_scale(value) -> float | LossScaleSpec | None:
-    if value is None or isinstance(value, LossScaleSpec):
-        return value
-    if isinstance(value, dict):
-        try:
-            return LossScaleSpec(**value)
-        except TypeError as e:
-            raise ValueError(
-                f"loss_scale={value!r}: {e}; the keys are init_scale, "
-                "growth_factor, backoff_factor, growth_interval."
-            ) from None
-    if value == "dynamic":
-        return LossScaleSpec()
-    if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0:
-        return float(value)
-    raise ValueError(
-        f"loss_scale={value!r} is invalid; use None, 'dynamic', a positive "
-        "number (static) or a dict(init_scale, growth_factor, backoff_factor, "
-        "growth_interval)."
-    )
+def half_name(half_dtype, device: str) -> str:
+    """``"bf16"`` or ``"fp16"`` for any half-dtype name or dtype (None/"auto": the device's)."""
+    return half_dtype_name(parse_half_dtype(half_dtype, device))
 
 
 def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
@@ -162,7 +102,7 @@ def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
     if bad or not opt_levels:
         raise ValueError(
             f"opt_levels={tuple(opt_levels)!r}: {bad or 'none given'} invalid; "
-            f"choose from {OPT_LEVELS}."
+            f"choose from {tuple(OPT_LEVELS)}."
         )
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes={tuple(batch_sizes)!r}: need positive ints.")
@@ -176,7 +116,7 @@ def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
 
 def expand(
     workload: str,
-    opt_levels: Sequence[str] = OPT_LEVELS,
+    opt_levels: Sequence[str] = tuple(OPT_LEVELS),
     half_dtype="auto",
     batch_sizes: Sequence[int] = (64,),
     steps: int = 100,
@@ -197,8 +137,8 @@ def expand(
     _check(levels, tuple(batch_sizes), steps, optimizer)
     dev = resolve_device(device)
     halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)
-    names = list(dict.fromkeys(_half_name(h, dev) for h in halves))
-    scale = _loss_scale(loss_scale)
+    names = list(dict.fromkeys(half_name(h, dev) for h in halves))
+    scale = parse_loss_scale(loss_scale)
     wu = min(3, max(0, (steps - 2) // 4)) if warmup is None else int(warmup)
     if not 0 <= wu <= steps - 2:
         raise ValueError(f"warmup={warmup!r}: need 0 <= warmup <= steps - 2 ({steps - 2}).")

@@ -261,17 +261,14 @@ def trace_precision(
         >>> ops, summary = trace_precision(model, x, "O1")
         >>> ops[(ops.phase == "forward") & (ops.op == "addmm")][["module", "dtype", "reason"]]
     """
-    from mpnb.core.amp.frontend import registry
+    from mpnb.core.amp import preserve_current_handle
 
     cfg = get_config(config)
     p = next(model.parameters(), None)
     device = p.device if p is not None else torch.device("cpu")
     half = _resolve_half(cfg, half_dtype, device)
-    latest = registry.latest  # amp.initialize on the copy must not replace the user's handle
-    try:
+    with preserve_current_handle():  # amp.initialize on the copy keeps the user's handle
         facts, policies = _trace(model, inputs, cfg, loss_fn or _default_loss, half, device)
-    finally:
-        registry.latest = latest
     uses_half = cfg.weights[0] != "float32" or cfg.name == "O1"
     half_name = str(half).replace("torch.", "") if uses_half else "-"
     ops = pd.DataFrame(_rows(facts, policies, half_name, cfg), columns=COLUMNS)

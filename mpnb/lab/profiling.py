@@ -3,8 +3,10 @@
 For each opt level a deep copy of your model (yours is never changed) trains a few steps and
 reports:
 
-* ``phases``: median time of forward (model + loss), backward, unscale (leaving
-  ``amp.scale_loss``: unscale, master-grad copies), optimizer step, and scaler update;
+* ``phases``: median time of forward (model + loss), backward, unscale and update (leaving
+  ``amp.scale_loss``: unscale, master-grad copies, overflow check, the loss-scale update),
+  and the optimizer step (a fused optimizer unscales inside it, and amp updates the scale
+  right after it);
 * ``modules``: per leaf module, forward time, output size and output dtype (one forward with
   hooks, so you see which layers really run in half);
 * ``flops``: FLOPs of one forward + backward from ``torch.utils.flop_counter.FlopCounterMode``
@@ -27,15 +29,15 @@ import torch
 from torch.utils import benchmark
 from torch.utils.flop_counter import FlopCounterMode
 
-from mpnb.lab import _scaler
+from mpnb.core.amp import HALF_DTYPES
 from mpnb.lab._errors import describe_error
 from mpnb.lab._train import forward, make_optimizer, to_device
-from mpnb.lab.config import DTYPES, _half_name, resolve_device
+from mpnb.lab.config import half_name, resolve_device
 from mpnb.lab.stats import median
 
 __all__ = ["ProfileResult", "profile", "PHASES"]
 
-PHASES = ("forward", "backward", "unscale", "optimizer_step", "scaler_update")
+PHASES = ("forward", "backward", "unscale_and_update", "optimizer_step")
 
 
 @dataclass
@@ -67,7 +69,6 @@ class _Level:
             self.model, self.opt = amp.initialize(
                 self.model, opt, opt_level=level, half_dtype=half, verbosity=0
             )
-        self.scaler = _scaler.install(amp.current_handle(), None, device, timed=True)
 
     def step(self, x, loss_fn) -> dict[str, float]:
         from mpnb import amp
@@ -81,20 +82,15 @@ class _Level:
         scaled = cm.__enter__()
         scaled.backward()
         t2 = clock()
-        ups = getattr(self.scaler, "update_seconds", [])
-        n_up = len(ups)
-        cm.__exit__(None, None, None)
+        cm.__exit__(None, None, None)  # unscale, overflow check and the scale update
         t3 = clock()
-        up_exit = sum(ups[n_up:])
-        self.opt.step()
+        self.opt.step()  # a fused optimizer unscales inside its step, then amp updates the scale
         t4 = clock()
-        up_step = sum(ups[n_up:]) - up_exit  # a fused optimizer updates the scale in step()
         return {
             "forward": t1 - t0,
             "backward": t2 - t1,
-            "unscale": t3 - t2 - up_exit,
-            "optimizer_step": t4 - t3 - up_step,
-            "scaler_update": up_exit + up_step,
+            "unscale_and_update": t3 - t2,
+            "optimizer_step": t4 - t3,
         }
 
 
@@ -222,7 +218,7 @@ def profile(
     """
     p = next(model.parameters(), None)
     dev = resolve_device(device or (p.device if p is not None else "cpu"))
-    half = DTYPES[_half_name(half_dtype, dev)]
+    half = HALF_DTYPES[half_name(half_dtype, dev)]
     x = to_device(example_inputs, dev)
     loss_fn = loss_fn or _default_loss
     phases, modules, flops, ops, errors = [], [], [], [], {}

@@ -77,11 +77,11 @@ def emulation_note(w, half_dtype="auto", device="auto") -> str:
         >>> emulation_note(workloads.get("transformer"), "bf16", "cpu")
         'bf16 is emulated on this CPU: ...'
     """
-    from mpnb.lab.config import _half_name
+    from mpnb.lab.config import half_name
 
     dev = resolve_device(device)
     halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)
-    names = list(dict.fromkeys(_half_name(h, dev) for h in halves))
+    names = list(dict.fromkeys(half_name(h, dev) for h in halves))
     hs = half_support(dev)
     emulated = [n for n in names if hs["bfloat16" if n == "bf16" else "float16"] == "emulated"]
     if not emulated:

@@ -247,7 +247,7 @@ def profile(
 
 def _extras(model, example_inputs, loss_fn, opt_levels, half, optimizer, lr, dev, memory, trace):
     import mpnb.lab
-    from mpnb.lab.config import DTYPES
+    from mpnb.core.amp import HALF_DTYPES
 
     errors, mem, tr = {}, None, None
     if memory:
@@ -264,7 +264,7 @@ def _extras(model, example_inputs, loss_fn, opt_levels, half, optimizer, lr, dev
             errors["memory"] = f"{type(e).__name__}: {e}"
     if trace:
         try:
-            tr = mpnb.lab.trace_overflow(model, example_inputs, loss_fn, dtype=DTYPES[half])
+            tr = mpnb.lab.trace_overflow(model, example_inputs, loss_fn, dtype=HALF_DTYPES[half])
         except Exception as e:  # noqa: BLE001 - shown in the widget
             errors["overflow tracer"] = f"{type(e).__name__}: {e}"
     return mem, tr, errors

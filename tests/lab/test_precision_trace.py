@@ -5,7 +5,6 @@ import torch
 import torch.nn.functional as F
 
 from mpnb import amp
-from mpnb.core.amp.frontend import registry
 from mpnb.lab import trace_precision
 from mpnb.lab.precision import COLUMNS, REASONS
 
@@ -54,12 +53,15 @@ def test_o1_gemms_bf16_by_autocast_and_loss_float32(x):
     assert set(fwd["reason"]) == {"autocast-lower-precision"}
     assert (fwd["api"] == "torch.nn.functional.linear").all()
     casts = _rows(ops, phase="forward", kind="cast")
-    assert set(casts["reason"]) == {"autocast-cast"} and len(casts) == 5  # x, W1, b1, W2, b2
+    auto = casts[casts["reason"] == "autocast-cast"]
+    assert len(auto) == 5  # x, W1, b1, W2, b2
+    out = casts[casts["reason"] == "explicit-cast"]  # amp's O1 cast of the output to fp32
+    assert len(out) == 1 and out["dtype"].item() == "float32" and len(casts) == 6
     relu = _rows(ops, phase="forward", op="relu")
     assert relu["dtype"].item() == "bfloat16" and relu["reason"].item() == "promotion"
     loss = _rows(ops, phase="loss")
     assert _rows(loss, op="mean")["dtype"].item() == "float32"
-    assert _rows(loss, kind="cast")["reason"].item() == "explicit-cast"  # out.float()
+    assert _rows(loss, kind="cast").empty  # out.float() is a no-op: amp's output cast did it
     bwd = _rows(ops, phase="backward", op="mm")
     assert set(bwd["dtype"]) == {"bfloat16"} and set(bwd["module"]) == {"0", "2"}
     assert set(bwd["grad_fn"]) == {"AddmmBackward0"} and set(bwd["reason"]) == {"backward"}
@@ -160,14 +162,17 @@ def test_o1_reasons_fp32_list_promote_disabled_region_and_registration(x):
 def test_the_users_model_and_amp_state_are_untouched(x):
     model = _mlp()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    amp_latest = registry.latest
+    user_model, _ = amp.initialize(
+        _mlp(), torch.optim.SGD(_mlp().parameters(), lr=0.1), opt_level="O1", verbosity=0
+    )
+    amp_latest = amp.current_handle()
     trace_precision(model, x, "O2")
     trace_precision(model, x, "fp8-delayed")
     assert type(model[0]) is torch.nn.Linear and model[0].weight.dtype == torch.float32
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
     assert model[0].weight.grad is None
     assert not model[0]._forward_hooks and not model[0]._forward_pre_hooks
-    assert registry.latest is amp_latest
+    assert amp.current_handle() is amp_latest
 
 
 def test_bad_configs_are_refused_clearly(x):

@@ -41,6 +41,7 @@ from mpnb.core.amp.frontend import (
     current_handle,
     load_state_dict,
     master_params,
+    preserve_current_handle,
     scale_loss,
     state_dict,
 )
@@ -61,6 +62,7 @@ __all__ = [
     "register_float_function",
     "register_promote_function",
     "current_handle",
+    "preserve_current_handle",
     "AmpHandle",
     "AmpOptimizerState",
     "AmpStash",

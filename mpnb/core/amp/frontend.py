@@ -25,6 +25,7 @@ __all__ = [
     "load_state_dict",
     "current_handle",
     "set_current_handle",
+    "preserve_current_handle",
 ]
 
 _latest: weakref.ref | None = None  # Apex compatibility: the latest amp.initialize's handle
@@ -34,6 +35,28 @@ def set_current_handle(handle: AmpHandle) -> None:
     """Make ``handle`` the one Apex's handle-less functions act on (``amp.initialize`` does)."""
     global _latest
     _latest = weakref.ref(handle)
+
+
+@contextlib.contextmanager
+def preserve_current_handle() -> Iterator[None]:
+    """Keep the current handle across ``amp.initialize`` calls made inside the block.
+
+    For tools that run amp on copies of a user's model (the lab's comparisons, profiles and
+    traces): their ``amp.initialize`` calls must not change what the user's handle-less
+    ``amp.state_dict()`` / ``amp.load_state_dict()`` act on. Restored also when the block
+    raises.
+
+    Example::
+
+        >>> with preserve_current_handle():
+        ...     amp.initialize(copy.deepcopy(model), opt_level="O2", verbosity=0)
+    """
+    global _latest
+    saved = _latest
+    try:
+        yield
+    finally:
+        _latest = saved
 
 
 def current_handle() -> AmpHandle:

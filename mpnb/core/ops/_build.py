@@ -274,17 +274,18 @@ class Extension:
             self._warn_once(self._result.reason)
         return self._result.loaded
 
-    def build(self, force: bool = False, verbose: bool = False) -> BuildResult:
-        """Build (with ``force`` from scratch) and load the kernels now.
+    def build(self, force: bool = False, verbose: bool = False, load: bool = True) -> BuildResult:
+        """Build (with ``force`` from scratch) and, with ``load``, load the kernels now.
 
         A library already loaded in this process stays loaded (a process cannot unload its
-        kernels); ``force`` then rebuilds the cache for the next process.
+        kernels); ``force`` then rebuilds the cache for the next process. ``load=False``
+        builds and verifies the cache only (``loaded`` is then False and ``reason`` empty).
         """
         with self._lock:
             if self._result is not None and self._result.loaded and not force:
                 return self._result
-            result = self._load(force=force, verbose=verbose)
-            if self._result is None or not self._result.loaded:
+            result = self._load(force=force, verbose=verbose, load=load)
+            if load and (self._result is None or not self._result.loaded):
                 self._result = result
             return result
 
@@ -314,7 +315,7 @@ class Extension:
             return "sources changed"
         return ""
 
-    def _load(self, force: bool, verbose: bool) -> BuildResult:
+    def _load(self, force: bool, verbose: bool, load: bool = True) -> BuildResult:
         if self.disabled:
             return BuildResult(False, "disabled by MPNB_DISABLE_EXT=1")
         start = time.perf_counter()
@@ -337,11 +338,13 @@ class Extension:
                 return BuildResult(False, why, time.perf_counter() - start, str(lib), note=note)
         else:
             built = 0
+        seconds = time.perf_counter() - start if built else 0.0
+        if not load:
+            return BuildResult(False, "", seconds, str(lib), bool(built), built, note)
         try:
             torch.ops.load_library(str(lib))
         except Exception as exc:  # noqa: BLE001 - any loader error: fall back
             return BuildResult(False, f"the library did not load: {exc}", path=str(lib))
-        seconds = time.perf_counter() - start if built else 0.0
         return BuildResult(
             True, "", seconds, str(lib), built=bool(built), compiled=built, note=note
         )

@@ -8,7 +8,9 @@ through ``torch.library`` and nothing else:
 * the reference as the ``CompositeExplicitAutograd`` kernel: it serves every device that has
   no kernel of its own (the CPU before the C++ library is loaded, or with
   ``MPNB_DISABLE_EXT=1``);
-* the PyTorch-ops path (PyTorch's own fused ops) for the CUDA key, when the family has one;
+* for the CUDA key: our Triton kernel when the user opted in (``MPNB_TRITON=1``, a GPU and
+  triton present: :mod:`mpnb.core.ops.triton`), else the PyTorch-ops path (PyTorch's own
+  fused ops) when the family has one, else the reference;
 * the fake (shape) kernel, and the autograd formula where the op is differentiable.
 
 The C++ kernels register themselves for the CPU key (``TORCH_LIBRARY_IMPL(mpnb, CPU, m)`` at
@@ -26,6 +28,7 @@ from typing import Any
 
 import torch
 
+from mpnb.core.ops import triton as _triton
 from mpnb.core.ops._build import cpu_extension
 
 __all__ = [
@@ -97,6 +100,7 @@ class OpInfo:
 
 
 _TABLE: dict[str, OpInfo] = {}
+_TRITON_ON_CUDA: set[str] = set()  # ops whose CUDA kernel is our Triton kernel (opted in)
 
 
 def define(
@@ -128,8 +132,12 @@ def define(
     name = schema.split("(", 1)[0].strip()
     LIB.define(schema)
     LIB.impl(name, reference, "CompositeExplicitAutograd")
-    if torch_path is not None:
-        LIB.impl(name, torch_path, "CUDA")
+    cuda = torch_path
+    if name in _triton.LAUNCHERS and _triton.triton_usable():  # opt-in, until measured
+        cuda = _triton.launcher(name)
+        _TRITON_ON_CUDA.add(name)
+    if cuda is not None:
+        LIB.impl(name, cuda, "CUDA")
     torch.library.register_fake(f"mpnb::{name}", fake, lib=LIB)
     if autograd is not None:
         backward, setup_context = autograd
@@ -220,9 +228,13 @@ def op_path(name: str, device: str = "cpu") -> str:
     dev = torch.device(device).type
     ext = cpu_extension()
     if dev == "cuda":
-        if torch._C._dispatch_has_kernel_for_dispatch_key(op.qualname, "CUDA"):
-            return "PyTorch's fused CUDA ops" if op.torch_path is not None else "kernel (CUDA)"
-        return "reference (PyTorch ops, no CUDA kernel)"
+        if name in _TRITON_ON_CUDA:
+            return "Triton kernel (MPNB_TRITON=1; unmeasured on a GPU)"
+        opt_in = " (a Triton kernel is available: MPNB_TRITON=1, unmeasured)"
+        has = name in _triton.LAUNCHERS
+        if op.torch_path is not None:
+            return "PyTorch's fused CUDA ops" + (opt_in if has else "")
+        return "reference (PyTorch ops, no CUDA kernel)" + (opt_in if has else "")
     if dev != "cpu":
         return f"reference (no {dev} kernel)"
     if name in _REFERENCE_ON_CPU:

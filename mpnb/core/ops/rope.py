@@ -21,7 +21,7 @@ from mpnb.core.ops._library import Sample, define, ensure_kernels
 __all__ = ["rope", "reference_rope"]
 
 
-def _check(op: str, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, group: int) -> None:
+def check_rope(op: str, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, group: int) -> None:
     check_float(op, t, "t")
     if t.dim() != 4:
         raise ValueError(
@@ -55,7 +55,7 @@ def _check(op: str, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, group
 
 def reference_rope(t, cos, sin, group, transpose_output=False, backward=False):
     """Reference of :func:`rope`, computed in fp32 (fp64 for fp64)."""
-    _check("rope", t, cos, sin, group)
+    check_rope("rope", t, cos, sin, group)
     acc = acc_dtype(t)
     d2 = cos.shape[1]
     half = group // 2

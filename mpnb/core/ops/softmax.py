@@ -49,7 +49,7 @@ def _check_scores(op: str, x: torch.Tensor, min_dim: int) -> None:
         )
 
 
-def _check_mask(op: str, input: torch.Tensor, mask: torch.Tensor) -> None:
+def check_mask(op: str, input: torch.Tensor, mask: torch.Tensor) -> None:
     if input.dim() != 4:
         raise ValueError(
             f"{op}: input must be [b, np, sq, sk] scores, got shape {tuple(input.shape)}; "
@@ -101,7 +101,7 @@ def reference_scaled_masked_softmax_fwd(input, mask, scale):
     """``softmax(masked_fill(input * scale, mask, -10000), -1)`` in fp32."""
     op = "scaled_masked_softmax_fwd"
     _check_scores(op, input, 1)
-    _check_mask(op, input, mask)
+    check_mask(op, input, mask)
     x = input.to(acc_dtype(input)) * scale
     m = mask.bool()
     # Value: -10000 where masked. Gradient, when this reference is differentiated directly:

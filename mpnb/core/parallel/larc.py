@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from mpnb.core.ops.multi_tensor import multi_tensor_l2norm
+from mpnb.core.ops import multi_tensor_l2norm
 
 __all__ = ["LARC"]
 

@@ -104,7 +104,7 @@ def _rms_backward(dy, x, cols, rstd, wt):
     try:
         torch.ops.aten._fused_rms_norm_backward(dy, x, [cols], rstd, wt, [True, True])
     except (NotImplementedError, RuntimeError):
-        from mpnb.core.ops.norm_ops import reference_rms_norm_bwd
+        from mpnb.core.ops.rms_norm import reference_rms_norm_bwd
 
         return (
             "torch ops (mpnb reference)",
@@ -175,7 +175,7 @@ def softmax_cases(b: int, h: int, sq: int, dev: str, quick: bool) -> Iterator[Ca
 
 def rope_case(s: int, b: int, h: int, d: int, dev: str) -> Case:
     """RoPE over all ``d`` channels of ``[s, b, h, d]`` bf16 against the PyTorch-ops reference."""
-    from mpnb.core.ops.rope_ops import reference_rope
+    from mpnb.core.ops.rope import reference_rope
     from mpnb.core.ops.triton import launcher
 
     n = s * b * h * d

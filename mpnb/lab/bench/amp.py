@@ -33,13 +33,13 @@ __all__ = ["cases"]
 _LR = 1e-9
 
 
-def _amp_init(model, opt, level, half):
+def _amp_init(model, opt, level, half, **kwargs):
     from mpnb import amp
     from mpnb.core.amp import EmulatedHalfWarning
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedHalfWarning)
-        return amp.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0)
+        return amp.initialize(model, opt, opt_level=level, half_dtype=half, verbosity=0, **kwargs)
 
 
 def _mlp(width: int, depth: int) -> torch.nn.Sequential:
@@ -234,13 +234,12 @@ def _optimizer_side_case(dev) -> Case:
 
     m = model()
     opt = torch.optim.SGD(m.parameters(), lr=_LR, foreach=True)
-    m, opt = _amp_init(m, opt, "O1", torch.float16)
+    # GradScaler's settings above: a scale of 1 that never grows, so the preset grads (the
+    # "scaled" grads, unscaled in place each step) stay the same finite values every step.
+    rule = dict(init_scale=1.0, growth_interval=10**9)
+    m, opt = _amp_init(m, opt, "O1", torch.float16, loss_scale=rule)
     amp_params = list(m.parameters())
     amp_grads = grads(amp_params)
-    # A scale of 1 (never grown): the preset grads are the "scaled" grads and stay finite.
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        amp.load_state_dict({"loss_scaler0": {"loss_scale": 1.0, "unskipped": 0}})
 
     def amp_step():
         opt.zero_grad()

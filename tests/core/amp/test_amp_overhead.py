@@ -15,9 +15,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from mpnb import amp
 from mpnb.core.amp import EmulatedHalfWarning
-from mpnb.core.ops import kernel_ready
+from mpnb.core.ops import ensure_kernels
 
-pytestmark = pytest.mark.skipif(not kernel_ready(), reason="needs the compiled CPU kernels")
+pytestmark = pytest.mark.skipif(not ensure_kernels(), reason="needs the compiled CPU kernels")
 
 _AMP_DIR = "mpnb/core/amp/"
 

@@ -114,7 +114,7 @@ def test_cuda_key_takes_pytorch_fused_ops_where_pytorch_has_them():
     NovoGrad (no fused PyTorch op) run their references there."""
     for name in ("fused_adam_", "fused_adagrad_", "fused_sgd_"):
         assert torch._C._dispatch_has_kernel_for_dispatch_key(f"mpnb::{name}", "CUDA"), name
-        assert ops.op_path(name, "cuda") == "PyTorch's fused CUDA ops"
+        assert ops.op_path(name, "cuda").startswith("PyTorch's fused CUDA ops")
     for name in ("fused_lamb_", "fused_novograd_"):
         assert not torch._C._dispatch_has_kernel_for_dispatch_key(f"mpnb::{name}", "CUDA")
         assert ops.op_path(name, "cuda").startswith("reference")

@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops._layer_common import check_float, check_param, norm_rows
+from mpnb.core.ops._checks import check_float, check_param, norm_rows
 from mpnb.core.ops.triton._common import (
     acc_of,
     div,

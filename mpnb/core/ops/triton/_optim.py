@@ -1,11 +1,12 @@
 """What the Triton optimizer steps share: their list checks, the step counter, fp64 powers.
 
-Conventions are those of :mod:`mpnb.core.ops.optimizers`: ``masters`` empty or one fp32
-tensor per param (the weight updated; ``params`` then receive its rounded copy in the same
-pass), ``steps`` one one-element fp32 tensor per param, ``inv_scale`` multiplied into the
-grads in fp32, and ``found_inf``: when nonzero on entry nothing is written, step counts
-included. The flag is read on the device (no host sync): every store is masked by it and
-:func:`advance_steps` adds ``found_inf == 0`` to each step after the update.
+Conventions are those of the optimizer ops (:mod:`mpnb.core.ops.adam` and its siblings):
+``masters`` empty or one fp32 tensor per param (the weight updated; ``params`` then receive
+its rounded copy in the same pass), ``steps`` one one-element fp32 tensor per param,
+``inv_scale`` multiplied into the grads in fp32, and ``found_inf``: when nonzero on entry
+nothing is written, step counts included. The flag is read on the device (no host sync):
+every store is masked by it and :func:`advance_steps` adds ``found_inf == 0`` to each step
+after the update.
 """
 
 from __future__ import annotations

@@ -104,7 +104,7 @@ def fused_adam_(
     found_inf=None,
 ) -> None:
     """One Adam/AdamW step over lists, in place: the signature and semantics of
-    :func:`mpnb.core.ops.optimizers.reference_fused_adam_` (arguments positional, as the
+    :func:`mpnb.core.ops.adam.reference_fused_adam_` (arguments positional, as the
     ``mpnb::fused_adam_`` schema passes them).
 
     Example::

@@ -96,7 +96,7 @@ def multi_tensor_l2norm(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(total, per_tensor_norms)`` of ``tensors`` (times ``inv_scale``), flagging a
     non-finite norm: the signature and semantics of
-    :func:`mpnb.core.ops.multi_tensor.multi_tensor_l2norm`.
+    :func:`mpnb.core.ops.l2norm.multi_tensor_l2norm`.
 
     Example::
 

@@ -161,7 +161,7 @@ def fused_lamb_(
     found_inf=None,
 ) -> None:
     """One LAMB step over lists, in place: the signature and semantics of
-    :func:`mpnb.core.ops.optimizers_lamb.reference_fused_lamb_` (arguments positional, as
+    :func:`mpnb.core.ops.lamb.reference_fused_lamb_` (arguments positional, as
     the ``mpnb::fused_lamb_`` schema passes them).
 
     Example::

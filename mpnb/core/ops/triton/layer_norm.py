@@ -15,7 +15,7 @@ __all__ = ["layer_norm_fwd", "layer_norm_bwd"]
 
 def layer_norm_fwd(input, normalized_shape, weight, bias, eps, memory_efficient=False):
     """``(y, mean, invvar)``: the signature and semantics of
-    :func:`mpnb.core.ops.norm_ops.reference_layer_norm_fwd`.
+    :func:`mpnb.core.ops.layer_norm.reference_layer_norm_fwd`.
 
     Example::
 
@@ -33,7 +33,7 @@ def layer_norm_bwd(
     grad_out, saved, mean, invvar, normalized_shape, weight, bias, memory_efficient=False
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(grad_input, grad_weight, grad_bias)`` (empty tensors for a missing weight/bias): the
-    signature and semantics of :func:`mpnb.core.ops.norm_ops.reference_layer_norm_bwd`;
+    signature and semantics of :func:`mpnb.core.ops.layer_norm.reference_layer_norm_bwd`;
     ``saved`` is the input, or the output when ``memory_efficient``."""
     op = "layer_norm_bwd"
     rows, cols = rows_cols(op, saved, normalized_shape)

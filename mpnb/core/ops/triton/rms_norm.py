@@ -16,7 +16,7 @@ __all__ = ["rms_norm_fwd", "rms_norm_bwd"]
 
 def rms_norm_fwd(input, normalized_shape, weight, eps, memory_efficient=False):
     """``(y, invvar)``: the signature and semantics of
-    :func:`mpnb.core.ops.norm_ops.reference_rms_norm_fwd`.
+    :func:`mpnb.core.ops.rms_norm.reference_rms_norm_fwd`.
 
     Example::
 
@@ -34,7 +34,7 @@ def rms_norm_bwd(
     grad_out, saved, invvar, normalized_shape, weight, memory_efficient=False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(grad_input, grad_weight)`` (an empty tensor without weight): the signature and
-    semantics of :func:`mpnb.core.ops.norm_ops.reference_rms_norm_bwd`."""
+    semantics of :func:`mpnb.core.ops.rms_norm.reference_rms_norm_bwd`."""
     op = "rms_norm_bwd"
     rows, cols = rows_cols(op, saved, normalized_shape)
     check_norm_args(op, saved, cols, weight=weight)

@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.rope_ops import check_rope
+from mpnb.core.ops.rope import check_rope
 from mpnb.core.ops.triton._common import from_acc, launch, next_pow2, to_acc, warps
 
 __all__ = ["rope"]
@@ -64,7 +64,7 @@ def _check(op: str, t, cos, sin, group: int) -> None:
 
 def rope(t, cos, sin, group, transpose_output=False, backward=False) -> torch.Tensor:
     """Rotate ``t`` by the position tables: the signature and semantics of
-    :func:`mpnb.core.ops.rope_ops.reference_rope` (see the module docstring).
+    :func:`mpnb.core.ops.rope.reference_rope` (see the module docstring).
 
     Example::
 

@@ -70,7 +70,7 @@ def multi_tensor_scale(
 ) -> None:
     """``dst[i] = src[i] * scale`` (times ``scale_tensor``), flagging inf/NaN in ``src``.
 
-    The signature and semantics of :func:`mpnb.core.ops.multi_tensor.multi_tensor_scale`.
+    The signature and semantics of :func:`mpnb.core.ops.scale.multi_tensor_scale`.
 
     Example::
 

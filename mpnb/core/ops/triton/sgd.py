@@ -91,7 +91,7 @@ def fused_sgd_(
     found_inf=None,
 ) -> None:
     """One SGD step over lists, in place: the signature and semantics of
-    :func:`mpnb.core.ops.optimizers.reference_fused_sgd_` (arguments positional, as the
+    :func:`mpnb.core.ops.sgd.reference_fused_sgd_` (arguments positional, as the
     ``mpnb::fused_sgd_`` schema passes them; ``momentum_buffers`` may be empty without
     momentum).
 

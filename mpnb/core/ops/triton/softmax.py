@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops._layer_common import check_float
-from mpnb.core.ops.softmax_ops import check_mask
+from mpnb.core.ops._checks import check_float
+from mpnb.core.ops.softmax import check_mask
 from mpnb.core.ops.triton._common import (
     acc_of,
     div,
@@ -154,14 +154,14 @@ def _forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, mode: int
 
 def scaled_softmax_fwd(input: torch.Tensor, scale: float) -> torch.Tensor:
     """``softmax(input * scale)`` over the last dim: the signature and semantics of
-    :func:`mpnb.core.ops.softmax_ops.reference_scaled_softmax_fwd`."""
+    :func:`mpnb.core.ops.softmax.reference_scaled_softmax_fwd`."""
     check_float("scaled_softmax", input)
     return _forward(input, None, scale, _NONE)
 
 
 def scaled_masked_softmax_fwd(input: torch.Tensor, mask: torch.Tensor, scale: float):
     """Masked softmax of ``[b, np, sq, sk]`` scores: the signature and semantics of
-    :func:`mpnb.core.ops.softmax_ops.reference_scaled_masked_softmax_fwd`.
+    :func:`mpnb.core.ops.softmax.reference_scaled_masked_softmax_fwd`.
 
     Example::
 
@@ -177,7 +177,7 @@ def scaled_masked_softmax_fwd(input: torch.Tensor, mask: torch.Tensor, scale: fl
 
 def scaled_upper_triang_masked_softmax_fwd(input: torch.Tensor, scale: float) -> torch.Tensor:
     """Causal softmax of ``[..., sq, sq]`` scores: the signature and semantics of
-    :func:`mpnb.core.ops.softmax_ops.reference_scaled_upper_triang_masked_softmax_fwd`."""
+    :func:`mpnb.core.ops.softmax.reference_scaled_upper_triang_masked_softmax_fwd`."""
     op = "scaled_upper_triang_masked_softmax"
     check_float(op, input)
     if input.dim() < 2 or input.shape[-1] != input.shape[-2]:
@@ -226,7 +226,7 @@ def _bwd_looped(dy_ptr, y_ptr, dx_ptr, rows, k, s_hi, s_lo, ACC: tl.constexpr, B
 
 def scaled_softmax_bwd(grad_out, output, scale: float, upper_triang: bool = False):
     """``scale * y * (dy - sum(dy * y))``, the backward of every softmax forward here: the
-    signature and semantics of :func:`mpnb.core.ops.softmax_ops.reference_scaled_softmax_bwd`
+    signature and semantics of :func:`mpnb.core.ops.softmax.reference_scaled_softmax_bwd`
     (``upper_triang`` changes nothing in the result: the causal zeros stay zero)."""
     op = "scaled_softmax_bwd"
     check_float(op, output, "output")

@@ -8,8 +8,7 @@ import pytest
 import torch
 from triton_cases import SIZES, bitwise, clone, close, gen, kernel, on, poison, randn
 
-from mpnb.core.ops.optimizers import reference_fused_adam_, reference_fused_sgd_
-from mpnb.core.ops.optimizers_lamb import reference_fused_lamb_
+from mpnb.core.ops import reference_fused_adam_, reference_fused_lamb_, reference_fused_sgd_
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 REFERENCES = {

@@ -6,19 +6,13 @@ import inspect
 
 import pytest
 
-from mpnb.core.ops import multi_tensor, norm_ops, optimizers, optimizers_lamb, rope_ops, softmax_ops
+from mpnb.core.ops import op_info
 from mpnb.core.ops import triton as tk
-
-# Each op's pure-PyTorch reference: the launcher must take exactly its arguments, in order.
-REFERENCE_MODULES = (multi_tensor, optimizers, optimizers_lamb, norm_ops, softmax_ops, rope_ops)
 
 
 def _reference(op: str):
-    for module in REFERENCE_MODULES:
-        fn = getattr(module, f"reference_{op}", None)
-        if fn is not None:
-            return fn
-    raise AssertionError(f"no reference_{op} in {[m.__name__ for m in REFERENCE_MODULES]}")
+    # Each op's pure-PyTorch reference: the launcher must take exactly its arguments, in order.
+    return op_info(op).reference
 
 
 def _params(fn) -> list[tuple[str, object]]:

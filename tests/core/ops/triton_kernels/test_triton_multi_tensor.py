@@ -7,7 +7,7 @@ import pytest
 import torch
 from triton_cases import SIZES, bitwise, gen, kernel, on, poison, randn
 
-from mpnb.core.ops.multi_tensor import (
+from mpnb.core.ops import (
     reference_multi_tensor_l2norm,
     reference_multi_tensor_scale,
 )
