@@ -34,6 +34,7 @@ from mpnb.core.ops._build import cpu_extension
 __all__ = [
     "LIB",
     "OpInfo",
+    "no_outputs",
     "Sample",
     "define",
     "all_ops",
@@ -97,6 +98,11 @@ class OpInfo:
     def overload(self) -> torch._ops.OpOverload:
         """``torch.ops.mpnb.<name>.default``."""
         return getattr(torch.ops.mpnb, self.name).default
+
+
+def no_outputs(*args, **kwargs) -> None:
+    """The fake of an op that only writes into its arguments and returns nothing."""
+    return None
 
 
 _TABLE: dict[str, OpInfo] = {}

@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from mpnb.core.ops._checks import acc_dtype, any_nonfinite, check_lists, raise_flag_if
-from mpnb.core.ops._library import Sample, define, ensure_kernels
+from mpnb.core.ops._library import Sample, define, ensure_kernels, no_outputs
 
 __all__ = ["multi_tensor_axpby", "reference_multi_tensor_axpby"]
 
@@ -38,10 +38,6 @@ def reference_multi_tensor_axpby(
     raise_flag_if(noop_flag, any_nonfinite(checked, noop_flag.device))
 
 
-def _fake(noop_flag, x, y, out, a, b, arg_to_check=-1) -> None:
-    return None
-
-
 def _samples(dtype: torch.dtype):
     g = torch.Generator().manual_seed(1)
     sizes = (0, 1, 17, 1000, 40000)
@@ -64,7 +60,7 @@ OP = define(
     "float a, float b, int arg_to_check=-1) -> ()",
     family="axpby",
     reference=reference_multi_tensor_axpby,
-    fake=_fake,
+    fake=no_outputs,
     sample_inputs=_samples,
 )
 _op = OP.overload

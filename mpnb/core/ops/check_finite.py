@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from mpnb.core.ops._checks import any_nonfinite, check_lists, raise_flag_if
-from mpnb.core.ops._library import Sample, define, ensure_kernels
+from mpnb.core.ops._library import Sample, define, ensure_kernels, no_outputs
 
 __all__ = ["multi_tensor_check_finite", "reference_multi_tensor_check_finite"]
 
@@ -35,10 +35,6 @@ def _torch_multi_tensor_check_finite(noop_flag, tensors) -> None:
     raise_flag_if(noop_flag, found > 0)
 
 
-def _fake(noop_flag, tensors) -> None:
-    return None
-
-
 def _samples(dtype: torch.dtype):
     g = torch.Generator().manual_seed(3)
     sizes = (0, 1, 17, 1000, 32768 * 2 + 5)
@@ -53,7 +49,7 @@ OP = define(
     "multi_tensor_check_finite(Tensor(a!) noop_flag, Tensor[] tensors) -> ()",
     family="check_finite",
     reference=reference_multi_tensor_check_finite,
-    fake=_fake,
+    fake=no_outputs,
     torch_path=_torch_multi_tensor_check_finite,
     sample_inputs=_samples,
 )

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from mpnb.core.ops._library import Sample, define, ensure_kernels
+from mpnb.core.ops._library import Sample, define, ensure_kernels, no_outputs
 
 __all__ = [
     "update_scale_hysteresis",
@@ -130,35 +130,6 @@ def reference_update_loss_scale_(
     torch.reciprocal(current_scale, out=inv_scale)
 
 
-def _fake_hysteresis(
-    current_scale,
-    growth_tracker,
-    hysteresis_tracker,
-    found_inf,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-) -> None:
-    return None
-
-
-def _fake_update(
-    current_scale,
-    inv_scale,
-    growth_tracker,
-    hysteresis_tracker,
-    found_inf,
-    growth_factor,
-    backoff_factor,
-    growth_interval,
-    hysteresis,
-    min_scale,
-    max_scale,
-) -> None:
-    return None
-
-
 def _state(scale: float, growth: int, hyst: int):
     return (
         torch.full((1,), scale),
@@ -195,7 +166,7 @@ HYSTERESIS = define(
     "float backoff_factor, int growth_interval, int hysteresis) -> ()",
     family="loss_scale",
     reference=reference_update_scale_hysteresis,
-    fake=_fake_hysteresis,
+    fake=no_outputs,
     dtypes=SCALE_DTYPES,
     sample_inputs=_samples_hysteresis,
 )
@@ -206,7 +177,7 @@ UPDATE = define(
     "float min_scale, float max_scale) -> ()",
     family="loss_scale",
     reference=reference_update_loss_scale_,
-    fake=_fake_update,
+    fake=no_outputs,
     dtypes=SCALE_DTYPES,
     sample_inputs=_samples_update,
 )

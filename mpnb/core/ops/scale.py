@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from mpnb.core.ops._checks import acc_dtype, any_nonfinite, check_lists, raise_flag_if
-from mpnb.core.ops._library import Sample, define, ensure_kernels
+from mpnb.core.ops._library import Sample, define, ensure_kernels, no_outputs
 
 __all__ = ["multi_tensor_scale", "reference_multi_tensor_scale"]
 
@@ -65,10 +65,6 @@ def _torch_multi_tensor_scale(noop_flag, src, dst, scale, scale_tensor=None) -> 
     raise_flag_if(noop_flag, found > 0)
 
 
-def _fake(noop_flag, src, dst, scale, scale_tensor=None) -> None:
-    return None
-
-
 def _samples(dtype: torch.dtype):
     g = torch.Generator().manual_seed(0)
     sizes = (0, 1, 3, 17, 1000, 32768 * 2 + 5)
@@ -93,7 +89,7 @@ OP = define(
     "Tensor? scale_tensor=None) -> ()",
     family="scale",
     reference=reference_multi_tensor_scale,
-    fake=_fake,
+    fake=no_outputs,
     torch_path=_torch_multi_tensor_scale,
     sample_inputs=_samples,
 )
