@@ -109,6 +109,17 @@ def paired_ratios(base: RunResult, res: RunResult) -> list[float]:
 def _precision(cfg, hw: dict) -> tuple[str, list[str]]:
     if cfg.opt_level == "O0":
         return "fp32", []
+    if cfg.is_fp8:
+        # MXFP8's GEMM is emulated on every device (mpnb.fp8 dequantizes its E8M0 blocks).
+        status = "emulated" if cfg.opt_level == "mxfp8" else hw.get("fp8", "emulated")
+        notes = []
+        if status == "emulated":
+            notes.append(
+                f"{cfg.opt_level}: FP8 is emulated on this {str(hw['device']).upper()} (no FP8 "
+                "matrix hardware): FP8 numerics computed in float32, slower than fp32; read its "
+                "accuracy and memory, not its speed"
+            )
+        return f"fp8 ({status})", notes
     status = hw[cfg.half_dtype]
     notes = []
     if status == "emulated":

@@ -45,11 +45,14 @@ def _csv(kind):
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``compare`` subcommand to ``sub`` (an argparse subparsers object)."""
+    from mpnb.core.precision import config_names
+    from mpnb.lab.config import OPTIMIZERS
     from mpnb.lab.workloads import names
 
     p = sub.add_parser(
         "compare",
-        help="train a workload under O0/O1/O2/O3: speed, memory, accuracy on this hardware",
+        help="train a workload under O0-O3, FP8 recipes or pure bf16: speed, memory, accuracy "
+        "on this hardware",
     )
     p.add_argument("--workload", default=names()[0], choices=names(), help=f"default: {names()[0]}")
     p.add_argument(
@@ -62,7 +65,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--opt-levels",
         type=_csv(str),
         default=("O0", "O1", "O2", "O3"),
-        help="comma-separated, default O0,O1,O2,O3",
+        help="comma-separated precision configurations, default O0,O1,O2,O3; any of "
+        f"{','.join(config_names())}",
     )
     p.add_argument(
         "--dtype",
@@ -78,7 +82,10 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument("--steps", type=int, default=None, help="default: the workload's")
     p.add_argument(
-        "--optimizer", default="adam", choices=("adam", "adamw", "sgd", "fused_adam", "fused_sgd")
+        "--optimizer",
+        default="adam",
+        choices=OPTIMIZERS,
+        help="bf16-pure+sr / bf16-pure+kahan run mpnb's fused optimizer of the same rule",
     )
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--device", default="auto")
@@ -150,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         w = get(args.workload, args.size, resolve_device(args.device))
         print(f"mpnb compare: {w.description} ({w.size})", file=msg, flush=True)
-        note = emulation_note(w, dtype, args.device)
+        note = emulation_note(w, dtype, args.device, args.opt_levels)
         if note:
             print(note, file=msg, flush=True)
         df = mpnb.lab.compare(

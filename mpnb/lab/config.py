@@ -6,8 +6,12 @@ expanded into :class:`RunConfig` objects; nothing downstream re-reads the user's
 Example::
 
     >>> from mpnb.lab.config import expand
-    >>> [c.label for c in expand("mlp", ("O0", "O2"), "bf16", (64,), steps=50)]
-    ['O0 fp32 b64', 'O2 bf16 b64']
+    >>> [c.label for c in expand("mlp", ("O0", "O2", "fp8-delayed"), "bf16", (64,), steps=50)]
+    ['O0 fp32 b64', 'O2 bf16 b64', 'fp8-delayed b64']
+
+The configurations are :data:`mpnb.core.precision.PRECISION_CONFIGS` (one list, defined in
+core): the O levels run once per half dtype asked for, every other configuration fixes its own
+precision (``"fp8"`` for the FP8 recipes, ``"bf16"`` for the pure-bf16 family) and runs once.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from mpnb.core.amp import (
     parse_half_dtype,
     parse_loss_scale,
 )
+from mpnb.core.precision import AmpConfig, Float8Config, config_names, get_config
 
 __all__ = ["RunConfig", "expand", "resolve_device", "half_name", "LossScaleRule"]
 
@@ -37,15 +42,18 @@ class RunConfig:
 
     Args:
         workload: the workload's name (built-in or custom).
-        opt_level: ``"O0"`` .. ``"O3"``.
-        half_dtype: ``"bf16"`` or ``"fp16"`` (``"fp32"`` for O0, which uses no half dtype).
+        opt_level: a configuration name of :data:`mpnb.core.precision.PRECISION_CONFIGS`
+            (``"O0"`` .. ``"O3"``, ``"fp8-delayed"``, ``"bf16-pure+sr"``...).
+        half_dtype: ``"bf16"`` or ``"fp16"`` for O1-O3, ``"fp32"`` for O0, ``"fp8"`` for the
+            FP8 recipes, ``"bf16"`` for the pure-bf16 family.
         batch_size: samples per step.
         steps: optimizer steps (the first ``warmup`` steps and the memory-tracked step
             :attr:`memory_step` are not timed).
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, ``"fused_adam"`` or ``"fused_sgd"``.
         lr: learning rate (None: the workload's default).
         loss_scale: None (the opt level's default), a static number, or a
-            :class:`~mpnb.core.amp.LossScaleRule` (passed to ``amp.initialize``).
+            :class:`~mpnb.core.amp.LossScaleRule` (passed to ``amp.initialize``; O1-O3 only:
+            the FP8 recipes scale per tensor, pure bf16 needs no loss scale).
         device: ``"cpu"`` or ``"cuda[:i]"`` (already resolved, never ``"auto"``).
         seed: model initialization and data order; the same for every configuration.
         warmup: untimed steps at the start.
@@ -65,8 +73,25 @@ class RunConfig:
 
     @property
     def label(self) -> str:
-        """A short name: ``"O2 bf16 b64"``."""
+        """A short name: ``"O2 bf16 b64"``, ``"fp8-delayed b64"`` (the name says the dtype)."""
+        if not self.is_opt_level:
+            return f"{self.opt_level} b{self.batch_size}"
         return f"{self.opt_level} {self.half_dtype} b{self.batch_size}"
+
+    @property
+    def precision_config(self):
+        """The :class:`~mpnb.core.precision.PrecisionConfig` this run applies."""
+        return get_config(self.opt_level)
+
+    @property
+    def is_opt_level(self) -> bool:
+        """True for Apex's O0-O3 (applied by ``amp.initialize`` with the half dtype)."""
+        return isinstance(self.precision_config, AmpConfig)
+
+    @property
+    def is_fp8(self) -> bool:
+        """True for the FP8 recipes (``fp8-*``, ``mxfp8``)."""
+        return isinstance(self.precision_config, Float8Config)
 
     @property
     def memory_step(self) -> int:
@@ -98,11 +123,13 @@ def half_name(half_dtype, device: str) -> str:
 
 
 def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
-    bad = [lvl for lvl in opt_levels if lvl not in OPT_LEVELS]
+    names = config_names()
+    bad = [lvl for lvl in opt_levels if lvl not in names]
     if bad or not opt_levels:
+        hint = " (use the letter O, not zero)" if any(str(b).startswith("0") for b in bad) else ""
         raise ValueError(
-            f"opt_levels={tuple(opt_levels)!r}: {bad or 'none given'} invalid; "
-            f"choose from {tuple(OPT_LEVELS)}."
+            f"opt_levels={tuple(opt_levels)!r}: {bad or 'none given'} invalid{hint}; "
+            f"choose from {names}."
         )
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(f"batch_sizes={tuple(batch_sizes)!r}: need positive ints.")
@@ -112,6 +139,15 @@ def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
         )
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is invalid; choose from {OPTIMIZERS}.")
+
+
+def _halves(name: str, names: list[str]) -> list[str]:
+    cfg = get_config(name)
+    if name == "O0":
+        return ["fp32"]
+    if isinstance(cfg, AmpConfig):
+        return names
+    return ["fp8" if isinstance(cfg, Float8Config) else "bf16"]
 
 
 def expand(
@@ -130,7 +166,8 @@ def expand(
     """Validate a request and expand it into one :class:`RunConfig` per configuration.
 
     ``half_dtype`` may be one dtype or a sequence (``("bf16", "fp16")``): each half opt level
-    runs once per dtype; O0 runs once per batch size. Raises ValueError naming the bad value
+    runs once per dtype; O0 and the configurations that fix their precision (FP8, pure bf16)
+    run once per batch size. Raises ValueError naming the bad value
     and the valid choices before anything runs.
     """
     levels = tuple(opt_levels)
@@ -145,7 +182,7 @@ def expand(
     out = []
     for b in batch_sizes:
         for lvl in levels:
-            for h in ["fp32"] if lvl == "O0" else names:
+            for h in _halves(lvl, names):
                 out.append(
                     RunConfig(workload, lvl, h, b, steps, optimizer, lr, scale, dev, seed, wu)
                 )

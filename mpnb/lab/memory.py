@@ -11,6 +11,11 @@ role, by identity with the model and the optimizer at that moment:
   masters in ``param_groups``, or a fused optimizer's ``state[p]["master_param"]``);
 * ``grads``: ``.grad`` of either;
 * ``optimizer_state``: every other tensor in ``optimizer.state``;
+* ``fp8_scales``: the buffers of :class:`mpnb.fp8.Float8Linear` layers (the delayed recipe's
+  ``fp8_amax_history`` and ``fp8_scale``); the current-scaling recipes keep none, their
+  per-step scales are short-lived and count as activations;
+* ``kahan_buffers``: the Kahan compensation buffers of a fused optimizer built with
+  ``kahan_summation=True`` (its state entries named ``*compensation*`` / ``*kahan*``);
 * ``activations``: everything else (saved activations, temporaries, inputs, outputs).
 
 This is what a CPU has no allocator statistics for. On CUDA the runner reports
@@ -34,7 +39,32 @@ from torch.utils._pytree import tree_flatten
 
 __all__ = ["MemoryTracker", "ROLES", "storage_roles"]
 
-ROLES = ("params", "grads", "master_weights", "optimizer_state", "activations")
+ROLES = (
+    "params",
+    "grads",
+    "master_weights",
+    "optimizer_state",
+    "fp8_scales",
+    "kahan_buffers",
+    "activations",
+)
+
+
+def _state_role(key: str) -> str:
+    """The role of the optimizer state entry ``key``."""
+    if key == "master_param":
+        return "master_weights"
+    if "compensation" in key or "kahan" in key:
+        return "kahan_buffers"
+    return "optimizer_state"
+
+
+def _fp8_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
+    from mpnb.core.fp8 import Float8Linear
+
+    return [
+        b for m in model.modules() if isinstance(m, Float8Linear) for b in m.buffers(recurse=False)
+    ]
 
 
 def _storage(t: torch.Tensor):
@@ -61,6 +91,8 @@ def storage_roles(model: torch.nn.Module | None, optimizer=None) -> dict[int, st
         if p.grad is not None:
             put(p.grad, "grads")
     if model is not None:
+        for b in _fp8_buffers(model):
+            put(b, "fp8_scales")
         for b in model.buffers():
             put(b, "params")
     if optimizer is not None:
@@ -72,7 +104,7 @@ def storage_roles(model: torch.nn.Module | None, optimizer=None) -> dict[int, st
         for state in optimizer.state.values():
             for k, v in state.items():
                 if isinstance(v, torch.Tensor):
-                    put(v, "master_weights" if k == "master_param" else "optimizer_state")
+                    put(v, _state_role(str(k)))
     return roles
 
 

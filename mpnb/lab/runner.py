@@ -36,7 +36,35 @@ from mpnb.lab.config import RunConfig, expand, resolve_device
 from mpnb.lab.stats import loadavg, torch_threads
 from mpnb.lab.verdict import TOLERANCE, verdict
 
-__all__ = ["compare", "hardware_summary", "emulation_note", "load_record", "COLUMNS"]
+__all__ = [
+    "compare",
+    "hardware_summary",
+    "fp8_support",
+    "emulation_note",
+    "load_record",
+    "COLUMNS",
+]
+
+
+def fp8_support(device: str = "cpu") -> str:
+    """``"native"`` where ``device`` has FP8 matrix hardware (CUDA capability 8.9+), else
+    ``"emulated"``: FP8 numerics computed with float32 arithmetic, slower than fp32.
+
+    MXFP8's GEMM is emulated on every device (see :mod:`mpnb.fp8`); the rows say so.
+
+    Example::
+
+        >>> fp8_support("cpu")
+        'emulated'
+    """
+    dev = torch.device(device)
+    if dev.type != "cuda":
+        return "emulated"
+    info = cuda_info(dev.index or 0)
+    if info is None:
+        return "emulated"
+    major, minor = (int(v) for v in info["capability"].split("."))
+    return "native" if (major, minor) >= (8, 9) else "emulated"
 
 
 def hardware_summary(device: str = "cpu") -> dict:
@@ -59,37 +87,50 @@ def hardware_summary(device: str = "cpu") -> dict:
         "isa": cpu.isa,
         "bf16": hs["bfloat16"],
         "fp16": hs["float16"],
+        "fp8": fp8_support(device),
     }
     if torch.device(device).type == "cuda":
         out["gpu"] = cuda_info(torch.device(device).index or 0)
         name = out["gpu"]["name"]
     else:
         name = f"{cpu.model} ({cpu.isa}, {out['threads']} threads)"
-    out["summary"] = f"{name}; bf16 {hs['bfloat16']}, fp16 {hs['float16']}"
+    out["summary"] = f"{name}; bf16 {hs['bfloat16']}, fp16 {hs['float16']}, fp8 {out['fp8']}"
     return out
 
 
-def emulation_note(w, half_dtype="auto", device="auto") -> str:
-    """One line when ``half_dtype`` is emulated on ``device``: what that costs, and the size.
+def emulation_note(w, half_dtype="auto", device="auto", opt_levels=()) -> str:
+    """One line when ``half_dtype`` (or an FP8 configuration among ``opt_levels``) is emulated
+    on ``device``: what that costs, and the size.
 
     Example::
 
         >>> emulation_note(workloads.get("transformer"), "bf16", "cpu")
         'bf16 is emulated on this CPU: ...'
     """
+    from mpnb.core.precision import AmpConfig, Float8Config, get_config
     from mpnb.lab.config import half_name
 
     dev = resolve_device(device)
+    cfgs = [get_config(c) for c in opt_levels] or [get_config("O1")]
     halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)
-    names = list(dict.fromkeys(half_name(h, dev) for h in halves))
+    names = (
+        [half_name(h, dev) for h in halves]
+        if any(isinstance(c, AmpConfig) and c.name != "O0" for c in cfgs)
+        else []
+    )
+    if any(c.name.startswith("bf16-pure") for c in cfgs):
+        names.append("bf16")
+    names = list(dict.fromkeys(names))
     hs = half_support(dev)
     emulated = [n for n in names if hs["bfloat16" if n == "bf16" else "float16"] == "emulated"]
+    if any(isinstance(c, Float8Config) for c in cfgs) and fp8_support(dev) == "emulated":
+        emulated.append("fp8")
     if not emulated:
         return ""
     size = f"; the workload is sized '{w.size}'" if getattr(w, "size", "") else ""
     return (
         f"note: {' and '.join(emulated)} {'is' if len(emulated) == 1 else 'are'} emulated on "
-        f"this {dev.upper()} (no native instructions): half-precision steps run several times "
+        f"this {dev.upper()} (no native instructions): low-precision steps run several times "
         f"slower than fp32 here{size} so that the run still finishes in about a minute "
         "(--size medium/large for more)."
     )
