@@ -15,11 +15,16 @@ import os
 import ipywidgets as w
 import torch
 
+from mpnb.core.amp import OPT_LEVELS
+from mpnb.core.precision import config_names
 from mpnb.widgets._common import half_status_label, hardware_html
 
-__all__ = ["ControlsMixin", "LEVELS", "OPTIMIZERS", "parse_sizes"]
+__all__ = ["ControlsMixin", "LEVELS", "DEFAULT_LEVELS", "OPTIMIZERS", "parse_sizes"]
 
-LEVELS = ("O0", "O1", "O2", "O3")
+# Every configuration mpnb compares (O0-O3, the FP8 recipes, pure bf16 and its optimizer
+# options), from the one list in mpnb.core.precision; the widget starts with the O levels.
+LEVELS = config_names()
+DEFAULT_LEVELS = tuple(OPT_LEVELS)
 OPTIMIZERS = ("adam", "adamw", "sgd", "fused_adam", "fused_sgd")
 SIZES = ("auto", "small", "medium", "large")
 

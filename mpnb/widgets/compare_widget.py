@@ -16,7 +16,7 @@ import pandas as pd
 import traitlets as t
 
 from mpnb.widgets._common import ErrorBox, hardware_html
-from mpnb.widgets._compare_controls import LEVELS, ControlsMixin, parse_sizes
+from mpnb.widgets._compare_controls import DEFAULT_LEVELS, LEVELS, ControlsMixin, parse_sizes
 from mpnb.widgets._compare_views import ResultViews, errors_html, table_html, verdict_html
 
 __all__ = ["CompareWidget", "compare"]
@@ -75,7 +75,7 @@ class CompareWidget(ControlsMixin, w.VBox):
         loss_fn=None,
         metric_fn=None,
         eval_data=None,
-        opt_levels=LEVELS,
+        opt_levels=DEFAULT_LEVELS,
         half_dtype="auto",
         batch_sizes=None,
         steps: int | None = None,
