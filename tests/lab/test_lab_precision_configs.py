@@ -1,0 +1,146 @@
+"""The configurations of mpnb.core.precision beyond O0-O3, through compare and `mpnb compare`."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import mpnb.lab
+from mpnb.core.optimizers import FusedAdam, FusedSGD
+from mpnb.core.precision import PRECISION_CONFIGS, config_names, get_config
+from mpnb.lab._train import make_optimizer
+from mpnb.lab.config import expand
+from mpnb.lab.memory import ROLES, MemoryTracker
+from mpnb.lab.runner import emulation_note, fp8_support
+
+NEW = [n for n in config_names() if n not in ("O0", "O1", "O2", "O3")]
+FP8 = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8")
+MIB = 2.0**20
+
+
+def test_the_lab_offers_exactly_the_core_list():
+    from mpnb.widgets._compare_controls import DEFAULT_LEVELS, LEVELS
+
+    assert set(FP8) | {"bf16-pure", "bf16-pure+sr", "bf16-pure+kahan"} == set(NEW)
+    assert LEVELS == config_names() and DEFAULT_LEVELS == ("O0", "O1", "O2", "O3")
+    cfgs = expand("mlp", config_names(), ("bf16", "fp16"), (32,), steps=4, device="cpu")
+    labels = [c.label for c in cfgs]
+    # O1-O3 once per half dtype; every other configuration fixes its precision: once
+    assert labels[:7] == ["O0 fp32 b32"] + [f"O{i} {h} b32" for i in (1, 2, 3) for h in
+                                            ("bf16", "fp16")]  # fmt: skip
+    assert labels[7:] == [f"{n} b32" for n in NEW]
+    assert {c.half_dtype for c in cfgs if c.is_fp8} == {"fp8"}
+    assert all(c.precision_config is PRECISION_CONFIGS[c.opt_level] for c in cfgs)
+
+
+def test_unknown_configuration_names_the_choices():
+    with pytest.raises(ValueError, match="fp8-delayed.*bf16-pure\\+kahan"):
+        expand("mlp", ("O0", "fp8"), steps=4, device="cpu")
+    with pytest.raises(ValueError, match="letter O, not zero"):
+        expand("mlp", ("02",), steps=4, device="cpu")
+
+
+@pytest.mark.parametrize(
+    "name, cls, mode",
+    [("adam", FusedAdam, "adam"), ("adamw", FusedAdam, "adamw"), ("sgd", FusedSGD, "sgd")],
+)
+@pytest.mark.parametrize("option", ["stochastic_rounding", "kahan_summation"])
+def test_option_configs_get_the_fused_optimizer_of_the_same_rule(name, cls, mode, option):
+    p = torch.nn.Parameter(torch.zeros(4, dtype=torch.bfloat16))
+    opt = make_optimizer(name, [p], 1e-3, option)
+    assert type(opt) is cls and opt.defaults[option] is True
+    if mode == "adamw":
+        assert opt.defaults["weight_decay"] == 1e-2  # torch.optim.AdamW's default
+    if mode == "sgd":
+        assert opt.defaults["momentum"] == 0.9
+    assert type(make_optimizer(name, [p], 1e-3)).__module__.startswith("torch.optim")
+
+
+def test_memory_tracker_counts_fp8_histories_and_kahan_buffers_as_their_roles():
+    from mpnb.core.fp8 import convert_to_float8_training
+
+    assert {"fp8_scales", "kahan_buffers"} <= set(ROLES)
+    model = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(32, 16)), "delayed")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with MemoryTracker(model, opt) as m:
+        model(torch.randn(8, 32)).sum().backward()
+    hist = model[0].fp8_amax_history.numel() * 4 + model[0].fp8_scale.numel() * 4
+    assert m.breakdown()["fp8_scales"] == hist
+    assert m.breakdown()["params"] == (32 * 16 + 16) * 4
+
+    w = torch.nn.Parameter(torch.randn(64, 64).bfloat16())
+    opt = FusedAdam([w], lr=1e-3, kahan_summation=True)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    with MemoryTracker(None, opt) as m:
+        w.grad = torch.randn_like(w)
+        opt.step()
+    assert m.breakdown()["kahan_buffers"] == 64 * 64 * 2  # one bf16 buffer per param
+    assert m.breakdown()["optimizer_state"] >= 2 * 64 * 64 * 4  # fp32 exp_avg, exp_avg_sq
+
+
+def test_emulation_note_names_fp8_on_a_cpu():
+    w = mpnb.lab.workloads.get("mlp", "small")
+    note = emulation_note(w, "auto", "cpu", ("O0", "fp8-delayed"))
+    assert fp8_support("cpu") == "emulated" and "fp8" in note and "emulated" in note
+    assert "bf16" not in note.split(" is emulated")[0]  # O0 + FP8 run no bf16
+    assert "bf16" in emulation_note(w, "auto", "cpu", ("O0", "bf16-pure"))
+
+
+@pytest.fixture(scope="module")
+def rows():
+    df = mpnb.lab.compare(
+        "mlp", opt_levels=("O0", "O2", *NEW), size="small", steps=6, progress=False, threads=1
+    )
+    return {r.opt_level: r for r in df.itertuples()}
+
+
+@pytest.mark.parametrize("name", NEW)
+def test_every_configuration_trains_through_compare(rows, name):
+    r, base = rows[name], rows["O0"]
+    assert r.status == "ok", r.error
+    assert 0.2 < r.metric <= 1.0 and abs(r.metric - base.metric) < 0.2  # it learned
+    assert r.timed_steps > 0 and r.rounds > 0 and r.peak_mem_mib > 0
+    assert r.configuration == f"{name} b64"
+    roles = sum(getattr(r, f"mem_{k}_mib") for k in ROLES)
+    assert abs(roles - r.peak_mem_mib) < 1e-9  # the roles split the peak
+    params = 64 * 128 + 128 + 128 * 10 + 10  # the small MLP
+    cfg = get_config(name)
+    if name in FP8:
+        assert r.precision == f"fp8 ({'emulated' if name == 'mxfp8' else fp8_support('cpu')})"
+        if r.precision == "fp8 (emulated)":
+            assert f"{name}: FP8 is emulated on this CPU" in r.warnings
+        assert r.mem_params_mib * MIB == params * 4  # fp32 weights stay
+    else:
+        assert r.precision.startswith("bf16") and r.mem_params_mib * MIB == params * 2
+        assert r.mem_master_weights_mib == 0  # no fp32 masters
+    hist = 2 * (1024 * 3 + 3) * 4 if name == "fp8-delayed" else 0
+    assert r.mem_fp8_scales_mib * MIB == hist
+    kahan = params * 2 if name == "bf16-pure+kahan" else 0
+    assert r.mem_kahan_buffers_mib * MIB == kahan
+    if getattr(cfg, "optimizer_option", None):
+        assert f"FusedAdam({cfg.optimizer_option}=True)" in r.warnings
+    assert r.mem_optimizer_state_mib > 0
+
+
+def test_cli_json_runs_the_new_configurations(tmp_path):
+    cmd = [sys.executable, "-m", "mpnb.cli", "compare", "--workload", "mlp", "--size", "small",
+           "--steps", "4", "--opt-levels", "O0,fp8-delayed,bf16-pure+sr", "--threads", "1",
+           "--json", "--out", ""]  # fmt: skip
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    doc = json.loads(p.stdout)
+    rows = {r["opt_level"]: r for r in doc["rows"]}
+    assert list(rows) == ["O0", "fp8-delayed", "bf16-pure+sr"]
+    assert all(r["status"] == "ok" for r in rows.values()), [r["error"] for r in doc["rows"]]
+    assert rows["fp8-delayed"]["mem_fp8_scales_mib"] > 0
+    assert doc["hardware"]["fp8"] == "emulated" and "fp8 emulated" in doc["hardware"]["summary"]
+    assert "fp8" in p.stderr and "emulated" in p.stderr  # the note before the run
+
+
+def test_cli_rejects_an_unknown_configuration():
+    cmd = [sys.executable, "-m", "mpnb.cli", "compare", "--opt-levels", "O0,fp4", "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and "fp4" in p.stderr and "mxfp8" in p.stderr and not p.stdout
