@@ -28,7 +28,6 @@ Example::
 from __future__ import annotations
 
 import abc
-import inspect
 import types
 from dataclasses import dataclass
 
@@ -153,21 +152,13 @@ class PureBf16Config(PrecisionConfig):
 
 
 def _require_option(name: str, option: str, optimizer) -> None:
-    from mpnb.core.optimizers import FusedAdam
-
     if optimizer is not None and optimizer.defaults.get(option) is True:
         return
-    has = option in inspect.signature(FusedAdam.__init__).parameters
-    how = (
-        f"build it as mpnb.optimizers.FusedAdam(params, {option}=True)"
-        if has
-        else f"mpnb.optimizers.FusedAdam has no {option} option yet, so {name!r} cannot run"
-    )
+    got = "no optimizer" if optimizer is None else type(optimizer).__name__
     raise ValueError(
-        f"precision config {name!r} needs an optimizer built with {option}=True "
-        f"(FusedAdam({option}=...)), got "
-        f"{'no optimizer' if optimizer is None else type(optimizer).__name__}; {how}. "
-        "Use 'bf16-pure' for pure bf16 without it."
+        f"precision config {name!r} needs an optimizer built with {option}=True, got {got}; "
+        f"build it as mpnb.optimizers.FusedAdam(params, {option}=True) (FusedSGD and "
+        "FusedLAMB take the option too). Use 'bf16-pure' for pure bf16 without it."
     )
 
 
@@ -243,7 +234,8 @@ PRECISION_CONFIGS = types.MappingProxyType(
                 "bf16-pure+kahan",
                 "Pure bf16; needs FusedAdam(kahan_summation=True): a bf16 compensation buffer.",
                 _F32,
-                "a bf16 Kahan compensation buffer per parameter",
+                "a bf16 Kahan compensation buffer per parameter (2 bytes/param, optimizer "
+                "state['compensation'])",
                 "kahan_summation",
             ),
         )

@@ -28,6 +28,8 @@ from mpnb.core.ops._library import Sample
 __all__ = [
     "OPT_DTYPES",
     "advance",
+    "bf16_compensations",
+    "bf16_samples",
     "check_opt_lists",
     "check_steps",
     "f32",
@@ -301,3 +303,53 @@ def opt_samples(
             kw["grad_scale"] = 64.0
         lists = lists_for(**kw)
         yield Sample(args_of(lists, base | extra), name=name)
+
+
+def bf16_compensations(params: Tensors, seed: int = 11) -> list[torch.Tensor]:
+    """Kahan compensation buffers for the samples: small bf16 values, as a run leaves them."""
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(p.numel(), generator=g) * 1e-4).to(torch.bfloat16) for p in params]
+
+
+#: Many small tensors of odd sizes (one call of a model with many layers).
+MANY = tuple(1 + (37 * k) % 300 for k in range(40))
+
+
+def bf16_samples(
+    dtype: torch.dtype,
+    nstate: int,
+    args_of: Callable[[tuple, dict], tuple],
+    variants: Sequence[tuple[str, dict]],
+):
+    """The op-table samples of a pure-bf16 optimizer op (``fused_<opt>_bf16_``).
+
+    ``args_of(lists, options)`` as for :func:`opt_samples`; ``options`` hold ``rounding``.
+    Yields each of ``variants`` (bf16 params, fp32 grads), then, for each rounding of the
+    first variants: bf16 grads over many small tensors, scaled grads with a clear
+    ``found_inf``, a set ``found_inf`` (nothing may change), and empty lists.
+    """
+    assert dtype == torch.bfloat16, "the pure-bf16 ops take bf16 params only"
+    for k, (name, options) in enumerate(variants):
+        options = dict(options)
+        sizes = options.pop("sizes", SIZES)
+        lists = lists_for(dtype, torch.float32, False, nstate, sizes, seed=k)
+        yield Sample(args_of(lists, options), name=name)
+    inv = torch.full((1,), 1 / 64)
+    firsts = {}
+    for _, options in variants:
+        firsts.setdefault(options["rounding"], {k: v for k, v in options.items() if k != "sizes"})
+    for r, base in firsts.items():
+        shared = (
+            ("bf16 grads, many tensors", dict(gdt=dtype, sizes=MANY), {}),
+            ("inv_scale", dict(grad_scale=64.0), dict(inv_scale=inv, found_inf=torch.zeros(1))),
+            (
+                "found_inf set",
+                dict(grad_scale=64.0),
+                dict(inv_scale=inv, found_inf=torch.ones(1, dtype=torch.int32)),
+            ),
+            ("empty lists", dict(sizes=()), {}),
+        )
+        for k, (name, lists_kw, extra) in enumerate(shared, start=len(variants)):
+            kw = dict(pdt=dtype, gdt=torch.float32, master=False, nstate=nstate, seed=k)
+            lists = lists_for(**(kw | lists_kw))
+            yield Sample(args_of(lists, base | extra), name=f"{r}: {name}")

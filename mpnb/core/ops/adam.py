@@ -17,8 +17,11 @@ from mpnb.core.ops._library import define, ensure_kernels
 from mpnb.core.ops._optim import (
     OPT_DTYPES,
     advance,
+    bf16_compensations,
+    bf16_samples,
     check_opt_lists,
     check_steps,
+    f32,
     no_outputs,
     opt_samples,
     opt_tolerance,
@@ -28,8 +31,15 @@ from mpnb.core.ops._optim import (
     via_torch,
     weight,
 )
+from mpnb.core.ops._rounding import ROUNDINGS, check_rounding, store_rounded
 
-__all__ = ["fused_adam_", "reference_fused_adam_"]
+__all__ = [
+    "adam_constants",
+    "fused_adam_",
+    "fused_adam_bf16_",
+    "reference_fused_adam_",
+    "reference_fused_adam_bf16_",
+]
 
 _NAME = "fused_adam_"
 
@@ -195,4 +205,174 @@ def fused_adam_(
     _op(
         params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
         weight_decay, adam_w_mode, bias_correction, inv_scale, found_inf,
+    )  # fmt: skip
+
+
+# ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
+
+_NAME_BF16 = "fused_adam_bf16_"
+
+
+def _adam_plain(w, g, m, v, k: dict, t: int, adam_w_mode: bool, has_wd: bool):
+    """The fp32 Adam step of ``fused_adam_bf16_``: one rounding per operation, no fma (the
+    kernels compute exactly these operations, in this order). Updates ``m``, ``v``; returns
+    the new weight."""
+    if has_wd:
+        if adam_w_mode:
+            w = w * k["decay"]
+        else:
+            g = g + k["wd"] * w
+    m.copy_(m * k["beta1"] + k["c1"] * g)
+    v.copy_(v * k["beta2"] + (k["c2"] * g) * g)
+    denom = v.sqrt() / k["bc2_sqrt"][t] + k["eps"]
+    return w + (k["neg_step"][t] * m) / denom
+
+
+def adam_constants(lr, beta1, beta2, eps, weight_decay, bias_correction, steps) -> dict:
+    """The fp32 constants of the pure-bf16 Adam step, each rounded once from fp64 (as the
+    kernels): per tensor ``neg_step = -lr / (1 - beta1^t)`` and ``bc2_sqrt``."""
+    bc = bias_correction
+    return dict(
+        decay=f32(1 - lr * weight_decay),
+        wd=f32(weight_decay),
+        beta1=f32(beta1),
+        c1=f32(1 - beta1),
+        beta2=f32(beta2),
+        c2=f32(1 - beta2),
+        eps=f32(eps),
+        neg_step=[f32(-(lr / (1 - beta1**s if bc else 1.0))) for s in steps],
+        bc2_sqrt=[f32(math.sqrt(1 - beta2**s if bc else 1.0)) for s in steps],
+    )
+
+
+def reference_fused_adam_bf16_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    compensations,
+    steps,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    rounding,
+    seed,
+    rng_step,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """Reference of :func:`fused_adam_bf16_`: :func:`_adam_plain`, then the rounding of
+    :mod:`mpnb.core.ops._rounding`."""
+    check_opt_lists(_NAME_BF16, params, grads, [], exp_avgs, exp_avg_sqs)
+    check_steps(_NAME_BF16, steps, len(params))
+    check_rounding(_NAME_BF16, params, compensations, rounding)
+    if not params or skipped(_NAME_BF16, found_inf):
+        return
+    counts = [advance(s) for s in steps]
+    k = adam_constants(lr, beta1, beta2, eps, weight_decay, bias_correction, counts)
+    for i in range(len(params)):
+        g, w = unscaled(_NAME_BF16, grads[i], inv_scale), params[i].float()
+        x = _adam_plain(w, g, exp_avgs[i], exp_avg_sqs[i], k, i, adam_w_mode, weight_decay != 0)
+        comp = compensations[i] if rounding == "kahan" else None
+        store_rounded(params[i], comp, x, rounding, seed, rng_step, i)
+
+
+def _bf16_args(lists, o: dict) -> tuple:
+    params, grads, _, (m, v), steps = lists
+    hyper = (o["lr"], 0.9, 0.999, 1e-8, o["weight_decay"], o["adam_w_mode"], True)
+    comps = bf16_compensations(params) if o["rounding"] == "kahan" else []
+    return (
+        params, grads, m, v, comps, steps, *hyper, o["rounding"], o.get("seed", 7),
+        o.get("rng_step", 3), o.get("inv_scale"), o.get("found_inf"),
+    )  # fmt: skip
+
+
+def _bf16_samples(dtype: torch.dtype):
+    base = dict(lr=1e-2, weight_decay=0.1, adam_w_mode=True)
+    variants = []
+    for rounding in ROUNDINGS:
+        r = dict(rounding=rounding)
+        variants += [
+            (f"{rounding}: adamw", base | r),
+            (f"{rounding}: adam, L2 decay", base | r | dict(adam_w_mode=False)),
+            (f"{rounding}: no decay, tiny lr", base | r | dict(weight_decay=0.0, lr=1e-6)),
+        ]
+    return bf16_samples(dtype, 2, _bf16_args, variants)
+
+
+OP_BF16 = define(
+    "fused_adam_bf16_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] compensations, Tensor(e!)[] steps, float lr, "
+    "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
+    "bool bias_correction, str rounding, int seed, int rng_step, Tensor? inv_scale=None, "
+    "Tensor? found_inf=None) -> ()",
+    family="adam",
+    reference=reference_fused_adam_bf16_,
+    fake=no_outputs,
+    dtypes=(torch.bfloat16,),
+    sample_inputs=_bf16_samples,  # kernel == reference bit for bit
+    cpu_kernel=False,
+)
+_op_bf16 = OP_BF16.overload
+
+
+def fused_adam_bf16_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    compensations,
+    steps,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool,
+    bias_correction: bool,
+    rounding: str,
+    seed: int,
+    rng_step: int,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """One Adam/AdamW step of bf16 params without master weights, rounded stochastically or
+    with Kahan summation (the math: :mod:`mpnb.core.ops._rounding`).
+
+    The fp32 step is :func:`fused_adam_`'s formula computed one rounding per operation
+    (``m = beta1 m + (1-beta1) g``, ``v = beta2 v + ((1-beta2) g) g``,
+    ``w + (-lr/bc1 * m) / (sqrt(v)/sqrt(bc2) + eps)``), from the param upcast to fp32.
+
+    Args:
+        params: bf16 weights, updated in place.
+        grads: one grad per param (fp32, fp16 or bf16; one dtype), read only.
+        exp_avgs, exp_avg_sqs: the fp32 moments, updated in place.
+        compensations: ``rounding="kahan"``: one bf16 buffer per param (updated); else empty.
+        steps: one one-element float32 tensor per param, advanced by the op.
+        lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction: as
+            :func:`fused_adam_`.
+        rounding: ``"stochastic"`` or ``"kahan"``.
+        seed, rng_step: the random bits' seed and step (stochastic rounding; the tensor's
+            index in ``params`` and the element's index complete the counter).
+        inv_scale: optional one-element tensor :math:`s^{-1}` multiplied into the grads.
+        found_inf: optional one-element tensor; nonzero: the step writes nothing.
+
+    Example::
+
+        >>> p, g = [torch.randn(10).bfloat16()], [torch.randn(10)]
+        >>> m, v, step = [torch.zeros(10)], [torch.zeros(10)], [torch.tensor(0.0)]
+        >>> fused_adam_bf16_(p, g, m, v, [], step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+        ...                  weight_decay=0.01, adam_w_mode=True, bias_correction=True,
+        ...                  rounding="stochastic", seed=1, rng_step=1)
+    """
+    ensure_kernels()
+    _op_bf16(
+        params, grads, exp_avgs, exp_avg_sqs, compensations, steps, lr, beta1, beta2, eps,
+        weight_decay, adam_w_mode, bias_correction, rounding, seed, rng_step, inv_scale,
+        found_inf,
     )  # fmt: skip

@@ -9,12 +9,16 @@ Kernels: ``csrc/cpu/lamb.cpp`` (CPU); the reference elsewhere (PyTorch has no fu
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from mpnb.core.ops._library import define, ensure_kernels
 from mpnb.core.ops._optim import (
     OPT_DTYPES,
     advance,
+    bf16_compensations,
+    bf16_samples,
     check_opt_lists,
     check_steps,
     f32,
@@ -26,8 +30,16 @@ from mpnb.core.ops._optim import (
     unscaled,
     weight,
 )
+from mpnb.core.ops._rounding import ROUNDINGS, check_rounding, store_rounded
 
-__all__ = ["fused_lamb_", "reference_fused_lamb_"]
+__all__ = [
+    "NORM_BLOCK",
+    "block_norm",
+    "fused_lamb_",
+    "fused_lamb_bf16_",
+    "reference_fused_lamb_",
+    "reference_fused_lamb_bf16_",
+]
 
 _NAME = "fused_lamb_"
 _F32 = torch.float32
@@ -201,4 +213,205 @@ def fused_lamb_(
         params, grads, exp_avgs, exp_avg_sqs, masters, steps, global_grad_norm, lr, beta1,
         beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, max_grad_norm,
         use_nvlamb, inv_scale, found_inf,
+    )  # fmt: skip
+
+
+# ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
+
+_NAME_BF16 = "fused_lamb_bf16_"
+
+#: The norms of the pure-bf16 step are sums of fp64 squares in a fixed order: each block of
+#: this many elements from its first to its last, then the blocks' sums in block order (the
+#: kernels share the blocks between threads and add them in the same order).
+NORM_BLOCK = 4096
+
+
+def block_norm(x: torch.Tensor) -> float:
+    """``sqrt(sum(x^2))`` in fp64, summed in :data:`NORM_BLOCK` order (``cumsum`` adds one
+    element after the other)."""
+    sq = x.reshape(-1).double().square()
+    pad = (-sq.numel()) % NORM_BLOCK
+    blocks = torch.nn.functional.pad(sq, (0, pad)).reshape(-1, NORM_BLOCK)
+    sums = blocks.cumsum(1)[:, -1]
+    return math.sqrt(float(sums.cumsum(0)[-1])) if sums.numel() else 0.0
+
+
+def _lamb_plain(w, g, m, v, k: dict, t: int, adam_w_mode: bool):
+    """The fp32 LAMB direction of ``fused_lamb_bf16_``: one rounding per operation, no fma,
+    reciprocals for the clipping and the bias corrections (as the kernels). Updates ``m``,
+    ``v``; returns the direction ``u``."""
+    if k["clipped"]:
+        g = g * k["rclip"]
+    if k["has_wd"] and not adam_w_mode:
+        g = g + k["wd"] * w
+    m.copy_(m * k["beta1"] + k["beta3"] * g)
+    v.copy_(v * k["beta2"] + (k["c2"] * g) * g)
+    u = (m * k["rbc1"][t]) / ((v * k["rbc2"][t]).sqrt() + k["eps"])
+    if k["has_wd"] and adam_w_mode:
+        u = u + k["wd"] * w
+    return u
+
+
+def reference_fused_lamb_bf16_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    compensations,
+    steps,
+    global_grad_norm,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    grad_averaging,
+    max_grad_norm,
+    use_nvlamb,
+    rounding,
+    seed,
+    rng_step,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """Reference of :func:`fused_lamb_bf16_`: :func:`_lamb_plain`, the trust ratio from
+    :func:`block_norm`, then the rounding of :mod:`mpnb.core.ops._rounding`."""
+    check_opt_lists(_NAME_BF16, params, grads, [], exp_avgs, exp_avg_sqs)
+    check_steps(_NAME_BF16, steps, len(params))
+    check_rounding(_NAME_BF16, params, compensations, rounding)
+    if global_grad_norm.numel() != 1:
+        raise ValueError(
+            f"{_NAME_BF16}: global_grad_norm must hold one value, got "
+            f"{global_grad_norm.numel()}; pass the one-element total of multi_tensor_l2norm."
+        )
+    if not params or skipped(_NAME_BF16, found_inf):
+        return
+    gnorm, mx = f32(float(global_grad_norm.reshape(()))), f32(max_grad_norm)
+    clipped = bool(mx > 0) and bool(gnorm > mx)
+    clip = gnorm / mx if clipped else f32(1.0)
+    counts = [advance(s) for s in steps]
+
+    def rbc(beta):
+        return [f32(1 / (1 - beta**s)) if bias_correction else f32(1.0) for s in counts]
+
+    k = dict(
+        clipped=clipped, rclip=f32(1.0 / float(clip)), wd=f32(weight_decay),
+        has_wd=weight_decay != 0, beta1=f32(beta1),
+        beta3=f32(1 - beta1) if grad_averaging else f32(1.0), beta2=f32(beta2),
+        c2=f32(1 - beta2), eps=f32(eps), rbc1=rbc(beta1), rbc2=rbc(beta2),
+    )  # fmt: skip
+    for i in range(len(params)):
+        g, w = unscaled(_NAME_BF16, grads[i], inv_scale), params[i].float()
+        u = _lamb_plain(w, g, exp_avgs[i], exp_avg_sqs[i], k, i, adam_w_mode)
+        ratio = f32(lr)
+        if use_nvlamb or weight_decay != 0:
+            pn, un = f32(block_norm(w)), f32(block_norm(u))
+            if pn.item() != 0 and un.item() != 0:
+                ratio = f32(lr) * (pn / un)
+        comp = compensations[i] if rounding == "kahan" else None
+        store_rounded(params[i], comp, w - ratio * u, rounding, seed, rng_step, i)
+
+
+def _bf16_args(lists, o: dict) -> tuple:
+    params, grads, _, (m, v), steps = lists
+    gnorm = torch.tensor([o["global_grad_norm"]])
+    hyper = (1e-2, 0.9, 0.999, 1e-6, o["weight_decay"], o["adam_w_mode"], True, True, 1.0)
+    comps = bf16_compensations(params) if o["rounding"] == "kahan" else []
+    return (
+        params, grads, m, v, comps, steps, gnorm, *hyper, o["use_nvlamb"], o["rounding"], 3,
+        4, o.get("inv_scale"), o.get("found_inf"),
+    )  # fmt: skip
+
+
+def _bf16_samples(dtype: torch.dtype):
+    base = dict(global_grad_norm=0.5, weight_decay=0.01, adam_w_mode=True, use_nvlamb=False)
+    variants = []
+    for rounding in ROUNDINGS:
+        r = base | dict(rounding=rounding)
+        variants += [
+            (f"{rounding}: adamw decay", r),
+            (f"{rounding}: clipped, L2 decay", r | dict(global_grad_norm=3.0, adam_w_mode=False)),
+            (f"{rounding}: no decay", r | dict(weight_decay=0.0)),
+            (f"{rounding}: use_nvlamb", r | dict(weight_decay=0.0, use_nvlamb=True)),
+        ]
+    return bf16_samples(dtype, 2, _bf16_args, variants)
+
+
+OP_BF16 = define(
+    "fused_lamb_bf16_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
+    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] compensations, Tensor(e!)[] steps, "
+    "Tensor global_grad_norm, float lr, float beta1, float beta2, float eps, "
+    "float weight_decay, bool adam_w_mode, bool bias_correction, bool grad_averaging, "
+    "float max_grad_norm, bool use_nvlamb, str rounding, int seed, int rng_step, "
+    "Tensor? inv_scale=None, Tensor? found_inf=None) -> ()",
+    family="lamb",
+    reference=reference_fused_lamb_bf16_,
+    fake=no_outputs,
+    dtypes=(torch.bfloat16,),
+    sample_inputs=_bf16_samples,  # kernel == reference bit for bit
+    cpu_kernel=False,
+)
+_op_bf16 = OP_BF16.overload
+
+
+def fused_lamb_bf16_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    compensations,
+    steps,
+    global_grad_norm,
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    adam_w_mode: bool = True,
+    bias_correction: bool = True,
+    grad_averaging: bool = True,
+    max_grad_norm: float = 1.0,
+    use_nvlamb: bool = False,
+    rounding: str,
+    seed: int,
+    rng_step: int,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """One LAMB step of bf16 params without master weights, rounded stochastically or with
+    Kahan summation (the math: :mod:`mpnb.core.ops._rounding`).
+
+    The fp32 step is :func:`fused_lamb_`'s formula, one rounding per operation, with the
+    trust ratio's norms summed in fp64 in a fixed block order (:func:`block_norm`).
+
+    Args:
+        params: bf16 weights, updated in place.
+        grads: one grad per param (fp32, fp16 or bf16; one dtype), read only.
+        exp_avgs, exp_avg_sqs: the fp32 moments, updated in place.
+        compensations: ``rounding="kahan"``: one bf16 buffer per param (updated); else empty.
+        steps: one one-element float32 tensor per param, advanced by the op.
+        global_grad_norm: one-element tensor, the L2 norm of all unscaled grads of the step.
+        lr, beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging,
+            max_grad_norm, use_nvlamb: as :func:`fused_lamb_`.
+        rounding: ``"stochastic"`` or ``"kahan"``.
+        seed, rng_step: the random bits' seed and step (stochastic rounding).
+        inv_scale: optional one-element tensor :math:`s^{-1}` multiplied into the grads.
+        found_inf: optional one-element tensor; nonzero: the step writes nothing.
+
+    Example::
+
+        >>> p, g = [torch.randn(10).bfloat16()], [torch.randn(10)]
+        >>> m, v, step = [torch.zeros(10)], [torch.zeros(10)], [torch.tensor(0.0)]
+        >>> fused_lamb_bf16_(p, g, m, v, [], step, torch.ones(1), lr=1e-2, beta1=0.9,
+        ...                  beta2=0.999, eps=1e-6, weight_decay=0.01,
+        ...                  rounding="stochastic", seed=1, rng_step=1)
+    """
+    ensure_kernels()
+    _op_bf16(
+        params, grads, exp_avgs, exp_avg_sqs, compensations, steps, global_grad_norm, lr,
+        beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging,
+        max_grad_norm, use_nvlamb, rounding, seed, rng_step, inv_scale, found_inf,
     )  # fmt: skip

@@ -16,7 +16,10 @@ import torch
 from mpnb.core.ops._library import define, ensure_kernels
 from mpnb.core.ops._optim import (
     OPT_DTYPES,
+    bf16_compensations,
+    bf16_samples,
     check_opt_lists,
+    f32,
     no_outputs,
     opt_samples,
     skipped,
@@ -25,8 +28,14 @@ from mpnb.core.ops._optim import (
     via_torch,
     weight,
 )
+from mpnb.core.ops._rounding import ROUNDINGS, check_rounding, store_rounded
 
-__all__ = ["fused_sgd_", "reference_fused_sgd_"]
+__all__ = [
+    "fused_sgd_",
+    "fused_sgd_bf16_",
+    "reference_fused_sgd_",
+    "reference_fused_sgd_bf16_",
+]
 
 _NAME = "fused_sgd_"
 
@@ -199,4 +208,160 @@ def fused_sgd_(
     _op(
         params, grads, momentum_buffers, masters, first_run, lr, momentum, dampening,
         weight_decay, nesterov, wd_after_momentum, inv_scale, found_inf,
+    )  # fmt: skip
+
+
+# ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
+
+_NAME_BF16 = "fused_sgd_bf16_"
+
+
+def _sgd_plain(w, g, buf, first: bool, k: dict, momentum, nesterov, wd_after_momentum):
+    """The fp32 SGD step of ``fused_sgd_bf16_``: one rounding per operation, no fma (the
+    kernels compute exactly these operations). Updates ``buf``; returns the new weight."""
+    has_wd = k["has_wd"]
+    if has_wd and not wd_after_momentum:
+        g = g + k["wd"] * w
+    if momentum != 0:
+        buf.copy_(g if first else buf * k["momentum"] + k["damp"] * g)
+        g = g + k["momentum"] * buf if nesterov else buf
+    if has_wd and wd_after_momentum:
+        g = g + k["wd"] * w
+    return w - k["lr"] * g
+
+
+def reference_fused_sgd_bf16_(
+    params,
+    grads,
+    momentum_buffers,
+    compensations,
+    first_run,
+    lr,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+    wd_after_momentum,
+    rounding,
+    seed,
+    rng_step,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """Reference of :func:`fused_sgd_bf16_`: :func:`_sgd_plain`, then the rounding of
+    :mod:`mpnb.core.ops._rounding`."""
+    if momentum != 0:
+        check_opt_lists(_NAME_BF16, params, grads, [], momentum_buffers)
+        _check_first_run(first_run, len(params))
+    else:
+        check_opt_lists(_NAME_BF16, params, grads, [])
+    check_rounding(_NAME_BF16, params, compensations, rounding)
+    if not params or skipped(_NAME_BF16, found_inf):
+        return
+    k = dict(
+        lr=f32(lr), momentum=f32(momentum), damp=f32(1 - dampening), wd=f32(weight_decay),
+        has_wd=weight_decay != 0,
+    )  # fmt: skip
+    for i in range(len(params)):
+        g, w = unscaled(_NAME_BF16, grads[i], inv_scale), params[i].float()
+        buf = momentum_buffers[i] if momentum != 0 else None
+        first = bool(first_run[i]) if momentum != 0 else False
+        x = _sgd_plain(w, g, buf, first, k, momentum, nesterov, wd_after_momentum)
+        comp = compensations[i] if rounding == "kahan" else None
+        store_rounded(params[i], comp, x, rounding, seed, rng_step, i)
+
+
+def _bf16_args(lists, o: dict) -> tuple:
+    params, grads, _, (bufs,), _ = lists
+    if o["momentum"] == 0:
+        bufs = []
+    first = [i % 2 == 0 for i in range(len(params))]
+    hyper = (o["lr"], o["momentum"], 0.1, o["weight_decay"], o["nesterov"], o["wd_after"])
+    comps = bf16_compensations(params) if o["rounding"] == "kahan" else []
+    return (
+        params, grads, bufs, comps, first, *hyper, o["rounding"], 5, 2, o.get("inv_scale"),
+        o.get("found_inf"),
+    )  # fmt: skip
+
+
+def _bf16_samples(dtype: torch.dtype):
+    base = dict(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=False, wd_after=False)
+    variants = []
+    for rounding in ROUNDINGS:
+        r = base | dict(rounding=rounding)
+        variants += [
+            (f"{rounding}: momentum", r),
+            (f"{rounding}: nesterov", r | dict(nesterov=True)),
+            (f"{rounding}: wd_after_momentum", r | dict(wd_after=True)),
+            (f"{rounding}: no momentum, tiny lr", r | dict(momentum=0.0, lr=1e-5)),
+        ]
+    return bf16_samples(dtype, 1, _bf16_args, variants)
+
+
+OP_BF16 = define(
+    "fused_sgd_bf16_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
+    "Tensor(c!)[] compensations, bool[] first_run, float lr, float momentum, "
+    "float dampening, float weight_decay, bool nesterov, bool wd_after_momentum, "
+    "str rounding, int seed, int rng_step, Tensor? inv_scale=None, "
+    "Tensor? found_inf=None) -> ()",
+    family="sgd",
+    reference=reference_fused_sgd_bf16_,
+    fake=no_outputs,
+    dtypes=(torch.bfloat16,),
+    sample_inputs=_bf16_samples,  # kernel == reference bit for bit
+    cpu_kernel=False,
+)
+_op_bf16 = OP_BF16.overload
+
+
+def fused_sgd_bf16_(
+    params,
+    grads,
+    momentum_buffers,
+    compensations,
+    first_run,
+    *,
+    lr: float,
+    momentum: float = 0.0,
+    dampening: float = 0.0,
+    weight_decay: float = 0.0,
+    nesterov: bool = False,
+    wd_after_momentum: bool = False,
+    rounding: str,
+    seed: int,
+    rng_step: int,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """One SGD step of bf16 params without master weights, rounded stochastically or with
+    Kahan summation (the math: :mod:`mpnb.core.ops._rounding`).
+
+    The fp32 step is :func:`fused_sgd_`'s formula, one rounding per operation
+    (``g + wd * w``, ``b = momentum * b + (1 - dampening) * g``, ``w - lr * g``), from the
+    param upcast to fp32.
+
+    Args:
+        params: bf16 weights, updated in place.
+        grads: one grad per param (fp32, fp16 or bf16; one dtype), read only.
+        momentum_buffers: the fp32 buffers (empty when ``momentum`` is 0).
+        compensations: ``rounding="kahan"``: one bf16 buffer per param (updated); else empty.
+        first_run: one bool per param: its buffer is new.
+        lr, momentum, dampening, weight_decay, nesterov, wd_after_momentum: as
+            :func:`fused_sgd_`.
+        rounding: ``"stochastic"`` or ``"kahan"``.
+        seed, rng_step: the random bits' seed and step (stochastic rounding).
+        inv_scale: optional one-element tensor :math:`s^{-1}` multiplied into the grads.
+        found_inf: optional one-element tensor; nonzero: the step writes nothing.
+
+    Example::
+
+        >>> p, g = [torch.randn(10).bfloat16()], [torch.randn(10)]
+        >>> fused_sgd_bf16_(p, g, [], [], [], lr=1e-3, rounding="stochastic", seed=1,
+        ...                 rng_step=1)
+    """
+    ensure_kernels()
+    _op_bf16(
+        params, grads, momentum_buffers, compensations, first_run, lr, momentum, dampening,
+        weight_decay, nesterov, wd_after_momentum, rounding, seed, rng_step, inv_scale,
+        found_inf,
     )  # fmt: skip

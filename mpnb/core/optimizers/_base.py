@@ -13,6 +13,11 @@ one op of :mod:`mpnb.core.ops` (``adam``, ``sgd``, ...). Everything else lives h
   ``grad_scale``/``found_inf`` attributes that ``torch.amp.GradScaler.step`` sets (because
   ``_step_supports_amp_scaling`` is True) hand the scale to the step: grads are unscaled in
   the kernel, and on inf/NaN nothing is written and ``found_inf`` is 1.
+* **Pure bf16.** ``stochastic_rounding=True`` or ``kahan_summation=True`` (FusedAdam,
+  FusedSGD, FusedLAMB) send bf16 params without masters to the op's ``_bf16`` variant
+  (:mod:`mpnb.core.ops._rounding` has the math): :class:`_Rounding` holds the seed (drawn once
+  from ``generator``) and the step counter of the random bits, saved by ``state_dict`` under
+  ``"rounding"``; Kahan's bf16 buffer is ``state[p]["compensation"]``.
 * **Apex's attributes.** ``_dummy_overflow_buf`` and, per class, Apex's ``multi_tensor_*``
   ops (:mod:`mpnb.core.amp_C`, callable through ``multi_tensor_applier`` with Apex's
   positional signatures), for code that subclasses Apex's optimizers (fairseq's
@@ -26,6 +31,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mpnb.core.ops._rounding import mix64
 from mpnb.core.ops.check_finite import multi_tensor_check_finite
 from mpnb.core.optimizers._checks import check_hyperparams, check_loadable, number
 
@@ -33,6 +39,12 @@ __all__ = ["FusedOptimizerBase", "check_hyperparams"]
 
 
 _HALF = (torch.float16, torch.bfloat16)
+_MASTERS_POINTLESS = (
+    "stochastic_rounding / kahan_summation make bf16 params train without fp32 master "
+    "weights; with masters (master_weights=True, amp O2) the update is already exact, so "
+    "they would do nothing. Use opt_level='O3' with half_dtype=torch.bfloat16 (the "
+    "'bf16-pure+sr' / 'bf16-pure+kahan' configs), or drop the option to keep O2's masters."
+)
 
 
 @dataclass
@@ -45,6 +57,7 @@ class Bucket:
     states: list = field(default_factory=list)  # the state dicts, one per param
     index: list = field(default_factory=list)  # each param's position in its group
     lists: dict = field(default_factory=dict)  # state key -> cached list of state tensors
+    ordinal: int = 0  # the bucket's position in this step (mixed into the rounding's seed)
 
 
 @dataclass
@@ -71,6 +84,25 @@ class _Plan:
         )
 
 
+_SEED_MASK = (1 << 63) - 1  # seeds travel as the ops' int64 arguments
+
+
+@dataclass
+class _Rounding:
+    """The random bits' seed and step counter of stochastic rounding (one per optimizer)."""
+
+    seed: int = 0
+    step: int = 0
+
+    def state_dict(self) -> dict:
+        return {"seed": self.seed, "step": self.step}
+
+
+def _draw_seed(generator: torch.Generator | None) -> int:
+    """A 62-bit seed from ``generator`` (torch's default generator when None)."""
+    return int(torch.randint(0, 1 << 62, (1,), generator=generator).item())
+
+
 class FusedOptimizerBase(torch.optim.Optimizer):
     """Base of mpnb's fused optimizers (a real ``torch.optim.Optimizer``)."""
 
@@ -81,9 +113,30 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(
-        self, params, defaults: dict, *, master_weights: bool = False, set_grad_none: bool = True
+        self,
+        params,
+        defaults: dict,
+        *,
+        master_weights: bool = False,
+        set_grad_none: bool = True,
+        stochastic_rounding: bool | None = None,
+        kahan_summation: bool | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
+        owner = type(self).__name__
+        if stochastic_rounding is not None:  # the classes that have the options
+            sr, kahan = bool(stochastic_rounding), bool(kahan_summation)
+            if sr and kahan:
+                raise ValueError(
+                    f"{owner}: stochastic_rounding and kahan_summation are two ways to round "
+                    "the same update back to bf16; pick one (stochastic_rounding=True: no "
+                    "extra memory; kahan_summation=True: a 2-byte buffer per param)."
+                )
+            if (sr or kahan) and master_weights:
+                raise ValueError(f"{owner}: {_MASTERS_POINTLESS}")
+            defaults = dict(defaults, stochastic_rounding=sr, kahan_summation=kahan)
         super().__init__(params, defaults)
+        self._rounding = _Rounding(_draw_seed(generator) if stochastic_rounding else 0)
         self.master_weights = bool(master_weights)
         self.set_grad_none = bool(set_grad_none)
         self._pending_scale: tuple | None = None
@@ -98,6 +151,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         super().__setstate__(state)
         self.__dict__.setdefault("master_weights", False)
         self.__dict__.setdefault("set_grad_none", True)
+        self.__dict__.setdefault("_rounding", _Rounding())
         self._pending_scale = None
         self._plans = {}
         self._dummy_overflow_buf = self._new_overflow_buf()
@@ -122,6 +176,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     def _mpnb_use_master_weights(self) -> None:
         """Switch on fp32 master weights (mpnb.amp O2 calls this instead of copying params)."""
+        if any(self.rounding(g) for g in self.param_groups):
+            raise RuntimeError(f"{type(self).__name__}: {_MASTERS_POINTLESS}")
         self.master_weights = True
         self._plans.clear()
 
@@ -158,6 +214,46 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 p, dtype=torch.float32, memory_format=torch.contiguous_format
             )
 
+    @staticmethod
+    def rounding(group: dict) -> str | None:
+        """The group's rounding of bf16 updates: ``"stochastic"``, ``"kahan"`` or None."""
+        if group.get("stochastic_rounding"):
+            return "stochastic"
+        return "kahan" if group.get("kahan_summation") else None
+
+    def rounding_args(self, group: dict, bucket: Bucket) -> dict | None:
+        """The ``rounding``, ``seed``, ``rng_step`` and ``compensations`` keywords of the
+        ``_bf16`` op for ``bucket``, or None when the group rounds to nearest.
+
+        The op's seed mixes the optimizer's seed with the bucket's position in the step, so
+        tensors of different buckets (same index in their lists) get independent bits.
+        """
+        mode = self.rounding(group)
+        if mode is None:
+            return None
+        seed = mix64(self._rounding.seed + bucket.ordinal) & _SEED_MASK
+        comps = self.state_list(bucket, "compensation") if mode == "kahan" else []
+        return dict(rounding=mode, seed=seed, rng_step=self._rounding.step, compensations=comps)
+
+    def _check_rounding(self, group: dict, p: torch.Tensor, state: dict) -> None:
+        mode = self.rounding(group)
+        if mode is None:
+            return
+        option = "stochastic_rounding" if mode == "stochastic" else "kahan_summation"
+        if p.dtype != torch.bfloat16:
+            fix = (
+                "fp32 params need no rounding: build the optimizer without it (or use fp32 "
+                "master weights for half params)"
+                if p.dtype == torch.float32
+                else "convert the model to bfloat16, or use master_weights=True"
+            )
+            raise TypeError(
+                f"{type(self).__name__}({option}=True): a param of shape {tuple(p.shape)} is "
+                f"{p.dtype}; {option} is for bfloat16 params without master weights; {fix}."
+            )
+        if mode == "kahan" and "compensation" not in state:
+            state["compensation"] = torch.zeros_like(p, memory_format=torch.contiguous_format)
+
     def _buckets(self, group: dict) -> list[Bucket]:
         params = group["params"]
         plan = self._plans.get(id(group))
@@ -189,6 +285,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 if self._has_step:
                     state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
                 self._init_state(p, state)
+            self._check_rounding(group, p, state)
             use_master = self.master_weights and p.dtype in _HALF
             if use_master and "master_param" not in state:
                 state["master_param"] = p.detach().float().clone()
@@ -253,8 +350,13 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                     multi_tensor_check_finite(found_inf, b.grads)
         self._prepare(work, inv_scale, found_inf)
         flag = found_inf if skip else None  # a static scale: flagged, but the step is taken
+        if any(self.rounding(g) == "stochastic" for g in self.param_groups):
+            self._rounding.step += 1  # also on a skipped step: the bits stay a pure counter
+        ordinal = 0
         for group, buckets in work:
             for b in buckets:
+                b.ordinal = ordinal
+                ordinal += 1
                 self._update(group, b, inv_scale, flag)
         return loss
 
@@ -263,6 +365,13 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         super().zero_grad(set_to_none=self.set_grad_none if set_to_none is None else set_to_none)
 
     # -- checkpoints -----------------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """``torch.optim.Optimizer.state_dict()`` plus ``"rounding"``: the seed and step count
+        of stochastic rounding's random bits (a resumed run rounds bitwise as the first)."""
+        out = super().state_dict()
+        out["rounding"] = self._rounding.state_dict()
+        return out
+
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a checkpoint of this optimizer or of its PyTorch counterpart, all or nothing.
 
@@ -287,7 +396,12 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                         state[k] = torch.tensor(number(v), dtype=torch.float32)
                     continue
                 dtype = torch.float32 if v.is_floating_point() else v.dtype
+                if k == "compensation":  # Kahan's buffer is bf16 by design
+                    dtype = torch.bfloat16
                 state[k] = v.to(device=p.device, dtype=dtype, copy=True).contiguous()
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
+        rounding = state_dict.get("rounding")
+        if isinstance(rounding, dict):
+            self._rounding = _Rounding(int(rounding["seed"]), int(rounding["step"]))

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+from functools import partial
+
+import torch
+
 from mpnb.core import amp_C
-from mpnb.core.ops.adam import fused_adam_
+from mpnb.core.ops.adam import fused_adam_, fused_adam_bf16_
 from mpnb.core.optimizers._base import FusedOptimizerBase, check_hyperparams
 
 __all__ = ["FusedAdam"]
@@ -33,6 +37,16 @@ class FusedAdam(FusedOptimizerBase):
         capturable: accepted for Apex compatibility; the step count always lives in a tensor.
         master_weights: keep fp32 master copies of fp16/bf16 params; each step reads the half
             grad, updates the master and writes the half param in one pass.
+        stochastic_rounding: pure bf16 training: bf16 params (no masters) are updated in
+            fp32 and rounded stochastically back to bf16, unbiased, so updates below half a
+            bf16 ulp survive in expectation (math: :mod:`mpnb.core.ops._rounding`).
+        kahan_summation: pure bf16 training with a bf16 compensation buffer per param
+            (``state[p]["compensation"]``, 2 bytes per param) that carries what each
+            rounding lost into the next step. Exclusive with ``stochastic_rounding``.
+        generator: the ``torch.Generator`` the stochastic rounding's seed is drawn from,
+            once, here (default: torch's default generator); the seed and the step count of
+            the random bits are saved in ``state_dict()["rounding"]``, so a resumed run
+            rounds bitwise as an uninterrupted one.
 
     Apex's ``multi_tensor_adam`` and ``_dummy_overflow_buf`` attributes are there for code that
     subclasses Apex's FusedAdam (``multi_tensor_applier(self.multi_tensor_adam, ...)``).
@@ -61,6 +75,9 @@ class FusedAdam(FusedOptimizerBase):
         set_grad_none: bool = True,
         capturable: bool = False,
         master_weights: bool = False,
+        stochastic_rounding: bool = False,
+        kahan_summation: bool = False,
+        generator: torch.Generator | None = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError(
@@ -72,19 +89,31 @@ class FusedAdam(FusedOptimizerBase):
             lr=lr, bias_correction=bias_correction, betas=betas, eps=eps, weight_decay=weight_decay
         )
         super().__init__(
-            params, defaults, master_weights=master_weights, set_grad_none=set_grad_none
+            params,
+            defaults,
+            master_weights=master_weights,
+            set_grad_none=set_grad_none,
+            stochastic_rounding=stochastic_rounding,
+            kahan_summation=kahan_summation,
+            generator=generator,
         )
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
 
     def _update(self, group, bucket, inv_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
-        fused_adam_(
+        rounded = self.rounding_args(group, bucket)
+        if rounded is None:
+            op, fourth = fused_adam_, bucket.masters
+        else:
+            fourth = rounded.pop("compensations")
+            op = partial(fused_adam_bf16_, **rounded)
+        op(
             bucket.params,
             bucket.grads,
             self.state_list(bucket, "exp_avg"),
             self.state_list(bucket, "exp_avg_sq"),
-            bucket.masters,
+            fourth,
             self.state_list(bucket, "step"),
             lr=float(group["lr"]),
             beta1=beta1,

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import torch
 
 from mpnb.core import amp_C
 from mpnb.core.ops.l2norm import multi_tensor_l2norm
-from mpnb.core.ops.lamb import fused_lamb_
+from mpnb.core.ops.lamb import fused_lamb_, fused_lamb_bf16_
 from mpnb.core.optimizers._base import FusedOptimizerBase, check_hyperparams
 
 __all__ = ["FusedLAMB"]
@@ -35,6 +36,9 @@ class FusedLAMB(FusedOptimizerBase):
         max_grad_norm (1.0; <= 0 disables the global clipping), use_nvlamb (False): Apex's.
         amsgrad: not supported (raises).
         master_weights: keep fp32 master copies of fp16/bf16 params (mpnb extension).
+        stochastic_rounding, kahan_summation, generator: pure bf16 training, as in
+            :class:`~mpnb.core.optimizers.FusedAdam` (exclusive with each other and with
+            master weights).
 
     Example::
 
@@ -61,6 +65,9 @@ class FusedLAMB(FusedOptimizerBase):
         max_grad_norm: float = 1.0,
         use_nvlamb: bool = False,
         master_weights: bool = False,
+        stochastic_rounding: bool = False,
+        kahan_summation: bool = False,
+        generator: torch.Generator | None = None,
     ) -> None:
         if amsgrad:
             raise RuntimeError("FusedLAMB does not support the AMSGrad variant; drop amsgrad=True.")
@@ -80,7 +87,13 @@ class FusedLAMB(FusedOptimizerBase):
             max_grad_norm=max_grad_norm,
         )
         super().__init__(
-            params, defaults, master_weights=master_weights, set_grad_none=set_grad_none
+            params,
+            defaults,
+            master_weights=master_weights,
+            set_grad_none=set_grad_none,
+            stochastic_rounding=stochastic_rounding,
+            kahan_summation=kahan_summation,
+            generator=generator,
         )
         self.adam_w_mode = bool(adam_w_mode)
         self.use_nvlamb = bool(use_nvlamb)
@@ -98,12 +111,18 @@ class FusedLAMB(FusedOptimizerBase):
 
     def _update(self, group, bucket, inv_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
-        fused_lamb_(
+        rounded = self.rounding_args(group, bucket)
+        if rounded is None:
+            op, fifth = fused_lamb_, bucket.masters
+        else:
+            fifth = rounded.pop("compensations")
+            op = partial(fused_lamb_bf16_, **rounded)
+        op(
             bucket.params,
             bucket.grads,
             self.state_list(bucket, "exp_avg"),
             self.state_list(bucket, "exp_avg_sq"),
-            bucket.masters,
+            fifth,
             self.state_list(bucket, "step"),
             self._global_norm,
             lr=float(group["lr"]),

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+from functools import partial
+
 import torch
 from torch.optim.optimizer import required
 
 from mpnb.core import amp_C
-from mpnb.core.ops.sgd import fused_sgd_
+from mpnb.core.ops.sgd import fused_sgd_, fused_sgd_bf16_
 from mpnb.core.optimizers._base import FusedOptimizerBase, check_hyperparams
 
 __all__ = ["FusedSGD"]
@@ -33,6 +35,9 @@ class FusedSGD(FusedOptimizerBase):
             in the update pass (the one-pass step).
         set_grad_none: ``zero_grad()`` sets grads to None (default False, as in Apex).
         master_weights: keep fp32 master copies of fp16/bf16 params (mpnb extension).
+        stochastic_rounding, kahan_summation, generator: pure bf16 training, as in
+            :class:`~mpnb.core.optimizers.FusedAdam` (exclusive with each other and with
+            master weights).
 
     Example::
 
@@ -53,6 +58,9 @@ class FusedSGD(FusedOptimizerBase):
         materialize_master_grads: bool = True,
         set_grad_none: bool = False,
         master_weights: bool = False,
+        stochastic_rounding: bool = False,
+        kahan_summation: bool = False,
+        generator: torch.Generator | None = None,
     ) -> None:
         check_hyperparams(
             "FusedSGD", lr=lr, momentum=momentum, dampening=dampening, weight_decay=weight_decay
@@ -70,7 +78,13 @@ class FusedSGD(FusedOptimizerBase):
             nesterov=nesterov,
         )
         super().__init__(
-            params, defaults, master_weights=master_weights, set_grad_none=set_grad_none
+            params,
+            defaults,
+            master_weights=master_weights,
+            set_grad_none=set_grad_none,
+            stochastic_rounding=stochastic_rounding,
+            kahan_summation=kahan_summation,
+            generator=generator,
         )
         self.wd_after_momentum = bool(wd_after_momentum)
         self.materialize_master_grads = bool(materialize_master_grads)
@@ -99,11 +113,17 @@ class FusedSGD(FusedOptimizerBase):
             for m, g in zip(bucket.masters, bucket.grads, strict=True):
                 m.grad = g.float() if inv_scale is None else g.float() * inv_scale
             grads, inv_scale = [m.grad for m in bucket.masters], None
-        fused_sgd_(
+        rounded = self.rounding_args(group, bucket)
+        if rounded is None:
+            op, fourth = fused_sgd_, bucket.masters
+        else:
+            fourth = rounded.pop("compensations")
+            op = partial(fused_sgd_bf16_, **rounded)
+        op(
             bucket.params,
             grads,
             bufs,
-            bucket.masters,
+            fourth,
             first,
             lr=float(group["lr"]),
             momentum=momentum,
