@@ -28,6 +28,8 @@ import math
 
 import pandas as pd
 
+from mpnb.lab.memory import ROLES as _ROLES
+
 __all__ = ["GPU_PEAKS", "LAUNCH_US", "REFERENCE_GPU", "verdict", "gpu_estimate"]
 
 #: Published dense peaks (vendor data sheets, no sparsity): TFLOP/s for fp32 (CUDA cores),
@@ -46,8 +48,6 @@ REFERENCE_GPU = "NVIDIA A100 SXM 80GB"
 LAUNCH_US = 5.0
 #: default accuracy tolerance: a configuration is "as accurate" as O0 within this much metric
 TOLERANCE = 0.02
-
-_ROLES = ("params", "grads", "master_weights", "optimizer_state", "activations")
 
 
 def _bytes(row) -> float:
