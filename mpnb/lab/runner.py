@@ -295,7 +295,7 @@ def compare(
     should_stop: Callable[[], bool] | None = None,
     tolerance: float = TOLERANCE,
 ) -> pd.DataFrame:
-    """Train a workload under each opt level (and half dtype, batch size); one row each.
+    """Train a workload under each configuration (and half dtype, batch size); one row each.
 
     Args:
         workload: a built-in name (``"transformer"``, ``"cnn"``, ``"mlp"``), a
@@ -309,7 +309,12 @@ def compare(
             output's logits. metric_fn: ``(output, target) -> float``, e.g.
             :func:`~mpnb.lab.workloads.accuracy` (it finds the logits in any output).
         eval_data: held-out data for the metric (default: the first training batches).
-        opt_levels: any of ``"O0"`` .. ``"O3"``.
+        opt_levels: configuration names of :data:`mpnb.core.precision.PRECISION_CONFIGS`:
+            ``"O0"`` .. ``"O3"``, the FP8 recipes ``"fp8-tensorwise"``, ``"fp8-delayed"``,
+            ``"fp8-rowwise"``, ``"mxfp8"`` (fp32 elsewhere; on hardware without FP8 the rows
+            say it is emulated), ``"bf16-pure"``, ``"bf16-pure+sr"``, ``"bf16-pure+kahan"``
+            (the last two train with mpnb's fused optimizer of the ``optimizer``'s rule, the
+            option set; the row's warnings say which).
         half_dtype: ``"bf16"``, ``"fp16"``, ``"auto"`` (bf16 on CPU, fp16 on CUDA) or a list.
         batch_sizes: default: the workload's (a DataLoader's own batch size).
         steps: optimizer steps per configuration (default: the workload's).
