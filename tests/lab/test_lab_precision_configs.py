@@ -125,17 +125,20 @@ def test_every_configuration_trains_through_compare(rows, name):
     assert r.mem_optimizer_state_mib > 0
 
 
-def test_cli_json_runs_the_new_configurations(tmp_path):
+def test_cli_json_runs_every_new_configuration(tmp_path):
     cmd = [sys.executable, "-m", "mpnb.cli", "compare", "--workload", "mlp", "--size", "small",
-           "--steps", "4", "--opt-levels", "O0,fp8-delayed,bf16-pure+sr", "--threads", "1",
-           "--json", "--out", ""]  # fmt: skip
+           "--steps", "3", "--opt-levels", ",".join(["O0", *NEW]), "--threads", "1",
+           "--optimizer", "sgd", "--json", "--out", ""]  # fmt: skip
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
     rows = {r["opt_level"]: r for r in doc["rows"]}
-    assert list(rows) == ["O0", "fp8-delayed", "bf16-pure+sr"]
+    assert list(rows) == ["O0", *NEW]
     assert all(r["status"] == "ok" for r in rows.values()), [r["error"] for r in doc["rows"]]
     assert rows["fp8-delayed"]["mem_fp8_scales_mib"] > 0
+    assert rows["bf16-pure+kahan"]["mem_kahan_buffers_mib"] > 0
+    assert "FusedSGD(stochastic_rounding=True)" in rows["bf16-pure+sr"]["warnings"]
+    assert all(rows[n]["precision"].startswith("fp8") for n in FP8)
     assert doc["hardware"]["fp8"] == "emulated" and "fp8 emulated" in doc["hardware"]["summary"]
     assert "fp8" in p.stderr and "emulated" in p.stderr  # the note before the run
 
