@@ -174,10 +174,15 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 raise TypeError(f"_mpnb_set_scale: {name} must be a one-element tensor.")
         self._pending_scale = (inv_scale, found_inf, bool(skip))
 
-    def _mpnb_use_master_weights(self) -> None:
-        """Switch on fp32 master weights (mpnb.amp O2 calls this instead of copying params)."""
+    def _mpnb_check_master_weights(self) -> None:
+        """Raise when this optimizer cannot take fp32 master weights (stochastic rounding or
+        Kahan summation); mpnb.amp calls it before it changes the model."""
         if any(self.rounding(g) for g in self.param_groups):
             raise RuntimeError(f"{type(self).__name__}: {_MASTERS_POINTLESS}")
+
+    def _mpnb_use_master_weights(self) -> None:
+        """Switch on fp32 master weights (mpnb.amp O2 calls this instead of copying params)."""
+        self._mpnb_check_master_weights()
         self.master_weights = True
         self._plans.clear()
 

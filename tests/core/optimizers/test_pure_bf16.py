@@ -100,6 +100,7 @@ def test_refusals_name_the_fix():
     opt = FusedLAMB(model.parameters(), kahan_summation=True)
     with pytest.raises(RuntimeError, match="O3"):
         amp.initialize(model, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    assert model[0].weight.dtype == torch.float32  # refused before the model changed
 
 
 def test_kahan_and_sr_follow_the_fp32_run_where_plain_bf16_stalls(kernels):
