@@ -187,3 +187,22 @@ def test_resume_in_a_fresh_process_is_bitwise(tmp_path, kernels):
     assert set(full) == set(resumed) and len(full) == 4
     for key in full:
         assert all(torch.equal(a, b) for a, b in zip(full[key], resumed[key], strict=True)), key
+
+
+def test_state_dict_round_trip_keeps_seed_step_and_bf16_compensation():
+    model = _model()
+    opt = FusedAdam(model.parameters(), stochastic_rounding=True)
+    _train(model, opt, 2)
+    sd = opt.state_dict()
+    other = FusedAdam(model.parameters(), stochastic_rounding=True)
+    other.load_state_dict(sd)
+    assert other.state_dict()["rounding"] == sd["rounding"] == {"seed": opt._rounding.seed,
+                                                                "step": 2}  # fmt: skip
+    with pytest.raises(ValueError, match="nothing was loaded"):
+        other.load_state_dict({**sd, "rounding": {"seed": "x"}})
+    kahan = FusedSGD(model.parameters(), lr=0.1, kahan_summation=True)
+    _train(model, kahan, 1)
+    assert "rounding" not in kahan.state_dict()
+    again = FusedSGD(model.parameters(), lr=0.1, kahan_summation=True)
+    again.load_state_dict(kahan.state_dict())
+    assert again.state[model[0].weight]["compensation"].dtype == torch.bfloat16
