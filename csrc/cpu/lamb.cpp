@@ -9,6 +9,7 @@
 
 #include "cpu/autograd.h"
 #include "cpu/opt_common.h"
+#include "cpu/rounding.h"
 
 namespace mpnb::cpu::opt {
 
@@ -309,11 +310,169 @@ inline void fused_lamb_cpu(const Tensors& params_, const Tensors& grads_, const 
                       });
 }
 
+// ---- pure bf16: stochastic rounding or Kahan summation (rounding.h) ---------------------
+
+// The fp32 direction of mpnb::fused_lamb_bf16_, one rounding per operation in the order of
+// lamb.py's _lamb_plain (no fma; reciprocals for the clipping and the bias corrections).
+struct LambPlain {
+  fVec rclip, wd, beta1, beta3, beta2, c2, eps;
+  bool adam_w, has_wd, clipped;
+  const std::vector<float>* rbc1;
+  const std::vector<float>* rbc2;
+
+  C10_ALWAYS_INLINE fVec direction(int64_t t, const fVec& w, fVec g, fVec* s) const {
+    if (clipped) g = g * rclip;
+    if (has_wd && !adam_w) g = g + wd * w;
+    s[0] = s[0] * beta1 + beta3 * g;
+    s[1] = s[1] * beta2 + (c2 * g) * g;
+    fVec u = (s[0] * fVec((*rbc1)[t])) / ((s[1] * fVec((*rbc2)[t])).sqrt() + eps);
+    if (has_wd && adam_w) u = u + wd * w;
+    return u;
+  }
+};
+
+// lamb.py's NORM_BLOCK: each block's squares are added one after the other in fp64, then the
+// blocks of a tensor in order. It divides the chunk size, so a chunk holds whole blocks.
+constexpr int64_t kNormBlock = 4096;
+static_assert(kChunkElems % kNormBlock == 0, "norm blocks must tile the chunks");
+
+inline double sum_squares(const float* x, int64_t n) {
+  double acc = 0.0;
+  for (int64_t j = 0; j < n; ++j) {
+    const double d = static_cast<double>(x[j]);
+    acc += d * d;
+  }
+  return acc;
+}
+
+template <typename g_t>
+void lamb_bf16_apply(const TensorRefs& params, const TensorRefs& grads, const TensorRefs& comps,
+                     const TensorRefs& exp_avgs, const TensorRefs& exp_avg_sqs, float inv,
+                     const LambPlain& upd, const Rounder& rounder, float lr, bool norms) {
+  const int64_t n = static_cast<int64_t>(params.size());
+  std::vector<int64_t> u_off(n + 1, 0), b_off(n + 1, 0);
+  for (int64_t t = 0; t < n; ++t) {
+    u_off[t + 1] = u_off[t] + params[t].numel();
+    b_off[t + 1] = b_off[t] + (params[t].numel() + kNormBlock - 1) / kNormBlock;
+  }
+  // u of every tensor (fp32): the trust ratio needs its norm before the weights change.
+  std::vector<float> u(u_off[n]);
+  std::vector<double> pw(b_off[n]), pu(b_off[n]);
+  auto table = make_chunks(params);
+  for_each_chunk(table, [&](int64_t, const Chunk& ch) {
+    const LambPlain body = upd;
+    const int64_t t = ch.tensor;
+    float* uc = u.data() + u_off[t] + ch.offset;
+    alignas(64) float ws[kChunkElems];
+    walk_chunk<g_t, 2>(ch, params, grads, {&exp_avgs, &exp_avg_sqs}, inv,
+                       [&](int64_t i, int64_t cnt, bool full, fVec& w0, fVec& w1, fVec& g0,
+                           fVec& g1, fVec* s0, fVec* s1) C10_ALWAYS_INLINE_ATTRIBUTE {
+                         store_block(uc + i, cnt, full, body.direction(t, w0, g0, s0),
+                                     body.direction(t, w1, g1, s1));
+                         if (norms) store_block(ws + i, cnt, full, w0, w1);
+                       });
+    if (!norms) return;
+    for (int64_t b = 0; b * kNormBlock < ch.len; ++b) {
+      const int64_t at = b * kNormBlock, len = std::min(kNormBlock, ch.len - at);
+      const int64_t k = b_off[t] + (ch.offset + at) / kNormBlock;
+      pw[k] = sum_squares(ws + at, len);
+      pu[k] = sum_squares(uc + at, len);
+    }
+  });
+  std::vector<float> ratio(n, lr);
+  if (norms) {
+    for (int64_t t = 0; t < n; ++t) {
+      double sw = 0.0, su = 0.0;
+      for (int64_t k = b_off[t]; k < b_off[t + 1]; ++k) {
+        sw += pw[k];
+        su += pu[k];
+      }
+      const float pn = static_cast<float>(std::sqrt(sw)), un = static_cast<float>(std::sqrt(su));
+      if (pn != 0.0f && un != 0.0f) ratio[t] = lr * (pn / un);
+    }
+  }
+  for_each_chunk(table, [&](int64_t, const Chunk& ch) {
+    const int64_t t = ch.tensor;
+    const float* uc = u.data() + u_off[t] + ch.offset;
+    const bf16* pc = cdata_of<bf16>(params[t]) + ch.offset;
+    uint16_t* p = reinterpret_cast<uint16_t*>(data_of<bf16>(params[t])) + ch.offset;
+    uint16_t* c = rounder.kahan
+                      ? reinterpret_cast<uint16_t*>(data_of<bf16>(comps[t])) + ch.offset
+                      : nullptr;
+    const fVec r(ratio[t]);
+    alignas(64) float xs[kW];
+    fVec w0, w1, u0, u1;
+    for (int64_t i = 0; i < ch.len; i += kW) {
+      const int64_t cnt = std::min<int64_t>(kW, ch.len - i);
+      const bool full = cnt == kW;
+      load_block(pc + i, cnt, full, w0, w1);
+      load_block(uc + i, cnt, full, u0, u1);
+      IO<float, float>::store(xs, w0 - r * u0, w1 - r * u1);
+      rounder.store(t, ch.offset + i, xs, cnt, p + i, c ? c + i : nullptr);
+    }
+  });
+}
+
+inline void fused_lamb_bf16_cpu(const Tensors& params_, const Tensors& grads_,
+                                const Tensors& exp_avgs_, const Tensors& exp_avg_sqs_,
+                                const Tensors& comps_, const Tensors& steps_,
+                                const at::Tensor& global_grad_norm, double lr, double beta1,
+                                double beta2, double eps, double weight_decay, bool adam_w_mode,
+                                bool bias_correction, bool grad_averaging, double max_grad_norm,
+                                bool use_nvlamb, c10::string_view rounding, int64_t seed,
+                                int64_t rng_step, const std::optional<at::Tensor>& inv_scale,
+                                const std::optional<at::Tensor>& found_inf) {
+  const char* op = "mpnb::fused_lamb_bf16_";
+  const Tensors none;
+  const TensorRefs params(params_), grads(grads_), exp_avgs(exp_avgs_),
+      exp_avg_sqs(exp_avg_sqs_), comps(comps_), steps(steps_), masters(none);
+  check_opt_lists(op, params, grads, masters, exp_avgs, exp_avg_sqs);
+  const int64_t n = static_cast<int64_t>(params.size());
+  check_steps(steps, n, op);
+  const bool kahan = check_rounding(op, params, comps, rounding);
+  TORCH_CHECK_VALUE(global_grad_norm.numel() == 1, op, ": global_grad_norm must hold one value, ",
+                    "got ", global_grad_norm.numel(),
+                    "; pass the one-element total of multi_tensor_l2norm.");
+  if (n == 0 || step_skipped(found_inf, op)) return;
+  const float inv = inv_of(inv_scale, op);
+  const float gnorm = global_grad_norm.item<float>();
+  const float mx = static_cast<float>(max_grad_norm);
+  const bool clipped = mx > 0.0f && gnorm > mx;
+  const float clip = clipped ? gnorm / mx : 1.0f;
+  const auto step = advance_steps(steps);
+  const auto rbc1 = per_step<float>(step, [&](double s) {
+    return bias_correction ? static_cast<float>(1 / (1 - std::pow(beta1, s))) : 1.0f;
+  });
+  const auto rbc2 = per_step<float>(step, [&](double s) {
+    return bias_correction ? static_cast<float>(1 / (1 - std::pow(beta2, s))) : 1.0f;
+  });
+  LambPlain upd{fVec(static_cast<float>(1.0 / static_cast<double>(clip))),
+                fVec(static_cast<float>(weight_decay)),
+                fVec(static_cast<float>(beta1)),
+                fVec(grad_averaging ? static_cast<float>(1 - beta1) : 1.0f),
+                fVec(static_cast<float>(beta2)),
+                fVec(static_cast<float>(1 - beta2)),
+                fVec(static_cast<float>(eps)),
+                adam_w_mode,
+                weight_decay != 0.0,
+                clipped,
+                &rbc1,
+                &rbc2};
+  const auto keys = kahan ? std::vector<uint32_t>() : tensor_keys(n, seed, rng_step);
+  const Rounder rounder{kahan, &keys};
+  dispatch_grad(grads[0].scalar_type(), [&]<typename g_t>() {
+    lamb_bf16_apply<g_t>(params, grads, comps, exp_avgs, exp_avg_sqs, inv, upd, rounder,
+                         static_cast<float>(lr), use_nvlamb || weight_decay != 0.0);
+  });
+}
+
 }  // namespace mpnb::cpu::opt
 
 TORCH_LIBRARY_IMPL(mpnb, CPU, m) {
   m.impl("fused_lamb_", &mpnb::cpu::opt::fused_lamb_cpu);
+  m.impl("fused_lamb_bf16_", &mpnb::cpu::opt::fused_lamb_bf16_cpu);
 }
 TORCH_LIBRARY_IMPL(mpnb, Autograd, m) {
   m.impl("fused_lamb_", mpnb::cpu::below_autograd());
+  m.impl("fused_lamb_bf16_", mpnb::cpu::below_autograd());
 }

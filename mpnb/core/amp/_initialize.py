@@ -212,6 +212,9 @@ def initialize(
     if props.enabled:
         for m in model_list:
             check_model(m)
+        for o in opt_list if props.master_weights else ():
+            if hasattr(o, "_mpnb_check_master_weights"):  # refuses before the model changes
+                o._mpnb_check_master_weights()
     if verbosity:
         print(format_properties(props))
     handle = _build(props, rule, model_list, opt_list, device, num_losses)

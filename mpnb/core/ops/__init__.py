@@ -40,7 +40,12 @@ from mpnb.core.ops._library import (
     use_reference,
 )
 from mpnb.core.ops.adagrad import fused_adagrad_, reference_fused_adagrad_
-from mpnb.core.ops.adam import fused_adam_, reference_fused_adam_
+from mpnb.core.ops.adam import (
+    fused_adam_,
+    fused_adam_bf16_,
+    reference_fused_adam_,
+    reference_fused_adam_bf16_,
+)
 from mpnb.core.ops.axpby import multi_tensor_axpby, reference_multi_tensor_axpby
 from mpnb.core.ops.check_finite import (
     multi_tensor_check_finite,
@@ -48,7 +53,12 @@ from mpnb.core.ops.check_finite import (
 )
 from mpnb.core.ops.dense import ACTIVATIONS, bias_act_bwd, reference_bias_act_bwd
 from mpnb.core.ops.l2norm import multi_tensor_l2norm, reference_multi_tensor_l2norm
-from mpnb.core.ops.lamb import fused_lamb_, reference_fused_lamb_
+from mpnb.core.ops.lamb import (
+    fused_lamb_,
+    fused_lamb_bf16_,
+    reference_fused_lamb_,
+    reference_fused_lamb_bf16_,
+)
 from mpnb.core.ops.layer_norm import (
     layer_norm_bwd,
     layer_norm_fwd,
@@ -70,7 +80,12 @@ from mpnb.core.ops.rms_norm import (
 )
 from mpnb.core.ops.rope import reference_rope, rope
 from mpnb.core.ops.scale import multi_tensor_scale, reference_multi_tensor_scale
-from mpnb.core.ops.sgd import fused_sgd_, reference_fused_sgd_
+from mpnb.core.ops.sgd import (
+    fused_sgd_,
+    fused_sgd_bf16_,
+    reference_fused_sgd_,
+    reference_fused_sgd_bf16_,
+)
 from mpnb.core.ops.softmax import (
     MASKED_VALUE,
     generic_scaled_masked_softmax_fwd,
@@ -158,12 +173,18 @@ __all__ = [
     "sgd",
     "fused_adagrad_",
     "fused_adam_",
+    "fused_adam_bf16_",
     "fused_lamb_",
+    "fused_lamb_bf16_",
     "fused_novograd_",
     "fused_sgd_",
+    "fused_sgd_bf16_",
     "reference_fused_adagrad_",
     "reference_fused_adam_",
+    "reference_fused_adam_bf16_",
     "reference_fused_lamb_",
+    "reference_fused_lamb_bf16_",
     "reference_fused_novograd_",
     "reference_fused_sgd_",
+    "reference_fused_sgd_bf16_",
 ]

@@ -53,6 +53,7 @@ __all__ = [
     "mix64",
     "round_nearest",
     "round_stochastic",
+    "sqrt_rn",
     "store_rounded",
     "tensor_key",
 ]
@@ -76,6 +77,13 @@ def mix64(z: int) -> int:
 def tensor_key(seed: int, step: int, t: int) -> int:
     """The 32-bit key of tensor ``t`` at step ``step`` under ``seed`` (all taken mod 2^64)."""
     return mix64(mix64(mix64(seed & _M64) ^ (step & _M64)) ^ (t & _M64)) & _M32
+
+
+def sqrt_rn(x: torch.Tensor) -> torch.Tensor:
+    """The correctly rounded fp32 square root (the kernels' ``sqrtps``; torch's fp32 CPU
+    ``sqrt`` is off by one ulp on about a fifth of inputs). fp64's root of an fp32 value,
+    rounded to fp32, is correctly rounded (53 >= 2 * 24 + 2 bits)."""
+    return x.double().sqrt().float()
 
 
 def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:

@@ -31,7 +31,7 @@ from mpnb.core.ops._optim import (
     via_torch,
     weight,
 )
-from mpnb.core.ops._rounding import ROUNDINGS, check_rounding, store_rounded
+from mpnb.core.ops._rounding import ROUNDINGS, check_rounding, sqrt_rn, store_rounded
 
 __all__ = [
     "adam_constants",
@@ -224,7 +224,7 @@ def _adam_plain(w, g, m, v, k: dict, t: int, adam_w_mode: bool, has_wd: bool):
             g = g + k["wd"] * w
     m.copy_(m * k["beta1"] + k["c1"] * g)
     v.copy_(v * k["beta2"] + (k["c2"] * g) * g)
-    denom = v.sqrt() / k["bc2_sqrt"][t] + k["eps"]
+    denom = sqrt_rn(v) / k["bc2_sqrt"][t] + k["eps"]
     return w + (k["neg_step"][t] * m) / denom
 
 
@@ -315,7 +315,6 @@ OP_BF16 = define(
     fake=no_outputs,
     dtypes=(torch.bfloat16,),
     sample_inputs=_bf16_samples,  # kernel == reference bit for bit
-    cpu_kernel=False,
 )
 _op_bf16 = OP_BF16.overload
 

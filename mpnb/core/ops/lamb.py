@@ -30,7 +30,7 @@ from mpnb.core.ops._optim import (
     unscaled,
     weight,
 )
-from mpnb.core.ops._rounding import ROUNDINGS, check_rounding, store_rounded
+from mpnb.core.ops._rounding import ROUNDINGS, check_rounding, sqrt_rn, store_rounded
 
 __all__ = [
     "NORM_BLOCK",
@@ -246,7 +246,7 @@ def _lamb_plain(w, g, m, v, k: dict, t: int, adam_w_mode: bool):
         g = g + k["wd"] * w
     m.copy_(m * k["beta1"] + k["beta3"] * g)
     v.copy_(v * k["beta2"] + (k["c2"] * g) * g)
-    u = (m * k["rbc1"][t]) / ((v * k["rbc2"][t]).sqrt() + k["eps"])
+    u = (m * k["rbc1"][t]) / (sqrt_rn(v * k["rbc2"][t]) + k["eps"])
     if k["has_wd"] and adam_w_mode:
         u = u + k["wd"] * w
     return u
@@ -351,7 +351,6 @@ OP_BF16 = define(
     fake=no_outputs,
     dtypes=(torch.bfloat16,),
     sample_inputs=_bf16_samples,  # kernel == reference bit for bit
-    cpu_kernel=False,
 )
 _op_bf16 = OP_BF16.overload
 

@@ -309,7 +309,6 @@ OP_BF16 = define(
     fake=no_outputs,
     dtypes=(torch.bfloat16,),
     sample_inputs=_bf16_samples,  # kernel == reference bit for bit
-    cpu_kernel=False,
 )
 _op_bf16 = OP_BF16.overload
 

@@ -174,10 +174,15 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 raise TypeError(f"_mpnb_set_scale: {name} must be a one-element tensor.")
         self._pending_scale = (inv_scale, found_inf, bool(skip))
 
-    def _mpnb_use_master_weights(self) -> None:
-        """Switch on fp32 master weights (mpnb.amp O2 calls this instead of copying params)."""
+    def _mpnb_check_master_weights(self) -> None:
+        """Raise when this optimizer cannot take fp32 master weights (stochastic rounding or
+        Kahan summation); mpnb.amp calls it before it changes the model."""
         if any(self.rounding(g) for g in self.param_groups):
             raise RuntimeError(f"{type(self).__name__}: {_MASTERS_POINTLESS}")
+
+    def _mpnb_use_master_weights(self) -> None:
+        """Switch on fp32 master weights (mpnb.amp O2 calls this instead of copying params)."""
+        self._mpnb_check_master_weights()
         self.master_weights = True
         self._plans.clear()
 
@@ -366,10 +371,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
 
     # -- checkpoints -----------------------------------------------------------------------
     def state_dict(self) -> dict:
-        """``torch.optim.Optimizer.state_dict()`` plus ``"rounding"``: the seed and step count
-        of stochastic rounding's random bits (a resumed run rounds bitwise as the first)."""
+        """``torch.optim.Optimizer.state_dict()``, plus ``"rounding"`` with stochastic rounding:
+        the seed and step count of its random bits (a resumed run rounds bitwise as the first)."""
         out = super().state_dict()
-        out["rounding"] = self._rounding.state_dict()
+        if any(self.rounding(g) == "stochastic" for g in self.param_groups):
+            out["rounding"] = self._rounding.state_dict()
         return out
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -381,6 +387,16 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         fp32 tensors are put back, and group keys the checkpoint lacks get our defaults.
         """
         check_loadable(self, state_dict)
+        rounding = state_dict.get("rounding")
+        if rounding is not None and not (
+            isinstance(rounding, dict)
+            and all(isinstance(rounding.get(k), int) for k in ("seed", "step"))
+        ):
+            raise ValueError(
+                f"{type(self).__name__}.load_state_dict: 'rounding' must be a dict of int "
+                f"'seed' and 'step' (as state_dict() saves it), got {rounding!r}; nothing was "
+                "loaded."
+            )
         self._plans.clear()
         saved = state_dict["state"]
         ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
@@ -402,6 +418,5 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
-        rounding = state_dict.get("rounding")
-        if isinstance(rounding, dict):
-            self._rounding = _Rounding(int(rounding["seed"]), int(rounding["step"]))
+        if rounding is not None:
+            self._rounding = _Rounding(rounding["seed"], rounding["step"])

@@ -17,6 +17,13 @@ B/param with bf16 grads (:data:`PREPASS`), on both sides (PyTorch's path unscale
 Not counted: read-for-ownership of written lines, and LAMB's second pass over its data (LAMB's
 least traffic assumes pass 2 reads from cache, which holds for groups of tensors of up to 2^20
 elements, not for a larger one such as the GPT's 8.9M-element embedding).
+
+Pure bf16 (no masters, no loss scale): ``FusedAdam(stochastic_rounding=True)`` and
+``FusedAdam(kahan_summation=True)`` against PyTorch's ``AdamW(fused=True)`` on the same bf16
+params (which keeps its moments in bf16: 14 B/param) and against our round-to-nearest bf16
+step. Ours move :data:`PURE_BF16_BYTES` per param: bf16 param read + write 4, bf16 grad 2,
+fp32 m and v read + write 16 (22 B); Kahan adds its bf16 compensation read + write (26 B).
+The target is the share of the same-run in-place bandwidth (``bw_target``), not a speed-up.
 """
 
 from __future__ import annotations
@@ -37,6 +44,10 @@ _A, _D = "(a) GPT 20M/76", "(d) 100xLinear(64,64)"
 WORKLOADS = {_A: lambda: gpt_numels(), _D: lambda: [64 * 64, 64] * 100}
 _LR = 1e-9
 PREPASS = 2  # B/param: the O2 step's read-only pass over the bf16 grads before any write
+#: B/param of a pure-bf16 AdamW step: param r/w 2+2, grad 2, m and v r/w 4+4+4+4 (+ Kahan's
+#: bf16 compensation r/w 2+2). PyTorch's bf16 AdamW keeps bf16 moments: 2+2+2+4*2 = 14.
+PURE_BF16_BYTES = {"nearest": 22, "stochastic": 22, "kahan": 26, "torch": 14}
+PURE_BF16_BW_TARGET = 0.8
 
 
 def _params(numels, dtype, seed=0):
@@ -244,6 +255,37 @@ def _adam_cases(work, numels, quick) -> Iterator[Case]:
     )
 
 
+def _pure_bf16_case(work, numels) -> Case:
+    n = sum(numels)
+    b = PURE_BF16_BYTES
+    opts = {
+        "round to nearest": {},
+        "stochastic_rounding=True": dict(stochastic_rounding=True),
+        "kahan_summation=True": dict(kahan_summation=True),
+    }
+    params = {k: _params(numels, torch.bfloat16, seed=1) for k in ("torch", *opts)}
+    ta = torch.optim.AdamW(params["torch"], lr=_LR, weight_decay=0.01, fused=True)
+    ours = {
+        k: FusedAdam(params[k], lr=_LR, weight_decay=0.01, generator=torch.Generator(), **o)
+        for k, o in opts.items()
+    }
+    bw = PURE_BF16_BW_TARGET
+    return Case(
+        "pure-bf16 AdamW step",
+        work,
+        [
+            Candidate("torch AdamW(fused=True), bf16 params and moments", ta.step, b["torch"] * n),
+            Candidate("mpnb FusedAdam bf16, round to nearest", ours["round to nearest"].step,
+                      b["nearest"] * n),
+            Candidate("mpnb FusedAdam(stochastic_rounding=True)",
+                      ours["stochastic_rounding=True"].step, b["stochastic"] * n, RMW, None, bw),
+            Candidate("mpnb FusedAdam(kahan_summation=True)", ours["kahan_summation=True"].step,
+                      b["kahan"] * n, RMW, None, bw),
+        ],
+        bandwidth_numel=n,
+    )  # fmt: skip
+
+
 def cases(opts: Options) -> Iterator[Case]:
     """Yield the cases workload by workload (one workload's tensors alive at a time)."""
     for work, make in WORKLOADS.items():
@@ -251,3 +293,4 @@ def cases(opts: Options) -> Iterator[Case]:
         yield from _adam_cases(work, numels, opts.quick)
         for name in _O2:
             yield _o2_case(name, work, numels, opts.quick)
+        yield _pure_bf16_case(work, numels)

@@ -243,3 +243,31 @@ def test_filter_selects_cases(capsys):
     )
     assert res.rows and all(r.case.startswith("l2norm") for r in res.rows)
     assert "l2norm" in res.table()
+
+
+# ---- the optimizers suite's pure-bf16 rows -------------------------------------------------
+
+
+def test_pure_bf16_rows_report_bytes_and_bandwidth_share(monkeypatch):
+    from mpnb.lab.bench import optimizers
+
+    case = next(
+        c
+        for c in optimizers.cases(Options.make(quick=True, scale=0.0005))
+        if c.name == "pure-bf16 AdamW step"
+    )
+    for cand in case.candidates:
+        cand.fn()  # every step runs (the fixed times below replace only the clock)
+    n = case.bandwidth_numel
+    per_param = [c.bytes // n for c in case.candidates]
+    assert per_param == [14, 22, 22, 26]
+    names = [c.name for c in case.candidates]
+    bw = "bw: a += s*b (fp32)"
+    _fixed_times(monkeypatch, {names[0]: [1e-3], names[1]: [2e-3], names[2]: [2e-3],
+                               names[3]: [3e-3], bw: [1e-3]})  # fmt: skip
+    rows = run_case(case, Options.make(quick=True, rounds=1))
+    sr, kahan = rows[2], rows[3]
+    # bandwidth a += s*b moves 12 B/elem in 1 ms; SR moves 22 B/param in 2 ms: 22/24 of it
+    assert sr.bw_frac == pytest.approx(22 / 24) and sr.status == "PASS"
+    assert kahan.bw_frac == pytest.approx(26 / 36) and kahan.status == "MISS"
+    assert rows[-1].role == "bandwidth"

@@ -43,8 +43,11 @@ __all__ = [
 #: ``mpnb::`` op name -> ``"<module>:<function>"`` of its Triton launcher in this package.
 LAUNCHERS: Mapping[str, str] = {
     "fused_adam_": "adam:fused_adam_",
+    "fused_adam_bf16_": "adam:fused_adam_bf16_",
     "fused_sgd_": "sgd:fused_sgd_",
+    "fused_sgd_bf16_": "sgd:fused_sgd_bf16_",
     "fused_lamb_": "lamb:fused_lamb_",
+    "fused_lamb_bf16_": "lamb:fused_lamb_bf16_",
     "multi_tensor_scale": "scale:multi_tensor_scale",
     "multi_tensor_l2norm": "l2norm:multi_tensor_l2norm",
     "layer_norm_fwd": "layer_norm:layer_norm_fwd",

@@ -11,7 +11,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable, chunk_info, tensor_ptr
+from mpnb.core.ops._rounding import check_rounding
+from mpnb.core.ops.triton._chunks import (
+    BLOCK,
+    WARPS,
+    ChunkTable,
+    chunk_info,
+    tensor_col,
+    tensor_ptr,
+)
 from mpnb.core.ops.triton._common import f32, flag_view, join64, launch, split64
 from mpnb.core.ops.triton._optim import (
     advance_steps,
@@ -25,8 +33,9 @@ from mpnb.core.ops.triton._optim import (
     step_of,
     store_weight,
 )
+from mpnb.core.ops.triton._rounding import keys_of, store_rounded
 
-__all__ = ["fused_adam_"]
+__all__ = ["fused_adam_", "fused_adam_bf16_"]
 
 # Table columns: numel, first chunk, then (2) params, (3) grads, (4) exp_avgs, (5) exp_avg_sqs,
 # (6) the fp32 weights (masters, or the params themselves) and (7) steps.
@@ -149,3 +158,126 @@ def fused_adam_(
             num_warps=WARPS,
         )  # fmt: skip
     advance_steps(tab, 7, steps, found_inf)
+
+
+# ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
+# Table columns: numel, first chunk, (2) the tensor's random-bit key, then (3) params,
+# (4) grads, (5) exp_avgs, (6) exp_avg_sqs, (7) compensations (the params for stochastic
+# rounding) and (8) steps.
+
+
+@triton.jit
+def _adam_bf16_kernel(
+    table, n_tensors, inv_ptr, found_ptr, p0, g0, m0, c0, s0,
+    lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, neg_lr, beta1, one_m_b1, beta2, one_m_b2, eps,
+    wd, decay,
+    ADAM_W: tl.constexpr, HAS_WD: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
+    KAHAN: tl.constexpr, HAS_INV: tl.constexpr, HAS_FOUND: tl.constexpr, ROW: tl.constexpr,
+    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
+    count = count * not_found(found_ptr, HAS_FOUND)
+    key = tensor_col(table, t, 0, ROW).to(tl.uint32)
+    p_ptr = tensor_ptr(table, t, 3, p0, ROW)
+    g_ptr = tensor_ptr(table, t, 4, g0, ROW)
+    m_ptr = tensor_ptr(table, t, 5, m0, ROW)
+    v_ptr = tensor_ptr(table, t, 6, m0, ROW)
+    c_ptr = tensor_ptr(table, t, 7, c0, ROW)
+    if BIAS_CORRECTION:
+        step = step_of(table, t, 8, s0, ROW)
+        bc1, bc2 = bias_corrections(step, join64(b1_hi, b1_lo), join64(b2_hi, b2_lo))
+        step_size = (-join64(lr_hi, lr_lo) / bc1).to(tl.float32)
+        sqrt_bc2 = tl.sqrt(bc2).to(tl.float32)
+    else:
+        step_size = tl.cast(neg_lr, tl.float32)
+        sqrt_bc2 = tl.full((), 1.0, tl.float32)
+    inv = load_scale(inv_ptr, HAS_INV)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(0, count, BLOCK):
+        offs = start + k + lanes
+        mask = k + lanes < count
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
+        w = load_weight(p_ptr, p_ptr, offs, mask, False)
+        if HAS_WD:
+            if ADAM_W:
+                w = w * decay
+            else:
+                g = g + wd * w
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + one_m_b1 * g
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + (one_m_b2 * g) * g
+        denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
+        x = w + tl.div_rn(step_size * m, denom)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        store_rounded(p_ptr, c_ptr, offs, x, mask, key, KAHAN)
+
+
+def fused_adam_bf16_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    compensations,
+    steps,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    rounding,
+    seed,
+    rng_step,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """One pure-bf16 Adam/AdamW step: the signature and semantics of
+    :func:`mpnb.core.ops.adam.reference_fused_adam_bf16_` (positional, as the schema passes
+    them); the bias corrections are computed on the device from the step counts.
+
+    Example::
+
+        >>> fused_adam_bf16_(params, grads, m, v, [], steps, 1e-3, 0.9, 0.999, 1e-8, 0.01,
+        ...                  True, True, "stochastic", 1, 1)
+    """
+    op = "fused_adam_bf16_"
+    params, grads, comps = list(params), list(grads), list(compensations)
+    exp_avgs, exp_avg_sqs, steps = list(exp_avgs), list(exp_avg_sqs), list(steps)
+    check_opt(
+        op, params, grads, [], exp_avgs, exp_avg_sqs, inv_scale=inv_scale, found_inf=found_inf
+    )
+    check_steps(op, params, steps)
+    check_rounding(op, params, comps, rounding)
+    if not params:
+        return
+    kahan = rounding == "kahan"
+    c_list = comps if kahan else params
+    tab = ChunkTable.build(
+        [params, grads, exp_avgs, exp_avg_sqs, c_list, steps],
+        cols=[keys_of(len(params), seed, rng_step, kahan)],
+    )
+    if tab.n_chunks:
+        launch(
+            _adam_bf16_kernel,
+            (tab.n_chunks,),
+            tab.table,
+            tab.n_tensors,
+            tab.table if inv_scale is None else inv_scale,
+            tab.table if found_inf is None else flag_view(found_inf),
+            params[0], grads[0], exp_avgs[0], c_list[0], steps[0],
+            *split64(lr), *split64(beta1), *split64(beta2),
+            f32(-lr), f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps),
+            f32(weight_decay), f32(1.0 - lr * weight_decay),
+            ADAM_W=bool(adam_w_mode),
+            HAS_WD=weight_decay != 0,
+            BIAS_CORRECTION=bool(bias_correction),
+            KAHAN=kahan,
+            HAS_INV=inv_scale is not None,
+            HAS_FOUND=found_inf is not None,
+            ROW=tab.row,
+            CHUNK=tab.chunk,
+            BLOCK=BLOCK,
+            num_warps=WARPS,
+        )  # fmt: skip
+    advance_steps(tab, 8, steps, found_inf)

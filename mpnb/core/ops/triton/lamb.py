@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpnb.core.ops._rounding import check_rounding
 from mpnb.core.ops.triton._checks import check_one, check_same_device
 from mpnb.core.ops.triton._chunks import (
     BLOCK,
@@ -36,8 +37,9 @@ from mpnb.core.ops.triton._optim import (
     step_of,
     store_weight,
 )
+from mpnb.core.ops.triton._rounding import keys_of, store_rounded
 
-__all__ = ["fused_lamb_"]
+__all__ = ["fused_lamb_", "fused_lamb_bf16_"]
 
 # Table columns: numel, first chunk, then (2) params, (3) grads, (4) exp_avgs, (5) exp_avg_sqs,
 # (6) the fp32 weights (masters, or the params themselves) and (7) steps.
@@ -213,6 +215,131 @@ def fused_lamb_(
             *bias, f32(lr), f32(eps), f32(weight_decay),
             TRUST=bool(use_nvlamb) or weight_decay != 0, DECOUPLED=decoupled,
             BIAS=bool(bias_correction), HAS_MASTER=bool(masters),
+            HAS_FOUND=found_inf is not None,
+            ROW=tab.row, CHUNK=tab.chunk, BLOCK=BLOCK,
+            num_warps=WARPS,
+        )  # fmt: skip
+    advance_steps(tab, 7, steps, found_inf)
+
+
+# ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
+# The table of fused_lamb_ (the params are the weights) plus (8) the compensations (the params
+# for stochastic rounding); phase 1 is fused_lamb_'s, phase 2 rounds the new weights to bf16.
+# The norms are tree sums here, not the reference's fixed sequential blocks: the trust ratio
+# (and so the update) may differ by an fp32 ulp from the reference's.
+
+
+@triton.jit
+def _lamb_bf16_phase2(
+    table, n_tensors, found_ptr, sq, keys, p0, m0, c0, s0,
+    b1_hi, b1_lo, b2_hi, b2_lo, lr, eps, wd,
+    TRUST: tl.constexpr, DECOUPLED: tl.constexpr, BIAS: tl.constexpr, KAHAN: tl.constexpr,
+    HAS_FOUND: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
+    count = count * not_found(found_ptr, HAS_FOUND)
+    p_ptr = tensor_ptr(table, t, 2, p0, ROW)
+    m_ptr = tensor_ptr(table, t, 4, m0, ROW)
+    v_ptr = tensor_ptr(table, t, 5, m0, ROW)
+    c_ptr = tensor_ptr(table, t, 8, c0, ROW)
+    key = tl.load(keys + t).to(tl.uint32)
+    bc1, bc2 = _corrections(table, t, s0, b1_hi, b1_lo, b2_hi, b2_lo, BIAS, ROW)
+    ratio = tl.cast(lr, tl.float32)
+    if TRUST:
+        pn = tl.sqrt(tl.load(sq + 2 * t)).to(tl.float32)
+        un = tl.sqrt(tl.load(sq + 2 * t + 1)).to(tl.float32)
+        ratio = tl.where((pn != 0.0) & (un != 0.0), ratio * tl.div_rn(pn, un), ratio)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(0, count, BLOCK):
+        offs = start + k + lanes
+        mask = k + lanes < count
+        w = load_weight(p_ptr, p_ptr, offs, mask, False)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        x = w - ratio * _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED)
+        store_rounded(p_ptr, c_ptr, offs, x, mask, key, KAHAN)
+
+
+def fused_lamb_bf16_(
+    params,
+    grads,
+    exp_avgs,
+    exp_avg_sqs,
+    compensations,
+    steps,
+    global_grad_norm,
+    lr,
+    beta1,
+    beta2,
+    eps,
+    weight_decay,
+    adam_w_mode,
+    bias_correction,
+    grad_averaging,
+    max_grad_norm,
+    use_nvlamb,
+    rounding,
+    seed,
+    rng_step,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """One pure-bf16 LAMB step: the signature and semantics of
+    :func:`mpnb.core.ops.lamb.reference_fused_lamb_bf16_` (positional, as the schema passes
+    them); the rounding is bitwise the reference's, the trust ratio's norms are tree sums.
+
+    Example::
+
+        >>> fused_lamb_bf16_(params, grads, m, v, [], steps, grad_norm, 1e-3, 0.9, 0.999,
+        ...                  1e-6, 0.01, True, True, True, 1.0, False, "stochastic", 1, 1)
+    """
+    op = "fused_lamb_bf16_"
+    params, grads, comps = list(params), list(grads), list(compensations)
+    exp_avgs, exp_avg_sqs, steps = list(exp_avgs), list(exp_avg_sqs), list(steps)
+    check_opt(
+        op, params, grads, [], exp_avgs, exp_avg_sqs, inv_scale=inv_scale, found_inf=found_inf
+    )
+    check_steps(op, params, steps)
+    check_rounding(op, params, comps, rounding)
+    check_one(op, "global_grad_norm", global_grad_norm)
+    if not params:
+        return
+    check_same_device(op, params[0], global_grad_norm=global_grad_norm)
+    kahan = rounding == "kahan"
+    c_list = comps if kahan else params
+    dev = params[0].device
+    keys = torch.tensor(keys_of(len(params), seed, rng_step, kahan), dtype=torch.int64).to(dev)
+    tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, params, steps, c_list])
+    found = tab.table if found_inf is None else flag_view(found_inf)
+    decoupled = weight_decay != 0 and bool(adam_w_mode)
+    bias = (*split64(beta1), *split64(beta2))
+    if tab.n_chunks:
+        partials = torch.empty((tab.n_chunks, 2), dtype=torch.float64, device=dev)
+        beta3 = 1.0 - beta1 if grad_averaging else 1.0
+        launch(
+            _lamb_phase1,
+            (tab.n_chunks,),
+            tab.table, tab.n_tensors,
+            tab.table if inv_scale is None else inv_scale,
+            found, global_grad_norm, partials,
+            params[0], grads[0], exp_avgs[0], params[0], steps[0],
+            *bias, *split64(max_grad_norm), f32(max_grad_norm),
+            f32(beta1), f32(beta3), f32(beta2), f32(1.0 - beta2), f32(eps), f32(weight_decay),
+            L2_WD=weight_decay != 0 and not adam_w_mode, DECOUPLED=decoupled,
+            BIAS=bool(bias_correction), HAS_MASTER=False,
+            HAS_INV=inv_scale is not None, HAS_FOUND=found_inf is not None,
+            ROW=tab.row, CHUNK=tab.chunk, BLOCK=BLOCK,
+            num_warps=WARPS,
+        )  # fmt: skip
+        sq = segment_sums(tab, partials, 2)
+        launch(
+            _lamb_bf16_phase2,
+            (tab.n_chunks,),
+            tab.table, tab.n_tensors, found, sq, keys,
+            params[0], exp_avgs[0], c_list[0], steps[0],
+            *bias, f32(lr), f32(eps), f32(weight_decay),
+            TRUST=bool(use_nvlamb) or weight_decay != 0, DECOUPLED=decoupled,
+            BIAS=bool(bias_correction), KAHAN=kahan,
             HAS_FOUND=found_inf is not None,
             ROW=tab.row, CHUNK=tab.chunk, BLOCK=BLOCK,
             num_warps=WARPS,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from mpnb.core.ops._rounding import check_rounding
 from mpnb.core.ops.triton._chunks import (
     BLOCK,
     WARPS,
@@ -28,8 +29,9 @@ from mpnb.core.ops.triton._optim import (
     not_found,
     store_weight,
 )
+from mpnb.core.ops.triton._rounding import keys_of, store_rounded
 
-__all__ = ["fused_sgd_"]
+__all__ = ["fused_sgd_", "fused_sgd_bf16_"]
 
 # Table columns: numel, first chunk, (2) first_run, then (3) params, (4) grads,
 # (5) momentum buffers (the params when there is no momentum) and (6) the fp32 weights.
@@ -137,4 +139,125 @@ def fused_sgd_(
         CHUNK=tab.chunk,
         BLOCK=BLOCK,
             num_warps=WARPS,
+    )  # fmt: skip
+
+
+# ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
+# Table columns: numel, first chunk, (2) first_run, (3) the random-bit key, then (4) params,
+# (5) grads, (6) momentum buffers (the params without momentum) and (7) compensations (the
+# params for stochastic rounding).
+
+
+@triton.jit
+def _sgd_bf16_kernel(
+    table, n_tensors, inv_ptr, found_ptr, p0, g0, b0, c0,
+    lr, momentum, one_m_damp, wd,
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
+    WD_AFTER: tl.constexpr, KAHAN: tl.constexpr, HAS_INV: tl.constexpr,
+    HAS_FOUND: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
+    count = count * not_found(found_ptr, HAS_FOUND)
+    first_run = tensor_col(table, t, 0, ROW) != 0
+    key = tensor_col(table, t, 1, ROW).to(tl.uint32)
+    p_ptr = tensor_ptr(table, t, 4, p0, ROW)
+    g_ptr = tensor_ptr(table, t, 5, g0, ROW)
+    b_ptr = tensor_ptr(table, t, 6, b0, ROW)
+    c_ptr = tensor_ptr(table, t, 7, c0, ROW)
+    inv = load_scale(inv_ptr, HAS_INV)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(0, count, BLOCK):
+        offs = start + k + lanes
+        mask = k + lanes < count
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
+        w = load_weight(p_ptr, p_ptr, offs, mask, False)
+        if HAS_WD:
+            if not WD_AFTER:
+                g = g + wd * w
+        if HAS_MOMENTUM:
+            buf = tl.load(b_ptr + offs, mask=mask, other=0.0)
+            buf = tl.where(first_run, g, buf * momentum + one_m_damp * g)
+            tl.store(b_ptr + offs, buf, mask=mask)
+            if NESTEROV:
+                g = g + momentum * buf
+            else:
+                g = buf
+        if HAS_WD:
+            if WD_AFTER:
+                g = g + wd * w
+        store_rounded(p_ptr, c_ptr, offs, w - lr * g, mask, key, KAHAN)
+
+
+def fused_sgd_bf16_(
+    params,
+    grads,
+    momentum_buffers,
+    compensations,
+    first_run,
+    lr,
+    momentum,
+    dampening,
+    weight_decay,
+    nesterov,
+    wd_after_momentum,
+    rounding,
+    seed,
+    rng_step,
+    inv_scale=None,
+    found_inf=None,
+) -> None:
+    """One pure-bf16 SGD step: the signature and semantics of
+    :func:`mpnb.core.ops.sgd.reference_fused_sgd_bf16_` (positional, as the schema passes
+    them).
+
+    Example::
+
+        >>> fused_sgd_bf16_(params, grads, bufs, [], [False] * len(params), 0.1, 0.9, 0.0,
+        ...                 0.0, False, False, "stochastic", 1, 1)
+    """
+    op = "fused_sgd_bf16_"
+    params, grads, bufs, comps = (
+        list(params),
+        list(grads),
+        list(momentum_buffers),
+        list(compensations),
+    )
+    states = (bufs,) if momentum != 0 else ()
+    check_opt(op, params, grads, [], *states, inv_scale=inv_scale, found_inf=found_inf)
+    check_rounding(op, params, comps, rounding)
+    if len(first_run) != len(params) and momentum != 0:
+        raise ValueError(
+            f"{op}: {len(first_run)} first_run values for {len(params)} params; pass one per param."
+        )
+    if not params:
+        return
+    kahan = rounding == "kahan"
+    b_list = bufs if momentum != 0 else params
+    c_list = comps if kahan else params
+    first = [int(bool(f)) for f in first_run] if momentum != 0 else [0] * len(params)
+    tab = ChunkTable.build(
+        [params, grads, b_list, c_list], cols=[first, keys_of(len(params), seed, rng_step, kahan)]
+    )
+    if not tab.n_chunks:
+        return
+    launch(
+        _sgd_bf16_kernel,
+        (tab.n_chunks,),
+        tab.table,
+        tab.n_tensors,
+        tab.table if inv_scale is None else inv_scale,
+        tab.table if found_inf is None else flag_view(found_inf),
+        params[0], grads[0], b_list[0], c_list[0],
+        f32(lr), f32(momentum), f32(1.0 - dampening), f32(weight_decay),
+        HAS_MOMENTUM=momentum != 0,
+        NESTEROV=bool(nesterov),
+        HAS_WD=weight_decay != 0,
+        WD_AFTER=bool(wd_after_momentum),
+        KAHAN=kahan,
+        HAS_INV=inv_scale is not None,
+        HAS_FOUND=found_inf is not None,
+        ROW=tab.row,
+        CHUNK=tab.chunk,
+        BLOCK=BLOCK,
+        num_warps=WARPS,
     )  # fmt: skip

@@ -80,6 +80,19 @@ def _cases():
     op("fused_sgd_")(p, g, m, w, [True], 0.1, 0.9, 0.0, 0.01, True, False, one, one)
     lamb = (1e-2, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False)
     op("fused_lamb_")(p, g, m, v, w, s, one, *lamb, one, one)
+    # pure bf16: stochastic rounding with every option, Kahan with none
+    adam = (1e-3, 0.9, 0.999, 1e-8)
+    op("fused_adam_bf16_")(p, g, m, v, [], s, *adam, 0.1, True, True, "stochastic", 1, 1, one, one)
+    c = [t(9, dtype=bf16)]
+    op("fused_adam_bf16_")(p, w, m, v, c, s, *adam, 0.0, False, False, "kahan", 1, 1, None, None)
+    sgd = (0.1, 0.9, 0.0, 0.01, True, False)
+    op("fused_sgd_bf16_")(p, g, m, [], [True], *sgd, "stochastic", 1, 1, one, one)
+    sgd = (0.1, 0.0, 0.0, 0.0, False, False)
+    op("fused_sgd_bf16_")(p, g, [], c, [False], *sgd, "kahan", 1, 1, None, None)
+    lamb = (1e-2, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False)
+    op("fused_lamb_bf16_")(p, g, m, v, [], s, one, *lamb, "stochastic", 1, 1, one, one)
+    lamb = (1e-2, 0.9, 0.999, 1e-6, 0.0, False, False, False, 0.0, True)
+    op("fused_lamb_bf16_")(p, g, m, v, c, s, one, *lamb, "kahan", 1, 1, None, None)
     # fp32 params, no masters, no unscale, no overflow flag, the other branches
     p32 = [t(9)]
     op("fused_adam_")(p32, g, m, v, [], s, 1e-3, 0.9, 0.999, 1e-8, 0.1, False, False, None, None)
