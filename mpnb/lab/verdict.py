@@ -33,15 +33,15 @@ from mpnb.lab.memory import ROLES as _ROLES
 __all__ = ["GPU_PEAKS", "LAUNCH_US", "REFERENCE_GPU", "verdict", "gpu_estimate"]
 
 #: Published dense peaks (vendor data sheets, no sparsity): TFLOP/s for fp32 (CUDA cores),
-#: fp16 and bf16 (tensor cores, fp32 accumulate), and memory bandwidth in GB/s. ``None``:
-#: the dtype has no tensor-core support there.
+#: fp16, bf16 and fp8 (tensor cores, fp32 accumulate), and memory bandwidth in GB/s.
+#: ``None``: the dtype has no tensor-core support there (the fp32 rate is used).
 GPU_PEAKS = {
-    "NVIDIA T4": dict(fp32=8.1, fp16=65.0, bf16=None, gbps=320.0),
-    "NVIDIA V100 SXM2": dict(fp32=15.7, fp16=125.0, bf16=None, gbps=900.0),
-    "NVIDIA A100 SXM 80GB": dict(fp32=19.5, fp16=312.0, bf16=312.0, gbps=2039.0),
-    "NVIDIA L4": dict(fp32=30.3, fp16=121.0, bf16=121.0, gbps=300.0),
-    "NVIDIA RTX 4090": dict(fp32=82.6, fp16=165.2, bf16=165.2, gbps=1008.0),
-    "NVIDIA H100 SXM": dict(fp32=67.0, fp16=989.0, bf16=989.0, gbps=3350.0),
+    "NVIDIA T4": dict(fp32=8.1, fp16=65.0, bf16=None, fp8=None, gbps=320.0),
+    "NVIDIA V100 SXM2": dict(fp32=15.7, fp16=125.0, bf16=None, fp8=None, gbps=900.0),
+    "NVIDIA A100 SXM 80GB": dict(fp32=19.5, fp16=312.0, bf16=312.0, fp8=None, gbps=2039.0),
+    "NVIDIA L4": dict(fp32=30.3, fp16=121.0, bf16=121.0, fp8=242.5, gbps=300.0),
+    "NVIDIA RTX 4090": dict(fp32=82.6, fp16=165.2, bf16=165.2, fp8=330.3, gbps=1008.0),
+    "NVIDIA H100 SXM": dict(fp32=67.0, fp16=989.0, bf16=989.0, fp8=1979.0, gbps=3350.0),
 }
 REFERENCE_GPU = "NVIDIA A100 SXM 80GB"
 #: typical eager-mode cost of one op (Python dispatch + kernel launch) on a GPU, microseconds
@@ -55,8 +55,14 @@ def _bytes(row) -> float:
     return 2.0 * total * 2**20  # each tensor is written and read about once per step
 
 
+def _gemm_dtype(row) -> str:
+    """The dtype a row's GEMMs would run in on a GPU (mpnb's MXFP8 GEMM is emulated in fp32
+    on every device, so it gets the fp32 rate)."""
+    return "fp32" if row["opt_level"] in ("O0", "mxfp8") else row["half_dtype"]
+
+
 def _step_time(row, gpu: dict) -> float:
-    dtype = "fp32" if row["opt_level"] == "O0" else row["half_dtype"]
+    dtype = _gemm_dtype(row)
     peak = gpu.get(dtype) or gpu["fp32"]  # no tensor cores for it: fp32 rate
     flops = float(row.get("flops_per_step", math.nan))
     ops = float(row.get("ops_per_step", 0.0) or 0.0)
@@ -81,7 +87,7 @@ def gpu_estimate(df: pd.DataFrame) -> pd.DataFrame:
             t0 = _step_time(base.iloc[0], peaks)
             for _, r in grp.iterrows():
                 t = _step_time(r, peaks)
-                dtype = "fp32" if r["opt_level"] == "O0" else r["half_dtype"]
+                dtype = _gemm_dtype(r)
                 parts = {
                     "compute": r["flops_per_step"] / ((peaks.get(dtype) or peaks["fp32"]) * 1e12),
                     "memory": _bytes(r) / (peaks["gbps"] * 1e9),
