@@ -15,6 +15,14 @@ namespace mpnb::cpu::opt {
 
 // ---- LAMB ------------------------------------------------------------------------------
 
+// Per tensor: 1 / (1 - beta^step) rounded once from fp64 (1 without bias correction).
+inline std::vector<float> reciprocal_corrections(const std::vector<double>& step, double beta,
+                                                 bool bias_correction) {
+  return per_step<float>(step, [&](double s) {
+    return bias_correction ? static_cast<float>(1 / (1 - std::pow(beta, s))) : 1.0f;
+  });
+}
+
 // The clipping and the bias corrections are multiplications by reciprocals (rounded once from
 // fp64; the clipping one is skipped when nothing is clipped), leaving one division and one
 // square root per element (Apex's kernel has four divisions). Forced inline: GCC otherwise
@@ -284,12 +292,8 @@ inline void fused_lamb_cpu(const Tensors& params_, const Tensors& grads_, const 
   const float mx = static_cast<float>(max_grad_norm);
   const float clip = (mx > 0.0f && gnorm > mx) ? gnorm / mx : 1.0f;
   const auto step = advance_steps(steps);
-  const auto rbc1 = per_step<float>(step, [&](double s) {
-    return bias_correction ? static_cast<float>(1 / (1 - std::pow(beta1, s))) : 1.0f;
-  });
-  const auto rbc2 = per_step<float>(step, [&](double s) {
-    return bias_correction ? static_cast<float>(1 / (1 - std::pow(beta2, s))) : 1.0f;
-  });
+  const auto rbc1 = reciprocal_corrections(step, beta1, bias_correction);
+  const auto rbc2 = reciprocal_corrections(step, beta2, bias_correction);
   LambUpdate upd{fVec(static_cast<float>(1.0 / static_cast<double>(clip))),
                  fVec(static_cast<float>(weight_decay)),
                  fVec(static_cast<float>(beta1)),
@@ -440,12 +444,8 @@ inline void fused_lamb_bf16_cpu(const Tensors& params_, const Tensors& grads_,
   const bool clipped = mx > 0.0f && gnorm > mx;
   const float clip = clipped ? gnorm / mx : 1.0f;
   const auto step = advance_steps(steps);
-  const auto rbc1 = per_step<float>(step, [&](double s) {
-    return bias_correction ? static_cast<float>(1 / (1 - std::pow(beta1, s))) : 1.0f;
-  });
-  const auto rbc2 = per_step<float>(step, [&](double s) {
-    return bias_correction ? static_cast<float>(1 / (1 - std::pow(beta2, s))) : 1.0f;
-  });
+  const auto rbc1 = reciprocal_corrections(step, beta1, bias_correction);
+  const auto rbc2 = reciprocal_corrections(step, beta2, bias_correction);
   LambPlain upd{fVec(static_cast<float>(1.0 / static_cast<double>(clip))),
                 fVec(static_cast<float>(weight_decay)),
                 fVec(static_cast<float>(beta1)),

@@ -178,6 +178,7 @@ def _run(tmp_path, *args):
     assert r.returncode == 0, r.stderr[-3000:]
 
 
+@pytest.mark.slow
 def test_resume_in_a_fresh_process_is_bitwise(tmp_path, kernels):
     path = str(tmp_path / "run")
     for mode in ("full", "first", "resume"):

@@ -66,6 +66,17 @@ def _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED: tl.constexpr):
 
 
 @triton.jit
+def _trust_ratio(sq, t, lr, TRUST: tl.constexpr):
+    # lr * ||w|| / ||u|| from the tensor's sums of squares (lr when a norm is 0, or no TRUST).
+    ratio = tl.cast(lr, tl.float32)
+    if TRUST:
+        pn = tl.sqrt(tl.load(sq + 2 * t)).to(tl.float32)
+        un = tl.sqrt(tl.load(sq + 2 * t + 1)).to(tl.float32)
+        ratio = tl.where((pn != 0.0) & (un != 0.0), ratio * tl.div_rn(pn, un), ratio)
+    return ratio
+
+
+@triton.jit
 def _lamb_phase1(
     table, n_tensors, inv_ptr, found_ptr, gnorm_ptr, partials, p0, g0, m0, w0, s0,
     b1_hi, b1_lo, b2_hi, b2_lo, mx_hi, mx_lo, max_norm, beta1, beta3, beta2, one_m_b2, eps, wd,
@@ -125,11 +136,7 @@ def _lamb_phase2(
     v_ptr = tensor_ptr(table, t, 5, m0, ROW)
     w_ptr = tensor_ptr(table, t, 6, w0, ROW)
     bc1, bc2 = _corrections(table, t, s0, b1_hi, b1_lo, b2_hi, b2_lo, BIAS, ROW)
-    ratio = tl.cast(lr, tl.float32)
-    if TRUST:
-        pn = tl.sqrt(tl.load(sq + 2 * t)).to(tl.float32)
-        un = tl.sqrt(tl.load(sq + 2 * t + 1)).to(tl.float32)
-        ratio = tl.where((pn != 0.0) & (un != 0.0), ratio * tl.div_rn(pn, un), ratio)
+    ratio = _trust_ratio(sq, t, lr, TRUST)
     lanes = tl.arange(0, BLOCK)
     for k in range(0, count, BLOCK):
         offs = start + k + lanes
@@ -244,11 +251,7 @@ def _lamb_bf16_phase2(
     c_ptr = tensor_ptr(table, t, 8, c0, ROW)
     key = tl.load(keys + t).to(tl.uint32)
     bc1, bc2 = _corrections(table, t, s0, b1_hi, b1_lo, b2_hi, b2_lo, BIAS, ROW)
-    ratio = tl.cast(lr, tl.float32)
-    if TRUST:
-        pn = tl.sqrt(tl.load(sq + 2 * t)).to(tl.float32)
-        un = tl.sqrt(tl.load(sq + 2 * t + 1)).to(tl.float32)
-        ratio = tl.where((pn != 0.0) & (un != 0.0), ratio * tl.div_rn(pn, un), ratio)
+    ratio = _trust_ratio(sq, t, lr, TRUST)
     lanes = tl.arange(0, BLOCK)
     for k in range(0, count, BLOCK):
         offs = start + k + lanes

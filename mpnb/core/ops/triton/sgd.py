@@ -38,6 +38,30 @@ __all__ = ["fused_sgd_", "fused_sgd_bf16_"]
 
 
 @triton.jit
+def _direction(
+    g, w, b_ptr, offs, mask, first_run, momentum, one_m_damp, wd,
+    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
+    WD_AFTER: tl.constexpr,
+):  # fmt: skip
+    # The step direction (weight decay, momentum, nesterov); updates the momentum buffer.
+    if HAS_WD:
+        if not WD_AFTER:
+            g = g + wd * w
+    if HAS_MOMENTUM:
+        buf = tl.load(b_ptr + offs, mask=mask, other=0.0)
+        buf = tl.where(first_run, g, buf * momentum + one_m_damp * g)
+        tl.store(b_ptr + offs, buf, mask=mask)
+        if NESTEROV:
+            g = g + momentum * buf
+        else:
+            g = buf
+    if HAS_WD:
+        if WD_AFTER:
+            g = g + wd * w
+    return g
+
+
+@triton.jit
 def _sgd_kernel(
     table, n_tensors, inv_ptr, found_ptr, p0, g0, b0, w0,
     neg_lr, momentum, one_m_damp, wd,
@@ -59,20 +83,8 @@ def _sgd_kernel(
         mask = k + lanes < count
         g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
         w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
-        if HAS_WD:
-            if not WD_AFTER:
-                g = g + wd * w
-        if HAS_MOMENTUM:
-            buf = tl.load(b_ptr + offs, mask=mask, other=0.0)
-            buf = tl.where(first_run, g, buf * momentum + one_m_damp * g)
-            tl.store(b_ptr + offs, buf, mask=mask)
-            if NESTEROV:
-                g = g + momentum * buf
-            else:
-                g = buf
-        if HAS_WD:
-            if WD_AFTER:
-                g = g + wd * w
+        g = _direction(g, w, b_ptr, offs, mask, first_run, momentum, one_m_damp, wd,
+                       HAS_MOMENTUM, NESTEROV, HAS_WD, WD_AFTER)  # fmt: skip
         w = w + neg_lr * g
         store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
@@ -171,20 +183,8 @@ def _sgd_bf16_kernel(
         mask = k + lanes < count
         g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
         w = load_weight(p_ptr, p_ptr, offs, mask, False)
-        if HAS_WD:
-            if not WD_AFTER:
-                g = g + wd * w
-        if HAS_MOMENTUM:
-            buf = tl.load(b_ptr + offs, mask=mask, other=0.0)
-            buf = tl.where(first_run, g, buf * momentum + one_m_damp * g)
-            tl.store(b_ptr + offs, buf, mask=mask)
-            if NESTEROV:
-                g = g + momentum * buf
-            else:
-                g = buf
-        if HAS_WD:
-            if WD_AFTER:
-                g = g + wd * w
+        g = _direction(g, w, b_ptr, offs, mask, first_run, momentum, one_m_damp, wd,
+                       HAS_MOMENTUM, NESTEROV, HAS_WD, WD_AFTER)  # fmt: skip
         store_rounded(p_ptr, c_ptr, offs, w - lr * g, mask, key, KAHAN)
 
 
