@@ -19,7 +19,7 @@ import torch
 import traitlets as t
 
 from mpnb.core.ops import multi_tensor_check_finite, update_scale_hysteresis
-from mpnb.widgets._common import ErrorBox, half_status_label
+from mpnb.widgets._common import ErrorBox, FigureOutput, half_status_label
 
 __all__ = ["ScalerExplorer", "format_range"]
 
@@ -78,6 +78,14 @@ class ScalerExplorer(w.VBox):
         dtype: ``"fp16"`` or ``"bf16"``, the half dtype the gradients are cast to.
         max_scale: the scale never grows past this (Apex's ``max_loss_scale``).
 
+    The charts are whole figures in ``Output`` s (:class:`~mpnb.widgets._common.FigureOutput`):
+    they render after Run All and after a page reload, with the bands and history the kernel
+    holds; the timeline shows "press Step" until the first step.
+
+    Attributes:
+        hist_fig, timeline_fig: the plotly figures (tests read them); hist_view,
+            timeline_view: the ``Output`` s that show them.
+
     Example::
 
         >>> loss.backward()
@@ -111,7 +119,7 @@ class ScalerExplorer(w.VBox):
         self._controls(init_scale, growth_factor, backoff_factor, growth_interval, dtype)
         self._figures()
         super().__init__(
-            [self._control_box, self.stats, self.hist_fig, self.timeline_fig, self.errors]
+            [self._control_box, self.stats, self.hist_view, self.timeline_view, self.errors]
         )
         self.dtype = dtype
         self.reset()
@@ -171,7 +179,7 @@ class ScalerExplorer(w.VBox):
     def _figures(self):
         lo, hi = float(_BINS[0]), float(_BINS[-1])
         centers = (_BINS[:-1] + 0.5).tolist()
-        self.hist_fig = go.FigureWidget(
+        self.hist_fig = go.Figure(
             data=[
                 go.Bar(x=centers, y=self._counts, name="unscaled", opacity=0.35),
                 go.Bar(x=centers, y=self._counts, name="scaled"),
@@ -185,7 +193,7 @@ class ScalerExplorer(w.VBox):
                 yaxis=dict(title="count"),
             ),
         )
-        self.timeline_fig = go.FigureWidget(
+        self.timeline_fig = go.Figure(
             data=[
                 go.Scatter(x=[], y=[], mode="lines+markers", name="loss scale"),
                 go.Scatter(
@@ -203,6 +211,13 @@ class ScalerExplorer(w.VBox):
                 xaxis=dict(title="step"),
                 yaxis=dict(title="loss scale", type="log", exponentformat="power"),
             ),
+        )
+        self.hist_view = FigureOutput(self.hist_fig, "gradient histogram", "computing...")
+        self.timeline_view = FigureOutput(
+            self.timeline_fig,
+            "simulated scaler",
+            "No steps yet: press Step (or Overflow step) to run the dynamic scaler.",
+            min_height="280px",
         )
 
     # ---- state ------------------------------------------------------------------------------
@@ -296,6 +311,7 @@ class ScalerExplorer(w.VBox):
             f"<b>{f['overflow']:.2%}</b> overflow to inf "
             f"({f['zero_before']:.2%} were exactly zero already)."
         )
+        self.hist_view.render()
 
     def _redraw_timeline(self, change=None) -> None:
         h = self.history
@@ -304,3 +320,7 @@ class ScalerExplorer(w.VBox):
             self.timeline_fig.data[0].y = [e["scale"] for e in h]
             self.timeline_fig.data[1].x = [e["step"] for e in h if e["skipped"]]
             self.timeline_fig.data[1].y = [e["scale"] for e in h if e["skipped"]]
+        if h:
+            self.timeline_view.render()
+        else:
+            self.timeline_view.placeholder()
