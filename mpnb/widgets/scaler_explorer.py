@@ -10,6 +10,7 @@ half-cast gradients: growth after ``growth_interval`` clean steps, backoff on in
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Iterable
 
@@ -144,16 +145,12 @@ class ScalerExplorer(w.VBox):
             value=dtype,
             description="half dtype",
         )
-        self.growth = w.BoundedFloatText(
-            value=growth_factor, min=1.0, max=16.0, step=0.5, description="growth"
-        )
-        self.backoff = w.BoundedFloatText(
-            value=backoff_factor, min=0.01, max=1.0, step=0.05, description="backoff"
-        )
-        self.interval = w.BoundedIntText(
-            value=growth_interval, min=1, max=100000, description="interval"
-        )
-        self.n_steps = w.BoundedIntText(value=10, min=1, max=10000, description="steps")
+        # plain text boxes: a bad value is refused beside the controls, never clamped
+        self.growth = w.FloatText(value=growth_factor, step=0.5, description="growth")
+        self.backoff = w.FloatText(value=backoff_factor, step=0.05, description="backoff")
+        self.interval = w.IntText(value=growth_interval, description="interval")
+        self.n_steps = w.IntText(value=10, description="steps")
+        self.control_error = w.HTML()
         self.step_button = w.Button(description="Step", icon="forward")
         self.spike_button = w.Button(
             description="Overflow step",
@@ -162,6 +159,8 @@ class ScalerExplorer(w.VBox):
         )
         self.reset_button = w.Button(description="Reset", icon="undo")
         self.step_button.on_click(self.errors.guard(lambda _: self.step(self.n_steps.value)))
+        for c in (self.growth, self.backoff, self.interval, self.n_steps):
+            c.observe(lambda _: self.validate(), names="value")
         self.spike_button.on_click(self.errors.guard(lambda _: self.step(1, force_inf=True)))
         self.reset_button.on_click(self.errors.guard(lambda _: self.reset()))
         t.link((self.scale_slider, "value"), (self, "scale"))
@@ -173,8 +172,33 @@ class ScalerExplorer(w.VBox):
                 w.HBox([self.scale_slider, self.dtype_toggle]),
                 w.HBox([self.growth, self.backoff, self.interval]),
                 w.HBox([self.n_steps, self.step_button, self.spike_button, self.reset_button]),
+                self.control_error,
             ]
         )
+        self.validate()
+
+    def input_errors(self) -> list[str]:
+        """What is wrong with the scaler controls now (empty: all valid)."""
+        errs = []
+        if not self.growth.value > 1.0:
+            errs.append(f"growth {self.growth.value:g}: must be above 1 (2 is the usual)")
+        if not 0.0 < self.backoff.value < 1.0:
+            errs.append(f"backoff {self.backoff.value:g}: must be between 0 and 1 (0.5 usual)")
+        if self.interval.value < 1:
+            errs.append(f"interval {self.interval.value}: need at least 1 clean step")
+        if self.n_steps.value < 1:
+            errs.append(f"steps {self.n_steps.value}: need at least 1")
+        return errs
+
+    def validate(self) -> bool:
+        """Show the invalid controls' messages under them; Step is disabled until fixed."""
+        errs = self.input_errors()
+        self.control_error.value = "".join(
+            f"<div style='color:#b00020'>&#9888; {html.escape(e)}; refused, not clamped</div>"
+            for e in errs
+        )
+        self.step_button.disabled = self.spike_button.disabled = bool(errs)
+        return not errs
 
     def _figures(self):
         lo, hi = float(_BINS[0]), float(_BINS[-1])
@@ -255,6 +279,8 @@ class ScalerExplorer(w.VBox):
         1: PyTorch's GradScaler rule), clamped to ``max_scale``. ``force_inf`` simulates a batch
         whose gradients are non-finite whatever the scale.
         """
+        if not self.validate():
+            raise ValueError("; ".join(self.input_errors()) + " (fix it beside the control)")
         self._scale_t.fill_(self.scale)  # the slider may have moved since the last step
         new = []
         for _ in range(int(n)):
