@@ -202,6 +202,7 @@ class ProfileWidget(w.VBox):
         t = ph.pivot(index="phase", columns="opt_level", values="time_ms")
         t = t.reindex([p for p in _PHASE_NAMES if p in t.index])
         t.index = [_PHASE_NAMES[p] for p in t.index]
+        t.columns.name = None
         t = t.rename_axis("phase (ms)").reset_index()
         note = (
             "<p style='color:#555;font-size:12px'>O0 is plain fp32 training: no loss scaler "

@@ -101,9 +101,9 @@ def _check_profile(page, tmp_path: Path, when: str) -> None:
         ("Overflow", ".widget-button:has-text('Precision tab')"),
     ):
         widget.locator(f".lm-TabBar-tab:has-text('{tab}')").first.click()
-        panel = widget.locator(".lm-TabPanel-stackedPanel:not(.lm-mod-hidden)").first
+        panel = widget.locator(".widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)").first
         try:
-            panel.locator(check).first.wait_for(timeout=60_000)
+            panel.locator(check).first.wait_for(state="attached", timeout=60_000)
         except Exception:
             widget.screenshot(path=str(tmp_path / f"failure-{tab}-{when}.png"))
             (tmp_path / f"failure-{tab}-{when}.html").write_text(widget.inner_html())
@@ -114,7 +114,7 @@ def _check_profile(page, tmp_path: Path, when: str) -> None:
         _shot(widget, tmp_path, f"profile-{tab.lower()}-{when}")
     # the overflow finder's link opens the Precision tab
     widget.locator(".widget-button:has-text('Precision tab')").first.click()
-    panel = widget.locator(".lm-TabPanel-stackedPanel:not(.lm-mod-hidden)").first
+    panel = widget.locator(".widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)").first
     panel.locator("text=Share of FLOPs and bytes per dtype").first.wait_for(timeout=30_000)
 
 
