@@ -230,6 +230,7 @@ def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
             widget = page.locator(".jp-OutputArea-output:has(.widget-button:text-is('Run'))")
             widget.first.wait_for(timeout=120_000)
             widget = widget.first
+            widget.locator(".lm-TabBar-tab:has-text('Speed')").first.click()  # Table was open
             for name in CONFIGS:
                 widget.locator(f".js-plotly-plot .xtick text:text-is('{name}')").first.wait_for(
                     timeout=60_000
