@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -192,10 +194,14 @@ def test_cnn_and_hf_model_through_the_widget():
                         bos_token_id=0, eos_token_id=0)  # fmt: skip
     ids = torch.randint(0, 64, (32, 16))
     w = transformers_workload(lambda: tr.GPT2LMHeadModel(cfg), ids, batch_size=8)
-    cw = compare(w, opt_levels=("O0", "O1"), steps=3, threaded=False, threads=1)
-    cw.run_button.click()
+    cw = compare(w, opt_levels=("O0", "O1", "O2", "O3"), steps=3, threaded=False, threads=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cw.run_button.click()
     assert (cw.df["status"] == "ok").all(), cw.df["error"].tolist()
-    assert cw.df["metric_name"][0] == "token accuracy"
+    assert list(cw.df["opt_level"]) == ["O0", "O1", "O2", "O3"]
+    assert cw.df["metric_name"][0] == "token accuracy" and cw.df["metric"].notna().all()
+    assert not [c for c in caught if "backward hooks" in str(c.message)]
 
 
 def test_charts_are_whole_figures_in_outputs_with_a_placeholder_before_run(finished):
