@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
+import mpnb.lab  # noqa: E402
 import mpnb.widgets  # noqa: E402
 
 
@@ -181,3 +182,29 @@ def test_hf_tiny_model_through_profile_and_its_widget_under_every_level():
     assert seen == {"CausalLMOutputWithCrossAttentions"}  # under every level, never a dict
     assert pw.precision.summary.config == "O1" and len(pw.precision.ops) > 0
     assert not [c for c in caught if "backward hooks" in str(c.message)]
+
+
+def test_profile_reports_progress_per_level():
+    seen = []
+    mpnb.lab.profile(
+        _model(), torch.randn(8, 16), opt_levels=("O0", "O1"), steps=1, warmup=0,
+        on_progress=lambda level, done, total: seen.append((level, done, total)),
+    )  # fmt: skip
+    assert seen == [("O0", 0, 2), ("O1", 1, 2), (None, 2, 2)]
+
+
+def test_profile_prints_no_kineto_usdt_lines():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, mpnb.lab\n"
+        "m = torch.nn.Linear(4, 2)\n"
+        "mpnb.lab.profile(m, torch.randn(3, 4), opt_levels=('O0',), steps=1, warmup=0)\n"
+    )
+    env = {k: v for k, v in __import__("os").environ.items() if k != "KINETO_LOG_LEVEL"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "USDT" not in out.stderr and "profiler_start" not in out.stderr
