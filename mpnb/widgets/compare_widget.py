@@ -37,7 +37,8 @@ class CompareWidget(ControlsMixin, w.VBox):
         data, loss_fn, metric_fn, eval_data: with a model factory, as for
             :func:`mpnb.lab.compare`.
         opt_levels, half_dtype, batch_sizes, steps, optimizer, device, size: the initial
-            controls (``batch_sizes`` and ``steps`` None: the workload's own).
+            controls (``batch_sizes`` and ``steps`` None: the workload's own, shown in their
+            boxes; choosing another workload puts its own batch size and steps there).
         loss_scale: None (each opt level's default), a number (static) or a dict of
             ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``.
         threaded: run in a background thread when Run is clicked (tests pass False).

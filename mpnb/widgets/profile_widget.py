@@ -51,6 +51,13 @@ _COLUMN_NAMES = {
 }
 
 
+# compact rows: one line per row (the pane scrolls sideways instead)
+_TABLE_STYLE = (
+    "<style>.mpnb-table{font-size:12px;border-collapse:collapse}.mpnb-table td,"
+    ".mpnb-table th{padding:2px 6px;white-space:nowrap;border-bottom:1px solid #ddd}</style>"
+)
+
+
 def _num(v) -> str:
     if isinstance(v, float):
         if v != v:  # NaN
@@ -70,7 +77,7 @@ def _html_table(df: pd.DataFrame | None, empty: str, max_rows: int = 200) -> w.H
             df[c] = [f"{v:.1%}" for v in df[c]]
     fmt = {c: _num for c in df.columns if pd.api.types.is_float_dtype(df[c])}
     body = df.to_html(index=False, formatters=fmt, na_rep="", border=0, classes="mpnb-table")
-    return w.HTML(f"<div style='overflow:auto;max-height:420px;font-size:12px'>{body}</div>")
+    return w.HTML(f"{_TABLE_STYLE}<div style='overflow:auto;max-height:420px'>{body}</div>")
 
 
 def _bar_fig(title: str, y: str, stacked: bool = False) -> go.Figure:
