@@ -28,6 +28,7 @@ COLUMNS = (
     "half_dtype",
     "precision",
     "batch_size",
+    "samples_per_step",
     "steps",
     "optimizer",
     "device",
@@ -155,6 +156,16 @@ def _speed(res: RunResult, base: RunResult | None) -> dict:
     return dict(speedup_vs_O0=median(ratios), speedup_lo=lo, speedup_hi=hi, rounds=len(ratios))
 
 
+def _clamp_note(batch_size: int, samples: float) -> str:
+    """The warning for a batch the data could not fill (clamped to the data set's size)."""
+    if not math.isfinite(samples) or samples >= batch_size:
+        return ""
+    return (
+        f"batch size {batch_size} clamped to {samples:.0f} samples (the data set's size); "
+        f"samples/s counts the {samples:.0f} samples a step really trains on"
+    )
+
+
 def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
     cfg, nan = res.config, math.nan
     precision, notes = _precision(cfg, hw)
@@ -188,6 +199,10 @@ def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
         error=res.error or "",
         status="error" if res.error else "interrupted" if res.interrupted else "ok",
     )
+    biggest = max((h["samples"] for h in res.history), default=nan)
+    clamped = _clamp_note(cfg.batch_size, biggest)
+    if clamped:
+        row["warnings"] = "; ".join(filter(None, [clamped, row["warnings"]]))
     if base is None and res.error is None:
         row["warnings"] = "; ".join(filter(None, [row["warnings"], "no O0 row to compare with"]))
     return {c: row.get(c, nan) for c in COLUMNS}

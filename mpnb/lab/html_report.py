@@ -17,7 +17,20 @@ import pandas as pd
 
 from mpnb.lab.memory import ROLES
 
-__all__ = ["report", "figures", "speed_bar", "chart_title", "CHARTS", "CHART_TEXT"]
+__all__ = [
+    "report",
+    "figures",
+    "speed_bar",
+    "chart_title",
+    "results_table",
+    "warnings_banner",
+    "glossary_html",
+    "format_value",
+    "curve_style",
+    "CHARTS",
+    "CHART_TEXT",
+    "TABLE_COLUMNS",
+]
 
 CHARTS = ("speed", "memory", "accuracy", "loss", "loss_scale")
 
@@ -60,27 +73,115 @@ CHART_TEXT = {
     ),
 }
 
-_TABLE_COLS = (
-    "configuration",
-    "precision",
-    "status",
-    "speed_label",
-    "speedup_vs_O0",
-    "speedup_lo",
-    "speedup_hi",
-    "step_time_ms",
-    "samples_per_s",
-    "peak_mem_mib",
-    "mem_saving_vs_O0",
-    "final_loss",
-    "metric",
-    "metric_vs_O0",
-    "output_diff_vs_O0",
-    "skipped_steps",
-    "final_loss_scale",
-    "warnings",
-    "error",
-)
+#: the results table's columns and their headers (with units); the widget shows the same.
+#: Warnings are not a column: they are gathered once in :func:`warnings_banner`.
+TABLE_COLUMNS = {
+    "configuration": "configuration",
+    "precision": "precision",
+    "status": "status",
+    "speed_label": "speed vs O0",
+    "speedup_vs_O0": "speed-up (x O0)",
+    "speedup_lo": "95% low (x)",
+    "speedup_hi": "95% high (x)",
+    "step_time_ms": "step time (ms)",
+    "samples_per_step": "samples per step",
+    "samples_per_s": "throughput (samples/s)",
+    "peak_mem_mib": "peak memory (MiB)",
+    "mem_saving_vs_O0": "memory saved vs O0 (%)",
+    "final_loss": "final loss",
+    "metric": "metric (0-1)",
+    "metric_vs_O0": "metric vs O0",
+    "output_diff_vs_O0": "output difference vs O0 (rel.)",
+    "skipped_steps": "skipped steps",
+    "final_loss_scale": "final loss scale",
+    "error": "error",
+}
+
+
+def format_value(col: str, v) -> str:
+    """A number as a reader wants it: ``66,340`` samples/s, ``+18%``, ``1.25``, ``65536``.
+
+    Example::
+
+        >>> format_value("samples_per_s", 66340.2), format_value("mem_saving_vs_O0", -3.4e-5)
+        ('66,340', '0%')
+    """
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    if isinstance(v, str):
+        return v
+    v = float(v)
+    if col == "mem_saving_vs_O0":
+        pct = round(v * 100)
+        return f"{pct:+d}%" if pct else "0%"
+    if col in ("speedup_vs_O0", "speedup_lo", "speedup_hi"):
+        return f"{v:.2f}"
+    if col in ("samples_per_s", "samples_per_step", "skipped_steps"):
+        return f"{v:,.0f}"
+    if col == "final_loss_scale":
+        return f"{v:,.0f}" if v >= 1 and v == int(v) else f"{v:g}"
+    if col == "metric_vs_O0":
+        return f"{v:+.3f}"
+    if col == "output_diff_vs_O0":
+        return f"{v:.1e}" if v and abs(v) < 1e-3 else f"{v:.3f}"
+    if abs(v) >= 1000:
+        return f"{v:,.0f}"
+    return f"{v:.3g}"
+
+
+def warnings_banner(df: pd.DataFrame) -> list[str]:
+    """Each distinct warning of the rows once, naming the configurations it concerns."""
+    seen: dict[str, list[str]] = {}
+    for r in df.itertuples():
+        for w in str(r.warnings or "").split("; ") if isinstance(r.warnings, str) else ():
+            if w:
+                seen.setdefault(w, []).append(str(r.configuration))
+    n = len(df)
+    return [
+        f"{w} ({'all configurations' if len(c) == n and n > 1 else ', '.join(c)})"
+        for w, c in seen.items()
+    ]
+
+
+def results_table(df: pd.DataFrame, classes: str = "rows") -> str:
+    """The results as an HTML table: readable headers with units, formatted numbers.
+
+    Failed rows say ``failed`` in their status and keep a one-line error; the full messages
+    and every warning are listed once, outside the table (compact rows).
+    """
+    cols = [c for c in TABLE_COLUMNS if c in df.columns]
+    head = "".join(f"<th>{html.escape(TABLE_COLUMNS[c])}</th>" for c in cols)
+    rows = []
+    for _, r in df.iterrows():
+        cells = []
+        for c in cols:
+            text = format_value(c, r[c])
+            if c == "error" and len(text) > 80:
+                text = text[:77] + "..."
+            cells.append(f"<td>{html.escape(text)}</td>")
+        rows.append("<tr>" + "".join(cells) + "</tr>")
+    return (
+        f"<div style='overflow-x:auto'><table class='{classes}'><thead><tr>{head}</tr></thead>"
+        f"<tbody>{''.join(rows)}</tbody></table></div>"
+    )
+
+
+def glossary_html(names=None) -> str:
+    """What each configuration is: :data:`mpnb.core.precision.PRECISION_CONFIGS` descriptions.
+
+    Args:
+        names: the configurations to list first (those in the report); every other
+            configuration follows.
+    """
+    from mpnb.core.precision import PRECISION_CONFIGS
+
+    first = [n for n in dict.fromkeys(names or ()) if n in PRECISION_CONFIGS]
+    order = first + [n for n in PRECISION_CONFIGS if n not in first]
+    items = "".join(
+        f"<dt><b>{html.escape(n)}</b></dt><dd>{html.escape(PRECISION_CONFIGS[n].description)}</dd>"
+        for n in order
+    )
+    return f"<dl class='glossary'>{items}</dl>"
 
 
 def _ok(df: pd.DataFrame) -> pd.DataFrame:
@@ -165,19 +266,22 @@ def _accuracy(go, df):
 def _history_lines(go, df, column: str, name: str, log: bool):
     hist = df.attrs.get("history", pd.DataFrame(columns=["configuration", "step", column]))
     fig = go.Figure()
-    dashes = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
     for i, (cfg, h) in enumerate(hist.groupby("configuration", sort=False)):
-        fig.add_trace(
-            go.Scatter(
-                x=h.step,
-                y=h[column],
-                mode="lines+markers",
-                marker=dict(size=4),
-                line=dict(dash=dashes[i % len(dashes)]),
-                name=str(cfg),
-            )
-        )
+        fig.add_trace(go.Scatter(x=h.step, y=h[column], name=str(cfg), **curve_style(i)))
     return _layout(fig, name, yaxis_type="log" if log else "linear")
+
+
+_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
+_SYMBOLS = ("circle", "square", "diamond", "triangle-up", "cross", "star")
+
+
+def curve_style(i: int) -> dict:
+    """The ``i``-th curve's markers and dashes: overlapping curves stay distinguishable."""
+    return dict(
+        mode="lines+markers",
+        marker=dict(size=6, symbol=_SYMBOLS[i % len(_SYMBOLS)]),
+        line=dict(dash=_DASHES[i % len(_DASHES)], width=2),
+    )
 
 
 def figures(df: pd.DataFrame) -> dict:
@@ -252,21 +356,36 @@ def report(df: pd.DataFrame, path: str | Path, title: str = "mpnb compare") -> P
         + "</section>"
         for name, fig in figures(df).items()
     )
-    cols = [c for c in _TABLE_COLS if c in df.columns]
-    table = df[cols].to_html(
-        index=False, float_format=lambda v: f"{v:.4g}", na_rep="-", border=0, classes="rows"
+    table = results_table(df)
+    notes = warnings_banner(df) if "warnings" in df.columns else []
+    banner = (
+        "<div class='warnings'><b>Warnings</b><ul>"
+        + "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+        + "</ul></div>"
+        if notes
+        else ""
     )
+    bad = df[df["error"].fillna("") != ""]
+    failures = "".join(
+        f"<li><b>{html.escape(str(r.configuration))}</b>: {html.escape(str(r.error))}</li>"
+        for r in bad.itertuples()
+    )
+    failures = f"<h2>Failures</h2><ul>{failures}</ul>" if failures else ""
+    names = list(df["opt_level"]) if "opt_level" in df.columns else []
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}
 table.rows{{border-collapse:collapse;font-size:12px}}
-table.rows td,table.rows th{{padding:3px 6px;border-bottom:1px solid #ddd}}</style>
+table.rows td,table.rows th{{padding:3px 6px;border-bottom:1px solid #ddd;white-space:nowrap}}
+.warnings{{border-left:4px solid #a05a00;background:#fff8ec;padding:4px 12px;margin:1em 0}}
+dl.glossary dt{{float:left;clear:left;width:9em}} dl.glossary dd{{margin:0 0 4px 9.5em}}</style>
 <script type="text/javascript">{get_plotlyjs()}</script></head>
 <body><h1>{html.escape(title)}: {html.escape(str(df.workload.iloc[0]) if len(df) else "")}</h1>
 <h2>Verdict</h2>{_verdict_html(df)}
 <h2>Hardware</h2>{_hardware_html(df)}
-<h2>Results</h2>{table}
+<h2>Results</h2>{banner}{table}{failures}
 <h2>Charts</h2>{charts}
+<h2>Glossary: the configurations</h2>{glossary_html(names)}
 </body></html>"""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)

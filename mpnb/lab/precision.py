@@ -45,6 +45,7 @@ from mpnb.core.fp8 import Float8Linear
 from mpnb.core.precision import AmpConfig, PrecisionConfig, PureBf16Config, get_config
 from mpnb.core.precision import resolve_half as _resolve_half
 from mpnb.lab._precision_trace import CAST_APIS, ApiMode, ModuleTracker, OpMode, autocast_policy
+from mpnb.lab._train import forward
 
 __all__ = ["trace_precision", "PrecisionTrace", "PrecisionSummary", "REASONS", "COLUMNS"]
 
@@ -246,7 +247,8 @@ def trace_precision(
 
     Args:
         model: an fp32 model (deep-copied; yours is not changed).
-        inputs: a tensor or a tuple of positional inputs, on the model's device.
+        inputs: a tensor, a tuple of positional inputs or a dict of keyword inputs (a
+            ``transformers`` batch), on the model's device.
         config: a name of :data:`mpnb.core.precision.PRECISION_CONFIGS` or such an object.
         loss_fn: ``output -> scalar loss`` (default: mean of the squared float32 output, as
             :func:`mpnb.lab.profile`).
@@ -285,10 +287,9 @@ def _trace(model, inputs, cfg, loss_fn, half, device):
     tracker = ModuleTracker(work)
     api = ApiMode(device.type)
     mode = OpMode(tracker, api, (Float8Linear,))
-    args = inputs if isinstance(inputs, tuple) else (inputs,)
     try:
         with mode, api:
-            out = work(*args)
+            out = forward(work, inputs)  # model(x), model(*tuple) or model(**dict)
             mode.phase = "loss"
             loss = loss_fn(out)
             if uses_amp:

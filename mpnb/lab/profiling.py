@@ -11,7 +11,16 @@ reports:
   hooks, so you see which layers really run in half);
 * ``flops``: FLOPs of one forward + backward from ``torch.utils.flop_counter.FlopCounterMode``
   and the achieved FLOP/s over the measured forward + backward time;
-* ``ops``: the ``torch.profiler`` op table of one step (self time, calls).
+* ``ops``: the ``torch.profiler`` op table of one step (self time, calls); that step's
+  trace is kept and :meth:`ProfileResult.export_chrome_trace` writes it for Chrome's
+  ``chrome://tracing`` or https://ui.perfetto.dev (``torch.profiler``'s own export).
+
+O0 is plain fp32 training: its step calls ``loss.backward()`` without ``amp.scale_loss`` (no
+scaler runs), so it has no ``unscale_and_update`` row; the half levels have one.
+
+The machine's load average at the start and end and the thread count are recorded in
+``load`` (as :func:`mpnb.lab.compare` records them): on a busy machine the phase times of
+the levels are not comparable, and ``load["note"]`` says so.
 
 Times come from ``torch.utils.benchmark.timer`` (synchronizing CUDA), medians over ``steps``
 steps after ``warmup`` untimed ones.
@@ -20,6 +29,7 @@ steps after ``warmup`` untimed ones.
 from __future__ import annotations
 
 import copy
+import os
 import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -33,7 +43,7 @@ from mpnb.core.amp import HALF_DTYPES
 from mpnb.lab._errors import describe_error
 from mpnb.lab._train import forward, make_optimizer, to_device
 from mpnb.lab.config import half_name, resolve_device
-from mpnb.lab.stats import median
+from mpnb.lab.stats import loadavg, median
 
 __all__ = ["ProfileResult", "profile", "PHASES"]
 
@@ -49,11 +59,42 @@ class ProfileResult:
     flops: pd.DataFrame
     ops: pd.DataFrame
     errors: dict = field(default_factory=dict)
+    load: dict = field(default_factory=dict)
+    traces: dict = field(default_factory=dict, repr=False)
+
+    def export_chrome_trace(self, path: str, opt_level: str | None = None) -> str:
+        """Write the ``torch.profiler`` trace of one profiled step (Chrome/Perfetto JSON).
+
+        Args:
+            path: the ``.json`` file to write (open it in ``chrome://tracing`` or
+                https://ui.perfetto.dev).
+            opt_level: which level's step (default: the first profiled).
+
+        Example::
+
+            >>> r = mpnb.lab.profile(model, x, opt_levels=("O0", "O2"))
+            >>> r.export_chrome_trace("o2.json", "O2")
+        """
+        if not self.traces:
+            raise RuntimeError(
+                "export_chrome_trace: no level was profiled (see .errors); fix the failing "
+                "levels and profile again."
+            )
+        level = opt_level or next(iter(self.traces))
+        if level not in self.traces:
+            raise ValueError(
+                f"export_chrome_trace: {level!r} was not profiled; choose one of "
+                f"{sorted(self.traces)}."
+            )
+        self.traces[level].export_chrome_trace(str(path))
+        return str(path)
 
 
 def _default_loss(out) -> torch.Tensor:
-    out = out[0] if isinstance(out, (tuple, list)) else out
-    return out.float().pow(2).mean()
+    """Mean of the squared float32 logits of any output form (tensor, tuple, dict, dataclass)."""
+    from mpnb.lab.workloads import logits_of
+
+    return logits_of(out).float().pow(2).mean()
 
 
 class _Level:
@@ -62,6 +103,7 @@ class _Level:
     def __init__(self, model, level, half, opt_name, lr, device):
         from mpnb import amp
 
+        self.amp = level != "O0"  # O0: plain fp32 training, no scaler
         self.model = copy.deepcopy(model).to(device)
         opt = make_optimizer(opt_name, self.model.parameters(), lr)
         with warnings.catch_warnings():
@@ -78,6 +120,11 @@ class _Level:
         t0 = clock()
         loss = loss_fn(forward(self.model, x))
         t1 = clock()
+        if not self.amp:
+            loss.backward()
+            t2 = clock()
+            self.opt.step()
+            return {"forward": t1 - t0, "backward": t2 - t1, "optimizer_step": clock() - t2}
         cm = amp.scale_loss(loss, self.opt)
         scaled = cm.__enter__()
         scaled.backward()
@@ -145,15 +192,18 @@ def _flops(lv: _Level, x, loss_fn) -> int:
     return counter.get_total_flops()
 
 
-def _op_table(lv: _Level, x, loss_fn, top: int) -> list[dict]:
+def _op_table(lv: _Level, x, loss_fn, top: int):
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
+    # Kineto prints "USDT: ... profiler_start/stop" lines to stderr at its default log level;
+    # its level is read once, at the first profile of the process (a user's setting wins).
+    os.environ.setdefault("KINETO_LOG_LEVEL", "6")
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with torch_profile(activities=acts) as prof:
         lv.step(x, loss_fn)
     events = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)
-    return [
+    rows = [
         dict(
             op=e.key,
             calls=e.count,
@@ -162,6 +212,7 @@ def _op_table(lv: _Level, x, loss_fn, top: int) -> list[dict]:
         )
         for e in events[:top]
     ]
+    return rows, prof
 
 
 def _profile_level(model, x, loss_fn, level, half, opt_name, lr, device, steps, warmup, top):
@@ -175,11 +226,13 @@ def _profile_level(model, x, loss_fn, level, half, opt_name, lr, device, steps, 
     phases = {k: median(v) * 1e3 for k, v in times.items()}
     flops = _flops(lv, x, loss_fn)
     fb = (phases["forward"] + phases["backward"]) / 1e3
+    ops, prof = _op_table(lv, x, loss_fn, top)
     return (
         phases,
         _module_table(lv.model, x),
         dict(flops=flops, fwd_bwd_ms=fb * 1e3, flop_per_s=flops / fb if fb > 0 else 0.0),
-        _op_table(lv, x, loss_fn, top),
+        ops,
+        prof,
     )
 
 
@@ -195,6 +248,7 @@ def profile(
     warmup: int = 2,
     device=None,
     top_ops: int = 15,
+    on_progress=None,
 ) -> ProfileResult:
     """Profile one training step of ``model`` under each opt level.
 
@@ -206,6 +260,14 @@ def profile(
         optimizer, lr: the optimizer stepped in the ``optimizer_step`` phase.
         steps, warmup: timed and untimed steps per level.
         device: default: where the model's parameters are.
+        top_ops: rows of the op table per level.
+        on_progress: called as ``on_progress(level, done, total)`` before each level and
+            once at the end (``level`` None), e.g. to move a progress bar.
+
+    ``example_inputs`` may be a dict (``model(**inputs)``, e.g. a ``transformers`` batch with
+    ``labels``), and the model may return a tensor, tuple, dict, dataclass or ``ModelOutput``:
+    ``loss_fn`` receives exactly what the model returned, under every level (for a
+    ``transformers`` model, ``loss_fn=mpnb.lab.hf.hf_loss`` reads the loss it computed).
 
     Returns:
         A :class:`ProfileResult`; a level that fails is left out of the tables and named in
@@ -221,16 +283,21 @@ def profile(
     half = HALF_DTYPES[half_name(half_dtype, dev)]
     x = to_device(example_inputs, dev)
     loss_fn = loss_fn or _default_loss
-    phases, modules, flops, ops, errors = [], [], [], [], {}
-    for level in opt_levels:
+    from mpnb.lab.runner import load_record
+
+    phases, modules, flops, ops, errors, traces = [], [], [], [], {}, {}
+    load_start, levels = loadavg(), tuple(opt_levels)
+    for i, level in enumerate(levels):
+        if on_progress is not None:
+            on_progress(level, i, len(levels))
         try:
-            ph, mods, fl, op = _profile_level(
+            ph, mods, fl, op, traces[level] = _profile_level(
                 model, x, loss_fn, level, half, optimizer, lr, dev, steps, warmup, top_ops
             )
         except Exception as e:  # noqa: BLE001 - one failing level must not lose the others
             errors[level] = describe_error(e)
             continue
-        phases += [dict(opt_level=level, phase=k, time_ms=ph[k]) for k in PHASES]
+        phases += [dict(opt_level=level, phase=k, time_ms=ph[k]) for k in PHASES if k in ph]
         modules += [dict(opt_level=level, **m) for m in mods]
         flops.append(dict(opt_level=level, **fl))
         ops += [dict(opt_level=level, **o) for o in op]
@@ -244,4 +311,7 @@ def profile(
         pd.DataFrame(rows, columns=c)
         for rows, c in zip((phases, modules, flops, ops), cols, strict=True)
     ]
-    return ProfileResult(*frames, errors)
+    if on_progress is not None:
+        on_progress(None, len(levels), len(levels))
+    load = load_record(load_start, loadavg(), torch.get_num_threads(), os.cpu_count() or 1)
+    return ProfileResult(*frames, errors, load, traces)

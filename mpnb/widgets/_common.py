@@ -12,10 +12,14 @@ import traceback
 from collections.abc import Callable
 
 import ipywidgets as w
+import plotly.graph_objects as go
+import plotly.io as pio
 
 from mpnb.core.hardware import cpu_info, cuda_info, half_support
 
-__all__ = ["ErrorBox", "hardware_html", "half_status_label"]
+__all__ = ["ErrorBox", "FigureOutput", "hardware_html", "half_status_label"]
+
+_PLACEHOLDER = "<div style='padding:40px;color:#555'><b>{title}</b><br><i>{hint}</i></div>"
 
 
 class ErrorBox(w.Output):
@@ -64,6 +68,48 @@ class ErrorBox(w.Output):
         """Forget the shown errors."""
         self.clear_output()
         self.last_error = None
+
+
+class FigureOutput(w.Output):
+    """A plotly figure shown as a whole in an ``Output``: it renders whenever a view attaches.
+
+    The figure is a plain ``go.Figure`` (:attr:`fig`) shown as plotly's own mime bundle, so
+    the ``Output``'s state holds the whole figure: the chart appears after Run All, after a
+    page reload, and whatever the order of display and update. ``FigureWidget`` views made
+    before their page was shown were seen to render blank axes and to drop later updates.
+    Until :meth:`render` is called (or after :meth:`placeholder`) it shows a line of text
+    saying what to press instead of empty axes.
+
+    Args:
+        fig: the figure (updated in place by its owner, then :meth:`render` ed).
+        title: the placeholder's heading.
+        hint: the placeholder's instruction (e.g. "press Run").
+
+    Example::
+
+        >>> out = FigureOutput(go.Figure(), "loss scale", "press Step")
+        >>> out.fig.add_scatter(x=[1, 2], y=[4, 8]); out.render()
+    """
+
+    def __init__(self, fig: go.Figure, title: str, hint: str, min_height: str = "340px"):
+        super().__init__(layout=w.Layout(min_height=min_height))
+        self.fig, self.title, self.hint = fig, title, hint
+        self.rendered = False
+        self.placeholder()
+
+    def placeholder(self, hint: str | None = None) -> None:
+        """Show the "nothing yet" text (``hint`` replaces the default instruction)."""
+        text = _PLACEHOLDER.format(
+            title=html.escape(self.title), hint=html.escape(hint or self.hint)
+        )
+        self.outputs = (dict(output_type="display_data", data={"text/html": text}, metadata={}),)
+        self.rendered = False
+
+    def render(self) -> None:
+        """Show the figure as it is now (the whole figure: no earlier state is needed)."""
+        bundle = pio.renderers["plotly_mimetype"].to_mimebundle(self.fig.to_plotly_json())
+        self.outputs = (dict(output_type="display_data", data=bundle, metadata={}),)
+        self.rendered = True
 
 
 def half_status_label(dtype_name: str, device: str = "cpu") -> str:

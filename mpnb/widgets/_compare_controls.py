@@ -84,7 +84,13 @@ class ControlsMixin:
         self.threads = w.IntText(threads or 0, description="threads")
         self.threads.tooltip = "torch threads for the runs (0: torch's default)"
         self._scaler_controls(loss_scale)
-        self.control_errors = {k: _err() for k in ("opt_levels", "batch_sizes", "steps", "threads")}
+        self.control_errors = {
+            k: _err()
+            for k in (
+                "opt_levels", "batch_sizes", "steps", "threads", "growth_factor",
+                "backoff_factor", "growth_interval",
+            )
+        }  # fmt: skip
         e = self.control_errors
         self.controls = w.Accordion(
             children=[
@@ -106,9 +112,9 @@ class ControlsMixin:
                             [
                                 self.scale_mode,
                                 self.init_scale,
-                                self.growth_factor,
-                                self.backoff_factor,
-                                self.growth_interval,
+                                _row(self.growth_factor, e["growth_factor"]),
+                                _row(self.backoff_factor, e["backoff_factor"]),
+                                _row(self.growth_interval, e["growth_interval"]),
                                 self.static_scale,
                             ]
                         ),
@@ -119,7 +125,10 @@ class ControlsMixin:
         )
         self.controls.set_title(0, "Configurations")
         self._build_actions()
-        for c in (self.opt_levels, self.batch_sizes, self.steps, self.threads, self.workload):
+        for c in (
+            self.opt_levels, self.batch_sizes, self.steps, self.threads, self.workload,
+            self.scale_mode, self.growth_factor, self.backoff_factor, self.growth_interval,
+        ):  # fmt: skip
             c.observe(lambda _: self.validate(), names="value")
 
     def _build_actions(self):
@@ -158,19 +167,27 @@ class ControlsMixin:
             spec.get("init_scale", 2.0**16), base=2, min=0, max=24, step=1,
             description="initial scale",
         )  # fmt: skip
-        self.growth_factor = w.BoundedFloatText(
-            spec.get("growth_factor", 2.0), min=1.0, max=16.0, step=0.5, description="growth"
+        # plain text boxes: a bad value is refused beside the control, never clamped
+        self.growth_factor = w.FloatText(
+            spec.get("growth_factor", 2.0), step=0.5, description="growth"
         )
-        self.backoff_factor = w.BoundedFloatText(
-            spec.get("backoff_factor", 0.5), min=0.01, max=1.0, step=0.05, description="backoff"
+        self.backoff_factor = w.FloatText(
+            spec.get("backoff_factor", 0.5), step=0.05, description="backoff"
         )
-        self.growth_interval = w.BoundedIntText(
-            spec.get("growth_interval", 2000), min=1, max=10**6, description="interval"
-        )
+        self.growth_interval = w.IntText(spec.get("growth_interval", 2000), description="interval")
         static = float(loss_scale) if mode == "static" else 2.0**10
         self.static_scale = w.FloatLogSlider(
             static, base=2, min=0, max=24, step=1, description="static scale"
         )
+        self.scale_mode.observe(lambda _: self._scaler_enabled(), names="value")
+        self._scaler_enabled()
+
+    def _scaler_enabled(self) -> None:
+        """Only the controls of the chosen loss-scale mode are enabled ("default": none)."""
+        mode = self.scale_mode.value
+        for c in (self.init_scale, self.growth_factor, self.backoff_factor, self.growth_interval):
+            c.disabled = mode != "dynamic"
+        self.static_scale.disabled = mode != "static"
 
     # ---- validation ---------------------------------------------------------------------------
 
@@ -190,6 +207,22 @@ class ControlsMixin:
             )
         if self.threads.value < 0:
             errs["threads"] = f"threads {self.threads.value}: use 0 (torch's default) or more"
+        if self.scale_mode.value == "dynamic":
+            if not self.growth_factor.value > 1.0:
+                errs["growth_factor"] = (
+                    f"growth {self.growth_factor.value:g}: must be above 1 (the scale grows "
+                    "after clean steps; 2 is the usual); refused, not clamped"
+                )
+            if not 0.0 < self.backoff_factor.value < 1.0:
+                errs["backoff_factor"] = (
+                    f"backoff {self.backoff_factor.value:g}: must be between 0 and 1 "
+                    "(the scale shrinks on overflow; 0.5 is the usual)"
+                )
+            if self.growth_interval.value < 1:
+                errs["growth_interval"] = (
+                    f"interval {self.growth_interval.value}: need at least 1 clean step "
+                    "before the scale grows"
+                )
         return errs
 
     def validate(self) -> bool:

@@ -22,32 +22,18 @@ import pandas as pd
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from mpnb.lab.html_report import CHART_TEXT, chart_title, speed_bar
+from mpnb.lab.html_report import (
+    CHART_TEXT,
+    chart_title,
+    curve_style,
+    results_table,
+    speed_bar,
+    warnings_banner,
+)
 
 __all__ = ["ResultViews", "MEMORY_ROLES", "table_html", "errors_html", "verdict_html"]
 
 MEMORY_ROLES = ("params", "grads", "master_weights", "optimizer_state", "activations")
-_TABLE_COLUMNS = {
-    "configuration": "configuration",
-    "precision": "precision",
-    "status": "status",
-    "speed_label": "speed vs O0",
-    "speedup_vs_O0": "x O0",
-    "speedup_lo": "95% low",
-    "speedup_hi": "95% high",
-    "step_time_ms": "step (ms)",
-    "samples_per_s": "samples/s",
-    "peak_mem_mib": "peak memory (MiB)",
-    "mem_saving_vs_O0": "memory saved vs O0",
-    "metric": "metric",
-    "final_loss": "final loss",
-    "skipped_steps": "skipped steps",
-    "final_loss_scale": "final loss scale",
-    "error": "error",
-}
-_DASHES = ("solid", "dash", "dot", "dashdot", "longdash", "longdashdot")
-
-
 _PLACEHOLDER = (
     "<div style='padding:40px;color:#555'><b>{title}</b><br><i>No results yet: choose the "
     "configurations and press Run.</i></div>"
@@ -176,11 +162,7 @@ class ResultViews:
         with self.loss_curves.batch_update(), self.loss_scale.batch_update():
             for i, name in enumerate(names):
                 h = hist[hist["configuration"] == name]
-                style = dict(
-                    mode="lines+markers",
-                    marker=dict(size=4),
-                    line=dict(dash=_DASHES[i % len(_DASHES)]),
-                )
+                style = curve_style(i)  # markers and dashes: overlapping curves stay apart
                 tr = self._trace(self.loss_curves, name, **style)
                 tr.x, tr.y, tr.visible = list(h["step"]), list(h["loss"]), True
                 tr = self._trace(self.loss_scale, name, **style)
@@ -195,38 +177,27 @@ class ResultViews:
                 tr.x, tr.y, tr.visible = list(sk["step"]), list(sk["loss_scale"]), len(sk) > 0
 
 
-def _fmt(col: str, v) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return ""
-    if col == "mem_saving_vs_O0":
-        return f"{v:+.0%}"
-    if col in ("speedup_vs_O0", "speedup_lo", "speedup_hi"):
-        return f"{v:.2f}"
-    if col == "samples_per_s":
-        return f"{v:,.0f}"
-    if col in ("skipped_steps",):
-        return f"{v:.0f}"
-    if col == "final_loss_scale":
-        return f"{v:g}"
-    if isinstance(v, float):
-        return f"{v:.3g}" if abs(v) < 1000 else f"{v:,.0f}"
-    return str(v)
-
-
 def table_html(df: pd.DataFrame | None) -> str:
-    """The results as an HTML table with readable names and numbers (errors in red)."""
+    """The results as an HTML table (the report's: headers with units, readable numbers),
+    under one banner that lists each warning once."""
     if df is None or df.empty:
         return "<i>No results yet: choose the configurations and press Run.</i>"
-    cols = [c for c in _TABLE_COLUMNS if c in df.columns]
-    head = "".join(f"<th>{html.escape(_TABLE_COLUMNS[c])}</th>" for c in cols)
-    body = "".join(
-        "<tr>" + "".join(f"<td>{html.escape(_fmt(c, r[c]))}</td>" for c in cols) + "</tr>"
-        for _, r in df.iterrows()
+    notes = warnings_banner(df) if "warnings" in df.columns else []
+    banner = (
+        "<div class='mpnb-warnings' style='border-left:4px solid #a05a00;background:#fff8ec;"
+        "padding:2px 10px;margin-bottom:6px;font-size:12px'><b>Warnings</b><ul "
+        "style='margin:2px 0'>"
+        + "".join(f"<li>{html.escape(n)}</li>" for n in notes)
+        + "</ul></div>"
+        if notes
+        else ""
     )
-    return (
-        "<div style='overflow-x:auto'><table class='mpnb-table' style='font-size:12px'>"
-        f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table></div>"
+    style = (
+        "<style>.mpnb-table{font-size:12px;border-collapse:collapse}.mpnb-table td,"
+        ".mpnb-table th{padding:2px 6px;white-space:nowrap;border-bottom:1px solid #ddd}"
+        "</style>"
     )
+    return style + banner + results_table(df, classes="mpnb-table")
 
 
 def errors_html(df: pd.DataFrame | None) -> str:

@@ -37,7 +37,8 @@ class CompareWidget(ControlsMixin, w.VBox):
         data, loss_fn, metric_fn, eval_data: with a model factory, as for
             :func:`mpnb.lab.compare`.
         opt_levels, half_dtype, batch_sizes, steps, optimizer, device, size: the initial
-            controls (``batch_sizes`` and ``steps`` None: the workload's own).
+            controls (``batch_sizes`` and ``steps`` None: the workload's own, shown in their
+            boxes; choosing another workload puts its own batch size and steps there).
         loss_scale: None (each opt level's default), a number (static) or a dict of
             ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``.
         threaded: run in a background thread when Run is clicked (tests pass False).
@@ -99,8 +100,8 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.views = ResultViews()
         default = workloads.get(workload, size)
         self._build_controls(
-            opt_levels, half_dtype, batch_sizes, steps or default.steps, optimizer, device,
-            loss_scale, threads, size,
+            opt_levels, half_dtype, batch_sizes or (default.batch_size,),
+            steps or default.steps, optimizer, device, loss_scale, threads, size,
         )  # fmt: skip
         self.table, self.config_errors = w.HTML(table_html(None)), w.HTML()
         self.verdict = w.HTML(verdict_html(None))
@@ -136,7 +137,9 @@ class CompareWidget(ControlsMixin, w.VBox):
         own = getattr(self._workload, "name", self._workload)
         wl = self._workload if named == own else named
         self.size.disabled = not isinstance(wl, str)
-        self.steps.value = workloads.get(wl, self.size.value, self._device()).steps
+        new = workloads.get(wl, self.size.value, self._device())
+        self.steps.value = new.steps
+        self.batch_sizes.value = str(new.batch_size)  # each workload's own batch size
 
     # ---- running ----------------------------------------------------------------------------
 
@@ -184,6 +187,9 @@ class CompareWidget(ControlsMixin, w.VBox):
                 bad = int((df["status"] == "error").sum())
                 self.status.value = f"done: {n} configurations" + (f", {bad} failed" if bad else "")
             self.df = df
+        except Exception as e:
+            self.status.value = f"failed: {type(e).__name__} (see the error below)"
+            raise
         finally:
             self.running = False
         return self.df
@@ -257,19 +263,29 @@ class CompareWidget(ControlsMixin, w.VBox):
             raise RuntimeError("nothing to export yet: press Run first.")
         return self.df
 
+    def _export(self, path: str, write) -> str:
+        """Run ``write(df, path)``; the status line says what happened, never "wrote" on error."""
+        try:
+            write(self._require_df(), path)
+        except Exception as e:
+            self.status.value = f"export failed: {type(e).__name__} (see the error below)"
+            raise
+        self.errors.clear()  # an old error no longer describes the state
+        bad = int((self.df["status"] == "error").sum())
+        self.status.value = f"wrote {path}" + (
+            f" ({bad} configuration(s) failed: their rows hold the error)" if bad else ""
+        )
+        return path
+
     def export_csv(self, path: str | None = None) -> str:
         """Write the results as CSV (default ``<file stem>.csv``); returns the path."""
         path = path or f"{self.export_path.value}.csv"
-        self._require_df().to_csv(path, index=False)
-        self.status.value = f"wrote {path}"
-        return path
+        return self._export(path, lambda df, p: df.to_csv(p, index=False))
 
     def export_html(self, path: str | None = None) -> str:
         """Write the HTML report of :func:`mpnb.lab.report` (default ``<file stem>.html``)."""
         path = path or f"{self.export_path.value}.html"
-        _lab().report(self._require_df(), path)
-        self.status.value = f"wrote {path}"
-        return path
+        return self._export(path, lambda df, p: _lab().report(df, p))
 
 
 def compare(workload="transformer", data=None, run: bool = False, **kwargs) -> CompareWidget:

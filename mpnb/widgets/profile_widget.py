@@ -1,15 +1,22 @@
 """``mpnb.widgets.profile(model, example_inputs)``: one call, the whole profile across opt levels.
 
 It calls :func:`mpnb.lab.profile` (phase times, per-module table, FLOPs and achieved FLOP/s, op
-table), :func:`mpnb.lab.compare` on a workload made of your model and inputs (the memory
-breakdown by role of one tracked step) and :func:`mpnb.lab.trace_overflow` (the first layer
-that leaves the half dtype's range), and shows the results in tabs. Nothing is measured here.
+table, the ``torch.profiler`` trace of one step), :func:`mpnb.lab.compare` on a workload made
+of your model and inputs (the memory breakdown by role of one tracked step),
+:func:`mpnb.lab.trace_overflow` (the first layer that leaves the half dtype's range) and
+:func:`mpnb.lab.trace_precision` (which precision each op ran in, and why), and shows the
+results in tabs. Nothing is measured here.
+
+Like :class:`~mpnb.widgets.CompareWidget`, it says how busy the machine was (load average at
+the start and end, threads used) and warns when other processes competed for the CPU: the
+phase times of the levels are then not comparable.
 """
 
 from __future__ import annotations
 
 import copy
 import html
+import os
 
 import ipywidgets as w
 import pandas as pd
@@ -17,22 +24,64 @@ import plotly.graph_objects as go
 import torch
 
 from mpnb.lab.stats import torch_threads
-from mpnb.widgets._common import ErrorBox, hardware_html
+from mpnb.widgets._common import ErrorBox, FigureOutput, hardware_html
 from mpnb.widgets._compare_views import MEMORY_ROLES
 
 __all__ = ["ProfileWidget", "profile"]
 
+_PHASE_NAMES = {
+    "forward": "forward (model + loss)",
+    "backward": "backward",
+    "unscale_and_update": "unscale + scale update (amp)",
+    "optimizer_step": "optimizer step",
+}
+_COLUMN_NAMES = {
+    "opt_level": "opt level",
+    "time_ms": "time (ms)",
+    "output_mib": "output (MiB)",
+    "output_dtype": "output dtype",
+    "flops": "FLOPs (fwd + bwd)",
+    "fwd_bwd_ms": "fwd + bwd (ms)",
+    "flop_per_s": "FLOP/s",
+    "self_cpu_ms": "self CPU (ms)",
+    "cpu_total_ms": "total CPU (ms)",
+    "peak_mem_mib": "peak memory (MiB)",
+    "flops_share": "share of FLOPs",
+    "bytes_share": "share of bytes",
+}
 
-def _html_table(df: pd.DataFrame | None, empty: str) -> w.HTML:
+
+# compact rows: one line per row (the pane scrolls sideways instead)
+_TABLE_STYLE = (
+    "<style>.mpnb-table{font-size:12px;border-collapse:collapse}.mpnb-table td,"
+    ".mpnb-table th{padding:2px 6px;white-space:nowrap;border-bottom:1px solid #ddd}</style>"
+)
+
+
+def _num(v) -> str:
+    if isinstance(v, float):
+        if v != v:  # NaN
+            return ""
+        if abs(v) >= 1e6:
+            return f"{v:.3g}"
+        return f"{v:,.0f}" if abs(v) >= 100 else f"{v:.3g}"
+    return str(v)
+
+
+def _html_table(df: pd.DataFrame | None, empty: str, max_rows: int = 200) -> w.HTML:
     if df is None or df.empty:
         return w.HTML(f"<i>{html.escape(empty)}</i>")
-    fmt = {c: "{:.4g}".format for c in df.columns if pd.api.types.is_float_dtype(df[c])}
+    df = df.head(max_rows).rename(columns=lambda c: _COLUMN_NAMES.get(c, c.replace("_", " ")))
+    for c in df.columns:
+        if c.startswith("share of"):
+            df[c] = [f"{v:.1%}" for v in df[c]]
+    fmt = {c: _num for c in df.columns if pd.api.types.is_float_dtype(df[c])}
     body = df.to_html(index=False, formatters=fmt, na_rep="", border=0, classes="mpnb-table")
-    return w.HTML(f"<div style='overflow:auto;max-height:420px'>{body}</div>")
+    return w.HTML(f"{_TABLE_STYLE}<div style='overflow:auto;max-height:420px'>{body}</div>")
 
 
-def _bar_fig(title: str, y: str, stacked: bool = False) -> go.FigureWidget:
-    return go.FigureWidget(
+def _bar_fig(title: str, y: str, stacked: bool = False) -> go.Figure:
+    return go.Figure(
         layout=go.Layout(
             title=title,
             height=330,
@@ -44,18 +93,56 @@ def _bar_fig(title: str, y: str, stacked: bool = False) -> go.FigureWidget:
     )
 
 
+def load_html(load: dict) -> str:
+    """The "how busy was the machine" line, with CompareWidget's warning when others competed.
+
+    Example::
+
+        >>> load_html({"start": [0.5], "end": [1.4], "threads": 1, "cpus": 2, "note": ""})
+    """
+    if not load:
+        return ""
+    start, end = (load.get(k) or [float("nan")] for k in ("start", "end"))
+    line = (
+        f"Measured with {load.get('threads')} thread(s) on {load.get('cpus')} CPU(s); load "
+        f"average {start[0]:.2f} at the start, {end[0]:.2f} at the end."
+    )
+    if load.get("competed"):
+        return (
+            f"<div style='color:#a05a00;border-left:4px solid #a05a00;padding:2px 8px'>"
+            f"<b>{html.escape(load['note'])}</b><br>{html.escape(line)}</div>"
+        )
+    return f"<div style='color:#555'>{html.escape(line)}</div>"
+
+
 class ProfileWidget(w.VBox):
-    """Tabs over a :class:`mpnb.lab.profiling.ProfileResult`, a memory frame and a trace.
+    """Tabs over a :class:`mpnb.lab.profiling.ProfileResult`, a memory frame and the traces.
 
     Args:
         result: what :func:`mpnb.lab.profile` returned.
         memory: a :func:`mpnb.lab.compare` DataFrame (its ``mem_*_mib`` columns), or None.
         trace: what :func:`mpnb.lab.trace_overflow` returned, or None.
         device: for the hardware tab.
+        errors: ``{what: message}`` of the extras that failed (shown in red above the tabs).
+        precision: what :func:`mpnb.lab.trace_precision` returned, or None.
+        model, example_inputs, loss_fn: kept to trace another configuration from the
+            Precision tab (None: that tab shows only ``precision``).
+
+    Every chart is a whole figure in an ``Output`` (:class:`~mpnb.widgets._common.FigureOutput`):
+    it renders after Run All and after a page reload; a chart with nothing to draw says why.
 
     Attributes:
-        phases_fig, flops_fig, memory_fig: the plotly ``FigureWidget`` s (tests read them).
+        phases_fig, flops_fig, memory_fig: the plotly figures (tests read them).
+        load: the load banner (load average, threads, and the warning when others competed).
+        trace_button: writes :meth:`export_chrome_trace` to the path in ``trace_path``.
+
+    Example::
+
+        >>> pw = mpnb.widgets.profile(model, torch.randn(64, 784))
+        >>> pw.export_chrome_trace("step.json", "O2")   # open in https://ui.perfetto.dev
     """
+
+    TABS = ("Phases", "Modules", "FLOPs", "Memory", "Ops", "Overflow", "Precision", "Hardware")
 
     def __init__(
         self,
@@ -64,52 +151,45 @@ class ProfileWidget(w.VBox):
         trace=None,
         device: str = "cpu",
         errors: dict | None = None,
+        precision=None,
+        model=None,
+        example_inputs=None,
+        loss_fn=None,
     ):
         self.result, self.memory, self.trace = result, memory, trace
+        self.precision = precision
+        self._traced = (model, example_inputs, loss_fn)
         self.errors = ErrorBox()
         self.phases_fig = _bar_fig(
             "time per phase of one training step (median)", "ms", stacked=True
         )
         self.flops_fig = _bar_fig("achieved throughput (forward + backward)", "GFLOP/s")
         self.memory_fig = _bar_fig("memory at one tracked step, by role", "MiB", stacked=True)
+        self.views = {
+            "phases": FigureOutput(self.phases_fig, "time per phase", "no level was profiled"),
+            "flops": FigureOutput(self.flops_fig, "achieved throughput", "no level was profiled"),
+            "memory": FigureOutput(
+                self.memory_fig,
+                "memory by role",
+                "memory not measured (see the red lines above, or pass memory=True)",
+            ),
+        }
         self._draw()
-        ph = result.phases
-        mods = result.modules
-        if not mods.empty:
-            mods = mods.pivot_table(
-                index=["module", "type"],
-                columns="opt_level",
-                values=["time_ms", "output_dtype"],
-                aggfunc="first",
-            )
-            mods.columns = [f"{a} {b}" for a, b in mods.columns]
-            mods = mods.reset_index()
-        self.tabs = w.Tab(
-            children=[
-                w.VBox(
-                    [
-                        self.phases_fig,
-                        _html_table(
-                            ph.pivot(
-                                index="phase", columns="opt_level", values="time_ms"
-                            ).reset_index()
-                            if not ph.empty
-                            else None,
-                            "no phases",
-                        ),
-                    ]
-                ),
-                _html_table(mods, "no modules"),
-                w.VBox([self.flops_fig, _html_table(result.flops, "no FLOPs")]),
-                w.VBox([self.memory_fig, _html_table(self._memory_table(), "memory not measured")]),
-                _html_table(result.ops, "no op table"),
-                self._trace_pane(),
-                w.HTML(hardware_html(device)),
-            ]
-        )
-        for i, title in enumerate(
-            ("Phases", "Modules", "FLOPs", "Memory", "Ops", "Overflow", "Hardware")
-        ):
+        self.load = w.HTML(load_html(getattr(result, "load", {})))
+        self.tabs = w.Tab()
+        self.tabs.children = [
+            w.VBox([self.views["phases"], self._phase_table()]),
+            _html_table(self._module_table(), "no modules"),
+            w.VBox([self.views["flops"], _html_table(result.flops, "no FLOPs")]),
+            w.VBox(
+                [self.views["memory"], _html_table(self._memory_table(), "memory not measured")]
+            ),
+            w.VBox([self._trace_export(), _html_table(result.ops, "no op table")]),
+            self._overflow_pane(),
+            self._precision_pane(),
+            w.HTML(hardware_html(device)),
+        ]
+        for i, title in enumerate(self.TABS):
             self.tabs.set_title(i, title)
         failed = {**(result.errors or {}), **(errors or {})}
         self.failures = w.HTML(
@@ -118,44 +198,125 @@ class ProfileWidget(w.VBox):
                 for k, v in failed.items()
             )
         )
-        super().__init__([self.failures, self.tabs, self.errors])
+        super().__init__([self.load, self.failures, self.tabs, self.errors])
+
+    # ---- tables -------------------------------------------------------------------------------
+
+    def _phase_table(self) -> w.HTML:
+        ph = self.result.phases
+        if ph.empty:
+            return _html_table(None, "no phases")
+        t = ph.pivot(index="phase", columns="opt_level", values="time_ms")
+        t = t.reindex([p for p in _PHASE_NAMES if p in t.index])
+        t.index = [_PHASE_NAMES[p] for p in t.index]
+        t.columns.name = None
+        t = t.rename_axis("phase (ms)").reset_index()
+        note = (
+            "<p style='color:#555;font-size:12px'>O0 is plain fp32 training: no loss scaler "
+            "runs, so it has no unscale row (blank).</p>"
+            if "O0" in t.columns
+            else ""
+        )
+        table = _html_table(t, "no phases")
+        return w.VBox([table, w.HTML(note)])
+
+    def _module_table(self) -> pd.DataFrame | None:
+        mods = self.result.modules
+        if mods.empty:
+            return None
+        mods = mods.pivot_table(
+            index=["module", "type"],
+            columns="opt_level",
+            values=["time_ms", "output_dtype"],
+            aggfunc="first",
+        )
+        names = {"time_ms": "time (ms)", "output_dtype": "dtype"}
+        mods.columns = [f"{b} {names[a]}" for a, b in mods.columns]
+        return mods.reset_index()
 
     def _memory_table(self) -> pd.DataFrame | None:
         if self.memory is None:
             return None
         cols = ["opt_level", "precision", "peak_mem_mib"] + [f"mem_{r}_mib" for r in MEMORY_ROLES]
-        return self.memory[[c for c in cols if c in self.memory.columns]]
+        t = self.memory[[c for c in cols if c in self.memory.columns]]
+        return t.rename(
+            columns={f"mem_{r}_mib": f"{r.replace('_', ' ')} (MiB)" for r in MEMORY_ROLES}
+        )
+
+    # ---- figures ------------------------------------------------------------------------------
 
     def _draw(self) -> None:
         ph, fl = self.result.phases, self.result.flops
-        with self.phases_fig.batch_update():
-            for phase, g in ph.groupby("phase", sort=False):
-                self.phases_fig.add_bar(
-                    x=list(g["opt_level"]), y=list(g["time_ms"]), name=str(phase)
-                )
-        with self.flops_fig.batch_update():
+        for phase, g in ph.groupby("phase", sort=False):
+            self.phases_fig.add_bar(
+                x=list(g["opt_level"]), y=list(g["time_ms"]), name=_PHASE_NAMES.get(phase, phase)
+            )
+        if not fl.empty:
             self.flops_fig.add_bar(
                 x=list(fl["opt_level"]),
                 y=list(fl["flop_per_s"] / 1e9),
                 name="GFLOP/s",
                 text=[f"{f / 1e6:.1f} MFLOP" for f in fl["flops"]],
             )
+        if not ph.empty:
+            self.views["phases"].render()
+            self.views["flops"].render()
         m = self.memory
         if m is None:
             return
         ok = m[m["error"].fillna("") == ""]
-        with self.memory_fig.batch_update():
-            for role in MEMORY_ROLES:
-                self.memory_fig.add_bar(
-                    x=list(ok["opt_level"]),
-                    y=list(ok[f"mem_{role}_mib"].fillna(0.0)),
-                    name=role.replace("_", " "),
-                )
+        for role in MEMORY_ROLES:
+            self.memory_fig.add_bar(
+                x=list(ok["opt_level"]),
+                y=list(ok[f"mem_{role}_mib"].fillna(0.0)),
+                name=role.replace("_", " "),
+            )
+        if len(ok):
+            self.views["memory"].render()
 
-    def _trace_pane(self) -> w.Widget:
+    # ---- panes --------------------------------------------------------------------------------
+
+    def _trace_export(self) -> w.Widget:
+        levels = list(getattr(self.result, "traces", {}) or {})
+        self.trace_level = w.Dropdown(options=levels, description="level")
+        self.trace_path = w.Text("mpnb-profile-trace.json", description="file")
+        self.trace_button = w.Button(
+            description="Export Chrome/Perfetto trace",
+            icon="download",
+            layout=w.Layout(width="auto"),
+            disabled=not levels,
+        )
+        self.trace_status = w.Label(
+            "the torch.profiler trace of one step; open it in https://ui.perfetto.dev"
+        )
+        self.trace_button.on_click(self.errors.guard(lambda _: self.export_chrome_trace()))
+        return w.VBox(
+            [w.HBox([self.trace_level, self.trace_path, self.trace_button]), self.trace_status]
+        )
+
+    def export_chrome_trace(self, path: str | None = None, opt_level: str | None = None) -> str:
+        """Write one level's step trace (``torch.profiler``'s ``export_chrome_trace``).
+
+        Args:
+            path: default: the path in the Ops tab's "file" box.
+            opt_level: default: the level chosen in the Ops tab.
+        """
+        path = path or self.trace_path.value
+        out = self.result.export_chrome_trace(path, opt_level or self.trace_level.value)
+        self.trace_status.value = f"wrote {out} (open it in https://ui.perfetto.dev)"
+        return out
+
+    def _overflow_pane(self) -> w.Widget:
         r = self.trace
+        link = w.Button(
+            description="Which precision did each op run in? (Precision tab)",
+            icon="arrow-right",
+            layout=w.Layout(width="auto"),
+        )
+        link.on_click(lambda _: self.show_precision())
+        self.precision_link = link
         if r is None:
-            return w.HTML("<i>overflow tracer not run</i>")
+            return w.VBox([w.HTML("<i>overflow tracer not run</i>"), link])
         name = "fp16" if r.dtype == torch.float16 else "bf16"
         if r.module is None:
             head = f"<p>Every module's activations and gradients fit in <b>{name}</b>.</p>"
@@ -166,22 +327,94 @@ class ProfileWidget(w.VBox):
                 f"</code>, in the {html.escape(str(r.phase))}.</p>"
             )
         advice = f"<p>{html.escape(r.advice)}</p>" if r.advice else ""
-        return w.VBox([w.HTML(head + advice), _html_table(r.table, "no table")])
+        return w.VBox([w.HTML(head + advice), link, _html_table(r.table, "no table")])
+
+    def show_precision(self) -> None:
+        """Select the Precision tab (the overflow finder's link)."""
+        self.tabs.selected_index = self.TABS.index("Precision")
+
+    def _precision_pane(self) -> w.Widget:
+        from mpnb.core.precision import PRECISION_CONFIGS
+
+        first = self.precision.summary.config if self.precision is not None else "O1"
+        self.precision_config = w.Dropdown(
+            options=list(PRECISION_CONFIGS), value=first, description="configuration"
+        )
+        self.precision_button = w.Button(
+            description="Trace", icon="search", disabled=self._traced[0] is None
+        )
+        self.precision_button.on_click(self.errors.guard(lambda _: self.retrace()))
+        self.precision_view = w.VBox()
+        self._show_precision_trace()
+        return w.VBox(
+            [
+                w.HTML(
+                    "<p>One forward and backward under a configuration, every aten op "
+                    "recorded (<code>mpnb.lab.trace_precision</code>): the dtype it ran in, "
+                    "and why.</p>"
+                ),
+                w.HBox([self.precision_config, self.precision_button]),
+                self.precision_view,
+            ]
+        )
+
+    def retrace(self, config: str | None = None) -> None:
+        """Trace ``config`` (default: the one chosen in the Precision tab) and show it."""
+        import mpnb.lab
+
+        model, x, loss_fn = self._traced
+        if model is None:
+            raise RuntimeError(
+                "retrace: this widget was built without the model; use "
+                "mpnb.widgets.profile(model, inputs) to trace other configurations."
+            )
+        self.precision = mpnb.lab.trace_precision(
+            model, x, config or self.precision_config.value, loss_fn=loss_fn
+        )
+        self._show_precision_trace()
+
+    def _show_precision_trace(self) -> None:
+        tr = self.precision
+        if tr is None:
+            self.precision_view.children = [
+                w.HTML("<i>precision trace not run: choose a configuration and press Trace.</i>")
+            ]
+            return
+        ops, s = tr
+        cols = ["phase", "module", "op", "kind", "in_dtypes", "dtype", "reason", "detail"]
+        head = (
+            f"<p><b>{html.escape(s.config)}</b> ({html.escape(s.half_dtype)}, "
+            f"{html.escape(s.device)}): {len(ops)} ops recorded."
+            + (" FP8 is emulated on this device: FP8 numerics, not FP8 speed." if
+               s.fp8_emulated else "")
+            + "</p>"
+        )  # fmt: skip
+        self.precision_view.children = [
+            w.HTML(head + "<b>Share of FLOPs and bytes per dtype</b>"),
+            _html_table(s.by_dtype, "no compute ops"),
+            w.HTML("<b>Compute ops that stayed float32, and why</b>"),
+            _html_table(s.fp32_ops, "none: every compute op ran in the low precision"),
+            w.HTML("<b>Every op</b>"),
+            _html_table(ops[[c for c in cols if c in ops.columns]], "no ops"),
+        ]
 
 
 def _memory_frame(model, x, loss_fn, opt_levels, half_dtype, optimizer, lr, device):
     import mpnb.lab
     from mpnb.lab import workloads
+    from mpnb.lab._data import batch_len
+    from mpnb.lab.profiling import _default_loss
 
-    if not isinstance(x, torch.Tensor):
-        return None, "memory: needs a single input tensor (batch first)"
-    fn = loss_fn or (lambda out: out.float().pow(2).mean())  # mpnb.lab.profile's default
+    fn = loss_fn or _default_loss  # mpnb.lab.profile's default
+    n = batch_len(x)
+    # one batch, replayed: a dict is its own input (model(**x)), a tuple is model(*x)
+    batch = x if isinstance(x, dict) else (x, torch.zeros(n))
     wl = workloads.custom(
         lambda: copy.deepcopy(model),
-        (x, torch.zeros(len(x))),
+        iter([batch]),
         lambda out, _target: fn(out),
         lr=lr,
-        batch_size=len(x),
+        batch_size=n,
         steps=3,
         name="profiled model",
     )
@@ -195,7 +428,30 @@ def _memory_frame(model, x, loss_fn, opt_levels, half_dtype, optimizer, lr, devi
         device=device,
         progress=False,
     )
-    return df[df["opt_level"].isin(opt_levels)].reset_index(drop=True), None
+    return df[df["opt_level"].isin(opt_levels)].reset_index(drop=True)
+
+
+class _Progress:
+    """A progress bar shown in the notebook while :func:`profile` measures (closed after)."""
+
+    def __init__(self, total: int):
+        self.bar = w.IntProgress(value=0, min=0, max=total, description="profiling")
+        self.label = w.Label("starting...")
+        self.box = w.HBox([self.bar, self.label])
+        try:
+            from IPython import get_ipython
+            from IPython.display import display
+
+            if get_ipython() is not None:
+                display(self.box)
+        except ImportError:  # no IPython: nothing to show the bar in
+            pass
+
+    def __call__(self, what: str, done: int) -> None:
+        self.bar.value, self.label.value = done, what
+
+    def close(self) -> None:
+        self.box.close()
 
 
 def profile(
@@ -211,15 +467,26 @@ def profile(
     trace: bool = True,
     device: str | None = None,
     threads: int | None = None,
+    precision: str | None = "auto",
 ) -> ProfileWidget:
     """Profile ``model`` under each opt level and show everything in one widget.
 
     Args:
         model, example_inputs, loss_fn, opt_levels, half_dtype, optimizer, lr, steps, device:
-            as for :func:`mpnb.lab.profile` (``loss_fn``: ``output -> scalar loss``).
+            as for :func:`mpnb.lab.profile` (``loss_fn``: ``output -> scalar loss``; it
+            receives exactly what the model returned: a tensor, tuple, dict, dataclass or a
+            ``transformers`` ``ModelOutput``; ``example_inputs`` may be a dict, called as
+            ``model(**inputs)``: for a ``transformers`` model pass a batch with ``labels``
+            and ``loss_fn=mpnb.lab.hf.hf_loss``).
         memory: also measure the memory breakdown (a 3-step :func:`mpnb.lab.compare` run).
         trace: also run :func:`mpnb.lab.trace_overflow` in the half dtype.
         threads: ``torch.set_num_threads`` while profiling (restored after; None: unchanged).
+            The widget shows the threads and the machine's load, and warns when other
+            processes competed for the CPU.
+        precision: the configuration :func:`mpnb.lab.trace_precision` traces for the
+            Precision tab (``"auto"``: the first half level profiled; None: not traced).
+
+    A progress bar shows while it measures (in a notebook).
 
     Example::
 
@@ -229,42 +496,72 @@ def profile(
     from mpnb.core.hardware import default_half_dtype
     from mpnb.lab.config import resolve_device
 
+    if threads is not None and threads > (os.cpu_count() or 1):
+        import warnings
+
+        warnings.warn(
+            f"profile: threads={threads} is more than this machine's {os.cpu_count()} CPUs: "
+            "threads will wait for each other and the times mislead; use at most that many.",
+            stacklevel=2,
+        )
     p = next(model.parameters(), None)
     dev = resolve_device(device or (p.device if p is not None else "cpu"))
     if half_dtype in (None, "auto"):
         half = "bf16" if default_half_dtype(dev) == torch.bfloat16 else "fp16"
     else:
         half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(half_dtype, half_dtype)
-    with torch_threads(threads):
-        result = mpnb.lab.profile(
-            model, example_inputs, loss_fn, opt_levels, half, optimizer, lr, steps, device=dev
-        )
-        mem, tr, errors = _extras(
-            model, example_inputs, loss_fn, opt_levels, half, optimizer, lr, dev, memory, trace
-        )
-    return ProfileWidget(result, mem, tr, device=dev, errors=errors)
+    levels = tuple(opt_levels)
+    if precision == "auto":
+        precision = next((lv for lv in levels if lv != "O0"), None)
+    extras = int(memory) + int(trace) + int(precision is not None)
+    bar = _Progress(len(levels) + extras)
+    try:
+        with torch_threads(threads):
+            result = mpnb.lab.profile(
+                model, example_inputs, loss_fn, levels, half, optimizer, lr, steps, device=dev,
+                on_progress=lambda lv, i, n: bar(f"profiling {lv}" if lv else "profiled", i),
+            )  # fmt: skip
+            extra = _extras(
+                model, example_inputs, loss_fn, levels, half, optimizer, lr, dev, memory, trace,
+                precision, lambda what, i: bar(what, len(levels) + i),
+            )  # fmt: skip
+    finally:
+        bar.close()
+    mem, tr, prec, errors = extra
+    return ProfileWidget(
+        result, mem, tr, device=dev, errors=errors, precision=prec, model=model,
+        example_inputs=example_inputs, loss_fn=loss_fn,
+    )  # fmt: skip
 
 
-def _extras(model, example_inputs, loss_fn, opt_levels, half, optimizer, lr, dev, memory, trace):
+def _extras(model, x, loss_fn, levels, half, optimizer, lr, dev, memory, trace, precision, step):
     import mpnb.lab
     from mpnb.core.amp import HALF_DTYPES
 
-    errors, mem, tr = {}, None, None
+    errors, mem, tr, prec, done = {}, None, None, None, 0
     if memory:
+        step("memory (3 tracked steps per level)", done)
         try:
-            mem, why = _memory_frame(
-                model, example_inputs, loss_fn, opt_levels, half, optimizer, lr, dev
-            )
-            if why:
-                errors["memory"] = why
-            for r in mem.itertuples() if mem is not None else ():
+            mem = _memory_frame(model, x, loss_fn, levels, half, optimizer, lr, dev)
+            for r in mem.itertuples():
                 if r.error:
                     errors[f"memory ({r.configuration})"] = r.error
         except Exception as e:  # noqa: BLE001 - shown in the widget
             errors["memory"] = f"{type(e).__name__}: {e}"
+        done += 1
     if trace:
+        step("overflow tracer", done)
         try:
-            tr = mpnb.lab.trace_overflow(model, example_inputs, loss_fn, dtype=HALF_DTYPES[half])
+            tr = mpnb.lab.trace_overflow(model, x, loss_fn, dtype=HALF_DTYPES[half])
         except Exception as e:  # noqa: BLE001 - shown in the widget
             errors["overflow tracer"] = f"{type(e).__name__}: {e}"
-    return mem, tr, errors
+        done += 1
+    if precision is not None:
+        step(f"precision trace ({precision})", done)
+        try:
+            prec = mpnb.lab.trace_precision(
+                model, x, precision, loss_fn=loss_fn, half_dtype=HALF_DTYPES[half]
+            )
+        except Exception as e:  # noqa: BLE001 - shown in the widget
+            errors["precision trace"] = f"{type(e).__name__}: {e}"
+    return mem, tr, prec, errors

@@ -10,6 +10,7 @@ half-cast gradients: growth after ``growth_interval`` clean steps, backoff on in
 
 from __future__ import annotations
 
+import html
 import math
 from collections.abc import Iterable
 
@@ -19,7 +20,7 @@ import torch
 import traitlets as t
 
 from mpnb.core.ops import multi_tensor_check_finite, update_scale_hysteresis
-from mpnb.widgets._common import ErrorBox, half_status_label
+from mpnb.widgets._common import ErrorBox, FigureOutput, half_status_label
 
 __all__ = ["ScalerExplorer", "format_range"]
 
@@ -78,6 +79,14 @@ class ScalerExplorer(w.VBox):
         dtype: ``"fp16"`` or ``"bf16"``, the half dtype the gradients are cast to.
         max_scale: the scale never grows past this (Apex's ``max_loss_scale``).
 
+    The charts are whole figures in ``Output`` s (:class:`~mpnb.widgets._common.FigureOutput`):
+    they render after Run All and after a page reload, with the bands and history the kernel
+    holds; the timeline shows "press Step" until the first step.
+
+    Attributes:
+        hist_fig, timeline_fig: the plotly figures (tests read them); hist_view,
+            timeline_view: the ``Output`` s that show them.
+
     Example::
 
         >>> loss.backward()
@@ -111,7 +120,7 @@ class ScalerExplorer(w.VBox):
         self._controls(init_scale, growth_factor, backoff_factor, growth_interval, dtype)
         self._figures()
         super().__init__(
-            [self._control_box, self.stats, self.hist_fig, self.timeline_fig, self.errors]
+            [self._control_box, self.stats, self.hist_view, self.timeline_view, self.errors]
         )
         self.dtype = dtype
         self.reset()
@@ -136,16 +145,12 @@ class ScalerExplorer(w.VBox):
             value=dtype,
             description="half dtype",
         )
-        self.growth = w.BoundedFloatText(
-            value=growth_factor, min=1.0, max=16.0, step=0.5, description="growth"
-        )
-        self.backoff = w.BoundedFloatText(
-            value=backoff_factor, min=0.01, max=1.0, step=0.05, description="backoff"
-        )
-        self.interval = w.BoundedIntText(
-            value=growth_interval, min=1, max=100000, description="interval"
-        )
-        self.n_steps = w.BoundedIntText(value=10, min=1, max=10000, description="steps")
+        # plain text boxes: a bad value is refused beside the controls, never clamped
+        self.growth = w.FloatText(value=growth_factor, step=0.5, description="growth")
+        self.backoff = w.FloatText(value=backoff_factor, step=0.05, description="backoff")
+        self.interval = w.IntText(value=growth_interval, description="interval")
+        self.n_steps = w.IntText(value=10, description="steps")
+        self.control_error = w.HTML()
         self.step_button = w.Button(description="Step", icon="forward")
         self.spike_button = w.Button(
             description="Overflow step",
@@ -154,6 +159,8 @@ class ScalerExplorer(w.VBox):
         )
         self.reset_button = w.Button(description="Reset", icon="undo")
         self.step_button.on_click(self.errors.guard(lambda _: self.step(self.n_steps.value)))
+        for c in (self.growth, self.backoff, self.interval, self.n_steps):
+            c.observe(lambda _: self.validate(), names="value")
         self.spike_button.on_click(self.errors.guard(lambda _: self.step(1, force_inf=True)))
         self.reset_button.on_click(self.errors.guard(lambda _: self.reset()))
         t.link((self.scale_slider, "value"), (self, "scale"))
@@ -165,13 +172,38 @@ class ScalerExplorer(w.VBox):
                 w.HBox([self.scale_slider, self.dtype_toggle]),
                 w.HBox([self.growth, self.backoff, self.interval]),
                 w.HBox([self.n_steps, self.step_button, self.spike_button, self.reset_button]),
+                self.control_error,
             ]
         )
+        self.validate()
+
+    def input_errors(self) -> list[str]:
+        """What is wrong with the scaler controls now (empty: all valid)."""
+        errs = []
+        if not self.growth.value > 1.0:
+            errs.append(f"growth {self.growth.value:g}: must be above 1 (2 is the usual)")
+        if not 0.0 < self.backoff.value < 1.0:
+            errs.append(f"backoff {self.backoff.value:g}: must be between 0 and 1 (0.5 usual)")
+        if self.interval.value < 1:
+            errs.append(f"interval {self.interval.value}: need at least 1 clean step")
+        if self.n_steps.value < 1:
+            errs.append(f"steps {self.n_steps.value}: need at least 1")
+        return errs
+
+    def validate(self) -> bool:
+        """Show the invalid controls' messages under them; Step is disabled until fixed."""
+        errs = self.input_errors()
+        self.control_error.value = "".join(
+            f"<div style='color:#b00020'>&#9888; {html.escape(e)}; refused, not clamped</div>"
+            for e in errs
+        )
+        self.step_button.disabled = self.spike_button.disabled = bool(errs)
+        return not errs
 
     def _figures(self):
         lo, hi = float(_BINS[0]), float(_BINS[-1])
         centers = (_BINS[:-1] + 0.5).tolist()
-        self.hist_fig = go.FigureWidget(
+        self.hist_fig = go.Figure(
             data=[
                 go.Bar(x=centers, y=self._counts, name="unscaled", opacity=0.35),
                 go.Bar(x=centers, y=self._counts, name="scaled"),
@@ -185,7 +217,7 @@ class ScalerExplorer(w.VBox):
                 yaxis=dict(title="count"),
             ),
         )
-        self.timeline_fig = go.FigureWidget(
+        self.timeline_fig = go.Figure(
             data=[
                 go.Scatter(x=[], y=[], mode="lines+markers", name="loss scale"),
                 go.Scatter(
@@ -203,6 +235,13 @@ class ScalerExplorer(w.VBox):
                 xaxis=dict(title="step"),
                 yaxis=dict(title="loss scale", type="log", exponentformat="power"),
             ),
+        )
+        self.hist_view = FigureOutput(self.hist_fig, "gradient histogram", "computing...")
+        self.timeline_view = FigureOutput(
+            self.timeline_fig,
+            "simulated scaler",
+            "No steps yet: press Step (or Overflow step) to run the dynamic scaler.",
+            min_height="280px",
         )
 
     # ---- state ------------------------------------------------------------------------------
@@ -240,6 +279,8 @@ class ScalerExplorer(w.VBox):
         1: PyTorch's GradScaler rule), clamped to ``max_scale``. ``force_inf`` simulates a batch
         whose gradients are non-finite whatever the scale.
         """
+        if not self.validate():
+            raise ValueError("; ".join(self.input_errors()) + " (fix it beside the control)")
         self._scale_t.fill_(self.scale)  # the slider may have moved since the last step
         new = []
         for _ in range(int(n)):
@@ -296,6 +337,7 @@ class ScalerExplorer(w.VBox):
             f"<b>{f['overflow']:.2%}</b> overflow to inf "
             f"({f['zero_before']:.2%} were exactly zero already)."
         )
+        self.hist_view.render()
 
     def _redraw_timeline(self, change=None) -> None:
         h = self.history
@@ -304,3 +346,7 @@ class ScalerExplorer(w.VBox):
             self.timeline_fig.data[0].y = [e["scale"] for e in h]
             self.timeline_fig.data[1].x = [e["step"] for e in h if e["skipped"]]
             self.timeline_fig.data[1].y = [e["scale"] for e in h if e["skipped"]]
+        if h:
+            self.timeline_view.render()
+        else:
+            self.timeline_view.placeholder()

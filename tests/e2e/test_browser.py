@@ -4,8 +4,9 @@ Starts JupyterLab on 127.0.0.1 (a free port, a random token) over a temporary co
 ``notebooks/03_opt_levels.ipynb``, opens it in Debian's headless Chromium driven by Python
 playwright, runs every cell, clicks Run in the CompareWidget (the default workload, a small
 GPT), waits until the Speed chart and the Table tab show every configuration, and checks that
-the verdict and a chart title are visible, that no error shows in the widget, and that the
-browser console logged no error. A screenshot of the widget is saved in the test's temporary
+the verdict and a chart title are visible, that no error shows in the widget, that after a
+save and a page reload the chart is drawn again from the kernel's widget state, and that
+the browser console logged no error. A screenshot of the widget is saved in the test's temporary
 directory, and to ``docs/img/compare-widget.png`` when ``MPNB_UPDATE_SCREENSHOT=1``.
 
 Chromium comes from ``scripts/setup-browser.sh`` (never ``playwright install``). Without it
@@ -15,6 +16,7 @@ server is always stopped.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import secrets
 import shutil
@@ -66,10 +68,10 @@ def _wait_http(url: str, proc: subprocess.Popen, timeout: float) -> None:
     raise TimeoutError(f"jupyter lab did not answer {url} within {timeout:.0f} s")
 
 
-@pytest.fixture
-def lab(tmp_path):
-    """A JupyterLab server on 127.0.0.1 over a copy of the notebook; yields (url, token)."""
-    shutil.copy(NOTEBOOK, tmp_path / NOTEBOOK.name)
+@contextlib.contextmanager
+def serve_lab(tmp_path: Path, notebook: Path):
+    """A JupyterLab server on 127.0.0.1 over a copy of ``notebook``; yields (url, token)."""
+    shutil.copy(notebook, tmp_path / notebook.name)
     # no "Would you like to get notified about Jupyter news?" toast over the widget
     labconfig = tmp_path / "config" / "labconfig"
     labconfig.mkdir(parents=True)
@@ -117,7 +119,14 @@ def lab(tmp_path):
         log.close()
 
 
-def _run_all_and_wait(page, timeout_ms: int) -> None:
+@pytest.fixture
+def lab(tmp_path):
+    """A JupyterLab server over a copy of the opt-level notebook; yields (url, token)."""
+    with serve_lab(tmp_path, NOTEBOOK) as served:
+        yield served
+
+
+def _wait_kernel(page) -> None:
     page.wait_for_function(
         "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
         " && window.jupyterapp.shell.currentWidget.sessionContext"
@@ -126,9 +135,13 @@ def _run_all_and_wait(page, timeout_ms: int) -> None:
         ".kernel",
         timeout=120_000,
     )
+
+
+def _run_all_and_wait(page, timeout_ms: int, last_text: str = "history rows") -> None:
+    _wait_kernel(page)
     page.evaluate("() => window.jupyterapp.commands.execute('notebook:run-all-cells')")
-    # the last cell prints "... history rows" once everything above it has passed
-    page.locator(".jp-OutputArea-output pre:has-text('history rows')").first.wait_for(
+    # the last cell prints ``last_text`` once everything above it has passed
+    page.locator(f".jp-OutputArea-output pre:has-text('{last_text}')").first.wait_for(
         timeout=timeout_ms
     )
     errors = page.locator(
@@ -205,9 +218,34 @@ def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
             text = table.inner_text()
             for name in CONFIGS:
                 assert name in text, f"{name} missing from the table"
+
+            # after a reload the charts are rebuilt from the kernel's widget state
+            page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+            page.wait_for_function(
+                "() => !window.jupyterapp.shell.currentWidget.context.model.dirty",
+                timeout=60_000,
+            )
+            page.reload(timeout=120_000)
+            _wait_kernel(page)
+            widget = page.locator(".jp-OutputArea-output:has(.widget-button:text-is('Run'))")
+            widget.first.wait_for(timeout=120_000)
+            widget = widget.first
+            widget.locator(".lm-TabBar-tab:has-text('Speed')").first.click()  # Table was open
+            for name in CONFIGS:
+                widget.locator(f".js-plotly-plot .xtick text:text-is('{name}')").first.wait_for(
+                    timeout=60_000
+                )
+            assert widget.locator(".js-plotly-plot .bars path").count() >= len(CONFIGS)
+            widget.scroll_into_view_if_needed()
+            reloaded = tmp_path / "compare-widget-reload.png"
+            widget.screenshot(path=str(reloaded))
         finally:
             browser.close()
     assert shot.stat().st_size > 10_000
+    if os.environ.get("MPNB_SHOTS"):
+        for png in (shot, reloaded):
+            Path(os.environ["MPNB_SHOTS"]).mkdir(parents=True, exist_ok=True)
+            shutil.copy(png, Path(os.environ["MPNB_SHOTS"]) / png.name)
     if os.environ.get("MPNB_UPDATE_SCREENSHOT") == "1":
         SCREENSHOT.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy(shot, SCREENSHOT)

@@ -43,6 +43,48 @@ def test_report_is_self_contained_with_every_chart(df, tmp_path):
         assert cfg in page
 
 
+def test_numbers_read_as_numbers():
+    from mpnb.lab.html_report import format_value
+
+    assert format_value("samples_per_s", 66340.2) == "66,340"
+    assert format_value("mem_saving_vs_O0", -3.387e-05) == "0%"
+    assert format_value("mem_saving_vs_O0", 0.176) == "+18%"
+    assert format_value("speedup_vs_O0", 0.5812) == "0.58"
+    assert format_value("final_loss_scale", 65536.0) == "65,536"
+    assert format_value("step_time_ms", 12.345) == "12.3"
+    assert format_value("final_loss", float("nan")) == "-"
+
+
+def test_one_warnings_banner_compact_rows_glossary_and_distinct_curves(df, tmp_path):
+    import html
+    import re
+
+    from mpnb.core.precision import PRECISION_CONFIGS
+    from mpnb.lab.html_report import TABLE_COLUMNS, figures, warnings_banner
+
+    noisy = df.copy()
+    noisy.attrs = df.attrs
+    noisy["warnings"] = "bf16 is emulated on this CPU"
+    banner = warnings_banner(noisy)
+    assert banner == ["bf16 is emulated on this CPU (all configurations)"]
+    page = mpnb.lab.report(noisy, tmp_path / "r.html").read_text()
+    body = page.split("<h2>Results</h2>")[1].split("<h2>Charts</h2>")[0]
+    assert body.count("bf16 is emulated on this CPU") == 1  # once, not on every row
+    table = body.split("<table")[1].split("</table>")[0]
+    for header in ("throughput (samples/s)", "peak memory (MiB)", "step time (ms)"):
+        assert header in table
+    assert "e+0" not in table and "e-0" not in table  # no 6.634e+04, no -3.387e-05
+    cells = re.findall(r"<td>(.*?)</td>", table)
+    assert cells and max(len(c) for c in cells) <= 90  # compact rows: no paragraph in a cell
+    assert "warnings" not in TABLE_COLUMNS
+    glossary = page.split("Glossary")[1]
+    for name, cfg in PRECISION_CONFIGS.items():
+        assert name in glossary and html.escape(cfg.description) in glossary
+    curves = figures(df)["loss"].data
+    styles = {(t.line.dash, t.marker.symbol) for t in curves}
+    assert len(styles) == len(curves) and all("markers" in t.mode for t in curves)
+
+
 def test_report_rejects_a_foreign_frame(tmp_path):
     import pandas as pd
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -185,17 +187,21 @@ def test_cnn_and_hf_model_through_the_widget():
     )
     cw = compare(cnn, (x, (x.mean((1, 2, 3)) > 0).long()), metric_fn=workloads.accuracy,
                  opt_levels=("O0", "O2"), steps=3, threaded=False, threads=1)  # fmt: skip
-    assert cw.batch_sizes.value == "" and cw.size.disabled is True
+    assert cw.batch_sizes.value == "64" and cw.size.disabled is True  # the workload's own
     cw.run_button.click()
     assert (cw.df["status"] == "ok").all(), cw.df["error"].tolist()
     cfg = tr.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2,
                         bos_token_id=0, eos_token_id=0)  # fmt: skip
     ids = torch.randint(0, 64, (32, 16))
     w = transformers_workload(lambda: tr.GPT2LMHeadModel(cfg), ids, batch_size=8)
-    cw = compare(w, opt_levels=("O0", "O1"), steps=3, threaded=False, threads=1)
-    cw.run_button.click()
+    cw = compare(w, opt_levels=("O0", "O1", "O2", "O3"), steps=3, threaded=False, threads=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cw.run_button.click()
     assert (cw.df["status"] == "ok").all(), cw.df["error"].tolist()
-    assert cw.df["metric_name"][0] == "token accuracy"
+    assert list(cw.df["opt_level"]) == ["O0", "O1", "O2", "O3"]
+    assert cw.df["metric_name"][0] == "token accuracy" and cw.df["metric"].notna().all()
+    assert not [c for c in caught if "backward hooks" in str(c.message)]
 
 
 def test_charts_are_whole_figures_in_outputs_with_a_placeholder_before_run(finished):
@@ -209,3 +215,54 @@ def test_charts_are_whole_figures_in_outputs_with_a_placeholder_before_run(finis
     bar = next(t for t in fig["data"] if t["type"] == "bar")
     assert list(bar["text"]) == list(finished.df["speed_label"])
     assert "Speed vs O0" in fig["layout"]["title"]["text"]
+
+
+def test_scaler_controls_refuse_bad_values_beside_them_and_follow_the_mode():
+    cw = compare(_tiny(), steps=4, threaded=False)
+    dynamic = (cw.init_scale, cw.growth_factor, cw.backoff_factor, cw.growth_interval)
+    assert cw.scale_mode.value == "default"
+    assert all(c.disabled for c in dynamic) and cw.static_scale.disabled
+    cw.scale_mode.value = "static"
+    assert all(c.disabled for c in dynamic) and not cw.static_scale.disabled
+    cw.scale_mode.value = "dynamic"
+    assert not any(c.disabled for c in dynamic) and cw.static_scale.disabled
+    for control, bad, key in (
+        (cw.growth_factor, 0.1, "growth_factor"),
+        (cw.growth_factor, 1.0, "growth_factor"),
+        (cw.backoff_factor, 1.5, "backoff_factor"),
+        (cw.growth_interval, 0, "growth_interval"),
+    ):
+        good = control.value
+        control.value = bad
+        assert control.value == bad  # kept as typed, not clamped
+        assert "must" in cw.control_errors[key].value or "need" in cw.control_errors[key].value
+        assert cw.run_button.disabled
+        control.value = good
+        assert cw.control_errors[key].value == "" and not cw.run_button.disabled
+    cw.growth_factor.value = 0.1
+    cw.scale_mode.value = "default"  # the scaler controls are not used: nothing to refuse
+    assert not cw.run_button.disabled
+
+
+def test_custom_workload_batch_size_is_the_default_and_follows_the_workload():
+    cw = compare(_tiny(), steps=4, threaded=False)
+    assert cw.batch_sizes.value == "16"
+    cw.workload.value = "mlp"
+    assert cw.batch_sizes.value == str(workloads.get("mlp").batch_size)
+    cw.workload.value = "tiny"
+    assert cw.batch_sizes.value == "16" and cw.request()["batch_sizes"] == (16,)
+
+
+def test_old_errors_clear_on_success_and_status_never_says_wrote_over_an_error(tmp_path):
+    cw = compare(_tiny(), opt_levels=("O0",), steps=3, threaded=False, threads=1)
+    cw.csv_button.click()  # nothing to export yet: an error
+    assert "press Run first" in cw.errors.last_error
+    assert cw.status.value.startswith("export failed") and "wrote" not in cw.status.value
+    cw.run_button.click()
+    assert cw.errors.last_error is None and cw.status.value.startswith("done")
+    cw.export_path.value = str(tmp_path / "missing-dir" / "compare")
+    cw.csv_button.click()  # a directory that does not exist: an error, not "wrote"
+    assert cw.errors.last_error and "wrote" not in cw.status.value
+    cw.export_path.value = str(tmp_path / "compare")
+    cw.csv_button.click()
+    assert cw.errors.last_error is None and cw.status.value == f"wrote {tmp_path}/compare.csv"

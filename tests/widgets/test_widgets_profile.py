@@ -8,6 +8,7 @@ import torch
 pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
+import mpnb.lab  # noqa: E402
 import mpnb.widgets  # noqa: E402
 
 
@@ -37,14 +38,33 @@ def pw():
 
 
 def test_phases_and_flops_figures_hold_the_lab_numbers(pw):
+    from mpnb.widgets.profile_widget import _PHASE_NAMES
+
     res = pw.result
     assert set(res.phases["opt_level"]) == {"O0", "O3"}
+    names = {v: k for k, v in _PHASE_NAMES.items()}
     for tr in pw.phases_fig.data:  # one stacked trace per phase
-        got = res.phases[res.phases["phase"] == tr.name]
+        got = res.phases[res.phases["phase"] == names[tr.name]]
         assert list(tr.x) == list(got["opt_level"])
         assert list(tr.y) == pytest.approx(list(got["time_ms"]))
     assert list(pw.flops_fig.data[0].y) == pytest.approx(list(res.flops["flop_per_s"] / 1e9))
     assert (res.flops["flops"] > 0).all()
+
+
+def test_o0_has_no_unscale_phase_and_the_table_says_why(pw):
+    ph = pw.result.phases
+    assert "unscale_and_update" not in set(ph[ph.opt_level == "O0"].phase)
+    assert "unscale_and_update" in set(ph[ph.opt_level == "O3"].phase)
+    table = pw.tabs.children[0].children[1]
+    assert "no loss scaler" in table.children[1].value
+
+
+def test_charts_are_whole_figures_that_render_on_any_view(pw):
+    for name in ("phases", "flops", "memory"):
+        out = pw.views[name]
+        assert out.rendered, name
+        (bundle,) = out.outputs
+        assert "application/vnd.plotly.v1+json" in bundle["data"], name
 
 
 def test_memory_breakdown_and_its_failed_level(pw):
@@ -55,10 +75,54 @@ def test_memory_breakdown_and_its_failed_level(pw):
     assert "memory (O3 fp16" in pw.failures.value and "NaN" in pw.failures.value
 
 
-def test_overflow_tracer_names_the_layer(pw):
+def test_overflow_tracer_names_the_layer_and_links_to_the_precision_tab(pw):
     assert pw.trace.module == "2"
     pane = pw.tabs.children[5].children[0].value
     assert "module <b>2</b>" in pane and "fp16" in pane
+    assert pw.precision_link in pw.tabs.children[5].children
+    pw.precision_link.click()
+    assert pw.tabs.selected_index == pw.TABS.index("Precision")
+
+
+def test_precision_tab_shows_trace_precision_and_retraces(pw):
+    assert pw.precision.summary.config == "O3"
+    text = " ".join(c.value for c in pw.precision_view.children if hasattr(c, "value"))
+    assert "O3" in text and "float16" in text and "ops recorded" in text
+    pw.precision_config.value = "O1"
+    pw.precision_button.click()
+    assert pw.errors.last_error is None and pw.precision.summary.config == "O1"
+    assert (pw.precision.ops["phase"] == "forward").any()
+
+
+def test_load_and_threads_are_shown_and_competition_warns(pw):
+    from mpnb.widgets.profile_widget import load_html
+
+    load = pw.result.load
+    assert load["threads"] == 1 and load["cpus"] >= 1
+    assert "1 thread(s)" in pw.load.value and "load average" in pw.load.value
+    busy = dict(load, competed=True, note="Warning: other processes competed for the CPU")
+    assert "competed" in load_html(busy) and "#a05a00" in load_html(busy)
+
+
+def test_threads_above_the_cores_warn():
+    import os
+
+    with pytest.warns(UserWarning, match="more than this machine"):
+        mpnb.widgets.profile(
+            _model(), torch.randn(8, 16), opt_levels=("O0",), steps=1, memory=False,
+            trace=False, precision=None, threads=(os.cpu_count() or 1) + 1,
+        )  # fmt: skip
+
+
+def test_chrome_trace_export(pw, tmp_path):
+    import json
+
+    path = pw.export_chrome_trace(str(tmp_path / "o3.json"), "O3")
+    events = json.load(open(path))["traceEvents"]
+    assert any("addmm" in str(e.get("name", "")) for e in events)
+    assert "wrote" in pw.trace_status.value
+    with pytest.raises(ValueError, match="was not profiled"):
+        pw.result.export_chrome_trace(str(tmp_path / "x.json"), "O2")
 
 
 def test_threads_are_restored(pw):
@@ -72,14 +136,75 @@ def test_threads_are_restored(pw):
         steps=2,
         memory=False,
         trace=False,
+        precision=None,
         threads=1 if before != 1 else 2,
     )
     assert _t.get_num_threads() == before
 
 
-def test_failures_are_shown_not_raised():
+def test_tuple_inputs_are_measured_and_skipped_extras_say_so():
     pw = mpnb.widgets.profile(
-        _model(), (torch.randn(8, 16),), opt_levels=("O0",), steps=2, trace=False
+        _model(), (torch.randn(8, 16),), opt_levels=("O0",), steps=2, trace=False,
+        precision=None, threads=1,
+    )  # fmt: skip
+    assert pw.failures.value == "" and pw.memory.peak_mem_mib.gt(0).all()
+    assert "not run" in pw.tabs.children[5].children[0].value
+    assert "not run" in pw.precision_view.children[0].value
+
+
+def test_hf_tiny_model_through_profile_and_its_widget_under_every_level():
+    import warnings
+
+    tr = pytest.importorskip("transformers")
+    tr.utils.logging.set_verbosity_error()
+    from mpnb.lab.hf import hf_loss
+
+    cfg = tr.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=1, n_head=2)
+    torch.manual_seed(0)
+    model = tr.GPT2LMHeadModel(cfg)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(0))
+    seen = set()
+
+    def loss_fn(out):
+        seen.add(type(out).__name__)
+        return hf_loss(out)
+
+    levels = ("O0", "O1", "O2", "O3")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        pw = mpnb.widgets.profile(
+            model, {"input_ids": ids, "labels": ids}, loss_fn=loss_fn, opt_levels=levels,
+            steps=1, threads=1,
+        )  # fmt: skip
+    assert pw.result.errors == {} and pw.failures.value == "", pw.failures.value
+    assert set(pw.result.phases.opt_level) == set(levels)
+    assert list(pw.memory.opt_level) == list(levels) and pw.memory.status.eq("ok").all()
+    assert seen == {"CausalLMOutputWithCrossAttentions"}  # under every level, never a dict
+    assert pw.precision.summary.config == "O1" and len(pw.precision.ops) > 0
+    assert not [c for c in caught if "backward hooks" in str(c.message)]
+
+
+def test_profile_reports_progress_per_level():
+    seen = []
+    mpnb.lab.profile(
+        _model(), torch.randn(8, 16), opt_levels=("O0", "O1"), steps=1, warmup=0,
+        on_progress=lambda level, done, total: seen.append((level, done, total)),
+    )  # fmt: skip
+    assert seen == [("O0", 0, 2), ("O1", 1, 2), (None, 2, 2)]
+
+
+def test_profile_prints_no_kineto_usdt_lines():
+    import subprocess
+    import sys
+
+    code = (
+        "import torch, mpnb.lab\n"
+        "m = torch.nn.Linear(4, 2)\n"
+        "mpnb.lab.profile(m, torch.randn(3, 4), opt_levels=('O0',), steps=1, warmup=0)\n"
     )
-    assert "memory" in pw.failures.value and "single input tensor" in pw.failures.value
-    assert "not run" in pw.tabs.children[5].value
+    env = {k: v for k, v in __import__("os").environ.items() if k != "KINETO_LOG_LEVEL"}
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "USDT" not in out.stderr and "profiler_start" not in out.stderr

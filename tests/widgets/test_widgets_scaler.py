@@ -105,3 +105,35 @@ def test_format_range_matches_finfo():
 
     sub, normal, top = format_range("fp16")
     assert (sub, normal) == (-24.0, -14.0) and top == pytest.approx(math.log2(65504))
+
+
+def test_charts_are_whole_figures_with_a_step_placeholder():
+    torch.manual_seed(0)
+    m = torch.nn.Linear(8, 4)
+    m(torch.randn(16, 8)).pow(2).mean().backward()
+    ex = ScalerExplorer(m, dtype="fp16")
+    (hist,) = ex.hist_view.outputs
+    fig = hist["data"]["application/vnd.plotly.v1+json"]
+    assert len(fig["layout"]["shapes"]) == 2  # the fp16 bands travel with the figure
+    (tl,) = ex.timeline_view.outputs
+    assert "press Step" in tl["data"]["text/html"] and not ex.timeline_view.rendered
+    ex.step(3)
+    (tl,) = ex.timeline_view.outputs
+    assert tl["data"]["application/vnd.plotly.v1+json"]["data"][0]["x"] == [1, 2, 3]
+    ex.reset()
+    assert "press Step" in ex.timeline_view.outputs[0]["data"]["text/html"]
+
+
+def test_bad_controls_are_refused_beside_them_not_clamped():
+    m = torch.nn.Linear(8, 4)
+    m(torch.randn(16, 8)).pow(2).mean().backward()
+    ex = ScalerExplorer(m)
+    for control, bad in ((ex.n_steps, 0), (ex.n_steps, -5), (ex.growth, 0.1), (ex.backoff, 2.0)):
+        good = control.value
+        control.value = bad
+        assert control.value == bad and ex.step_button.disabled
+        assert "refused, not clamped" in ex.control_error.value
+        with pytest.raises(ValueError, match="fix it beside the control"):
+            ex.step(1)
+        control.value = good
+        assert not ex.step_button.disabled and ex.control_error.value == ""

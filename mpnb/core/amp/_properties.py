@@ -39,8 +39,12 @@ class Properties:
         patch_torch_functions: run forward under ``torch.autocast`` (O1).
         keep_batchnorm_fp32: keep batch norms fp32 when the model is cast.
         master_weights: keep fp32 master params in the optimizer.
-        loss_scale: ``"dynamic"`` or a fixed positive number (Apex's values; the dynamic
-            rule itself is each :class:`~mpnb.core.amp.LossScaler`'s ``rule``).
+        loss_scale: ``"dynamic"`` or a fixed positive number. Defaults: fp16 keeps Apex's
+            (``"dynamic"`` for O1/O2, 1.0 for O0/O3); bf16 is 1.0 (static, no scaling) at
+            every level, as ``torch.amp`` does: bf16 has fp32's exponent range, so gradients
+            neither underflow nor overflow where fp32's would not (pass
+            ``loss_scale="dynamic"`` to scale anyway). The dynamic rule itself is each
+            :class:`~mpnb.core.amp.LossScaler`'s ``rule``.
         cast_model_outputs: dtype the model's floating outputs are cast to (None: no cast).
             fp32 by default at every level, so a loss computed from the outputs runs in fp32
             (under O1 this gives the numerics of Apex's fp32 function list).
@@ -66,7 +70,13 @@ class OptLevel:
     brief: str
 
     def defaults(self, half: torch.dtype) -> Properties:
-        """The Apex defaults of this level with ``half`` as the half dtype."""
+        """The Apex defaults of this level with ``half`` as the half dtype.
+
+        The one departure from Apex: with bf16 the loss scale is 1.0 (no scaling, as
+        ``torch.amp`` does), since bf16's range is fp32's; fp16 keeps Apex's dynamic scale
+        for O1 and O2.
+        """
+        dynamic = self.name in ("O1", "O2") and half == torch.float16
         cast = {"O0": torch.float32, "O1": None, "O2": half, "O3": half}[self.name]
         return Properties(
             enabled=True,
@@ -75,7 +85,7 @@ class OptLevel:
             patch_torch_functions=self.name == "O1",
             keep_batchnorm_fp32={"O2": True, "O3": False}.get(self.name),
             master_weights=self.name == "O2",
-            loss_scale="dynamic" if self.name in ("O1", "O2") else 1.0,
+            loss_scale="dynamic" if dynamic else 1.0,
             cast_model_outputs=torch.float32,
             half_dtype=half,
         )
@@ -232,4 +242,9 @@ def format_properties(p: Properties) -> str:
     lines = [f"Selected optimization level {p.opt_level}:  {OPT_LEVELS[p.opt_level].brief}", ""]
     for f in dataclasses.fields(p):
         lines.append(f"{f.name:22} : {getattr(p, f.name)}")
+    if p.half_dtype == torch.bfloat16 and p.loss_scale == 1.0 and p.opt_level in ("O1", "O2"):
+        lines.append(
+            "(loss_scale 1.0: bf16 has fp32's exponent range, so it needs no loss scaling, as "
+            "in torch.amp; fp16 gets Apex's dynamic scale)"
+        )
     return "\n".join(lines)

@@ -58,8 +58,8 @@ def _step(m, opt, scale_by=1.0, **kw):
 def test_initialize_refuses_a_bad_loss_scale_naming_the_argument(kw, name):
     m = _net()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
-    with pytest.raises(ValueError, match=name):
-        amp.initialize(m, opt, opt_level="O1", verbosity=0, **kw)
+    with pytest.raises(ValueError, match=name):  # fp16: the dynamic scale is the default
+        amp.initialize(m, opt, opt_level="O1", half_dtype=torch.float16, verbosity=0, **kw)
 
 
 @pytest.mark.parametrize(
@@ -128,7 +128,7 @@ def test_a_static_scale_steps_through_inf_with_a_warning_for_every_optimizer_kin
 
 
 def test_the_collapse_message_fits_the_run():
-    m, opt = _init("O2", min_loss_scale=4.0)
+    m, opt = _init("O2", min_loss_scale=4.0, loss_scale="dynamic")
     amp.current_handle().scalers[0].max_skips_at_min = 3
     with pytest.raises(LossScaleCollapseError) as e:
         for _ in range(40):

@@ -31,9 +31,11 @@ def test_defaults_per_level(half):
     p = {lvl: resolve_properties(lvl, half_dtype=half) for lvl in ("O0", "O1", "O2", "O3")}
     assert p["O0"].cast_model_type == torch.float32 and p["O0"].loss_scale == 1.0
     assert p["O1"].patch_torch_functions and p["O1"].cast_model_type is None
-    assert p["O1"].loss_scale == "dynamic" and not p["O1"].master_weights
+    # fp16: Apex's dynamic scale; bf16 (fp32's range): no scaling, as torch.amp does
+    scale = "dynamic" if half == torch.float16 else 1.0
+    assert p["O1"].loss_scale == scale and not p["O1"].master_weights
     assert p["O2"].cast_model_type == half and p["O2"].keep_batchnorm_fp32
-    assert p["O2"].master_weights and p["O2"].loss_scale == "dynamic"
+    assert p["O2"].master_weights and p["O2"].loss_scale == scale
     assert p["O3"].cast_model_type == half and p["O3"].loss_scale == 1.0
     assert not p["O3"].master_weights and p["O3"].keep_batchnorm_fp32 is False
 
@@ -173,3 +175,15 @@ def test_cuda_default_is_fp16_and_o2_dtypes():
     m, opt = amp.initialize(m, opt, opt_level="O2", verbosity=0)
     assert m[0].weight.dtype == torch.float16 and m[1].weight.dtype == torch.float32
     assert m(torch.randn(3, 4, device="cuda")).dtype == torch.float32
+
+
+def test_bf16_default_is_no_loss_scaling_and_the_listing_says_why():
+    from mpnb.core.amp._properties import format_properties
+
+    bf16 = resolve_properties("O1", half_dtype=torch.bfloat16)
+    assert bf16.loss_scale == 1.0 and "needs no loss scaling" in format_properties(bf16)
+    fp16 = resolve_properties("O1", half_dtype=torch.float16)
+    assert fp16.loss_scale == "dynamic" and "needs no" not in format_properties(fp16)
+    assert resolve_properties("O2", half_dtype=torch.bfloat16, loss_scale="dynamic").loss_scale == (
+        "dynamic"
+    )  # still available on request

@@ -95,6 +95,8 @@ def _setup(level, half, opt_cls=torch.optim.Adam, **kw):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
     opt = opt_cls(m.parameters(), lr=0.01)
+    if level in ("O1", "O2"):  # the dynamic scaler under test (bf16's default is no scaling)
+        kw.setdefault("loss_scale", "dynamic")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedHalfWarning)
         m, opt = amp.initialize(m, opt, opt_level=level, half_dtype=half, verbosity=0, **kw)

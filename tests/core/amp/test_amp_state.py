@@ -20,6 +20,8 @@ def _init(level="O1", opt_cls=torch.optim.SGD, **kw):
     torch.manual_seed(0)
     m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.BatchNorm1d(8), torch.nn.Linear(8, 2))
     opt = opt_cls(m.parameters(), lr=0.01)
+    if level in ("O1", "O2"):  # the dynamic scaler under test (bf16's default is no scaling)
+        kw.setdefault("loss_scale", "dynamic")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedHalfWarning)
         return amp.initialize(m, opt, opt_level=level, verbosity=0, **kw)
@@ -182,7 +184,10 @@ def test_several_loss_ids_per_step_with_fused_adam_match_torch_adamw():
     ):
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-        m, opt = amp.initialize(m, make(m.parameters()), opt_level="O1", num_losses=2, verbosity=0)
+        m, opt = amp.initialize(
+            m, make(m.parameters()), opt_level="O1", num_losses=2, loss_scale="dynamic",
+            verbosity=0,
+        )  # fmt: skip
         h = amp.current_handle()
         g = torch.Generator().manual_seed(3)
         for i in range(4):

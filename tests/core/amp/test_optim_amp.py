@@ -117,7 +117,9 @@ def test_o2_fused_one_pass_trains_skips_and_matches_reference(kernels, monkeypat
     opt = make(model.parameters())
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedHalfWarning)
-        model, opt = amp.initialize(model, opt, opt_level="O2", half_dtype=half, verbosity=0)
+        model, opt = amp.initialize(
+            model, opt, opt_level="O2", half_dtype=half, loss_scale="dynamic", verbosity=0
+        )
     params = list(model.parameters())
     assert {p.dtype for p in params} == {half, torch.float32}  # BatchNorm stays fp32
     assert opt.param_groups[0]["params"][0] is params[0]  # masters live inside the optimizer
