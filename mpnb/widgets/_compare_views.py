@@ -30,10 +30,12 @@ from mpnb.lab.html_report import (
     speed_bar,
     warnings_banner,
 )
+from mpnb.lab.memory import ROLES
 
 __all__ = ["ResultViews", "MEMORY_ROLES", "table_html", "errors_html", "verdict_html"]
 
-MEMORY_ROLES = ("params", "grads", "master_weights", "optimizer_state", "activations")
+# The widget draws the memory tracker's own roles (FP8 scales and Kahan buffers included).
+MEMORY_ROLES = ROLES
 _PLACEHOLDER = (
     "<div style='padding:40px;color:#555'><b>{title}</b><br><i>No results yet: choose the "
     "configurations and press Run.</i></div>"
