@@ -17,8 +17,9 @@ SCRIPT = textwrap.dedent("""
     model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.BatchNorm1d(16),
                                 torch.nn.ReLU(), torch.nn.Linear(16, 3))
     opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    # dynamic scaling asked for explicitly: bf16's default is no loss scaling
     model, opt = amp.initialize(model, opt, opt_level=level, half_dtype=getattr(torch, half),
-                                verbosity=0)
+                                loss_scale="dynamic", verbosity=0)
     amp.current_handle().scalers[0].scale_window = 3  # let the scale grow within the run
     sched = torch.optim.lr_scheduler.StepLR(opt, 2, 0.7)
 
