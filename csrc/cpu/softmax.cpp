@@ -40,14 +40,32 @@ inline V vmax(const V& a, const V& b) {
   return at::vec::maximum(a, b);
 }
 
-// Replace lanes whose mask byte is nonzero by `fill` (16 mask bytes for a, b). The per-block
-// helpers of the row passes are `inline`: a hint GCC's inliner weighs, which keeps them inside
-// the hot loops (as they were when these kernels were one translation unit).
+// Mask bytes per block of the row passes: one per lane of a and of b (16 with AVX2, 32 with
+// AVX-512). A tail block (n < kMaskBlock) is copied into a zeroed buffer first.
+constexpr int64_t kMaskBlock = 2 * fVec::size();
+
+inline const uint8_t* mask_block(const uint8_t* m, int64_t n, uint8_t* buf) {
+  if (n >= kMaskBlock) return m;
+  std::memset(buf, 0, kMaskBlock);
+  std::memcpy(buf, m, n);
+  return buf;
+}
+
+// Replace lanes whose mask byte is nonzero by `fill` (kMaskBlock mask bytes for a, b). The
+// per-block helpers of the row passes are `inline`: a hint GCC's inliner weighs, which keeps
+// them inside the hot loops (as they were when these kernels were one translation unit).
 inline void apply_mask(const uint8_t* m, int64_t n, fVec& a, fVec& b, const fVec& fill) {
-  alignas(16) uint8_t buf[16] = {0};
-  const uint8_t* src = m;
-  if (n < 16) { std::memcpy(buf, m, n); src = buf; }
-#if defined(CPU_CAPABILITY_AVX2)
+  alignas(64) uint8_t buf[kMaskBlock];
+  const uint8_t* src = mask_block(m, n, buf);
+#if defined(CPU_CAPABILITY_AVX512)
+  const __m512i zero = _mm512_setzero_si512();
+  const __mmask16 lo = _mm512_cmpneq_epi32_mask(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), zero);
+  const __mmask16 hi = _mm512_cmpneq_epi32_mask(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))), zero);
+  a = _mm512_mask_blend_ps(lo, a, fill);
+  b = _mm512_mask_blend_ps(hi, b, fill);
+#elif defined(CPU_CAPABILITY_AVX2)
   const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
   const __m256i zero = _mm256_setzero_si256();
   const __m256 lo = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_cvtepu8_epi32(bytes), zero));
@@ -56,12 +74,12 @@ inline void apply_mask(const uint8_t* m, int64_t n, fVec& a, fVec& b, const fVec
   a = _mm256_blendv_ps(a, fill, lo);
   b = _mm256_blendv_ps(b, fill, hi);
 #else
-  alignas(64) float fa[2 * fVec::size()];
+  alignas(64) float fa[kMaskBlock];
   alignas(64) float ff[fVec::size()];
   a.store(fa);
   b.store(fa + fVec::size());
   fill.store(ff);
-  for (int64_t i = 0; i < 2 * fVec::size() && i < 16; ++i)
+  for (int64_t i = 0; i < kMaskBlock; ++i)
     if (src[i]) fa[i] = ff[0];
   a = fVec::loadu(fa);
   b = fVec::loadu(fa + fVec::size());
@@ -84,10 +102,19 @@ inline void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec
 // (see softmax_exp_pass). Bitwise and-ing after the exp takes no multiply-add port, which the
 // blend before it (apply_mask) does on AVX2, where the exp alone keeps those ports busy.
 inline void zero_masked(const uint8_t* m, int64_t n, fVec& a, fVec& b) {
-#if defined(CPU_CAPABILITY_AVX2)
-  alignas(16) uint8_t buf[16] = {0};
-  const uint8_t* src = m;
-  if (n < 16) { std::memcpy(buf, m, n); src = buf; }
+#if defined(CPU_CAPABILITY_AVX512)
+  alignas(64) uint8_t buf[kMaskBlock];
+  const uint8_t* src = mask_block(m, n, buf);
+  const __m512i zero = _mm512_setzero_si512();
+  const __mmask16 keep_lo = _mm512_cmpeq_epi32_mask(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src))), zero);
+  const __mmask16 keep_hi = _mm512_cmpeq_epi32_mask(
+      _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16))), zero);
+  a = _mm512_maskz_mov_ps(keep_lo, a);
+  b = _mm512_maskz_mov_ps(keep_hi, b);
+#elif defined(CPU_CAPABILITY_AVX2)
+  alignas(16) uint8_t buf[kMaskBlock];
+  const uint8_t* src = mask_block(m, n, buf);
   const __m128i keep = _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)),
                                       _mm_setzero_si128());
   a = _mm256_and_ps(a, _mm256_castsi256_ps(_mm256_cvtepi8_epi32(keep)));
