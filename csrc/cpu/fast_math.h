@@ -11,7 +11,8 @@
 // above ~88.7 are not supported (the softmax kernels never pass them: x - max(x) <= 0).
 // 7 multiply-add-pipe ops per register (the limit of the softmax forward on AVX2) against 11
 // for a degree-6 polynomial on [-ln2/2, ln2/2], ~15 for exp_u20 and ~30 for Sleef's 1-ulp exp.
-// fp64 uses ATen's exp (Sleef, 1 ulp).
+// The same code with AVX2 and AVX-512 (16 lanes); other builds use ATen's exp_u20. fp64 uses
+// ATen's exp (Sleef, 1 ulp).
 //
 // Also here: empty_output_like, the output allocation of the layer kernels (norm_common.h,
 // softmax.cpp).
@@ -33,7 +34,30 @@ inline at::vec::Vectorized<double> softmax_exp(const at::vec::Vectorized<double>
 }
 
 inline at::vec::Vectorized<float> softmax_exp(const at::vec::Vectorized<float>& x) {
-#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512)
+  // The AVX2 code below on 16 lanes: the same operations, so the same result bit for bit.
+  const __m512 v = x;
+  const __m512 table = _mm512_setr_ps(  // 2^(j/8), twice: the index's 4th bit is ignored
+      1.0f, 1.0905077326652577f, 1.1892071150027210f, 1.2968395546510096f, 1.4142135623730951f,
+      1.5422108254079407f, 1.6817928305074290f, 1.8340080864093424f, 1.0f, 1.0905077326652577f,
+      1.1892071150027210f, 1.2968395546510096f, 1.4142135623730951f, 1.5422108254079407f,
+      1.6817928305074290f, 1.8340080864093424f);
+  const __m512 magic = _mm512_set1_ps(12582912.0f);
+  const __m512 t = _mm512_fmadd_ps(v, _mm512_set1_ps(11.541560327111707f), magic);
+  const __m512 n = _mm512_sub_ps(t, magic);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f / 8), v);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f / 8), r);
+  const __m512i ti = _mm512_castps_si512(t);
+  const __m512i k = _mm512_and_si512(_mm512_slli_epi32(ti, 20), _mm512_set1_epi32(int(0xFF800000u)));
+  const __m512 scale = _mm512_castsi512_ps(
+      _mm512_add_epi32(_mm512_castps_si512(_mm512_permutexvar_ps(ti, table)), k));
+  __m512 p = _mm512_fmadd_ps(_mm512_set1_ps(0.16666874f), r, _mm512_set1_ps(0.50006455f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+  p = _mm512_mul_ps(p, r);
+  const __m512 y = _mm512_fmadd_ps(p, scale, scale);
+  const __mmask16 tiny = _mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.33654475f), _CMP_LT_OQ);
+  return _mm512_maskz_mov_ps(static_cast<__mmask16>(~tiny), y);
+#elif defined(CPU_CAPABILITY_AVX2)
   const __m256 v = x;
   // 2^(j/8), j = 0..7, each rounded to nearest fp32
   const __m256 table = _mm256_setr_ps(1.0f, 1.0905077326652577f, 1.1892071150027210f,

@@ -33,6 +33,8 @@ namespace mpnb::cpu::opt {
 static_assert(IO<float, float>::kWidth == IO<c10::BFloat16, float>::kWidth,
               "fp32 and 16-bit blocks must have the same width");
 constexpr int64_t kW = IO<float, float>::kWidth;
+// Lanes of the compiler-vectorized scalar tail of PyTorch's fused kernels (see update_chunk).
+constexpr int64_t kTailVecLanes = 8;
 
 // True when the caller's found_inf says an overflow was already seen: skip the whole step.
 inline bool step_skipped(const std::optional<at::Tensor>& found_inf, const char* op) {
@@ -186,7 +188,10 @@ inline void for_chunk_range(int64_t begin, int64_t end, int64_t numel, bool back
 // master) and the new states are stored. Tails use counted loads/stores (zero padding): the
 // padding lanes are computed and discarded, never stored. A register of the tensor's last
 // partial vector goes to `body.tail(...)` when the body has one: PyTorch's fused kernels
-// compute those elements in scalar code, whose rounding a body may mirror there.
+// compute those elements in scalar code, whose rounding a body may mirror there. That scalar
+// loop is itself vectorized by the compiler kTailVecLanes lanes at a time, with the vector
+// loop's rounding, when the tail holds that many (only with AVX-512, whose 16-lane vectors
+// leave tails of 8 to 15): those leading lanes take `body(...)`, the last (tail % 8) `tail`.
 template <typename p_t, typename g_t, size_t NS, typename Body>
 C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, const TensorRefs& params,
                                     const TensorRefs& grads, const TensorRefs& masters,
@@ -207,9 +212,23 @@ C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, const TensorRefs& params,
   for (size_t k = 0; k < NS; ++k) sp[k] = data_of<float>((*states[k])[t]) + off;
   fVec w0, w1, g0, g1;
   std::array<fVec, NS> s0, s1;
-  auto step = [&](fVec& w_, const fVec& g_, fVec* s_, bool partial) C10_ALWAYS_INLINE_ATTRIBUTE {
+  // lanes: the register's elements of the tensor when it is partial
+  auto step = [&](fVec& w_, const fVec& g_, fVec* s_, bool partial,
+                  int64_t lanes) C10_ALWAYS_INLINE_ATTRIBUTE {
     if constexpr (requires { body.tail(t, w_, g_, s_); }) {
-      if (partial) return body.tail(t, w_, g_, s_);
+      if (partial) {
+        const int64_t vec_lanes = lanes / kTailVecLanes * kTailVecLanes;
+        if (vec_lanes == 0) return body.tail(t, w_, g_, s_);
+        fVec wv = w_;
+        std::array<fVec, NS> sv;
+        for (size_t k = 0; k < NS; ++k) sv[k] = s_[k];
+        body(t, wv, g_, sv.data());
+        body.tail(t, w_, g_, s_);
+        const fVec lead = fVec::arange(0.0f, 1.0f) < fVec(static_cast<float>(vec_lanes));
+        w_ = fVec::blendv(w_, wv, lead);
+        for (size_t k = 0; k < NS; ++k) s_[k] = fVec::blendv(s_[k], sv[k], lead);
+        return;
+      }
     }
     body(t, w_, g_, s_);
   };
@@ -232,8 +251,8 @@ C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, const TensorRefs& params,
     // A chunk ends a tensor unless it is a full kChunkElems (a multiple of kW): in the counted
     // block, the first register is partial below fVec::size() elements, the second above.
     constexpr int64_t V = fVec::size();
-    step(w0, g0, s0.data(), !full && cnt < V);
-    step(w1, g1, s1.data(), !full && cnt > V);
+    step(w0, g0, s0.data(), !full && cnt < V, cnt);
+    step(w1, g1, s1.data(), !full && cnt > V, cnt - V);
     if (full) {
       for (size_t k = 0; k < NS; ++k) IO<float, float>::store(sp[k] + i, s0[k], s1[k]);
       if (has_master) IO<float, float>::store(w + i, w0, w1);
