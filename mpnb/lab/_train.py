@@ -191,6 +191,37 @@ def _train_step(model, opt, x, y, loss_fn) -> torch.Tensor:
     return loss.detach()
 
 
+def divergence_message(cfg: RunConfig, loss: float, step: int, dynamic: bool, scale: float) -> str:
+    """The error of a run whose loss became inf/NaN without the step being skipped, with advice
+    that fits its precision: loss scaling only for fp16, bf16 only where it would help."""
+    head = f"NaN divergence: the loss became {loss} at step {step} and the step was not skipped"
+    if cfg.half_dtype == "fp16":
+        kind = "dynamic" if dynamic else "static"
+        advice = (
+            f" (fp16, {kind} loss scale {scale:g}); lower the learning rate"
+            + ("" if dynamic else ", use dynamic loss scaling")
+            + ", or bf16 (fp32's range)."
+        )
+    elif cfg.half_dtype == "bf16":
+        advice = (
+            " (bf16, which has fp32's range: loss scaling would not help); lower the learning "
+            "rate or clip the gradients."
+        )
+    elif cfg.half_dtype == "fp8":
+        advice = (
+            " (FP8 matmuls, scaled per tensor or block); lower the learning rate or clip the "
+            "gradients, and compare with O0 to see whether FP8 is the cause."
+        )
+    else:
+        advice = " (fp32: not a precision problem); lower the learning rate or clip the gradients."
+    if cfg.opt_level in ("O3", "bf16-pure"):
+        advice += (
+            f" {cfg.opt_level} keeps no fp32 master weights (Adam's eps=1e-8 is 0 in fp16); "
+            "O2 keeps them in fp32."
+        )
+    return head + advice
+
+
 class Trainer:
     """One configuration's model, optimizer, data and history, advanced one step at a time.
 
@@ -203,7 +234,7 @@ class Trainer:
     def __init__(self, cfg: RunConfig, w: Workload):
         self.cfg, self.w, self.res = cfg, w, RunResult(cfg)
         self.cuda = torch.device(cfg.device).type == "cuda"
-        self.model = self.opt = self.scaler = self.tracker = self.batches = None
+        self.model = self.opt = self.scaler = self.tracker = self.batches = self.handle = None
         self.peak = 0
         self.steps_done = 0
         self._guard(self._setup)
@@ -225,7 +256,10 @@ class Trainer:
         self.res.warnings += [str(c.message).split(". ")[0] for c in caught]
 
     def _setup(self) -> None:
+        from mpnb import amp
+
         self.model, self.opt, self.scaler = _setup(self.cfg, self.w)
+        self.handle = amp.current_handle()
         note = optimizer_note(self.cfg)
         if note:
             self.res.warnings.append(note)
@@ -299,28 +333,36 @@ class Trainer:
             )
         )
         if not skipped and not math.isfinite(lv):
-            hint = ""
-            if self.cfg.opt_level in ("O3", "bf16-pure"):
-                hint = (
-                    " O3 keeps no fp32 master weights or optimizer state (Adam's eps=1e-8 "
-                    "is 0 in fp16); O2 keeps them in fp32."
-                )
-            raise DivergenceError(
-                f"NaN divergence: the loss became {lv} at step {i} and the step was not skipped "
-                f"(loss scale {'static ' if not scaler.dynamic else ''}{scale:g}); lower the "
-                f"learning rate, use dynamic loss scaling, or bf16 (fp32's range).{hint}"
-            )
+            raise DivergenceError(divergence_message(self.cfg, lv, i, scaler.dynamic, scale))
 
-    def finish(self, interrupted: bool = False) -> RunResult:
-        """Evaluate (unless interrupted), fill the row and free the model."""
-        if interrupted and self.steps_done < self.cfg.steps:
+    def _all_skipped_note(self) -> str:
+        """The warning for a row whose every step was skipped (the weights never moved)."""
+        h = self.res.history
+        if not h or not all(r["skipped"] for r in h):
+            return ""
+        low = min(r["loss_scale"] for r in h)
+        return (
+            f"every one of the {len(h)} steps was skipped (inf/NaN gradients down to a loss "
+            f"scale of {low:g}): the weights never changed, so its loss and metric are the "
+            "initial model's; find the overflowing layer with mpnb.lab.trace_overflow"
+        )
+
+    def finish(self, interrupted: str = "") -> RunResult:
+        """Evaluate (unless ``interrupted``: what ended the run, "Stop" or "Ctrl-C"), fill the
+        row and free the model."""
+        done = len(self.res.history)  # a step cut short by Ctrl-C recorded nothing
+        if interrupted and done < self.cfg.steps:
             self.res.interrupted = (
-                f"interrupted at step {self.steps_done} of {self.cfg.steps} (Stop): speed from "
+                f"interrupted at step {done} of {self.cfg.steps} ({interrupted}): speed from "
                 "the rounds finished before it, no held-out metric"
             )
+            self.steps_done = done
         if self.alive:
             self._guard(self._finish, bool(self.res.interrupted))
         self.res.row.update(_timing_row(self.res.history))
+        note = self._all_skipped_note()
+        if note:
+            self.res.warnings.append(note)
         self.res.warnings = list(dict.fromkeys(self.res.warnings))
         self.release()
         return self.res
@@ -337,8 +379,11 @@ class Trainer:
                 )
 
     def release(self) -> None:
-        """Drop the model, optimizer and data (and the CUDA cache)."""
-        self.model = self.opt = self.scaler = self.batches = None
+        """Drop the model, optimizer and data (and the CUDA cache). Removing amp's hooks also
+        closes an autocast region that a Ctrl-C in the middle of forward left open."""
+        if self.handle is not None:
+            self.handle.remove_hooks()
+        self.model = self.opt = self.scaler = self.batches = self.handle = None
         if self.cuda:
             torch.cuda.empty_cache()
 

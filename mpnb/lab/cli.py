@@ -7,7 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import sys
+from pathlib import Path
 
 __all__ = ["add_parser", "run", "format_table"]
 
@@ -43,6 +45,46 @@ def _csv(kind):
     return parse
 
 
+def _steps(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+    if n < 2:
+        raise argparse.ArgumentTypeError(
+            f"{n}: need at least 2 steps (timed steps plus one memory-tracked step)"
+        )
+    return n
+
+
+def _batch_sizes(text: str) -> tuple[int, ...]:
+    sizes = _csv(int)(text)
+    if not sizes or any(b < 1 for b in sizes):
+        raise argparse.ArgumentTypeError(
+            f"expected positive batch sizes separated by commas (e.g. 16,64), got {text!r}"
+        )
+    return sizes
+
+
+def unwritable_reason(path: str) -> str:
+    """Why the report cannot be written to ``path`` ("" when it can): checked before a run, so
+    that a long comparison never ends in a failed write. Missing parent directories are fine
+    (the report creates them) when the nearest existing one is writable."""
+    p = Path(path).expanduser().absolute()
+    if p.is_dir():
+        return f"{path} is a directory; give a file name such as {Path(path) / 'report.html'}"
+    if p.exists():
+        return "" if os.access(p, os.W_OK) else f"{path} exists and is not writable"
+    parent = p.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        return f"{parent} is a file, so {path} cannot be created"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"the directory {parent} is not writable"
+    return ""
+
+
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``compare`` subcommand to ``sub`` (an argparse subparsers object)."""
     from mpnb.core.precision import config_names
@@ -76,11 +118,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--batch-sizes",
-        type=_csv(int),
+        type=_batch_sizes,
         default=None,
         help="comma-separated (default: the workload's)",
     )
-    p.add_argument("--steps", type=int, default=None, help="default: the workload's")
+    p.add_argument("--steps", type=_steps, default=None, help="at least 2; default: the workload's")
     p.add_argument(
         "--optimizer",
         default="adam",
@@ -88,7 +130,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="bf16-pure+sr / bf16-pure+kahan run mpnb's fused optimizer of the same rule",
     )
     p.add_argument("--lr", type=float, default=None)
-    p.add_argument("--device", default="auto")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument(
         "--threads",
         type=int,
@@ -154,6 +196,11 @@ def run(args: argparse.Namespace) -> int:
 
     dtype = args.dtype[0] if len(args.dtype) == 1 else args.dtype
     msg = sys.stderr if args.json else sys.stdout
+    why = unwritable_reason(args.out) if args.out else ""
+    if why:
+        print(f"mpnb compare: --out {args.out}: {why}; pass another path, or --out '' for no "
+              "report.", file=sys.stderr)  # fmt: skip
+        return 2
     try:
         w = get(args.workload, args.size, resolve_device(args.device))
         print(f"mpnb compare: {w.description} ({w.size})", file=msg, flush=True)
@@ -176,6 +223,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"mpnb compare: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # before the first step: nothing measured, nothing to report
+        print("mpnb compare: interrupted (Ctrl-C) before any step ran.", file=sys.stderr)
+        return 130
     if args.json:
         print(_json(df))
     else:
@@ -191,4 +241,10 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         path = mpnb.lab.report(df, args.out)
         print(f"\nreport: {path}", file=msg)
+    if df.attrs.get("stopped_by") == "Ctrl-C":
+        print(
+            "mpnb compare: interrupted (Ctrl-C); the rows above keep the steps that finished.",
+            file=sys.stderr,
+        )
+        return 130
     return 1 if (df["status"] == "error").all() else 0

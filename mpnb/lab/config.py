@@ -109,7 +109,12 @@ def resolve_device(device: str | torch.device = "auto") -> str:
     """``"auto"`` -> ``"cuda"`` when a GPU is present, else ``"cpu"``; checks the rest."""
     if str(device) == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(
+            f"device={device!r} is not a device; use 'cpu', 'cuda' (or 'cuda:N') or 'auto'."
+        ) from None
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r} but no CUDA GPU is visible; use device='cpu'.")
     if dev.type not in ("cpu", "cuda"):

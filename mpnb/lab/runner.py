@@ -200,17 +200,23 @@ class _Progress:
             self.bar.close()
 
 
-def _round_robin(trainers: list[Trainer], prog: _Progress, should_stop) -> tuple[list, bool]:
+def _round_robin(trainers: list[Trainer], prog: _Progress, should_stop) -> tuple[list, str]:
+    """Step every trainer round by round; returns the rows and what stopped the run early
+    ("Stop", "Ctrl-C", or "" when every step ran). A Ctrl-C (KeyboardInterrupt) in the middle
+    of a step ends the run as Stop does: the rows keep the steps finished before it."""
     steps = trainers[0].cfg.steps
-    for i in range(steps):
-        k = i % len(trainers)
-        for t in trainers[k:] + trainers[:k]:  # rotate who goes first each round
-            if should_stop is not None and should_stop():
-                return [t.finish(interrupted=True) for t in trainers], True
-            if t.alive:
-                t.step(i)
-            prog.update(t.cfg, i)
-    return [t.finish() for t in trainers], False
+    try:
+        for i in range(steps):
+            k = i % len(trainers)
+            for t in trainers[k:] + trainers[:k]:  # rotate who goes first each round
+                if should_stop is not None and should_stop():
+                    return [t.finish(interrupted="Stop") for t in trainers], "Stop"
+                if t.alive:
+                    t.step(i)
+                prog.update(t.cfg, i)
+    except KeyboardInterrupt:
+        return [t.finish(interrupted="Ctrl-C") for t in trainers], "Ctrl-C"
+    return [t.finish() for t in trainers], ""
 
 
 def _run_isolated(cfg: RunConfig, spec, threads: int | None) -> RunResult:
@@ -222,18 +228,28 @@ def _run_isolated(cfg: RunConfig, spec, threads: int | None) -> RunResult:
     return run_config(cfg, _workloads.get(name, size, cfg.device))
 
 
-def _isolated(configs, spec, prog, threads, should_stop) -> tuple[list[RunResult], bool]:
+def _isolated(configs, spec, prog, threads, should_stop) -> tuple[list[RunResult], str]:
     import concurrent.futures as cf
     import multiprocessing as mp
 
     out = []
     for cfg in configs:
         if should_stop is not None and should_stop():
-            return out, True
+            return out, "Stop"
         try:
             pickle.dumps(spec)
-            with cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn")) as ex:
+            ex = cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
+            try:
                 out.append(ex.submit(_run_isolated, cfg, spec, threads).result())
+            except KeyboardInterrupt:  # the subprocess got the same SIGINT
+                ex.shutdown(wait=False, cancel_futures=True)
+                out.append(
+                    RunResult(
+                        cfg, interrupted="interrupted (Ctrl-C) in its subprocess: nothing measured"
+                    )
+                )
+                return out, "Ctrl-C"
+            ex.shutdown()
         except (pickle.PicklingError, AttributeError, TypeError) as e:
             msg = (
                 "isolate=True needs a picklable workload (model_fn, loss_fn, metric_fn "
@@ -244,7 +260,7 @@ def _isolated(configs, spec, prog, threads, should_stop) -> tuple[list[RunResult
             out.append(RunResult(cfg, error=f"{cfg.label}: the subprocess failed: {e}"))
         for i in range(cfg.steps):
             prog.update(cfg, i)
-    return out, False
+    return out, ""
 
 
 def _workload(workload, data, loss_fn, metric_fn, eval_data, size, device):
@@ -331,14 +347,17 @@ def compare(
         on_progress: called after every step with ``configuration``, ``step``, ``steps``,
             ``done``, ``total``, ``elapsed_s``, ``eta_s``.
         should_stop: polled before every step; when it returns True the run ends there and
-            the rows keep what was measured (``status == "interrupted"``).
+            the rows keep what was measured (``status == "interrupted"``). Ctrl-C
+            (``KeyboardInterrupt``) during the steps does the same: ``compare`` returns the
+            rows measured so far instead of raising.
         tolerance: the accuracy tolerance of the verdict.
 
     Returns:
         A DataFrame with :data:`COLUMNS`. ``attrs``: ``history`` (per-step loss, loss scale,
         step time, skipped steps), ``hardware``, ``load`` (load averages at start and end,
         ``competed``), ``method``, ``workload`` (name, size, description), ``verdict``
-        (:func:`mpnb.lab.verdict.verdict`) and ``stopped``.
+        (:func:`mpnb.lab.verdict.verdict`), ``stopped`` (True when the run ended early) and
+        ``stopped_by`` (``"Stop"``, ``"Ctrl-C"`` or ``""``).
 
     Example::
 
@@ -348,6 +367,11 @@ def compare(
         >>> df = mpnb.lab.compare(lambda: MyNet(), (x, y), metric_fn=mpnb.lab.accuracy)
     """
     dev = resolve_device(device)
+    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 2):
+        raise ValueError(
+            f"steps={steps!r}: need an int >= 2 (timed steps plus one memory-tracked step), "
+            "or None for the workload's default."
+        )
     w = _workload(workload, data, loss_fn, metric_fn, eval_data, size, dev)
     if batch_sizes is None:
         batch_sizes = (w.batch_size,)
@@ -356,15 +380,15 @@ def compare(
             f"batch_sizes={tuple(batch_sizes)!r}: the data fixes the batch size "
             f"({w.data_batch_size}); leave batch_sizes out, or give tensors or a Dataset."
         )
+    steps = w.steps if steps is None else steps
     configs = expand(
-        w.name, opt_levels, half_dtype, batch_sizes, steps or w.steps, optimizer, lr,
-        loss_scale, dev, seed,
+        w.name, opt_levels, half_dtype, batch_sizes, steps, optimizer, lr, loss_scale, dev, seed,
     )  # fmt: skip
     with torch_threads(threads):
         load_start = loadavg()
         hw = hardware_summary(dev)
         prog = _Progress(sum(c.steps for c in configs), progress, on_progress)
-        results, stopped = [], False
+        results, stopped = [], ""
         try:
             if isolate:
                 spec = (w.name, w.size) if isinstance(workload, str) else w
@@ -387,6 +411,7 @@ def compare(
     df.attrs["workload"] = dict(
         name=w.name, size=w.size, description=w.description, chance=w.chance
     )
-    df.attrs["stopped"] = stopped
+    df.attrs["stopped"] = bool(stopped)
+    df.attrs["stopped_by"] = stopped
     df.attrs["verdict"] = verdict(df, tolerance)
     return df

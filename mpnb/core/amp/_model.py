@@ -7,6 +7,7 @@ Forward wrapping uses only ``register_forward_pre_hook(with_kwargs=True)`` and
 from __future__ import annotations
 
 import contextlib
+import sys
 
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
@@ -102,8 +103,14 @@ class AutocastForward:
     """O1: the model's forward runs inside ``torch.autocast(device_type, dtype)``.
 
     The pre-hook enters the region (and installs the registered cast functions); the forward
-    hook, registered with ``always_call=True``, leaves it also when forward raises. A stack
-    makes re-entrant forwards safe.
+    hook, registered with ``always_call=True``, leaves it also when forward raises an
+    ``Exception``. A stack makes re-entrant forwards safe.
+
+    PyTorch runs ``always_call`` hooks for ``Exception`` only, so a ``KeyboardInterrupt``
+    (Ctrl-C, or a notebook's "interrupt kernel") in the middle of forward leaves the region
+    open: autocast would stay on for everything after it. Each open region remembers the
+    frame of the call that entered it; the next forward closes the regions whose call is no
+    longer running, and :meth:`close` (run by ``AmpHandle.remove_hooks``) closes them all.
     """
 
     def __init__(
@@ -115,16 +122,35 @@ class AutocastForward:
     ):
         self.device_type, self.dtype, self.registry = device_type, dtype, registry
         self.output_dtype = output_dtype
-        self._stack: list[contextlib.ExitStack] = []
+        self._stack: list[tuple[contextlib.ExitStack, object]] = []  # (region, caller frame)
 
     def attach(self, model: torch.nn.Module) -> list:
-        """Register the hooks on ``model``; returns their removable handles."""
+        """Register the hooks on ``model``; returns their removable handles (removing the last
+        one closes any region a KeyboardInterrupt left open)."""
         return [
             model.register_forward_pre_hook(self._enter),
             model.register_forward_hook(self._exit, always_call=True),
+            _Closer(self.close),
         ]
 
+    def close(self) -> None:
+        """Close every open region, innermost first (autocast back to its state before)."""
+        while self._stack:
+            self._stack.pop()[0].close()
+
+    def _close_stale(self) -> None:
+        running = set()
+        f = sys._getframe(2)
+        while f is not None:
+            running.add(id(f))
+            f = f.f_back
+        # Regions are nested: once the innermost's call still runs, so do the outer ones'.
+        while self._stack and id(self._stack[-1][1]) not in running:
+            self._stack.pop()[0].close()
+
     def _enter(self, module, args):
+        if self._stack:  # a re-entrant forward, or a region an interrupt left open
+            self._close_stale()
         stack = contextlib.ExitStack()
         try:
             stack.enter_context(torch.autocast(self.device_type, dtype=self.dtype))
@@ -132,11 +158,18 @@ class AutocastForward:
         except BaseException:
             stack.close()
             raise
-        self._stack.append(stack)
+        self._stack.append((stack, sys._getframe(1)))  # the call running this forward
 
     def _exit(self, module, args, output):
         if self._stack:
-            self._stack.pop().close()
+            self._stack.pop()[0].close()
         if self.output_dtype is not None:
             return _cast(output, self.output_dtype)
         return None
+
+
+class _Closer:
+    """A removable handle whose ``remove()`` runs ``fn`` (beside the hooks' own handles)."""
+
+    def __init__(self, fn):
+        self.remove = fn

@@ -220,6 +220,49 @@ def test_register_float_function_only_inside_o1_forward_and_restored_on_error():
         default_registry.entries.clear()
 
 
+class _Interrupted(torch.nn.Module):
+    """Raises KeyboardInterrupt (a Ctrl-C) in the middle of its forward when ``stop`` is set;
+    ``inner`` calls the model again inside its own forward (a re-entrant forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.stop = self.inner = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.stop:
+            raise KeyboardInterrupt
+        if self.inner:
+            self.inner = False
+            y = y + self(x.float())
+            assert torch.is_autocast_enabled("cpu")  # the outer region is still open
+        return y
+
+
+def test_ctrl_c_in_an_o1_forward_does_not_leave_autocast_on():
+    # PyTorch runs always_call forward hooks for Exception only: the region a KeyboardInterrupt
+    # leaves open is closed by the next forward, or by removing amp's hooks.
+    net = _init(_Interrupted(), None, "O1")
+    net.stop = True
+    with pytest.raises(KeyboardInterrupt):
+        net(torch.randn(2, 4))
+    assert torch.is_autocast_enabled("cpu")  # open until the model runs again
+    net.stop = False
+    assert net(torch.randn(2, 4)).dtype == torch.float32  # O1 casts outputs to fp32
+    assert not torch.is_autocast_enabled("cpu")
+    net.inner = True  # a re-entrant forward keeps its outer region
+    net(torch.randn(2, 4))
+    assert not torch.is_autocast_enabled("cpu")
+
+    other = _init(_Interrupted(), None, "O1")
+    other.stop = True
+    with pytest.raises(KeyboardInterrupt):
+        other(torch.randn(2, 4))
+    amp.current_handle().remove_hooks()
+    assert not torch.is_autocast_enabled("cpu")
+
+
 def test_disabled_amp_is_a_no_op():
     m = _mlp()
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

@@ -1,0 +1,202 @@
+"""The lab keeps what it measured: Ctrl-C, refused arguments, all-skipped rows, NaN advice.
+
+Ctrl-C (KeyboardInterrupt) in the middle of a step ends ``compare`` as Stop does (the rows keep
+the finished steps, the report is still written); ``--steps 0``, ``--batch-sizes ""``, an
+unknown device and an unwritable ``--out`` are refused before anything runs.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+from torch import nn
+
+import mpnb.lab
+from mpnb.cli import main
+from mpnb.lab import workloads
+from mpnb.lab.config import expand
+
+
+def _data(n=256, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, 16, generator=g)
+    return x, x[:, :4].argmax(1)
+
+
+class _CtrlCAt(nn.Module):
+    """A tiny model whose ``n``-th forward (counted across configurations) raises
+    KeyboardInterrupt, as a Ctrl-C in the middle of a training step does."""
+
+    calls = 0
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.n = n
+        self.net = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+    def forward(self, x):
+        type(self).calls += 1
+        if type(self).calls == self.n:
+            raise KeyboardInterrupt
+        return self.net(x)
+
+
+def test_ctrl_c_in_a_step_returns_the_finished_rows():
+    _CtrlCAt.calls = 0  # the 13th forward: a few rounds in (setup runs forwards too)
+    w = workloads.custom(lambda: _CtrlCAt(13), _data(), nn.functional.cross_entropy, batch_size=16)
+    df = mpnb.lab.compare(w, opt_levels=("O0", "O1"), steps=40, progress=False, threads=1)
+    assert df.attrs["stopped"] and df.attrs["stopped_by"] == "Ctrl-C"
+    assert (df["status"] == "interrupted").all() and (df["error"] == "").all()
+    for _, row in df.iterrows():
+        assert "interrupted at step" in row.warnings and "(Ctrl-C)" in row.warnings
+    hist = df.attrs["history"]
+    done = hist.groupby("configuration").size()
+    assert done.min() >= 4 and done.max() - done.min() <= 1  # round robin: one round apart
+    for label, n in done.items():  # the step cut short recorded nothing
+        note = df.set_index("configuration").loc[label, "warnings"]
+        assert f"interrupted at step {n} of 40 (Ctrl-C)" in note
+    assert df.loc[df.opt_level == "O1", "speedup_vs_O0"].notna().all()  # measured rounds kept
+    assert not torch.is_autocast_enabled("cpu")  # an O1 forward cut short left nothing on
+
+
+def _read_until(stream, needle: bytes, buf: bytearray, done: threading.Event) -> None:
+    while True:
+        chunk = stream.read1(4096) if hasattr(stream, "read1") else stream.read(1)
+        if not chunk:
+            break
+        buf += chunk
+        if needle in buf:
+            done.set()
+
+
+def test_cli_ctrl_c_prints_the_rows_and_writes_the_report(tmp_path):
+    out = tmp_path / "report.html"
+    cmd = [sys.executable, "-m", "mpnb", "compare", "--workload", "mlp", "--size", "small"]
+    cmd += ["--opt-levels", "O0,O1", "--steps", "20000", "--threads", "1", "--out", str(out)]
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    err, started = bytearray(), threading.Event()
+    reader = threading.Thread(target=_read_until, args=(p.stderr, b"/20000]", err, started))
+    reader.start()
+    try:
+        deadline = time.monotonic() + 120  # the progress bar shows a step: training runs
+        while not started.wait(0.2) and p.poll() is None and time.monotonic() < deadline:
+            pass
+        assert started.is_set(), f"no training step shown: {bytes(err)[-2000:]!r}"
+        p.send_signal(signal.SIGINT)
+        stdout, _ = p.communicate(timeout=120)
+    finally:
+        if p.poll() is None:
+            p.kill()
+        reader.join(5)
+    text = stdout.decode()
+    assert p.returncode == 130, (text, bytes(err)[-2000:])
+    assert "interrupted at step" in text and "(Ctrl-C)" in text  # the rows' notes
+    assert "O0 fp32" in text and "O1 bf16" in text
+    assert b"interrupted (Ctrl-C)" in err
+    assert out.exists() and "interrupted" in out.read_text()
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--steps", "0"], "need at least 2 steps"),
+        (["--steps", "-5"], "need at least 2 steps"),
+        (["--batch-sizes", ""], "expected positive batch sizes"),
+        (["--batch-sizes", "16,0"], "expected positive batch sizes"),
+    ],
+)
+def test_cli_refuses_bad_counts_instead_of_running_the_defaults(args, says, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["compare", "--out", "", *args])
+    assert e.value.code == 2
+    assert says in capsys.readouterr().err
+
+
+def test_cli_refuses_an_unknown_device_and_an_unwritable_report(tmp_path, capsys):
+    assert main(["compare", "--device", "tpu", "--out", ""]) == 2
+    err = capsys.readouterr().err
+    assert "device='tpu' is not a device" in err and "'cpu'" in err
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for bad, says in [
+        (blocker / "report.html", "is a file, so"),
+        (tmp_path, "is a directory"),
+    ]:
+        t0 = time.perf_counter()
+        assert main(["compare", "--out", str(bad)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "--out ''" in err
+        assert time.perf_counter() - t0 < 5  # refused before the run, not after it
+
+
+def test_compare_refuses_zero_steps_and_an_unknown_device():
+    with pytest.raises(ValueError, match="steps=0"):
+        mpnb.lab.compare("mlp", steps=0, progress=False)
+    with pytest.raises(ValueError, match="is not a device"):
+        mpnb.lab.compare("mlp", device="tpu", progress=False)
+
+
+class _Overflow(nn.Module):
+    """Logits far above fp16's range: every fp16 step overflows and is skipped."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.lin(x) * 1e6
+
+
+def test_a_row_whose_every_step_was_skipped_says_so():
+    w = workloads.custom(_Overflow, _data(), nn.functional.cross_entropy, batch_size=16)
+    df = mpnb.lab.compare(
+        w, opt_levels=("O0", "O2"), half_dtype="fp16", steps=4, progress=False, threads=1
+    ).set_index("opt_level")
+    assert df.loc["O2", "skipped_steps"] == 4
+    assert "every one of the 4 steps was skipped" in df.loc["O2", "warnings"]
+    assert "trace_overflow" in df.loc["O2", "warnings"]
+    assert "skipped" not in df.loc["O0", "warnings"]
+
+
+def _cfg(level, half):
+    dtype = "bf16" if half == "fp32" else half  # O0 runs fp32 whatever the half dtype
+    return next(
+        c for c in expand("mlp", (level,), dtype, (16,), 4, "adam", None, None, "cpu", 0)
+        if c.half_dtype == half
+    )  # fmt: skip
+
+
+def test_the_nan_divergence_advice_fits_the_row():
+    from mpnb.lab._train import divergence_message
+
+    fp32 = divergence_message(_cfg("O0", "fp32"), float("nan"), 3, False, 1.0)
+    assert "not a precision problem" in fp32 and "loss scal" not in fp32 and "bf16" not in fp32
+    bf16 = divergence_message(_cfg("O2", "bf16"), float("nan"), 3, False, 1.0)
+    assert "loss scaling would not help" in bf16 and "use dynamic" not in bf16
+    static = divergence_message(_cfg("O2", "fp16"), float("inf"), 3, False, 128.0)
+    assert "use dynamic loss scaling" in static and "or bf16" in static
+    dynamic = divergence_message(_cfg("O2", "fp16"), float("nan"), 3, True, 128.0)
+    assert "use dynamic" not in dynamic and "dynamic loss scale 128" in dynamic
+    o3 = divergence_message(_cfg("O3", "bf16"), float("nan"), 3, False, 1.0)
+    assert "O2 keeps them in fp32" in o3
+
+
+def test_an_fp32_divergence_row_gives_no_loss_scaling_advice():
+    calls = {"n": 0}
+
+    def loss_fn(out, y):
+        calls["n"] += 1
+        loss = nn.functional.cross_entropy(out, y)
+        return loss * float("nan") if calls["n"] == 3 else loss
+
+    w = workloads.custom(lambda: nn.Sequential(nn.Linear(16, 4)), _data(), loss_fn, batch_size=16)
+    df = mpnb.lab.compare(w, opt_levels=("O0",), steps=6, progress=False, threads=1)
+    assert "NaN divergence" in df.error[0] and "loss scal" not in df.error[0]
