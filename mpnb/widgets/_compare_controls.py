@@ -17,6 +17,7 @@ import torch
 
 from mpnb.core.amp import OPT_LEVELS
 from mpnb.core.precision import config_names
+from mpnb.lab.config import OPTIMIZERS
 from mpnb.widgets._common import half_status_label, hardware_html
 
 __all__ = ["ControlsMixin", "LEVELS", "DEFAULT_LEVELS", "OPTIMIZERS", "parse_sizes"]
@@ -25,7 +26,6 @@ __all__ = ["ControlsMixin", "LEVELS", "DEFAULT_LEVELS", "OPTIMIZERS", "parse_siz
 # options), from the one list in mpnb.core.precision; the widget starts with the O levels.
 LEVELS = config_names()
 DEFAULT_LEVELS = tuple(OPT_LEVELS)
-OPTIMIZERS = ("adam", "adamw", "sgd", "fused_adam", "fused_sgd")
 SIZES = ("auto", "small", "medium", "large")
 
 
