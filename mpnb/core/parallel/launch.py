@@ -3,8 +3,16 @@
 Every rank joins a process group on 127.0.0.1 (a free port picked here; nothing else on the
 network is touched), runs ``fn(*args)`` and sends back its return value or its exception with
 the formatted traceback. The caller waits with a deadline: the first failure (an exception,
-or a rank that dies without a word, e.g. killed or crashed) terminates the other ranks and
-raises :class:`RankError` naming the rank, with its traceback; ``timeout`` bounds the whole run.
+or a rank that dies without a word, e.g. killed or crashed) stops the other ranks and raises
+:class:`RankError` naming the rank, with its traceback; ``timeout`` bounds the whole run.
+
+Launch manages the ranks as a process manager does. Ranks are not daemonic, so a rank may
+start processes of its own (a ``DataLoader`` with ``num_workers=2``, a ``subprocess``). Each
+rank leads a process group of its own, and when launch returns or raises (a failure, the
+timeout, a ``KeyboardInterrupt`` in the caller) nothing any rank started is still running:
+every rank's group and every descendant get SIGTERM, then SIGKILL after 3 s. A rank whose
+caller is killed outright ends its own tree within a second. Ctrl-C reaches the caller only,
+which then stops the ranks; a second Ctrl-C skips the grace period.
 
 How the ranks start (the rule accelerate's ``notebook_launcher`` follows):
 
@@ -34,6 +42,8 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
+
+from mpnb.core.parallel._procs import lead_own_group, stop_trees
 
 __all__ = ["launch", "RankError", "free_port", "under_torchrun"]
 
@@ -90,7 +100,8 @@ def _by_value(msg) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, conn) -> None:
+def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, caller, conn) -> None:
+    lead_own_group(caller)  # first: anything the rank starts belongs to its group
     os.environ.update(
         MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
@@ -122,18 +133,6 @@ def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, conn) -> No
         conn.close()
 
 
-def _stop(procs, grace: float = 3.0) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    end = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
-
-
 def _collect(procs, conns, nprocs: int, timeout: float) -> list:
     results: dict[int, object] = {}
     deadline = time.monotonic() + timeout
@@ -144,8 +143,9 @@ def _collect(procs, conns, nprocs: int, timeout: float) -> list:
         if left <= 0:
             raise TimeoutError(
                 f"launch: {nprocs - len(results)} rank(s) did not finish within {timeout:.0f} s "
-                f"(finished: {sorted(results)}); they were stopped. Raise timeout= if the work "
-                "is really that long, or look for a rank stuck in a collective."
+                f"(finished: {sorted(results)}); they and every process they started were "
+                "stopped. Raise timeout= if the work is really that long, or look for a rank "
+                "stuck in a collective."
             )
         ready = wait([*open_, *(s for s, r in sentinels.items() if r not in results)], left)
         for obj in ready:
@@ -172,7 +172,7 @@ def _collect(procs, conns, nprocs: int, timeout: float) -> list:
                 raise RankError(
                     f"launch: rank {rank} died with exit code {procs[rank].exitcode} before "
                     "reporting (killed, out of memory, or a crash in native code); the other "
-                    "ranks were stopped.",
+                    "ranks, and every process the ranks started, were stopped.",
                     rank,
                 )
     return [results[r] for r in range(nprocs)]
@@ -189,6 +189,13 @@ def launch(
 ) -> list:
     """Run ``fn(*args)`` on ``nprocs`` local ranks; return each rank's return value.
 
+    Ranks are ordinary (not daemonic) processes, each leading its own process group, so
+    ``fn`` may start processes too (``DataLoader(..., num_workers=2)``, ``subprocess``).
+    When launch returns or raises, every rank and everything it started has ended: after
+    success the ranks get 3 s to exit on their own, then whatever is left (e.g. a child a
+    rank did not wait for) gets SIGTERM, and SIGKILL 3 s later; after a failure, the timeout
+    or a ``KeyboardInterrupt`` in the caller, the same happens at once.
+
     Args:
         fn: the function every rank runs (after its process group is set up).
         nprocs: number of ranks.
@@ -201,6 +208,7 @@ def launch(
     Raises:
         RankError: a rank raised (its traceback is in the message) or died.
         TimeoutError: the ranks did not all finish within ``timeout``.
+        KeyboardInterrupt: passed on, after the ranks were stopped.
 
     Example::
 
@@ -233,20 +241,21 @@ def launch(
     ctx = mp.get_context(_start_method(fn, backend, start_method))
     port = free_port()
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
-    procs, conns = [], []
+    procs, conns, finished = [], [], False
     try:
         for rank in range(nprocs):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(
+            p = ctx.Process(  # not daemonic: a rank may start its own workers
                 target=_worker,
                 name=f"mpnb-rank{rank}",
-                daemon=True,
-                args=(rank, nprocs, fn, args, backend, port, timeout, threads, send),
+                args=(rank, nprocs, fn, args, backend, port, timeout, threads, os.getpid(), send),
             )
+            procs.append(p)
             p.start()
             send.close()
-            procs.append(p)
             conns.append(recv)
-        return _collect(procs, conns, nprocs, timeout)
+        out = _collect(procs, conns, nprocs, timeout)
+        finished = True
+        return out
     finally:
-        _stop(procs)
+        stop_trees(procs, finished)
