@@ -14,6 +14,11 @@ every rank's group and every descendant get SIGTERM, then SIGKILL after 3 s. A r
 caller is killed outright ends its own tree within a second. Ctrl-C reaches the caller only,
 which then stops the ranks; a second Ctrl-C skips the grace period.
 
+A rank that returns from ``fn`` while another still waits for it in a
+:class:`~mpnb.parallel.DistributedDataParallel` all-reduce (uneven inputs: the ranks ran
+different numbers of batches) makes that rank fail within about a second, with an error
+naming both ranks and the batch; ``with model.join():`` is the way to train on uneven inputs.
+
 How the ranks start (the rule accelerate's ``notebook_launcher`` follows):
 
 * ``fn`` importable (defined in a module or a script run as ``__main__``): **spawn**, fresh
@@ -44,6 +49,7 @@ import torch
 import torch.distributed as dist
 
 from mpnb.core.parallel._procs import lead_own_group, stop_trees
+from mpnb.core.parallel._watch import STORE_ENV, mark_returned
 
 __all__ = ["launch", "RankError", "free_port", "under_torchrun"]
 
@@ -109,20 +115,22 @@ def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, caller, con
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs),
+        **{STORE_ENV: f"{LOOPBACK}:{port}"},
     )
     try:
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{LOOPBACK}:{port}",
-            rank=rank,
-            world_size=nprocs,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        td = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore(LOOPBACK, port, nprocs, rank == 0, timeout=td)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs, timeout=td)
         out = fn(*args)
-        dist.barrier()  # every rank done with the group before any tears it down
+        # Meet in the store first, not in a collective: a rank still inside fn (waiting in an
+        # all-reduce for this one) sees the key and fails with a clear error, where a barrier
+        # would be paired with its all-reduce. Then the barrier: every rank done with the
+        # group (its last asynchronous work included) before any tears it down.
+        mark_returned(store, rank, nprocs)
+        dist.barrier()
         conn.send_bytes(_by_value(("ok", rank, out)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
         msg = ("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc())
@@ -206,7 +214,9 @@ def launch(
         threads: torch threads per rank (default: the CPU count divided by ``nprocs``).
 
     Raises:
-        RankError: a rank raised (its traceback is in the message) or died.
+        RankError: a rank raised (its traceback is in the message) or died. A rank waiting
+            in a DistributedDataParallel all-reduce for a rank that already returned from
+            ``fn`` raises within about a second (uneven inputs: use ``model.join()``).
         TimeoutError: the ranks did not all finish within ``timeout``.
         KeyboardInterrupt: passed on, after the ranks were stopped.
 
