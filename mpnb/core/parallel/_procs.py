@@ -43,25 +43,26 @@ def _orphan_watchdog(caller: int) -> None:
     os.kill(me, signal.SIGKILL)
 
 
+def _stat(pid: int | str) -> tuple[int, int, str] | None:
+    """(parent pid, start time, state) of ``pid``, or None when it is gone (or no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # the command name (field 2) may hold spaces and parentheses: split after the last ')'
+    rest = stat[stat.rindex(b")") + 2 :].split()
+    return int(rest[1]), int(rest[19]), rest[0].decode()
+
+
 def _proc_table() -> dict[int, tuple[int, int, str]]:
-    """pid -> (parent pid, start time, state) of every process; empty without ``/proc``."""
-    table = {}
+    """pid -> :func:`_stat` of every process; empty without ``/proc``."""
     try:
         names = os.listdir("/proc")
     except OSError:
-        return table
-    for name in names:
-        if not name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue  # gone meanwhile
-        # the command name (field 2) may hold spaces and parentheses: split after the last ')'
-        rest = stat[stat.rindex(b")") + 2 :].split()
-        table[int(name)] = (int(rest[1]), int(rest[19]), rest[0].decode())
-    return table
+        return {}
+    table = {int(n): _stat(n) for n in names if n.isdigit()}
+    return {pid: st for pid, st in table.items() if st is not None}
 
 
 def _descendants(roots: list[int]) -> dict[int, int]:
@@ -82,8 +83,12 @@ def _descendants(roots: list[int]) -> dict[int, int]:
 
 def _running(pids: dict[int, int]) -> dict[int, int]:
     """The ``pids`` still running as the same process (same start time, not a zombie)."""
-    table = _proc_table()
-    return {p: s for p, s in pids.items() if p in table and table[p][1] == s and table[p][2] != "Z"}
+    out = {}
+    for pid, start in pids.items():
+        st = _stat(pid)
+        if st is not None and st[1] == start and st[2] != "Z":
+            out[pid] = start
+    return out
 
 
 def _signal_pids(pids: dict[int, int], sig: int) -> None:
