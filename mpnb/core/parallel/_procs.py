@@ -18,12 +18,15 @@ import time
 __all__ = ["lead_own_group", "stop_trees"]
 
 _POLL = 0.05
+_GROUPS = hasattr(os, "setsid")  # POSIX; elsewhere only the ranks themselves are signalled
+_KILL = getattr(signal, "SIGKILL", signal.SIGTERM)  # Windows: both end the process at once
 
 
 def lead_own_group(caller: int) -> None:
     """In a rank: lead a new session, and end the whole tree if ``caller`` goes away."""
     try:
-        os.setsid()
+        if _GROUPS:
+            os.setsid()
     except OSError:  # already a group leader: its group is its own already
         pass
     threading.Thread(
@@ -37,10 +40,10 @@ def _orphan_watchdog(caller: int) -> None:
     while os.getppid() == caller:
         time.sleep(0.5)
     me = os.getpid()
-    _signal_pids(_descendants([me]), signal.SIGKILL)
-    if os.getpgrp() == me:
-        os.killpg(me, signal.SIGKILL)
-    os.kill(me, signal.SIGKILL)
+    _signal_pids(_descendants([me]), _KILL)
+    if _GROUPS and os.getpgrp() == me:
+        os.killpg(me, _KILL)
+    os.kill(me, _KILL)
 
 
 def _stat(pid: int | str) -> tuple[int, int, str] | None:
@@ -104,7 +107,8 @@ def _signal_trees(procs, tree: dict[int, int], sig: int) -> None:
         if p.pid is None:
             continue
         try:
-            os.killpg(p.pid, sig)  # the rank and all it started (once it led its group)
+            if _GROUPS:
+                os.killpg(p.pid, sig)  # the rank and all it started (once it led its group)
         except OSError:
             pass  # no such group: the rank never got to setsid, or all of it is gone
         (p.terminate if sig == signal.SIGTERM else p.kill)()  # no-op once reaped
@@ -140,9 +144,9 @@ def stop_trees(procs, finished: bool, grace: float = 3.0) -> None:
         _wait(procs, tree, grace)
     finally:
         if not _all_gone(procs, tree):
-            _signal_trees(procs, tree, signal.SIGKILL)
+            _signal_trees(procs, tree, _KILL)
         # also what started after the snapshot, in the ranks' groups
-        _signal_trees([p for p in procs if p.pid is not None], {}, signal.SIGKILL)
+        _signal_trees([p for p in procs if p.pid is not None], {}, _KILL)
         for p in procs:
             if p.pid is not None:
                 p.join(1.0)

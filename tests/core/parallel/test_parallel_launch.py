@@ -199,8 +199,14 @@ def _start_children(tmp: str) -> list[int]:
         subprocess.Popen(["sleep", "600"], start_new_session=True),  # escapes the group
     ]
     pids = [os.getpid()] + [k.pid for k in kids]
-    Path(tmp, f"rank{dist.get_rank()}").write_text(" ".join(map(str, pids)))
+    _write_atomically(Path(tmp, f"rank{dist.get_rank()}"), " ".join(map(str, pids)))
     return pids
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A reader sees the whole file or none (the test polls for these files)."""
+    path.with_suffix(".tmp").write_text(text)
+    os.replace(path.with_suffix(".tmp"), path)
 
 
 def _pids_written(tmp, nprocs: int) -> list[int]:
@@ -304,7 +310,9 @@ from mpnb.parallel import launch
 
 def rank_fn(tmp):
     kid = subprocess.Popen(["sleep", "600"])
-    Path(tmp, f"rank{dist.get_rank()}").write_text(f"{os.getpid()} {kid.pid}")
+    path = Path(tmp, f"rank{dist.get_rank()}")
+    path.with_suffix(".tmp").write_text(f"{os.getpid()} {kid.pid}")
+    os.replace(path.with_suffix(".tmp"), path)  # the test sees the whole file or none
     time.sleep(60)
 
 launch(rank_fn, 2, backend="gloo", args=(sys.argv[1],), timeout=60, threads=1)
@@ -326,8 +334,8 @@ def test_ranks_end_their_trees_when_the_caller_is_killed(tmp_path):
         while not all(Path(tmp_path, f"rank{r}").exists() for r in range(2)):
             assert caller.poll() is None and time.monotonic() < end, "the caller did not start"
             time.sleep(0.05)
-        time.sleep(0.1)  # the second pid of the file
         pids = _pids_written(tmp_path, 2)
+        assert len(pids) == 4  # each rank and its child
         caller.kill()
         caller.wait()
         assert _still_running(pids) == []
