@@ -19,6 +19,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from mpnb.core.parallel._watch import wait_watched
+
 __all__ = ["BucketPlan", "FlatReduce", "plan_buckets", "sync_order"]
 
 
@@ -70,10 +72,11 @@ def plan_buckets(
     return BucketPlan(closed)
 
 
-def sync_order(order: list[int], n: int, group) -> list[int]:
+def sync_order(order: list[int], n: int, group, watch=None) -> list[int]:
     """Rank 0's ``order`` (completed with the missing indices, last first) on every rank.
 
     One broadcast of ``n`` int64 values: the bucket structure must be the same everywhere.
+    ``watch`` is called while the broadcast waits (see :func:`wait_watched`).
     """
     seen = set(order)
     full = list(order) + [i for i in reversed(range(n)) if i not in seen]
@@ -82,7 +85,7 @@ def sync_order(order: list[int], n: int, group) -> list[int]:
     if backend == "nccl":
         t = t.cuda()
     src = dist.get_global_rank(group, 0) if group is not None else 0
-    dist.broadcast(t, src=src, group=group)
+    wait_watched(dist.broadcast(t, src=src, group=group, async_op=True), watch)
     return t.cpu().tolist()
 
 
@@ -105,8 +108,8 @@ class FlatReduce:
         self.views = list(self.buffer.split(list(numels)))
         self.group = group
         self.predivide = float(predivide)
-        world = dist.get_world_size(group)
-        self.post = self.predivide / world if average else 1.0
+        self.average = average
+        self.world = dist.get_world_size(group)
         self.work = None
         self.grads: list[torch.Tensor] = []
 
@@ -122,13 +125,28 @@ class FlatReduce:
             self.buffer.mul_(1.0 / self.predivide)
         self.work = dist.all_reduce(self.buffer, group=self.group, async_op=True)
 
-    def finish(self) -> None:
-        """Wait for the all-reduce, scale, and copy the result back into the gradients."""
+    def launch_zeros(self) -> None:
+        """Start an all-reduce of zeros: a rank with no batch left shadows the others' one."""
+        self.grads = []
+        self.buffer.zero_()
+        self.work = dist.all_reduce(self.buffer, group=self.group, async_op=True)
+
+    def finish(self, divisor: int | None = None, watch=None) -> None:
+        """Wait for the all-reduce, scale, and copy the result back into the gradients.
+
+        Args:
+            divisor: ranks to average over (default: the group's size; ``join`` passes the
+                number of ranks still training when asked to).
+            watch: called while the wait lasts (see :func:`wait_watched`).
+        """
         if self.work is None:
             return
-        self.work.wait()
-        self.work = None
-        if self.post != 1.0:
-            self.buffer.mul_(self.post)
+        work, self.work = self.work, None
+        wait_watched(work, watch)
         grads, self.grads = self.grads, []
+        if not grads:  # launch_zeros: nothing to copy back
+            return
+        post = self.predivide / (divisor or self.world) if self.average else 1.0
+        if post != 1.0:
+            self.buffer.mul_(post)
         torch._foreach_copy_(grads, self._shaped(grads))

@@ -42,8 +42,9 @@ def check_same_model(tensors: list[torch.Tensor], group, who: str) -> None:
         )
 
 
-def broadcast_state(tensors: list[torch.Tensor], group) -> None:
-    src = dist.get_global_rank(group, 0) if group is not None else 0
+def broadcast_state(tensors: list[torch.Tensor], group, src: int = 0) -> None:
+    """Broadcast ``tensors`` in place from the rank ``src`` of ``group``."""
+    src = dist.get_global_rank(group, src) if group is not None else src
     with torch.no_grad():
         for t in tensors:
             dist.broadcast(t.data, src=src, group=group)

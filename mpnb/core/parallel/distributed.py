@@ -5,6 +5,10 @@ has a ``register_post_accumulate_grad_hook`` that marks it ready, a full bucket 
 and sent with ``dist.all_reduce(async_op=True)``, and a callback queued on the autograd engine
 (``Variable._execution_engine.queue_callback``, as torch's DDP and Apex do) waits for every
 bucket and copies the results back before ``backward()`` returns.
+
+Ranks with different numbers of batches train together inside ``with model.join():``
+(torch's join protocol, see ``_join.py``); without it, under ``launch``, a rank left waiting
+for one that has returned fails within about a second and names both (see ``_watch.py``).
 """
 
 from __future__ import annotations
@@ -26,6 +30,8 @@ from mpnb.core.parallel._common import (
     require_dist,
     unique_params,
 )
+from mpnb.core.parallel._join import JoinableDDP
+from mpnb.core.parallel._watch import ReturnedRanks, uneven_inputs_error
 from mpnb.core.parallel.flat_dist import (
     apply_flat_dist_call,
     flat_dist_call,
@@ -70,7 +76,7 @@ class CommStats:
         self.exposed_s = 0.0
 
 
-class DistributedDataParallel(torch.nn.Module):
+class DistributedDataParallel(torch.nn.Module, JoinableDDP):
     """Data-parallel wrapper: gradients all-reduced in buckets, overlapped with backward.
 
     Parameters are broadcast from rank 0 at construction. The first backward records the
@@ -79,6 +85,13 @@ class DistributedDataParallel(torch.nn.Module):
     gradients are ready, in bucket order. Parameters without a gradient in a backward get a
     zero gradient at its end (a parameter unused on every rank ends with a zero gradient,
     not ``None``), so every rank reduces the same buckets and nothing hangs.
+
+    Every rank must run the same number of backwards, or the ones with more batches wait in
+    an all-reduce for the others. Wrap the training loop in :meth:`join` when the numbers
+    differ. Without it, ranks started by :func:`~mpnb.parallel.launch` (gloo) do not hang:
+    a rank waiting for a rank that has already returned from the launched function raises
+    within about a second, naming both ranks and its batch; elsewhere it waits for the
+    process group's timeout, as torch's DDP does.
 
     Args:
         module: the model (the same on every rank).
@@ -104,6 +117,9 @@ class DistributedDataParallel(torch.nn.Module):
         >>> loss = model(x).sum(); loss.backward()   # grads averaged over ranks here
         >>> with model.no_sync():                     # accumulate locally
         ...     model(x).sum().backward()
+        >>> with model.join():                        # ranks may have different batch counts
+        ...     for x in my_batches:
+        ...         model(x).sum().backward(); opt.step(); opt.zero_grad()
     """
 
     def __init__(
@@ -123,6 +139,7 @@ class DistributedDataParallel(torch.nn.Module):
         prof: bool = False,
     ) -> None:
         super().__init__()
+        JoinableDDP.__init__(self)
         require_dist("DistributedDataParallel")
         if shared_param is not None:
             raise ValueError(
@@ -157,6 +174,14 @@ class DistributedDataParallel(torch.nn.Module):
         self.stats = CommStats()
         self._sync = True
         self._handles: list = []
+        self._reduced = 0  # backwards that reduced: the batch count named in errors
+        peers = {
+            r for g in self.groups for r in dist.get_process_group_ranks(g or dist.group.WORLD)
+        }
+        peers.discard(dist.get_rank())
+        self._returned = ReturnedRanks(sorted(peers))
+        gloo = all(dist.get_backend(g) == "gloo" for g in self.groups)
+        self._watch = self._check_peers if gloo and self._returned else None
         state = list(module.parameters()) + list(module.buffers())
         check_same_model(state, self.groups[0], "DistributedDataParallel")
         broadcast_state(state, self.groups[0])
@@ -225,6 +250,8 @@ class DistributedDataParallel(torch.nn.Module):
         """Run the wrapped module (re-plans the buckets if its parameters changed)."""
         if tuple(id(p) for p in unique_params(self.module)) != self._key:
             self._setup()
+        if self._join_config.enable:
+            self._announce()
         return self.module(*inputs, **kwargs)
 
     @contextlib.contextmanager
@@ -237,10 +264,17 @@ class DistributedDataParallel(torch.nn.Module):
             self._sync = before
 
     # ---- backward machinery --------------------------------------------------------------
+    def _check_peers(self) -> None:  # called while a gloo all-reduce waits long
+        gone = self._returned()
+        if gone:
+            raise uneven_inputs_error(dist.get_rank(), self._reduced, gone)
+
     def _ready(self, i: int) -> None:
         if not self._sync:
             return
         if not self._queued:
+            if self._join_config.enable:
+                self._check_join_protocol()
             self._queued = True
             Variable._execution_engine.queue_callback(self._end_of_backward)
         self._got[i] = True
@@ -274,24 +308,33 @@ class DistributedDataParallel(torch.nn.Module):
             self.stats.early_buckets += 1
             self._next += 1
 
+    def _ensure_plan(self) -> None:
+        # The first backward plans the buckets (rank 0's order; a collective) on every rank,
+        # joined ones included.
+        if self._plan is not None:
+            return
+        order = sync_order(self._order, len(self.params), self.groups[0], self._watch)
+        self._use_plan(plan_buckets(self.params, order, self.message_size, self._trigger_idx))
+        self._pending = [len(b) for b in self._plan.buckets]
+        self._launched = [False] * len(self._pending)
+
     def _end_of_backward(self) -> None:
         t0 = time.perf_counter()
         ctx = torch.profiler.record_function("mpnb.ddp.end_of_backward")
         with ctx if self.prof else contextlib.nullcontext():
-            if self._plan is None:
-                order = sync_order(self._order, len(self.params), self.groups[0])
-                self._use_plan(
-                    plan_buckets(self.params, order, self.message_size, self._trigger_idx)
-                )
-                self._pending = [len(b) for b in self._plan.buckets]
-                self._launched = [False] * len(self._pending)
+            self._ensure_plan()
             for b in range(len(self._plan.buckets)):
                 if not self._launched[b]:
                     self._launch(b)
+            divisor = None
+            if self._announced is not None and not self._divide_by_initial_world_size:
+                divisor = self._ranks_still_training()
             for r in self._reducers:
-                r.finish()
+                r.finish(divisor, self._watch)
             if self.retain_allreduce_buffers:
                 self.allreduce_buffers = [r.buffer for r in self._reducers]
         self.stats.backwards += 1
         self.stats.exposed_s += time.perf_counter() - t0
+        self._reduced += 1
+        self._announced = None
         self._reset_iteration()

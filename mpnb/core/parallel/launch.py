@@ -3,8 +3,21 @@
 Every rank joins a process group on 127.0.0.1 (a free port picked here; nothing else on the
 network is touched), runs ``fn(*args)`` and sends back its return value or its exception with
 the formatted traceback. The caller waits with a deadline: the first failure (an exception,
-or a rank that dies without a word, e.g. killed or crashed) terminates the other ranks and
-raises :class:`RankError` naming the rank, with its traceback; ``timeout`` bounds the whole run.
+or a rank that dies without a word, e.g. killed or crashed) stops the other ranks and raises
+:class:`RankError` naming the rank, with its traceback; ``timeout`` bounds the whole run.
+
+Launch manages the ranks as a process manager does. Ranks are not daemonic, so a rank may
+start processes of its own (a ``DataLoader`` with ``num_workers=2``, a ``subprocess``). Each
+rank leads a process group of its own, and when launch returns or raises (a failure, the
+timeout, a ``KeyboardInterrupt`` in the caller) nothing any rank started is still running:
+every rank's group and every descendant get SIGTERM, then SIGKILL after 3 s. A rank whose
+caller is killed outright ends its own tree within a second. Ctrl-C reaches the caller only,
+which then stops the ranks; a second Ctrl-C skips the grace period.
+
+A rank that returns from ``fn`` while another still waits for it in a
+:class:`~mpnb.parallel.DistributedDataParallel` all-reduce (uneven inputs: the ranks ran
+different numbers of batches) makes that rank fail within about a second, with an error
+naming both ranks and the batch; ``with model.join():`` is the way to train on uneven inputs.
 
 How the ranks start (the rule accelerate's ``notebook_launcher`` follows):
 
@@ -34,6 +47,9 @@ from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
+
+from mpnb.core.parallel._procs import lead_own_group, stop_trees
+from mpnb.core.parallel._watch import STORE_ENV, mark_returned
 
 __all__ = ["launch", "RankError", "free_port", "under_torchrun"]
 
@@ -90,7 +106,8 @@ def _by_value(msg) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, conn) -> None:
+def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, caller, conn) -> None:
+    lead_own_group(caller)  # first: anything the rank starts belongs to its group
     os.environ.update(
         MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
@@ -98,20 +115,22 @@ def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, conn) -> No
         LOCAL_RANK=str(rank),
         WORLD_SIZE=str(nprocs),
         LOCAL_WORLD_SIZE=str(nprocs),
+        **{STORE_ENV: f"{LOOPBACK}:{port}"},
     )
     try:
         torch.set_num_threads(threads)
         if backend == "nccl":
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend,
-            init_method=f"tcp://{LOOPBACK}:{port}",
-            rank=rank,
-            world_size=nprocs,
-            timeout=datetime.timedelta(seconds=timeout),
-        )
+        td = datetime.timedelta(seconds=timeout)
+        store = dist.TCPStore(LOOPBACK, port, nprocs, rank == 0, timeout=td)
+        dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs, timeout=td)
         out = fn(*args)
-        dist.barrier()  # every rank done with the group before any tears it down
+        # Meet in the store first, not in a collective: a rank still inside fn (waiting in an
+        # all-reduce for this one) sees the key and fails with a clear error, where a barrier
+        # would be paired with its all-reduce. Then the barrier: every rank done with the
+        # group (its last asynchronous work included) before any tears it down.
+        mark_returned(store, rank, nprocs)
+        dist.barrier()
         conn.send_bytes(_by_value(("ok", rank, out)))
     except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
         msg = ("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc())
@@ -120,18 +139,6 @@ def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, conn) -> No
         if dist.is_initialized():
             dist.destroy_process_group()
         conn.close()
-
-
-def _stop(procs, grace: float = 3.0) -> None:
-    for p in procs:
-        if p.is_alive():
-            p.terminate()
-    end = time.monotonic() + grace
-    for p in procs:
-        p.join(max(0.0, end - time.monotonic()))
-        if p.is_alive():
-            p.kill()
-            p.join(1.0)
 
 
 def _collect(procs, conns, nprocs: int, timeout: float) -> list:
@@ -144,8 +151,9 @@ def _collect(procs, conns, nprocs: int, timeout: float) -> list:
         if left <= 0:
             raise TimeoutError(
                 f"launch: {nprocs - len(results)} rank(s) did not finish within {timeout:.0f} s "
-                f"(finished: {sorted(results)}); they were stopped. Raise timeout= if the work "
-                "is really that long, or look for a rank stuck in a collective."
+                f"(finished: {sorted(results)}); they and every process they started were "
+                "stopped. Raise timeout= if the work is really that long, or look for a rank "
+                "stuck in a collective."
             )
         ready = wait([*open_, *(s for s, r in sentinels.items() if r not in results)], left)
         for obj in ready:
@@ -172,7 +180,7 @@ def _collect(procs, conns, nprocs: int, timeout: float) -> list:
                 raise RankError(
                     f"launch: rank {rank} died with exit code {procs[rank].exitcode} before "
                     "reporting (killed, out of memory, or a crash in native code); the other "
-                    "ranks were stopped.",
+                    "ranks, and every process the ranks started, were stopped.",
                     rank,
                 )
     return [results[r] for r in range(nprocs)]
@@ -189,6 +197,13 @@ def launch(
 ) -> list:
     """Run ``fn(*args)`` on ``nprocs`` local ranks; return each rank's return value.
 
+    Ranks are ordinary (not daemonic) processes, each leading its own process group, so
+    ``fn`` may start processes too (``DataLoader(..., num_workers=2)``, ``subprocess``).
+    When launch returns or raises, every rank and everything it started has ended: after
+    success the ranks get 3 s to exit on their own, then whatever is left (e.g. a child a
+    rank did not wait for) gets SIGTERM, and SIGKILL 3 s later; after a failure, the timeout
+    or a ``KeyboardInterrupt`` in the caller, the same happens at once.
+
     Args:
         fn: the function every rank runs (after its process group is set up).
         nprocs: number of ranks.
@@ -199,8 +214,11 @@ def launch(
         threads: torch threads per rank (default: the CPU count divided by ``nprocs``).
 
     Raises:
-        RankError: a rank raised (its traceback is in the message) or died.
+        RankError: a rank raised (its traceback is in the message) or died. A rank waiting
+            in a DistributedDataParallel all-reduce for a rank that already returned from
+            ``fn`` raises within about a second (uneven inputs: use ``model.join()``).
         TimeoutError: the ranks did not all finish within ``timeout``.
+        KeyboardInterrupt: passed on, after the ranks were stopped.
 
     Example::
 
@@ -233,20 +251,21 @@ def launch(
     ctx = mp.get_context(_start_method(fn, backend, start_method))
     port = free_port()
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
-    procs, conns = [], []
+    procs, conns, finished = [], [], False
     try:
         for rank in range(nprocs):
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(
+            p = ctx.Process(  # not daemonic: a rank may start its own workers
                 target=_worker,
                 name=f"mpnb-rank{rank}",
-                daemon=True,
-                args=(rank, nprocs, fn, args, backend, port, timeout, threads, send),
+                args=(rank, nprocs, fn, args, backend, port, timeout, threads, os.getpid(), send),
             )
+            procs.append(p)
             p.start()
             send.close()
-            procs.append(p)
             conns.append(recv)
-        return _collect(procs, conns, nprocs, timeout)
+        out = _collect(procs, conns, nprocs, timeout)
+        finished = True
+        return out
     finally:
-        _stop(procs)
+        stop_trees(procs, finished)

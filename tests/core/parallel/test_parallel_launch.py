@@ -1,9 +1,11 @@
-"""mpnb.parallel.launch: results, a failing or dying rank, timeouts, the CUDA rule, torchrun."""
+"""mpnb.parallel.launch: results, a failing or dying rank, timeouts, the CUDA rule, torchrun,
+and the process tree: ranks may start children, and nothing they started outlives launch."""
 
 from __future__ import annotations
 
 import importlib
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -82,11 +84,20 @@ def test_a_dying_rank_makes_launch_raise():
     assert time.monotonic() - t0 < 30
 
 
-def test_timeout_stops_the_ranks():
+def test_timeout_stops_the_ranks_and_all_they_started(tmp_path):
     t0 = time.monotonic()
     with pytest.raises(TimeoutError, match="did not finish within 4 s"):
-        launch(_sleeps, 2, backend="gloo", timeout=4, threads=1)
+        launch(
+            _sleeps_with_children,
+            2,
+            backend="gloo",
+            args=(str(tmp_path),),
+            timeout=4,
+            threads=1,
+            start_method="fork",  # forked ranks start at once: both write their pids in time
+        )
     assert time.monotonic() - t0 < 20
+    assert _still_running(_pids_written(tmp_path, 2)) == []
 
 
 def test_refuses_fork_after_cuda_init_and_explains(monkeypatch):
@@ -157,3 +168,176 @@ def test_under_torchrun_launch_tears_down_the_group_it_made(monkeypatch):
         assert dist.is_initialized()
     finally:
         dist.destroy_process_group()
+
+
+# ---- the process tree ---------------------------------------------------------------------
+needs_proc = pytest.mark.skipif(
+    not Path("/proc/self/stat").exists(), reason="reads process states from /proc (Linux)"
+)
+
+
+def _running(pid: int) -> bool:
+    """The pid runs (a zombie, dead and waiting to be reaped, does not count)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat[stat.rindex(")") + 2] != "Z"
+
+
+def _still_running(pids, within: float = 5.0) -> list[int]:
+    end = time.monotonic() + within
+    while any(_running(p) for p in pids) and time.monotonic() < end:
+        time.sleep(0.05)
+    return [p for p in pids if _running(p)]
+
+
+def _start_children(tmp: str) -> list[int]:
+    """Start a child in the rank's group and one in a session of its own; write the pids."""
+    kids = [
+        subprocess.Popen(["sleep", "600"]),
+        subprocess.Popen(["sleep", "600"], start_new_session=True),  # escapes the group
+    ]
+    pids = [os.getpid()] + [k.pid for k in kids]
+    _write_atomically(Path(tmp, f"rank{dist.get_rank()}"), " ".join(map(str, pids)))
+    return pids
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """A reader sees the whole file or none (the test polls for these files)."""
+    path.with_suffix(".tmp").write_text(text)
+    os.replace(path.with_suffix(".tmp"), path)
+
+
+def _pids_written(tmp, nprocs: int) -> list[int]:
+    return [int(p) for r in range(nprocs) for p in Path(tmp, f"rank{r}").read_text().split()]
+
+
+def _sleeps_with_children(tmp):
+    _start_children(tmp)
+    time.sleep(60)
+
+
+class _Squares(torch.utils.data.Dataset):
+    def __len__(self) -> int:
+        return 8
+
+    def __getitem__(self, i):
+        return torch.tensor([float(i * i)]), os.getpid()
+
+
+def _loads_with_workers(tmp):
+    loader = torch.utils.data.DataLoader(_Squares(), batch_size=2, num_workers=2)
+    total, workers = 0.0, set()
+    for x, pid in loader:
+        total += x.sum().item()
+        workers.update(pid.tolist())
+    t = torch.tensor([total])
+    dist.all_reduce(t)
+    left_running = _start_children(tmp)  # on purpose: launch must end them
+    return t.item(), sorted(workers), left_running
+
+
+@needs_proc
+@pytest.mark.parametrize("start_method", ["spawn", "fork"])
+def test_ranks_may_start_children_and_none_outlive_launch(tmp_path, start_method):
+    """A DataLoader with workers runs inside a rank (ranks are not daemonic); what a rank
+    leaves running when it returns is stopped before launch returns."""
+    out = launch(
+        _loads_with_workers,
+        2,
+        backend="gloo",
+        args=(str(tmp_path),),
+        timeout=60,
+        threads=1,
+        start_method=start_method,
+    )
+    for total, workers, pids in out:
+        assert total == 2 * sum(i * i for i in range(8))
+        assert len(workers) == 2 and pids[0] not in workers  # two worker processes
+        assert _still_running(workers + pids) == []
+
+
+def _rank0_has_children_rank1_raises(tmp):
+    if dist.get_rank() == 0:
+        _start_children(tmp)
+    dist.barrier()
+    if dist.get_rank() == 1:
+        raise ValueError("boom after rank 0 started its children")
+    time.sleep(60)
+
+
+@needs_proc
+def test_a_failing_launch_ends_every_descendant_of_every_rank(tmp_path):
+    with pytest.raises(RankError, match="boom after rank 0") as info:
+        launch(
+            _rank0_has_children_rank1_raises, 2, backend="gloo", args=(str(tmp_path),), timeout=60
+        )
+    assert info.value.rank == 1
+    pids = [int(p) for p in Path(tmp_path, "rank0").read_text().split()]
+    assert _still_running(pids) == []  # rank 0, its child, and the child in its own session
+
+
+def _interrupts_the_caller(tmp):
+    _start_children(tmp)
+    dist.barrier()  # both ranks wrote their pids
+    if dist.get_rank() == 0:
+        os.kill(os.getppid(), signal.SIGINT)  # as Ctrl-C (or a notebook's interrupt) would
+    time.sleep(60)
+
+
+@needs_proc
+def test_an_interrupted_caller_stops_the_ranks_and_all_they_started(tmp_path):
+    t0 = time.monotonic()
+    with pytest.raises(KeyboardInterrupt):
+        launch(
+            _interrupts_the_caller,
+            2,
+            backend="gloo",
+            args=(str(tmp_path),),
+            timeout=60,
+            start_method="fork",
+        )
+    assert time.monotonic() - t0 < 30
+    assert _still_running(_pids_written(tmp_path, 2)) == []
+
+
+_KILLED_CALLER = """
+import os, subprocess, sys, time
+from pathlib import Path
+import torch.distributed as dist
+from mpnb.parallel import launch
+
+def rank_fn(tmp):
+    kid = subprocess.Popen(["sleep", "600"])
+    path = Path(tmp, f"rank{dist.get_rank()}")
+    path.with_suffix(".tmp").write_text(f"{os.getpid()} {kid.pid}")
+    os.replace(path.with_suffix(".tmp"), path)  # the test sees the whole file or none
+    time.sleep(60)
+
+launch(rank_fn, 2, backend="gloo", args=(sys.argv[1],), timeout=60, threads=1)
+"""
+
+
+@needs_proc
+def test_ranks_end_their_trees_when_the_caller_is_killed(tmp_path):
+    """No finally runs in a SIGKILLed caller (a notebook kernel restarted, the OOM killer):
+    the ranks notice that their caller is gone and end themselves and their children."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    # python -c: fn lives in a __main__ without a file, as in a notebook, so the ranks fork
+    caller = subprocess.Popen([sys.executable, "-c", _KILLED_CALLER, str(tmp_path)], env=env)
+    try:
+        end = time.monotonic() + 60
+        while not all(Path(tmp_path, f"rank{r}").exists() for r in range(2)):
+            assert caller.poll() is None and time.monotonic() < end, "the caller did not start"
+            time.sleep(0.05)
+        pids = _pids_written(tmp_path, 2)
+        assert len(pids) == 4  # each rank and its child
+        caller.kill()
+        caller.wait()
+        assert _still_running(pids) == []
+    finally:
+        caller.kill()
