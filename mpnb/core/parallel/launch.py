@@ -35,6 +35,7 @@ ways (``python train.py`` and ``torchrun --nproc_per_node=2 train.py``).
 from __future__ import annotations
 
 import datetime
+import gc
 import multiprocessing as mp
 import os
 import pickle
@@ -137,6 +138,7 @@ def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, caller, con
         conn.send_bytes(_by_value(msg))
     finally:
         if dist.is_initialized():
+            gc.collect()  # cycles holding the group (DDP, SyncBN) go before it is torn down
             dist.destroy_process_group()
         conn.close()
 
@@ -241,6 +243,7 @@ def launch(
         # (After an exception the group is left alone: tearing it down while the other
         # ranks sit in a collective would hang; torchrun stops them.)
         dist.barrier()
+        gc.collect()  # fn's modules (DDP, SyncBN) in reference cycles still hold the group
         dist.destroy_process_group()
         return [out]
     if dist.is_initialized():
