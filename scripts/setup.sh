@@ -15,5 +15,9 @@ if ! python -c "import torch" 2>/dev/null; then
   python -m pip install -q "torch==2.13.0" 2>&1 | grep -v "is ignored" || true
 fi
 python -W ignore -c "import torch; print('torch', torch.__version__)" 2>/dev/null
-python -m pip install -q -e ".[${MPNB_EXTRAS:-dev}]" 2>&1 | grep -v "is ignored" || true
+# Newer setuptools prints an information-only notice for every editable install (about folders
+# named like the package shadowing it); it is not about mpnb, so it is dropped here. Anything
+# else pip or setuptools prints still shows.
+python -m pip install -q -e ".[${MPNB_EXTRAS:-dev}]" 2>&1 | grep -v "is ignored" |
+  awk '/BuildBackendWarning: Editable installation/ {skip = 1} !skip {print} /with strategy, WheelFile/ {skip = 0}' || true
 python -c "import mpnb, ninja; print('mpnb', mpnb.__version__, 'installed')"
