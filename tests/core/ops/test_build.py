@@ -10,6 +10,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -82,6 +83,15 @@ def test_changing_one_kernel_file_recompiles_that_file_only(tmp_path, cache):
     (src / "cpu" / "unit1.cpp").write_text(_UNIT.format(name="mpnb_test_unit1", value=20))
     result = Extension("cpu", src, progress=False).build()
     assert result.loaded and result.compiled == 2, result  # unit1.cpp and the link
+
+
+def test_a_first_build_says_what_it_compiles_and_shows_progress(tmp_path, cache, capfd):
+    src = _tree(tmp_path / "src", values=(1, 2))
+    assert Extension("cpu", src, progress=True).build(load=False).built
+    err = capfd.readouterr().err
+    assert re.search(r"mpnb: compiling 2 of 2 CPU kernel files .* \(about .+ on \d+ cores\)", err)
+    steps = re.findall(r"^mpnb: \[(\d+)/(\d+) [\d.]+s\] ", err, re.M)  # [k/n elapsed] file
+    assert steps and steps[-1][0] == steps[-1][1], err
 
 
 def test_truncated_library_is_rebuilt_never_loaded(tmp_path, cache):
