@@ -278,9 +278,17 @@ def test_wheel_ships_the_cpp_sources(tmp_path):
 def test_doctor_lists_every_op_and_the_hardware(kernels):
     from mpnb.core.doctor import report
     from mpnb.core.ops import all_ops
+    from mpnb.core.ops import triton as _triton
 
     text = report(build=False)
+    lines = {ln.split(" -> ")[0].strip(): ln for ln in text.splitlines() if " -> " in ln}
     for info in all_ops():
-        assert f"{info.family}: {info.name} -> " in text, info.name
+        line = lines[f"{info.family}: {info.name}"]
+        cpu, cuda = line.split(" -> ")[1].split(" | ")  # the path on each device
+        assert cpu and cuda, line
+        if "MPNB_TRITON" not in os.environ:  # opt-in: PyTorch's path, the kernel unmeasured
+            assert ("MPNB_TRITON=1, unmeasured" in cuda) == (info.name in _triton.LAUNCHERS)
+            expected = "PyTorch's fused CUDA ops" if info.torch_path else "reference"
+            assert cuda.startswith(expected), line
     assert "bf16 on CPU: " in text and "fp16 on CPU: " in text and "vector ISA" in text
     assert "library verified" in text
