@@ -53,6 +53,16 @@ def test_default_transformer_memory_is_mib_and_halves_under_o3():
     assert ratio == pytest.approx(0.5, abs=0.01)
 
 
+def test_default_cnn_memory_is_mib_scale():
+    df = mpnb.lab.compare("cnn", opt_levels=("O0", "O2"), steps=4, progress=False)
+    df = df.set_index("opt_level")
+    assert (df.status == "ok").all(), df.error.tolist()
+    assert df.loc["O0", "peak_mem_mib"] > 4  # MiB, not KiB (small: ~5 MiB, mostly activations)
+    assert df.loc["O0", "mem_activations_mib"] > 10 * df.loc["O0", "mem_params_mib"]
+    assert df.loc["O2", "mem_master_weights_mib"] > 0
+    assert 1 < df.loc["O2", "peak_mem_mib"] < df.loc["O0", "peak_mem_mib"]  # bf16 activations
+
+
 def test_generated_text_is_deterministic_and_grammatical():
     a, b = generate_tokens(500, seed=3), generate_tokens(500, seed=3)
     assert torch.equal(a, b) and not torch.equal(a, generate_tokens(500, seed=4))
