@@ -45,25 +45,20 @@ def _csv(kind):
     return parse
 
 
-def _steps(text: str) -> int:
-    try:
-        n = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
-    if n < 2:
-        raise argparse.ArgumentTypeError(
-            f"{n}: need at least 2 steps (timed steps plus one memory-tracked step)"
-        )
-    return n
+def _checked(parse, check):
+    """An argparse type: ``parse`` the text, then apply the lab's own ``check`` to the value
+    (its ValueError becomes the usage error, so the CLI refuses before anything runs)."""
 
+    def typed(text: str):
+        value = parse(text)
+        try:
+            check(value)
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from None
+        return value
 
-def _batch_sizes(text: str) -> tuple[int, ...]:
-    sizes = _csv(int)(text)
-    if not sizes or any(b < 1 for b in sizes):
-        raise argparse.ArgumentTypeError(
-            f"expected positive batch sizes separated by commas (e.g. 16,64), got {text!r}"
-        )
-    return sizes
+    typed.__name__ = getattr(parse, "__name__", "value")  # argparse's "invalid int value"
+    return typed
 
 
 def unwritable_reason(path: str) -> str:
@@ -88,7 +83,7 @@ def unwritable_reason(path: str) -> str:
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``compare`` subcommand to ``sub`` (an argparse subparsers object)."""
     from mpnb.core.precision import config_names
-    from mpnb.lab.config import OPTIMIZERS
+    from mpnb.lab.config import OPTIMIZERS, check_batch_sizes, check_steps
     from mpnb.lab.workloads import names
 
     p = sub.add_parser(
@@ -118,11 +113,16 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--batch-sizes",
-        type=_batch_sizes,
+        type=_checked(_csv(int), check_batch_sizes),
         default=None,
         help="comma-separated (default: the workload's)",
     )
-    p.add_argument("--steps", type=_steps, default=None, help="at least 2; default: the workload's")
+    p.add_argument(
+        "--steps",
+        type=_checked(int, check_steps),
+        default=None,
+        help="at least 2; default: the workload's",
+    )
     p.add_argument(
         "--optimizer",
         default="adam",

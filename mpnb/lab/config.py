@@ -127,6 +127,23 @@ def half_name(half_dtype, device: str) -> str:
     return half_dtype_name(parse_half_dtype(half_dtype, device))
 
 
+def check_steps(steps) -> None:
+    """Refuse a step count the lab cannot time: at least 2 (timed steps plus one memory-tracked
+    step). Raises ValueError naming the value; the CLI and :func:`expand` share this rule."""
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 2:
+        raise ValueError(
+            f"steps={steps!r}: need at least 2 steps (timed steps plus one memory-tracked step)."
+        )
+
+
+def check_batch_sizes(batch_sizes) -> None:
+    """Refuse an empty list or a batch size that is not a positive int (ValueError)."""
+    if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
+        raise ValueError(
+            f"batch_sizes={tuple(batch_sizes)!r}: expected positive batch sizes (e.g. 16,64)."
+        )
+
+
 def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
     names = config_names()
     bad = [lvl for lvl in opt_levels if lvl not in names]
@@ -136,12 +153,8 @@ def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
             f"opt_levels={tuple(opt_levels)!r}: {bad or 'none given'} invalid{hint}; "
             f"choose from {names}."
         )
-    if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
-        raise ValueError(f"batch_sizes={tuple(batch_sizes)!r}: need positive ints.")
-    if not isinstance(steps, int) or steps < 2:
-        raise ValueError(
-            f"steps={steps!r}: need an int >= 2 (timed steps plus one memory-tracked step)."
-        )
+    check_batch_sizes(batch_sizes)
+    check_steps(steps)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is invalid; choose from {OPTIMIZERS}.")
 

@@ -32,7 +32,7 @@ from mpnb.lab._data import is_data
 from mpnb.lab._errors import describe_error
 from mpnb.lab._rows import COLUMNS, frames
 from mpnb.lab._train import RunResult, Trainer
-from mpnb.lab.config import RunConfig, expand, resolve_device
+from mpnb.lab.config import RunConfig, check_steps, expand, resolve_device
 from mpnb.lab.stats import loadavg, torch_threads
 from mpnb.lab.verdict import TOLERANCE, verdict
 
@@ -367,11 +367,8 @@ def compare(
         >>> df = mpnb.lab.compare(lambda: MyNet(), (x, y), metric_fn=mpnb.lab.accuracy)
     """
     dev = resolve_device(device)
-    if steps is not None and (not isinstance(steps, int) or isinstance(steps, bool) or steps < 2):
-        raise ValueError(
-            f"steps={steps!r}: need an int >= 2 (timed steps plus one memory-tracked step), "
-            "or None for the workload's default."
-        )
+    if steps is not None:  # refused before the workload is built (None: the workload's)
+        check_steps(steps)
     w = _workload(workload, data, loss_fn, metric_fn, eval_data, size, dev)
     if batch_sizes is None:
         batch_sizes = (w.batch_size,)

@@ -116,6 +116,7 @@ def test_nan_divergence_is_an_error_row_with_its_history():
     w = workloads.custom(_tiny, _data(), loss_fn, batch_size=16)
     df = mpnb.lab.compare(w, opt_levels=("O0",), steps=8, progress=False, threads=1)
     assert "NaN divergence" in df.error[0] and "step 3" in df.error[0]
+    assert "loss scal" not in df.error[0]  # fp32 diverged: no loss-scaling advice
     assert len(df.attrs["history"]) == 4  # the steps before the failure are kept
 
 
