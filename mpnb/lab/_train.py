@@ -120,7 +120,7 @@ def forward(model, x):
 
 
 def _setup(cfg: RunConfig, w: Workload):
-    """Model, optimizer and loss scaler of ``cfg``, set up by its precision configuration.
+    """Model, optimizer and amp handle of ``cfg``, set up by its precision configuration.
 
     The O levels go through ``amp.initialize`` (with the run's half dtype and loss scale); the
     FP8 recipes are :meth:`PrecisionConfig.apply` on an fp32 (O0) amp setup, so the training
@@ -144,7 +144,7 @@ def _setup(cfg: RunConfig, w: Workload):
         if cfg.is_fp8:
             model, opt = amp.initialize(model, opt, opt_level="O0", verbosity=0)
         model, opt = pc.apply(model, opt)
-    return model, opt, amp.current_handle().scalers[0]
+    return model, opt, amp.current_handle()
 
 
 def optimizer_note(cfg: RunConfig) -> str:
@@ -236,7 +236,6 @@ class Trainer:
         self.cuda = torch.device(cfg.device).type == "cuda"
         self.model = self.opt = self.scaler = self.tracker = self.batches = self.handle = None
         self.peak = 0
-        self.steps_done = 0
         self._guard(self._setup)
 
     @property
@@ -256,10 +255,8 @@ class Trainer:
         self.res.warnings += [str(c.message).split(". ")[0] for c in caught]
 
     def _setup(self) -> None:
-        from mpnb import amp
-
-        self.model, self.opt, self.scaler = _setup(self.cfg, self.w)
-        self.handle = amp.current_handle()
+        self.model, self.opt, self.handle = _setup(self.cfg, self.w)
+        self.scaler = self.handle.scalers[0]
         note = optimizer_note(self.cfg)
         if note:
             self.res.warnings.append(note)
@@ -271,7 +268,6 @@ class Trainer:
         """Run training step ``i`` (a failure is recorded, never raised)."""
         if self.alive:
             self._guard(self._step, i)
-            self.steps_done = i + 1
 
     def _step(self, i: int) -> None:
         cfg, w = self.cfg, self.w
@@ -356,7 +352,6 @@ class Trainer:
                 f"interrupted at step {done} of {self.cfg.steps} ({interrupted}): speed from "
                 "the rounds finished before it, no held-out metric"
             )
-            self.steps_done = done
         if self.alive:
             self._guard(self._finish, bool(self.res.interrupted))
         self.res.row.update(_timing_row(self.res.history))
@@ -368,7 +363,7 @@ class Trainer:
         return self.res
 
     def _finish(self, interrupted: bool) -> None:
-        if self.tracker is not None and self.steps_done > self.cfg.memory_step:
+        if self.tracker is not None and len(self.res.history) > self.cfg.memory_step:
             self.res.row.update(_memory_row(self.tracker, self.peak, self.cuda))
         if not interrupted:
             eval_loss, metric = _evaluate(self.model, self.w, self.cfg.device)
