@@ -15,6 +15,7 @@ line at the end (first and final loss, the loss scale, a checksum of its paramet
 import argparse
 import json
 import os
+import sys
 
 import torch
 from apex import amp
@@ -108,4 +109,7 @@ summary = {
 }
 if args.local_rank == 0:
     print("final loss = ", loss.item())
-print(json.dumps(summary), flush=True)
+# one write of the whole line (print writes the text and the newline separately): the ranks
+# share the launcher's stdout, and two lines written in pieces can end up on one line
+sys.stdout.write(json.dumps(summary) + "\n")
+sys.stdout.flush()

@@ -91,7 +91,8 @@ def test_cli_ctrl_c_prints_the_rows_and_writes_the_report(tmp_path):
             pass
         assert started.is_set(), f"no training step shown: {bytes(err)[-2000:]!r}"
         p.send_signal(signal.SIGINT)
-        stdout, _ = p.communicate(timeout=120)
+        p.wait(timeout=120)  # the table is small: stdout's pipe never fills
+        stdout = p.stdout.read()  # stderr stays the reader's alone (no message split in two)
     finally:
         if p.poll() is None:
             p.kill()
