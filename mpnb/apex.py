@@ -8,6 +8,8 @@
   :class:`mpnb.compat.CpuRehearsal`: a CUDA-only script (``.cuda()``, ``device="cuda"``,
   ``torch.cuda.set_device``, ``nccl``) runs on the CPU and gloo, each replacement reported once
   on stderr and all of them undone on exit. Works under ``torchrun ... -m mpnb.apex --cpu``.
+* Either way, a process group the script created and left open (Apex scripts never destroyed
+  theirs) is torn down by :func:`mpnb.core.parallel.end_group` once the script returns.
 * ``python -m mpnb.apex --check [--json] SCRIPT``: without running the script, list every Apex
   name it uses, whether mpnb provides, emulates or lacks it, and its ``torch.amp`` port
   (:func:`mpnb.compat.check_script`); exit code 1 when a name is lacking.
@@ -20,9 +22,12 @@ import os
 import runpy
 import sys
 
+import torch.distributed as dist
+
 from mpnb.compat.alias import ApexAlias
 from mpnb.compat.check import check_script, format_report, report_json
 from mpnb.compat.rehearsal import CpuRehearsal
+from mpnb.core.parallel.launch import end_group
 
 __all__ = ["main", "run_script"]
 
@@ -66,6 +71,10 @@ def run_script(script: str, args: list[str], cpu: bool = False, stream=None) -> 
         sys.argv, sys.path[:] = old_argv, old_path
 
 
+def _group_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 def _fail(message: str) -> int:
     print(f"mpnb.apex: {message}\n{_USAGE}", file=sys.stderr)
     return 2
@@ -104,7 +113,12 @@ def main(argv: list[str] | None = None) -> int:
         report = check_script(script)
         print(report_json(report) if "--json" in opts else format_report(report))
         return 1 if report.count("lacks") else 0
-    run_script(script, args, cpu="--cpu" in opts)
+    had_group = _group_initialized()
+    run_script(script, args, cpu="--cpu" in opts)  # its namespace is dropped here
+    if _group_initialized() and not had_group:
+        # Apex scripts never destroyed their group; the runner does, before the interpreter
+        # exits (left to exit, a rank can abort from gloo's threads: see end_group).
+        end_group()
     return 0
 
 

@@ -81,3 +81,45 @@ def test_two_ranks_under_torchrun_unchanged(kernels):
     assert ranks[0]["param_checksum"] == ranks[1]["param_checksum"]
     assert r.stderr.count("init_process_group(backend='nccl') -> gloo") == 2  # once per rank
     assert "torch.cuda.set_device() -> no-op" in r.stderr
+
+
+_ONE_RANK_SCRIPT = """
+import torch
+import torch.distributed as dist
+
+dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
+t = torch.ones(3)
+dist.all_reduce(t, async_op=True).wait()
+"""
+
+
+@pytest.mark.dist
+def test_the_runner_ends_a_group_the_script_left_open(tmp_path):
+    """Apex scripts never destroyed their group: ``python -m mpnb.apex`` does once the script
+    returns (left to interpreter exit, a gloo rank could abort: see ``end_group``)."""
+    import torch.distributed as dist
+
+    from mpnb.apex import main
+
+    script = tmp_path / "train.py"
+    script.write_text(_ONE_RANK_SCRIPT.format(port=free_port()))
+    assert main(["--cpu", str(script)]) == 0
+    assert not dist.is_initialized()
+
+
+@pytest.mark.dist
+def test_the_runner_leaves_a_group_it_did_not_see_created(tmp_path):
+    import torch.distributed as dist
+
+    from mpnb.apex import main
+
+    script = tmp_path / "train.py"
+    script.write_text("import torch.distributed as dist\nassert dist.is_initialized()\n")
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1
+    )
+    try:
+        assert main([str(script)]) == 0
+        assert dist.is_initialized()  # the caller's group: the caller ends it
+    finally:
+        dist.destroy_process_group()

@@ -5,7 +5,7 @@ from torch.distributed import ReduceOp
 from mpnb.core.parallel.convert import convert_syncbn_model
 from mpnb.core.parallel.distributed import CommStats, DistributedDataParallel
 from mpnb.core.parallel.larc import LARC
-from mpnb.core.parallel.launch import RankError, free_port, launch, under_torchrun
+from mpnb.core.parallel.launch import RankError, end_group, free_port, launch, under_torchrun
 from mpnb.core.parallel.reducer import Reducer
 from mpnb.core.parallel.sync_batchnorm import SyncBatchNorm
 from mpnb.core.parallel.sync_batchnorm_kernel import sync_batch_norm
@@ -20,6 +20,7 @@ __all__ = [
     "CommStats",
     "launch",
     "RankError",
+    "end_group",
     "free_port",
     "under_torchrun",
     "ReduceOp",

@@ -52,7 +52,7 @@ import torch.distributed as dist
 from mpnb.core.parallel._procs import lead_own_group, stop_trees
 from mpnb.core.parallel._watch import STORE_ENV, mark_returned
 
-__all__ = ["launch", "RankError", "free_port", "under_torchrun"]
+__all__ = ["launch", "RankError", "end_group", "free_port", "under_torchrun"]
 
 LOOPBACK = "127.0.0.1"
 
@@ -76,6 +76,34 @@ def free_port() -> int:
 def under_torchrun() -> bool:
     """True inside a rank started by torchrun (its environment describes the group)."""
     return all(k in os.environ for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT"))
+
+
+def end_group(meet: bool = True) -> None:
+    """Tear down the default process group while Python still runs, as every rank must.
+
+    A group left alive until the interpreter exits can abort the rank ("terminate called
+    without an active exception"): a gloo worker thread drops its last reference to a finished
+    collective lazily, that work holds Python objects (the thread-local state it captured,
+    such as an active ``TorchFunctionMode``), and a thread that asks for the GIL once Python
+    is finalizing is ended inside that destructor. Destroying the group joins those threads
+    first. The modules that hold the group (DDP, SyncBN) often sit in reference cycles, so
+    they are collected before it is destroyed.
+
+    Args:
+        meet: first wait in a barrier for every rank, so that no rank closes its connections
+            while another still talks on them. Pass False after a failure (the other ranks
+            may sit in a collective that a barrier would pair with) or when the ranks met.
+
+    Example::
+
+        >>> dist.init_process_group("gloo")
+        >>> train()
+        >>> end_group()
+    """
+    if meet:
+        dist.barrier()
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def _default_backend() -> str:
@@ -138,8 +166,7 @@ def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, caller, con
         conn.send_bytes(_by_value(msg))
     finally:
         if dist.is_initialized():
-            gc.collect()  # cycles holding the group (DDP, SyncBN) go before it is torn down
-            dist.destroy_process_group()
+            end_group(meet=False)  # the barrier above met already, or a rank failed
         conn.close()
 
 
@@ -237,14 +264,9 @@ def launch(
             return [fn(*args)]  # the caller's group: the caller tears it down
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
         out = fn(*args)
-        # A group left alive at interpreter exit aborts the process from gloo's threads
-        # ("terminate called without an active exception"), and no rank may close its
-        # connections while another still talks on them: all meet, then all tear down.
         # (After an exception the group is left alone: tearing it down while the other
         # ranks sit in a collective would hang; torchrun stops them.)
-        dist.barrier()
-        gc.collect()  # fn's modules (DDP, SyncBN) in reference cycles still hold the group
-        dist.destroy_process_group()
+        end_group()
         return [out]
     if dist.is_initialized():
         raise RuntimeError(
