@@ -2,8 +2,8 @@
 
 :func:`verdict` reads a :func:`mpnb.lab.compare` DataFrame and says which configuration is
 fastest within an accuracy tolerance (only if it is *measurably* faster than O0), which
-saves most memory, which half dtypes were emulated, and, clearly labelled as an estimate,
-what a GPU with native half precision would likely show.
+saves most memory, which formats (half dtypes, FP8) were emulated, and, clearly labelled as
+an estimate, what a GPU with native half precision would likely show.
 
 The estimate is a roofline from what the run measured: the FLOPs of one training step
 (``torch.utils.flop_counter``), the bytes it touches (the memory breakdown by role, each
@@ -124,12 +124,16 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
 
     Returns:
         ``dict(text=..., recommendation=..., fastest=..., smallest=..., emulated=[...],
-        tolerance=..., gpu_estimate=[...])``: ``text`` is the lines every view prints.
+        tolerance=..., gpu_estimate=[...])``: ``text`` is the lines every view prints;
+        ``emulated`` names the emulated formats among the measured rows (``"bf16"``,
+        ``"fp16"``, ``"fp8"``).
     """
     hw = df.attrs.get("hardware", {})
     ok = df[df["status"] == "ok"] if "status" in df else df[df["error"] == ""]
     halves = [c for c in ok["half_dtype"].unique() if c in ("bf16", "fp16")]
     emulated = [h for h in halves if hw.get(h) == "emulated"]
+    if "precision" in ok and ok["precision"].astype(str).eq("fp8 (emulated)").any():
+        emulated.append("fp8")
     acc = ok[_accurate(ok, tolerance) & (ok["opt_level"] != "O0")]
     faster = acc[acc["speedup_lo"] > 1.0]
     fastest = faster.loc[faster["speedup_vs_O0"].idxmax()] if len(faster) else None
@@ -158,12 +162,16 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
         )
     for _, r in df[df["status"] == "error"].iterrows():
         lines.append(f"{r['configuration']} failed: see its error.")
-    if emulated:
+    device = str(hw.get("device", "device")).upper()
+    if halves_emulated := [h for h in emulated if h != "fp8"]:
         lines.append(
-            f"{' and '.join(emulated)} {'is' if len(emulated) == 1 else 'are'} emulated on "
-            f"this {str(hw.get('device', 'device')).upper()} (no native instructions): half "
-            "precision "
-            "saves memory here, not time."
+            f"{_names(halves_emulated)} emulated on this {device} (no native instructions): "
+            "half precision saves memory here, not time."
+        )
+    if "fp8" in emulated:
+        lines.append(
+            f"fp8 is emulated on this {device} (no FP8 matrix hardware; FP8 numerics computed "
+            "in float32): its rows show FP8's accuracy and memory, not FP8's speed."
         )
     est = gpu_estimate(df) if "flops_per_step" in df else pd.DataFrame()
     lines += _estimate_lines(est, hw)
@@ -188,12 +196,17 @@ def _recommendation(fastest, smallest, emulated, ok) -> str:
     if fastest is not None:
         return f"Verdict: use {fastest['configuration']} ({fastest['speed_label']})."
     if smallest is not None:
-        why = " (half precision is emulated here)" if emulated else ""
+        why = f" ({_names(emulated)} emulated here)" if emulated else ""
         return (
             f"Verdict: for speed stay with O0 on this machine{why}; if memory is the limit, "
             f"{smallest['configuration']} saves {smallest['mem_saving_vs_O0']:.0%}."
         )
     return "Verdict: O0 (fp32); no configuration was measurably better here."
+
+
+def _names(dtypes: list[str]) -> str:
+    """``"bf16 is"``, ``"bf16 and fp8 are"``."""
+    return f"{' and '.join(dtypes)} {'is' if len(dtypes) == 1 else 'are'}"
 
 
 def _estimate_lines(est: pd.DataFrame, hw: dict) -> list[str]:

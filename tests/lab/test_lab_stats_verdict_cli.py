@@ -83,6 +83,21 @@ def test_verdict_on_emulated_half_and_an_accuracy_loss():
     assert "Estimate, not measured" in v["text"]  # emulated here: what a GPU would show
 
 
+def test_verdict_names_emulated_fp8_apart_from_half_precision():
+    df = _frame(0.2, 0.18, 0.22, 0.9, 60.0)
+    df["precision"] = ["fp32", "fp8 (emulated)"]
+    v = verdict(df)
+    assert v["emulated"] == ["bf16", "fp8"]
+    assert "fp8 is emulated on this CPU" in v["text"] and "not FP8's speed" in v["text"]
+    assert "bf16 is emulated on this CPU" in v["text"]
+    assert "(bf16 and fp8 are emulated here)" in v["recommendation"]
+    df.attrs["hardware"] = dict(device="cpu", bf16="native", fp16="native")
+    v = verdict(df)
+    assert v["emulated"] == ["fp8"] and "half precision saves memory" not in v["text"]
+    df["precision"] = ["fp32", "fp8 (native)"]
+    assert verdict(df)["emulated"] == []
+
+
 def test_gpu_estimate_is_a_roofline_of_the_measured_counts():
     est = gpu_estimate(_frame(0.2, 0.18, 0.22, 0.9, 60.0)).set_index(["gpu", "configuration"])
     a100 = est.loc[("NVIDIA A100 SXM 80GB", "O2 bf16 b16")]
