@@ -9,9 +9,19 @@ parameters run the references.
 from __future__ import annotations
 
 import os
+import signal
 
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    # A shell starts a background job with SIGINT ignored, and an ignored signal stays ignored
+    # across fork and exec: run that way, the tests of Ctrl-C (sent to this process, to launch's
+    # caller or to an `mpnb compare` child) would see nothing happen. Python's own handler is
+    # reset to the default action by exec, so children get Ctrl-C as from a terminal.
+    if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_collection_modifyitems(config, items):
