@@ -19,6 +19,24 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "examples" / "apex" / "simple_distributed.py"
 
 
+def _summaries(stdout: str) -> list[dict]:
+    """Every rank's JSON line, wherever it lies: torchrun runs the ranks unbuffered (-u) on one
+    stdout, so rank 0's ``print("final loss = ", ...)`` goes out in pieces and the other rank's
+    line (one write) can land between them, in the middle of a line."""
+    decoder, found, at = json.JSONDecoder(), [], stdout.find('{"rank"')
+    while at >= 0:
+        summary, end = decoder.raw_decode(stdout, at)
+        found.append(summary)
+        at = stdout.find('{"rank"', end)
+    return found
+
+
+def test_summaries_are_found_inside_an_interleaved_line():
+    one, two = {"rank": 1, "x": 2.5}, {"rank": 0, "x": 1.0}
+    out = f"final loss = {json.dumps(one)}\n 0.66\n{json.dumps(two)}\n"
+    assert _summaries(out) == [one, two]
+
+
 def test_the_example_is_written_for_cuda_and_apex():
     src = EXAMPLE.read_text()
     for apex_style in (
@@ -72,7 +90,7 @@ def test_two_ranks_under_torchrun_unchanged(kernels):
     ]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env, cwd=ROOT)
     assert r.returncode == 0, (r.stdout[-2000:], r.stderr[-4000:])
-    ranks = [json.loads(line) for line in r.stdout.splitlines() if line.startswith("{")]
+    ranks = _summaries(r.stdout)
     assert sorted(s["rank"] for s in ranks) == [0, 1]
     for s in ranks:
         assert s["world_size"] == 2 and s["device"] == "cpu"
