@@ -454,7 +454,7 @@ class Extension:
             print(
                 f"mpnb: compiling {units_todo} of {len(units)} {self.backend.upper()} kernel "
                 f"files{' and the precompiled torch headers' if pch else ''} in {bdir} "
-                f"(about {_estimate(units_todo, pch)} on {os.cpu_count()} cores)",
+                f"({_estimate(units_todo, pch, _BuildPace.last())} on {os.cpu_count()} cores)",
                 file=sys.stderr,
                 flush=True,
             )
@@ -462,18 +462,21 @@ class Extension:
             cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
         )
         tail: list[str] = []
-        compiled = 0
+        pace = _BuildPace()
         for line in proc.stdout:
             line = line.rstrip()
             tail = (tail + [line])[-40:]
             if line.startswith("[") and "/" in line.split("]")[0]:
-                compiled += 1
+                left = pace.step(line)
                 if self.progress:
-                    print(f"mpnb: {line}", file=sys.stderr, flush=True)
+                    eta = f" (about {_duration(left)} left)" if left else ""
+                    print(f"mpnb: {line}{eta}", file=sys.stderr, flush=True)
             elif verbose:
                 print(line, file=sys.stderr, flush=True)
         if proc.wait() != 0:
             raise RuntimeError("\n".join(tail))
+        compiled = pace.steps
+        pace.save()
         lib = self.library()
         rec = {
             "size": lib.stat().st_size,
@@ -500,11 +503,93 @@ class Extension:
         )
 
 
-def _estimate(units: int, pch: bool) -> str:
-    # Measured on 2 cores: ~25 s for the precompiled header, ~12 s per unit with it.
-    cores = max(1, min(os.cpu_count() or 1, max(units, 1)))
-    seconds = (25 if pch else 0) + 12 * units / cores + 2
+def _duration(seconds: float) -> str:
     return f"{seconds / 60:.0f} min" if seconds >= 90 else f"{seconds:.0f} s"
+
+
+def _estimate(units: int, pch: bool, last: dict | None) -> str:
+    """The opening line's time: from the last build's pace on this machine when there is one,
+    else the range measured on 2-core machines (the precompiled header 17-25 s, then 3.8-10
+    core-seconds per kernel file: an AVX-512 EPYC and a Zen 3 EPYC)."""
+    if last is not None:
+        seconds = (last["pch_s"] if pch else 0.0) + last["unit_s"] * units + 2
+        return f"about {_duration(seconds)}, at the last build's pace here,"
+    cores = max(1, min(os.cpu_count() or 1, max(units, 1)))
+    lo = (17 if pch else 0) + 3.8 * units / cores + 2
+    hi = (25 if pch else 0) + 10 * units / cores + 2
+    return f"about {_duration(lo)}" if hi < 1.5 * lo else f"{_duration(lo)} to {_duration(hi)}"
+
+
+class _BuildPace:
+    """The build's pace, read from ninja's status lines (``[done/total elapsed]``): the time
+    left after each kernel file, and, saved in the cache root, the pace of this machine's last
+    build for the next first build's opening line."""
+
+    FILE = "build-pace.json"
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self.units = 0
+        self.pch_s: float | None = None  # when the precompiled header finished
+        self.units_end = 0.0  # when the last kernel file finished
+        self.total = 0
+
+    def step(self, line: str) -> float | None:
+        """Count one ninja status line; return the seconds still to go (None until known)."""
+        self.steps += 1
+        head, _, what = line.partition("] ")
+        done, _, rest = head.lstrip("[").partition("/")
+        total, _, elapsed = rest.partition(" ")
+        try:
+            self.total, now = int(total), float(elapsed.rstrip("s"))
+        except ValueError:
+            return None
+        if "precompiled" in what:
+            self.pch_s = now
+        elif what.endswith((".cpp", ".cu")):
+            self.units += 1
+            self.units_end = now
+            units_left = self.total - int(done) - 1  # the link is the last step
+            # while one file finishes, the other jobs' files are on average half done
+            in_flight = (min(os.cpu_count() or 1, units_left + 1) - 1) / 2
+            per_unit = (now - (self.pch_s or 0.0)) / (self.units + in_flight)
+            return per_unit * units_left + 1 if units_left > 0 else None
+        return None
+
+    @staticmethod
+    def _path() -> Path:
+        return cache_root() / _BuildPace.FILE
+
+    @staticmethod
+    def _machine() -> str:
+        cpu = cpu_info()
+        return f"{cpu.model} {cpu.isa} {os.cpu_count()} cores"
+
+    @classmethod
+    def last(cls) -> dict | None:
+        """This machine's last measured pace, or None (none yet, another machine, unreadable)."""
+        try:
+            rec = json.loads(cls._path().read_text())
+        except (OSError, ValueError):
+            return None
+        ok = isinstance(rec, dict) and rec.get("machine") == cls._machine()
+        return rec if ok and "unit_s" in rec and "pch_s" in rec else None
+
+    def save(self) -> None:
+        """Remember this build's pace (2 or more kernel files timed; best effort)."""
+        if self.units < 2:
+            return
+        rec = self.last() or {"pch_s": 25.0}
+        if self.pch_s is not None:
+            rec["pch_s"] = self.pch_s
+        rec["unit_s"] = (self.units_end - (self.pch_s or 0.0)) / self.units
+        rec["machine"] = self._machine()
+        try:
+            tmp = self._path().with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(rec))
+            os.replace(tmp, self._path())
+        except OSError:
+            pass  # an unwritable cache root costs only the next estimate
 
 
 def _ninja() -> str | None:

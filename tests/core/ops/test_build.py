@@ -20,7 +20,13 @@ from pathlib import Path
 
 import pytest
 
-from mpnb.core.ops._build import Extension, ExtensionWarning, csrc_dir
+from mpnb.core.ops._build import (
+    Extension,
+    ExtensionWarning,
+    _BuildPace,
+    _estimate,
+    csrc_dir,
+)
 
 ROOT = Path(__file__).resolve().parents[3]
 
@@ -89,9 +95,36 @@ def test_a_first_build_says_what_it_compiles_and_shows_progress(tmp_path, cache,
     src = _tree(tmp_path / "src", values=(1, 2))
     assert Extension("cpu", src, progress=True).build(load=False).built
     err = capfd.readouterr().err
-    assert re.search(r"mpnb: compiling 2 of 2 CPU kernel files .* \(about .+ on \d+ cores\)", err)
+    assert re.search(r"mpnb: compiling 2 of 2 CPU kernel files .* \(.+ on \d+ cores\)", err)
     steps = re.findall(r"^mpnb: \[(\d+)/(\d+) [\d.]+s\] ", err, re.M)  # [k/n elapsed] file
     assert steps and steps[-1][0] == steps[-1][1], err
+    # after the first kernel file, the time left at its pace (one file and the link to go)
+    assert re.search(r"^mpnb: \[\d+/4 [\d.]+s\] \S+unit\d\.cpp \(about \d+ s left\)$", err, re.M)
+
+
+def test_the_next_first_build_is_estimated_at_this_machines_pace(tmp_path, cache, capfd):
+    src = _tree(tmp_path / "src", values=(1, 2, 3))
+    Extension("cpu", src, progress=True).build(load=False)
+    pace = json.loads((cache / _BuildPace.FILE).read_text())
+    assert pace["machine"] == _BuildPace._machine()
+    assert 0 < pace["pch_s"] < 60 and 0 < pace["unit_s"] < 30  # tiny files: seconds at most
+    capfd.readouterr()
+    Extension("cpu", src, progress=True).build(load=False, force=True)
+    assert "at the last build's pace here" in capfd.readouterr().err
+    (cache / _BuildPace.FILE).write_text(json.dumps({**pace, "machine": "another CPU"}))
+    assert _BuildPace.last() is None  # another machine's pace says nothing of this one
+
+
+def test_first_build_estimates():
+    # no build timed here yet: the range measured on 2-core machines
+    two = _estimate(16, True, None) if os.cpu_count() == 2 else None
+    assert two in (None, "49 s to 2 min")
+    assert _estimate(2, False, {"pch_s": 20.0, "unit_s": 4.0}) == (
+        "about 10 s, at the last build's pace here,"
+    )
+    assert _estimate(16, True, {"pch_s": 17.0, "unit_s": 2.0}) == (
+        "about 51 s, at the last build's pace here,"
+    )
 
 
 def test_truncated_library_is_rebuilt_never_loaded(tmp_path, cache):
