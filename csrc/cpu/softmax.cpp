@@ -257,7 +257,8 @@ inline acc_t<T> softmax_exp_pass(const T* __restrict x, const uint8_t* __restric
 // masked lanes at -10000 - m' into the fp32 scratch row and sums it. Softmax does not depend on
 // the shift, and an upper bound is exact unless it lies far above the masked max (the unmasked
 // entries underflow): when the sum is below 2^-20 (m' more than 13.9 above it, e.g. a fully
-// masked row) pass 2 runs again with the exact masked max.
+// masked row, or +inf at a masked position) or NaN (a masked NaN) pass 2 runs again with the
+// exact masked max.
 template <typename T>
 inline acc_t<T> softmax_row(const T* x, const uint8_t* mask, int64_t L, int64_t n, acc_t<T> scale,
                             acc_t<T>* buf, const T* xn, const uint8_t* mn, PendingRow<T>* pend,
@@ -278,7 +279,9 @@ inline acc_t<T> softmax_row(const T* x, const uint8_t* mask, int64_t L, int64_t 
   Acc sum = zero ? softmax_exp_pass<T, true>(x, mask, buf, L, n, scale, shift, xn, mn, pend, stream)
                  : softmax_exp_pass<T, false>(x, mask, buf, L, n, scale, shift, xn, mn, pend, stream);
   if (pend) finish_row(*pend, stream);
-  if (mask && sum < Acc(1.0 / (1 << 20))) {  // rare: the exact masked max
+  // rare: the exact masked max. Also when the sum is NaN: the unmasked bound saw a NaN or
+  // +inf score at a masked position, which the mask ignores (Apex selects -10000 there).
+  if (mask && !(sum >= Acc(1.0 / (1 << 20)))) {
     const V vs(scale), fill(static_cast<Acc>(kMaskedValue));
     V m0 = ninf, m1 = ninf;
     for (int64_t j = 0; j < L; j += K) {

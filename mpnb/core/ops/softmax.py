@@ -104,10 +104,13 @@ def reference_scaled_masked_softmax_fwd(input, mask, scale):
     check_mask(op, input, mask)
     x = input.to(acc_dtype(input)) * scale
     m = mask.bool()
-    # Value: -10000 where masked. Gradient, when this reference is differentiated directly:
-    # straight through, as Apex's kernel (its backward does not see the mask; it differs from
-    # masked_fill's only in fully masked rows).
-    x = torch.where(m, torch.full_like(x, MASKED_VALUE), x) + (x - x.detach()) * m
+    # Value: -10000 where masked, whatever the score there (inf and NaN included, as the
+    # kernel). Gradient, when this reference is differentiated directly: straight through, as
+    # Apex's kernel (its backward does not see the mask; it differs from masked_fill's only in
+    # fully masked rows). The straight-through term is built from the finite scores only:
+    # x - x.detach() would be inf - inf = NaN at a masked inf.
+    finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    x = torch.where(m, torch.full_like(x, MASKED_VALUE), x) + (finite - finite.detach()) * m
     return torch.softmax(x, -1).to(input.dtype)
 
 
@@ -217,6 +220,11 @@ def _samples_masked(dtype):
     for scale in (0.5, -0.5):
         xs = (x if scale > 0 else -x).to(dtype)
         yield Sample((xs, m, scale), name=f"masked far above, scale={scale}")
+    x = _scores((2, 3, 4, 33), dtype, 8)
+    m = _mask((2, 1, 4, 33), 8)
+    m[..., :3], m[..., 3:5] = True, False
+    x[..., 0], x[..., 1], x[..., 2] = float("inf"), float("-inf"), float("nan")
+    yield Sample((x, m, 0.5), name="inf, -inf, NaN at masked positions")
     x = _scores((2, 5, 3, 40), dtype, 6).transpose(1, 2)  # [2, 3, 5, 40] strided
     yield Sample((x, _mask((2, 1, 5, 40), 6), 0.2), name="strided scores")
     yield Sample((_scores((0, 3, 4, 5), dtype, 7), _mask((1, 1, 4, 5), 7), 1.0), name="empty")
