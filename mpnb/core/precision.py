@@ -128,6 +128,17 @@ class Float8Config(PrecisionConfig):
 
         return convert_to_float8_training(model, self.recipe), optimizer
 
+    @property
+    def gemm_emulated(self) -> bool:
+        """True where the GEMM is emulated on every device: MXFP8's (:mod:`mpnb.fp8`
+        dequantizes its E8M0-scaled blocks and multiplies in float32)."""
+        return self.recipe == "mxfp8"
+
+    def fp8_status(self, device_fp8: str) -> str:
+        """``"native"`` or ``"emulated"``: how this recipe runs on a device whose FP8 support
+        is ``device_fp8`` (:func:`mpnb.lab.fp8_support`)."""
+        return "emulated" if self.gemm_emulated else device_fp8
+
 
 @dataclass(frozen=True)
 class PureBf16Config(PrecisionConfig):

@@ -111,8 +111,7 @@ def _precision(cfg, hw: dict) -> tuple[str, list[str]]:
     if cfg.opt_level == "O0":
         return "fp32", []
     if cfg.is_fp8:
-        # MXFP8's GEMM is emulated on every device (mpnb.fp8 dequantizes its E8M0 blocks).
-        status = "emulated" if cfg.opt_level == "mxfp8" else hw.get("fp8", "emulated")
+        status = cfg.precision_config.fp8_status(hw.get("fp8", "emulated"))
         notes = []
         if status == "emulated":
             notes.append(

@@ -50,7 +50,7 @@ def fp8_support(device: str = "cpu") -> str:
     """``"native"`` where ``device`` has FP8 matrix hardware (CUDA capability 8.9+), else
     ``"emulated"``: FP8 numerics computed with float32 arithmetic, slower than fp32.
 
-    MXFP8's GEMM is emulated on every device (see :mod:`mpnb.fp8`); the rows say so.
+    MXFP8's GEMM is emulated on every device (``Float8Config.fp8_status``); the rows say so.
 
     Example::
 
@@ -123,7 +123,8 @@ def emulation_note(w, half_dtype="auto", device="auto", opt_levels=()) -> str:
     names = list(dict.fromkeys(names))
     hs = half_support(dev)
     emulated = [n for n in names if hs["bfloat16" if n == "bf16" else "float16"] == "emulated"]
-    if any(isinstance(c, Float8Config) for c in cfgs) and fp8_support(dev) == "emulated":
+    fp8 = [c for c in cfgs if isinstance(c, Float8Config)]
+    if any(c.fp8_status(fp8_support(dev)) == "emulated" for c in fp8):
         emulated.append("fp8")
     if not emulated:
         return ""

@@ -28,6 +28,7 @@ import math
 
 import pandas as pd
 
+from mpnb.core.precision import Float8Config, get_config
 from mpnb.lab.memory import ROLES as _ROLES
 
 __all__ = ["GPU_PEAKS", "LAUNCH_US", "REFERENCE_GPU", "verdict", "gpu_estimate"]
@@ -56,9 +57,11 @@ def _bytes(row) -> float:
 
 
 def _gemm_dtype(row) -> str:
-    """The dtype a row's GEMMs would run in on a GPU (mpnb's MXFP8 GEMM is emulated in fp32
-    on every device, so it gets the fp32 rate)."""
-    return "fp32" if row["opt_level"] in ("O0", "mxfp8") else row["half_dtype"]
+    """The dtype a row's GEMMs would run in on a GPU (a GEMM emulated on every device, as
+    MXFP8's, runs in fp32 and gets the fp32 rate)."""
+    cfg = get_config(row["opt_level"])
+    emulated = isinstance(cfg, Float8Config) and cfg.gemm_emulated
+    return "fp32" if row["opt_level"] == "O0" or emulated else row["half_dtype"]
 
 
 def _step_time(row, gpu: dict) -> float:
