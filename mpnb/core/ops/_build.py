@@ -577,11 +577,11 @@ class _BuildPace:
 
     def save(self) -> None:
         """Remember this build's pace (2 or more kernel files timed; best effort)."""
-        if self.units < 2:
-            return
-        rec = self.last() or {"pch_s": 25.0}
+        rec = self.last() or {}
         if self.pch_s is not None:
             rec["pch_s"] = self.pch_s
+        if self.units < 2 or "pch_s" not in rec:
+            return  # a pace is two measured numbers, never a guessed one
         rec["unit_s"] = (self.units_end - (self.pch_s or 0.0)) / self.units
         rec["machine"] = self._machine()
         try:

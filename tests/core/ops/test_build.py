@@ -115,6 +115,15 @@ def test_the_next_first_build_is_estimated_at_this_machines_pace(tmp_path, cache
     assert _BuildPace.last() is None  # another machine's pace says nothing of this one
 
 
+def test_a_pace_without_a_timed_header_is_not_saved(cache):
+    cache.mkdir()
+    pace = _BuildPace()
+    for line in ("[1/3 2.0s] src/cpu/a.cpp", "[2/3 4.0s] src/cpu/b.cpp", "[3/3 4.1s] link x.so"):
+        pace.step(line)
+    pace.save()  # the header was not rebuilt and no earlier build timed it: nothing to save
+    assert pace.units == 2 and not (cache / _BuildPace.FILE).exists()
+
+
 def test_first_build_estimates():
     # no build timed here yet: the range measured on 2-core machines
     two = _estimate(16, True, None) if os.cpu_count() == 2 else None
