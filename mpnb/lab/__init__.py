@@ -10,6 +10,8 @@
   :func:`transformers_workload` adapts a Hugging Face model in one call.
 * :func:`profile`: per-phase and per-module times, FLOPs, the ``torch.profiler`` op table.
 * :func:`trace_overflow`, :func:`underflow_report`: which layer leaves the half range.
+* :func:`gemm_shapes`, :func:`step_overhead`: GEMM sizes tensor cores dislike, and whether a
+  step is bound by overhead that half precision cannot shrink.
 * :func:`trace_precision`: which dtype every op of a step ran in, and why.
 * :func:`report`: one self-contained offline HTML page from a :func:`compare` DataFrame.
 
@@ -40,6 +42,8 @@ _LAZY = {
     "profile": "profiling",
     "trace_overflow": "diagnosis",
     "underflow_report": "diagnosis",
+    "gemm_shapes": "troubleshoot",
+    "step_overhead": "troubleshoot",
     "report": "html_report",
     "trace_precision": "precision",
 }

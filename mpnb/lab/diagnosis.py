@@ -212,9 +212,16 @@ def _result(dtype, table: pd.DataFrame, first) -> TraceResult:
     row = table[(table.module == module) & (table.phase == phase)]
     kind = row.iloc[0].type if len(row) else "?"
     amax = float(row.absmax.max()) if len(row) else math.nan
+    top = torch.finfo(dtype).max
+    # The module's own values may fit while an op inside it (an exp, a sum) does not.
+    why = (
+        f"its {phase} values reach {amax:.3g} in fp32, beyond {name}'s max {top:.3g}"
+        if not amax <= top
+        else f"inside it, {op} gives inf/NaN in {name} (max {top:.3g}), although its {phase} "
+        f"values stay within {amax:.3g} in fp32"
+    )
     advice = (
-        f"keep `{module}` ({kind}) in fp32: its {phase} values reach {amax:.3g} in fp32, "
-        f"beyond {name}'s max {torch.finfo(dtype).max:.3g}. Under O1 register its "
+        f"keep `{module}` ({kind}) in fp32: {why}. Under O1 register its "
         "function with amp.register_float_function (or run it in torch.autocast("
         "enabled=False) on .float() inputs); under O2/O3 keep the module fp32 and cast its "
         "input with .float(). Or use bf16, which has fp32's range."

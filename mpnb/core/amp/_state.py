@@ -142,6 +142,11 @@ class AmpOptimizerState:
             self.scalers = []
             self.state = OptState.READY
 
+    def unscale_deferred(self) -> None:
+        """Unscale grads left scaled for a fused optimizer's step (to read or clip them)."""
+        if getattr(self.strategy, "deferred", None) is not None:
+            self.strategy.materialize(self)
+
     def _use(self, scaler: LossScaler) -> None:
         if scaler not in self.scalers:
             self.scalers.append(scaler)

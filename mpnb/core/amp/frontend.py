@@ -137,15 +137,19 @@ def master_params(optimizer) -> Iterator[torch.nn.Parameter]:
     """The params ``optimizer`` updates: fp32 masters under O2, the model's params otherwise.
 
     Their ``.grad`` is unscaled after ``scale_loss`` exits, so clipping them clips real grads.
-    (With an ``mpnb.optimizers`` fused optimizer and a single ``scale_loss`` block, the grads
-    stay scaled until ``step()``: clip inside the optimizer instead.)
+    An ``mpnb.optimizers`` fused optimizer would unscale a step's single block inside its
+    ``step()``; asking for its master params unscales those grads now instead (the step then
+    only checks the overflow flag), so clipping works the same with every optimizer.
 
     Example::
 
         >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
     """
-    for group in optimizer.param_groups:
-        yield from group["params"]
+    stash = getattr(optimizer, "_amp_stash", None)
+    state = getattr(stash, "amp_state", None)
+    if state is not None:
+        state.unscale_deferred()
+    return (p for group in optimizer.param_groups for p in group["params"])
 
 
 def state_dict(destination: dict | None = None) -> dict:
