@@ -180,7 +180,7 @@ class Float8Linear(nn.Linear):
             return
         self._fp8_warned.add(category)
         warnings.warn(
-            f"mpnb.fp8: layer {self.fqn or '(unnamed Float8Linear)'!r} ({self.recipe.name}): "
+            f"mpnb.fp8: layer {self.fqn or '(unnamed Float8Linear)'!r} ({self.recipe.label}): "
             f"its {which} GEMM cannot run in torch._scaled_mm: {reason}. It runs the same FP8 "
             "math emulated (dequantized operands, float32 matmul): same numerics, no FP8 "
             "speed-up. Shown once per layer and cause.",
