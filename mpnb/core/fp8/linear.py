@@ -98,7 +98,8 @@ class Float8Linear(nn.Linear):
     The output dtype is the input's, or the autocast dtype inside ``torch.autocast``. The
     layer's ``state_dict`` has ``weight`` and ``bias`` as ``nn.Linear`` plus the recipe's
     buffers (``DelayedScaling``: ``fp8_amax_history``, ``fp8_scale``); loading a checkpoint
-    without them (from a plain ``nn.Linear``) starts the recipe state fresh.
+    without them (from a plain ``nn.Linear``) starts the recipe state fresh, and one whose
+    values are corrupt is refused (:meth:`check_fp8_state`).
 
     Example::
 

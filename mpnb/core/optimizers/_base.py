@@ -349,14 +349,14 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         inv_scale, found_inf, check, skip = self._take_scale()
-        carried = self.__dict__.pop("_mpnb_carried", None)  # fp32 masters a load put in params
-        if carried:
-            _load.keep_carried(carried)
         work = [(g, self._buckets(g)) for g in self.param_groups]
         if found_inf is not None and check:
             for _, buckets in work:
                 for b in buckets:
                     multi_tensor_check_finite(found_inf, b.grads)
+        carried = self.__dict__.pop("_mpnb_carried", None)  # fp32 masters a load put in params
+        if carried:
+            _load.keep_carried(carried)
         self._prepare(work, inv_scale, found_inf)
         flag = found_inf if skip else None  # a static scale: flagged, but the step is taken
         if any(self.rounding(g) == "stochastic" for g in self.param_groups):
