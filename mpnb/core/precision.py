@@ -7,7 +7,7 @@ name                  what it is
 ``fp8-tensorwise``    FP8 linear layers, per-tensor current scaling (:mod:`mpnb.fp8`)
 ``fp8-delayed``       FP8 linear layers, per-tensor scales from an amax history
 ``fp8-rowwise``       FP8 linear layers, one scale per row
-``mxfp8``             FP8 linear layers, 32-element blocks with E8M0 scales
+``mxfp8``             FP8 linear layers, 32-element blocks, E8M0 scales rounded up (RCEIL)
 ``bf16-pure``         every weight, grad and activation bf16, no fp32 masters (= O3 in bf16)
 ``bf16-pure+sr``      bf16-pure, the optimizer rounds updates stochastically to bf16
 ``bf16-pure+kahan``   bf16-pure, the optimizer keeps a Kahan compensation buffer
@@ -226,7 +226,8 @@ PRECISION_CONFIGS = types.MappingProxyType(
             ),
             _fp8(
                 "mxfp8",
-                "MXFP8 linear layers: E4M3 values, one E8M0 scale per 32 (emulated GEMM).",
+                "MXFP8 linear layers: E4M3 values, one E8M0 scale per 32 rounded up (RCEIL, "
+                "as TransformerEngine); emulated GEMM.",
                 "mxfp8",
             ),
             _bf16(

@@ -1,4 +1,4 @@
-"""fp32 masters across checkpoints: never dropped silently, whatever the loading side keeps.
+"""fp32 masters and loss scales across checkpoints: never dropped or switched silently.
 
 Under O2 the fp32 masters are saved with the optimizer's state: amp's own under
 ``state_dict()["mpnb_amp_masters"]`` (``{param index: tensor}``, the index being the one of
@@ -7,16 +7,37 @@ whatever kind saved them, they go where the loading optimizer keeps its masters:
 (``torch.optim`` under O2), the fused optimizer's state (``FusedAdam`` under O2), or, under
 O0/O1/O3, the fp32 params themselves. Everything is validated in the load pre-hook, before
 the optimizer changes anything.
+
+A loss scaler's state follows the same rule the other way round: the run keeps the kind of
+scaling ``amp.initialize`` set up. A dynamic checkpoint loaded into a static run (a number
+given as ``loss_scale``, or bf16's no scaling) does not make it scale by the checkpoint's
+65536, and a static checkpoint does not reset a dynamic run's scale; one
+:class:`LossScaleStateWarning` says what was kept (:func:`resolve_scaler_state`).
+
+Without amp (no hooks on the optimizer), mpnb's fused optimizers load an O2 checkpoint's
+masters themselves (:mod:`mpnb.core.optimizers._load`); a ``torch.optim`` optimizer cannot:
+set the run up with ``amp.initialize(model, optimizer, opt_level="O0")`` before loading and
+amp carries the masters into the fp32 params.
 """
 
 from __future__ import annotations
 
 import itertools
+import warnings
 from collections.abc import Mapping
 
 import torch
 
-__all__ = ["MASTERS_KEY", "flat_params", "save_masters", "take_masters", "apply_masters"]
+__all__ = [
+    "MASTERS_KEY",
+    "LossScaleStateWarning",
+    "flat_params",
+    "save_masters",
+    "take_masters",
+    "apply_masters",
+    "resolve_scaler_state",
+    "warn_kept_scales",
+]
 
 MASTERS_KEY = "mpnb_amp_masters"
 _HALF = (torch.float16, torch.bfloat16)
@@ -127,3 +148,63 @@ def apply_masters(strategy, optimizer, found: dict[int, torch.Tensor]) -> list:
     if strategy.masters is not None:
         strategy.masters.copy_to_model()
     return carried
+
+
+# ---- loss scalers across configurations -------------------------------------------------------
+
+
+class LossScaleStateWarning(UserWarning):
+    """A checkpoint's loss scale of another kind (dynamic / static) than the run's was not used."""
+
+
+def resolve_scaler_state(scaler, state, key: str = "state") -> tuple[tuple, str | None]:
+    """What ``amp.load_state_dict`` applies to ``scaler``: the checkpoint's state (validated by
+    ``scaler.check_state_dict``) when it is of the scaler's kind, else the scaler's own.
+    (``LossScaler.load_state_dict`` itself, which Apex's ``_loss_scale`` setter goes through,
+    takes what it is given.)
+
+    Returns ``(state for scaler.apply_state, note)``; the note says what was kept (None when
+    nothing differs). An Apex entry (no ``"dynamic"`` key: its kind is unknown) is taken as it
+    is, as Apex takes it.
+    """
+    checked = scaler.check_state_dict(state, key)
+    saved_dynamic = state.get("dynamic")
+    if not isinstance(saved_dynamic, bool):
+        return checked, None
+    own_scale = scaler.loss_scale()
+    saved_scale = float(state["loss_scale"])
+    if saved_dynamic == scaler.dynamic and (scaler.dynamic or saved_scale == own_scale):
+        return checked, None
+    own = (
+        own_scale,
+        int(scaler.growth_tracker.item()),
+        int(scaler.hysteresis_tracker.item()),
+        scaler.skips_at_min,
+    )
+    if scaler.dynamic:
+        note = (
+            f"{key}: the checkpoint's loss scale is static ({saved_scale:g}), this run's is "
+            f"dynamic: it keeps its own scale ({own_scale:g}) and grows or backs off from there"
+        )
+    else:
+        unscaled = own_scale == 1.0 and scaler.half_dtype in (torch.bfloat16, None)
+        what = "no loss scaling" if unscaled else f"a static scale of {own_scale:g}"
+        saved = f"dynamic ({saved_scale:g})" if saved_dynamic else f"static ({saved_scale:g})"
+        note = (
+            f"{key}: the checkpoint's loss scale is {saved}, this run has {what}, as "
+            "amp.initialize set it up; it keeps it"
+        )
+    return own, note
+
+
+def warn_kept_scales(notes) -> None:
+    """One :class:`LossScaleStateWarning` for every scaler that kept its own state (if any)."""
+    notes = [n for n in notes if n]
+    if notes:
+        warnings.warn(
+            f"amp.load_state_dict: {'; '.join(notes)}. The checkpoint's scale and counters "
+            "are not used. To resume its scaling, pass amp.initialize(..., loss_scale=...) "
+            "as it was saved ('dynamic', or its static number).",
+            LossScaleStateWarning,
+            stacklevel=3,
+        )

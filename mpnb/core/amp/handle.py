@@ -13,6 +13,7 @@ import warnings
 
 import torch
 
+from mpnb.core.amp import _checkpoint
 from mpnb.core.amp._properties import Properties
 from mpnb.core.amp.scaler import LossScaler
 
@@ -168,7 +169,8 @@ class AmpHandle:
 
     def load_state_dict(self, state) -> None:
         """Restore :meth:`state_dict` output into the scalers: all of it or, on any bad entry
-        (ValueError naming the key), nothing."""
+        (ValueError naming the key), nothing. A scaler whose saved kind (dynamic / static)
+        differs from the run's keeps its own state; one ``LossScaleStateWarning`` says so."""
         if not hasattr(state, "keys"):
             raise ValueError(
                 f"amp.load_state_dict: expected the dict amp.state_dict() returned, got "
@@ -183,9 +185,10 @@ class AmpHandle:
                 "with the num_losses the checkpoint was saved with."
             )
         pairs = zip(self.scalers, expected, strict=True)
-        checked = [s.check_state_dict(state[k], k) for s, k in pairs]
-        for s, c in zip(self.scalers, checked, strict=True):
-            s.apply_state(c)
+        resolved = [_checkpoint.resolve_scaler_state(s, state[k], k) for s, k in pairs]
+        _checkpoint.warn_kept_scales([note for _, note in resolved])
+        for s, (checked, _) in zip(self.scalers, resolved, strict=True):
+            s.apply_state(checked)
 
     def model_load_pre(self, module, state_dict, prefix, *args) -> None:
         """Before ``model.load_state_dict``: note fp32 values meant for half params (their

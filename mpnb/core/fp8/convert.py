@@ -1,10 +1,13 @@
 """Swap a model's ``nn.Linear`` layers for :class:`Float8Linear` and back, in place.
 
 Only modules whose type is exactly ``nn.Linear`` are swapped (a subclass may override
-``forward``; ``nn.MultiheadAttention``'s ``out_proj`` is never called as a module). The new
-layers share the old ones' Parameter objects, so an optimizer built before the swap keeps
-working and the ``state_dict`` keys stay those of the original model (plus the delayed
-recipe's two buffers per layer). Hooks registered on the old modules are not carried over.
+``forward``; ``nn.MultiheadAttention``'s ``out_proj`` is never called as a module), and
+:class:`Float8Linear` layers of another recipe (a model converted twice takes the second
+recipe). The new layers share the old ones' Parameter objects, so an optimizer built before
+the swap keeps working and the ``state_dict`` keys stay those of the original model (plus the
+delayed recipe's two buffers per layer). Hooks registered on the old modules are not carried
+over. A converted model checks every layer's FP8 state in a checkpoint before it loads any
+of it (:meth:`Float8Linear.check_fp8_state`).
 """
 
 from __future__ import annotations
@@ -48,6 +51,9 @@ def convert_to_float8_training(
 ) -> nn.Module:
     """Swap the ``nn.Linear`` layers of ``model`` for FP8 ones (in place).
 
+    A :class:`Float8Linear` of another recipe is converted too (its FP8 state starts fresh;
+    the weight and bias stay the same Parameters); one of the same recipe is kept as it is.
+
     Args:
         model: any module (if it is itself an ``nn.Linear``, a new module is returned).
         recipe: ``"tensorwise"``, ``"delayed"``, ``"rowwise"``, ``"mxfp8"`` or a recipe
@@ -67,13 +73,25 @@ def convert_to_float8_training(
     rec = make_recipe(recipe)
 
     def make(mod, fqn):
-        if type(mod) is not nn.Linear:
+        if type(mod) is Float8Linear and mod.recipe == rec:
+            return None
+        if type(mod) not in (nn.Linear, Float8Linear):
             return None
         if module_filter_fn is not None and not module_filter_fn(mod, fqn):
             return None
-        return Float8Linear.from_linear(mod, rec, fqn or "(root)")
+        linear = mod.to_linear() if type(mod) is Float8Linear else mod
+        return Float8Linear.from_linear(linear, rec, fqn or "(root)")
 
-    return _swap(model, make)
+    out = _swap(model, make)
+    if type(out) is not Float8Linear:  # a layer checks itself; a model checks all, first
+        out.register_load_state_dict_pre_hook(_check_before_load)
+    return out
+
+
+def _check_before_load(module, state_dict, prefix, *args) -> None:
+    """Every FP8 layer's state in ``state_dict`` checked before any tensor is loaded."""
+    for fqn, layer in float8_layers(module).items():
+        layer.check_fp8_state(state_dict, f"{prefix}{fqn}.")
 
 
 def convert_from_float8_training(model: nn.Module) -> nn.Module:

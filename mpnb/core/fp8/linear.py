@@ -98,7 +98,8 @@ class Float8Linear(nn.Linear):
     The output dtype is the input's, or the autocast dtype inside ``torch.autocast``. The
     layer's ``state_dict`` has ``weight`` and ``bias`` as ``nn.Linear`` plus the recipe's
     buffers (``DelayedScaling``: ``fp8_amax_history``, ``fp8_scale``); loading a checkpoint
-    without them (from a plain ``nn.Linear``) starts the recipe state fresh.
+    without them (from a plain ``nn.Linear``) starts the recipe state fresh, and one whose
+    values are corrupt is refused (:meth:`check_fp8_state`).
 
     Example::
 
@@ -180,7 +181,7 @@ class Float8Linear(nn.Linear):
             return
         self._fp8_warned.add(category)
         warnings.warn(
-            f"mpnb.fp8: layer {self.fqn or '(unnamed Float8Linear)'!r} ({self.recipe.name}): "
+            f"mpnb.fp8: layer {self.fqn or '(unnamed Float8Linear)'!r} ({self.recipe.label}): "
             f"its {which} GEMM cannot run in torch._scaled_mm: {reason}. It runs the same FP8 "
             "math emulated (dequantized operands, float32 matmul): same numerics, no FP8 "
             "speed-up. Shown once per layer and cause.",
@@ -188,9 +189,39 @@ class Float8Linear(nn.Linear):
             stacklevel=3,
         )
 
+    def check_fp8_state(self, state_dict, prefix: str = "") -> None:
+        """Raise ValueError, changing nothing, if ``state_dict`` holds corrupt FP8 state for
+        this layer (under ``prefix``): a scale that is not finite and positive, or an amax
+        history with a negative, inf or NaN entry (the next forward would be all NaN, or its
+        scale frozen). A checkpoint without the entries (a plain ``nn.Linear``) passes."""
+        bad = []
+        for name, ok, rule in (
+            ("fp8_scale", lambda t: torch.isfinite(t) & (t > 0), "finite and > 0"),
+            ("fp8_amax_history", lambda t: torch.isfinite(t) & (t >= 0), "finite and >= 0"),
+        ):
+            t = state_dict.get(prefix + name)
+            if name not in self._buffers or t is None:
+                continue
+            if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+                bad.append(f"{prefix}{name} is a {type(t).__name__}, not a floating tensor")
+                continue
+            wrong = ~ok(t.detach().float())
+            if wrong.any():
+                first = t.detach().flatten()[wrong.flatten()][:3].tolist()
+                n = int(wrong.sum())
+                bad.append(f"{prefix}{name} has {n} value(s) like {first} (must be {rule})")
+        if bad:
+            raise ValueError(
+                f"Float8Linear {self.fqn or '(unnamed)'!r}: the checkpoint's FP8 state is corrupt: "
+                f"{'; '.join(bad)}. Nothing was loaded. Load a checkpoint of a healthy run, or "
+                f"drop this layer's '{prefix}fp8_amax_history' and '{prefix}fp8_scale' entries "
+                "to start its FP8 state fresh."
+            )
+
     def _load_from_state_dict(
         self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, errors
     ):
+        self.check_fp8_state(state_dict, prefix)
         own = [prefix + n for n, _ in self.named_buffers(recurse=False)]
         absent = [k for k in own if k not in state_dict]
         super()._load_from_state_dict(

@@ -5,13 +5,24 @@ the contraction dim, so that a per-row or per-block scale never straddles a sum.
 (``reference.py`` writes the same math a second, plain way and the tests compare the bytes):
 
 * per tensor:  ``s = fp8_max / max(amax, eps)`` (float32), ``q = sat(round(x * s))``,
-  dequantized as ``q * (1 / s)``;
+  dequantized as ``q * (1 / s)``; with power-of-two scales, ``s`` rounded down to ``2**k``
+  exactly (its float32 exponent bits: ``log2`` in float32 rounds a quotient a few ulps
+  below ``2**k`` up to ``k``, and the block's top value would then clip);
 * per row: the same with one ``amax`` per row;
-* MX: blocks of 32 along ``K``, shared scale ``X = 2**(floor(log2(amax_block)) - emax)``
-  (OCP MX spec v1.0, 6.3) stored as E8M0, ``q = sat(round(x / X))``, dequantized as ``q * X``.
+* MX: blocks of 32 along ``K``, one E8M0 power of two ``X`` per block, ``q = sat(round(x / X))``,
+  dequantized as ``q * X``. ``X`` rounds ``amax / fp8_max`` to a power of two, up by default:
 
-``sat`` clamps to the format's finite range before the cast (the cast alone would give NaN
-or inf on some devices).
+  - ``"rceil"`` (default, as TransformerEngine's MXFP8 and torchao's ``RCEIL``):
+    ``X = 2**ceil(log2(amax / fp8_max))``, the smallest power of two with
+    ``amax / X <= fp8_max``: nothing in the block clips;
+  - ``"floor"`` (OCP MX spec v1.0, 6.3): ``X = 2**(floor(log2(amax)) - emax)``: the top of a
+    block whose mantissa is above the format's max (``1.75`` for E4M3) saturates at
+    ``fp8_max``, up to 12.5% below its value.
+
+``sat`` clamps finite values to the format's finite range before the cast (the cast alone
+would give inf, or saturate, depending on the device); an inf or NaN input becomes NaN, so
+a non-finite value reaches the loss scaler's check however the scale was chosen (E4M3 has
+no inf, and torch's cast would saturate one to 448).
 """
 
 from __future__ import annotations
@@ -23,6 +34,7 @@ import torch
 from mpnb.core.fp8.formats import AMAX_EPS, E8M0, E8M0_BIAS, MX_ELEMENT_EMAX, fp8_max
 
 __all__ = [
+    "MX_ROUNDINGS",
     "Float8Operand",
     "amax_to_scale",
     "quantize_with_scale",
@@ -33,6 +45,9 @@ __all__ = [
 ]
 
 MX_BLOCK = 32
+_EXPONENT_BITS = -0x800000  # 0xFF800000 as an int32: sign and exponent of a float32
+_MANTISSA_BITS = 0x7FFFFF
+MX_ROUNDINGS = ("rceil", "floor")  # how an MX block's E8M0 scale is rounded; the first: default
 
 
 @dataclass(frozen=True)
@@ -74,6 +89,9 @@ class Float8Operand:
 def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool = False):
     """``fp8_max(dtype) / max(amax, 1e-12)`` in float32, optionally rounded down to 2**k.
 
+    The power of two is the float32 scale with its mantissa bits cleared (exact; a NaN scale,
+    from a NaN amax, stays NaN).
+
     Example::
 
         >>> amax_to_scale(torch.tensor(2.0), torch.float8_e4m3fn)
@@ -84,15 +102,26 @@ def amax_to_scale(amax: torch.Tensor, dtype: torch.dtype, power_of_2: bool = Fal
     # reciprocal-then-multiply, two roundings)
     scale = amax.new_tensor(fp8_max(dtype)) / amax
     if power_of_2:
-        scale = torch.exp2(torch.floor(torch.log2(scale)))
+        pow2 = (scale.view(torch.int32) & _EXPONENT_BITS).view(torch.float32)
+        scale = torch.where(torch.isnan(scale), scale, pow2)
     return scale
 
 
+def _saturate(v: torch.Tensor, x: torch.Tensor, m: float) -> torch.Tensor:
+    """``v`` (``x`` scaled) clamped to ``[-m, m]``, NaN where ``x`` is inf: a finite value
+    that overflows saturates, a non-finite input stays non-finite."""
+    return torch.where(torch.isinf(x), float("nan"), v.clamp(-m, m))
+
+
 def quantize_with_scale(x: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype, gran: str):
-    """``sat(round(x * scale))`` as ``dtype``; ``scale`` broadcasts (0-d or ``(rows, 1)``)."""
+    """``sat(round(x * scale))`` as ``dtype``; ``scale`` broadcasts (0-d or ``(rows, 1)``).
+
+    Finite values beyond the format's range saturate at ``fp8_max``; inf and NaN become NaN
+    (delayed scaling's stored scale would otherwise hide an inf input as ``fp8_max``).
+    """
     m = fp8_max(dtype)
     scale = scale.float()  # a module cast to half (model.to(bf16)) casts its buffers too
-    data = (x.float() * scale).clamp(-m, m).to(dtype).contiguous()
+    data = _saturate(x.float() * scale, x, m).to(dtype).contiguous()
     return Float8Operand(data, scale.reciprocal(), gran)
 
 
@@ -108,25 +137,48 @@ def quantize_rowwise(x: torch.Tensor, dtype: torch.dtype, power_of_2: bool = Tru
     return quantize_with_scale(x, amax_to_scale(amax, dtype, power_of_2), dtype, "rowwise")
 
 
-def quantize_mx(x: torch.Tensor, dtype: torch.dtype) -> Float8Operand:
+def check_mx_rounding(rounding: str) -> str:
+    """``rounding`` if it is one of :data:`MX_ROUNDINGS`, else a ValueError naming them."""
+    if rounding not in MX_ROUNDINGS:
+        raise ValueError(
+            f"MX scale rounding {rounding!r} is invalid; use 'rceil' (round amax / fp8_max up "
+            "to a power of two: nothing clips, as TransformerEngine and torchao) or 'floor' "
+            "(the OCP MX v1.0 rule: a block's top may saturate)."
+        )
+    return rounding
+
+
+def quantize_mx(x: torch.Tensor, dtype: torch.dtype, rounding: str = "rceil") -> Float8Operand:
     """MXFP8: blocks of 32 along the last dim, E8M0 shared scales, elements in ``dtype``.
 
-    The shared exponent is ``floor(log2(amax))`` read off the float32 exponent bits, minus
-    the element format's emax, clamped to E8M0's range [-127, 127]; a block whose amax is
-    not finite gets the NaN scale (0xFF). A last block shorter than 32 is padded with zeros
-    (they change no amax and no product).
+    The shared exponent is read off the float32 bits of the block's amax: ``floor(log2)``
+    minus the element format's emax (``"floor"``), plus one when the amax's mantissa is above
+    ``fp8_max``'s (``"rceil"``: exactly ``ceil(log2(amax / fp8_max))``), clamped to E8M0's
+    range [-127, 127]; a block whose amax is not finite gets the NaN scale (0xFF). A last
+    block shorter than 32 is padded with zeros (they change no amax and no product).
+
+    Args:
+        x: 2-D tensor, quantized along its last dim.
+        dtype: the element format (``torch.float8_e4m3fn`` or ``torch.float8_e5m2``).
+        rounding: ``"rceil"`` (default) or ``"floor"`` (see :mod:`mpnb.core.fp8.quantize`).
     """
     if E8M0 is None:
         raise RuntimeError("MXFP8 needs torch.float8_e8m0fnu (torch >= 2.7); upgrade torch.")
+    check_mx_rounding(rounding)
     rows, k = x.shape
     pad = (-k) % MX_BLOCK
     blocks = torch.nn.functional.pad(x.detach().float(), (0, pad)).view(rows, -1, MX_BLOCK)
     amax = blocks.abs().amax(dim=-1)
-    floor_log2 = ((amax.view(torch.int32) >> 23) & 0xFF) - 127
-    shared = (floor_log2 - MX_ELEMENT_EMAX[dtype]).clamp(-E8M0_BIAS, E8M0_BIAS)
+    bits = amax.view(torch.int32)
+    shared = ((bits >> 23) & 0xFF) - 127 - MX_ELEMENT_EMAX[dtype]
+    if rounding == "rceil":
+        top = torch.tensor(fp8_max(dtype), dtype=torch.float32).view(torch.int32).item()
+        shared = shared + ((bits & _MANTISSA_BITS) > (top & _MANTISSA_BITS)).int()
+    shared = shared.clamp(-E8M0_BIAS, E8M0_BIAS)
     biased = torch.where(torch.isfinite(amax), shared + E8M0_BIAS, 255).to(torch.uint8)
     scale = biased.view(E8M0)
     m = fp8_max(dtype)
     values = torch.nn.functional.pad(x.float(), (0, pad)) if pad else x.float().contiguous()
+    # a block holding inf or NaN has the NaN scale: all its values are NaN already
     q = (values.view(rows, -1, MX_BLOCK) / scale.float().unsqueeze(-1)).clamp(-m, m)
     return Float8Operand(q.to(dtype).view(rows, -1)[:, :k].contiguous(), scale, "mx")

@@ -4,14 +4,15 @@ A recipe is a small frozen object; its rule (how to quantize an operand, what st
 keeps) lives in it. A layer's three tensors have roles: ``"input"`` and ``"weight"`` (forward
 dtype) and ``"grad_output"`` (gradient dtype: E5M2 in the ``"hybrid"`` format).
 
-===================  ==============================================  ========================
+===================  ==============================================  ==========================
 recipe               scale of each operand                           like
-===================  ==============================================  ========================
+===================  ==============================================  ==========================
 TensorwiseScaling    one per tensor, from its amax now               torchao ``tensorwise``
 DelayedScaling       one per tensor, from an amax history (state)    TransformerEngine
 RowwiseScaling       one per row of the GEMM operand, powers of two  torchao ``rowwise``
-MXFP8BlockScaling    one E8M0 power of two per 32 values             OCP MX / TE ``MXFP8``
-===================  ==============================================  ========================
+MXFP8BlockScaling    one E8M0 power of two per 32 values, rounded    TE ``MXFP8``, torchao
+                     up (``"rceil"``) or down (``"floor"``, OCP MX)  ``RCEIL`` (default)
+===================  ==============================================  ==========================
 
 Example::
 
@@ -30,6 +31,7 @@ import torch
 from mpnb.core.fp8.formats import format_dtypes, fp8_max
 from mpnb.core.fp8.quantize import (
     Float8Operand,
+    check_mx_rounding,
     quantize_mx,
     quantize_rowwise,
     quantize_tensorwise,
@@ -69,6 +71,11 @@ class Float8Recipe(abc.ABC):
         """The float8 dtype of ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``)."""
         fwd, bwd = format_dtypes(self.fp8_format)
         return bwd if role == "grad_output" else fwd
+
+    @property
+    def label(self) -> str:
+        """How rows and messages name the recipe (the name, plus any rule it depends on)."""
+        return self.name
 
     @property
     def per_tensor(self) -> bool:
@@ -111,8 +118,14 @@ class DelayedScaling(Float8Recipe):
 
     Step ``t`` quantizes each tensor with a scale computed after step ``t-1`` (1.0 at the
     start): ``fp8_max / amax / 2**margin``, where ``amax`` reduces the last
-    ``amax_history_len`` amaxes (``"max"``, or ``"most_recent"``). A reduced amax of 0 or
-    inf/NaN keeps the previous scale. Values beyond the scaled range saturate.
+    ``amax_history_len`` amaxes (``"max"``, or ``"most_recent"``), clamped to the largest
+    finite float32 (TransformerEngine's rule: below an amax of 448 / 3.4e38 = 1.3e-36 the
+    E4M3 scale would be infinite). A reduced amax of 0 keeps the previous scale. Finite
+    values beyond the scaled range saturate; inf and NaN inputs (and gradients) quantize to
+    NaN, so the step's gradients are non-finite and a loss scaler skips it, as with every
+    other recipe. Such a tensor's amax is not recorded: the history (and the scale) stay as
+    they were, rather than holding the inf, and freezing the scale, for ``amax_history_len``
+    steps.
 
     Each layer keeps ``fp8_amax_history`` (``(amax_history_len, 3)``, newest first, one column
     per role) and ``fp8_scale`` (``(3,)``) as buffers: in its ``state_dict``, restored on load.
@@ -169,14 +182,17 @@ class DelayedScaling(Float8Recipe):
 
     def _record(self, layer, i: int, amax: torch.Tensor, dtype: torch.dtype) -> None:
         with torch.no_grad():
-            hist = layer.fp8_amax_history
-            hist[:, i] = torch.roll(hist[:, i], 1)
-            hist[0, i] = amax
+            hist, scale = layer.fp8_amax_history, layer.fp8_scale
+            # a non-finite amax (an overflowing step) is not recorded: no host sync, a select
+            rolled = torch.roll(hist[:, i], 1)
+            rolled[0] = amax.clamp(max=torch.finfo(hist.dtype).max)
+            hist[:, i] = torch.where(torch.isfinite(amax), rolled, hist[:, i])
             col = hist[:, i].float()  # float32 math even if the buffers were cast to half
             reduced = col.max() if self.amax_compute_algo == "max" else col[0]
             new = reduced.new_tensor(fp8_max(dtype)) / reduced / 2.0**self.margin
+            new = new.clamp(max=torch.finfo(scale.dtype).max)  # 448 / 1e-38 is inf in float32
             ok = (reduced > 0) & torch.isfinite(reduced)
-            layer.fp8_scale[i] = torch.where(ok, new, layer.fp8_scale[i].float())
+            scale[i] = torch.where(ok, new, scale[i].float())
 
 
 @dataclass(frozen=True)
@@ -206,22 +222,45 @@ class RowwiseScaling(Float8Recipe):
 class MXFP8BlockScaling(Float8Recipe):
     """MXFP8: blocks of 32 values along the contraction dim share one E8M0 power of two.
 
-    The shared exponent follows the OCP MX spec v1.0: ``floor(log2(amax)) - emax`` of the
-    element format (8 for E4M3), so the block's largest value may saturate at 448. The GEMM
-    is computed from the dequantized operands in float32 on every device (see
+    ``scale_rounding`` says how a block's ``amax / fp8_max`` becomes a power of two:
+
+    * ``"rceil"`` (default): rounded up, ``2**ceil(log2(amax / fp8_max))``, so no value of
+      the block clips. This is TransformerEngine's MXFP8 rule and torchao's ``RCEIL``.
+    * ``"floor"``: the OCP MX spec v1.0 rule, ``2**(floor(log2(amax)) - emax)`` (emax 8 for
+      E4M3): the top of a block whose amax has a mantissa above 1.75 saturates at 448, up to
+      12.5% below its value (most blocks of a default ``nn.Linear(1024, n)`` weight clip:
+      its values' bound, 1/32, is a power of two).
+
+    The GEMM is computed from the dequantized operands in float32 on every device (see
     :mod:`mpnb.core.fp8.gemm`); a layer says so once with a ``Float8FallbackWarning``.
 
     Args:
         fp8_format: ``"e4m3"`` (default, as TransformerEngine's MXFP8) or ``"hybrid"``.
+        scale_rounding: ``"rceil"`` (default) or ``"floor"``.
+
+    Example::
+
+        >>> MXFP8BlockScaling(scale_rounding="floor").label
+        'mxfp8 (floor scales)'
     """
 
     fp8_format: str = "e4m3"
+    scale_rounding: str = "rceil"
     name: ClassVar[str] = "mxfp8"
     granularity: ClassVar[str] = "mx"
 
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_mx_rounding(self.scale_rounding)
+
+    @property
+    def label(self) -> str:
+        """``"mxfp8 (rceil scales)"`` or ``"mxfp8 (floor scales)"``."""
+        return f"{self.name} ({self.scale_rounding} scales)"
+
     def quantize(self, layer, t, role, update):
         """32-element blocks along the last dim with E8M0 scales (no state)."""
-        return quantize_mx(t, self.dtype(role))
+        return quantize_mx(t, self.dtype(role), self.scale_rounding)
 
 
 RECIPES = {

@@ -33,6 +33,7 @@ import torch
 
 from mpnb.core.ops._rounding import mix64
 from mpnb.core.ops.check_finite import multi_tensor_check_finite
+from mpnb.core.optimizers import _load
 from mpnb.core.optimizers._checks import check_hyperparams, check_loadable, number
 
 __all__ = ["FusedOptimizerBase", "check_hyperparams"]
@@ -353,6 +354,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
             for _, buckets in work:
                 for b in buckets:
                     multi_tensor_check_finite(found_inf, b.grads)
+        carried = self.__dict__.pop("_mpnb_carried", None)  # fp32 masters a load put in params
+        if carried:
+            _load.keep_carried(carried)
         self._prepare(work, inv_scale, found_inf)
         flag = found_inf if skip else None  # a static scale: flagged, but the step is taken
         if any(self.rounding(g) == "stochastic" for g in self.param_groups):
@@ -381,10 +385,13 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         """Load a checkpoint of this optimizer or of its PyTorch counterpart, all or nothing.
 
-        The checkpoint is validated first (group sizes, every state tensor's size, step
-        counts). ``torch.optim.Optimizer.load_state_dict`` casts floating state to each param's
-        dtype; the fused optimizers keep their state (and master weights) in fp32, so the saved
-        fp32 tensors are put back, and group keys the checkpoint lacks get our defaults.
+        The checkpoint is validated first (group sizes and hyper-parameters, every state
+        tensor's size and values, step counts). ``torch.optim.Optimizer.load_state_dict``
+        casts floating state to each param's dtype; the fused optimizers keep their state (and
+        master weights) in fp32, so the saved fp32 tensors are put back, and group keys the
+        checkpoint lacks get our defaults. The rounding of bf16 updates stays the one this
+        optimizer was built with, and an O2 checkpoint's fp32 masters are kept without amp
+        too (:mod:`mpnb.core.optimizers._load`).
         """
         check_loadable(self, state_dict)
         rounding = state_dict.get("rounding")
@@ -397,6 +404,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 f"'seed' and 'step' (as state_dict() saves it), got {rounding!r}; nothing was "
                 "loaded."
             )
+        rounding_kept = _load.Rounding(self, state_dict)
+        masters = _load.MastersWithoutAmp(self, state_dict)  # raises before any change
         self._plans.clear()
         saved = state_dict["state"]
         ids = itertools.chain.from_iterable(g["params"] for g in state_dict["param_groups"])
@@ -418,5 +427,6 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         for group in self.param_groups:
             for k, v in self.defaults.items():
                 group.setdefault(k, v)
-        if rounding is not None:
+        if rounding_kept.restore() and rounding is not None:
             self._rounding = _Rounding(rounding["seed"], rounding["step"])
+        self._mpnb_carried = masters.apply()

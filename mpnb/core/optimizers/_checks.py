@@ -55,9 +55,69 @@ def check_hyperparams(owner: str, *, betas=None, **values) -> None:
         )
 
 
+# Saved group entries that must be finite and >= 0 (those the constructors check), and state
+# entries that must be >= 0 (second moments, Adagrad's sum of squares).
+_GROUP_NUMBERS = ("lr", "eps", "weight_decay", "momentum", "dampening")
+_NON_NEGATIVE_STATE = ("exp_avg_sq", "sum")
+
+
+def _corrupt(name: str, what: str) -> ValueError:
+    return ValueError(
+        f"{name}.load_state_dict: {what}; the checkpoint is corrupt (a training step that went "
+        "non-finite, or an edited file). Load an earlier checkpoint. Nothing was loaded."
+    )
+
+
+def _check_group(name: str, i: int, group) -> None:
+    for k in _GROUP_NUMBERS:
+        v = number(group.get(k, 0.0))
+        if v is None or not math.isfinite(v) or v < 0:
+            raise _corrupt(
+                name, f"param_groups[{i}][{k!r}]={group[k]!r} is not a finite number >= 0"
+            )
+    betas = group.get("betas")
+    if betas is not None:
+        nums = [number(b) for b in betas] if isinstance(betas, (tuple, list)) else []
+        if len(nums) != 2 or any(b is None or not 0.0 <= b < 1.0 for b in nums):
+            raise _corrupt(name, f"param_groups[{i}]['betas']={betas!r} is not a pair in [0, 1)")
+    if "max_grad_norm" in group:
+        v = number(group["max_grad_norm"])
+        if v is None or not math.isfinite(v):
+            raise _corrupt(
+                name, f"param_groups[{i}]['max_grad_norm']={group['max_grad_norm']!r} is not finite"
+            )
+
+
+def _check_entry(name: str, pid, k: str, v) -> None:
+    """One saved state entry: a step count >= 0, finite tensors, second moments >= 0."""
+    where = f"state[{pid}][{k!r}]"
+    if k == "step":
+        n = number(v)
+        if n is None:
+            raise ValueError(
+                f"{name}.load_state_dict: {where}={v!r} is not a number; nothing was loaded."
+            )
+        if not math.isfinite(n) or n < 0 or n != int(n):
+            raise _corrupt(name, f"{where}={n!r} is not a step count (an integer >= 0)")
+        return
+    if not isinstance(v, torch.Tensor) or not v.is_floating_point():
+        return
+    t = v.detach()
+    if not torch.isfinite(t).all():
+        raise _corrupt(name, f"{where} holds {int((~torch.isfinite(t)).sum())} inf/NaN values")
+    if k in _NON_NEGATIVE_STATE and (t < 0).any():
+        raise _corrupt(
+            name,
+            f"{where} holds {int((t < 0).sum())} negative values (a sum of squares is >= 0; "
+            f"the smallest is {t.min().item()!r})",
+        )
+
+
 def check_loadable(optimizer, state_dict) -> None:
     """Everything ``optimizer.load_state_dict(state_dict)`` needs, checked before anything
-    changes: the dict's shape, group sizes, each state tensor's size, step counts."""
+    changes: the dict's shape, group sizes and hyper-parameters (finite ``lr``, ``eps``,
+    ... >= 0, ``betas`` in [0, 1)), each state tensor's size and values (finite, second
+    moments >= 0), step counts (integers >= 0). Each error names the entry."""
     name = type(optimizer).__name__
     groups = state_dict.get("param_groups") if isinstance(state_dict, Mapping) else None
     saved = state_dict.get("state") if isinstance(state_dict, Mapping) else None
@@ -67,6 +127,9 @@ def check_loadable(optimizer, state_dict) -> None:
             "optimizer.state_dict()); nothing was loaded."
         )
     sizes = [len(g.get("params", ())) if isinstance(g, Mapping) else -1 for g in groups]
+    for i, g in enumerate(groups):
+        if isinstance(g, Mapping):
+            _check_group(name, i, g)
     if sizes != [len(g["params"]) for g in optimizer.param_groups]:
         raise ValueError(
             f"{name}.load_state_dict: the checkpoint's param groups hold {sizes} params but "
@@ -91,15 +154,10 @@ def check_loadable(optimizer, state_dict) -> None:
                 f"{type(entries).__name__}, not a dict; nothing was loaded."
             )
         for k, v in entries.items():
-            if isinstance(v, torch.Tensor):
-                if v.dim() != 0 and v.numel() != p.numel():
-                    raise ValueError(
-                        f"{name}.load_state_dict: state[{pid}][{k!r}] has {v.numel()} "
-                        f"elements but param {pid} has {p.numel()}; load a checkpoint of "
-                        "the same model. Nothing was loaded."
-                    )
-            elif k == "step" and number(v) is None:
+            if isinstance(v, torch.Tensor) and v.dim() != 0 and v.numel() != p.numel():
                 raise ValueError(
-                    f"{name}.load_state_dict: state[{pid}]['step']={v!r} is not a number; "
-                    "nothing was loaded."
+                    f"{name}.load_state_dict: state[{pid}][{k!r}] has {v.numel()} "
+                    f"elements but param {pid} has {p.numel()}; load a checkpoint of "
+                    "the same model. Nothing was loaded."
                 )
+            _check_entry(name, pid, k, v)

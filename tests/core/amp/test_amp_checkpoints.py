@@ -1,9 +1,11 @@
-"""O2 after an interrupted block, O2 with non-contiguous params, fp32 masters across checkpoints.
+"""O2 after an interrupted block, O2 with non-contiguous params, fp32 masters across checkpoints,
+loss scales across configurations.
 
 The masters saved under O2 come back whichever optimizer kind saved or loads them (FusedAdam
-keeps them in its state, ``torch.optim`` through amp), and across opt levels (O2 -> O1
+keeps them in its state, ``torch.optim`` through amp), and across opt levels (O2 -> O1 or O0
 carries them into the fp32 params, O1 -> O2 makes them from the fp32 checkpoint), or amp warns
-that the weights are rounded half values.
+that the weights are rounded half values. A loss scaler keeps the kind of scaling the run was
+set up with (dynamic, static, bf16's none), and says so once when the checkpoint's differs.
 """
 
 from __future__ import annotations
@@ -126,12 +128,13 @@ def test_o2_masters_survive_a_switch_of_optimizer_kind(saver, loader):
 
 @pytest.mark.parametrize("saver", list(ADAMW))
 @pytest.mark.parametrize("model_first", [True, False])
-def test_an_o2_checkpoint_loaded_into_o1_carries_the_masters(saver, model_first):
-    m, opt = _init("O2", ADAMW[saver])
+@pytest.mark.parametrize("level", ["O1", "O0"])  # O0: how a torch.optim run without mixed
+def test_an_o2_checkpoint_loaded_into_o1_carries_the_masters(saver, model_first, level):
+    m, opt = _init("O2", ADAMW[saver])  # precision keeps the masters (amp's hooks load them)
     _train(m, opt)
     saved_masters = _masters_of(opt, m)
     ck = _roundtrip({"model": m.state_dict(), "opt": opt.state_dict()})
-    m1, opt1 = _init("O1", lambda p: torch.optim.AdamW(p, lr=1e-2))
+    m1, opt1 = _init(level, lambda p: torch.optim.AdamW(p, lr=1e-2))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         if model_first:
@@ -184,3 +187,51 @@ def test_a_master_count_mismatch_changes_nothing():
     for k, s in before.items():
         for n, v in s.items():
             assert torch.equal(v, after[k][n]), (k, n)  # exp_avg was not replaced
+
+
+# ---- loss scales across configurations --------------------------------------------------------
+
+
+def _scaled_run(**kw):
+    m = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        amp.initialize(m, opt, opt_level="O1", verbosity=0, **kw)
+    return amp.state_dict()
+
+
+FP16_DYNAMIC = dict(half_dtype=torch.float16)
+FP16_STATIC = dict(half_dtype=torch.float16, loss_scale=128.0)
+BF16_NONE = dict(half_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "saved, loaded, said",
+    [
+        (FP16_DYNAMIC, FP16_STATIC, r"is dynamic \(65536\), this run has a static scale of 128"),
+        (FP16_DYNAMIC, BF16_NONE, r"is dynamic \(65536\), this run has no loss scaling"),
+        (BF16_NONE, FP16_DYNAMIC, r"is static \(1\), this run's is dynamic: it keeps its own"),
+        (FP16_STATIC, BF16_NONE, r"is static \(128\), this run has no loss scaling"),
+    ],
+)
+def test_a_loss_scale_of_another_kind_is_not_taken_and_one_warning_says_so(saved, loaded, said):
+    ck = _roundtrip(_scaled_run(**saved))
+    own = _scaled_run(**loaded)
+    with pytest.warns(UserWarning, match="amp.load_state_dict: loss_scaler0: .*" + said) as rec:
+        amp.load_state_dict(ck)
+    assert sum("loss_scaler0" in str(w.message) for w in rec) == 1
+    assert amp.state_dict() == own  # the run's own scale, kind and counters
+
+
+def test_a_loss_scale_of_the_same_kind_loads_without_a_word():
+    ck = _scaled_run(half_dtype=torch.float16, loss_scale=dict(init_scale=1024.0))
+    _scaled_run(**FP16_DYNAMIC)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        amp.load_state_dict(ck)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 1024.0
+    apex_entry = {"loss_scaler0": {"loss_scale": 512.0, "unskipped": 3}}  # Apex's: no kind
+    _scaled_run(**FP16_STATIC)
+    amp.load_state_dict(apex_entry)
+    assert amp.state_dict()["loss_scaler0"]["loss_scale"] == 512.0

@@ -49,13 +49,14 @@ def test_rowwise_matches_reference_bitwise(dtype, power_of_2):
     assert torch.equal(op.data[1].float(), torch.zeros(x.shape[1]))  # a zero row stays zero
 
 
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
 @pytest.mark.parametrize("k", [64, 70, 5])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_mx_matches_reference_bitwise(dtype, k):
+def test_mx_matches_reference_bitwise(dtype, k, rounding):
     x = _inputs(k=k)
     x[4, :3] = float("nan")  # a NaN block gets the NaN scale (0xFF)
-    op = fp8.quantize_mx(x, dtype)
-    q, scales = fp8.reference_quantize_mx(x, dtype)
+    op = fp8.quantize_mx(x, dtype, rounding)
+    q, scales = fp8.reference_quantize_mx(x, dtype, rounding=rounding)
     assert op.dequant_scale.dtype == torch.float8_e8m0fnu
     assert op.dequant_scale.shape == (x.shape[0], -(-k // 32))
     assert torch.equal(_bits(op.data), _bits(q))
@@ -64,16 +65,29 @@ def test_mx_matches_reference_bitwise(dtype, k):
     assert torch.isnan(op.dequantize()[4, :3]).all()
 
 
-def test_mx_shared_exponent_follows_the_ocp_spec():
+def test_mx_shared_exponent_follows_the_ocp_spec_with_floor():
     """X = 2**(floor(log2(amax)) - emax): 1.0 -> 2**-8 (E4M3), 500 -> 2**0 and clips to 448."""
     x = torch.zeros(3, 32)
     x[0, 0], x[1, 0], x[1, 1], x[2, 0] = 1.0, 500.0, 3.0, 1.0
-    op = fp8.quantize_mx(x, E4M3)
+    op = fp8.quantize_mx(x, E4M3, rounding="floor")
     assert _bits(op.dequant_scale).flatten().tolist() == [127 - 8, 127, 127 - 15 + 7]
     assert op.data[0, 0].item() == 256.0
     assert op.data[1, 0].item() == 448.0 and op.data[1, 1].item() == 3.0
-    e5 = fp8.quantize_mx(x[2:], E5M2)
+    e5 = fp8.quantize_mx(x[2:], E5M2, rounding="floor")
     assert _bits(e5.dequant_scale).item() == 127 - 15  # E5M2's emax is 15
+
+
+def test_mx_shared_exponent_rounds_up_with_rceil():
+    """X = 2**ceil(log2(amax / fp8_max)): 448 -> 2**0 (exact), 449 and 500 -> 2**1, no clip."""
+    x = torch.zeros(3, 32)
+    x[0, 0], x[1, 0], x[2, 0], x[2, 1] = 448.0, 449.0, 500.0, 3.0
+    op = fp8.quantize_mx(x, E4M3)  # the default
+    assert _bits(op.dequant_scale).flatten().tolist() == [127, 128, 128]
+    assert op.data[0, 0].item() == 448.0 and op.data[1, 0].item() == 224.0
+    assert op.data[2, 0].item() == 256.0 and op.data[2, 1].item() == 1.5  # 250 -> 256 in E4M3
+    y = torch.zeros(2, 32)
+    y[0, 0], y[1, 0] = 57344.0, 57352.0  # E5M2's max, and the next float32 up by 8
+    assert _bits(fp8.quantize_mx(y, E5M2).dequant_scale).flatten().tolist() == [127, 128]
 
 
 @pytest.mark.parametrize(
