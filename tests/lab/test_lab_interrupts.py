@@ -82,35 +82,6 @@ def _read_until(stream, needle: bytes, buf: bytearray, done: threading.Event) ->
             done.set()
 
 
-def test_cli_ctrl_c_prints_the_rows_and_writes_the_report(tmp_path):
-    out = tmp_path / "report.html"
-    cmd = [sys.executable, "-m", "mpnb", "compare", "--workload", "mlp", "--size", "small"]
-    cmd += ["--opt-levels", "O0,O1", "--steps", "20000", "--threads", "1", "--out", str(out)]
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    p = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
-    err, started = bytearray(), threading.Event()
-    reader = threading.Thread(target=_read_until, args=(p.stderr, b"/20000]", err, started))
-    reader.start()
-    try:
-        deadline = time.monotonic() + 120  # the progress bar shows a step: training runs
-        while not started.wait(0.2) and p.poll() is None and time.monotonic() < deadline:
-            pass
-        assert started.is_set(), f"no training step shown: {bytes(err)[-2000:]!r}"
-        p.send_signal(signal.SIGINT)
-        p.wait(timeout=120)  # the table is small: stdout's pipe never fills
-        stdout = p.stdout.read()  # stderr stays the reader's alone (no message split in two)
-    finally:
-        if p.poll() is None:
-            p.kill()
-        reader.join(5)
-    text = stdout.decode()
-    assert p.returncode == 130, (text, bytes(err)[-2000:])
-    assert "interrupted at step" in text and "(Ctrl-C)" in text  # the rows' notes
-    assert "O0 fp32" in text and "O1 bf16" in text
-    assert b"interrupted (Ctrl-C)" in err
-    assert out.exists() and "interrupted" in out.read_text()
-
-
 def _stop_cli(tmp_path, sig: int, extra: list[str], group: bool):
     """Run ``mpnb compare`` in its own session, send ``sig`` once a training step shows (to the
     whole process group, as a terminal's Ctrl-C or a scheduler does, or to the process only),
@@ -157,6 +128,15 @@ def _running_in(pgid: int) -> list[int]:
         if name.isdigit() and int(rest[2]) == pgid and rest[0] != b"Z":
             left.append(int(name))
     return left
+
+
+def test_cli_ctrl_c_prints_the_rows_and_writes_the_report(tmp_path):
+    code, text, err, out, _ = _stop_cli(tmp_path, signal.SIGINT, [], group=False)
+    assert code == 130, (text, err[-2000:])
+    assert "interrupted at step" in text and "(Ctrl-C)" in text  # the rows' notes
+    assert "O0 fp32" in text and "O1 bf16" in text
+    assert "interrupted (Ctrl-C)" in err
+    assert out.exists() and "interrupted" in out.read_text()
 
 
 @pytest.mark.parametrize(
