@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import itertools
 import sys
+import weakref
 from dataclasses import dataclass, field
 
 import torch
@@ -80,6 +81,8 @@ class OpFacts:
     flops: int
     bytes: int
     grad_fn: str
+    inputs_from: tuple = ()  # indices of the ops that made its tensor inputs (-1: none seen)
+    op_key: tuple | None = None  # (op, input dtypes): ops with one key share an autocast rule
 
 
 def _func_name(func) -> str:
@@ -197,6 +200,9 @@ class OpMode(TorchDispatchMode):
         self.tracker, self.api, self.fp8_types = tracker, api, fp8_types
         self.phase = "forward"
         self.ops: list[OpFacts] = []
+        self.samples: dict[tuple, Call] = {}  # one autocast-region call per op key, to re-run
+        self.loss_scale_nodes: set = set()  # autograd nodes of amp's loss scaling
+        self._made: dict[int, tuple[weakref.ref, int]] = {}  # id(tensor) -> (tensor, its op)
         self._wrapper_code = _amp_wrapper_code()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -217,6 +223,17 @@ class OpMode(TorchDispatchMode):
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor)]
         kind = _kind(func, ins, outs)
         node = torch._C._current_autograd_node() if backward else None
+        if node is not None and node in self.loss_scale_nodes:
+            phase = "loss-scaling"  # the backward of amp's loss * scale
+        key = None
+        if call is not None and call.autocast and kind == "compute":
+            key = (func, tuple(t.dtype for t in ins))
+            if key not in self.samples:
+                versions = tuple(t._version for t in ins)
+                self.samples[key] = Call(-1, _op_name(func), func, True, args, kwargs, versions)
+        inputs_from = tuple(self._maker(t) for t in ins)
+        for t in outs:
+            self._made[id(t)] = (weakref.ref(t), len(self.ops))
         return OpFacts(
             phase=phase,
             module=name,
@@ -231,7 +248,14 @@ class OpMode(TorchDispatchMode):
             flops=_flops(func, args, kwargs, out),
             bytes=0 if kind == "view" else _bytes(ins, outs),
             grad_fn=node.name() if node is not None else "",
+            inputs_from=inputs_from,
+            op_key=key,
         )
+
+    def _maker(self, t: torch.Tensor) -> int:
+        """The index of the op that made ``t`` (-1: made outside the trace)."""
+        ref, index = self._made.get(id(t), (None, -1))
+        return index if ref is not None and ref() is t else -1
 
     def _find_wrapper(self):
         f = sys._getframe(3)
@@ -366,9 +390,29 @@ def autocast_policy(call: Call, device_type: str, half: torch.dtype) -> str:
                 return "fp32"
             if o32 != torch.float32 or oh != half:
                 return "unknown"
-            keep = lambda x: _as(x, x.dtype) if isinstance(x, torch.Tensor) else x  # noqa: E731
-            _, with_ac = _run(call, keep, device_type, half, True)
-            _, without = _run(call, keep, device_type, half, False)
-            return "promote" if with_ac > without else "none"
+            return _promote_or_none(call, flat, device_type, half)
     except Exception:  # noqa: BLE001 - any failure to re-run means we do not know
         return "unknown"
+
+
+def _promote_or_none(call: Call, flat: list, device_type: str, half: torch.dtype) -> str:
+    """Whether autocast casts mixed inputs of ``call`` to their widest dtype (promote list).
+
+    The inputs as recorded may already share one dtype (an aten op sees them after autocast's
+    casts), so the call is re-run with the first floating input in ``half`` and the others in
+    float32: a promote-list op then gets casts that the same call without autocast does not.
+    """
+    floats = [t for t in flat if t.is_floating_point()]
+    keep = lambda x: _as(x, x.dtype) if isinstance(x, torch.Tensor) else x  # noqa: E731
+    if len(floats) < 2:
+        return "none"  # one floating input: nothing to promote
+    first = floats[0]
+    mixed = lambda x: _as(x, half if x is first else torch.float32)  # noqa: E731
+    for transform in (mixed, keep):
+        try:
+            _, with_ac = _run(call, transform, device_type, half, True)
+            _, without = _run(call, transform, device_type, half, False)
+        except Exception:  # noqa: BLE001 - mixed dtypes this op refuses: try the recorded ones
+            continue
+        return "promote" if with_ac > without else "none"
+    return "unknown"

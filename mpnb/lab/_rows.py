@@ -152,7 +152,19 @@ def _speed(res: RunResult, base: RunResult | None) -> dict:
     if res is base:
         return dict(speedup_vs_O0=1.0, speedup_lo=1.0, speedup_hi=1.0, rounds=len(ratios))
     lo, hi = median_ci(ratios)
+    if ratios and not (math.isfinite(lo) and math.isfinite(hi)):
+        # too few rounds for an interval: a ratio without one is no figure (the verdict,
+        # which needs the interval, would call it no faster while the label said faster)
+        return dict(speedup_vs_O0=nan, speedup_lo=nan, speedup_hi=nan, rounds=len(ratios))
     return dict(speedup_vs_O0=median(ratios), speedup_lo=lo, speedup_hi=hi, rounds=len(ratios))
+
+
+def too_few_rounds(rounds: int) -> str:
+    """The speed label of a row timed in too few rounds for a 95% interval."""
+    return (
+        f"too few timed steps for a speed figure ({rounds} round{'s' * (rounds != 1)} paired "
+        "with O0, no 95% interval); run more steps"
+    )
 
 
 def _clamp_note(batch_size: int, samples: float) -> str:
@@ -183,11 +195,14 @@ def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
     )
     row.update(res.row)
     row.update(_speed(res, base))
-    row["speed_label"] = (
-        "failed"
-        if res.error
-        else speed_label(row["speedup_vs_O0"], row["speedup_lo"], row["speedup_hi"], res is base)
-    )
+    if res.error:
+        row["speed_label"] = "failed"
+    elif res is not base and row["rounds"] and not math.isfinite(row["speedup_vs_O0"]):
+        row["speed_label"] = too_few_rounds(row["rounds"])
+    else:
+        row["speed_label"] = speed_label(
+            row["speedup_vs_O0"], row["speedup_lo"], row["speedup_hi"], res is base
+        )
     ok = res.error is None and base is not None
     bpeak = base.row.get("peak_mem_mib", nan) if base else nan
     row.update(

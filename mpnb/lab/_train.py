@@ -428,8 +428,15 @@ def _memory_row(tracker: MemoryTracker, peak: int, cuda: bool) -> dict:
     return row
 
 
-def run_config(cfg: RunConfig, w: Workload, on_step=None) -> RunResult:
+def run_config(cfg: RunConfig, w: Workload, on_step=None, should_stop=None) -> RunResult:
     """Train ``w`` under ``cfg`` alone; never raises for a failing configuration (see ``error``).
+
+    Args:
+        cfg, w: the configuration and its workload.
+        on_step: called as ``on_step(i)`` after step ``i``.
+        should_stop: polled before every step; a non-empty return (what stopped the run:
+            ``"Stop"``, ``"Ctrl-C"``, ``"SIGTERM"``) ends the run there, and the result keeps
+            the steps finished before it, as an interrupted round-robin run does.
 
     Example::
 
@@ -438,9 +445,12 @@ def run_config(cfg: RunConfig, w: Workload, on_step=None) -> RunResult:
     """
     t = Trainer(cfg, w)
     for i in range(cfg.steps):
+        stopped = should_stop() if should_stop is not None else ""
+        if stopped:
+            return t.finish(interrupted=stopped)
         if not t.alive:
             break
         t.step(i)
         if on_step is not None:
-            on_step()
+            on_step(i)
     return t.finish()

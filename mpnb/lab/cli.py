@@ -7,9 +7,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import sys
-from pathlib import Path
+
+from mpnb.lab._files import unwritable_reason
 
 __all__ = ["add_parser", "run", "format_table"]
 
@@ -59,25 +59,6 @@ def _checked(parse, check):
 
     typed.__name__ = getattr(parse, "__name__", "value")  # argparse's "invalid int value"
     return typed
-
-
-def unwritable_reason(path: str) -> str:
-    """Why the report cannot be written to ``path`` ("" when it can): checked before a run, so
-    that a long comparison never ends in a failed write. Missing parent directories are fine
-    (the report creates them) when the nearest existing one is writable."""
-    p = Path(path).expanduser().absolute()
-    if p.is_dir():
-        return f"{path} is a directory; give a file name such as {Path(path) / 'report.html'}"
-    if p.exists():
-        return "" if os.access(p, os.W_OK) else f"{path} exists and is not writable"
-    parent = p.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        return f"{parent} is a file, so {path} cannot be created"
-    if not os.access(parent, os.W_OK | os.X_OK):
-        return f"the directory {parent} is not writable"
-    return ""
 
 
 def add_parser(sub) -> argparse.ArgumentParser:
@@ -223,9 +204,9 @@ def run(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"mpnb compare: {e}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:  # before the first step: nothing measured, nothing to report
-        print("mpnb compare: interrupted (Ctrl-C) before any step ran.", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as e:  # before the first step: nothing measured, nothing to report
+        print(f"mpnb compare: {_stopped(e)} before any step ran.", file=sys.stderr)
+        return 143 if "SIGTERM" in _stopped(e) else 130
     if args.json:
         print(_json(df))
     else:
@@ -238,13 +219,27 @@ def run(args: argparse.Namespace) -> int:
         )
         print(format_table(df))
         print("\n" + df.attrs["verdict"]["text"])
+    code = 1 if (df["status"] == "error").all() else 0
     if args.out:
-        path = mpnb.lab.report(df, args.out)
-        print(f"\nreport: {path}", file=msg)
-    if df.attrs.get("stopped_by") == "Ctrl-C":
+        try:
+            path = mpnb.lab.report(df, args.out)
+            print(f"\nreport: {path}", file=msg)
+        except OSError as e:
+            print(f"mpnb compare: the report was not written: {e.strerror or e}", file=sys.stderr)
+            code = 1
+    by = df.attrs.get("stopped_by")
+    if by in ("Ctrl-C", "SIGTERM"):
         print(
-            "mpnb compare: interrupted (Ctrl-C); the rows above keep the steps that finished.",
+            f"mpnb compare: {_stopped(by)}; the rows above keep the steps that finished.",
             file=sys.stderr,
         )
-        return 130
-    return 1 if (df["status"] == "error").all() else 0
+        return 130 if by == "Ctrl-C" else 143  # 128 + the signal's number, as a shell says
+    return code
+
+
+def _stopped(what) -> str:
+    """``"interrupted (Ctrl-C)"`` or ``"terminated (SIGTERM)"`` for a label or an exception."""
+    from mpnb.lab._isolate import stop_label
+
+    label = stop_label(what) if isinstance(what, BaseException) else what
+    return "terminated (SIGTERM)" if label == "SIGTERM" else "interrupted (Ctrl-C)"

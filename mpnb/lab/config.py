@@ -29,6 +29,7 @@ from mpnb.core.amp import (
     parse_half_dtype,
     parse_loss_scale,
 )
+from mpnb.core.amp.scaler import check_scale_range
 from mpnb.core.precision import AmpConfig, Float8Config, config_names, get_config
 
 __all__ = ["RunConfig", "expand", "resolve_device", "half_name", "LossScaleRule"]
@@ -136,15 +137,35 @@ def check_steps(steps) -> None:
         )
 
 
+def _twice(values) -> list:
+    """The values that ``values`` lists more than once, in order."""
+    seen, twice = set(), []
+    for v in values:
+        if v in seen and v not in twice:
+            twice.append(v)
+        seen.add(v)
+    return twice
+
+
 def check_batch_sizes(batch_sizes) -> None:
-    """Refuse an empty list or a batch size that is not a positive int (ValueError)."""
+    """Refuse an empty list, a batch size that is not a positive int, or one given twice (it
+    would run again under the same label). Raises ValueError naming the value."""
     if not batch_sizes or any(not isinstance(b, int) or b < 1 for b in batch_sizes):
         raise ValueError(
             f"batch_sizes={tuple(batch_sizes)!r}: expected positive batch sizes (e.g. 16,64)."
         )
+    twice = _twice(batch_sizes)
+    if twice:
+        once = ",".join(map(str, dict.fromkeys(batch_sizes)))
+        raise ValueError(
+            f"batch_sizes={tuple(batch_sizes)!r} lists {', '.join(map(str, twice))} more than "
+            f"once; give each batch size once (e.g. {once})."
+        )
 
 
-def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
+def check_opt_levels(opt_levels) -> None:
+    """Refuse an empty list, an unknown configuration name, or one given twice (it would run
+    again under the same label). Raises ValueError naming the value and the valid choices."""
     names = config_names()
     bad = [lvl for lvl in opt_levels if lvl not in names]
     if bad or not opt_levels:
@@ -153,6 +174,16 @@ def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
             f"opt_levels={tuple(opt_levels)!r}: {bad or 'none given'} invalid{hint}; "
             f"choose from {names}."
         )
+    twice = _twice(opt_levels)
+    if twice:
+        raise ValueError(
+            f"opt_levels={tuple(opt_levels)!r} lists {', '.join(twice)} more than once; give "
+            f"each configuration once (e.g. {','.join(dict.fromkeys(opt_levels))})."
+        )
+
+
+def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
+    check_opt_levels(opt_levels)
     check_batch_sizes(batch_sizes)
     check_steps(steps)
     if optimizer not in OPTIMIZERS:
@@ -194,6 +225,7 @@ def expand(
     halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)
     names = list(dict.fromkeys(half_name(h, dev) for h in halves))
     scale = parse_loss_scale(loss_scale)
+    check_scale_range(scale)  # refused here, before a run, rather than in every row
     wu = min(3, max(0, (steps - 2) // 4)) if warmup is None else int(warmup)
     if not 0 <= wu <= steps - 2:
         raise ValueError(f"warmup={warmup!r}: need 0 <= warmup <= steps - 2 ({steps - 2}).")

@@ -387,7 +387,6 @@ dl.glossary dt{{float:left;clear:left;width:9em}} dl.glossary dd{{margin:0 0 4px
 <h2>Charts</h2>{charts}
 <h2>Glossary: the configurations</h2>{glossary_html(names)}
 </body></html>"""
-    out = Path(path)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(page, encoding="utf-8")
-    return out
+    from mpnb.lab._files import write_atomic  # whole or not at all: the old report survives
+
+    return write_atomic(path, page)

@@ -45,7 +45,8 @@ from mpnb.core.fp8 import Float8Linear
 from mpnb.core.precision import AmpConfig, PrecisionConfig, PureBf16Config, get_config
 from mpnb.core.precision import resolve_half as _resolve_half
 from mpnb.lab._precision_trace import CAST_APIS, ApiMode, ModuleTracker, OpMode, autocast_policy
-from mpnb.lab._train import forward
+from mpnb.lab._train import forward, make_optimizer
+from mpnb.lab.workloads import logits_of
 
 __all__ = ["trace_precision", "PrecisionTrace", "PrecisionSummary", "REASONS", "COLUMNS"]
 
@@ -60,6 +61,7 @@ REASONS = {
     "fp8-recipe": "inside an mpnb.fp8 layer: quantization, FP8 GEMM, dequantization",
     "promotion": "no cast rule applied: ran in its inputs' dtype (type promotion)",
     "backward": "backward op: autocast does not run in backward; it follows the forward's dtypes",
+    "loss-scaling": "amp's loss scaling: the loss times the scale, its backward, the unscale",
     "view": "a view: no computation, its input's dtype",
     "unknown": "autocast was on but its rule for this call could not be measured",
 }
@@ -126,53 +128,137 @@ def _fp8_detail(f) -> str:
     return "FP8 scaling: amax, scale, saturation, bias"
 
 
-def _autocast_reason(f, policy: str, half: str) -> tuple[str, str]:
-    api = f.call.name
-    if f.kind == "cast":
-        if policy in ("lower-precision", "fp32", "promote"):
-            return "autocast-cast", f"cast to {f.dtype} for {api} ({policy} rule)"
-        return "promotion", f"a cast inside {api} (not autocast's)"
-    if policy == "lower-precision" and f.dtype == half:
-        return "autocast-lower-precision", f"{api} is on autocast's {half} list"
-    if policy == "fp32" and f.dtype == "float32":
-        return "autocast-fp32", f"{api} is on autocast's float32 list"
-    if policy == "promote":
-        return "autocast-promote", f"{api} is on autocast's promote list"
-    if policy == "unknown":
-        return "unknown", f"{api}: autocast's rule could not be measured"
-    return "promotion", f"{api} has no autocast rule (or none for {f.dtype}): inputs' dtype"
+_LISTS = ("lower-precision", "fp32", "promote")
 
 
-def _reason(f, policies: dict, half: str, cfg) -> tuple[str, str]:
-    call = f.call
-    if f.fp8_module:
-        return "fp8-recipe", _fp8_detail(f)
-    if call is not None and call.wrapper is not None:
-        policy, fn = call.wrapper
-        return "user-registration", f"amp {policy} function {fn}"
-    if f.phase == "backward":
-        node = f.grad_fn or "the autograd engine (initial gradient)"
-        return "backward", f"backward of {node}: the dtypes its forward saved"
-    if f.kind == "view":
-        return "view", "no computation"
-    if f.dtype is None:
-        return "promotion", "no floating tensors: nothing for a precision rule to change"
-    api = call.name if call is not None else "-"
-    if f.kind == "cast" and api.split(".")[-1] in CAST_APIS:
-        return "explicit-cast", f"{api} to {f.dtype}"
-    if call is not None and call.autocast:
-        return _autocast_reason(f, policies.get(call.key, "unknown"), half)
-    if cfg.name == "O1" and f.phase == "forward" and f.module != "-":
-        return "autocast-disabled", f"{api} ran with autocast off inside an O1 forward"
-    if f.dtype == half and cfg.weights[0] != "float32":
-        return "promotion", f"its inputs are {half}: {cfg.name} cast the model's weights"
-    return "promotion", f"no autocast here: ran in its inputs' dtype ({f.dtype})"
+def _source(facts, i: int) -> int:
+    """The op that made the data of op ``i``'s output, looking through views (-1: none)."""
+    seen = set()
+    while i >= 0 and facts[i].kind == "view" and i not in seen:
+        seen.add(i)
+        i = next((j for j in facts[i].inputs_from if j >= 0), -1)
+    return i
 
 
-def _rows(facts, policies, half, cfg) -> list[dict]:
+class _Explainer:
+    """The reason of every op, from the facts and the measured autocast rules.
+
+    ``policies`` are the rules of the torch calls in the model code (``F.linear``), measured
+    on the call; ``op_policies`` those of the aten ops themselves (``addmm``), measured on
+    each op. An op in an autocast region is explained by its own rule when it has one; else
+    by the autocast cast that made one of its inputs (its dtype was chosen for the op that
+    autocast wraps, as the bias ``add`` inside ``linear``); else by type promotion. A call's
+    rule alone never explains the ops inside it: ``multi_head_attention_forward`` is on no
+    list, its ``mm`` is.
+    """
+
+    def __init__(self, facts, policies: dict, op_policies: dict, half: str, cfg) -> None:
+        self.facts, self.policies, self.op_policies = facts, policies, op_policies
+        self.half, self.cfg = half, cfg
+        self.autocast_casts: set[int] = set()
+        self.consumer: dict[int, int] = {}  # an op -> the first compute op reading its output
+        for i, f in enumerate(facts):
+            for j in {_source(facts, j) for j in f.inputs_from}:
+                if j >= 0 and f.kind == "compute":
+                    self.consumer.setdefault(j, i)
+
+    def own_rule(self, f) -> str:
+        return self.op_policies.get(f.op_key, "unknown") if f.op_key is not None else "none"
+
+    def wrapped(self, i: int) -> int | None:
+        """The op a cast was made for: its first reader, followed through ops of one input
+        and no rule of their own (the ``clone`` and ``_unsafe_view`` before an ``mm``)."""
+        c, seen = self.consumer.get(i), set()
+        while c is not None and c not in seen and self.own_rule(self.facts[c]) not in _LISTS:
+            seen.add(c)
+            if len(self.facts[c].inputs_from) != 1 or c not in self.consumer:
+                break
+            c = self.consumer[c]
+        return c
+
+    def cast_inputs(self, i: int) -> str | None:
+        """The dtype an autocast cast gave one of op ``i``'s inputs (None: no such input)."""
+        for j in self.facts[i].inputs_from:
+            j = _source(self.facts, j)
+            if j in self.autocast_casts:
+                return self.facts[j].dtype
+        return None
+
+    def __call__(self, i: int) -> tuple[str, str]:
+        f, cfg = self.facts[i], self.cfg
+        call = f.call
+        if f.fp8_module:
+            return "fp8-recipe", _fp8_detail(f)
+        if f.phase == "loss-scaling":
+            return "loss-scaling", _scaling_detail(f)
+        if call is not None and call.wrapper is not None:
+            policy, fn = call.wrapper
+            return "user-registration", f"amp {policy} function {fn}"
+        if f.phase == "backward":
+            node = f.grad_fn or "the autograd engine (initial gradient)"
+            return "backward", f"backward of {node}: the dtypes its forward saved"
+        if f.kind == "view":
+            return "view", "no computation"
+        if f.dtype is None:
+            return "promotion", "no floating tensors: nothing for a precision rule to change"
+        api = call.name if call is not None else "-"
+        if f.kind == "cast" and api.split(".")[-1] in CAST_APIS:
+            return "explicit-cast", f"{api} to {f.dtype}"
+        if call is not None and call.autocast:
+            return self._autocast(i, f, api)
+        if cfg.name == "O1" and f.phase == "forward" and f.module != "-":
+            return "autocast-disabled", f"{api} ran with autocast off inside an O1 forward"
+        if f.dtype == self.half and cfg.weights[0] != "float32":
+            return "promotion", f"its inputs are {self.half}: {cfg.name} cast the model's weights"
+        return "promotion", f"no autocast here: ran in its inputs' dtype ({f.dtype})"
+
+    def _autocast(self, i: int, f, api: str) -> tuple[str, str]:
+        half = self.half
+        inside = "" if api.split(".")[-1] == f.op else f" (inside {api})"
+        if f.kind == "cast":
+            c = self.wrapped(i)
+            target = self.own_rule(self.facts[c]) if c is not None else "none"
+            if target in _LISTS or self.policies.get(f.call.key, "unknown") in _LISTS:
+                self.autocast_casts.add(i)
+                what = "the op it wraps" if c is None else self.facts[c].op
+                if target in _LISTS:
+                    what += f", on autocast's {_LIST_NAME[target]} list"
+                return "autocast-cast", f"cast to {f.dtype} by torch.autocast for {what}{inside}"
+            return "promotion", f"a cast inside {api} (not autocast's)"
+        own = self.own_rule(f)
+        if own == "lower-precision" and f.dtype == half:
+            return "autocast-lower-precision", f"{f.op} is on autocast's {half} list{inside}"
+        if own == "fp32" and f.dtype == "float32":
+            return "autocast-fp32", f"{f.op} is on autocast's float32 list{inside}"
+        if own == "promote":
+            return "autocast-promote", f"{f.op} is on autocast's promote list{inside}"
+        cast = self.cast_inputs(i)
+        if cast is not None and cast == f.dtype:
+            code = "autocast-lower-precision" if cast == half else "autocast-fp32"
+            return code, (
+                f"its inputs were cast to {cast} by torch.autocast for the op it wraps{inside}; "
+                f"{f.op} itself has no autocast rule"
+            )
+        if own == "unknown":
+            return "unknown", f"{f.op}{inside}: autocast's rule could not be measured"
+        return "promotion", f"{f.op} has no autocast rule: ran in its inputs' dtype{inside}"
+
+
+_LIST_NAME = {"lower-precision": "lower-precision", "fp32": "float32", "promote": "promote"}
+
+
+def _scaling_detail(f) -> str:
+    if f.phase == "loss-scaling" and f.grad_fn:
+        return f"backward of the loss scaling ({f.grad_fn}): the loss's gradient times the scale"
+    what = f.call.name if f.call is not None else f.op
+    return f"amp's loss scaling ({what}), outside the model: {f.dtype or 'no floating data'}"
+
+
+def _rows(facts, policies, op_policies, half, cfg) -> list[dict]:
     rows = []
+    explain = _Explainer(facts, policies, op_policies, half, cfg)
     for i, f in enumerate(facts):
-        reason, detail = _reason(f, policies, half, cfg)
+        reason, detail = explain(i)
         rows.append(
             dict(
                 seq=i,
@@ -232,8 +318,9 @@ def _summary(ops: pd.DataFrame, cfg: PrecisionConfig, half: str, device: str) ->
 
 
 def _default_loss(out) -> torch.Tensor:
-    out = out[0] if isinstance(out, (tuple, list)) else out
-    return out.float().pow(2).mean()
+    """Mean of the squared float32 logits, found in any output as ``compare`` finds them (a
+    tensor, a tuple's first tensor, ``out["logits"]``, ``out.logits``)."""
+    return logits_of(out).float().pow(2).mean()
 
 
 def trace_precision(
@@ -250,8 +337,9 @@ def trace_precision(
         inputs: a tensor, a tuple of positional inputs or a dict of keyword inputs (a
             ``transformers`` batch), on the model's device.
         config: a name of :data:`mpnb.core.precision.PRECISION_CONFIGS` or such an object.
-        loss_fn: ``output -> scalar loss`` (default: mean of the squared float32 output, as
-            :func:`mpnb.lab.profile`).
+        loss_fn: ``output -> scalar loss`` (default: mean of the squared float32 logits, as
+            :func:`mpnb.lab.profile`; the logits are found in a tuple, dict, dataclass or
+            ``ModelOutput`` as :func:`mpnb.lab.compare` finds them).
         half_dtype: the O levels' half dtype (default: bf16 on CPU, fp16 on CUDA).
 
     Returns:
@@ -267,13 +355,22 @@ def trace_precision(
 
     cfg = get_config(config)
     p = next(model.parameters(), None)
-    device = p.device if p is not None else torch.device("cpu")
+    if p is None:
+        raise ValueError(
+            f"trace_precision: {type(model).__name__} has no parameters, so there are no "
+            "weights for a precision configuration to cast, no gradients to scale and nothing "
+            "for the backward to reach. Trace the module that owns the weights around it (the "
+            "layer or block that calls it)."
+        )
+    device = p.device
     half = _resolve_half(cfg, half_dtype, device)
     with preserve_current_handle():  # amp.initialize on the copy keeps the user's handle
-        facts, policies = _trace(model, inputs, cfg, loss_fn or _default_loss, half, device)
+        facts, policies, op_policies = _trace(
+            model, inputs, cfg, loss_fn or _default_loss, half, device
+        )
     uses_half = cfg.weights[0] != "float32" or cfg.name == "O1"
     half_name = str(half).replace("torch.", "") if uses_half else "-"
-    ops = pd.DataFrame(_rows(facts, policies, half_name, cfg), columns=COLUMNS)
+    ops = pd.DataFrame(_rows(facts, policies, op_policies, half_name, cfg), columns=COLUMNS)
     return PrecisionTrace(ops, _summary(ops, cfg, half_name, device.type))
 
 
@@ -281,7 +378,10 @@ def _trace(model, inputs, cfg, loss_fn, half, device):
     from mpnb.core import amp
 
     work = copy.deepcopy(model)
-    opt = torch.optim.SGD(work.parameters(), lr=0.0)  # never stepped
+    # never stepped; built with the option the configuration needs (bf16-pure+sr: a FusedSGD
+    # with stochastic rounding), as compare builds it
+    option = getattr(cfg, "optimizer_option", None)
+    opt = make_optimizer("sgd", work.parameters(), 0.0, option)
     work, opt = cfg.apply(work, opt, half_dtype=half)
     uses_amp = isinstance(cfg, (AmpConfig, PureBf16Config))
     tracker = ModuleTracker(work)
@@ -295,6 +395,7 @@ def _trace(model, inputs, cfg, loss_fn, half, device):
             if uses_amp:
                 mode.phase = "loss-scaling"
                 with amp.scale_loss(loss, opt) as scaled:
+                    mode.loss_scale_nodes = _nodes_between(scaled, loss)
                     mode.phase = "backward"
                     scaled.backward()
                     mode.phase = "loss-scaling"
@@ -307,4 +408,18 @@ def _trace(model, inputs, cfg, loss_fn, half, device):
     policies = {
         k: autocast_policy(c, device.type, half) for k, c in api.samples.items() if k in used
     }
-    return mode.ops, policies
+    op_policies = {k: autocast_policy(c, device.type, half) for k, c in mode.samples.items()}
+    return mode.ops, policies, op_policies
+
+
+def _nodes_between(scaled: torch.Tensor, loss: torch.Tensor) -> set:
+    """The autograd nodes from ``scaled`` back to ``loss`` (excluded): amp's loss scaling."""
+    stop, found, todo, reached = loss.grad_fn, set(), [scaled.grad_fn], False
+    while todo:
+        node = todo.pop()
+        reached |= node is stop
+        if node is None or node is stop or node in found:
+            continue
+        found.add(node)
+        todo += [n for n, _ in node.next_functions]
+    return found if reached else set()  # not through the loss: no way to tell them apart

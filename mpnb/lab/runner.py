@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import math
 import os
-import pickle
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -29,7 +28,7 @@ import torch
 from mpnb.core.hardware import cpu_info, cuda_info, half_support
 from mpnb.lab import workloads as _workloads
 from mpnb.lab._data import is_data
-from mpnb.lab._errors import describe_error
+from mpnb.lab._isolate import StopSignals, run_isolated, sigterm_interrupts, stop_label
 from mpnb.lab._rows import COLUMNS, frames
 from mpnb.lab._train import RunResult, Trainer
 from mpnb.lab.config import RunConfig, check_steps, expand, resolve_device
@@ -203,8 +202,9 @@ class _Progress:
 
 def _round_robin(trainers: list[Trainer], prog: _Progress, should_stop) -> tuple[list, str]:
     """Step every trainer round by round; returns the rows and what stopped the run early
-    ("Stop", "Ctrl-C", or "" when every step ran). A Ctrl-C (KeyboardInterrupt) in the middle
-    of a step ends the run as Stop does: the rows keep the steps finished before it."""
+    ("Stop", "Ctrl-C", "SIGTERM", or "" when every step ran). A Ctrl-C (KeyboardInterrupt) or
+    SIGTERM (:class:`Terminated`) in the middle of a step ends the run as Stop does: the rows
+    keep the steps finished before it."""
     steps = trainers[0].cfg.steps
     try:
         for i in range(steps):
@@ -215,52 +215,50 @@ def _round_robin(trainers: list[Trainer], prog: _Progress, should_stop) -> tuple
                 if t.alive:
                     t.step(i)
                 prog.update(t.cfg, i)
-    except KeyboardInterrupt:
-        return [t.finish(interrupted="Ctrl-C") for t in trainers], "Ctrl-C"
+    except KeyboardInterrupt as e:
+        label = stop_label(e)
+        return [t.finish(interrupted=label) for t in trainers], label
     return [t.finish() for t in trainers], ""
 
 
-def _run_isolated(cfg: RunConfig, spec, threads: int | None) -> RunResult:
-    from mpnb.lab._train import run_config
-
-    if threads is not None:
-        torch.set_num_threads(threads)  # a fresh process of its own: nothing to restore
-    name, size = spec if isinstance(spec, tuple) else (spec, None)
-    return run_config(cfg, _workloads.get(name, size, cfg.device))
+def _in_process(configs, w, prog, should_stop) -> tuple[list[RunResult], str]:
+    """Each batch size's configurations round-robin; a stop keeps the rows measured so far."""
+    results, stopped = [], ""
+    for b in dict.fromkeys(c.batch_size for c in configs):
+        if stopped:
+            break
+        group: list[Trainer] = []
+        try:
+            group += [Trainer(c, w) for c in configs if c.batch_size == b]
+        except KeyboardInterrupt as e:  # while the models were built: nothing of them ran
+            for t in group:
+                t.release()
+            return results, stop_label(e)
+        got, stopped = _round_robin(group, prog, should_stop)
+        results += got
+    return results, stopped
 
 
 def _isolated(configs, spec, prog, threads, should_stop) -> tuple[list[RunResult], str]:
-    import concurrent.futures as cf
-    import multiprocessing as mp
-
+    """Each configuration alone in a spawned subprocess; a stop (Stop, Ctrl-C, SIGTERM) keeps
+    the steps the running one finished (see :mod:`mpnb.lab._isolate`)."""
     out = []
-    for cfg in configs:
-        if should_stop is not None and should_stop():
-            return out, "Stop"
-        try:
-            pickle.dumps(spec)
-            ex = cf.ProcessPoolExecutor(1, mp_context=mp.get_context("spawn"))
-            try:
-                out.append(ex.submit(_run_isolated, cfg, spec, threads).result())
-            except KeyboardInterrupt:  # the subprocess got the same SIGINT
-                ex.shutdown(wait=False, cancel_futures=True)
-                out.append(
-                    RunResult(
-                        cfg, interrupted="interrupted (Ctrl-C) in its subprocess: nothing measured"
-                    )
-                )
-                return out, "Ctrl-C"
-            ex.shutdown()
-        except (pickle.PicklingError, AttributeError, TypeError) as e:
-            msg = (
-                "isolate=True needs a picklable workload (model_fn, loss_fn, metric_fn "
-                "defined at module level, not lambdas): " + describe_error(e)
-            )
-            out.append(RunResult(cfg, error=f"{cfg.label}: {msg}"))
-        except Exception as e:  # noqa: BLE001 - a crashed subprocess is this row's error
-            out.append(RunResult(cfg, error=f"{cfg.label}: the subprocess failed: {e}"))
-        for i in range(cfg.steps):
-            prog.update(cfg, i)
+    with StopSignals() as signals:
+        for cfg in configs:
+            if signals.asked or (should_stop is not None and should_stop()):
+                return out, signals.asked or "Stop"
+            done = []
+
+            def on_step(i: int, cfg=cfg, done=done) -> None:
+                done.append(i)
+                prog.update(cfg, i)
+
+            res = run_isolated(cfg, spec, threads, on_step, signals, should_stop)
+            out.append(res)
+            for i in range(len(done), cfg.steps):  # a failed run's steps count as done
+                prog.update(cfg, i)
+            if res.interrupted:
+                return out, signals.asked or "Stop"
     return out, ""
 
 
@@ -349,8 +347,11 @@ def compare(
             ``done``, ``total``, ``elapsed_s``, ``eta_s``.
         should_stop: polled before every step; when it returns True the run ends there and
             the rows keep what was measured (``status == "interrupted"``). Ctrl-C
-            (``KeyboardInterrupt``) during the steps does the same: ``compare`` returns the
-            rows measured so far instead of raising.
+            (``KeyboardInterrupt``) and SIGTERM (a job scheduler's time limit; caught while
+            the run lasts, in the main thread, unless a handler of yours is installed) during
+            the steps do the same, with ``isolate=True`` too (the subprocess stops after its
+            step): ``compare`` returns the rows measured so far instead of raising. A second
+            Ctrl-C under ``isolate`` ends the subprocess at once.
         tolerance: the accuracy tolerance of the verdict.
 
     Returns:
@@ -358,7 +359,7 @@ def compare(
         step time, skipped steps), ``hardware``, ``load`` (load averages at start and end,
         ``competed``), ``method``, ``workload`` (name, size, description), ``verdict``
         (:func:`mpnb.lab.verdict.verdict`), ``stopped`` (True when the run ended early) and
-        ``stopped_by`` (``"Stop"``, ``"Ctrl-C"`` or ``""``).
+        ``stopped_by`` (``"Stop"``, ``"Ctrl-C"``, ``"SIGTERM"`` or ``""``).
 
     Example::
 
@@ -386,18 +387,13 @@ def compare(
         load_start = loadavg()
         hw = hardware_summary(dev)
         prog = _Progress(sum(c.steps for c in configs), progress, on_progress)
-        results, stopped = [], ""
         try:
-            if isolate:
+            if isolate:  # Ctrl-C and SIGTERM are recorded, and passed on to the subprocess
                 spec = (w.name, w.size) if isinstance(workload, str) else w
                 results, stopped = _isolated(configs, spec, prog, threads, should_stop)
             else:
-                for b in dict.fromkeys(c.batch_size for c in configs):
-                    if stopped:
-                        break
-                    group = [Trainer(c, w) for c in configs if c.batch_size == b]
-                    got, stopped = _round_robin(group, prog, should_stop)
-                    results += got
+                with sigterm_interrupts():  # SIGTERM raises in the step, as Ctrl-C does
+                    results, stopped = _in_process(configs, w, prog, should_stop)
         finally:
             prog.close()
         n_threads = torch.get_num_threads()

@@ -178,8 +178,38 @@ def test_the_users_model_and_amp_state_are_untouched(x):
 def test_bad_configs_are_refused_clearly(x):
     with pytest.raises(ValueError, match="valid choices"):
         trace_precision(_mlp(), x, "O4")
-    with pytest.raises(ValueError, match="stochastic_rounding"):
-        trace_precision(_mlp(), x, "bf16-pure+sr")
+
+
+@pytest.mark.parametrize("config", ["bf16-pure+sr", "bf16-pure+kahan"])
+def test_configs_that_need_their_own_optimizer_are_traced(x, config):
+    """The trace builds the optimizer itself, so it builds the one the configuration needs
+    (it used to ask the user for a FusedAdam(stochastic_rounding=True) it never took)."""
+    ops, summary = trace_precision(_mlp(), x, config)
+    fwd = _rows(ops, phase="forward", op="addmm")
+    assert set(fwd["dtype"]) == {"bfloat16"} and len(fwd) == 2
+    assert summary.config == config
+
+
+class _DictOut(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(K, N)
+
+    def forward(self, x):
+        return {"hidden": x, "logits": self.fc(x)}
+
+
+def test_a_dict_output_is_traced_with_the_default_loss(x):
+    """The default loss finds the logits as compare does (it called .float() on the dict)."""
+    ops, _ = trace_precision(_DictOut(), x, "O1", half_dtype=torch.bfloat16)
+    loss = _rows(ops, phase="loss")
+    assert {"pow", "mean"} <= set(loss["op"])
+    assert _rows(ops, phase="backward", op="mm")["dtype"].tolist() == ["bfloat16"]
+
+
+def test_a_model_without_parameters_gets_a_clear_error(x):
+    with pytest.raises(ValueError, match="ReLU has no parameters.*module that owns the weights"):
+        trace_precision(torch.nn.ReLU(), x, "O1")
 
 
 class _Ops:
@@ -222,3 +252,51 @@ def test_a_call_whose_argument_changed_in_place_has_an_unknown_rule():
     assert autocast_policy(call, "cpu", torch.bfloat16) == "unknown"
     soft = Call(1, "torch.softmax", torch.softmax, True, (b, -1), {}, (b._version,))
     assert autocast_policy(soft, "cpu", torch.bfloat16) == "none"
+
+
+class _Attention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = torch.nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x)[0]
+
+
+def test_each_op_is_explained_by_its_own_rule_not_by_the_call_around_it():
+    """multi_head_attention_forward is on no autocast list: its mm, bmm and addmm are (their
+    own rule), the bias add ran in the dtype autocast cast the bias to, and the ops that only
+    follow their inputs (clone of a result, the softmax on CPU, the mean) are promotion."""
+    ops, _ = trace_precision(_Attention(), torch.randn(2, 5, 16), "O1", half_dtype=torch.bfloat16)
+    fwd = _rows(ops, phase="forward")
+    work = fwd[fwd["kind"] != "view"]
+    assert not work["detail"].str.contains("multi_head_attention_forward is on").any()
+    for op in ("mm", "bmm", "addmm"):
+        rows = _rows(work, op=op)
+        assert len(rows) and set(rows["reason"]) == {"autocast-lower-precision"}
+        assert rows["detail"].str.startswith(f"{op} is on autocast's bfloat16 list").all()
+    add = _rows(work, op="add")
+    assert add["reason"].item() == "autocast-lower-precision"
+    assert "cast to bfloat16 by torch.autocast" in add["detail"].item()
+    assert "add itself has no autocast rule" in add["detail"].item()
+    for op in ("_softmax", "mean", "mul"):
+        assert set(_rows(work, op=op)["reason"]) == {"promotion"}, op
+    casts = _rows(work, kind="cast", reason="autocast-cast")
+    assert len(casts) >= 4
+    assert casts["detail"].str.contains("for (?:mm|addmm), on autocast's lower-precision").any()
+
+
+def test_the_loss_scaling_ops_are_labelled_loss_scaling(x):
+    """amp's loss * scale, its backward and the unscale are loss-scaling, in both phase and
+    reason (the backward of the scaling multiplication read as the model's backward)."""
+    ops, _ = trace_precision(_mlp(), x, "O2", half_dtype=torch.float16)
+    scaling = _rows(ops, phase="loss-scaling")
+    assert set(scaling["reason"]) == {"loss-scaling"}
+    back = scaling[scaling["grad_fn"] != ""]
+    assert len(back) and set(back["grad_fn"]) == {"MulBackward0"}
+    assert back["detail"].str.contains("backward of the loss scaling").all()
+    assert "multi_tensor_scale" in "".join(scaling["op"])  # the unscale
+    model_bwd = _rows(ops, phase="backward")
+    assert "MulBackward0" not in set(model_bwd["grad_fn"])  # the MLP has no multiplication
+    assert set(model_bwd["reason"]) == {"backward"}

@@ -55,11 +55,22 @@ class CollapseCheck:
                 "(fp32's range)",
                 torch.bfloat16: "lower the learning rate, or run the failing part in fp32",
             }.get(self.half_dtype, "lower the learning rate")
-            raise LossScaleCollapseError(
+            head = (
                 f"{self.count} consecutive optimizer steps were skipped for inf/NaN gradients "
-                f"with the loss scale at or below {self.floor:g} ({self.floor_name}): the "
-                "gradients are non-finite even unscaled, so training would never progress. Check "
-                f"the loss and the inputs for inf/NaN, {advice}; {self.disable}."
+                f"with the loss scale at or below {self.floor:g} ({self.floor_name})"
+            )
+            if self.floor > 1.0:  # the scale still multiplies: the floor may be the overflow
+                raise LossScaleCollapseError(
+                    f"{head}: the scale cannot back off below this floor, and a scale above 1 "
+                    "still multiplies the gradients, so the floor itself may make them overflow "
+                    "(fp16's largest number is 65504). Lower min_loss_scale (or remove it: the "
+                    "scale then backs off as far as the gradients need); if steps still "
+                    f"overflow near a scale of 1, check the loss and the inputs for inf/NaN, "
+                    f"{advice}; {self.disable}."
+                )
+            raise LossScaleCollapseError(
+                f"{head}: the gradients are non-finite even unscaled, so training would never "
+                f"progress. Check the loss and the inputs for inf/NaN, {advice}; {self.disable}."
             )
 
 

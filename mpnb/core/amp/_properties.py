@@ -119,8 +119,11 @@ def _bool(name: str, value) -> bool:
 
 
 def _loss_scale(value) -> float | str:
+    from mpnb.core.amp.scaler import check_scale_range
+
     try:
         parsed = parse_loss_scale(value)
+        check_scale_range(parsed)
     except ValueError as e:
         raise ValueError(f"amp.initialize: {e}") from None
     return "dynamic" if isinstance(parsed, LossScaleRule) else parsed

@@ -30,6 +30,7 @@ __all__ = [
     "LossScaler",
     "LossScaleCollapseError",
     "CollapseCheck",
+    "check_scale_range",
     "StaticScaleOverflowWarning",
     "warn_static_overflow",
 ]
@@ -40,6 +41,49 @@ _DISABLE = (
     "pass amp.initialize(..., min_loss_scale=...) to set the floor, or "
     "loss_scale=LossScaleRule(max_skips_at_min=None) to turn this check off"
 )
+
+
+# A scale is stored as a float32 with its float32 inverse (the unscale factor): both must be
+# finite, so the scale lies between float32's smallest normal number and its largest.
+_SCALE_RANGE = (float(torch.finfo(torch.float32).tiny), float(torch.finfo(torch.float32).max))
+
+
+def check_scale_range(value, name: str = "loss_scale") -> None:
+    """Refuse a loss scale that float32 cannot hold with a finite inverse.
+
+    ``value`` is a static scale (a number) or a :class:`~mpnb.core.amp.LossScaleRule`, whose
+    bounds ``min_loss_scale`` and ``max_loss_scale`` are checked (its scale stays within
+    them). A scale above float32's largest number cannot be stored; one below its smallest
+    normal number (about 1.2e-38) has an infinite inverse, which would turn every unscaled
+    gradient into inf or NaN. Raises ValueError naming the value, the range and the usual choice.
+
+    Example::
+
+        >>> check_scale_range(2.0**16)      # fine
+        >>> check_scale_range(2.0**200)     # ValueError: ... float32 ...
+    """
+    if isinstance(value, LossScaleRule):
+        fields = dict(max_loss_scale=value.max_loss_scale)
+        if value.min_loss_scale is not None:
+            fields["min_loss_scale"] = value.min_loss_scale
+        for field, v in fields.items():
+            check_scale_range(v, f"{name} rule's {field}")
+        return
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return  # not a number: parse_loss_scale names that error
+    low, high = _SCALE_RANGE
+    if not low <= value <= high:
+        why = (
+            "cannot be stored in float32 (it overflows to inf)"
+            if value > high
+            else "has an infinite float32 inverse, so unscaling would turn every gradient into "
+            "inf or NaN"
+        )
+        raise ValueError(
+            f"{name}={value:g} {why}; a loss scale must lie in [{low:.3g}, {high:.3g}]. Use "
+            "loss_scale='dynamic' (the scale adapts), or a static power of two such as 128 or "
+            "2**16."
+        )
 
 
 def _rule_field(name: str, doc: str) -> property:
@@ -115,6 +159,7 @@ class LossScaler:
         half_dtype=None,
     ):
         parsed = parse_loss_scale(loss_scale)
+        check_scale_range(parsed)
         self.dynamic = not isinstance(parsed, float)
         base = parsed if isinstance(parsed, LossScaleRule) else LossScaleRule()
         given = dict(
@@ -139,6 +184,7 @@ class LossScaler:
             self.rule = base.replace(**changes)
         except ValueError as e:
             raise ValueError(str(e).replace("LossScaleRule", "LossScaler")) from None
+        check_scale_range(self.rule)
         dev = self._device = torch.device(device)
         first = self.rule.clamp(self.rule.init_scale) if self.dynamic else parsed
         self.scale = torch.full((1,), first, dtype=torch.float32, device=dev)

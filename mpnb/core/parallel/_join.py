@@ -158,8 +158,9 @@ class DDPJoinHook(JoinHook):
         if flag.item() == 0:  # the others are inside no_sync(), or ran without grad
             return
         ddp._ensure_plan()  # a rank that joined before its first backward plans here
-        for r in ddp._reducers:  # bucket order, as the active ranks launch them
+        for b, r in enumerate(ddp._reducers):  # bucket order, as the active ranks launch them
             r.launch_zeros()
+            ddp._issued(b)  # counted as the active ranks count theirs
         for r in ddp._reducers:
             r.finish()
 

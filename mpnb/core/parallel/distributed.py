@@ -7,8 +7,9 @@ and sent with ``dist.all_reduce(async_op=True)``, and a callback queued on the a
 bucket and copies the results back before ``backward()`` returns.
 
 Ranks with different numbers of batches train together inside ``with model.join():``
-(torch's join protocol, see ``_join.py``); without it, under ``launch``, a rank left waiting
-for one that has returned fails within about a second and names both (see ``_watch.py``).
+(torch's join protocol, see ``_join.py``); without it, under ``launch`` (also under torchrun),
+a rank left waiting for one that has returned, or for one waiting in another collective,
+fails within about a second and names both (see ``_watch.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from mpnb.core.parallel._common import (
     unique_params,
 )
 from mpnb.core.parallel._join import JoinableDDP
-from mpnb.core.parallel._watch import ReturnedRanks, uneven_inputs_error
+from mpnb.core.parallel._watch import collective_watch, uneven_inputs_error
 from mpnb.core.parallel.flat_dist import (
     apply_flat_dist_call,
     flat_dist_call,
@@ -175,13 +176,10 @@ class DistributedDataParallel(torch.nn.Module, JoinableDDP):
         self._sync = True
         self._handles: list = []
         self._reduced = 0  # backwards that reduced: the batch count named in errors
-        peers = {
-            r for g in self.groups for r in dist.get_process_group_ranks(g or dist.group.WORLD)
-        }
-        peers.discard(dist.get_rank())
-        self._returned = ReturnedRanks(sorted(peers))
-        gloo = all(dist.get_backend(g) == "gloo" for g in self.groups)
-        self._watch = self._check_peers if gloo and self._returned else None
+        # under launch, on gloo: number this DDP's collectives per group, so that a long wait
+        # can tell a peer that returned or waits in another collective (see _watch.py)
+        self._cws = [collective_watch(g) for g in self.groups]
+        self._seqs: dict[int, int] = {}
         state = list(module.parameters()) + list(module.buffers())
         check_same_model(state, self.groups[0], "DistributedDataParallel")
         broadcast_state(state, self.groups[0])
@@ -264,10 +262,20 @@ class DistributedDataParallel(torch.nn.Module, JoinableDDP):
             self._sync = before
 
     # ---- backward machinery --------------------------------------------------------------
-    def _check_peers(self) -> None:  # called while a gloo all-reduce waits long
-        gone = self._returned()
-        if gone:
-            raise uneven_inputs_error(dist.get_rank(), self._reduced, gone)
+    def _gone_error(self, gone: list[int]) -> RuntimeError:
+        return uneven_inputs_error(dist.get_rank(), self._reduced, gone)
+
+    def _issued(self, b: int) -> None:
+        """Count bucket ``b``'s all-reduce, just launched, among its group's collectives."""
+        cw = self._cws[b % len(self._cws)]
+        self._seqs[b] = cw.issue() if cw is not None else 0
+
+    def _bucket_watch(self, b: int):
+        cw = self._cws[b % len(self._cws)]
+        if cw is None:
+            return None
+        what = "DistributedDataParallel's gradient all-reduce (a backward)"
+        return cw.watch(self._seqs[b], what, self._gone_error)
 
     def _ready(self, i: int) -> None:
         if not self._sync:
@@ -298,6 +306,7 @@ class DistributedDataParallel(torch.nn.Module, JoinableDDP):
         ctx = torch.profiler.record_function(f"mpnb.ddp.allreduce_bucket_{b}")
         with ctx if self.prof else contextlib.nullcontext():
             self._reducers[b].launch(grads)
+        self._issued(b)
         self._launched[b] = True
         self.stats.total_buckets += 1
 
@@ -313,7 +322,11 @@ class DistributedDataParallel(torch.nn.Module, JoinableDDP):
         # joined ones included.
         if self._plan is not None:
             return
-        order = sync_order(self._order, len(self.params), self.groups[0], self._watch)
+        cw, watch = self._cws[0], None
+        if cw is not None:
+            what = "DistributedDataParallel's bucket plan broadcast (its first backward)"
+            watch = cw.watch(cw.issue(), what, self._gone_error)
+        order = sync_order(self._order, len(self.params), self.groups[0], watch)
         self._use_plan(plan_buckets(self.params, order, self.message_size, self._trigger_idx))
         self._pending = [len(b) for b in self._plan.buckets]
         self._launched = [False] * len(self._pending)
@@ -329,8 +342,8 @@ class DistributedDataParallel(torch.nn.Module, JoinableDDP):
             divisor = None
             if self._announced is not None and not self._divide_by_initial_world_size:
                 divisor = self._ranks_still_training()
-            for r in self._reducers:
-                r.finish(divisor, self._watch)
+            for b, r in enumerate(self._reducers):
+                r.finish(divisor, self._bucket_watch(b))
             if self.retain_allreduce_buffers:
                 self.allreduce_buffers = [r.buffer for r in self._reducers]
         self.stats.backwards += 1

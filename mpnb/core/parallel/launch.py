@@ -18,6 +18,10 @@ A rank that returns from ``fn`` while another still waits for it in a
 :class:`~mpnb.parallel.DistributedDataParallel` all-reduce (uneven inputs: the ranks ran
 different numbers of batches) makes that rank fail within about a second, with an error
 naming both ranks and the batch; ``with model.join():`` is the way to train on uneven inputs.
+Ranks waiting in different collectives (one SyncBatchNorm in ``eval()``, the other training)
+fail the same way, naming both collectives; a rank that raises stops the ones waiting for it.
+When the timeout passes, the error names the ranks still in ``fn`` and where they are (their
+stack, read with ``faulthandler``) and the ranks that had returned.
 
 How the ranks start (the rule accelerate's ``notebook_launcher`` follows):
 
@@ -29,18 +33,24 @@ How the ranks start (the rule accelerate's ``notebook_launcher`` follows):
 
 Under ``torchrun`` (``RANK``/``WORLD_SIZE``/``LOCAL_RANK`` set), ``launch`` starts nothing: it
 joins the group torchrun describes and runs ``fn`` in this process, so one script works both
-ways (``python train.py`` and ``torchrun --nproc_per_node=2 train.py``).
+ways (``python train.py`` and ``torchrun --nproc_per_node=2 train.py``); the checks above run
+there too, through torchrun's store.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import faulthandler
 import gc
 import multiprocessing as mp
 import os
 import pickle
+import re
+import signal
 import socket
 import sys
+import tempfile
 import time
 import traceback
 from collections.abc import Callable
@@ -50,7 +60,13 @@ import torch
 import torch.distributed as dist
 
 from mpnb.core.parallel._procs import lead_own_group, stop_trees
-from mpnb.core.parallel._watch import STORE_ENV, mark_returned
+from mpnb.core.parallel._watch import (
+    PREFIX_ENV,
+    STORE_ENV,
+    connect_store,
+    mark_failed,
+    mark_returned,
+)
 
 __all__ = ["launch", "RankError", "end_group", "free_port", "under_torchrun"]
 
@@ -106,6 +122,38 @@ def end_group(meet: bool = True) -> None:
     dist.destroy_process_group()
 
 
+@contextlib.contextmanager
+def _torchrun_store(timeout: float):
+    """Under torchrun: the store torchrun's group meets in, named to this rank's DDP and
+    SyncBatchNorm (``STORE_ENV``) with keys of this launch call alone, so that a rank waiting
+    for one that returned, or for another collective, fails naming it as under launch. The
+    environment is restored after."""
+    addr = f"{os.environ['MASTER_ADDR']}:{os.environ['MASTER_PORT']}"
+    store = connect_store(addr, timeout)
+    run = os.environ.get("TORCHELASTIC_RUN_ID", "run")
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    base = f"mpnb/launch/{run}/{restart}"
+    calls = store.add(f"{base}/calls/{dist.get_rank()}", 1)  # the same count on every rank
+    before = {k: os.environ.get(k) for k in (STORE_ENV, PREFIX_ENV)}
+    os.environ.update({STORE_ENV: addr, PREFIX_ENV: f"{base}/{calls}"})
+    try:
+        yield store
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _meet(store, timeout: float) -> None:
+    """Mark this rank returned and wait for every rank, naming the ones that never came."""
+    try:
+        mark_returned(store, dist.get_rank(), dist.get_world_size(), timeout)
+    except RuntimeError as e:
+        raise RuntimeError(f"launch: {e}") from None
+
+
 def _default_backend() -> str:
     return "nccl" if torch.cuda.is_available() and dist.is_nccl_available() else "gloo"
 
@@ -135,8 +183,9 @@ def _by_value(msg) -> bytes:
     return pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
 
 
-def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, caller, conn) -> None:
+def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, caller, conn, stacks):
     lead_own_group(caller)  # first: anything the rank starts belongs to its group
+    _stack_on_request(stacks)
     os.environ.update(
         MASTER_ADDR=LOOPBACK,
         MASTER_PORT=str(port),
@@ -146,6 +195,7 @@ def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, caller, con
         LOCAL_WORLD_SIZE=str(nprocs),
         **{STORE_ENV: f"{LOOPBACK}:{port}"},
     )
+    store = None
     try:
         torch.set_num_threads(threads)
         if backend == "nccl":
@@ -154,6 +204,7 @@ def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, caller, con
         store = dist.TCPStore(LOOPBACK, port, nprocs, rank == 0, timeout=td)
         dist.init_process_group(backend, store=store, rank=rank, world_size=nprocs, timeout=td)
         out = fn(*args)
+        conn.send_bytes(_by_value(("returned", rank)))  # for the timeout's message
         # Meet in the store first, not in a collective: a rank still inside fn (waiting in an
         # all-reduce for this one) sees the key and fails with a clear error, where a barrier
         # would be paired with its all-reduce. Then the barrier: every rank done with the
@@ -164,34 +215,96 @@ def _worker(rank, nprocs, fn, args, backend, port, timeout, threads, caller, con
     except BaseException as e:  # noqa: BLE001 - everything goes back to the caller
         msg = ("error", rank, f"{type(e).__name__}: {e}", traceback.format_exc())
         conn.send_bytes(_by_value(msg))
+        if store is not None:
+            mark_failed(store, rank, e)  # the ranks waiting for this one stop waiting
     finally:
         if dist.is_initialized():
             end_group(meet=False)  # the barrier above met already, or a rank failed
         conn.close()
 
 
-def _collect(procs, conns, nprocs: int, timeout: float) -> list:
+def _stack_on_request(path: str | None) -> None:
+    """In a rank: write the Python stack of every thread to ``path`` on SIGUSR1 (the caller
+    asks when the rank overstays the timeout, to say where it is stuck)."""
+    if path is None or not hasattr(signal, "SIGUSR1"):
+        return
+    f = open(path, "w")  # noqa: SIM115 - open for the life of the rank, as faulthandler needs
+    faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
+
+
+def _where(proc, path: str | None) -> str:
+    """Where a running rank's ``fn`` is now (its frames, outermost first), or "" when
+    unknown. The rank's faulthandler writes every thread's stack on SIGUSR1."""
+    if path is None or not hasattr(signal, "SIGUSR1") or not proc.is_alive():
+        return ""
+    try:
+        os.kill(proc.pid, signal.SIGUSR1)
+    except OSError:
+        return ""
+    text, end = "", time.monotonic() + 2.0
+    while time.monotonic() < end:  # until the dump stops growing
+        time.sleep(0.1)
+        now = _read(path)
+        if now and now == text:
+            break
+        text = now
+    for section in re.split(r"\n(?=Thread |Current thread )", text):
+        frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', section)
+        names = [f[2] for f in frames]  # innermost first
+        if "_worker" in names:
+            inner = frames[: names.index("_worker")][::-1]  # fn's frames, outermost first
+            return " > ".join(f"{os.path.basename(f)}:{n} in {fn}" for f, n, fn in inner[-4:])
+    return ""
+
+
+def _read(path: str) -> str:
+    try:
+        with open(path, errors="replace") as f:
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _timeout_error(nprocs, results, returned, procs, stacks, timeout) -> TimeoutError:
+    hung = [r for r in range(nprocs) if r not in results and r not in returned]
+    lines = []
+    for r in hung:
+        where = _where(procs[r], stacks[r]) if stacks else ""
+        lines.append(f"rank {r} was still in fn" + (f", at: {where}" if where else ""))
+    waited = sorted(set(returned) - set(results))
+    if waited:
+        lines.append(f"rank(s) {', '.join(map(str, waited))} had returned and waited for it")
+    return TimeoutError(
+        f"launch: rank(s) {', '.join(map(str, hung)) or '-'} did not return from fn within "
+        f"{timeout:.0f} s ({'; '.join(lines)}); every rank and every process they started "
+        "were stopped. Raise timeout= if the work is really that long; else look at what the "
+        "stuck rank waits for (a collective the others never reach, a blocking read)."
+    )
+
+
+def _collect(procs, conns, nprocs: int, timeout: float, stacks=None) -> list:
     results: dict[int, object] = {}
+    returned: set[int] = set()
     deadline = time.monotonic() + timeout
     open_ = dict(zip(conns, range(nprocs), strict=True))
     sentinels = {p.sentinel: r for r, p in enumerate(procs)}
     while len(results) < nprocs:
         left = deadline - time.monotonic()
         if left <= 0:
-            raise TimeoutError(
-                f"launch: {nprocs - len(results)} rank(s) did not finish within {timeout:.0f} s "
-                f"(finished: {sorted(results)}); they and every process they started were "
-                "stopped. Raise timeout= if the work is really that long, or look for a rank "
-                "stuck in a collective."
-            )
+            raise _timeout_error(nprocs, results, returned, procs, stacks, timeout)
         ready = wait([*open_, *(s for s, r in sentinels.items() if r not in results)], left)
         for obj in ready:
             if obj in open_:
-                rank = open_.pop(obj)
+                rank = open_[obj]
                 try:
                     msg = pickle.loads(obj.recv_bytes())
                 except EOFError:
+                    open_.pop(obj)
                     continue  # closed without a message: the sentinel reports the death
+                if msg[0] == "returned":
+                    returned.add(rank)
+                    continue
+                open_.pop(obj)
                 if msg[0] == "error":
                     raise RankError(
                         f"launch: rank {msg[1]} raised {msg[2]}\n--- traceback of rank "
@@ -263,9 +376,19 @@ def launch(
         if dist.is_initialized():
             return [fn(*args)]  # the caller's group: the caller tears it down
         dist.init_process_group(backend, timeout=datetime.timedelta(seconds=timeout))
-        out = fn(*args)
-        # (After an exception the group is left alone: tearing it down while the other
-        # ranks sit in a collective would hang; torchrun stops them.)
+        with _torchrun_store(timeout) as store:
+            try:
+                out = fn(*args)
+            except BaseException as e:
+                # The group is left alone (tearing it down while the other ranks sit in a
+                # collective would hang); the store tells them, so that they stop waiting
+                # and exit, which ends this rank's own pending collectives too.
+                mark_failed(store, dist.get_rank(), e)
+                raise
+            # As under launch, meet in the store first: a rank still waiting for this one in
+            # a DDP all-reduce then fails naming it (uneven inputs), where a barrier would be
+            # paired with its all-reduce.
+            _meet(store, timeout)
         end_group()
         return [out]
     if dist.is_initialized():
@@ -277,20 +400,23 @@ def launch(
     port = free_port()
     threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
     procs, conns, finished = [], [], False
-    try:
-        for rank in range(nprocs):
-            recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(  # not daemonic: a rank may start its own workers
-                target=_worker,
-                name=f"mpnb-rank{rank}",
-                args=(rank, nprocs, fn, args, backend, port, timeout, threads, os.getpid(), send),
-            )
-            procs.append(p)
-            p.start()
-            send.close()
-            conns.append(recv)
-        out = _collect(procs, conns, nprocs, timeout)
-        finished = True
-        return out
-    finally:
-        stop_trees(procs, finished)
+    with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as tmp:
+        stacks = [os.path.join(tmp, f"stack{r}.txt") for r in range(nprocs)]
+        try:
+            for rank in range(nprocs):
+                recv, send = ctx.Pipe(duplex=False)
+                p = ctx.Process(  # not daemonic: a rank may start its own workers
+                    target=_worker,
+                    name=f"mpnb-rank{rank}",
+                    args=(rank, nprocs, fn, args, backend, port, timeout, threads, os.getpid(),
+                          send, stacks[rank]),
+                )  # fmt: skip
+                procs.append(p)
+                p.start()
+                send.close()
+                conns.append(recv)
+            out = _collect(procs, conns, nprocs, timeout, stacks)
+            finished = True
+            return out
+        finally:
+            stop_trees(procs, finished)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch.nn.modules.batchnorm import _BatchNorm
 
-from mpnb.core.parallel.sync_batchnorm_kernel import sync_batch_norm
+from mpnb.core.parallel.sync_batchnorm_kernel import check_channels, sync_batch_norm, world_of
 
 __all__ = ["SyncBatchNorm"]
 
@@ -24,7 +24,10 @@ class SyncBatchNorm(_BatchNorm):
     Statistics are fp32 for fp16/bf16 input (per rank from a Welford kernel, merged across
     ranks with Chan's formula, so ranks with different batch sizes are weighted correctly)
     and the running statistics are the same on every rank. Without an initialized process
-    group it is a plain batch norm.
+    group it is a plain batch norm. The first training forward checks that every rank has the
+    same channel count (a ValueError naming the ranks otherwise); under
+    :func:`~mpnb.parallel.launch`, a rank left waiting because another is in ``eval()`` fails
+    naming both.
 
     Args:
         num_features: channels C.
@@ -40,6 +43,8 @@ class SyncBatchNorm(_BatchNorm):
         >>> bn = SyncBatchNorm(16, fuse_relu=True)
         >>> y = bn(torch.randn(8, 16, 4, 4))          # mean/var over all ranks' batches
     """
+
+    _channels_checked = False  # across ranks, once: on the first training forward
 
     def __init__(
         self,
@@ -88,8 +93,11 @@ class SyncBatchNorm(_BatchNorm):
     def forward(self, input: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
         """Normalize ``input`` (plus ``z`` before the ReLU when ``fuse_relu``)."""
         self._check_input_dim(input)
-        momentum = self._momentum()
         training = self.training or not self.track_running_stats
+        if training and not self._channels_checked and world_of(self.process_group) > 1:
+            check_channels(input, self.channel_last, self.process_group)
+            self._channels_checked = True
+        momentum = self._momentum()
         keep = not self.training or self.track_running_stats
         rm, rv = (self.running_mean, self.running_var) if keep else (None, None)
         x, channel_last, back = input, self.channel_last, None

@@ -20,15 +20,61 @@ import torch
 import torch.distributed as dist
 
 from mpnb.core.ops.welford import welford_mean_var, welford_parallel
+from mpnb.core.parallel._watch import collective_watch, wait_watched
 
 __all__ = [
     "SyncBatchnormFunction",
     "sync_batch_norm",
     "world_of",
+    "check_channels",
     "batchnorm_forward",
     "reduce_bn",
     "batchnorm_backward",
 ]
+
+
+def _wait(work, group, what: str) -> None:
+    """Wait for ``work``, a collective of ``group``; under launch (gloo) a long wait fails
+    naming the ranks that returned or that wait in another collective (see ``_watch.py``)."""
+    cw = collective_watch(group)
+    if cw is None:
+        work.wait()
+        return
+    me = dist.get_rank()
+
+    def gone_error(gone: list[int]) -> RuntimeError:
+        return RuntimeError(
+            f"SyncBatchNorm: rank {me} waits in {what}, but rank(s) "
+            f"{', '.join(map(str, gone))} already returned from the launched function: they "
+            "ran fewer SyncBatchNorm collectives. A SyncBatchNorm in eval() mode runs none, so "
+            "call model.train() or model.eval() on every rank alike; and give every rank the "
+            "same number of batches."
+        )
+
+    wait_watched(work, cw.watch(cw.issue(), what, gone_error))
+
+
+def check_channels(x: torch.Tensor, channel_last: bool, group) -> None:
+    """Refuse, on every rank, ranks whose inputs have different channel counts (a gather of
+    unequal statistics would abort gloo: "EnforceNotMet ... Received data size doesn't
+    match"). One all-gather of one number per rank; a no-op on one rank."""
+    world = world_of(group)
+    if world == 1:
+        return
+    c = x.shape[-1] if channel_last else x.shape[1]
+    mine = torch.tensor([float(c)], dtype=torch.float64, device=x.device)
+    parts = [torch.empty_like(mine) for _ in range(world)]
+    work = dist.all_gather(parts, mine, group=group, async_op=True)
+    _wait(work, group, "SyncBatchNorm's channel check (its first training forward)")
+    counts = [int(p.item()) for p in parts]
+    if len(set(counts)) > 1:
+        ranks = [dist.get_global_rank(group, i) if group is not None else i for i in range(world)]
+        seen = ", ".join(f"rank {r}: {n}" for r, n in zip(ranks, counts, strict=True))
+        raise ValueError(
+            f"SyncBatchNorm: the ranks normalize different numbers of channels ({seen}), so "
+            "their statistics cannot be merged. Build the same model on every rank (the same "
+            "num_features for this layer) and give it inputs of the same channel count."
+        )
 
 
 def world_of(group) -> int:
@@ -65,7 +111,8 @@ def _global_stats(x, channel_last, group, world):
     c = mean.numel()
     mine = torch.cat([mean.double(), var.double(), mean.new_full((1,), count, dtype=torch.float64)])
     parts = [torch.empty_like(mine) for _ in range(world)]
-    dist.all_gather(parts, mine, group=group)
+    work = dist.all_gather(parts, mine, group=group, async_op=True)
+    _wait(work, group, "SyncBatchNorm's statistics all_gather (a training forward)")
     g = torch.stack(parts)
     gm, gv = welford_parallel(g[:, :c].cpu(), g[:, c : 2 * c].cpu(), g[:, 2 * c].cpu())
     total = float(g[:, 2 * c].sum().item())
@@ -247,7 +294,8 @@ class SyncBatchnormFunction(torch.autograd.Function):
         if training:
             if world > 1:
                 both = torch.cat([sum_dy, sum_dy_xmu])
-                dist.all_reduce(both, group=group)
+                work = dist.all_reduce(both, group=group, async_op=True)
+                _wait(work, group, "SyncBatchNorm's gradient all_reduce (a training backward)")
                 sum_dy, sum_dy_xmu = both.chunk(2)
             dx = batchnorm_backward(
                 dy, x, mean, invstd, weight, sum_dy, sum_dy_xmu, total, channel_last

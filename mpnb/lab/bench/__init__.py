@@ -131,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     except (KeyError, ValueError) as e:
         print(f"mpnb bench: {e.args[0] if e.args else e}", file=sys.stderr)
         return 2
-    why = getattr(module, "unavailable", lambda opts: None)(opts)
+    why = getattr(module, "unavailable", lambda opts: None)(opts) or _unusable(args, opts)
     if why:
         print(f"mpnb bench: {why}", file=sys.stderr)
         return 2
@@ -139,6 +139,25 @@ def main(argv: list[str] | None = None) -> int:
     if not result.rows:
         print(f"mpnb bench: no case matched --filter {args.filter!r}.", file=sys.stderr)
     if args.json:
-        write_json(args.json, result.header, result.rows)
+        try:
+            write_json(args.json, result.header, result.rows)
+        except OSError as e:
+            print(f"mpnb bench: --json: {e.strerror or e}", file=sys.stderr)
+            return 1
         print(f"# wrote {args.json}")
     return 0
+
+
+def _unusable(args, opts) -> str | None:
+    """Why the run could not finish (a GPU asked for where none is, an unwritable ``--json``),
+    found before anything is timed."""
+    import torch
+
+    from mpnb.lab._files import unwritable_reason
+
+    if opts.device.startswith("cuda") and not torch.cuda.is_available():
+        return f"--device {opts.device} but no CUDA GPU is visible to torch here; use --device cpu."
+    why = unwritable_reason(args.json, f"{args.suite}.json") if args.json else ""
+    if why:
+        return f"--json {args.json}: {why}; pass another path."
+    return None

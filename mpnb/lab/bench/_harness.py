@@ -22,6 +22,7 @@ hidden warm-up calls to every measurement and defaults to one thread.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
@@ -147,7 +148,34 @@ class Options:
             fields["rounds"] = rounds
         if fields["rounds"] < 1:
             raise ValueError(f"rounds must be at least 1, got {fields['rounds']}.")
+        _check_options(fields["scale"], fields["threads"], fields["device"])
         return cls(**fields)
+
+
+def _check_options(scale, threads, device) -> None:
+    """Refuse a scale, thread count or device no run can use (ValueError naming the fix)."""
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise ValueError(
+            f"--scale {scale!r}: workload sizes are multiplied by it, so it must be a positive "
+            "number (e.g. 0.01 for tiny sizes, 1 for the suite's own); a scale of 0 or less "
+            "would time empty workloads."
+        )
+    if threads is not None and (
+        isinstance(threads, bool) or not isinstance(threads, int) or threads < 1
+    ):
+        raise ValueError(
+            f"--threads {threads!r}: need a positive thread count (e.g. --threads 1), or leave "
+            "it out to keep torch's."
+        )
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise ValueError(
+            f"--device {device!r} is not a device the suites run on; use --device cpu or "
+            "--device cuda (cuda:N)."
+        )
 
 
 @dataclass

@@ -7,10 +7,10 @@ import json
 import os
 import platform
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 
+from mpnb.lab._files import write_atomic
 from mpnb.lab.bench._harness import Row
 from mpnb.lab.stats import loadavg
 
@@ -145,6 +145,7 @@ def format_rows(rows: Sequence[Row], title: bool = True) -> str:
 
 
 def write_json(path: str | os.PathLike, header: dict, rows: Sequence[Row]) -> None:
-    """Save ``{"header": ..., "rows": [row dicts]}`` to ``path``."""
+    """Save ``{"header": ..., "rows": [row dicts]}`` to ``path`` (whole, or the previous file
+    stays: see :func:`mpnb.lab._files.write_atomic`)."""
     data = {"header": header, "rows": [r.to_dict() for r in rows]}
-    Path(path).write_text(json.dumps(data, indent=1) + "\n")
+    write_atomic(path, json.dumps(data, indent=1) + "\n")

@@ -86,7 +86,7 @@ def test_a_dying_rank_makes_launch_raise():
 
 def test_timeout_stops_the_ranks_and_all_they_started(tmp_path):
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match="did not finish within 4 s"):
+    with pytest.raises(TimeoutError, match="did not return from fn within 4 s"):
         launch(
             _sleeps_with_children,
             2,

@@ -91,6 +91,52 @@ def test_unknown_suite_is_a_clear_error(capsys):
     assert "no-such-suite" in err and "multi-tensor" in err
 
 
+# The arguments make a run that would do no work (no case matches): refused ones must be
+# refused before it, with exit code 2 and a message, not after it or with a traceback.
+_NOTHING = ["multi-tensor", "--quick", "--rounds", "1", "--filter", "no-case-has-this"]
+
+
+@pytest.mark.parametrize(
+    "args, says",
+    [
+        (["--scale", "0"], "--scale 0.0: workload sizes are multiplied by it"),
+        (["--scale", "-1"], "must be a positive number"),
+        (["--scale", "nan"], "must be a positive number"),
+        (["--threads", "0"], "--threads 0: need a positive thread count"),
+        (["--device", "tpu"], "--device 'tpu' is not a device the suites run on"),
+    ],
+)
+def test_bad_options_are_refused_before_anything_runs(args, says, capsys):
+    """--scale 0/-1 timed 1-element workloads and printed PASS; --threads 0 and --device tpu
+    ended in a traceback."""
+    assert bench.main([*_NOTHING, *args]) == 2
+    assert says in capsys.readouterr().err
+
+
+def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("x")
+    for path, says in [(tmp_path, "is a directory"), (blocker / "out.json", "is a file, so")]:
+        assert bench.main([*_NOTHING, "--json", str(path)]) == 2
+        err = capsys.readouterr().err
+        assert says in err and "--json" in err
+    assert blocker.read_text() == "x"
+
+
+def test_the_json_is_written_whole_or_not_at_all(tmp_path, file_size_limit, capsys):
+    """A write that fails half-way (a full disk) keeps the previous file, and says so (the
+    file used to be truncated to the part written)."""
+    path = tmp_path / "out.json"
+    previous = '{"previous": true}'
+    path.write_text(previous)
+    with file_size_limit(200):  # the header alone is larger
+        code = bench.main([*_NOTHING, "--json", str(path)])
+    assert code == 1
+    assert "File too large" in capsys.readouterr().err
+    assert path.read_text() == previous
+    assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary file left
+
+
 # ---- running cases -------------------------------------------------------------------------
 
 
