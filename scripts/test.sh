@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: set up, build the kernels (a failed build fails here, loudly), run pytest
 # over tests/ (unit, multi-process, headless widget and browser tests), then every notebook in
-# notebooks/ under nbval. With arguments, only `pytest ARGS` runs (no notebooks).
+# notebooks/ under nbval, then scripts/install-check.sh (the wheel and the sdist installed into
+# fresh venvs outside the checkout). With arguments, only `pytest ARGS` runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -36,4 +37,6 @@ run_pytest --durations=15 || rc=$?
 echo "scripts/test.sh: notebooks (nbval)"
 run_pytest --durations=10 --nbval-lax --nbval-current-env \
   --nbval-sanitize-with notebooks/sanitize.cfg notebooks/ || rc=$?
+echo "scripts/test.sh: a user's install (the wheel and the sdist, each in a fresh venv)"
+bash scripts/install-check.sh || rc=$?
 exit "$rc"

@@ -8,10 +8,16 @@ import sys
 
 import torch
 
-from mpnb.core.hardware import cpu_info, cuda_info, default_half_dtype, half_support
+from mpnb.core.hardware import (
+    NATIVE_MIN_SPEED,
+    cpu_info,
+    cuda_info,
+    default_half_dtype,
+    dtype_support,
+)
 from mpnb.core.ops import all_ops, cache_root, cpu_extension, op_path
 
-__all__ = ["report"]
+__all__ = ["kernel_fallbacks", "report"]
 
 
 def _toolchain() -> list[str]:
@@ -22,25 +28,26 @@ def _toolchain() -> list[str]:
     return [f"  ninja: {ninja}", f"  C++ compiler: {shutil.which(cxx) or f'{cxx} NOT FOUND'}"]
 
 
+def _dtype_lines(device: str) -> list[str]:
+    """One line per low-precision dtype: status, measured speed vs fp32, and the evidence."""
+    names = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}
+    where = "CPU" if device == "cpu" else device.upper()
+    return [
+        f"  {names[k]} on {where}: {s.status}: {s.reason}" for k, s in dtype_support(device).items()
+    ]
+
+
 def _hardware() -> list[str]:
     cpu = cpu_info()
-    hs = half_support("cpu")
     lines = [
         f"  CPU: {cpu.model} ({cpu.arch}), {os.cpu_count()} logical cores, "
         f"torch threads: {torch.get_num_threads()}",
         f"  vector ISA for mpnb kernels: {cpu.isa}; torch's own dispatch: "
         f"{torch.backends.cpu.get_cpu_capability()}",
-        f"  bf16 on CPU: {hs['bfloat16']}"
-        + (
-            "" if hs["bfloat16"] == "native" else " (no avx512_bf16/amx_bf16: computed in software)"
-        ),
-        f"  fp16 on CPU: {hs['float16']}"
-        + (
-            ""
-            if hs["float16"] == "native"
-            else " (no avx512_fp16/amx_fp16: about 50-150x slower "
-            "than fp32 for matmuls; mpnb defaults the CPU to bf16)"
-        ),
+        "  low precision, measured in this process (native: a GEMM at least "
+        f"{NATIVE_MIN_SPEED['bfloat16']:g}x fp32's speed; fp8 "
+        f"{NATIVE_MIN_SPEED['float8_e4m3fn']:g}x):",
+        *_dtype_lines("cpu"),
         f"  default half dtype on CPU: {str(default_half_dtype('cpu')).replace('torch.', '')}",
     ]
     info = cuda_info() if torch.cuda.is_available() else None
@@ -49,9 +56,53 @@ def _hardware() -> list[str]:
     else:
         lines.append(
             f"  CUDA: {info['name']}, capability {info['capability']}, {info['memory_gib']} GiB, "
-            f"tensor cores: {'yes' if info['tensor_cores'] else 'no'}, "
-            f"bf16: {'native' if info['bf16'] else 'unsupported'}"
+            f"tensor cores: {'yes' if info['tensor_cores'] else 'no'}"
         )
+        lines += _dtype_lines("cuda")
+    return lines
+
+
+def kernel_fallbacks(device: str | torch.device = "cpu") -> list[str]:
+    """One line per cause: the ops that have a C++ kernel of ours but run their pure-PyTorch
+    reference in this process now (a failed or missing build, ``MPNB_DISABLE_EXT=1``, a
+    library without the op). Empty when nothing fell back, on CUDA, and before the kernels
+    were first asked for (nothing has run yet).
+
+    Example::
+
+        >>> kernel_fallbacks("cpu")    # g++ missing
+        ['23 ops run their pure-PyTorch reference, not their C++ kernel (build failed: no C++
+        compiler (c++) on PATH (install g++ or set CXX)): fused_adam_, ...']
+    """
+    if torch.device(device).type != "cpu":
+        return []
+    causes: dict[str, list[str]] = {}
+    for info in all_ops():
+        path = op_path(info.name, "cpu")
+        if info.cpu_kernel and path.startswith("reference (") and "use_reference" not in path:
+            causes.setdefault(path[len("reference (") : -1].replace("; ", ", "), []).append(
+                info.name
+            )
+    return [
+        f"{len(ops)} op{'s' if len(ops) > 1 else ''} run their pure-PyTorch reference, not "
+        f"their C++ kernel ({why}): {', '.join(ops)}"
+        for why, ops in causes.items()
+    ]
+
+
+def _triton_lines() -> list[str]:
+    """Whether our Triton kernels serve CUDA calls, and each kernel's measured decision."""
+    from mpnb.core.ops.triton import LAUNCHERS, decision, triton_status
+
+    tri = triton_status()
+    which = "every kernel (MPNB_TRITON=1)" if tri.opted_in else "the default ones"
+    state = f"Triton {tri.version}, {which}" if tri.usable else f"not used: {tri.reason}"
+    lines = [f"  CUDA kernels of ours (Triton): {state}; the rest run PyTorch's own CUDA ops"]
+    by_label: dict[str, list[str]] = {}
+    for name in LAUNCHERS:
+        by_label.setdefault(decision(name).label, []).append(name)
+    for label, names in by_label.items():  # a measured kernel's ratio is on its own line
+        lines.append(f"    {label}: {', '.join(names)}")
     return lines
 
 
@@ -73,6 +124,7 @@ def report(build: bool = True) -> str:
         *_hardware(),
         "kernels",
         *_toolchain(),
+        f"  C++ sources: {ext.source_dir()}",
         f"  cache directory: {cache_root()}",
         f"  CPU build for these sources: {ext.build_dir()}",
     ]
@@ -92,19 +144,8 @@ def report(build: bool = True) -> str:
         lines.append(f"  CPU kernels: FAILED, references run. Reason: {status.reason}")
     if status is not None and status.note:
         lines.append(f"  note: {status.note}")
-    from mpnb.core.ops.triton import triton_status
-
-    tri = triton_status()
-    if tri.usable:
-        lines.append(
-            f"  CUDA kernels of ours: Triton {tri.version}, opted in with MPNB_TRITON=1 "
-            "(unmeasured on a GPU: compare with `mpnb bench --device cuda`)"
-        )
-    else:
-        lines.append(
-            f"  CUDA kernels of ours (Triton): not used; {tri.reason}. CUDA tensors run "
-            "PyTorch's own fused CUDA ops"
-        )
+    lines += [f"  FELL BACK: {line}" for line in kernel_fallbacks("cpu")]
+    lines += _triton_lines()
     lines.append("ops (family: op -> path on cpu | on cuda)")
     for info in all_ops():
         lines.append(
