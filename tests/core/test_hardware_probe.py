@@ -188,6 +188,28 @@ def test_fp8_layers_fall_back_where_scaled_mm_cannot_run_here(monkeypatch):
     assert category == "device" and "oneDNN" in why
 
 
+@pytest.mark.parametrize("status, category", [("native", None), ("emulated", "speed")])
+def test_fp8_layers_use_scaled_mm_only_where_it_measured_faster(monkeypatch, status, category):
+    """On an AMX CPU torch._scaled_mm runs through oneDNN far slower than float32: the probe
+    says "emulated" and the layer computes the same math with the emulated GEMM, silently
+    (doctor and the verdict name FP8 emulated)."""
+    import warnings
+
+    from mpnb.core import fp8
+    from mpnb.core.fp8 import gemm
+
+    support = DtypeSupport("float8_e4m3fn", status, 0.01, "probe: 0.01x fp32's speed")
+    monkeypatch.setattr(gemm, "dtype_support", lambda d: {"float8_e4m3fn": support})
+    a = fp8.quantize_tensorwise(torch.randn(4, 8), fp8.E4M3)
+    b = fp8.quantize_tensorwise(torch.randn(6, 8), fp8.E4M3)
+    blocker = fp8.scaled_mm_blocker(a, b, torch.float32)
+    assert (blocker and blocker[0]) == category
+    layer = fp8.convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(8, 6)), "tensorwise")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", fp8.Float8FallbackWarning)
+        layer(torch.randn(4, 8)).sum().backward()
+
+
 # -- the two environments, end to end ----------------------------------------------------------
 def _has_avx512_bf16() -> bool:
     return "avx512_bf16" in hardware.cpu_info().flags

@@ -39,7 +39,8 @@ def scaled_mm_blocker(a: Float8Operand, b: Float8Operand, out_dtype: torch.dtype
     """Why ``torch._scaled_mm`` cannot compute ``a @ b.T`` here: ``(category, reason)`` or None.
 
     The category (``"recipe"``, ``"device"``, ``"shape"``, ``"out_dtype"``) is what a layer
-    warns about once.
+    warns about once; ``"speed"`` (a CPU whose ``torch._scaled_mm`` measured slower than its
+    float32 GEMM: :func:`mpnb.core.hardware.dtype_support`) is not warned about.
 
     Example::
 
@@ -51,10 +52,15 @@ def scaled_mm_blocker(a: Float8Operand, b: Float8Operand, out_dtype: torch.dtype
     k, n = a.data.shape[1], b.data.shape[0]
     rule = scaled_mm_rule(dev.type, cap, a.granularity, k, n, out_dtype)
     if rule is None and dev.type == "cpu":
-        # torch._scaled_mm exists but can fail in this process (oneDNN under an ISA limit)
         fp8 = dtype_support("cpu")["float8_e4m3fn"]
         if fp8.status == "unsupported":
+            # torch._scaled_mm exists but can fail in this process (oneDNN under an ISA limit)
             return "device", f"torch._scaled_mm cannot run on this CPU here ({fp8.reason})"
+        if fp8.status == "emulated":
+            # It runs, but slower than the float32 GEMM it would replace (on an AMX CPU
+            # oneDNN's FP8 matmul took 590 ms for 128x128): the emulated GEMM computes the
+            # same math faster. Not warned: doctor and the verdict already name FP8 emulated.
+            return "speed", f"torch._scaled_mm is slower than float32 here ({fp8.reason})"
     return rule
 
 
