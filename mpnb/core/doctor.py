@@ -8,7 +8,13 @@ import sys
 
 import torch
 
-from mpnb.core.hardware import cpu_info, cuda_info, default_half_dtype, half_support
+from mpnb.core.hardware import (
+    NATIVE_MIN_SPEED,
+    cpu_info,
+    cuda_info,
+    default_half_dtype,
+    dtype_support,
+)
 from mpnb.core.ops import all_ops, cache_root, cpu_extension, op_path
 
 __all__ = ["report"]
@@ -22,25 +28,26 @@ def _toolchain() -> list[str]:
     return [f"  ninja: {ninja}", f"  C++ compiler: {shutil.which(cxx) or f'{cxx} NOT FOUND'}"]
 
 
+def _dtype_lines(device: str) -> list[str]:
+    """One line per low-precision dtype: status, measured speed vs fp32, and the evidence."""
+    names = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}
+    where = "CPU" if device == "cpu" else device.upper()
+    return [
+        f"  {names[k]} on {where}: {s.status}: {s.reason}" for k, s in dtype_support(device).items()
+    ]
+
+
 def _hardware() -> list[str]:
     cpu = cpu_info()
-    hs = half_support("cpu")
     lines = [
         f"  CPU: {cpu.model} ({cpu.arch}), {os.cpu_count()} logical cores, "
         f"torch threads: {torch.get_num_threads()}",
         f"  vector ISA for mpnb kernels: {cpu.isa}; torch's own dispatch: "
         f"{torch.backends.cpu.get_cpu_capability()}",
-        f"  bf16 on CPU: {hs['bfloat16']}"
-        + (
-            "" if hs["bfloat16"] == "native" else " (no avx512_bf16/amx_bf16: computed in software)"
-        ),
-        f"  fp16 on CPU: {hs['float16']}"
-        + (
-            ""
-            if hs["float16"] == "native"
-            else " (no avx512_fp16/amx_fp16: about 50-150x slower "
-            "than fp32 for matmuls; mpnb defaults the CPU to bf16)"
-        ),
+        "  low precision, measured in this process (native: a GEMM at least "
+        f"{NATIVE_MIN_SPEED['bfloat16']:g}x fp32's speed; fp8 "
+        f"{NATIVE_MIN_SPEED['float8_e4m3fn']:g}x):",
+        *_dtype_lines("cpu"),
         f"  default half dtype on CPU: {str(default_half_dtype('cpu')).replace('torch.', '')}",
     ]
     info = cuda_info() if torch.cuda.is_available() else None
@@ -49,9 +56,9 @@ def _hardware() -> list[str]:
     else:
         lines.append(
             f"  CUDA: {info['name']}, capability {info['capability']}, {info['memory_gib']} GiB, "
-            f"tensor cores: {'yes' if info['tensor_cores'] else 'no'}, "
-            f"bf16: {'native' if info['bf16'] else 'unsupported'}"
+            f"tensor cores: {'yes' if info['tensor_cores'] else 'no'}"
         )
+        lines += _dtype_lines("cuda")
     return lines
 
 

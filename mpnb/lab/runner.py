@@ -26,7 +26,7 @@ from collections.abc import Callable, Sequence
 import pandas as pd
 import torch
 
-from mpnb.core.hardware import cpu_info, cuda_info, half_support
+from mpnb.core.hardware import cpu_info, cuda_info, dtype_support, half_support
 from mpnb.lab import workloads as _workloads
 from mpnb.lab._data import is_data
 from mpnb.lab._errors import describe_error
@@ -47,8 +47,9 @@ __all__ = [
 
 
 def fp8_support(device: str = "cpu") -> str:
-    """``"native"`` where ``device`` has FP8 matrix hardware (CUDA capability 8.9+), else
-    ``"emulated"``: FP8 numerics computed with float32 arithmetic, slower than fp32.
+    """``"native"`` where ``device`` runs FP8 GEMMs faster than fp32 in this process
+    (:func:`mpnb.core.hardware.dtype_support`: measured ``torch._scaled_mm``), else
+    ``"emulated"``: FP8 numerics computed with wider arithmetic, slower than fp32.
 
     MXFP8's GEMM is emulated on every device (``Float8Config.fp8_status``); the rows say so.
 
@@ -57,14 +58,8 @@ def fp8_support(device: str = "cpu") -> str:
         >>> fp8_support("cpu")
         'emulated'
     """
-    dev = torch.device(device)
-    if dev.type != "cuda":
-        return "emulated"
-    info = cuda_info(dev.index or 0)
-    if info is None:
-        return "emulated"
-    major, minor = (int(v) for v in info["capability"].split("."))
-    return "native" if (major, minor) >= (8, 9) else "emulated"
+    native = dtype_support(device)["float8_e4m3fn"].status == "native"
+    return "native" if native else "emulated"
 
 
 def hardware_summary(device: str = "cpu") -> dict:

@@ -17,7 +17,7 @@ from mpnb.core.amp.casts import default_registry
 from mpnb.core.amp.frontend import set_current_handle
 from mpnb.core.amp.handle import AmpHandle
 from mpnb.core.amp.scaler import LossScaler
-from mpnb.core.hardware import cuda_info, half_support
+from mpnb.core.hardware import cuda_info, dtype_support, half_support
 
 __all__ = ["initialize", "EmulatedHalfWarning", "PrecisionRecastWarning", "HardwareCheck"]
 
@@ -60,9 +60,10 @@ class HardwareCheck:
         key = (device.type, dtype)
         if status == "emulated" and dtype == torch.float16 and key not in self.warned:
             self.warned.add(key)
+            measured = dtype_support(device)[name].reason
             warnings.warn(
-                "amp: this CPU has no native float16 (no avx512_fp16/amx_fp16): fp16 is emulated "
-                "in software and far slower than fp32 (matmuls ~50-150x). Use "
+                f"amp: float16 is emulated on this CPU ({measured}): computed in software, "
+                "far slower than fp32. Use "
                 "half_dtype=torch.bfloat16 (the CPU default) unless you need fp16 numerics.",
                 EmulatedHalfWarning,
                 stacklevel=4,

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 
 from mpnb.core.fp8.quantize import Float8Operand
+from mpnb.core.hardware import dtype_support
 
 __all__ = ["fp8_mm", "emulated_mm", "scaled_mm_blocker", "scaled_mm_rule"]
 
@@ -48,7 +49,13 @@ def scaled_mm_blocker(a: Float8Operand, b: Float8Operand, out_dtype: torch.dtype
     dev = a.data.device
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     k, n = a.data.shape[1], b.data.shape[0]
-    return scaled_mm_rule(dev.type, cap, a.granularity, k, n, out_dtype)
+    rule = scaled_mm_rule(dev.type, cap, a.granularity, k, n, out_dtype)
+    if rule is None and dev.type == "cpu":
+        # torch._scaled_mm exists but can fail in this process (oneDNN under an ISA limit)
+        fp8 = dtype_support("cpu")["float8_e4m3fn"]
+        if fp8.status == "unsupported":
+            return "device", f"torch._scaled_mm cannot run on this CPU here ({fp8.reason})"
+    return rule
 
 
 def scaled_mm_rule(device_type: str, capability, granularity: str, k: int, n: int, out_dtype):
