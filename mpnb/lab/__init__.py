@@ -12,6 +12,8 @@
 * :func:`trace_overflow`, :func:`underflow_report`: which layer leaves the half range.
 * :func:`trace_precision`: which dtype every op of a step ran in, and why.
 * :func:`report`: one self-contained offline HTML page from a :func:`compare` DataFrame.
+* :mod:`story`: every hardware sentence the notebooks and the verdict print, computed from
+  doctor's facts and the measured numbers.
 
 Example::
 
@@ -44,12 +46,12 @@ _LAZY = {
     "trace_precision": "precision",
 }
 
-__all__ = [*_LAZY, "workloads"]
+__all__ = [*_LAZY, "workloads", "story"]
 
 
 def __getattr__(name: str):
-    if name == "workloads":
-        return importlib.import_module(f"{__name__}.workloads")
+    if name in ("workloads", "story"):
+        return importlib.import_module(f"{__name__}.{name}")
     if name in _LAZY:
         value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
         globals()[name] = value
