@@ -194,7 +194,14 @@ def speed(
     return f"{subject} ran {1 / ratio:.2f}x slower than {baseline}{ci}"
 
 
-def _why(s: str, d: str, short: str, subject: str, where: str) -> str:
+#: why native ``{dtype}`` was not faster, by default: the work around its arithmetic
+NOT_FASTER = (
+    "at this size the casts to and from {dtype}, the per-op overhead and the ops that stay "
+    "fp32 cost {cost} the faster arithmetic saves; larger sizes tip it towards {dtype}"
+)
+
+
+def _why(s: str, d: str, short: str, subject: str, where: str, not_faster: str) -> str:
     """The explanation that fact ``s`` gives measured direction ``d``."""
     if s == "emulated":
         what, left = _emulation(short)
@@ -210,12 +217,10 @@ def _why(s: str, d: str, short: str, subject: str, where: str) -> str:
             return (
                 f"{short} is native on this {where}, and its faster arithmetic shows at this size."
             )
-        cost = "costs more than" if d == "slower" else "costs about as much as"
-        return (
-            f"{short} is native on this {where}, yet at this size the rest of the work (casts "
-            f"to and from {short}, per-op overhead, ops that stay fp32) {cost} the faster "
-            f"arithmetic saves; larger layers tip it towards {short}."
-        )
+        cost = "more than" if d == "slower" else "about as much as"
+        why = not_faster.format(dtype=short, cost=cost)
+        yet = "slower" if d == "slower" else "not faster"
+        return f"{short} is native on this {where}, yet {yet} here: {why}."
     return f"{short} is {s} on this {where}: see mpnb doctor."
 
 
@@ -228,6 +233,7 @@ def outcome(
     subject: str = "it",
     baseline: str = "O0",
     device: str = "cpu",
+    not_faster: str = NOT_FASTER,
 ) -> str:
     """The measured speed of ``subject`` (computing in ``dtype``) against an fp32 ``baseline``,
     and the explanation doctor's fact for ``dtype`` gives it.
@@ -239,6 +245,9 @@ def outcome(
         ratio, lo, hi: the baseline's time over the subject's, and its 95% interval if any.
         subject, baseline: what the sentence names.
         device: for the wording.
+        not_faster: why a native ``dtype`` was not faster, for a subject whose time is not a
+            training step (:data:`NOT_FASTER` by default); ``{dtype}`` becomes its short name
+            and ``{cost}`` ``"more than"`` or ``"about as much as"``.
 
     Example::
 
@@ -246,7 +255,8 @@ def outcome(
         'Measured: O3 ran 5.00x slower than O0 (95% interval ...). As expected where bf16 ...'
     """
     short = _short(dtype)
-    why = _why(status(facts, dtype), direction(ratio, lo, hi), short, subject, _where(device))
+    d = direction(ratio, lo, hi)
+    why = _why(status(facts, dtype), d, short, subject, _where(device), not_faster)
     return f"Measured: {speed(ratio, lo, hi, subject, baseline)}. {why}"
 
 
@@ -301,25 +311,22 @@ def compare(df: pd.DataFrame) -> list[str]:
 
 
 def fixed_cost(
-    ratio: float,
-    t_baseline: float,
-    t_subject: float,
-    subject: str = "it",
-    baseline: str = "the baseline",
+    ratio: float, t_baseline: float, subject: str = "it", baseline: str = "the baseline"
 ) -> str:
-    """A measured speed ratio between two ways of doing the same work, read as a cost per call.
+    """A measured speed ratio between two ways of doing the same work, read as time per call.
 
     Args:
         ratio: the baseline's time over the subject's (the median of per-round ratios).
-        t_baseline, t_subject: their median seconds per call.
+        t_baseline: the baseline's median seconds per call; the subject's time per call is
+            taken as ``t_baseline / ratio``, so the two figures never disagree.
         subject, baseline: what the sentence names.
 
     Example::
 
-        >>> fixed_cost(0.8, 1.0e-3, 1.25e-3, "mpnb.amp O1", "autocast + GradScaler")
+        >>> fixed_cost(0.8, 1.0e-3, "mpnb.amp O1", "autocast + GradScaler")
         'Measured: mpnb.amp O1 at 0.80x the speed of autocast + GradScaler: 250 us more ...'
     """
-    extra = t_subject - t_baseline
+    extra = t_baseline / ratio - t_baseline
     head = f"Measured: {subject} at {ratio:.2f}x the speed of {baseline}"
     if extra <= 0:
         return (
@@ -350,14 +357,14 @@ def emulation_lines(emulated: Sequence[str], device: str = "cpu") -> list[str]:
     Example::
 
         >>> emulation_lines(["bf16"], "cpu")
-        ['bf16 is emulated on this CPU (computed in software here): half precision saves ...']
+        ['bf16 is emulated on this CPU (computed in software): half precision saves ...']
     """
     where = _where(device)
     lines = []
     halves = [d for d in emulated if d != "fp8"]
     if halves:
         lines.append(
-            f"{_names(halves)} emulated on this {where} (computed in software here): "
+            f"{_names(halves)} emulated on this {where} (computed in software): "
             "half precision saves memory here, not time."
         )
     if "fp8" in emulated:

@@ -60,8 +60,8 @@ CASES = [
     ("emulated", 1.02, 0.90, 1.15, "same", "Unexpected where bf16 is emulated"),
     ("emulated", 1.30, 1.10, 1.50, "faster", "Unexpected where bf16 is emulated"),
     ("native", 1.64, 1.40, 1.90, "faster", "its faster arithmetic shows"),
-    ("native", 0.95, 0.80, 1.10, "same", "costs about as much as the faster arithmetic"),
-    ("native", 0.35, 0.30, 0.40, "slower", "costs more than the faster arithmetic"),
+    ("native", 0.95, 0.80, 1.10, "same", "not faster here: at this size the casts to and from"),
+    ("native", 0.35, 0.30, 0.40, "slower", "yet slower here: at this size the casts to and from"),
 ]
 
 
@@ -88,6 +88,21 @@ def test_outcome_without_an_interval_reads_the_ratio_alone():
     assert "interval" not in slow and "As expected where bf16 is emulated" in slow
     fast = story.outcome(NATIVE, "bf16", 2.5, subject="the bf16 matmul", baseline="fp32")
     assert "2.50x faster than fp32" in fast and "bf16 is native" in fast
+
+
+def test_outcome_names_why_native_was_not_faster():
+    why = "PyTorch's {dtype} kernel for this shape costs {cost} its fp32 one"
+    slower = story.outcome(NATIVE, "fp16", 0.5, subject="the fp16 matmul", baseline="fp32",
+                           not_faster=why)  # fmt: skip
+    assert slower.endswith("fp16 is native on this CPU, yet slower here: PyTorch's fp16 kernel "
+                           "for this shape costs more than its fp32 one.")  # fmt: skip
+    same = story.outcome(NATIVE, "fp16", 1.0, 0.9, 1.1, not_faster=why)
+    assert "not faster here: PyTorch's fp16 kernel for this shape costs about as much as" in same
+    default = story.outcome(NATIVE, "fp16", 0.5)
+    assert (
+        "the casts to and from fp16, the per-op overhead and the ops that stay fp32 cost more"
+        in default
+    )
 
 
 def test_fp8_is_read_for_accuracy_not_memory():
@@ -152,10 +167,10 @@ def test_the_verdict_speaks_through_the_story(half):
 
 
 def test_fixed_cost_reads_the_two_times():
-    text = story.fixed_cost(0.31, 330e-6, 1060e-6, "mpnb.amp O1", "autocast + GradScaler")
-    assert text.startswith("Measured: mpnb.amp O1 at 0.31x the speed of autocast + GradScaler")
-    assert "730 us more per call of 330 us" in text and "1.5%" in text
-    assert "less per call" in story.fixed_cost(1.1, 330e-6, 300e-6)
+    text = story.fixed_cost(0.25, 300e-6, "mpnb.amp O1", "autocast + GradScaler")
+    assert text.startswith("Measured: mpnb.amp O1 at 0.25x the speed of autocast + GradScaler")
+    assert "900 us more per call of 300 us (300% on top)" in text and "1.8%" in text
+    assert "30 us less per call of 330 us" in story.fixed_cost(1.1, 330e-6)
 
 
 def test_facts_are_doctors_measured_facts():
