@@ -4,7 +4,9 @@ Every tensor an op produces or reads inside the mode is recorded once per *stora
 and in-place results share their base's bytes), and is forgotten when the storage itself is
 freed: a ``weakref.finalize`` on the storage object, which PyTorch keeps alive exactly as long
 as the storage. The running total gives the peak; at the peak the live storages are split by
-role, by identity with the model and the optimizer at that moment:
+role, by identity with the model and the optimizer at that moment (a storage without a role
+then takes the first role it gets while it lives: a gradient autograd has computed but not yet
+stored in ``.grad`` is a grad):
 
 * ``params``: the model's parameters (half under O2/O3) and buffers;
 * ``master_weights``: fp32 params the optimizer updates that are not the model's (O2's
