@@ -1,4 +1,4 @@
-"""The ``mpnb`` command: ``doctor``, ``build-ext``, ``bench``, ``compare``."""
+"""The ``mpnb`` command: ``doctor``, ``build-ext``, ``bench``, ``compare``; ``--version``."""
 
 from __future__ import annotations
 
@@ -44,9 +44,26 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     return bench_main(rest)
 
 
+class _Version(argparse.Action):
+    """``--version``: one unwrapped line, the version and where this mpnb is imported from."""
+
+    def __init__(self, option_strings, dest, **kwargs):
+        kwargs.update(nargs=0, help="print mpnb's version and where it is installed, and exit")
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        from pathlib import Path
+
+        import mpnb
+
+        print(f"mpnb {mpnb.__version__} ({Path(mpnb.__file__).resolve().parent})")
+        parser.exit()
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``mpnb`` command."""
     p = argparse.ArgumentParser(prog="mpnb", description="Mixed precision on the hardware at hand.")
+    p.add_argument("--version", action=_Version)
     sub = p.add_subparsers(dest="command", required=True)
     d = sub.add_parser("doctor", help="what this machine supports and which path each op takes")
     d.add_argument("--no-build", action="store_true", help="report without building the kernels")

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The whole test suite: set up, build the kernels (a failed build fails here, loudly), run pytest
 # over tests/ (unit, multi-process, headless widget and browser tests), then every notebook in
-# notebooks/ under nbval. With arguments, only `pytest ARGS` runs (no notebooks).
+# notebooks/ under nbval, then scripts/install-check.sh (the wheel and the sdist installed into
+# fresh venvs outside the checkout). With arguments, only `pytest ARGS` runs.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -51,4 +52,6 @@ echo "scripts/test.sh: notebooks (nbval) with half precision emulated" \
     --nbval-sanitize-with notebooks/sanitize.cfg \
     $(printf 'notebooks/%s.ipynb ' "${EMULATED_HALF_NOTEBOOKS[@]}")
 ) || rc=$?
+echo "scripts/test.sh: a user's install (the wheel and the sdist, each in a fresh venv)"
+bash scripts/install-check.sh || rc=$?
 exit "$rc"

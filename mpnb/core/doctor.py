@@ -17,7 +17,7 @@ from mpnb.core.hardware import (
 )
 from mpnb.core.ops import all_ops, cache_root, cpu_extension, op_path
 
-__all__ = ["report"]
+__all__ = ["kernel_fallbacks", "report"]
 
 
 def _toolchain() -> list[str]:
@@ -62,6 +62,50 @@ def _hardware() -> list[str]:
     return lines
 
 
+def kernel_fallbacks(device: str | torch.device = "cpu") -> list[str]:
+    """One line per cause: the ops that have a C++ kernel of ours but run their pure-PyTorch
+    reference in this process now (a failed or missing build, ``MPNB_DISABLE_EXT=1``, a
+    library without the op). Empty when nothing fell back, on CUDA, and before the kernels
+    were first asked for (nothing has run yet).
+
+    Example::
+
+        >>> kernel_fallbacks("cpu")    # g++ missing
+        ['23 ops run their pure-PyTorch reference, not their C++ kernel (build failed: no C++
+        compiler (c++) on PATH (install g++ or set CXX)): fused_adam_, ...']
+    """
+    if torch.device(device).type != "cpu":
+        return []
+    causes: dict[str, list[str]] = {}
+    for info in all_ops():
+        path = op_path(info.name, "cpu")
+        if info.cpu_kernel and path.startswith("reference (") and "use_reference" not in path:
+            causes.setdefault(path[len("reference (") : -1].replace("; ", ", "), []).append(
+                info.name
+            )
+    return [
+        f"{len(ops)} op{'s' if len(ops) > 1 else ''} run their pure-PyTorch reference, not "
+        f"their C++ kernel ({why}): {', '.join(ops)}"
+        for why, ops in causes.items()
+    ]
+
+
+def _triton_lines() -> list[str]:
+    """Whether our Triton kernels serve CUDA calls, and each kernel's measured decision."""
+    from mpnb.core.ops.triton import LAUNCHERS, decision, triton_status
+
+    tri = triton_status()
+    which = "every kernel (MPNB_TRITON=1)" if tri.opted_in else "the default ones"
+    state = f"Triton {tri.version}, {which}" if tri.usable else f"not used: {tri.reason}"
+    lines = [f"  CUDA kernels of ours (Triton): {state}; the rest run PyTorch's own CUDA ops"]
+    by_label: dict[str, list[str]] = {}
+    for name in LAUNCHERS:
+        by_label.setdefault(decision(name).label, []).append(name)
+    for label, names in by_label.items():  # a measured kernel's ratio is on its own line
+        lines.append(f"    {label}: {', '.join(names)}")
+    return lines
+
+
 def report(build: bool = True) -> str:
     """The doctor's report as text.
 
@@ -80,6 +124,7 @@ def report(build: bool = True) -> str:
         *_hardware(),
         "kernels",
         *_toolchain(),
+        f"  C++ sources: {ext.source_dir()}",
         f"  cache directory: {cache_root()}",
         f"  CPU build for these sources: {ext.build_dir()}",
     ]
@@ -99,19 +144,8 @@ def report(build: bool = True) -> str:
         lines.append(f"  CPU kernels: FAILED, references run. Reason: {status.reason}")
     if status is not None and status.note:
         lines.append(f"  note: {status.note}")
-    from mpnb.core.ops.triton import triton_status
-
-    tri = triton_status()
-    if tri.usable:
-        lines.append(
-            f"  CUDA kernels of ours: Triton {tri.version}, opted in with MPNB_TRITON=1 "
-            "(unmeasured on a GPU: compare with `mpnb bench --device cuda`)"
-        )
-    else:
-        lines.append(
-            f"  CUDA kernels of ours (Triton): not used; {tri.reason}. CUDA tensors run "
-            "PyTorch's own fused CUDA ops"
-        )
+    lines += [f"  FELL BACK: {line}" for line in kernel_fallbacks("cpu")]
+    lines += _triton_lines()
     lines.append("ops (family: op -> path on cpu | on cuda)")
     for info in all_ops():
         lines.append(

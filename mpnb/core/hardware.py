@@ -218,7 +218,8 @@ def _probe(device: torch.device) -> dict[str, DtypeSupport]:
             continue
         got, evidence = timed[dtype], _evidence(dtype, device)
         if isinstance(got, Exception):  # PyTorch cannot run it here: that is the answer
-            first = (str(got).strip().splitlines() or [type(got).__name__])[0][:160]
+            text = (str(got).strip().splitlines() or [type(got).__name__])[0]
+            first = text.split(". ")[0][:160]  # its first sentence
             why = f"the {_SHORT[dtype]} GEMM failed: {first}; {evidence}"
             out[dtype] = DtypeSupport(dtype, "unsupported", None, why)
         else:

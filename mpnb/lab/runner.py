@@ -26,6 +26,7 @@ from collections.abc import Callable, Sequence
 import pandas as pd
 import torch
 
+from mpnb.core.doctor import kernel_fallbacks
 from mpnb.core.hardware import cpu_info, cuda_info, dtype_support, half_support
 from mpnb.lab import workloads as _workloads
 from mpnb.lab._data import is_data
@@ -397,6 +398,9 @@ def compare(
             prog.close()
         n_threads = torch.get_num_threads()
     df = frames(results, w, hw)
+    if len(df) and (fell_back := kernel_fallbacks(dev)):  # loud, once: on the first row
+        notes = [f"C++ kernels: {line}" for line in fell_back]
+        df.loc[df.index[:1], "warnings"] = "; ".join(filter(None, [*notes, df["warnings"].iat[0]]))
     df.attrs["load"] = load_record(load_start, loadavg(), n_threads, hw["cpus"] or 1)
     df.attrs["method"] = (
         "isolated subprocesses" if isolate else "round-robin in one process (per batch size)"

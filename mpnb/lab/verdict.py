@@ -25,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import math
+import re
 
 import pandas as pd
 
@@ -32,7 +33,15 @@ from mpnb.core.precision import Float8Config, get_config
 from mpnb.lab.memory import ROLES as _ROLES
 from mpnb.lab.story import emulated_clause, emulation_lines
 
-__all__ = ["GPU_PEAKS", "LAUNCH_US", "REFERENCE_GPU", "verdict", "gpu_estimate"]
+__all__ = [
+    "CARD_NAMES",
+    "GPU_PEAKS",
+    "LAUNCH_US",
+    "REFERENCE_GPU",
+    "estimate_for_card",
+    "gpu_estimate",
+    "verdict",
+]
 
 #: Published dense peaks (vendor data sheets, no sparsity): TFLOP/s for fp32 (CUDA cores),
 #: fp16, bf16 and fp8 (tensor cores, fp32 accumulate), and memory bandwidth in GB/s.
@@ -44,7 +53,18 @@ GPU_PEAKS = {
     "NVIDIA L4": dict(fp32=30.3, fp16=121.0, bf16=121.0, fp8=242.5, gbps=300.0),
     "NVIDIA RTX 4090": dict(fp32=82.6, fp16=165.2, bf16=165.2, fp8=330.3, gbps=1008.0),
     "NVIDIA H100 SXM": dict(fp32=67.0, fp16=989.0, bf16=989.0, fp8=1979.0, gbps=3350.0),
+    "NVIDIA H200 SXM": dict(fp32=67.0, fp16=989.0, bf16=989.0, fp8=1979.0, gbps=4800.0),
 }
+#: a GPU's name as torch reports it -> its :data:`GPU_PEAKS` entry (the first match wins)
+CARD_NAMES = (
+    (r"H200", "NVIDIA H200 SXM"),
+    (r"H100(?!.*(PCIe|NVL))", "NVIDIA H100 SXM"),
+    (r"A100(?!.*PCIe)", "NVIDIA A100 SXM 80GB"),
+    (r"\bL4\b", "NVIDIA L4"),
+    (r"RTX 4090", "NVIDIA RTX 4090"),
+    (r"V100", "NVIDIA V100 SXM2"),
+    (r"\bT4\b", "NVIDIA T4"),
+)
 REFERENCE_GPU = "NVIDIA A100 SXM 80GB"
 #: typical eager-mode cost of one op (Python dispatch + kernel launch) on a GPU, microseconds
 LAUNCH_US = 5.0
@@ -108,6 +128,19 @@ def gpu_estimate(df: pd.DataFrame) -> pd.DataFrame:
                 )
     cols = ["gpu", "configuration", "est_step_ms", "est_speedup_vs_O0", "bound"]
     return pd.DataFrame(rows, columns=cols)
+
+
+def estimate_for_card(df: pd.DataFrame, card: str) -> pd.DataFrame:
+    """:func:`gpu_estimate`'s rows for the GPU named ``card`` as torch reports it
+    (``"NVIDIA H100 80GB HBM3"``); empty when :data:`GPU_PEAKS` has no entry for it.
+
+    Example::
+
+        >>> estimate_for_card(cpu_df, torch.cuda.get_device_name())["est_speedup_vs_O0"]
+    """
+    key = next((k for pattern, k in CARD_NAMES if re.search(pattern, card)), None)
+    est = gpu_estimate(df) if key is not None else pd.DataFrame()
+    return est[est["gpu"] == key].reset_index(drop=True) if len(est) else est
 
 
 def _fmt_metric(v: float) -> str:

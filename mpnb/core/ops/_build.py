@@ -67,16 +67,24 @@ _LIB = "mpnb_{backend}.so"
 
 
 def csrc_dir() -> Path:
-    """Locate the C++ sources: ``csrc/`` of a source checkout, or ``mpnb/_csrc`` when installed."""
-    here = Path(__file__).resolve().parents[3] / "csrc"
-    if (here / "cpu").is_dir():
-        return here
-    installed = Path(str(importlib.resources.files("mpnb._csrc")))
-    if (installed / "cpu").is_dir():
+    """Locate the C++ sources: ``mpnb/_csrc`` of an installed wheel or sdist, else the
+    ``csrc/`` of a source checkout (an editable install).
+
+    The installed copy is package data of the ``mpnb`` package itself (``mpnb._csrc`` is a
+    directory without ``__init__.py``: asking ``importlib.resources`` for it as a package
+    gives a namespace ``MultiplexedPath``, which is not a file-system path).
+    """
+    installed = importlib.resources.files("mpnb").joinpath("_csrc")
+    if isinstance(installed, Path) and (installed / "cpu").is_dir():
         return installed
+    checkout = Path(__file__).resolve().parents[3] / "csrc"
+    if (checkout / "cpu").is_dir():
+        return checkout
+    where = installed if isinstance(installed, Path) else f"{installed!r} (not on a file system)"
     raise FileNotFoundError(
-        f"mpnb's C++ sources were not found (looked in {here} and {installed}); "
-        "reinstall mpnb with `pip install .` or `pip install -e .` from a full checkout."
+        f"mpnb's C++ sources were not found (looked in {where} and {checkout}); reinstall "
+        "mpnb from a wheel or sdist (`pip install mpnb-*.whl`), or `pip install -e .` from a "
+        "full checkout."
     )
 
 

@@ -8,9 +8,10 @@ through ``torch.library`` and nothing else:
 * the reference as the ``CompositeExplicitAutograd`` kernel: it serves every device that has
   no kernel of its own (the CPU before the C++ library is loaded, or with
   ``MPNB_DISABLE_EXT=1``);
-* for the CUDA key: our Triton kernel when the user opted in (``MPNB_TRITON=1``, a GPU and
-  triton present: :mod:`mpnb.core.ops.triton`), else the PyTorch-ops path (PyTorch's own
-  fused ops) when the family has one, else the reference;
+* for the CUDA key: our Triton kernel when a GPU run measured it at least PyTorch's speed or
+  the user opted in (``MPNB_TRITON=1``), with a GPU and triton present
+  (:mod:`mpnb.core.ops.triton`), else the PyTorch-ops path (PyTorch's own fused ops) when the
+  family has one, else the reference;
 * the fake (shape) kernel, and the autograd formula where the op is differentiable.
 
 The C++ kernels register themselves for the CPU key (``TORCH_LIBRARY_IMPL(mpnb, CPU, m)`` at
@@ -139,7 +140,7 @@ def define(
     LIB.define(schema)
     LIB.impl(name, reference, "CompositeExplicitAutograd")
     cuda = torch_path
-    if name in _triton.LAUNCHERS and _triton.triton_usable():  # opt-in, until measured
+    if _triton.triton_enabled(name):  # measured at least PyTorch's speed, or MPNB_TRITON=1
         cuda = _triton.launcher(name)
         _TRITON_ON_CUDA.add(name)
     if cuda is not None:
@@ -235,8 +236,8 @@ def op_path(name: str, device: str = "cpu") -> str:
     ext = cpu_extension()
     if dev == "cuda":
         if name in _TRITON_ON_CUDA:
-            return "Triton kernel (MPNB_TRITON=1; unmeasured on a GPU)"
-        opt_in = " (a Triton kernel is available: MPNB_TRITON=1, unmeasured)"
+            return f"Triton kernel ({_triton.decision(name).label})"
+        opt_in = f" (Triton kernel {_triton.decision(name).label})"
         has = name in _triton.LAUNCHERS
         if op.torch_path is not None:
             return "PyTorch's fused CUDA ops" + (opt_in if has else "")

@@ -300,9 +300,19 @@ def test_sources_are_found():
     assert (root / "cpu" / "scale.cpp").is_file() and (root / "cpu" / "pch.h").is_file()
 
 
+_FROM_WHEEL = r"""
+import mpnb
+from mpnb.core.ops._build import Extension, csrc_dir
+print(mpnb.__file__)
+print(csrc_dir())
+print(Extension("cpu").sources_key())
+"""
+
+
 @pytest.mark.slow
-def test_wheel_ships_the_cpp_sources(tmp_path):
-    """A non-editable install must find csrc/: the wheel carries it as mpnb/_csrc."""
+def test_wheel_ships_the_cpp_sources_and_finds_them_installed(tmp_path):
+    """A non-editable install must find csrc/: the wheel carries it as mpnb/_csrc, and the
+    installed package resolves it to a real directory (not a namespace MultiplexedPath)."""
     cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
            "-w", str(tmp_path), str(ROOT)]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True)
@@ -315,6 +325,18 @@ def test_wheel_ships_the_cpp_sources(tmp_path):
         if p.suffix in {".cpp", ".h"}
     }
     assert expected and expected <= names, sorted(expected - names)
+    site = tmp_path / "site"  # the wheel unpacked: an install's layout, outside the checkout
+    zipfile.ZipFile(wheel).extractall(site)
+    run = tmp_path / "elsewhere"
+    run.mkdir()
+    env = {**os.environ, "PYTHONPATH": str(site)}
+    out = subprocess.run([sys.executable, "-c", _FROM_WHEEL], cwd=run, env=env,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    module, sources, key = out.stdout.split()
+    assert Path(module).parent == site / "mpnb"
+    assert Path(sources) == site / "mpnb" / "_csrc"
+    assert key == Extension("cpu").sources_key()  # the same sources: the same build
 
 
 def test_doctor_lists_every_op_and_the_hardware(kernels):
@@ -329,8 +351,11 @@ def test_doctor_lists_every_op_and_the_hardware(kernels):
         cpu, cuda = line.split(" -> ")[1].split(" | ")  # the path on each device
         assert cpu and cuda, line
         if "MPNB_TRITON" not in os.environ:  # opt-in: PyTorch's path, the kernel unmeasured
-            assert ("MPNB_TRITON=1, unmeasured" in cuda) == (info.name in _triton.LAUNCHERS)
+            unmeasured = "opt-in (MPNB_TRITON=1), unmeasured on a GPU" in cuda
+            assert unmeasured == (info.name in _triton.LAUNCHERS)
             expected = "PyTorch's fused CUDA ops" if info.torch_path else "reference"
             assert cuda.startswith(expected), line
     assert "bf16 on CPU: " in text and "fp16 on CPU: " in text and "vector ISA" in text
+    assert "fp8 on CPU: " in text and "x fp32's GEMM speed" in text
     assert "library verified" in text
+    assert f"C++ sources: {csrc_dir()}" in text and "FELL BACK" not in text

@@ -1,4 +1,5 @@
-"""GPU kernels of mpnb in Triton: the CUDA backend of the ``mpnb::`` ops, opt-in until measured.
+"""GPU kernels of mpnb in Triton: the CUDA backend of the ``mpnb::`` ops, on by default only
+where a GPU run measured them at least as fast as PyTorch's own CUDA path.
 
 One module per op family, named like the op's module (``adam.py``, ``sgd.py``, ``lamb.py``,
 ``scale.py``, ``l2norm.py``, ``layer_norm.py``, ``rms_norm.py``, ``softmax.py``, ``rope.py``).
@@ -7,14 +8,18 @@ positional arguments), to be registered for the CUDA dispatch key of the existin
 
     from mpnb.core.ops import triton as tk
 
-    if tk.triton_usable():
-        for name in tk.LAUNCHERS:
+    for name in tk.LAUNCHERS:
+        if tk.triton_enabled(name):
             torch.library.impl(f"mpnb::{name}", "CUDA", tk.launcher(name))
 
 Importing this package imports neither triton nor the kernels (it must stay importable where
-triton is not installed); :func:`launcher` imports a kernel module on first use. Until a GPU
-run has measured a kernel faster than PyTorch's path, the kernels are opt-in:
-``MPNB_TRITON=1``, read once (:func:`triton_status`).
+triton is not installed); :func:`launcher` imports a kernel module on first use.
+
+Which kernels serve CUDA calls is data: ``measured.json`` holds each kernel's ratio to
+PyTorch's path as measured by ``scripts/gpu-check.sh`` (:mod:`._decision`). A kernel at or
+above PyTorch's speed is on by default, the others are opt-in and ``mpnb doctor`` shows their
+ratio. ``MPNB_TRITON=1`` switches every kernel on, ``MPNB_TRITON=0`` every kernel off (read
+once, :func:`triton_status`).
 
 Tensor-list launchers read their tensors through a table of addresses (one launch per list),
 which ``torch.compile`` cannot see into: register them as opaque ops (``torch.library.impl``),
@@ -31,11 +36,16 @@ import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from mpnb.core.ops.triton._decision import TritonDecision, decide, load_table
+
 __all__ = [
     "LAUNCHERS",
+    "TritonDecision",
     "TritonStatus",
+    "decision",
     "launcher",
     "probe_triton",
+    "triton_enabled",
     "triton_status",
     "triton_usable",
 ]
@@ -84,47 +94,65 @@ class TritonStatus:
     """Whether the Triton kernels may serve CUDA calls here, and why not.
 
     Attributes:
-        opted_in: ``MPNB_TRITON=1`` was set.
+        mode: ``"measured"`` (the default: the kernels measured at least PyTorch's speed),
+            ``"all"`` (``MPNB_TRITON=1``) or ``"off"`` (``MPNB_TRITON=0``).
         cuda: torch sees a CUDA device.
         version: triton's version, or None when it cannot be imported (or was not tried).
-        reason: why the kernels are not used, in words ("" when they are).
+        reason: why no kernel is used, in words ("" when some may be).
     """
 
-    opted_in: bool
+    mode: str
     cuda: bool
     version: str | None
     reason: str
 
     @property
+    def opted_in(self) -> bool:
+        """``MPNB_TRITON=1``: every kernel, measured or not."""
+        return self.mode == "all"
+
+    @property
     def usable(self) -> bool:
-        """True when every condition holds."""
+        """True when every condition holds (then :func:`triton_enabled` decides per op)."""
         return not self.reason
 
 
 def probe_triton(
-    environ: Mapping[str, str] | None = None, cuda_available: Callable[[], bool] | None = None
+    environ: Mapping[str, str] | None = None,
+    cuda_available: Callable[[], bool] | None = None,
+    table: Mapping | None = None,
 ) -> TritonStatus:
-    """Check the three conditions now: opted in, a CUDA device, triton importable.
+    """Check the conditions now: a kernel to use (by the table or ``MPNB_TRITON=1``), a CUDA
+    device, triton importable.
 
     Args:
         environ: the environment to read ``MPNB_TRITON`` from (default ``os.environ``).
         cuda_available: the CUDA check (default ``torch.cuda.is_available``).
+        table: the measured table (default: the committed one, :func:`decision`).
 
     Conditions are checked in that order and triton is imported only when the first two
     hold, so the probe stays cheap where the kernels cannot run.
     """
     env = os.environ if environ is None else environ
-    opted = env.get("MPNB_TRITON", "0") == "1"
+    flag = env.get("MPNB_TRITON", "")
+    mode = {"1": "all", "0": "off"}.get(flag, "measured")
     if cuda_available is None:
         import torch
 
         cuda_available = torch.cuda.is_available
     cuda = bool(cuda_available())
-    if not opted:
-        why = "opt-in: set MPNB_TRITON=1 to use the Triton kernels (unmeasured on a GPU yet)"
-        return TritonStatus(False, cuda, None, why)
+    if mode == "off":
+        return TritonStatus(mode, cuda, None, "switched off by MPNB_TRITON=0")
+    if mode == "measured":
+        measured = load_table() if table is None else table
+        if not any(decide(n, measured).default for n in LAUNCHERS):
+            why = (
+                "opt-in: no kernel has measured at least PyTorch's speed on a GPU (set "
+                "MPNB_TRITON=1 to use them all)"
+            )
+            return TritonStatus(mode, cuda, None, why)
     if not cuda:
-        return TritonStatus(True, False, None, "no CUDA device: the Triton kernels need a GPU")
+        return TritonStatus(mode, False, None, "no CUDA device: the Triton kernels need a GPU")
     try:
         import triton
     except ImportError as e:
@@ -134,17 +162,42 @@ def probe_triton(
             else f" (triton ships wheels for Linux only; this is {sys.platform})"
         )
         return TritonStatus(
-            True, True, None, f"triton cannot be imported ({e}){where}: pip install triton"
+            mode, True, None, f"triton cannot be imported ({e}){where}: pip install triton"
         )
-    return TritonStatus(True, True, triton.__version__, "")
+    return TritonStatus(mode, True, triton.__version__, "")
+
+
+@functools.cache
+def _table() -> dict:
+    return load_table()
+
+
+def decision(name: str) -> TritonDecision:
+    """Op ``name``'s Triton kernel: on by default or opt-in, from the committed measurements.
+
+    Example::
+
+        >>> decision("rope").label
+        'opt-in (MPNB_TRITON=1), unmeasured on a GPU'
+    """
+    return decide(name, _table())
 
 
 @functools.cache
 def triton_status() -> TritonStatus:
     """:func:`probe_triton` of this process, computed once (``MPNB_TRITON`` is read once)."""
-    return probe_triton()
+    return probe_triton(table=_table())
 
 
 def triton_usable() -> bool:
-    """True when the Triton kernels serve CUDA calls: opted in, a GPU, triton importable."""
+    """True when Triton kernels may serve CUDA calls here (a GPU, triton, something to use)."""
     return triton_status().usable
+
+
+def triton_enabled(name: str) -> bool:
+    """True when op ``name``'s CUDA calls run its Triton kernel: usable here, and on by
+    default (measured at least PyTorch's speed) or switched on by ``MPNB_TRITON=1``."""
+    status = triton_status()
+    if name not in LAUNCHERS or not status.usable:
+        return False
+    return status.opted_in or decision(name).default

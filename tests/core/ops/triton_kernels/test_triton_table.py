@@ -53,7 +53,7 @@ def test_unknown_op_names_the_known_ones():
 
 
 def test_probe_needs_opt_in_then_cuda():
-    off = tk.probe_triton({}, lambda: True)
+    off = tk.probe_triton({}, lambda: True, table={"kernels": {}})  # nothing measured
     assert not off.usable and not off.opted_in and "MPNB_TRITON=1" in off.reason
     no_gpu = tk.probe_triton({"MPNB_TRITON": "1"}, lambda: False)
     assert not no_gpu.usable and no_gpu.opted_in and "no CUDA device" in no_gpu.reason

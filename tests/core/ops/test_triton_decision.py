@@ -1,0 +1,94 @@
+"""Which Triton kernels are on by default: decided by the committed table of ratios measured on
+a GPU (``mpnb/core/ops/triton/measured.json``), tested here with fake tables."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from mpnb.core.ops import triton as tk
+from mpnb.core.ops.triton import _decision as dec
+
+FAKE = {
+    "kernels": {
+        "rope": {"speed_vs_torch": 1.31, "card": "NVIDIA H100 80GB HBM3", "date": "2026-05-01"},
+        "fused_adam_": {"speed_vs_torch": 1.0, "card": "NVIDIA H100 80GB HBM3", "date": "x"},
+        "layer_norm_fwd": {"speed_vs_torch": 0.8, "card": "NVIDIA H100 80GB HBM3", "date": "x"},
+    }
+}
+
+
+def test_at_or_above_pytorchs_speed_is_default_the_rest_opt_in_with_their_ratio():
+    rope, adam, ln = (dec.decide(n, FAKE) for n in ("rope", "fused_adam_", "layer_norm_fwd"))
+    assert rope.default and adam.default and not ln.default
+    assert rope.label == "default: 1.31x PyTorch's speed (NVIDIA H100 80GB HBM3, 2026-05-01)"
+    assert ln.label.startswith("opt-in (MPNB_TRITON=1): 0.80x PyTorch's speed (")
+    unmeasured = dec.decide("rms_norm_fwd", FAKE)
+    assert not unmeasured.default and unmeasured.speed_vs_torch is None
+    assert unmeasured.label == "opt-in (MPNB_TRITON=1), unmeasured on a GPU"
+
+
+def test_record_keeps_each_kernels_worst_case_from_the_bench_rows():
+    rows = [
+        dict(case="AdamW O2 bf16", workload="(a)", candidate="torch _fused_adamw_",
+             role="baseline", ratio=None),
+        dict(case="AdamW O2 bf16", workload="(a)", candidate="triton fused_adam_",
+             role="candidate", ratio=1.4),
+        dict(case="AdamW O2 bf16", workload="(c)", candidate="triton fused_adam_",
+             role="candidate", ratio=0.9),
+        dict(case="AdamW O2 bf16", workload="(a)", candidate="bw: a += s*b (fp32)",
+             role="bandwidth", ratio=None),
+        dict(case="rope bf16", workload="(b)", candidate="triton rope", role="candidate",
+             ratio=1.2),
+    ]  # fmt: skip
+    table = dec.record(rows, "NVIDIA H200", "2026-05-01", torch="2.13.0")
+    assert set(table["kernels"]) == {"fused_adam_", "rope"}
+    adam = table["kernels"]["fused_adam_"]
+    assert adam["speed_vs_torch"] == 0.9 and len(adam["cases"]) == 2 and adam["torch"] == "2.13.0"
+    assert not dec.decide("fused_adam_", table).default and dec.decide("rope", table).default
+
+
+def test_the_table_round_trips_and_a_broken_one_names_the_fix(tmp_path):
+    path = dec.write_table(FAKE, tmp_path / "measured.json")
+    assert dec.load_table(path) == FAKE
+    assert dec.load_table(tmp_path / "absent.json") == {"kernels": {}}
+    (tmp_path / "bad.json").write_text(json.dumps([1, 2]))
+    with pytest.raises(ValueError, match="gpu-check"):
+        dec.load_table(tmp_path / "bad.json")
+
+
+def test_the_committed_table_is_well_formed():
+    table = dec.load_table()
+    for name, entry in table["kernels"].items():
+        assert name in tk.LAUNCHERS and entry["speed_vs_torch"] > 0 and entry["card"], name
+
+
+def test_probe_uses_the_measured_defaults_and_the_switches():
+    nothing = tk.probe_triton({}, lambda: False, table={"kernels": {}})
+    assert not nothing.usable and "no kernel has measured" in nothing.reason
+    some = tk.probe_triton({}, lambda: False, table=FAKE)  # one to use: then the GPU check
+    assert some.mode == "measured" and "no CUDA device" in some.reason
+    off = tk.probe_triton({"MPNB_TRITON": "0"}, lambda: True, table=FAKE)
+    assert off.mode == "off" and not off.usable and "MPNB_TRITON=0" in off.reason
+
+
+@pytest.mark.parametrize(
+    "mode, expected",
+    [("measured", {"rope", "fused_adam_"}), ("all", set(tk.LAUNCHERS)), ("off", set())],
+)
+def test_enabled_kernels_follow_the_table_and_the_switch(monkeypatch, mode, expected):
+    reason = "switched off by MPNB_TRITON=0" if mode == "off" else ""
+    monkeypatch.setattr(tk, "triton_status", lambda: tk.TritonStatus(mode, True, "3.x", reason))
+    monkeypatch.setattr(tk, "_table", lambda: FAKE)
+    assert {n for n in tk.LAUNCHERS if tk.triton_enabled(n)} == expected
+
+
+def test_doctor_shows_each_kernels_decision_and_ratio(monkeypatch):
+    from mpnb.core.doctor import _triton_lines
+
+    monkeypatch.setattr(tk, "_table", lambda: FAKE)
+    text = "\n".join(_triton_lines())
+    assert "default: 1.31x PyTorch's speed (NVIDIA H100 80GB HBM3, 2026-05-01): rope" in text
+    assert "opt-in (MPNB_TRITON=1): 0.80x PyTorch's speed" in text
+    assert "unmeasured on a GPU: " in text and "rms_norm_fwd" in text

@@ -1,0 +1,124 @@
+"""``scripts/gpu-check.sh``: its dry run on this CPU, its step runner (budgets, failures that do
+not stop the check) and its summary (estimate vs measured), on fake runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
+gc = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_check"] = gc  # dataclasses look their module up by name
+_spec.loader.exec_module(gc)
+
+
+def test_every_step_has_a_budget_and_they_fit_in_eight_minutes():
+    steps = gc.steps()
+    assert all(s.budget_s > 0 for s in steps)
+    assert sum(s.budget_s for s in steps) <= gc.LIMIT_S == 480
+    names = " ".join(" ".join(s.argv) for s in steps)
+    for needed in ("doctor", "-m gpu", "triton_kernels", "bench --device cuda --quick",
+                   "compare --device cuda", "fp8-tensorwise,fp8-delayed,fp8-rowwise,mxfp8",
+                   "--dtype fp16,bf16", "--nbval-lax"):  # fmt: skip
+        assert needed in names, needed
+    assert all((ROOT / "notebooks" / n).is_file() for n in gc.NOTEBOOKS)
+
+
+@pytest.mark.e2e
+@pytest.mark.slow
+def test_dry_run_lists_each_step_with_its_budget_and_checks_every_command(tmp_path):
+    out = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--dry-run", str(tmp_path)],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stdout + out.stderr
+    for i, step in enumerate(gc.steps(), 1):
+        assert f"{i:2}. {step.name:<22} {step.budget_s:>4} s  ok" in out.stdout, step.name
+    total = sum(s.budget_s for s in gc.steps())
+    assert f"total budget: {total} s of 480 s; 0 step(s) not ready" in out.stdout
+
+
+def test_dry_run_reports_a_command_that_does_not_parse(tmp_path):
+    bad = gc.Step("x", 1, gc._mpnb("compare", "--opt-levels", "O7"), "bad level")
+    assert "O7" in gc.check_step(bad, tmp_path)
+    missing = gc.Step("y", 1, (sys.executable, "-m", "pytest", "notebooks/nope.ipynb"), "")
+    assert "missing: notebooks/nope.ipynb" in gc.check_step(missing, tmp_path)
+    assert gc.check_step(gc.steps()[5], tmp_path) == ""  # the CUDA compare parses here
+
+
+def test_a_failing_or_overrunning_step_is_recorded_and_the_check_goes_on(tmp_path):
+    py = sys.executable
+    fail = gc.Step("fails", 30, (py, "-c", "import sys; print('boom'); sys.exit(3)"), "")
+    # the child of the step sleeps too: the whole process group must be stopped
+    slow_code = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', "
+    slow_code += "'import time; time.sleep(60)']); time.sleep(60)"
+    slow = gc.Step("slow", 1, (py, "-c", slow_code), "")
+    ok = gc.Step("json", 30, (py, "-c", "print('{\"rows\": []}')"), "", stdout="run.json")
+    start = time.monotonic()
+    results = [gc.run_step(s, tmp_path) for s in (fail, slow, ok)]
+    assert time.monotonic() - start < 25
+    assert [r.status for r in results] == ["FAIL (exit 3)", "TIMEOUT", "pass"]
+    assert results[0].tail == ["boom"] and json.loads((tmp_path / "run.json").read_text())
+    assert results[1].seconds < 15
+
+
+def _row(config, opt, half, speed, flops=2e9, ops=400.0, mib=20.0, precision="?"):
+    return dict(configuration=config, opt_level=opt, half_dtype=half, batch_size=32,
+                status="ok", flops_per_step=flops, ops_per_step=ops, mem_params_mib=mib,
+                speedup_vs_O0=speed, precision=precision)  # fmt: skip
+
+
+def test_summary_sets_the_estimate_beside_the_measured_speed(tmp_path):
+    cpu = [_row("O0 fp32 b32", "O0", "fp32", 1.0), _row("O3 bf16 b32", "O3", "bf16", 0.2)]
+    cuda = [_row("O0 fp32 b32", "O0", "fp32", 1.0, precision="fp32"),
+            _row("O3 bf16 b32", "O3", "bf16", 4.0, precision="bf16 (native)"),
+            _row("O3 fp16 b32", "O3", "fp16", 3.0, precision="fp16 (native)"),
+            _row("O1 fp16 b32", "O1", "fp16", 1.2, precision="fp16 (native)")]  # fmt: skip
+    for name, rows in (("compare-cuda.json", cuda), ("compare-cpu-half.json", cpu)):
+        (tmp_path / name).write_text(json.dumps({"rows": rows}))
+    table = gc.estimate_vs_measured(cuda, [cpu], "NVIDIA H100 80GB HBM3")
+    o3 = next(r for r in table if r["configuration"] == "O3 bf16 b32")
+    assert o3["estimated"] > 1 and o3["error"] == pytest.approx(4.0 / o3["estimated"])
+    twin = next(r for r in table if r["configuration"] == "O3 fp16 b32")
+    assert twin["estimated"] == o3["estimated"]  # the CPU ran bf16; fp16 peaks equal bf16's
+    o1 = next(r for r in table if r["configuration"] == "O1 fp16 b32")
+    assert math.isnan(o1["estimated"]) and math.isnan(o1["error"])  # not in the CPU run
+    step = gc.Step("compare cuda", 60, ("x",), "measured")
+    log = tmp_path / "c.log"
+    log.write_text("Traceback\nRuntimeError: CUDA out of memory")
+    results = [gc.Result(step, "FAIL (exit 1)", 12.0, log, ["RuntimeError: CUDA out of memory"])]
+    table = {"kernels": {"rope": {"speed_vs_torch": 1.2, "card": "H100", "date": "d"}}}
+    text = gc.summary(results, tmp_path, "NVIDIA H100 80GB HBM3", "about", table)
+    assert "| compare cuda | 60 | 12 | FAIL (exit 1) (`c.log`: RuntimeError: CUDA out" in text
+    assert "| rope | 1.20 | default |" in text and "| rope_" not in text
+    assert "| O3 bf16 b32 | bf16 (native) | 4.00 | " in text
+    assert ("off by more than 1.5x" in text) == (not 1 / 1.5 <= o3["error"] <= 1.5)
+
+
+def test_an_unknown_card_gets_no_estimate():
+    cpu = [_row("O0 fp32 b32", "O0", "fp32", 1.0), _row("O3 bf16 b32", "O3", "bf16", 0.2)]
+    table = gc.estimate_vs_measured(cpu, [cpu], "NVIDIA B300")
+    assert all(math.isnan(r["estimated"]) for r in table)
+
+
+@pytest.mark.parametrize(
+    "name, key",
+    [("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM"), ("NVIDIA H200", "NVIDIA H200 SXM"),
+     ("NVIDIA H100 PCIe", None), ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 SXM 80GB"),
+     ("NVIDIA L40S", None), ("Tesla T4", "NVIDIA T4")],
+)  # fmt: skip
+def test_cards_are_named_as_torch_reports_them(name, key):
+    from mpnb.lab.verdict import estimate_for_card
+
+    cpu = [_row("O0 fp32 b32", "O0", "fp32", 1.0), _row("O3 bf16 b32", "O3", "bf16", 0.2)]
+    est = estimate_for_card(pd.DataFrame(cpu), name)
+    assert (set(est["gpu"]) if len(est) else None) == ({key} if key else None)
