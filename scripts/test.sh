@@ -37,6 +37,21 @@ run_pytest --durations=15 || rc=$?
 echo "scripts/test.sh: notebooks (nbval)"
 run_pytest --durations=10 --nbval-lax --nbval-current-env \
   --nbval-sanitize-with notebooks/sanitize.cfg notebooks/ || rc=$?
+
+# The notebooks whose story depends on native vs emulated half precision, again with ATen and
+# oneDNN limited to AVX2 (half precision emulated on any x86 CPU): each prints the other story,
+# from doctor's facts and its own numbers, and asserts that the two agree. On a CPU without
+# native bf16/fp16 this pass repeats the first.
+EMULATED_HALF_NOTEBOOKS=(01_quick_start 02_number_formats 03_opt_levels 05_fused_kernels
+  07_profiler 09_low_precision_frontier)
+echo "scripts/test.sh: notebooks (nbval) with half precision emulated" \
+  "(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)"
+(
+  export ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+  run_pytest --durations=10 --nbval-lax --nbval-current-env \
+    --nbval-sanitize-with notebooks/sanitize.cfg \
+    $(printf 'notebooks/%s.ipynb ' "${EMULATED_HALF_NOTEBOOKS[@]}")
+) || rc=$?
 echo "scripts/test.sh: a user's install (the wheel and the sdist, each in a fresh venv)"
 bash scripts/install-check.sh || rc=$?
 exit "$rc"

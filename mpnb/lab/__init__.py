@@ -14,6 +14,8 @@
   step is bound by overhead that half precision cannot shrink.
 * :func:`trace_precision`: which dtype every op of a step ran in, and why.
 * :func:`report`: one self-contained offline HTML page from a :func:`compare` DataFrame.
+* :mod:`story`: every hardware sentence the notebooks and the verdict print, computed from
+  doctor's facts and the measured numbers.
 
 Example::
 
@@ -48,12 +50,12 @@ _LAZY = {
     "trace_precision": "precision",
 }
 
-__all__ = [*_LAZY, "workloads"]
+__all__ = [*_LAZY, "workloads", "story"]
 
 
 def __getattr__(name: str):
-    if name == "workloads":
-        return importlib.import_module(f"{__name__}.workloads")
+    if name in ("workloads", "story"):
+        return importlib.import_module(f"{__name__}.{name}")
     if name in _LAZY:
         value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
         globals()[name] = value

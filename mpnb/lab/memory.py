@@ -4,7 +4,9 @@ Every tensor an op produces or reads inside the mode is recorded once per *stora
 and in-place results share their base's bytes), and is forgotten when the storage itself is
 freed: a ``weakref.finalize`` on the storage object, which PyTorch keeps alive exactly as long
 as the storage. The running total gives the peak; at the peak the live storages are split by
-role, by identity with the model and the optimizer at that moment:
+role, by identity with the model and the optimizer at that moment (a storage without a role
+then takes the first role it gets while it lives: a gradient autograd has computed but not yet
+stored in ``.grad`` is a grad):
 
 * ``params``: the model's parameters (half under O2/O3) and buffers;
 * ``master_weights``: fp32 params the optimizer updates that are not the model's (O2's
@@ -142,6 +144,11 @@ class MemoryTracker(TorchDispatchMode):
         self.ops = 0  # ops dispatched inside the mode (kernel launches, on a GPU)
         self._roles: dict[int, str] = {}
         self._stale = True  # a storage appeared since the roles were read: re-read them
+        # The peak's storages whose role is read again at the next safe point: a storage can
+        # take its role after it appeared (autograd assigns ``p.grad`` after the op that made
+        # the gradient returned, with no op in between), and a snapshot, taken while a storage
+        # is being freed, cannot read ``p.grad`` itself.
+        self._unresolved: dict[int, weakref.finalize] = {}
 
     # ---- bookkeeping --------------------------------------------------------------------
 
@@ -173,18 +180,42 @@ class MemoryTracker(TorchDispatchMode):
     def _snapshot(self) -> None:
         self._at_peak = {k: self._roles.get(k, "activations") for k in self._live}
         self._peak_sizes = {k: n for k, (n, _) in self._live.items()}
+        self._unresolved = {
+            k: fin for k, (_, fin) in self._live.items() if self._at_peak[k] == "activations"
+        }
         self._dirty = False
 
     def _refresh_roles(self) -> None:
-        if self._stale:
+        """Re-read the roles (at a safe point: no storage is being freed) when a storage appeared
+        since the last read or the peak's roles wait to be confirmed."""
+        if self._stale or self._unresolved:
             self._roles = storage_roles(self.model, self.optimizer)
             self._stale = False
+        if self._unresolved:
+            self._resolve_peak()
+
+    def _resolve_peak(self) -> None:
+        # A peak storage without a role that is still alive (the same storage: its finalizer is
+        # the one recorded) and has a role now was about to get it at the peak (a gradient not
+        # yet in ``.grad``). The others wait for the next safe point; one freed meanwhile was a
+        # temporary and stays an activation.
+        pending = {}
+        for k, fin in self._unresolved.items():
+            live = self._live.get(k)
+            if live is None or live[1] is not fin:
+                continue
+            if k in self._roles:
+                self._at_peak[k] = self._roles[k]
+            else:
+                pending[k] = fin
+        self._unresolved = pending
 
     # ---- the mode -------------------------------------------------------------------------
 
     def __enter__(self):
         self.live_bytes = self.peak_bytes = self.ops = 0
         self._at_peak, self._peak_sizes, self._stale = None, {}, True
+        self._unresolved = {}
         for t in self._known_tensors():
             self._add(t)
         self.entry_bytes = self.live_bytes  # the model's and optimizer's resident tensors
@@ -196,8 +227,8 @@ class MemoryTracker(TorchDispatchMode):
             return super().__exit__(*exc)
         finally:
             if self._dirty:
-                self._refresh_roles()
                 self._snapshot()
+            self._refresh_roles()
             for _, fin in self._live.values():
                 fin.detach()  # stop following storages that outlive the mode
             self._live.clear()

@@ -31,6 +31,7 @@ import pandas as pd
 
 from mpnb.core.precision import Float8Config, get_config
 from mpnb.lab.memory import ROLES as _ROLES
+from mpnb.lab.story import emulated_clause, emulation_lines
 
 __all__ = [
     "CARD_NAMES",
@@ -198,17 +199,7 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
         )
     for _, r in df[df["status"] == "error"].iterrows():
         lines.append(f"{r['configuration']} failed: see its error.")
-    device = str(hw.get("device", "device")).upper()
-    if halves_emulated := [h for h in emulated if h != "fp8"]:
-        lines.append(
-            f"{_names(halves_emulated)} emulated on this {device} (no native instructions): "
-            "half precision saves memory here, not time."
-        )
-    if "fp8" in emulated:
-        lines.append(
-            f"fp8 is emulated on this {device} (no FP8 matrix hardware; FP8 numerics computed "
-            "in float32): its rows show FP8's accuracy and memory, not FP8's speed."
-        )
+    lines += emulation_lines(emulated, str(hw.get("device", "cpu")))
     est = gpu_estimate(df) if "flops_per_step" in df else pd.DataFrame()
     lines += _estimate_lines(est, hw)
     load = df.attrs.get("load", {})
@@ -232,17 +223,12 @@ def _recommendation(fastest, smallest, emulated, ok) -> str:
     if fastest is not None:
         return f"Verdict: use {fastest['configuration']} ({fastest['speed_label']})."
     if smallest is not None:
-        why = f" ({_names(emulated)} emulated here)" if emulated else ""
+        why = emulated_clause(emulated)
         return (
             f"Verdict: for speed stay with O0 on this machine{why}; if memory is the limit, "
             f"{smallest['configuration']} saves {smallest['mem_saving_vs_O0']:.0%}."
         )
     return "Verdict: O0 (fp32); no configuration was measurably better here."
-
-
-def _names(dtypes: list[str]) -> str:
-    """``"bf16 is"``, ``"bf16 and fp8 are"``."""
-    return f"{' and '.join(dtypes)} {'is' if len(dtypes) == 1 else 'are'}"
 
 
 def _estimate_lines(est: pd.DataFrame, hw: dict) -> list[str]:

@@ -1,5 +1,7 @@
 """The dispatch-mode memory tracker against tensors of known size, and its role breakdown."""
 
+import contextlib
+
 import pytest
 import torch
 
@@ -62,6 +64,27 @@ def test_fp32_adam_breakdown_matches_param_sizes():
     assert _close(bd["optimizer_state"], 2 * p)  # exp_avg + exp_avg_sq (+ 8-byte step counts)
     assert bd["master_weights"] == 0
     assert sum(bd.values()) == m.peak_bytes
+
+
+def test_grads_assigned_after_their_op_count_as_grads():
+    # Autograd sets p.grad after the op that computed it returned, with other ops in between
+    # and no new storage after the last one: the peak (the last grad, at the end of backward;
+    # SGD steps in place) must still count every grad as a grad, not as an activation.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 256)
+    )
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    x = torch.randn(8, 256)
+    for tracked in (False, True):
+        with MemoryTracker(model, opt) if tracked else contextlib.nullcontext() as m:
+            opt.zero_grad(set_to_none=True)
+            model(x).pow(2).mean().backward()
+            opt.step()
+    p = _nbytes(model.parameters())
+    bd = m.breakdown()
+    assert _close(bd["grads"], p), bd
+    assert bd["activations"] < p / 4 and sum(bd.values()) == m.peak_bytes
 
 
 @pytest.mark.parametrize("half", [torch.bfloat16, torch.float16])

@@ -367,6 +367,9 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 b.ordinal = ordinal
                 ordinal += 1
                 self._update(group, b, inv_scale, flag)
+                # The cached plan keeps its buckets; not this step's grads, which would stay
+                # alive (a second copy of every grad) after zero_grad(set_to_none=True).
+                b.grads = []
         return loss
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:

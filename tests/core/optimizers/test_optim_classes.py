@@ -141,6 +141,23 @@ def test_groups_empty_groups_and_params_without_grads(kernels):
     assert opt.state[m[2].weight]["step"].item() == 1
 
 
+@pytest.mark.parametrize("cls", [FusedAdam, FusedSGD, FusedAdagrad, FusedLAMB, FusedNovoGrad])
+def test_step_keeps_no_grad_alive(kernels, cls):
+    # The reused step plan must not hold the step's grads: after zero_grad(set_to_none=True)
+    # they are freed, as with torch.optim (else a second copy of every grad lives on).
+    import weakref
+
+    m = _model()
+    opt = cls(m.parameters(), lr=1e-3)
+    for _ in range(2):  # the second step reuses the cached plan
+        opt.zero_grad(set_to_none=True)
+        m(torch.randn(4, 13)).pow(2).mean().backward()
+        opt.step()
+    grads = [weakref.ref(p.grad) for p in m.parameters()]
+    opt.zero_grad(set_to_none=True)
+    assert all(g() is None for g in grads)
+
+
 def test_lr_scheduler_drives_the_kernel(kernels):
     m = _model()
     opt = FusedAdam(m.parameters(), lr=1.0)
