@@ -149,8 +149,9 @@ def classify(dtype: str, timings: Sequence[GemmTiming], evidence: str) -> DtypeS
     t = timings[-1]
     ratio = t.speed_vs_fp32
     status = "native" if ratio >= NATIVE_MIN_SPEED[dtype] else "emulated"
+    shown = f"{ratio:.2f}" if ratio >= 0.01 else f"{ratio:.2g}"  # never "0.00x"
     reason = (
-        f"{ratio:.2f}x fp32's GEMM speed ({t.n}x{t.n} at 1 thread: fp32 {t.fp32_s * 1e3:.3f} ms, "
+        f"{shown}x fp32's GEMM speed ({t.n}x{t.n} at 1 thread: fp32 {t.fp32_s * 1e3:.3f} ms, "
         f"{_SHORT[dtype]} {t.dtype_s * 1e3:.3f} ms); {evidence}"
     )
     return DtypeSupport(dtype, status, ratio, reason)
