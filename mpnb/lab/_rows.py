@@ -18,6 +18,7 @@ import torch
 from mpnb.lab._train import RunResult
 from mpnb.lab.memory import ROLES
 from mpnb.lab.stats import median, median_ci
+from mpnb.lab.story import row_note
 
 __all__ = ["COLUMNS", "HISTORY_COLUMNS", "frames", "speed_label", "paired_ratios"]
 
@@ -107,6 +108,20 @@ def paired_ratios(base: RunResult, res: RunResult) -> list[float]:
     ]
 
 
+#: a row's warnings are one string, one warning per line (a warning may hold "; " itself)
+WARNING_SEP = "\n"
+
+
+def join_warnings(parts) -> str:
+    """One row's warnings as its ``warnings`` cell (empty parts dropped)."""
+    return WARNING_SEP.join(p for p in parts if p)
+
+
+def split_warnings(cell) -> list[str]:
+    """The warnings of one ``warnings`` cell (``""``, NaN or None: none)."""
+    return [w for w in cell.split(WARNING_SEP) if w] if isinstance(cell, str) else []
+
+
 def _precision(cfg, hw: dict) -> tuple[str, list[str]]:
     if cfg.opt_level == "O0":
         return "fp32", []
@@ -114,19 +129,12 @@ def _precision(cfg, hw: dict) -> tuple[str, list[str]]:
         status = cfg.precision_config.fp8_status(hw.get("fp8", "emulated"))
         notes = []
         if status == "emulated":
-            notes.append(
-                f"{cfg.opt_level}: FP8 is emulated on this {str(hw['device']).upper()} (no FP8 "
-                "matrix hardware): FP8 numerics computed in float32, slower than fp32; read its "
-                "accuracy and memory, not its speed"
-            )
+            notes.append(row_note("fp8", str(hw["device"]), cfg.opt_level))
         return f"fp8 ({status})", notes
     status = hw[cfg.half_dtype]
     notes = []
     if status == "emulated":
-        notes.append(
-            f"{cfg.half_dtype} is emulated on this {str(hw['device']).upper()} (no native "
-            f"{cfg.half_dtype} instructions): expect it slower than fp32, not faster"
-        )
+        notes.append(row_note(cfg.half_dtype, str(hw["device"])))
     return f"{cfg.half_dtype} ({status})", notes
 
 
@@ -209,16 +217,16 @@ def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
         mem_saving_vs_O0=1 - row.get("peak_mem_mib", nan) / bpeak if ok else nan,
         metric_vs_O0=row.get("metric", nan) - base.row.get("metric", nan) if ok else nan,
         output_diff_vs_O0=_rel_diff(res.output, base.output) if ok else nan,
-        warnings="; ".join(dict.fromkeys(filter(None, [*notes, *res.warnings, res.interrupted]))),
+        warnings=join_warnings(dict.fromkeys([*notes, *res.warnings, res.interrupted])),
         error=res.error or "",
         status="error" if res.error else "interrupted" if res.interrupted else "ok",
     )
     biggest = max((h["samples"] for h in res.history), default=nan)
     clamped = _clamp_note(cfg.batch_size, biggest)
     if clamped:
-        row["warnings"] = "; ".join(filter(None, [clamped, row["warnings"]]))
+        row["warnings"] = join_warnings([clamped, row["warnings"]])
     if base is None and res.error is None:
-        row["warnings"] = "; ".join(filter(None, [row["warnings"], "no O0 row to compare with"]))
+        row["warnings"] = join_warnings([row["warnings"], "no O0 row to compare with"])
     return {c: row.get(c, nan) for c in COLUMNS}
 
 

@@ -10,6 +10,7 @@ import math
 import sys
 
 from mpnb.lab._files import unwritable_reason
+from mpnb.lab._rows import split_warnings
 
 __all__ = ["add_parser", "run", "format_table"]
 
@@ -146,7 +147,7 @@ def format_table(df) -> str:
     for _, r in df.iterrows():
         if r["error"]:
             out.append(f"ERROR {r['error']}")
-    notes = {w for ws in df["warnings"] for w in str(ws).split("; ") if w}
+    notes = {w for ws in df["warnings"] for w in split_warnings(ws)}
     out += [f"note: {w}" for w in sorted(notes)]
     return "\n".join(out)
 

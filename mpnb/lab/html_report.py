@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from mpnb.lab._rows import split_warnings
 from mpnb.lab.memory import ROLES
 
 __all__ = [
@@ -133,9 +134,8 @@ def warnings_banner(df: pd.DataFrame) -> list[str]:
     """Each distinct warning of the rows once, naming the configurations it concerns."""
     seen: dict[str, list[str]] = {}
     for r in df.itertuples():
-        for w in str(r.warnings or "").split("; ") if isinstance(r.warnings, str) else ():
-            if w:
-                seen.setdefault(w, []).append(str(r.configuration))
+        for w in split_warnings(r.warnings):
+            seen.setdefault(w, []).append(str(r.configuration))
     n = len(df)
     return [
         f"{w} ({'all configurations' if len(c) == n and n > 1 else ', '.join(c)})"

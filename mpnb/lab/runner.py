@@ -30,7 +30,7 @@ from mpnb.core.hardware import cpu_info, cuda_info, dtype_support, half_support
 from mpnb.lab import workloads as _workloads
 from mpnb.lab._data import is_data
 from mpnb.lab._isolate import StopSignals, run_isolated, sigterm_interrupts, stop_label
-from mpnb.lab._rows import COLUMNS, frames
+from mpnb.lab._rows import COLUMNS, frames, join_warnings
 from mpnb.lab._train import RunResult, Trainer
 from mpnb.lab.config import RunConfig, check_steps, expand, resolve_device
 from mpnb.lab.stats import loadavg, torch_threads
@@ -121,15 +121,9 @@ def emulation_note(w, half_dtype="auto", device="auto", opt_levels=()) -> str:
     fp8 = [c for c in cfgs if isinstance(c, Float8Config)]
     if any(c.fp8_status(fp8_support(dev)) == "emulated" for c in fp8):
         emulated.append("fp8")
-    if not emulated:
-        return ""
-    size = f"; the workload is sized '{w.size}'" if getattr(w, "size", "") else ""
-    return (
-        f"note: {' and '.join(emulated)} {'is' if len(emulated) == 1 else 'are'} emulated on "
-        f"this {dev.upper()} (no native instructions): low-precision steps run several times "
-        f"slower than fp32 here{size} so that the run still finishes in about a minute "
-        "(--size medium/large for more)."
-    )
+    from mpnb.lab.story import run_note
+
+    return run_note(emulated, dev, getattr(w, "size", "") or "")
 
 
 def load_record(start: list | None, end: list | None, threads: int, cpus: int) -> dict:
@@ -396,7 +390,7 @@ def compare(
     df = frames(results, w, hw)
     if len(df) and (fell_back := kernel_fallbacks(dev)):  # loud, once: on the first row
         notes = [f"C++ kernels: {line}" for line in fell_back]
-        df.loc[df.index[:1], "warnings"] = "; ".join(filter(None, [*notes, df["warnings"].iat[0]]))
+        df.loc[df.index[:1], "warnings"] = join_warnings([*notes, df["warnings"].iat[0]])
     df.attrs["load"] = load_record(load_start, loadavg(), n_threads, hw["cpus"] or 1)
     df.attrs["method"] = (
         "isolated subprocesses" if isolate else "round-robin in one process (per batch size)"

@@ -47,6 +47,8 @@ __all__ = [
     "compare",
     "fixed_cost",
     "emulated_clause",
+    "row_note",
+    "run_note",
     "emulation_lines",
 ]
 
@@ -373,3 +375,40 @@ def emulation_lines(emulated: Sequence[str], device: str = "cpu") -> list[str]:
             "computed in float32): its rows show FP8's accuracy and memory, not FP8's speed."
         )
     return lines
+
+
+def row_note(short: str, device: str = "cpu", label: str = "") -> str:
+    """A compare row's note for an emulated format (``"bf16"``, ``"fp16"``, ``"fp8"``): what
+    emulation does here and what to read in the row. ``label`` names the configuration.
+
+    Example::
+
+        >>> row_note("bf16", "cpu")
+        'bf16 is emulated on this CPU (PyTorch computes it in software in this process): ...'
+    """
+    what, read = _emulation(short)
+    head = f"{label}: " if label else ""
+    return (
+        f"{head}{short} is emulated on this {_where(device)} (PyTorch computes it in software in "
+        f"this process): {what}; {read}"
+    )
+
+
+def run_note(emulated: Sequence[str], device: str = "cpu", size: str = "") -> str:
+    """The line a run prints up front when some of its formats are emulated ("" when none):
+    they run several times slower than fp32, so the workload is kept small.
+
+    Example::
+
+        >>> run_note(["bf16"], "cpu", "small")
+        "note: bf16 is emulated on this CPU (PyTorch computes it in software in this process): ..."
+    """
+    if not emulated:
+        return ""
+    sized = f"; the workload is sized '{size}'" if size else ""
+    return (
+        f"note: {_names(list(emulated))} emulated on this {_where(device)} (PyTorch computes "
+        f"{'it' if len(emulated) == 1 else 'them'} in software in this process): low-precision "
+        f"steps run several times slower than fp32 here{sized} so that the run still finishes "
+        "in about a minute (--size medium/large for more)."
+    )

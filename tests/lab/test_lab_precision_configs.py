@@ -115,7 +115,7 @@ def test_every_configuration_trains_through_compare(rows, name):
     if name in FP8:
         assert r.precision == f"fp8 ({'emulated' if name == 'mxfp8' else fp8_support('cpu')})"
         if r.precision == "fp8 (emulated)":
-            assert f"{name}: FP8 is emulated on this CPU" in r.warnings
+            assert f"{name}: fp8 is emulated on this CPU" in r.warnings
         assert r.mem_params_mib * MIB == params * 4  # fp32 weights stay
     else:
         assert r.precision.startswith("bf16") and r.mem_params_mib * MIB == params * 2

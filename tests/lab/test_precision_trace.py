@@ -86,7 +86,13 @@ def test_o2_model_cast_and_loss_scaling(x):
     assert summary.by_dtype.set_index("dtype").loc["bfloat16", "flops"] == _gemm_flops()
 
 
-def test_fp8_recipe_runs_gemms_in_float8(x):
+def test_fp8_recipe_runs_gemms_in_float8(x, monkeypatch):
+    from mpnb.core.fp8 import gemm
+    from mpnb.core.hardware import DtypeSupport
+
+    # where torch._scaled_mm measured faster than fp32 (else the emulated GEMM runs: below)
+    fast = DtypeSupport("float8_e4m3fn", "native", 2.0, "probe")
+    monkeypatch.setattr(gemm, "dtype_support", lambda d: {"float8_e4m3fn": fast})
     ops, summary = trace_precision(_mlp(), x, "fp8-tensorwise")
     mm = _rows(ops, op="_scaled_mm")
     assert set(mm["reason"]) == {"fp8-recipe"}
