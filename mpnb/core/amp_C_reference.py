@@ -146,22 +146,16 @@ def reference_multi_tensor_adam_capturable(
     chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
     bias_correction, weight_decay, inv_scale,
 ) -> None:  # fmt: skip
-    """Apex's ``multi_tensor_adam_capturable``: ``[g, p, m, v]``."""
+    """Apex's ``multi_tensor_adam_capturable`` (``[g, p, m, v]``) and, with a fifth list of
+    fp32 masters, ``multi_tensor_adam_capturable_master``."""
     _capturable(
         tensor_lists, noop_flag, lr, beta1, beta2, epsilon, step, mode, bias_correction,
         weight_decay, inv_scale,
     )  # fmt: skip
 
 
-def reference_multi_tensor_adam_capturable_master(
-    chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
-    bias_correction, weight_decay, inv_scale,
-) -> None:  # fmt: skip
-    """Apex's ``multi_tensor_adam_capturable_master``: ``[g, p, m, v, p_master]``."""
-    _capturable(
-        tensor_lists, noop_flag, lr, beta1, beta2, epsilon, step, mode, bias_correction,
-        weight_decay, inv_scale,
-    )  # fmt: skip
+#: the master form is the same computation with the fifth list
+reference_multi_tensor_adam_capturable_master = reference_multi_tensor_adam_capturable
 
 
 def reference_multi_tensor_lamb_mp(
