@@ -13,7 +13,8 @@ raises. Inside :class:`CpuRehearsal`:
   with the host clock, which is exact on the CPU's synchronous ops); ``current_device()`` is
   0 and ``device_count()`` 1 (``local_rank % device_count()`` picks device 0), and
   ``device=0`` (an int, a CUDA index) places on the CPU like ``device="cuda:0"``;
-  ``mem_get_info()`` reports the host's free and total memory.
+  ``mem_get_info()`` reports the host's free and total memory; ``cudart()``'s profiler
+  start/stop do nothing.
 * the legacy ``torch.cuda.FloatTensor``-style constructors build CPU tensors.
 * ``torch.distributed.init_process_group`` / ``new_group`` with ``nccl`` use ``gloo``.
 
@@ -55,7 +56,7 @@ _LEGACY = {
 }
 _STREAMS = ("Stream", "Event", "stream", "current_stream", "default_stream")
 
-_DEVICE = ("device", "device_of", "current_device", "device_count", "mem_get_info")
+_DEVICE = ("device", "device_of", "current_device", "device_count", "mem_get_info", "cudart")
 
 REPLACED: tuple[str, ...] = (
     *(f"torch.cuda.{n}" for n in (*_NOOPS, *_STREAMS, *_LEGACY, *_DEVICE)),
@@ -148,6 +149,19 @@ class _DeviceContext:
 
     def __exit__(self, *exc) -> None:
         return None
+
+
+class _CudaRT:
+    """``torch.cuda.cudart()`` on the CPU: the profiler range calls Apex scripts make (no
+    profiler to start)."""
+
+    def cudaProfilerStart(self) -> int:  # noqa: N802 - CUDA's name
+        """No-op; returns CUDA's success code."""
+        return 0
+
+    def cudaProfilerStop(self) -> int:  # noqa: N802 - CUDA's name
+        """No-op; returns CUDA's success code."""
+        return 0
 
 
 def _host_memory() -> tuple[int, int]:
@@ -269,6 +283,14 @@ class CpuRehearsal:
 
             one_device.__name__ = name
             return one_device
+
+        if name == "cudart":
+
+            def cudart() -> _CudaRT:
+                report(f"{what}() -> profiler calls are no-ops")
+                return _CudaRT()
+
+            return cudart
 
         def mem_get_info(device=None) -> tuple[int, int]:
             report(f"{what}() -> the host's free and total memory")

@@ -140,6 +140,8 @@ def test_cpu_rehearsal_neutralises_cuda_device_contexts():
         with torch.cuda.device("cuda:1"), torch.cuda.device_of(x):
             y = torch.zeros(2, device=torch.cuda.current_device())
         assert torch.cuda.current_device() == 0 and 1 % torch.cuda.device_count() == 0
+        torch.cuda.cudart().cudaProfilerStart()
+        torch.cuda.cudart().cudaProfilerStop()
         free, total = torch.cuda.mem_get_info()  # the host's memory
         assert 0 < free <= total and torch.cuda.memory.mem_get_info()[1] == total
     assert x.device.type == "cpu" and y.device.type == "cpu"
