@@ -192,7 +192,11 @@ inline void for_chunk_range(int64_t begin, int64_t end, int64_t numel, bool back
 // loop is itself vectorized by the compiler kTailVecLanes lanes at a time, with the vector
 // loop's rounding, when the tail holds that many (only with AVX-512, whose 16-lane vectors
 // leave tails of 8 to 15): those leading lanes take `body(...)`, the last (tail % 8) `tail`.
-template <typename p_t, typename g_t, size_t NS, typename Body>
+//
+// s_t is the states' storage type: fp32, except SGD's momentum buffer of a half param without a
+// master (torch.optim.SGD's and Apex's), which is loaded widened and stored rounded like the
+// param.
+template <typename p_t, typename g_t, size_t NS, typename s_t = float, typename Body>
 C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, const TensorRefs& params,
                                     const TensorRefs& grads, const TensorRefs& masters,
                                     const std::array<const TensorRefs*, NS>& states, float inv,
@@ -208,8 +212,8 @@ C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, const TensorRefs& params,
   const g_t* g = cdata_of<g_t>(grads[t]) + off;
   p_t* p = data_of<p_t>(params[t]) + off;
   float* w = has_master ? data_of<float>(masters[t]) + off : nullptr;
-  std::array<float*, NS> sp;
-  for (size_t k = 0; k < NS; ++k) sp[k] = data_of<float>((*states[k])[t]) + off;
+  std::array<s_t*, NS> sp;
+  for (size_t k = 0; k < NS; ++k) sp[k] = data_of<s_t>((*states[k])[t]) + off;
   fVec w0, w1, g0, g1;
   std::array<fVec, NS> s0, s1;
   // lanes: the register's elements of the tensor when it is partial
@@ -237,12 +241,12 @@ C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, const TensorRefs& params,
       IO<g_t, float>::load(g + i, g0, g1);
       if (has_master) IO<float, float>::load(w + i, w0, w1);
       else IO<p_t, float>::load(p + i, w0, w1);
-      for (size_t k = 0; k < NS; ++k) IO<float, float>::load(sp[k] + i, s0[k], s1[k]);
+      for (size_t k = 0; k < NS; ++k) IO<s_t, float>::load(sp[k] + i, s0[k], s1[k]);
     } else {
       IO<g_t, float>::load(g + i, cnt, g0, g1);
       if (has_master) IO<float, float>::load(w + i, cnt, w0, w1);
       else IO<p_t, float>::load(p + i, cnt, w0, w1);
-      for (size_t k = 0; k < NS; ++k) IO<float, float>::load(sp[k] + i, cnt, s0[k], s1[k]);
+      for (size_t k = 0; k < NS; ++k) IO<s_t, float>::load(sp[k] + i, cnt, s0[k], s1[k]);
     }
     if (scaled) {
       g0 = g0 * vinv;
@@ -254,11 +258,11 @@ C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, const TensorRefs& params,
     step(w0, g0, s0.data(), !full && cnt < V, cnt);
     step(w1, g1, s1.data(), !full && cnt > V, cnt - V);
     if (full) {
-      for (size_t k = 0; k < NS; ++k) IO<float, float>::store(sp[k] + i, s0[k], s1[k]);
+      for (size_t k = 0; k < NS; ++k) IO<s_t, float>::store(sp[k] + i, s0[k], s1[k]);
       if (has_master) IO<float, float>::store(w + i, w0, w1);
       IO<p_t, float>::store(p + i, w0, w1);
     } else {
-      for (size_t k = 0; k < NS; ++k) IO<float, float>::store(sp[k] + i, cnt, s0[k], s1[k]);
+      for (size_t k = 0; k < NS; ++k) IO<s_t, float>::store(sp[k] + i, cnt, s0[k], s1[k]);
       if (has_master) IO<float, float>::store(w + i, cnt, w0, w1);
       IO<p_t, float>::store(p + i, cnt, w0, w1);
     }
@@ -269,13 +273,13 @@ C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, const TensorRefs& params,
 }
 
 // Update every chunk of the lists (see update_chunk), in parallel. `states` points at the
-// state lists (one per state of the update).
-template <typename p_t, typename g_t, size_t NS, typename Body>
+// state lists (one per state of the update), stored as s_t.
+template <typename p_t, typename g_t, size_t NS, typename s_t = float, typename Body>
 void apply_update(const TensorRefs& params, const TensorRefs& grads, const TensorRefs& masters,
                   const std::array<const TensorRefs*, NS>& states, float inv, const Body& body) {
   auto table = make_chunks(params);
   for_each_chunk(table, [&](int64_t, const Chunk& ch) {
-    update_chunk<p_t, g_t, NS>(ch, params, grads, masters, states, inv, body);
+    update_chunk<p_t, g_t, NS, s_t>(ch, params, grads, masters, states, inv, body);
   });
 }
 

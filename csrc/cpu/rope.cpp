@@ -10,6 +10,10 @@
 //
 //   forward:  y1 = x1 c1 - x2 s1,       y2 = x2 c2 + x1 s2
 //   backward: dx1 = dy1 c1 + dy2 s2,    dx2 = dy2 c2 - dy1 s1
+//
+// Computed in fp32 and rounded once to t's dtype; with `stepwise` (Apex's kernel, and torch's
+// unfused expression in t's dtype) the table values, each product and the sum are rounded to
+// t's dtype (fp16/bf16 only: for fp32/fp64 the two rules are the same).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -22,7 +26,14 @@
 namespace mpnb::cpu {
 namespace {
 
-template <typename T>
+// The pair (a, b) rounded to T and widened back; nothing to do when T is the compute type.
+template <typename T, typename V>
+C10_ALWAYS_INLINE void round_to(V& a, V& b) {
+  if constexpr (!std::is_same_v<T, acc_t<T>>)
+    std::tie(a, b) = at::vec::convert_to_float<T>(at::vec::convert_from_float<T>(a, b));
+}
+
+template <typename T, bool kStepwise>
 void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out,
                  int64_t group, bool backward) {
   using Acc = acc_t<T>;
@@ -60,7 +71,19 @@ void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& s
           ld(IOA{}, cr + j, d0, d1);
           ld(IOA{}, sr + j, e0, e1);
           V o0, o1, p0, p1;
-          if (!backward) {
+          if constexpr (kStepwise) {
+            round_to<T>(c0, c1); round_to<T>(s0, s1); round_to<T>(d0, d1); round_to<T>(e0, e1);
+            // y = round(round(x * c) -/+ round(x' * s)): each product rounded, the sum on store
+            V u0 = a0 * c0, u1 = a1 * c1, w0 = b0 * d0, w1 = b1 * d1;
+            V f0 = backward ? b0 * e0 : b0 * s0, f1 = backward ? b1 * e1 : b1 * s1;
+            V h0 = backward ? a0 * s0 : a0 * e0, h1 = backward ? a1 * s1 : a1 * e1;
+            round_to<T>(u0, u1); round_to<T>(w0, w1); round_to<T>(f0, f1); round_to<T>(h0, h1);
+            if (!backward) {
+              o0 = u0 - f0; o1 = u1 - f1; p0 = w0 + h0; p1 = w1 + h1;
+            } else {
+              o0 = u0 + f0; o1 = u1 + f1; p0 = w0 - h0; p1 = w1 - h1;
+            }
+          } else if (!backward) {
             o0 = a0 * c0 - b0 * s0; o1 = a1 * c1 - b1 * s1;
             p0 = b0 * d0 + a0 * e0; p1 = b1 * d1 + a1 * e1;
           } else {
@@ -81,7 +104,7 @@ void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& s
 }
 
 at::Tensor rope_cpu(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, int64_t group,
-                    bool transpose_output, bool backward) {
+                    bool transpose_output, bool backward, bool stepwise) {
   const char* op = "mpnb::rope";
   TORCH_CHECK_TYPE(is_float_type(t.scalar_type()), op, ": t is ", t.scalar_type(),
                    "; supported dtypes are float32, float16, bfloat16 and float64 (convert with ",
@@ -113,7 +136,8 @@ at::Tensor rope_cpu(const at::Tensor& t, const at::Tensor& cos, const at::Tensor
                        : at::empty(t.sizes(), t.options());
   if (t.numel() == 0) return out;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "mpnb", [&] {
-    rope_kernel<scalar_t>(x, c, s, out, group, backward);
+    if (stepwise) rope_kernel<scalar_t, true>(x, c, s, out, group, backward);
+    else rope_kernel<scalar_t, false>(x, c, s, out, group, backward);
   });
   return out;
 }

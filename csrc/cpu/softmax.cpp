@@ -8,7 +8,8 @@
 // pass (two scratch rows per thread), so the output's streaming stores overlap the exp
 // arithmetic, the bound of this kernel on AVX2. Each element is read from memory once and
 // written once. Masked elements become -10000 after scaling (as Apex and Megatron do, so a fully
-// masked row is uniform); the upper-triangular (causal) variant has no mask tensor: row i keeps
+// masked row is uniform; with zero_all_masked, Apex's generic kernel, a fully masked row is all
+// zeros instead); the upper-triangular (causal) variant has no mask tensor: row i keeps
 // columns 0..i and writes zeros after them.
 // Backward, shared by every variant: dx = scale * y * (dy - sum(dy * y)), reading y and dy once
 // and writing dx once (the second pass finds the row in cache).
@@ -315,7 +316,7 @@ struct MaskView {
 // arithmetic instead of following it.
 template <typename T>
 void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale, const MaskView& mv,
-                        bool causal, int64_t sq) {
+                        bool causal, int64_t sq, bool zero_all_masked) {
   using Acc = acc_t<T>;
   constexpr int64_t K = IO<T, Acc>::kWidth;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sk, 1));
@@ -330,9 +331,18 @@ void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale
     for (int64_t r = r0; r < r1; ++r) {
       const int64_t L = causal ? std::min<int64_t>(r % sq + 1, sk) : sk;
       const bool next = r + 1 < r1;
-      const Acc sum = softmax_row<T>(X + r * sk, mv.row(r), L, sk, static_cast<Acc>(scale), cur,
-                                     next ? X + (r + 1) * sk : nullptr, next ? mv.row(r + 1) : nullptr,
-                                     pending ? &pend : nullptr, stream);
+      const uint8_t* mrow = mv.row(r);
+      Acc sum;
+      if (zero_all_masked && mrow && std::memchr(mrow, 0, sk) == nullptr) {
+        // every position masked: the row attends to nothing (Apex's generic kernel)
+        if (pending) finish_row(pend, stream);
+        std::fill(cur, cur + width, Acc(0));
+        sum = Acc(1);
+      } else {
+        sum = softmax_row<T>(X + r * sk, mrow, L, sk, static_cast<Acc>(scale), cur,
+                             next ? X + (r + 1) * sk : nullptr, next ? mv.row(r + 1) : nullptr,
+                             pending ? &pend : nullptr, stream);
+      }
       T* y = Y + r * sk;
       pend = {y, cur, static_cast<Acc>(1.0 / static_cast<double>(sum)),
               std::min<int64_t>(sk, (L + K - 1) / K * K), sk, 0,  // buf is 0 in [L, Lp)
@@ -422,7 +432,7 @@ void check_mask(const at::Tensor& x, const at::Tensor& mask, const char* op) {
 
 // The forward of every variant, after its checks (mask: checked by check_mask).
 at::Tensor softmax_fwd(const at::Tensor& input, const std::optional<at::Tensor>& mask, double scale,
-                       bool causal) {
+                       bool causal, bool zero_all_masked = false) {
   const auto x = input.contiguous();
   auto y = empty_output_like(x);
   const int64_t sk = x.dim() ? x.size(-1) : 1;
@@ -438,7 +448,8 @@ at::Tensor softmax_fwd(const at::Tensor& input, const std::optional<at::Tensor>&
   if (rows == 0) return y;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mpnb", [&] {
     using T = scalar_t;
-    softmax_fwd_kernel<T>(x.const_data_ptr<T>(), y.mutable_data_ptr<T>(), rows, sk, scale, mv, causal, sq);
+    softmax_fwd_kernel<T>(x.const_data_ptr<T>(), y.mutable_data_ptr<T>(), rows, sk, scale, mv, causal, sq,
+                          zero_all_masked);
   });
   return y;
 }
@@ -448,11 +459,12 @@ at::Tensor scaled_softmax_fwd_cpu(const at::Tensor& input, double scale) {
   return softmax_fwd(input, std::nullopt, scale, false);
 }
 
-at::Tensor scaled_masked_softmax_fwd_cpu(const at::Tensor& input, const at::Tensor& mask, double scale) {
+at::Tensor scaled_masked_softmax_fwd_cpu(const at::Tensor& input, const at::Tensor& mask, double scale,
+                                         bool zero_all_masked) {
   const char* op = "mpnb::scaled_masked_softmax_fwd";
   check_softmax_input(input, 1, op);
   check_mask(input, mask, op);  // four dims, and a mask that fits them
-  return softmax_fwd(input, mask, scale, false);
+  return softmax_fwd(input, mask, scale, false, zero_all_masked);
 }
 
 at::Tensor scaled_upper_triang_masked_softmax_fwd_cpu(const at::Tensor& input, double scale) {

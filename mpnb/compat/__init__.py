@@ -7,8 +7,10 @@
   (``python -m mpnb.apex --check``).
 
 The other modules of this package (``amp_state``, ``apex_C``, ``fused_adam_cuda``,
-``fused_layer_norm``, ``fused_layer_norm_cuda``, ``syncbn``) are compatibility surfaces that
-the alias serves under Apex's names.
+``fused_layer_norm``, ``fused_layer_norm_cuda``, ``generic_scaled_masked_softmax_cuda``,
+``syncbn``) are compatibility surfaces that the alias serves under Apex's names, and
+``apex_rules`` holds mpnb's objects configured with Apex's rounding where mpnb's default
+differs (what the alias serves for those names).
 """
 
 from mpnb.compat.alias import ApexAlias, ApexModuleProxy, apex_alias

@@ -47,15 +47,22 @@ class ApexModuleProxy(types.ModuleType):
     module (a proxy too), unless the mpnb module's attribute of that name is a class: Apex's
     packages rebind a submodule's name to its class (``from .LARC import LARC``), so
     ``apex.parallel.LARC`` is the class, also after ``import apex.parallel.LARC``. Otherwise
-    the mpnb module's attribute.
+    the name from the row's ``rules`` module (mpnb's object with Apex's numerics) when it has
+    one, else the mpnb module's attribute.
     """
 
-    def __init__(self, name: str, target: types.ModuleType) -> None:
+    def __init__(
+        self, name: str, target: types.ModuleType, rules: types.ModuleType | None = None
+    ) -> None:
         super().__init__(name, target.__doc__)
         object.__setattr__(self, "__mpnb_module__", target)
+        object.__setattr__(self, "__mpnb_rules__", rules)
 
     def __getattr__(self, attr: str):
         target = self.__dict__["__mpnb_module__"]
+        rules = self.__dict__.get("__mpnb_rules__")
+        if rules is not None and attr in rules.__all__:
+            return getattr(rules, attr)
         value = getattr(target, attr, _MISSING)
         child = f"{self.__name__}.{attr}"
         row = MODULES.get(child)
@@ -89,9 +96,22 @@ class ApexModuleProxy(types.ModuleType):
 
 
 class ApexAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """The finder/loader behind :func:`apex_alias`; also a context manager that removes it."""
+    """The finder/loader behind :func:`apex_alias`; also a context manager that removes it.
 
-    def __init__(self) -> None:
+    Args:
+        build_flags: Apex build options whose extension modules it serves too (see
+            :attr:`mpnb.compat.names.ApexModule.build_flag`).
+    """
+
+    def __init__(self, build_flags: frozenset[str] | set[str] = frozenset()) -> None:
+        known = {row.build_flag for row in MODULES.values() if row.build_flag}
+        unknown = set(build_flags) - known
+        if unknown:
+            raise ValueError(
+                f"ApexAlias: unknown Apex build option(s) {sorted(unknown)}; the ones whose "
+                f"modules mpnb can serve are {sorted(known)}."
+            )
+        self.build_flags = frozenset(build_flags)
         self.installed = False
         self._made: set[str] = set()
 
@@ -115,15 +135,26 @@ class ApexAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
                 f"{' (' + row.note + ')' if row.note else ''}. Use instead: {row.port}.",
                 name=fullname,
             )
+        if row.build_flag and row.build_flag not in self.build_flags:
+            # As on a standard Apex build: code that probes for the module falls back.
+            raise ModuleNotFoundError(
+                f"No module named {fullname!r}: a standard Apex build has no {fullname}, only "
+                f"one made with {row.build_flag}, and the alias mirrors a standard build. To "
+                f"serve it, use ApexAlias(build_flags={{{row.build_flag!r}}}) or "
+                f"`python -m mpnb.apex {row.build_flag} SCRIPT`.",
+                name=fullname,
+            )
         return importlib.machinery.ModuleSpec(
             fullname, self, origin=f"alias of {row.mpnb}", is_package=_has_children(fullname)
         )
 
     def create_module(self, spec):
         """A new :class:`ApexModuleProxy` onto the (imported) mpnb module of the table."""
-        target = importlib.import_module(MODULES[spec.name].mpnb)
+        row = MODULES[spec.name]
+        target = importlib.import_module(row.mpnb)
+        rules = importlib.import_module(row.rules) if row.rules else None
         self._made.add(spec.name)
-        return ApexModuleProxy(spec.name, target)
+        return ApexModuleProxy(spec.name, target, rules)
 
     def exec_module(self, module):
         """Nothing to run: the proxy reads its mpnb module."""
@@ -160,8 +191,13 @@ class ApexAlias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         self.remove()
 
 
-def apex_alias() -> ApexAlias:
+def apex_alias(build_flags: frozenset[str] | set[str] = frozenset()) -> ApexAlias:
     """Install the Apex import alias now; the returned object removes it (``with`` exit).
+
+    Args:
+        build_flags: Apex build options whose extension modules to serve too; by default the
+            alias mirrors a standard Apex build (``{"--deprecated_fused_adam"}`` adds
+            ``fused_adam_cuda``).
 
     Returns:
         The installed :class:`ApexAlias` (call ``.remove()`` or use it as a context manager).
@@ -172,4 +208,4 @@ def apex_alias() -> ApexAlias:
         ...     import apex.amp
         ...     assert apex.amp.initialize is mpnb.amp.initialize
     """
-    return ApexAlias().install()
+    return ApexAlias(build_flags).install()

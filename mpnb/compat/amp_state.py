@@ -6,9 +6,10 @@ Apex kept its amp state in a module-level singleton that client code reaches int
 that state in the handle of the latest ``amp.initialize`` (:func:`mpnb.amp.current_handle`);
 this module shows it under Apex's names and owns nothing:
 
-* ``loss_scalers``: one :class:`LossScalerView` per loss, read-only except ``_loss_scale``,
-  whose assignment goes through the scaler's public ``load_state_dict`` (so the scaler's own
-  rule, clamp and device state stay in charge);
+* ``loss_scalers``: one :class:`LossScalerView` per loss; the private fields client code sets
+  (``_loss_scale``, ``_scale_seq_len``, ``_unskipped``, ``_max_loss_scale``,
+  ``_min_loss_scale``) go to the scaler's own settings and state (so the scaler's own rule,
+  clamp and device state stay in charge), everything else is read-only;
 * ``opt_properties``: the resolved, frozen :class:`mpnb.amp.Properties`;
 * ``handle``: the :class:`mpnb.amp.AmpHandle` itself.
 
@@ -41,14 +42,22 @@ def _handle():
 class LossScalerView:
     """Apex's ``LossScaler`` attributes over one of mpnb's :class:`mpnb.amp.LossScaler`.
 
+    Reading gives the scaler's current values. The private fields client code sets (NVIDIA's
+    BERT sets ``_loss_scale``, GNMT ``_scale_seq_len``) are assignable and go to the scaler's
+    own settings: ``_loss_scale`` and ``_unskipped`` through its ``load_state_dict`` (so the
+    scaler's clamp and device state stay in charge), ``_scale_seq_len``, ``_max_loss_scale``
+    and ``_min_loss_scale`` to its rule (``scale_window``, ``max_loss_scale``,
+    ``min_loss_scale``), validated there. Anything else is read-only.
+
     Args:
         scaler: the real scaler (``current_handle().scalers[i]``).
 
     Example::
 
         >>> view = LossScalerView(amp.current_handle().scalers[0])
-        >>> view.loss_scale(), view.dynamic
-        (65536.0, True)
+        >>> view._scale_seq_len = 128            # GNMT: grow every 128 clean steps
+        >>> view.loss_scale(), view.dynamic, amp.current_handle().scalers[0].scale_window
+        (65536.0, True, 128)
     """
 
     __slots__ = ("_scaler",)
@@ -60,15 +69,18 @@ class LossScalerView:
         """The current scale (a host sync, as in Apex)."""
         return self._scaler.loss_scale()
 
+    def _set_state(self, key: str, value) -> None:
+        state = self._scaler.state_dict()
+        state[key] = value
+        self._scaler.load_state_dict(state)
+
     @property
     def _loss_scale(self) -> float:
         return self._scaler.loss_scale()
 
     @_loss_scale.setter
     def _loss_scale(self, value: float) -> None:
-        state = self._scaler.state_dict()
-        state["loss_scale"] = float(value)
-        self._scaler.load_state_dict(state)
+        self._set_state("loss_scale", float(value))
 
     @property
     def dynamic(self) -> bool:
@@ -78,30 +90,49 @@ class LossScalerView:
     def _unskipped(self) -> int:
         return int(self._scaler.state_dict()["unskipped"])
 
+    @_unskipped.setter
+    def _unskipped(self, value: int) -> None:
+        self._set_state("unskipped", value)
+
     @property
     def _max_loss_scale(self) -> float:
         return self._scaler.max_loss_scale
+
+    @_max_loss_scale.setter
+    def _max_loss_scale(self, value: float) -> None:
+        self._scaler.max_loss_scale = value
 
     @property
     def _min_loss_scale(self) -> float | None:
         return self._scaler.min_loss_scale
 
+    @_min_loss_scale.setter
+    def _min_loss_scale(self, value: float | None) -> None:
+        self._scaler.min_loss_scale = value
+
     @property
     def _scale_seq_len(self) -> int:
         return self._scaler.scale_window
 
+    @_scale_seq_len.setter
+    def _scale_seq_len(self, value: int) -> None:
+        self._scaler.scale_window = value
+
     def __setattr__(self, name: str, value) -> None:
-        if name == "_loss_scale":
+        if isinstance(getattr(type(self), name, None), property) and name in _WRITABLE:
             object.__setattr__(self, name, value)
             return
         raise AttributeError(
             f"amp._amp_state.loss_scalers[i].{name} is read-only in mpnb (a view onto the real "
-            "scaler; only _loss_scale can be set). Pass loss-scale settings to amp.initialize "
-            "(loss_scale=, min_loss_scale=, max_loss_scale=) instead."
+            f"scaler; assignable: {', '.join(_WRITABLE)}). Pass loss-scale settings to "
+            "amp.initialize (loss_scale=, min_loss_scale=, max_loss_scale=) instead."
         )
 
     def __repr__(self) -> str:
         return f"LossScalerView({self._scaler!r})"
+
+
+_WRITABLE = ("_loss_scale", "_scale_seq_len", "_unskipped", "_max_loss_scale", "_min_loss_scale")
 
 
 class AmpStateView:

@@ -21,11 +21,16 @@ from __future__ import annotations
 import ast
 import importlib
 import json
+import os
 from dataclasses import asdict, dataclass, field
 
-from mpnb.compat.names import EMULATES, LACKS, MODULES, NAMES, PROVIDES
+from mpnb.compat._scan import Scanner, local_module, read_source
+from mpnb.compat.names import EMULATES, LACKS, MODULES, NAMES, PRIVATE, PROVIDES
 
 __all__ = ["NameReport", "CheckReport", "check_script", "resolve", "format_report", "report_json"]
+
+
+Where = int | str  # a line of the script, or "module.py:line" in one of its local modules
 
 
 @dataclass(frozen=True)
@@ -39,6 +44,7 @@ class NameReport:
         port: the ``torch.amp`` / PyTorch equivalent.
         note: what differs from Apex, or why it is missing.
         lines: the script lines that use it.
+        elsewhere: its uses in the script's local modules, as ``"module.py:line"``.
     """
 
     name: str
@@ -47,122 +53,58 @@ class NameReport:
     port: str
     note: str
     lines: tuple[int, ...]
+    elsewhere: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class PrivateUse:
+    """A write to (or call of) an Apex internal, such as ``loss_scaler._scale_seq_len = 64``.
+
+    Attributes:
+        key: its entry in :data:`mpnb.compat.names.PRIVATE`.
+        status: ``provides``, ``emulates`` or ``lacks``.
+        what: the Apex object it belongs to.
+        mpnb: what the write or call does in mpnb.
+        port: what to write instead.
+        code: the source of its first use.
+        where: its uses (script lines, or ``"module.py:line"``).
+    """
+
+    key: str
+    status: str
+    what: str
+    mpnb: str
+    port: str
+    code: str
+    where: tuple[Where, ...]
 
 
 @dataclass
 class CheckReport:
-    """Everything ``--check`` found in one script.
+    """Everything ``--check`` found in one script and the local modules it imports.
 
     Attributes:
         script: the path as given.
         names: one :class:`NameReport` per Apex name, in order of first use.
-        cuda_only: each CUDA-only call found (``".cuda()"``, ``'backend="nccl"'``...) and its
-            lines.
+        cuda_only: each CUDA-only call found (``".cuda()"``, ``'backend="nccl"'``...) and where.
+        private: the Apex internals the code writes or calls, one :class:`PrivateUse` each.
+        modules: the script's local modules that were read too (paths relative to its
+            directory), in the order they were found.
     """
 
     script: str
     names: list[NameReport] = field(default_factory=list)
-    cuda_only: dict[str, list[int]] = field(default_factory=dict)
+    cuda_only: dict[str, list[Where]] = field(default_factory=dict)
+    private: list[PrivateUse] = field(default_factory=list)
+    modules: list[str] = field(default_factory=list)
 
     def count(self, status: str) -> int:
         """How many names have ``status``."""
         return sum(r.status == status for r in self.names)
 
-
-def _is_apex(name: str) -> bool:
-    return name == "apex" or name.startswith("apex.") or name.split(".")[0] in MODULES
-
-
-class _Scanner(ast.NodeVisitor):
-    """Collects Apex names (with line numbers) and CUDA-only calls from a module's AST."""
-
-    def __init__(self) -> None:
-        self.bound: dict[str, str] = {}
-        self.uses: dict[str, list[int]] = {}
-        self.cuda: dict[str, list[int]] = {}
-        self._inner: set[int] = set()
-
-    def _use(self, name: str, line: int) -> None:
-        self.uses.setdefault(name, []).append(line)
-
-    def _cuda(self, what: str, line: int) -> None:
-        self.cuda.setdefault(what, []).append(line)
-
-    def visit_Import(self, node: ast.Import) -> None:
-        for a in node.names:
-            if _is_apex(a.name):
-                self._use(a.name, node.lineno)
-                if a.asname:
-                    self.bound[a.asname] = a.name
-                else:
-                    top = a.name.split(".")[0]
-                    self.bound[top] = top
-
-    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
-        mod = node.module or ""
-        if node.level or not _is_apex(mod):
-            return
-        for a in node.names:
-            if a.name == "*":
-                self._use(mod, node.lineno)
-                continue
-            full = f"{mod}.{a.name}"
-            self._use(full, node.lineno)
-            self.bound[a.asname or a.name] = full
-
-    def visit_Name(self, node: ast.Name) -> None:
-        # ``DDP(model)`` after ``from apex.parallel import DistributedDataParallel as DDP``;
-        # names bound to modules are counted through their attribute chains instead.
-        full = self.bound.get(node.id)
-        if full is not None and full not in MODULES and isinstance(node.ctx, ast.Load):
-            self._use(full, node.lineno)
-
-    def visit_Attribute(self, node: ast.Attribute) -> None:
-        if isinstance(node.value, ast.Attribute):
-            self._inner.add(id(node.value))
-        if id(node) not in self._inner:
-            parts, base = [node.attr], node.value
-            while isinstance(base, ast.Attribute):
-                parts.append(base.attr)
-                base = base.value
-            if isinstance(base, ast.Name):
-                dotted = ".".join([base.id, *reversed(parts)])
-                if base.id in self.bound:
-                    self._use(self.bound[base.id] + dotted[len(base.id) :], node.lineno)
-                elif dotted.startswith("torch.cuda.") and len(parts) == 2:
-                    self._cuda(dotted, node.lineno)
-        self.generic_visit(node)
-
-    def visit_Call(self, node: ast.Call) -> None:
-        f = node.func
-        name = ast.unparse(f)
-        first = _text(node.args[0]) if node.args else None
-        if isinstance(f, ast.Attribute) and f.attr == "cuda":
-            self._cuda(".cuda()", node.lineno)
-        if isinstance(f, ast.Attribute) and f.attr == "to" and (first or "").startswith("cuda"):
-            self._cuda('.to("cuda")', node.lineno)
-        if name == "torch.device" and (first or "").startswith("cuda"):
-            self._cuda('torch.device("cuda")', node.lineno)
-        if name.endswith("init_process_group") and "nccl" in (first or ""):
-            self._cuda('backend="nccl"', node.lineno)
-        if name in ("importlib.import_module", "import_module") and first and _is_apex(first):
-            self._use(first, node.lineno)
-        for kw in node.keywords:
-            text = _text(kw.value) or ""
-            if kw.arg == "device" and text.startswith("cuda"):
-                self._cuda('device="cuda"', node.lineno)
-            if kw.arg == "backend" and "nccl" in text:
-                self._cuda('backend="nccl"', node.lineno)
-        self.generic_visit(node)
-
-
-def _text(node: ast.AST) -> str | None:
-    """A string constant's value, or an f-string's leading text (``f"cuda:{r}"`` -> ``cuda:``)."""
-    if isinstance(node, ast.Constant) and isinstance(node.value, str):
-        return node.value
-    if isinstance(node, ast.JoinedStr) and node.values:
-        return _text(node.values[0])
-    return None
+    def lacking(self) -> int:
+        """Names and private uses mpnb lacks: a nonzero count fails ``--check``."""
+        return self.count(LACKS) + sum(p.status == LACKS for p in self.private)
 
 
 def _module_of(name: str) -> tuple[str | None, str | None]:
@@ -180,6 +122,20 @@ def _has(module_name: str, attr: str) -> bool:
     return attr in dir(module) or hasattr(module, attr)
 
 
+def _entry(mod: str, attr: str | None):
+    """The :data:`NAMES` entry of ``mod.attr``, also when the script reaches the attribute
+    through a submodule (``apex.optimizers.fused_lamb.FusedLAMB``: the entry of
+    ``apex.optimizers.FusedLAMB``)."""
+    if attr is None:
+        return NAMES.get(mod)
+    parts = mod.split(".")
+    for i in range(len(parts), 0, -1):
+        entry = NAMES.get(".".join([*parts[:i], attr]))
+        if entry is not None:
+            return entry
+    return None
+
+
 def resolve(name: str) -> tuple[str, str, str | None, str, str]:
     """``(apex name, status, mpnb location, port, note)`` for one Apex name (normalized to a
     module, or a module and one attribute)."""
@@ -188,9 +144,9 @@ def resolve(name: str) -> tuple[str, str, str | None, str, str]:
         return name, LACKS, None, "no equivalent known", "not an Apex name mpnb knows"
     row = MODULES[mod]
     full = mod if attr is None else f"{mod}.{attr}"
-    entry = NAMES.get(full)
+    entry = _entry(mod, attr)
     port = entry.port if entry else row.port
-    if row.status == LACKS:  # the whole module is missing: keep the name as the script wrote it
+    if row.status == LACKS or row.build_flag:  # the alias does not serve the module (by default)
         return name, LACKS, None, port, row.note
     if attr is None:
         return full, row.status, row.mpnb, port, row.note
@@ -201,59 +157,136 @@ def resolve(name: str) -> tuple[str, str, str | None, str, str]:
     return full, status, f"{row.mpnb}.{attr}", port, note
 
 
-def check_script(path: str) -> CheckReport:
+def _parse(path: str) -> ast.Module:
+    source = read_source(path)
+    try:
+        return ast.parse(source, filename=path)
+    except SyntaxError as e:
+        raise SyntaxError(
+            f"mpnb.apex --check: {path} is not valid Python ({e.msg}, line {e.lineno}); fix the "
+            "syntax, or check the file with `python -m py_compile` first."
+        ) from e
+
+
+def _scan_all(path: str) -> tuple[list[tuple[str, Scanner]], list[str]]:
+    """Scan the script, then each local module it (transitively) imports, once each."""
+    root = os.path.dirname(os.path.abspath(path))
+    todo, seen, scans = [os.path.abspath(path)], set(), []
+    while todo:
+        f = todo.pop(0)
+        if f in seen:
+            continue
+        seen.add(f)
+        scan = Scanner()
+        scan.visit(_parse(f))
+        scans.append((f, scan))
+        for module, level, names in scan.imports:
+            todo += [m for m in local_module(root, f, module, level, names) if m not in seen]
+    rel = [os.path.relpath(f, root) for f, _ in scans[1:]]
+    return scans, rel
+
+
+def check_script(path: str, follow_imports: bool = True) -> CheckReport:
     """Parse ``path`` (never run it) and report every Apex name it uses.
+
+    The script's local modules (files beside it that it imports, as ``import modeling`` or
+    ``from .utils import x``: they run when the script does) are read too, unless
+    ``follow_imports`` is False; installed packages are not.
 
     Args:
         path: a Python script.
+        follow_imports: also read the local modules the script imports.
 
     Returns:
-        A :class:`CheckReport`: the names in order of first use, and the CUDA-only calls.
+        A :class:`CheckReport`: the names in order of first use, the CUDA-only calls, the
+        writes to Apex internals, the local modules read.
+
+    Raises:
+        SyntaxError: a file is not valid Python.
+        mpnb.compat._scan.SourceError: a file cannot be decoded (not UTF-8, and no coding
+            line says what it is).
 
     Example::
 
         >>> r = check_script("train.py"); r.count("lacks")
         0
     """
-    with open(path, encoding="utf-8") as f:
-        source = f.read()
-    try:
-        tree = ast.parse(source, filename=path)
-    except SyntaxError as e:
-        raise SyntaxError(
-            f"mpnb.apex --check: {path} is not valid Python ({e.msg}, line {e.lineno}); fix the "
-            "syntax, or check the file with `python -m py_compile` first."
-        ) from e
-    scan = _Scanner()
-    scan.visit(tree)
+    if follow_imports:
+        scans, modules = _scan_all(path)
+    else:
+        scan = Scanner()
+        scan.visit(_parse(path))
+        scans, modules = [(os.path.abspath(path), scan)], []
+    root = os.path.dirname(os.path.abspath(path))
     merged: dict[str, tuple] = {}
-    for used, lines in scan.uses.items():
-        full, *rest = resolve(used)
-        _, old_lines = merged.get(full, (None, []))
-        merged[full] = (rest, sorted({*old_lines, *lines}))
+    cuda: dict[str, list] = {}
+    private: dict[str, tuple] = {}
+    for k, (f, scan) in enumerate(scans):
+        rel = os.path.relpath(f, root)
+
+        def at(line: int) -> Where:
+            return line if k == 0 else f"{rel}:{line}"  # noqa: B023 - used at once
+
+        for used, lines in scan.uses.items():
+            full, *rest = resolve(used)
+            _, old = merged.get(full, (None, []))
+            merged[full] = (rest, old + [at(n) for n in lines])
+        for what, lines in scan.cuda.items():
+            cuda.setdefault(what, []).extend(at(n) for n in lines)
+        for key, line, code in scan.private:
+            first, wheres = private.get(key, (code, []))
+            private[key] = (first, [*wheres, at(line)])
     names = [
-        NameReport(full, st, where, port, note, tuple(lines))
-        for full, ((st, where, port, note), lines) in merged.items()
+        NameReport(
+            full,
+            st,
+            home,
+            port,
+            note,
+            tuple(sorted({w for w in wheres if isinstance(w, int)})),
+            tuple(dict.fromkeys(w for w in wheres if isinstance(w, str))),
+        )  # fmt: skip
+        for full, ((st, home, port, note), wheres) in merged.items()
     ]
-    names.sort(key=lambda r: (r.lines[0], r.name))
-    cuda = {k: sorted(set(v)) for k, v in scan.cuda.items()}
-    return CheckReport(path, names, cuda)
+    names.sort(key=lambda r: (_first(r), r.name))
+    uses = [
+        PrivateUse(key, e.status, e.what, e.mpnb, e.port, code, tuple(dict.fromkeys(wheres)))
+        for key, (code, wheres) in private.items()
+        for e in [PRIVATE[key]]
+    ]
+    cuda = {k: _ordered(v) for k, v in cuda.items()}
+    return CheckReport(path, names, cuda, uses, modules)
 
 
-def _lines(lines) -> str:
-    return ",".join(str(n) for n in lines)
+def _first(r: NameReport) -> tuple:
+    # script lines first (by line), then the local modules' uses in the order found
+    return (0, r.lines[0], "") if r.lines else (1, 0, r.elsewhere[0])
+
+
+def _ordered(wheres: list) -> list:
+    ints = sorted({w for w in wheres if isinstance(w, int)})
+    return ints + list(dict.fromkeys(w for w in wheres if isinstance(w, str)))
+
+
+def _lines(wheres) -> str:
+    return ",".join(str(n) for n in wheres)
 
 
 def format_report(report: CheckReport) -> str:
-    """The report as text: a table of names, the ports, the notes, the CUDA-only calls."""
+    """The report as text: the names, the ports, the notes, the writes to Apex internals, the
+    CUDA-only calls."""
     n = len(report.names)
     out = [
         f"{report.script}: {n} Apex name{'s' * (n != 1)}: {report.count(PROVIDES)} provided by "
         f"mpnb, {report.count(EMULATES)} emulated, {report.count(LACKS)} lacking.",
-        "",
     ]
-    rows = [("line", "apex name", "status", "mpnb")]
-    rows += [(_lines(r.lines), r.name, r.status, r.mpnb or "-") for r in report.names]
+    if report.modules:
+        out.append(f"Read with the local modules it imports: {', '.join(report.modules)}.")
+    out.append("")
+    rows = [("where", "apex name", "status", "mpnb")]
+    rows += [
+        (_lines([*r.lines, *r.elsewhere]), r.name, r.status, r.mpnb or "-") for r in report.names
+    ]
     widths = [max(len(row[i]) for row in rows) for i in range(3)] + [0]
     for row in rows:
         out.append("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip())
@@ -265,8 +298,16 @@ def format_report(report: CheckReport) -> str:
     if notes:
         out += ["", "Notes:"]
         out += [f"  {r.name} ({r.status}): {r.note}" for r in notes]
+    if report.private:
+        out += ["", "Apex internals written or called (private state of Apex's objects):"]
+        for p in report.private:
+            out += [
+                f"  {_lines(p.where)}: {p.code} ({p.status}; {p.what})",
+                f"      mpnb: {p.mpnb}",
+                f"      port: {p.port}",
+            ]
     if report.cuda_only:
-        calls = "; ".join(f"{k} (line {_lines(v)})" for k, v in report.cuda_only.items())
+        calls = "; ".join(f"{k} ({_lines(v)})" for k, v in report.cuda_only.items())
         out += [
             "",
             f"CUDA-only calls: {calls}. Without a GPU, rehearse the script on the CPU with "
@@ -276,8 +317,14 @@ def format_report(report: CheckReport) -> str:
 
 
 def report_json(report: CheckReport) -> str:
-    """The report as JSON: ``script``, ``counts``, ``names`` (one object each), ``cuda_only``."""
+    """The report as JSON: ``script``, ``counts``, ``names`` (one object each), ``private``,
+    ``modules``, ``cuda_only``."""
     counts = {s: report.count(s) for s in (PROVIDES, EMULATES, LACKS)}
-    names = [asdict(r) for r in report.names]
-    body = {"script": report.script, "counts": counts, "names": names}
+    body = {
+        "script": report.script,
+        "counts": counts,
+        "names": [asdict(r) for r in report.names],
+        "private": [asdict(p) for p in report.private],
+        "modules": report.modules,
+    }
     return json.dumps({**body, "cuda_only": report.cuda_only}, indent=1)

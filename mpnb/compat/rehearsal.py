@@ -7,9 +7,14 @@ raises. Inside :class:`CpuRehearsal`:
 * ``.cuda()`` on tensors and modules, ``device="cuda"`` (or ``"cuda:N"``, ``torch.device``) in
   any torch call, ``.to("cuda")`` and ``pin_memory()`` place on the CPU. This part needs no
   replacement: a :class:`torch.overrides.TorchFunctionMode` rewrites the device arguments.
-* ``torch.cuda.set_device``, ``synchronize``, ``manual_seed``/``manual_seed_all`` and the stream
-  calls (``Stream``, ``stream``, ``current_stream``, ``default_stream``, ``Event``) become
-  no-ops (events time with the host clock, which is exact on the CPU's synchronous ops).
+* ``torch.cuda.set_device``, ``synchronize``, ``manual_seed``/``manual_seed_all``, the device
+  context ``torch.cuda.device(...)`` (and ``device_of``) and the stream calls (``Stream``,
+  ``stream``, ``current_stream``, ``default_stream``, ``Event``) become no-ops (events time
+  with the host clock, which is exact on the CPU's synchronous ops); ``current_device()`` is
+  0 and ``device_count()`` 1 (``local_rank % device_count()`` picks device 0), and
+  ``device=0`` (an int, a CUDA index) places on the CPU like ``device="cuda:0"``;
+  ``mem_get_info()`` reports the host's free and total memory; ``cudart()``'s profiler
+  start/stop do nothing.
 * the legacy ``torch.cuda.FloatTensor``-style constructors build CPU tensors.
 * ``torch.distributed.init_process_group`` / ``new_group`` with ``nccl`` use ``gloo``.
 
@@ -26,6 +31,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -50,8 +56,11 @@ _LEGACY = {
 }
 _STREAMS = ("Stream", "Event", "stream", "current_stream", "default_stream")
 
+_DEVICE = ("device", "device_of", "current_device", "device_count", "mem_get_info", "cudart")
+
 REPLACED: tuple[str, ...] = (
-    *(f"torch.cuda.{n}" for n in (*_NOOPS, *_STREAMS, *_LEGACY)),
+    *(f"torch.cuda.{n}" for n in (*_NOOPS, *_STREAMS, *_LEGACY, *_DEVICE)),
+    "torch.cuda.memory.mem_get_info",
     "torch.distributed.init_process_group",
     "torch.distributed.new_group",
 )
@@ -128,6 +137,39 @@ class _Event:
         return (end._t - self._t) * 1e3
 
 
+class _DeviceContext:
+    """``torch.cuda.device(...)`` / ``device_of(...)`` on the CPU: a context that changes
+    nothing (there is one device)."""
+
+    def __init__(self, device=None) -> None:
+        self.idx = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+
+class _CudaRT:
+    """``torch.cuda.cudart()`` on the CPU: the profiler range calls Apex scripts make (no
+    profiler to start)."""
+
+    def cudaProfilerStart(self) -> int:  # noqa: N802 - CUDA's name
+        """No-op; returns CUDA's success code."""
+        return 0
+
+    def cudaProfilerStop(self) -> int:  # noqa: N802 - CUDA's name
+        """No-op; returns CUDA's success code."""
+        return 0
+
+
+def _host_memory() -> tuple[int, int]:
+    """(free, total) bytes of the host's memory, the rehearsal's device memory."""
+    page = os.sysconf("SC_PAGE_SIZE")
+    return os.sysconf("SC_AVPHYS_PAGES") * page, os.sysconf("SC_PHYS_PAGES") * page
+
+
 class _CpuPlacement(TorchFunctionMode):
     """Rewrites CUDA device arguments of every torch call to the CPU."""
 
@@ -143,8 +185,12 @@ class _CpuPlacement(TorchFunctionMode):
         if func is torch.Tensor.pin_memory:
             self._report(".pin_memory() -> no-op")
             return args[0]
-        if _is_cuda(kwargs.get("device")):
+        device = kwargs.get("device")
+        if _is_cuda(device):
             self._report('device="cuda" -> device="cpu"')
+            kwargs["device"] = "cpu"
+        elif isinstance(device, int) and not isinstance(device, bool):
+            self._report('device=N (a CUDA index, from torch.cuda.current_device()) -> "cpu"')
             kwargs["device"] = "cpu"
         if any(_is_cuda(a) for a in args):
             self._report('.to("cuda") -> .to("cpu")')
@@ -218,6 +264,40 @@ class CpuRehearsal:
         call.__name__ = name
         return call
 
+    def _device_call(self, name: str):
+        what = f"torch.cuda.{name}"
+        report = self.report
+        if name in ("device", "device_of"):  # a class stays a class
+
+            def init(obj, *args, **kwargs):
+                report(f"{what}(...) -> no-op context (one device: the CPU)")
+                _DeviceContext.__init__(obj)
+
+            return type(name, (_DeviceContext,), {"__init__": init, "__module__": __name__})
+        if name in ("current_device", "device_count"):
+            value = 0 if name == "current_device" else 1
+
+            def one_device() -> int:
+                report(f"{what}() -> {value} (one device: the CPU)")
+                return value
+
+            one_device.__name__ = name
+            return one_device
+
+        if name == "cudart":
+
+            def cudart() -> _CudaRT:
+                report(f"{what}() -> profiler calls are no-ops")
+                return _CudaRT()
+
+            return cudart
+
+        def mem_get_info(device=None) -> tuple[int, int]:
+            report(f"{what}() -> the host's free and total memory")
+            return _host_memory()
+
+        return mem_get_info
+
     def _legacy(self, name: str, dtype: torch.dtype):
         def make(*args, **kwargs):
             self.report(f"torch.cuda.{name} -> a CPU tensor")
@@ -252,6 +332,9 @@ class CpuRehearsal:
                 self._replace(torch.cuda, n, self._stream_call(n))
             for n, dtype in _LEGACY.items():
                 self._replace(torch.cuda, n, self._legacy(n, dtype))
+            for n in _DEVICE:
+                self._replace(torch.cuda, n, self._device_call(n))
+            self._replace(torch.cuda.memory, "mem_get_info", torch.cuda.mem_get_info)
             self._replace(dist, "init_process_group", self._gloo(dist.init_process_group))
             self._replace(dist, "new_group", self._gloo(dist.new_group))
             self._mode = _CpuPlacement(self.report)

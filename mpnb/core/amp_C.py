@@ -3,6 +3,10 @@
 Code that calls ``amp_C.multi_tensor_l2norm(chunk_size, noop_flag, [tensors], per_tensor)``
 directly (Megatron does) runs unchanged against ``mpnb.amp_C``. ``chunk_size`` is accepted for
 compatibility; the CPU kernels use their own cache-sized chunks, so results do not depend on it.
+
+All 17 of Apex's functions are here (and ``multi_tensor_check_finite``, an mpnb addition): the
+capturable Adam, the mixed-precision LAMB, the two LAMB stages and the norm variants live in
+:mod:`mpnb.core._amp_C_mp`; their plain references in :mod:`mpnb.core.amp_C_reference`.
 """
 
 from __future__ import annotations
@@ -341,4 +345,24 @@ __all__ += [
     "multi_tensor_lamb",
     "multi_tensor_novograd",
     "multi_tensor_adagrad",
+]
+
+from mpnb.core._amp_C_mp import (  # noqa: E402 - they use this module's helpers
+    multi_tensor_adam_capturable,
+    multi_tensor_adam_capturable_master,
+    multi_tensor_l2norm_mp,
+    multi_tensor_l2norm_scale,
+    multi_tensor_lamb_mp,
+    multi_tensor_lamb_stage1_cuda,
+    multi_tensor_lamb_stage2_cuda,
+)
+
+__all__ += [
+    "multi_tensor_l2norm_mp",
+    "multi_tensor_l2norm_scale",
+    "multi_tensor_lamb_stage1_cuda",
+    "multi_tensor_lamb_stage2_cuda",
+    "multi_tensor_adam_capturable",
+    "multi_tensor_adam_capturable_master",
+    "multi_tensor_lamb_mp",
 ]

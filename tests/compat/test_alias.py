@@ -19,6 +19,7 @@ from mpnb.compat import MODULES, ApexModuleProxy, apex_alias
 from mpnb.compat.names import LACKS, top_level_modules
 
 PRESENT = sorted(name for name, row in MODULES.items() if row.status != LACKS)
+FLAGS = {row.build_flag for row in MODULES.values() if row.build_flag}  # e.g. fused_adam_cuda
 MISSING = sorted(name for name, row in MODULES.items() if row.status == LACKS)
 
 
@@ -29,7 +30,8 @@ def _public(module) -> list[str]:
 @pytest.mark.parametrize("name", PRESENT)
 def test_every_present_apex_module_resolves_to_its_mpnb_module(name):
     target = importlib.import_module(MODULES[name].mpnb)
-    with apex_alias():
+    rules = importlib.import_module(MODULES[name].rules) if MODULES[name].rules else None
+    with apex_alias(FLAGS):
         proxy = importlib.import_module(name)
         assert isinstance(proxy, ApexModuleProxy) and proxy.__name__ == name
         for attr in _public(target):
@@ -37,6 +39,8 @@ def test_every_present_apex_module_resolves_to_its_mpnb_module(name):
             # an Apex submodule's name gives that module (a proxy), unless mpnb binds a class
             if isinstance(value, types.ModuleType) or (apex_child and not isinstance(value, type)):
                 assert getattr(proxy, attr).__name__ == f"{name}.{attr}"
+            elif rules is not None and attr in rules.__all__:  # mpnb's object, Apex's numerics
+                assert getattr(proxy, attr) is getattr(rules, attr), f"{name}.{attr}"
             else:
                 assert getattr(proxy, attr) is value, f"{name}.{attr}"
         if "." in name:  # reachable as an attribute of its parent too
@@ -107,7 +111,7 @@ def test_the_alias_never_modifies_mpnb_modules():
 
     watched = [mpnb, mpnb.amp, mpnb.parallel, mpnb.core.parallel]
     before = [dict(vars(m)) for m in watched]
-    with apex_alias():
+    with apex_alias(FLAGS):
         for name in PRESENT:
             importlib.import_module(name)
     for m, old in zip(watched, before, strict=True):

@@ -128,8 +128,10 @@ def test_cli_usage_errors_name_the_fix(capsys, tmp_path):
     assert main([]) == 2
     bad = tmp_path / "bad.py"
     bad.write_text("def f(:\n")
+    assert main(["--check", str(bad)]) == 2  # one clear line, no traceback
+    assert "not valid Python" in capsys.readouterr().err
     with pytest.raises(SyntaxError, match="not valid Python"):
-        main(["--check", str(bad)])
+        check_script(str(bad))
 
 
 def test_the_script_is_only_parsed(tmp_path):

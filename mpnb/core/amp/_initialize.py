@@ -256,6 +256,7 @@ def _build(props, rule, model_list, opt_list, device, num_losses) -> AmpHandle:
             st = AmpOptimizerState(o, choose_strategy(o, props.master_weights), handle)
             handle.opt_states.append(st)
         o._amp_stash = AmpStash(st, handle)
+        o._lazy_init_maybe_master_weights = o._amp_stash.lazy_init_maybe_master_weights  # Apex's
     for m in model_list:
         handle.hooks += _attach_model(m, props, handle)
         setattr(m, _MODEL_MARK, True)

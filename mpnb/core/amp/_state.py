@@ -204,10 +204,22 @@ class AmpStash:
         object.__setattr__(self, "handle", handle)
 
     def __setattr__(self, name, value):
+        if name == "lazy_init_called" and value is True:
+            # Apex's resume recipe (NVIDIA's BERT): call _lazy_init_maybe_master_weights(),
+            # set this flag, load the optimizer and copy the saved masters in. mpnb's masters
+            # need no lazy set-up, so True states what already holds.
+            return
         raise AttributeError(
             f"optimizer._amp_stash is a read-only view of amp's state (Apex compatibility); "
-            f"it cannot set {name!r}. Change the optimizer or amp's handle instead."
+            f"it cannot set {name!r} to {value!r} (only lazy_init_called = True, Apex's resume "
+            "recipe, is accepted). Change the optimizer or amp's handle instead."
         )
+
+    def lazy_init_maybe_master_weights(self) -> None:
+        """Apex's ``optimizer._lazy_init_maybe_master_weights()``: set up this optimizer's fp32
+        masters now. amp.initialize made them already (they hold the model's weights and
+        follow them), so there is nothing left to do: the call only keeps Apex's resume
+        recipe (call it, set ``lazy_init_called``, load, copy the saved masters in) working."""
 
     def _groups(self) -> list[tuple[list, list, list]]:
         st = self.amp_state
@@ -233,7 +245,9 @@ class AmpStash:
             out.append((half, from_half, fp32))
         return out
 
-    lazy_init_called = property(lambda self: True, doc="Always True (amp sets up at once).")
+    lazy_init_called = property(
+        lambda self: True, doc="Always True (amp sets up at once); assigning True is accepted."
+    )
     already_patched = property(lambda self: True, doc="Always True (Apex's patch flag).")
 
     @property

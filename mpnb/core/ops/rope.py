@@ -1,12 +1,20 @@
 """``mpnb::rope``: Apex's fused rotary position embedding, forward and backward in one op.
 
-``rope(t, cos, sin, group, transpose_output=False, backward=False)``: ``t`` is ``[s, b, h, d]``
-(any strides), ``cos``/``sin`` are fp32 (fp64 for fp64 ``t``) tables ``[s, d2]``, ``d2 <= d``.
-The first ``d2`` channels form groups of ``group`` channels, each rotated as ``rotate_half``
-(``y = x * cos + rotate_half(x) * sin``); the other channels pass through. ``backward=True``
-applies the transposed rotation (the gradient), which is also the op's autograd formula.
-``transpose_output`` lays the result out as ``[b, s, h, d]`` in memory (Apex's
-``transpose_output_memory``), still shaped ``[s, b, h, d]``.
+``rope(t, cos, sin, group, transpose_output=False, backward=False, stepwise=False)``: ``t`` is
+``[s, b, h, d]`` (any strides), ``cos``/``sin`` are fp32 (fp64 for fp64 ``t``) tables
+``[s, d2]``, ``d2 <= d``. The first ``d2`` channels form groups of ``group`` channels, each
+rotated as ``rotate_half`` (``y = x * cos + rotate_half(x) * sin``); the other channels pass
+through. ``backward=True`` applies the transposed rotation (the gradient), which is also the
+op's autograd formula. ``transpose_output`` lays the result out as ``[b, s, h, d]`` in memory
+(Apex's ``transpose_output_memory``), still shaped ``[s, b, h, d]``.
+
+Rounding, the rule ``stepwise`` selects (the two differ for fp16/bf16 ``t`` only):
+
+* ``stepwise=False`` (mpnb's default): computed in fp32 from the fp32 tables, rounded once to
+  ``t``'s dtype; the more accurate result.
+* ``stepwise=True``: Apex's kernel, and what ``t * cos + rotate_half(t) * sin`` gives in
+  ``t``'s dtype: the tables are cast to ``t``'s dtype, each product and the sum are rounded to
+  it (the backward alike, as autograd of that expression does).
 
 Kernels: ``csrc/cpu/rope.cpp`` (CPU); the reference elsewhere.
 """
@@ -53,10 +61,12 @@ def check_rope(op: str, t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, g
         )
 
 
-def reference_rope(t, cos, sin, group, transpose_output=False, backward=False):
-    """Reference of :func:`rope`, computed in fp32 (fp64 for fp64)."""
+def reference_rope(t, cos, sin, group, transpose_output=False, backward=False, stepwise=False):
+    """Reference of :func:`rope`: fp32 math (fp64 for fp64); with ``stepwise`` the ops of
+    ``t * cos + rotate_half(t) * sin`` in ``t``'s dtype (torch rounds each one to it)."""
     check_rope("rope", t, cos, sin, group)
-    acc = acc_dtype(t)
+    acc = t.dtype if stepwise else acc_dtype(t)
+    cos, sin = cos.to(acc), sin.to(acc)
     d2 = cos.shape[1]
     half = group // 2
     x = t.to(acc)
@@ -74,7 +84,7 @@ def reference_rope(t, cos, sin, group, transpose_output=False, backward=False):
     return y.transpose(0, 1).contiguous().transpose(0, 1) if transpose_output else y
 
 
-def _fake(t, cos, sin, group, transpose_output=False, backward=False):
+def _fake(t, cos, sin, group, transpose_output=False, backward=False, stepwise=False):
     if transpose_output:
         s, b, h, d = t.shape
         return t.new_empty(b, s, h, d).transpose(0, 1)
@@ -82,14 +92,15 @@ def _fake(t, cos, sin, group, transpose_output=False, backward=False):
 
 
 def _setup_context(ctx, inputs, output):
-    _t, cos, sin, group, _transpose, backward = inputs
-    ctx.group, ctx.backward = group, backward
+    _t, cos, sin, group, _transpose, backward, stepwise = inputs
+    ctx.group, ctx.backward, ctx.stepwise = group, backward, stepwise
     ctx.save_for_backward(cos, sin)
 
 
 def _backward(ctx, grad_y):
     cos, sin = ctx.saved_tensors
-    return _op(grad_y, cos, sin, ctx.group, False, not ctx.backward), None, None, None, None, None
+    grad_t = _op(grad_y, cos, sin, ctx.group, False, not ctx.backward, ctx.stepwise)
+    return grad_t, None, None, None, None, None, None
 
 
 def _tables(s, d2, acc):
@@ -107,25 +118,29 @@ def _samples(dtype):
         t = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype)
         return (t.requires_grad_(True) if grad else t, *_tables(shape[0], d2, acc))
 
-    # opcheck runs the first sample: its layout differs across the dtypes
+    # opcheck runs the first sample: its layout (and rounding rule) differs across the dtypes
     first = dtype in (torch.float32, torch.bfloat16)
-    yield Sample((*make((4, 2, 3, 10), 8, 0, grad=True), 8, first, False), name="opcheck")
+    opcheck = (*make((4, 2, 3, 10), 8, 0, grad=True), 8, first, False, not first)
+    yield Sample(opcheck, name="opcheck")
     for d, d2 in ((64, 64), (64, 32), (6, 2), (130, 66)):
         for transpose in (False, True):
             for backward in (False, True):
-                t, c, s = make((7, 3, 2, d), d2, d + d2)
-                name = f"d={d} d2={d2} transpose={transpose} backward={backward}"
-                yield Sample((t, c, s, d2, transpose, backward), name=name)
-    t, c, s = make((9, 3, 4, 32), 32, 1)  # two groups of 16 (the 2-D image form)
-    yield Sample((t, c, s, 16, False, False), name="two groups")
+                for stepwise in (False, True):
+                    t, c, s = make((7, 3, 2, d), d2, d + d2)
+                    name = f"d={d} d2={d2} transpose={transpose} backward={backward}"
+                    name += " stepwise" * stepwise
+                    yield Sample((t, c, s, d2, transpose, backward, stepwise), name=name)
+    for stepwise in (False, True):
+        t, c, s = make((9, 3, 4, 32), 32, 1)  # two groups of 16 (the 2-D image form)
+        yield Sample((t, c, s, 16, False, False, stepwise), name=f"two groups {stepwise=}")
     t = make((3, 9, 4, 32), 32, 2)[0].transpose(0, 1)  # [9, 3, 4, 32] strided (bshd memory)
-    yield Sample((t, *_tables(9, 32, acc), 32, False, False), name="strided t")
-    yield Sample((*make((0, 2, 3, 8), 8, 3), 8, False, False), name="empty")
+    yield Sample((t, *_tables(9, 32, acc), 32, False, False, True), name="strided t, stepwise")
+    yield Sample((*make((0, 2, 3, 8), 8, 3), 8, False, False, False), name="empty")
 
 
 OP = define(
     "rope(Tensor t, Tensor cos, Tensor sin, int group, bool transpose_output=False, "
-    "bool backward=False) -> Tensor",
+    "bool backward=False, bool stepwise=False) -> Tensor",
     family="rope",
     reference=reference_rope,
     fake=_fake,
@@ -135,7 +150,7 @@ OP = define(
 _op = OP.overload
 
 
-def rope(t, cos, sin, group, transpose_output=False, backward=False):
+def rope(t, cos, sin, group, transpose_output=False, backward=False, stepwise=False):
     """Rotate ``t`` by the position tables (differentiable in ``t``); see the module docstring.
 
     Args:
@@ -144,6 +159,8 @@ def rope(t, cos, sin, group, transpose_output=False, backward=False):
         group: channels per rotated group (even; ``d2`` a multiple of it).
         transpose_output: return a tensor laid out as ``[b, s, h, d]`` in memory.
         backward: apply the inverse (transposed) rotation.
+        stepwise: round as Apex's kernel does (tables cast to ``t``'s dtype, each product and
+            the sum rounded to it) instead of once from fp32.
 
     Example::
 
@@ -152,4 +169,4 @@ def rope(t, cos, sin, group, transpose_output=False, backward=False):
         torch.Size([4, 2, 3, 8])
     """
     ensure_kernels()
-    return _op(t, cos, sin, group, transpose_output, backward)
+    return _op(t, cos, sin, group, transpose_output, backward, stepwise)

@@ -4,10 +4,12 @@ Softmax over the last dim, computed in fp32 for half input (fp64 for fp64), outp
 input's dtype:
 
 * ``scaled_softmax_fwd(input, scale)``: ``softmax(input * scale)``.
-* ``scaled_masked_softmax_fwd(input, mask, scale)``: input ``[b, np, sq, sk]``, mask
-  ``[b or 1, np or 1, sq, sk]`` (bool or uint8, true = masked): masked scores become -10000
-  after scaling, as in Apex/Megatron (a fully masked row is uniform, not NaN). As in Apex,
-  the backward does not read the mask: a fully masked row passes its gradient through.
+* ``scaled_masked_softmax_fwd(input, mask, scale, zero_all_masked=False)``: input
+  ``[b, np, sq, sk]``, mask ``[b or 1, np or 1, sq, sk]`` (bool or uint8, true = masked):
+  masked scores become -10000 after scaling, as in Apex/Megatron (a fully masked row is
+  uniform, not NaN). As in Apex, the backward does not read the mask: a fully masked row
+  passes its gradient through. ``zero_all_masked=True`` is Apex's *generic* kernel: a fully
+  masked row attends to nothing (all zeros, and so a zero gradient).
 * ``scaled_upper_triang_masked_softmax_fwd(input, scale)``: causal, ``[..., sq, sk]`` with
   ``sq == sk``; row ``i`` keeps columns ``0..i`` and is exactly zero after them.
 * ``scaled_softmax_bwd(grad_out, output, scale, upper_triang=False)``: the one backward,
@@ -97,8 +99,9 @@ def reference_scaled_softmax_fwd(input, scale):
     return torch.softmax(input.to(acc_dtype(input)) * scale, -1).to(input.dtype)
 
 
-def reference_scaled_masked_softmax_fwd(input, mask, scale):
-    """``softmax(masked_fill(input * scale, mask, -10000), -1)`` in fp32."""
+def reference_scaled_masked_softmax_fwd(input, mask, scale, zero_all_masked=False):
+    """``softmax(masked_fill(input * scale, mask, -10000), -1)`` in fp32; with
+    ``zero_all_masked`` a fully masked row is zero."""
     op = "scaled_masked_softmax_fwd"
     _check_scores(op, input, 1)
     check_mask(op, input, mask)
@@ -111,7 +114,10 @@ def reference_scaled_masked_softmax_fwd(input, mask, scale):
     # x - x.detach() would be inf - inf = NaN at a masked inf.
     finite = torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
     x = torch.where(m, torch.full_like(x, MASKED_VALUE), x) + (finite - finite.detach()) * m
-    return torch.softmax(x, -1).to(input.dtype)
+    y = torch.softmax(x, -1)
+    if zero_all_masked:  # Apex's generic kernel: a row that sees nothing attends to nothing
+        y = torch.where(m.all(-1, keepdim=True), torch.zeros_like(y), y)
+    return y.to(input.dtype)
 
 
 def reference_scaled_upper_triang_masked_softmax_fwd(input, scale):
@@ -151,7 +157,7 @@ def _fake_fwd(input, scale):
     return _like(input)
 
 
-def _fake_masked(input, mask, scale):
+def _fake_masked(input, mask, scale, zero_all_masked=False):
     return _like(input)
 
 
@@ -160,7 +166,8 @@ def _fake_bwd(grad_out, output, scale, upper_triang=False):
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.scale = inputs[-1]
+    # the scale follows the input, and the mask of the masked op
+    ctx.scale = inputs[2] if isinstance(inputs[1], torch.Tensor) else inputs[1]
     ctx.save_for_backward(output)
 
 
@@ -228,6 +235,13 @@ def _samples_masked(dtype):
     x = _scores((2, 5, 3, 40), dtype, 6).transpose(1, 2)  # [2, 3, 5, 40] strided
     yield Sample((x, _mask((2, 1, 5, 40), 6), 0.2), name="strided scores")
     yield Sample((_scores((0, 3, 4, 5), dtype, 7), _mask((1, 1, 4, 5), 7), 1.0), name="empty")
+    # Apex's generic kernel: fully masked rows are zero (also far below and above -10000)
+    for sk in (1, 5, 40, 1000):
+        x = _scores((2, 3, 5, sk), dtype, 20 + sk)
+        m = _mask((2, 1, 5, sk), 20 + sk)
+        m[0, 0, 1], m[1, 0, 3], m[1, 0, 4] = True, True, False
+        x[0, :, 2] -= 30000.0
+        yield Sample((x, m, 0.5, True), name=f"zero_all_masked sk={sk}")
 
 
 def _samples_causal(dtype):
@@ -274,11 +288,12 @@ FWD = define(
     tolerance=FWD_TOLERANCE,
 )
 MASKED = define(
-    "scaled_masked_softmax_fwd(Tensor input, Tensor mask, float scale) -> Tensor",
+    "scaled_masked_softmax_fwd(Tensor input, Tensor mask, float scale, "
+    "bool zero_all_masked=False) -> Tensor",
     family="softmax",
     reference=reference_scaled_masked_softmax_fwd,
     fake=_fake_masked,
-    autograd=_autograd(False, 3),
+    autograd=_autograd(False, 4),
     sample_inputs=_samples_masked,
     tolerance=FWD_TOLERANCE,
 )
@@ -330,10 +345,18 @@ def scaled_masked_softmax_fwd(input: torch.Tensor, mask: torch.Tensor, scale: fl
 
 
 def generic_scaled_masked_softmax_fwd(input: torch.Tensor, mask: torch.Tensor, scale: float = 1.0):
-    """Apex's ``generic_scaled_masked_softmax`` (any ``sk``): the masked op, which takes any
-    ``sk`` on every device."""
+    """Apex's ``generic_scaled_masked_softmax`` (any ``sk``): the masked softmax, with a fully
+    masked row all zeros (it attends to nothing; its gradient is zero too).
+
+    Example::
+
+        >>> m = torch.tensor([[False, True], [True, True]])[None, None]
+        >>> generic_scaled_masked_softmax_fwd(torch.zeros(1, 1, 2, 2), m)[0, 0]
+        tensor([[1., 0.],
+                [0., 0.]])
+    """
     ensure_kernels()
-    return _masked(input, mask, scale)
+    return _masked(input, mask, scale, True)
 
 
 def scaled_upper_triang_masked_softmax_fwd(input: torch.Tensor, scale: float = 1.0):

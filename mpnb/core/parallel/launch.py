@@ -68,7 +68,16 @@ from mpnb.core.parallel._watch import (
     mark_returned,
 )
 
-__all__ = ["launch", "RankError", "end_group", "free_port", "under_torchrun"]
+__all__ = [
+    "launch",
+    "RankError",
+    "end_group",
+    "free_port",
+    "under_torchrun",
+    "cpus_available",
+    "local_ranks",
+    "share_cpus",
+]
 
 LOOPBACK = "127.0.0.1"
 
@@ -152,6 +161,82 @@ def _meet(store, timeout: float) -> None:
         mark_returned(store, dist.get_rank(), dist.get_world_size(), timeout)
     except RuntimeError as e:
         raise RuntimeError(f"launch: {e}") from None
+
+
+# ---- threads: several ranks on one machine share its CPUs ----------------------------------
+
+
+def _cgroup_cpus() -> float | None:
+    """The CPU quota of this process's cgroup (v2 ``cpu.max``), in CPUs; None when unlimited."""
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        return None if quota == "max" else int(quota) / int(period)
+    except (OSError, ValueError):
+        return None
+
+
+def cpus_available() -> int:
+    """The CPUs this process may run on: its affinity mask (``taskset``, a job scheduler's
+    binding), capped by a cgroup CPU quota (a container), not the machine's core count.
+
+    Example::
+
+        >>> cpus_available()        # under `taskset -c 0 python ...`: 1
+        1
+    """
+    try:
+        n = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # no affinity API (macOS)
+        n = os.cpu_count() or 1
+    quota = _cgroup_cpus()
+    if quota is not None:
+        n = min(n, int(quota))
+    return max(1, n)
+
+
+def local_ranks() -> int:
+    """How many ranks of this job run on this machine, from the launcher's environment:
+    ``LOCAL_WORLD_SIZE`` (torchrun), else ``WORLD_SIZE`` when the master is this machine
+    (``MASTER_ADDR`` a loopback address, as single-machine launch scripts set it), else 1."""
+    env = os.environ
+    if env.get("LOCAL_WORLD_SIZE", "").isdigit():
+        return max(1, int(env["LOCAL_WORLD_SIZE"]))
+    if env.get("WORLD_SIZE", "").isdigit() and env.get("MASTER_ADDR") in (
+        LOOPBACK,
+        "localhost",
+        "::1",
+    ):
+        return max(1, int(env["WORLD_SIZE"]))
+    return 1
+
+
+def share_cpus(ranks: int) -> int:
+    """Give this process its share of the CPUs when ``ranks`` processes run on them together.
+
+    Each process of PyTorch starts one intra-op thread per core; N ranks on one machine then
+    run N times as many threads as cores, and every parallel region can wait for a thread the
+    OS has descheduled, most of all on a machine that other work keeps busy. This lowers
+    ``torch.set_num_threads`` to ``cpus_available() // ranks`` (at least 1), and never raises
+    it. ``OMP_NUM_THREADS`` set by the user wins: nothing changes.
+
+    Args:
+        ranks: processes sharing this machine's CPUs (this one included).
+
+    Returns:
+        The number of intra-op threads in effect.
+
+    Example::
+
+        >>> share_cpus(local_ranks())      # e.g. 2 ranks on 2 CPUs: 1 thread each
+        1
+    """
+    if os.environ.get("OMP_NUM_THREADS"):
+        return torch.get_num_threads()
+    share = max(1, cpus_available() // max(1, ranks))
+    if share < torch.get_num_threads():
+        torch.set_num_threads(share)
+    return torch.get_num_threads()
 
 
 def _default_backend() -> str:
@@ -353,7 +438,8 @@ def launch(
         args: positional arguments for ``fn`` (must pickle).
         timeout: seconds for the whole run, also the process group's collective timeout.
         start_method: ``"spawn"`` or ``"fork"``; default spawn, fork for notebook functions.
-        threads: torch threads per rank (default: the CPU count divided by ``nprocs``).
+        threads: torch threads per rank (default: the CPUs this process may use, its
+            affinity and cgroup quota, divided by ``nprocs``; see :func:`share_cpus`).
 
     Raises:
         RankError: a rank raised (its traceback is in the message) or died. A rank waiting
@@ -398,7 +484,7 @@ def launch(
         )
     ctx = mp.get_context(_start_method(fn, backend, start_method))
     port = free_port()
-    threads = threads or max(1, (os.cpu_count() or 1) // nprocs)
+    threads = threads or max(1, cpus_available() // nprocs)
     procs, conns, finished = [], [], False
     with tempfile.TemporaryDirectory(prefix="mpnb-launch-") as tmp:
         stacks = [os.path.join(tmp, f"stack{r}.txt") for r in range(nprocs)]

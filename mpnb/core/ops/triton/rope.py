@@ -4,7 +4,8 @@
 tables ``[s, d2]``. The first ``d2`` channels form groups of ``group`` channels, each rotated
 as ``rotate_half`` (``y = x * cos + rotate_half(x) * sin``); ``backward`` applies the
 transposed rotation; channels past ``d2`` pass through. Computed in fp32 (fp64), written in
-``t``'s dtype; ``transpose_output`` lays the result out as ``[b, s, h, d]`` in memory.
+``t``'s dtype (``stepwise``: tables, products and sum rounded to ``t``'s dtype, as Apex's
+kernel); ``transpose_output`` lays the result out as ``[b, s, h, d]`` in memory.
 """
 
 from __future__ import annotations
@@ -22,10 +23,16 @@ _TILE = 4096  # elements per program
 
 
 @triton.jit
+def _round(x, DT: tl.constexpr, ACC: tl.constexpr):
+    """``x`` rounded to the storage dtype and widened back (Apex's stepwise rounding)."""
+    return to_acc(from_acc(x, DT), ACC)
+
+
+@triton.jit
 def _rope_kernel(
     t_ptr, y_ptr, cos_ptr, sin_ptr, rows, B, H, d, d2,
     ts, tb, th, td, ys, yb, yh, yd, cs, cd, ss, sd,
-    GROUP: tl.constexpr, BACKWARD: tl.constexpr, ACC: tl.constexpr,
+    GROUP: tl.constexpr, BACKWARD: tl.constexpr, STEPWISE: tl.constexpr, ACC: tl.constexpr,
     ROWS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
@@ -51,7 +58,12 @@ def _rope_kernel(
     else:  # y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin
         sinv = tl.load(sin_ptr + sn_row + c * sd, mask=rot, other=0.0).to(ACC)
         sign = tl.where(first, -1.0, 1.0)
-    y = tl.where(rot, x * cosv + sign * (xp * sinv), x)
+    if STEPWISE:  # tables, products and (on store) the sum rounded to t's dtype
+        dt = y_ptr.dtype.element_ty
+        prod = _round(x * _round(cosv, dt, ACC), dt, ACC)
+        y = tl.where(rot, prod + sign * _round(xp * _round(sinv, dt, ACC), dt, ACC), x)
+    else:
+        y = tl.where(rot, x * cosv + sign * (xp * sinv), x)
     y_row = (si * ys + bi * yb + hi * yh)[:, None]
     tl.store(y_ptr + y_row + c * yd, from_acc(y, y_ptr.dtype.element_ty), mask=inside)
 
@@ -62,7 +74,9 @@ def _check(op: str, t, cos, sin, group: int) -> None:
         raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ.")
 
 
-def rope(t, cos, sin, group, transpose_output=False, backward=False) -> torch.Tensor:
+def rope(
+    t, cos, sin, group, transpose_output=False, backward=False, stepwise=False
+) -> torch.Tensor:
     """Rotate ``t`` by the position tables: the signature and semantics of
     :func:`mpnb.core.ops.rope.reference_rope` (see the module docstring).
 
@@ -88,7 +102,7 @@ def rope(t, cos, sin, group, transpose_output=False, backward=False) -> torch.Te
     launch(
         _rope_kernel, (triton.cdiv(rows, nrows),), t, y, cos, sin, rows, b, h, d, cos.shape[1],
         *t.stride(), *y.stride(), *cos.stride(), *sin.stride(),
-        GROUP=group, BACKWARD=bool(backward),
+        GROUP=group, BACKWARD=bool(backward), STEPWISE=bool(stepwise),
         ACC=tl.float64 if t.dtype == torch.float64 else tl.float32, ROWS=nrows, BLOCK=block,
         num_warps=warps(nrows * block),
     )  # fmt: skip

@@ -1,17 +1,20 @@
 """``fused_sgd_`` in Triton: one SGD step (momentum, dampening, nesterov) over lists, one pass.
 
-Half grads are read and unscaled on the fly, the fp32 master and the momentum buffer are
-updated and the half param receives the rounded master; a set ``found_inf`` writes nothing.
+Half grads are read and unscaled on the fly, the fp32 master and the momentum buffer (fp32, or
+the param dtype without masters: stored rounded) are updated and the half param receives the
+rounded master; a set ``found_inf`` writes nothing.
 Each tensor's ``first_run`` (the buffer is initialised with the grad) is a column of the
 chunk table.
 """
 
 from __future__ import annotations
 
+import torch
 import triton
 import triton.language as tl
 
 from mpnb.core.ops._rounding import check_rounding
+from mpnb.core.ops.sgd import check_momentum_buffers, check_stepwise
 from mpnb.core.ops.triton._chunks import (
     BLOCK,
     WARPS,
@@ -20,7 +23,7 @@ from mpnb.core.ops.triton._chunks import (
     tensor_col,
     tensor_ptr,
 )
-from mpnb.core.ops.triton._common import f32, flag_view, launch
+from mpnb.core.ops.triton._common import f32, flag_view, from_acc, launch, to_acc
 from mpnb.core.ops.triton._optim import (
     check_opt,
     load_grad,
@@ -38,36 +41,50 @@ __all__ = ["fused_sgd_", "fused_sgd_bf16_"]
 
 
 @triton.jit
+def _r(x, DT: tl.constexpr, STEPWISE: tl.constexpr):
+    """``x`` rounded to ``DT`` and widened back with ``STEPWISE`` (else ``x``)."""
+    if STEPWISE:
+        x = to_acc(from_acc(x, DT), tl.float32)
+    return x
+
+
+@triton.jit
 def _direction(
-    g, w, b_ptr, offs, mask, first_run, momentum, one_m_damp, wd,
+    g, w, b_ptr, offs, mask, first_run, momentum, mom_add, one_m_damp, wd,
     HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
-    WD_AFTER: tl.constexpr,
+    WD_AFTER: tl.constexpr, STEPWISE: tl.constexpr, DT: tl.constexpr,
 ):  # fmt: skip
     # The step direction (weight decay, momentum, nesterov); updates the momentum buffer.
+    # STEPWISE: every operation rounded to the param dtype DT (torch.optim.SGD's half ops; the
+    # alphas of its adds, mom_add, one_m_damp and wd, come rounded to DT).
+    g = _r(g, DT, STEPWISE)
     if HAS_WD:
         if not WD_AFTER:
-            g = g + wd * w
-    if HAS_MOMENTUM:
-        buf = tl.load(b_ptr + offs, mask=mask, other=0.0)
-        buf = tl.where(first_run, g, buf * momentum + one_m_damp * g)
-        tl.store(b_ptr + offs, buf, mask=mask)
+            g = _r(g + wd * w, DT, STEPWISE)
+    if HAS_MOMENTUM:  # an fp32 buffer, or one in the param dtype (stored rounded)
+        buf = to_acc(tl.load(b_ptr + offs, mask=mask, other=0.0), tl.float32)
+        buf = tl.where(
+            first_run, g, _r(_r(buf * momentum, DT, STEPWISE) + one_m_damp * g, DT, STEPWISE)
+        )
+        tl.store(b_ptr + offs, from_acc(buf, b_ptr.dtype.element_ty), mask=mask)
         if NESTEROV:
-            g = g + momentum * buf
+            g = _r(g + mom_add * buf, DT, STEPWISE)
         else:
             g = buf
     if HAS_WD:
         if WD_AFTER:
-            g = g + wd * w
+            g = _r(g + wd * w, DT, STEPWISE)
     return g
 
 
 @triton.jit
 def _sgd_kernel(
     table, n_tensors, inv_ptr, found_ptr, p0, g0, b0, w0,
-    neg_lr, momentum, one_m_damp, wd,
+    neg_lr, momentum, mom_add, one_m_damp, wd,
     HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
     WD_AFTER: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_INV: tl.constexpr,
-    HAS_FOUND: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
+    HAS_FOUND: tl.constexpr, STEPWISE: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
 ):  # fmt: skip
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
@@ -83,8 +100,9 @@ def _sgd_kernel(
         mask = k + lanes < count
         g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
         w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
-        g = _direction(g, w, b_ptr, offs, mask, first_run, momentum, one_m_damp, wd,
-                       HAS_MOMENTUM, NESTEROV, HAS_WD, WD_AFTER)  # fmt: skip
+        g = _direction(g, w, b_ptr, offs, mask, first_run, momentum, mom_add, one_m_damp, wd,
+                       HAS_MOMENTUM, NESTEROV, HAS_WD, WD_AFTER, STEPWISE,
+                       p0.dtype.element_ty)  # fmt: skip
         w = w + neg_lr * g
         store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
@@ -103,6 +121,7 @@ def fused_sgd_(
     wd_after_momentum,
     inv_scale=None,
     found_inf=None,
+    stepwise=False,
 ) -> None:
     """One SGD step over lists, in place: the signature and semantics of
     :func:`mpnb.core.ops.sgd.reference_fused_sgd_` (arguments positional, as the
@@ -116,8 +135,11 @@ def fused_sgd_(
     """
     op = "fused_sgd_"
     params, grads, masters, bufs = list(params), list(grads), list(masters), list(momentum_buffers)
-    states = (bufs,) if momentum != 0 else ()
-    check_opt(op, params, grads, masters, *states, inv_scale=inv_scale, found_inf=found_inf)
+    check_opt(op, params, grads, masters, inv_scale=inv_scale, found_inf=found_inf)
+    if momentum != 0:
+        check_momentum_buffers(op, params, masters, bufs)
+    if stepwise:
+        check_stepwise(op, params, masters, bufs if momentum != 0 else [])
     if len(first_run) != len(params):
         raise ValueError(
             f"{op}: {len(first_run)} first_run values for {len(params)} params; pass one per param."
@@ -125,6 +147,11 @@ def fused_sgd_(
     if not params:
         return
     w_list = masters if masters else params
+
+    def alpha(x: float) -> float:
+        # ATen's add(..., alpha) on half tensors rounds alpha to their dtype (stepwise rule)
+        return float(torch.tensor(x).to(params[0].dtype)) if stepwise else f32(x)
+
     b_list = bufs if momentum != 0 else params
     tab = ChunkTable.build(
         [params, grads, b_list, w_list], cols=[[int(bool(f)) for f in first_run]]
@@ -139,7 +166,7 @@ def fused_sgd_(
         tab.table if inv_scale is None else inv_scale,
         tab.table if found_inf is None else flag_view(found_inf),
         params[0], grads[0], b_list[0], w_list[0],
-        f32(-lr), f32(momentum), f32(1.0 - dampening), f32(weight_decay),
+        alpha(-lr), f32(momentum), alpha(momentum), alpha(1.0 - dampening), alpha(weight_decay),
         HAS_MOMENTUM=momentum != 0,
         NESTEROV=bool(nesterov),
         HAS_WD=weight_decay != 0,
@@ -147,10 +174,11 @@ def fused_sgd_(
         HAS_MASTER=bool(masters),
         HAS_INV=inv_scale is not None,
         HAS_FOUND=found_inf is not None,
+        STEPWISE=bool(stepwise),
         ROW=tab.row,
         CHUNK=tab.chunk,
         BLOCK=BLOCK,
-            num_warps=WARPS,
+        num_warps=WARPS,
     )  # fmt: skip
 
 
@@ -183,8 +211,9 @@ def _sgd_bf16_kernel(
         mask = k + lanes < count
         g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
         w = load_weight(p_ptr, p_ptr, offs, mask, False)
-        g = _direction(g, w, b_ptr, offs, mask, first_run, momentum, one_m_damp, wd,
-                       HAS_MOMENTUM, NESTEROV, HAS_WD, WD_AFTER)  # fmt: skip
+        g = _direction(g, w, b_ptr, offs, mask, first_run, momentum, momentum, one_m_damp, wd,
+                       HAS_MOMENTUM, NESTEROV, HAS_WD, WD_AFTER, False,
+                       p0.dtype.element_ty)  # fmt: skip
         store_rounded(p_ptr, c_ptr, offs, w - lr * g, mask, key, KAHAN)
 
 

@@ -1,7 +1,8 @@
 """Apex's fused scaled (masked, causal) softmax in Triton, forward and backward.
 
 Softmax over the last dim computed in fp32 (fp64 for fp64 input), output in the input dtype.
-Masked scores become -10000 after scaling (Apex/Megatron: a fully masked row is uniform);
+Masked scores become -10000 after scaling (Apex/Megatron: a fully masked row is uniform, or
+zero with ``zero_all_masked``, Apex's generic kernel);
 the causal variant excludes the columns after the diagonal (their probability is exactly 0).
 The backward, ``scale * y * (dy - sum(dy * y))``, serves every forward. Rows that fit in one
 block are held in registers, several per program; longer rows are walked in blocks (three
@@ -41,7 +42,9 @@ MAX_FUSED = 8192  #: the longest row held in one block
 _TILE = 4096  # elements per program in the one-block path
 _BLOCK = 1024  # elements per step of the long-row path
 
-_NONE, _MASK, _CAUSAL = 0, 1, 2  # MODE of the forward kernels
+# MODE of the forward kernels: odd modes read a mask; _MASK_ZERO (Apex's generic kernel) also
+# zeroes the rows whose every position is masked.
+_NONE, _MASK, _CAUSAL, _MASK_ZERO = 0, 1, 2, 3
 
 
 @triton.jit
@@ -58,10 +61,17 @@ def _scores(x_ptr, m_ptr, row, mrow, cols, lim, s, MODE: tl.constexpr, ACC: tl.c
     """Scaled scores of columns ``cols < lim`` (masked: -10000), -inf for the others."""
     inside = cols < lim
     x = to_acc(tl.load(x_ptr + row + cols, mask=inside, other=0.0), ACC) * s
-    if MODE == 1:
+    if MODE % 2 == 1:
         masked = tl.load(m_ptr + mrow + cols, mask=inside, other=0) != 0
         x = tl.where(masked, _MASKED, x)
     return tl.where(inside, x, float("-inf")), inside
+
+
+@triton.jit
+def _unmasked(m_ptr, mrow, cols, lim):
+    """How many columns ``cols < lim`` of a mask row are not masked (along the last axis)."""
+    masked = tl.load(m_ptr + mrow + cols, mask=cols < lim, other=1) != 0
+    return tl.sum(tl.where(masked, 0, 1), axis=-1)
 
 
 @triton.jit
@@ -89,6 +99,8 @@ def _fwd_fused(
     x = tl.where(rvalid[:, None], x, 0.0)
     e = tl.where(inside, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
     y = div(e, tl.sum(e, axis=1)[:, None])
+    if MODE == 3:  # a row that sees nothing attends to nothing
+        y = tl.where((_unmasked(m_ptr, mrow, cols, lim[:, None]) > 0)[:, None], y, 0.0)
     out = cols < tl.where(rvalid, k, 0)[:, None]
     tl.store(y_ptr + row + cols, from_acc(y, y_ptr.dtype.element_ty), mask=out)
 
@@ -114,9 +126,15 @@ def _fwd_looped(
         x, inside = _scores(x_ptr, m_ptr, row, mrow, j + lanes, lim, s, MODE, ACC)
         acc += tl.where(inside, tl.exp(x - top), 0.0)
     total = tl.sum(acc, axis=0)
+    seen = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)  # unmasked columns (MODE 3)
+    if MODE == 3:
+        for j in range(0, k, BLOCK):
+            seen += _unmasked(m_ptr, mrow, j + lanes, lim)
     for j in range(0, k, BLOCK):
         x, inside = _scores(x_ptr, m_ptr, row, mrow, j + lanes, lim, s, MODE, ACC)
         y = div(tl.where(inside, tl.exp(x - top), 0.0), total)
+        if MODE == 3:  # a row that sees nothing attends to nothing
+            y = tl.where(seen > 0, y, 0.0)
         tl.store(y_ptr + row + j + lanes, from_acc(y, y_ptr.dtype.element_ty), mask=j + lanes < k)
 
 
@@ -128,7 +146,7 @@ def _forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, mode: int
     if rows == 0:
         return y
     sq = x.shape[-2] if mode != _NONE else 1
-    h = x.shape[1] if mode == _MASK else 1
+    h = x.shape[1] if mode in (_MASK, _MASK_ZERO) else 1
     if mask is not None:
         b, hh = x.shape[:2]
         m = mask.expand(b, hh, sq, k)
@@ -159,7 +177,9 @@ def scaled_softmax_fwd(input: torch.Tensor, scale: float) -> torch.Tensor:
     return _forward(input, None, scale, _NONE)
 
 
-def scaled_masked_softmax_fwd(input: torch.Tensor, mask: torch.Tensor, scale: float):
+def scaled_masked_softmax_fwd(
+    input: torch.Tensor, mask: torch.Tensor, scale: float, zero_all_masked: bool = False
+):
     """Masked softmax of ``[b, np, sq, sk]`` scores: the signature and semantics of
     :func:`mpnb.core.ops.softmax.reference_scaled_masked_softmax_fwd`.
 
@@ -172,7 +192,7 @@ def scaled_masked_softmax_fwd(input: torch.Tensor, mask: torch.Tensor, scale: fl
     op = "scaled_masked_softmax"
     check_float(op, input)
     check_mask(op, input, mask)
-    return _forward(input, mask, scale, _MASK)
+    return _forward(input, mask, scale, _MASK_ZERO if zero_all_masked else _MASK)
 
 
 def scaled_upper_triang_masked_softmax_fwd(input: torch.Tensor, scale: float) -> torch.Tensor:

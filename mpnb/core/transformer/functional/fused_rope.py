@@ -3,6 +3,12 @@
 All four build fp32 cos/sin tables (small: one row per position) and call one kernel that
 reads ``t`` once and writes the result once; gradients flow to ``t`` only (the frequencies
 are not differentiated, as in Apex).
+
+Rounding: for fp16/bf16 ``t`` the result is computed in fp32 and rounded once (mpnb's rule,
+the more accurate). ``stepwise=True`` rounds as Apex's kernel does, and as
+``t * cos + rotate_half(t) * sin`` does in ``t``'s dtype: the tables are cast to ``t``'s
+dtype, each product and the sum are rounded to it (:func:`mpnb.core.ops.rope`). Code run
+under the Apex alias gets that rule (:mod:`mpnb.compat.transformer_functional`).
 """
 
 from __future__ import annotations
@@ -40,11 +46,16 @@ def _check_t(op: str, t: torch.Tensor, dims: int, layout: str) -> None:
 
 
 def fused_apply_rotary_pos_emb(
-    t: torch.Tensor, freqs: torch.Tensor, transpose_output_memory: bool = False
+    t: torch.Tensor,
+    freqs: torch.Tensor,
+    transpose_output_memory: bool = False,
+    *,
+    stepwise: bool = False,
 ) -> torch.Tensor:
     """RoPE of ``t`` ``[s, b, h, d]`` by ``freqs`` ``[s, 1, 1, d2]`` (``d2 <= d``, even).
 
     ``y = t * cos(freqs) + rotate_half(t) * sin(freqs)`` on the first ``d2`` channels.
+    ``stepwise``: Apex's rounding (see the module docstring).
 
     Example::
 
@@ -58,29 +69,36 @@ def fused_apply_rotary_pos_emb(
     op = "fused_apply_rotary_pos_emb"
     _check_t(op, t, 4, "s, b, h, d")
     f = _table(op, freqs, t.shape[0], "freqs", t)
-    return rope(t, torch.cos(f), torch.sin(f), f.shape[1], transpose_output_memory)
+    return rope(t, torch.cos(f), torch.sin(f), f.shape[1], transpose_output_memory, False, stepwise)
 
 
 def fused_apply_rotary_pos_emb_cached(
-    t: torch.Tensor, cos_: torch.Tensor, sin_: torch.Tensor, transpose_output_memory: bool = False
+    t: torch.Tensor,
+    cos_: torch.Tensor,
+    sin_: torch.Tensor,
+    transpose_output_memory: bool = False,
+    *,
+    stepwise: bool = False,
 ) -> torch.Tensor:
-    """RoPE with precomputed ``cos_``/``sin_`` ``[s, 1, 1, d2]`` (fp32 or ``t``'s dtype)."""
+    """RoPE with precomputed ``cos_``/``sin_`` ``[s, 1, 1, d2]`` (fp32 or ``t``'s dtype);
+    ``stepwise``: Apex's rounding."""
     op = "fused_apply_rotary_pos_emb_cached"
     _check_t(op, t, 4, "s, b, h, d")
     c = _table(op, cos_, t.shape[0], "cos_", t)
     s = _table(op, sin_, t.shape[0], "sin_", t)
     if c.shape != s.shape:
         raise ValueError(f"{op}: cos_ {tuple(cos_.shape)} and sin_ {tuple(sin_.shape)} differ.")
-    return rope(t, c, s, c.shape[1], transpose_output_memory)
+    return rope(t, c, s, c.shape[1], transpose_output_memory, False, stepwise)
 
 
 def fused_apply_rotary_pos_emb_thd(
-    t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor
+    t: torch.Tensor, cu_seqlens: torch.Tensor, freqs: torch.Tensor, *, stepwise: bool = False
 ) -> torch.Tensor:
     """RoPE of packed sequences ``t`` ``[total, h, d]``; ``cu_seqlens`` ``[b + 1]`` (int).
 
     Token ``k`` of sequence ``i`` (``cu_seqlens[i] <= k < cu_seqlens[i + 1]``) gets position
     ``k - cu_seqlens[i]``; ``freqs`` ``[max_s, 1, 1, d2]`` covers the longest sequence.
+    ``stepwise``: Apex's rounding.
     """
     op = "fused_apply_rotary_pos_emb_thd"
     _check_t(op, t, 3, "t, h, d")
@@ -101,7 +119,8 @@ def fused_apply_rotary_pos_emb_thd(
         )
     pos = torch.arange(t.shape[0], device=t.device) - cu[:-1].repeat_interleave(lengths)
     f = f[pos]
-    return rope(t.unsqueeze(1), torch.cos(f), torch.sin(f), f.shape[1]).squeeze(1)
+    cos, sin = torch.cos(f), torch.sin(f)
+    return rope(t.unsqueeze(1), cos, sin, f.shape[1], False, False, stepwise).squeeze(1)
 
 
 def fused_apply_rotary_pos_emb_2d(
@@ -112,11 +131,14 @@ def fused_apply_rotary_pos_emb_2d(
     sin_h: torch.Tensor,
     cos_w: torch.Tensor,
     sin_w: torch.Tensor,
+    *,
+    stepwise: bool = False,
 ) -> torch.Tensor:
     """2-D RoPE of image tokens ``t`` ``[b, img_h * img_w, h, d]`` (row-major tokens).
 
     The first ``d/2`` channels rotate by the token's row (``cos_h``/``sin_h`` ``[1, H, 1, d/2]``,
     ``H >= img_h``), the last ``d/2`` by its column (``cos_w``/``sin_w`` ``[1, W, 1, d/2]``).
+    ``stepwise``: Apex's rounding.
     """
     op = "fused_apply_rotary_pos_emb_2d"
     _check_t(op, t, 4, "b, img_h * img_w, h, d")
@@ -149,4 +171,4 @@ def fused_apply_rotary_pos_emb_2d(
     cos = torch.cat([tabs[0][rows], tabs[2][cols]], -1).contiguous()
     sin = torch.cat([tabs[1][rows], tabs[3][cols]], -1).contiguous()
     # [b, s, h, d] seen as [s, b, h, d]; transposed output memory gives back [b, s, h, d] rows.
-    return rope(t.transpose(0, 1), cos, sin, d // 2, True).transpose(0, 1)
+    return rope(t.transpose(0, 1), cos, sin, d // 2, True, False, stepwise).transpose(0, 1)

@@ -18,12 +18,22 @@ from mpnb.core.transformer.enums import AttnMaskType
 
 __all__ = [
     "FusedScaleMaskSoftmax",
+    "FusedSoftmaxConfigError",
     "scaled_softmax",
     "scaled_masked_softmax",
     "scaled_upper_triang_masked_softmax",
     "generic_scaled_masked_softmax",
     "attention_mask_func",
 ]
+
+
+class FusedSoftmaxConfigError(ValueError, RuntimeError):
+    """A :class:`FusedScaleMaskSoftmax` configuration that cannot work (both half flags, a
+    scale without ``softmax_in_fp32``, an unknown mask type).
+
+    A ``ValueError`` (a bad argument) that is also the ``RuntimeError`` Apex raises there, so
+    code catching either keeps working.
+    """
 
 
 def attention_mask_func(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -42,7 +52,8 @@ def scaled_masked_softmax(input: torch.Tensor, mask: torch.Tensor, scale: float 
 
 
 def generic_scaled_masked_softmax(input: torch.Tensor, mask: torch.Tensor, scale: float = 1.0):
-    """Apex's generic (any ``sk``) masked softmax; the same CPU kernel as the masked one."""
+    """Apex's generic (any ``sk``) masked softmax: as :func:`scaled_masked_softmax`, except that
+    a row whose every position is masked attends to nothing (all zeros, zero gradient)."""
     return ops.generic_scaled_masked_softmax_fwd(input, mask, scale)
 
 
@@ -83,17 +94,17 @@ class FusedScaleMaskSoftmax(nn.Module):
     ) -> None:
         super().__init__()
         if input_in_fp16 and input_in_bf16:
-            raise ValueError(
+            raise FusedSoftmaxConfigError(
                 "FusedScaleMaskSoftmax: input_in_fp16 and input_in_bf16 cannot both "
                 "be True; set the one that matches the scores' dtype."
             )
         if not isinstance(attn_mask_type, AttnMaskType):
-            raise TypeError(
-                f"FusedScaleMaskSoftmax: attn_mask_type must be an AttnMaskType, got "
-                f"{attn_mask_type!r}."
+            raise FusedSoftmaxConfigError(
+                f"FusedScaleMaskSoftmax: attn_mask_type must be an AttnMaskType (padding or "
+                f"causal), got {attn_mask_type!r}."
             )
         if not (scale is None or softmax_in_fp32):
-            raise ValueError(
+            raise FusedSoftmaxConfigError(
                 "FusedScaleMaskSoftmax: a scale needs softmax_in_fp32=True (as in "
                 "Apex); pass softmax_in_fp32=True or scale=None."
             )

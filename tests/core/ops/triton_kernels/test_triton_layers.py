@@ -4,6 +4,8 @@ shapes, rows longer than one block, inf/NaN at random positions."""
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 from triton_cases import bitwise, close, gen, kernel, on, poison, randn
@@ -131,10 +133,12 @@ def test_softmax_forward_matches_reference(device, ulps, dtype, shape):
         S.reference_scaled_softmax_fwd(x, 0.3),
         ulps,
     )
-    for bcast in (True, False):
-        m = _mask(shape, g, bcast)
-        got = kernel("scaled_masked_softmax_fwd")(*on(device, [x, m]), 0.3)
-        close(got, S.reference_scaled_masked_softmax_fwd(x, m, 0.3), ulps)
+    for bcast, zero in itertools.product((True, False), (False, True)):
+        m = _mask(shape, g, bcast)  # with a fully masked row: uniform, or zero (generic)
+        got = kernel("scaled_masked_softmax_fwd")(*on(device, [x, m]), 0.3, zero)
+        close(got, S.reference_scaled_masked_softmax_fwd(x, m, 0.3, zero), ulps)
+        if zero and m.numel():
+            assert (got.cpu()[0, 0, 0] == 0).all()
     if shape[-1] == shape[-2]:
         got = kernel("scaled_upper_triang_masked_softmax_fwd")(on(device, x), 0.3)
         want = S.reference_scaled_upper_triang_masked_softmax_fwd(x, 0.3)
@@ -234,8 +238,8 @@ def test_rope_matches_reference(device, ulps, dtype, case):
         poison(inputs[:1], g, count=2)
     for t in inputs:
         for transpose_output in (False, True):
-            for backward in (False, True):
-                args = (group, transpose_output, backward)
+            for backward, stepwise in itertools.product((False, True), (False, True)):
+                args = (group, transpose_output, backward, stepwise)
                 got = kernel("rope")(*on(device, [t, cos, sin]), *args)
                 want = R.reference_rope(t, cos, sin, *args)
                 close(got, want, ulps)
