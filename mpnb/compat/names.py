@@ -202,7 +202,8 @@ _ROWS = [
         "apex.optimizers.fused_adam",
         "mpnb.core.optimizers.fused_adam",
         PROVIDES,
-        "torch.optim.AdamW(fused=True) (adam_w_mode=True) / torch.optim.Adam(fused=True)",
+        "torch.optim.AdamW(fused=True, weight_decay=0.0) (adam_w_mode=True; AdamW's own "
+        "default decay is 0.01, FusedAdam's 0) / torch.optim.Adam(fused=True)",
     ),
     ApexModule(
         "apex.optimizers.fused_sgd",
@@ -410,10 +411,14 @@ NAMES: dict[str, ApexName] = {
         "O2/O3 model casts are model.to(dtype)"
     ),
     "apex.amp.scale_loss": ApexName(
-        "scaler = torch.amp.GradScaler(); scaler.scale(loss).backward(); "
+        "scaler = torch.amp.GradScaler(device_type) (the device is not optional: with none "
+        "it means CUDA and turns itself off elsewhere); scaler.scale(loss).backward(); "
         "scaler.step(optimizer); scaler.update()"
     ),
-    "apex.amp.master_params": ApexName("model.parameters() (autocast keeps fp32 params)"),
+    "apex.amp.master_params": ApexName(
+        "scaler.unscale_(optimizer) first, then model.parameters() (autocast keeps fp32 "
+        "params): clipping or reading the grads before unscale_ sees them x the loss scale"
+    ),
     "apex.amp.state_dict": ApexName("scaler.state_dict()"),
     "apex.amp.load_state_dict": ApexName("scaler.load_state_dict(state)"),
     "apex.amp.disable_casts": ApexName("with torch.autocast(device_type, enabled=False):"),
@@ -443,7 +448,8 @@ NAMES: dict[str, ApexName] = {
         "one torch.distributed collective per tensor"
     ),
     "apex.optimizers.FusedAdam": ApexName(
-        "torch.optim.AdamW(fused=True) (adam_w_mode=True) / torch.optim.Adam(fused=True)"
+        "torch.optim.AdamW(fused=True, weight_decay=0.0) (adam_w_mode=True; AdamW's own "
+        "default decay is 0.01, FusedAdam's 0) / torch.optim.Adam(fused=True)"
     ),
     "apex.optimizers.FusedSGD": ApexName(
         "torch.optim.SGD(fused=True)",

@@ -146,3 +146,13 @@ def test_the_script_is_only_parsed(tmp_path):
     )
     assert [r.name for r in check_script(str(script)).names] == ["apex.amp"]
     assert not marker.exists()
+
+
+def test_the_ports_name_what_a_literal_port_gets_wrong():
+    """A GradScaler without a device is CUDA's (off on a CPU), AdamW's default decay is not
+    FusedAdam's, and grads read before unscale_ are scaled: each port says so."""
+    from mpnb.compat.names import NAMES
+
+    assert "GradScaler(device_type)" in NAMES["apex.amp.scale_loss"].port
+    assert "weight_decay=0.0" in NAMES["apex.optimizers.FusedAdam"].port
+    assert "unscale_(optimizer)" in NAMES["apex.amp.master_params"].port
