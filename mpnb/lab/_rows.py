@@ -30,6 +30,7 @@ COLUMNS = (
     "batch_size",
     "samples_per_step",
     "steps",
+    "steps_done",
     "optimizer",
     "device",
     "hardware",
@@ -146,7 +147,7 @@ def _baseline(results: list[RunResult], cfg) -> RunResult | None:
 
 def _speed(res: RunResult, base: RunResult | None) -> dict:
     nan = math.nan
-    if base is None or res.error is not None:
+    if base is None or res.error is not None or not res.history:  # not started: no figure
         return dict(speedup_vs_O0=nan, speedup_lo=nan, speedup_hi=nan, rounds=0)
     ratios = paired_ratios(base, res)
     if res is base:
@@ -176,6 +177,7 @@ def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
         precision=precision,
         batch_size=cfg.batch_size,
         steps=cfg.steps,
+        steps_done=len(res.history),  # fewer than steps when Stop or Ctrl-C came first
         optimizer=cfg.optimizer,
         device=cfg.device,
         hardware=hw["summary"],
@@ -183,10 +185,11 @@ def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
     )
     row.update(res.row)
     row.update(_speed(res, base))
+    baseline = res is base and bool(res.history)  # an O0 that never started has no figure
     row["speed_label"] = (
         "failed"
         if res.error
-        else speed_label(row["speedup_vs_O0"], row["speedup_lo"], row["speedup_hi"], res is base)
+        else speed_label(row["speedup_vs_O0"], row["speedup_lo"], row["speedup_hi"], baseline)
     )
     ok = res.error is None and base is not None
     bpeak = base.row.get("peak_mem_mib", nan) if base else nan

@@ -42,6 +42,7 @@ __all__ = [
     "fp8_support",
     "emulation_note",
     "load_record",
+    "not_started",
     "COLUMNS",
 ]
 
@@ -218,6 +219,17 @@ def _round_robin(trainers: list[Trainer], prog: _Progress, should_stop) -> tuple
     except KeyboardInterrupt:
         return [t.finish(interrupted="Ctrl-C") for t in trainers], "Ctrl-C"
     return [t.finish() for t in trainers], ""
+
+
+def not_started(configs: Sequence[RunConfig], ran: list[RunResult], by: str) -> list[RunResult]:
+    """A row for every configuration of ``configs`` that a Stop or Ctrl-C (``by``) came before:
+    it is listed, says so and holds nothing measured, instead of vanishing from the frame."""
+    done = {id(r.config) for r in ran}
+    return [
+        RunResult(c, interrupted=f"not started ({by} came first): nothing measured")
+        for c in configs
+        if id(c) not in done
+    ]
 
 
 def _run_isolated(cfg: RunConfig, spec, threads: int | None) -> RunResult:
@@ -398,6 +410,8 @@ def compare(
                     group = [Trainer(c, w) for c in configs if c.batch_size == b]
                     got, stopped = _round_robin(group, prog, should_stop)
                     results += got
+            if stopped:
+                results += not_started(configs, results, stopped)
         finally:
             prog.close()
         n_threads = torch.get_num_threads()
