@@ -212,6 +212,15 @@ def _finish_run(widget, page, timeout_ms: int = 400_000) -> None:
     page.wait_for_function("b => !b.disabled", arg=run.element_handle(), timeout=timeout_ms)
 
 
+def _run_and_wait(widget, page, status: str, shot: str) -> None:
+    """Click Run, wait for the status line to start with ``status``, then screenshot."""
+    widget.locator(".widget-button:text-is('Run')").first.click()
+    widget.locator(f"text=/^{status}/").first.wait_for(timeout=400_000)
+    _finish_run(widget, page)
+    page.wait_for_timeout(500)
+    _shot(widget, shot)
+
+
 # ---- 1. Stop --------------------------------------------------------------------------------
 
 
@@ -278,11 +287,7 @@ def test_errors_show_beside_their_cause_and_a_success_clears_them(lab):
         _shot(widget, "2-errors-export-before-run")
         export_box, err_box = _box(export), _box(err)
         tabs_box = _box(widget.locator(".lm-TabBar").first)
-        widget.locator(".widget-button:text-is('Run')").first.click()
-        widget.locator("text=/^done/").first.wait_for(timeout=400_000)
-        _finish_run(widget, page)
-        page.wait_for_timeout(500)
-        _shot(widget, "2-errors-failed-configuration")
+        _run_and_wait(widget, page, "done", "2-errors-failed-configuration")
         stale = widget.locator("text=/nothing to export yet/ >> visible=true").count()
         failed = widget.locator("text=/O3 fp16 b\\d+.*failed/ >> visible=true").first
         failed.wait_for(timeout=30_000)
@@ -293,11 +298,7 @@ def test_errors_show_beside_their_cause_and_a_success_clears_them(lab):
         select = widget.locator(".widget-select-multiple select").first
         select.select_option(["O0"])
         widget.locator(".jupyter-widget-Collapse-header").first.click()
-        widget.locator(".widget-button:text-is('Run')").first.click()
-        widget.locator("text=/^done: 1 configuration/").first.wait_for(timeout=400_000)
-        _finish_run(widget, page)
-        page.wait_for_timeout(500)
-        _shot(widget, "2-errors-after-success")
+        _run_and_wait(widget, page, "done: 1 configuration", "2-errors-after-success")
         left = widget.locator("text=/NaN divergence/ >> visible=true").count()
     finally:
         _close(page)
