@@ -31,6 +31,7 @@ COLUMNS = (
     "batch_size",
     "samples_per_step",
     "steps",
+    "steps_done",
     "optimizer",
     "device",
     "hardware",
@@ -154,7 +155,7 @@ def _baseline(results: list[RunResult], cfg) -> RunResult | None:
 
 def _speed(res: RunResult, base: RunResult | None) -> dict:
     nan = math.nan
-    if base is None or res.error is not None:
+    if base is None or res.error is not None or not res.history:  # not started: no figure
         return dict(speedup_vs_O0=nan, speedup_lo=nan, speedup_hi=nan, rounds=0)
     ratios = paired_ratios(base, res)
     if res is base:
@@ -196,6 +197,7 @@ def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
         precision=precision,
         batch_size=cfg.batch_size,
         steps=cfg.steps,
+        steps_done=len(res.history),  # fewer than steps when Stop or Ctrl-C came first
         optimizer=cfg.optimizer,
         device=cfg.device,
         hardware=hw["summary"],
@@ -203,13 +205,14 @@ def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
     )
     row.update(res.row)
     row.update(_speed(res, base))
+    baseline = res is base and bool(res.history)  # an O0 that never started has no figure
     if res.error:
         row["speed_label"] = "failed"
     elif res is not base and row["rounds"] and not math.isfinite(row["speedup_vs_O0"]):
         row["speed_label"] = too_few_rounds(row["rounds"])
     else:
         row["speed_label"] = speed_label(
-            row["speedup_vs_O0"], row["speedup_lo"], row["speedup_hi"], res is base
+            row["speedup_vs_O0"], row["speedup_lo"], row["speedup_hi"], baseline
         )
     ok = res.error is None and base is not None
     bpeak = base.row.get("peak_mem_mib", nan) if base else nan

@@ -185,7 +185,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     try:
         w = get(args.workload, args.size, resolve_device(args.device))
-        print(f"mpnb compare: {w.description} ({w.size})", file=msg, flush=True)
+        sizes = ", ".join(map(str, args.batch_sizes or (w.batch_size,)))
+        print(
+            f"mpnb compare: {w.description} ({w.size}); batch {sizes}, "
+            f"{args.steps or w.steps} steps",
+            file=msg,
+            flush=True,
+        )
         note = emulation_note(w, dtype, args.device, args.opt_levels)
         if note:
             print(note, file=msg, flush=True)

@@ -15,22 +15,38 @@ from pathlib import Path
 
 import pandas as pd
 
-from mpnb.lab._rows import split_warnings
+from mpnb.lab._report_table import (
+    TABLE_COLUMNS,
+    TABLE_GROUPS,
+    drawn_rows,
+    format_value,
+    results_table,
+    speed_note,
+    status_text,
+    warnings_banner,
+)
 from mpnb.lab.memory import ROLES
 
 __all__ = [
     "report",
     "figures",
     "speed_bar",
+    "speed_labels",
     "chart_title",
     "results_table",
+    "speed_note",
+    "status_text",
+    "drawn_rows",
     "warnings_banner",
     "glossary_html",
+    "missing_metric",
     "format_value",
+    "run_line",
     "curve_style",
     "CHARTS",
     "CHART_TEXT",
     "TABLE_COLUMNS",
+    "TABLE_GROUPS",
 ]
 
 CHARTS = ("speed", "memory", "accuracy", "loss", "loss_scale")
@@ -56,8 +72,7 @@ CHART_TEXT = {
         "Held-out quality after training",
         "configuration",
         "metric (0-1, higher is better)",
-        "How to read: bars of equal height mean mixed precision cost no accuracy; the dashed "
-        "line is chance (a random guess).",
+        "How to read: bars of equal height mean mixed precision cost no accuracy.",
     ),
     "loss": (
         "Training loss per step",
@@ -73,97 +88,6 @@ CHART_TEXT = {
         "after a run of clean steps; a flat line means no overflow.",
     ),
 }
-
-#: the results table's columns and their headers (with units); the widget shows the same.
-#: Warnings are not a column: they are gathered once in :func:`warnings_banner`.
-TABLE_COLUMNS = {
-    "configuration": "configuration",
-    "precision": "precision",
-    "status": "status",
-    "speed_label": "speed vs O0",
-    "speedup_vs_O0": "speed-up (x O0)",
-    "speedup_lo": "95% low (x)",
-    "speedup_hi": "95% high (x)",
-    "step_time_ms": "step time (ms)",
-    "samples_per_step": "samples per step",
-    "samples_per_s": "throughput (samples/s)",
-    "peak_mem_mib": "peak memory (MiB)",
-    "mem_saving_vs_O0": "memory saved vs O0 (%)",
-    "final_loss": "final loss",
-    "metric": "metric (0-1)",
-    "metric_vs_O0": "metric vs O0",
-    "output_diff_vs_O0": "output difference vs O0 (rel.)",
-    "skipped_steps": "skipped steps",
-    "final_loss_scale": "final loss scale",
-    "error": "error",
-}
-
-
-def format_value(col: str, v) -> str:
-    """A number as a reader wants it: ``66,340`` samples/s, ``+18%``, ``1.25``, ``65536``.
-
-    Example::
-
-        >>> format_value("samples_per_s", 66340.2), format_value("mem_saving_vs_O0", -3.4e-5)
-        ('66,340', '0%')
-    """
-    if v is None or (isinstance(v, float) and math.isnan(v)):
-        return "-"
-    if isinstance(v, str):
-        return v
-    v = float(v)
-    if col == "mem_saving_vs_O0":
-        pct = round(v * 100)
-        return f"{pct:+d}%" if pct else "0%"
-    if col in ("speedup_vs_O0", "speedup_lo", "speedup_hi"):
-        return f"{v:.2f}"
-    if col in ("samples_per_s", "samples_per_step", "skipped_steps"):
-        return f"{v:,.0f}"
-    if col == "final_loss_scale":
-        return f"{v:,.0f}" if v >= 1 and v == int(v) else f"{v:g}"
-    if col == "metric_vs_O0":
-        return f"{v:+.3f}"
-    if col == "output_diff_vs_O0":
-        return f"{v:.1e}" if v and abs(v) < 1e-3 else f"{v:.3f}"
-    if abs(v) >= 1000:
-        return f"{v:,.0f}"
-    return f"{v:.3g}"
-
-
-def warnings_banner(df: pd.DataFrame) -> list[str]:
-    """Each distinct warning of the rows once, naming the configurations it concerns."""
-    seen: dict[str, list[str]] = {}
-    for r in df.itertuples():
-        for w in split_warnings(r.warnings):
-            seen.setdefault(w, []).append(str(r.configuration))
-    n = len(df)
-    return [
-        f"{w} ({'all configurations' if len(c) == n and n > 1 else ', '.join(c)})"
-        for w, c in seen.items()
-    ]
-
-
-def results_table(df: pd.DataFrame, classes: str = "rows") -> str:
-    """The results as an HTML table: readable headers with units, formatted numbers.
-
-    Failed rows say ``failed`` in their status and keep a one-line error; the full messages
-    and every warning are listed once, outside the table (compact rows).
-    """
-    cols = [c for c in TABLE_COLUMNS if c in df.columns]
-    head = "".join(f"<th>{html.escape(TABLE_COLUMNS[c])}</th>" for c in cols)
-    rows = []
-    for _, r in df.iterrows():
-        cells = []
-        for c in cols:
-            text = format_value(c, r[c])
-            if c == "error" and len(text) > 80:
-                text = text[:77] + "..."
-            cells.append(f"<td>{html.escape(text)}</td>")
-        rows.append("<tr>" + "".join(cells) + "</tr>")
-    return (
-        f"<div style='overflow-x:auto'><table class='{classes}'><thead><tr>{head}</tr></thead>"
-        f"<tbody>{''.join(rows)}</tbody></table></div>"
-    )
 
 
 def glossary_html(names=None) -> str:
@@ -184,8 +108,7 @@ def glossary_html(names=None) -> str:
     return f"<dl class='glossary'>{items}</dl>"
 
 
-def _ok(df: pd.DataFrame) -> pd.DataFrame:
-    return df[df["error"].fillna("") == ""]
+_ok = drawn_rows
 
 
 def chart_title(name: str, width: int = 100) -> str:
@@ -204,7 +127,9 @@ def _layout(fig, name: str, **kw):
 
 
 def speed_bar(df: pd.DataFrame) -> dict:
-    """The speed bar's data from ``df``: x, y (speed-up), asymmetric whiskers and labels.
+    """The speed bar's data from ``df``: x, y (speed-up), asymmetric whiskers, labels, and
+    where each label sits (``label_y``: the top of its whisker, so no whisker crosses it) and
+    the y range that keeps the labels inside the plot (``y_max``).
 
     The widget and the report both draw exactly this.
     """
@@ -212,13 +137,27 @@ def speed_bar(df: pd.DataFrame) -> dict:
     y = [float(v) for v in ok["speedup_vs_O0"]]
     lo = [float(v) for v in ok["speedup_lo"]]
     hi = [float(v) for v in ok["speedup_hi"]]
+    tops = [
+        max(v, h) if math.isfinite(h) else v for v, h in zip(y, hi, strict=True) if math.isfinite(v)
+    ]
     return dict(
         x=list(ok["configuration"]),
         y=y,
         plus=[max(h - v, 0.0) if math.isfinite(h) else 0.0 for v, h in zip(y, hi, strict=True)],
         minus=[max(v - a, 0.0) if math.isfinite(a) else 0.0 for v, a in zip(y, lo, strict=True)],
         text=list(ok["speed_label"]),
+        label_y=[max(v, h) if math.isfinite(h) else v for v, h in zip(y, hi, strict=True)],
+        y_max=1.25 * max([1.0, *tops]),
     )
+
+
+def speed_labels(d: dict) -> list[dict]:
+    """The speed labels as plotly annotations above each whisker (never across one)."""
+    return [
+        dict(x=x, y=y, text=html.escape(t), showarrow=False, yanchor="bottom", yshift=3)
+        for x, y, t in zip(d["x"], d["label_y"], d["text"], strict=True)
+        if math.isfinite(y)
+    ]
 
 
 def _speed(go, df):
@@ -229,11 +168,13 @@ def _speed(go, df):
             y=d["y"],
             error_y=dict(type="data", symmetric=False, array=d["plus"], arrayminus=d["minus"]),
             text=d["text"],
-            textposition="outside",
+            textposition="none",  # shown as annotations above the whiskers instead
         )
     )
     fig.add_hline(y=1.0, line_dash="dash", line_color="gray")
-    return _layout(fig, "speed")
+    _layout(fig, "speed")
+    fig.update_layout(annotations=speed_labels(d), yaxis_range=[0, d["y_max"]])
+    return fig
 
 
 def _memory(go, df):
@@ -244,6 +185,30 @@ def _memory(go, df):
     return _layout(fig, "memory", barmode="stack")
 
 
+def missing_metric(df: pd.DataFrame) -> str:
+    """Why the accuracy chart has nothing to draw ("" when some row has a metric).
+
+    Example::
+
+        >>> missing_metric(stopped_df)
+        'No held-out metric: the run was interrupted before the evaluation ...'
+    """
+    ok = _ok(df)
+    if len(ok) and ok["metric"].notna().any():
+        return ""
+    if len(df) and str(df["metric_name"].iloc[0]) == "-":
+        return (
+            "No metric: this workload has no metric_fn (pass metric_fn=mpnb.lab.accuracy, or "
+            "a function of your own, to measure held-out quality)."
+        )
+    if len(df) and "status" in df and (df["status"] == "interrupted").any():
+        return (
+            "No held-out metric: the run was interrupted before the evaluation (it runs after "
+            "the last step); the training loss chart shows the steps that ran."
+        )
+    return "No metric was measured (every configuration failed)."
+
+
 def _accuracy(go, df):
     ok = _ok(df)
     name = str(df.metric_name.iloc[0]) if len(df) else "metric"
@@ -251,15 +216,23 @@ def _accuracy(go, df):
         go.Bar(
             x=ok.configuration,
             y=ok.metric,
-            text=[f"{m:.3f}" for m in ok.metric],
+            text=[format_value("metric", m) for m in ok.metric],
             textposition="outside",
         )
     )
     _layout(fig, "accuracy")
     fig.update_layout(yaxis_title=f"{name} (0-1, higher is better)")
+    why = missing_metric(df)
+    if why:
+        fig.add_annotation(
+            text="<br>".join(textwrap.wrap(html.escape(why), 80)),
+            xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
+        )  # fmt: skip
     chance = df.attrs.get("workload", {}).get("chance")
     if chance:
-        fig.add_hline(y=chance, line_dash="dash", line_color="gray", annotation_text="chance")
+        fig.add_hline(
+            y=chance, line_dash="dash", line_color="gray", annotation_text="chance (random guess)"
+        )
     return fig
 
 
@@ -328,6 +301,27 @@ def _hardware_html(df: pd.DataFrame) -> str:
     )
 
 
+def run_line(df: pd.DataFrame) -> str:
+    """What ran, from the rows: the workload, batch sizes and the steps asked (and done).
+
+    Example::
+
+        >>> run_line(df)
+        'MLP (hidden 128) on 8x8 digits (small); batch 64; 6 steps per configuration'
+    """
+    if not len(df):
+        return ""
+    wl = df.attrs.get("workload", {})
+    what = wl.get("description") or str(df["workload"].iloc[0])
+    size = f" ({wl['size']})" if wl.get("size") else ""
+    sizes = ", ".join(str(int(b)) for b in dict.fromkeys(df["batch_size"]))
+    steps = ", ".join(str(int(n)) for n in dict.fromkeys(df["steps"]))
+    line = f"{what}{size}; batch {sizes}; {steps} steps per configuration"
+    if df.attrs.get("stopped"):
+        line += f" (stopped by {df.attrs.get('stopped_by') or 'Stop'}: see each row's status)"
+    return line
+
+
 def report(df: pd.DataFrame, path: str | Path, title: str = "mpnb compare") -> Path:
     """Write ``df`` (from :func:`mpnb.lab.compare`) as one self-contained HTML page.
 
@@ -356,7 +350,7 @@ def report(df: pd.DataFrame, path: str | Path, title: str = "mpnb compare") -> P
         + "</section>"
         for name, fig in figures(df).items()
     )
-    table = results_table(df)
+    table = results_table(df) + f"<p class='note'>{html.escape(speed_note(df))}</p>"
     notes = warnings_banner(df) if "warnings" in df.columns else []
     banner = (
         "<div class='warnings'><b>Warnings</b><ul>"
@@ -377,13 +371,15 @@ def report(df: pd.DataFrame, path: str | Path, title: str = "mpnb compare") -> P
 <style>body{{font-family:sans-serif;margin:2em;max-width:1200px}}
 table.rows{{border-collapse:collapse;font-size:12px}}
 table.rows td,table.rows th{{padding:3px 6px;border-bottom:1px solid #ddd;white-space:nowrap}}
+table.rows th{{white-space:normal;vertical-align:bottom}} p.note{{font-size:13px;color:#444}}
 .warnings{{border-left:4px solid #a05a00;background:#fff8ec;padding:4px 12px;margin:1em 0}}
 dl.glossary dt{{float:left;clear:left;width:9em}} dl.glossary dd{{margin:0 0 4px 9.5em}}</style>
 <script type="text/javascript">{get_plotlyjs()}</script></head>
 <body><h1>{html.escape(title)}: {html.escape(str(df.workload.iloc[0]) if len(df) else "")}</h1>
+<p class="run">{html.escape(run_line(df))}</p>
 <h2>Verdict</h2>{_verdict_html(df)}
 <h2>Hardware</h2>{_hardware_html(df)}
-<h2>Results</h2>{banner}{table}{failures}
+<section id="results"><h2>Results</h2>{banner}{table}{failures}</section>
 <h2>Charts</h2>{charts}
 <h2>Glossary: the configurations</h2>{glossary_html(names)}
 </body></html>"""

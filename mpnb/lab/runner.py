@@ -42,6 +42,7 @@ __all__ = [
     "fp8_support",
     "emulation_note",
     "load_record",
+    "not_started",
     "COLUMNS",
 ]
 
@@ -229,6 +230,17 @@ def _in_process(configs, w, prog, should_stop) -> tuple[list[RunResult], str]:
     return results, stopped
 
 
+def not_started(configs: Sequence[RunConfig], ran: list[RunResult], by: str) -> list[RunResult]:
+    """A row for every configuration of ``configs`` that a Stop or Ctrl-C (``by``) came before:
+    it is listed, says so and holds nothing measured, instead of vanishing from the frame."""
+    done = {id(r.config) for r in ran}
+    return [
+        RunResult(c, interrupted=f"not started ({by} came first): nothing measured")
+        for c in configs
+        if id(c) not in done
+    ]
+
+
 def _isolated(configs, spec, prog, threads, should_stop) -> tuple[list[RunResult], str]:
     """Each configuration alone in a spawned subprocess; a stop (Stop, Ctrl-C, SIGTERM) keeps
     the steps the running one finished (see :mod:`mpnb.lab._isolate`)."""
@@ -384,6 +396,8 @@ def compare(
             else:
                 with sigterm_interrupts():  # SIGTERM raises in the step, as Ctrl-C does
                     results, stopped = _in_process(configs, w, prog, should_stop)
+            if stopped:
+                results += not_started(configs, results, stopped)
         finally:
             prog.close()
         n_threads = torch.get_num_threads()

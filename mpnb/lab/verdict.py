@@ -40,6 +40,7 @@ __all__ = [
     "REFERENCE_GPU",
     "estimate_for_card",
     "gpu_estimate",
+    "measured_rows",
     "verdict",
 ]
 
@@ -166,7 +167,7 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
         ``"fp16"``, ``"fp8"``).
     """
     hw = df.attrs.get("hardware", {})
-    ok = df[df["status"] == "ok"] if "status" in df else df[df["error"] == ""]
+    ok = measured_rows(df)
     halves = [c for c in ok["half_dtype"].unique() if c in ("bf16", "fp16")]
     emulated = [h for h in halves if hw.get(h) == "emulated"]
     if "precision" in ok and ok["precision"].astype(str).eq("fp8 (emulated)").any():
@@ -177,10 +178,16 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
     saving = acc[acc["mem_saving_vs_O0"] > 0.005]
     smallest = saving.loc[saving["mem_saving_vs_O0"].idxmax()] if len(saving) else None
     lines = []
-    if fastest is not None:
+    has_metric = bool(len(ok)) and ok["metric"].notna().any()
+    if fastest is not None and has_metric:
         lines.append(
             f"Fastest within {tolerance:g} {ok['metric_name'].iloc[0]} of O0: "
             f"{fastest['configuration']}, {fastest['speed_label']}."
+        )
+    elif fastest is not None:
+        lines.append(
+            f"Fastest: {fastest['configuration']}, {fastest['speed_label']} (no metric was "
+            "measured, so its accuracy is not checked)."
         )
     elif len(ok):
         lines.append("No configuration is measurably faster than O0 on this machine.")
@@ -199,13 +206,14 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
         )
     for _, r in df[df["status"] == "error"].iterrows():
         lines.append(f"{r['configuration']} failed: see its error.")
+    lines += _interrupted_lines(df)
     lines += emulation_lines(emulated, str(hw.get("device", "cpu")))
     est = gpu_estimate(df) if "flops_per_step" in df else pd.DataFrame()
     lines += _estimate_lines(est, hw)
     load = df.attrs.get("load", {})
     if load.get("competed"):
         lines.append(load["note"])
-    rec = _recommendation(fastest, smallest, emulated, ok)
+    rec = _interrupted_recommendation(df, ok, _recommendation(fastest, smallest, emulated, ok))
     return dict(
         text="\n".join([rec, *lines]),
         recommendation=rec,
@@ -215,6 +223,80 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
         tolerance=tolerance,
         gpu_estimate=est.to_dict(orient="records"),
     )
+
+
+def measured_rows(df: pd.DataFrame) -> pd.DataFrame:
+    """The rows a verdict can read: finished ones, and those a Stop or Ctrl-C interrupted after
+    at least one step (their speed and memory are what they measured; they have no metric).
+
+    Example::
+
+        >>> measured_rows(df)["configuration"].tolist()
+        ['O0 fp32 b16', 'O2 bf16 b16']
+    """
+    if "status" not in df:
+        return df[df["error"] == ""]
+    return df[(df["status"] == "ok") | ((df["status"] == "interrupted") & (_done(df) > 0))]
+
+
+def _done(df: pd.DataFrame) -> pd.Series:
+    """Steps each row ran (a frame without the count: its timed steps, or taken as ran)."""
+    for col in ("steps_done", "timed_steps"):
+        if col in df:
+            return df[col].fillna(0)
+    return pd.Series(1, index=df.index)
+
+
+def _interrupted(df: pd.DataFrame) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """(rows interrupted after some steps, rows that never started)."""
+    if "status" not in df:
+        return df.iloc[0:0], df.iloc[0:0]
+    stopped = df[df["status"] == "interrupted"]
+    done = _done(stopped)
+    return stopped[done > 0], stopped[done == 0]
+
+
+def _interrupted_after(df: pd.DataFrame) -> str:
+    """``"interrupted after 22 of 400 steps"`` (the steps every interrupted row finished)."""
+    cut, _ = _interrupted(df)
+    if not len(cut) or "steps_done" not in cut:
+        return "interrupted"
+    return f"interrupted after {int(cut['steps_done'].min())} of {int(cut['steps'].max())} steps"
+
+
+def _interrupted_lines(df: pd.DataFrame) -> list[str]:
+    """What a Stop or Ctrl-C left out: the held-out metric, the configurations never started."""
+    cut, never = _interrupted(df)
+    lines = []
+    if len(cut):
+        lines.append(
+            f"{', '.join(cut['configuration'])}: {_interrupted_after(df)}; no held-out metric "
+            "(the evaluation runs after the last step), so accuracy is not checked; the loss "
+            "curves show the steps that ran."
+        )
+    if len(never):
+        lines.append(f"Not started (stopped first): {', '.join(never['configuration'])}.")
+    return lines
+
+
+def _interrupted_recommendation(df: pd.DataFrame, ok: pd.DataFrame, rec: str) -> str:
+    """``rec`` as measured by an interrupted run: said so, or "too little was measured"."""
+    cut, never = _interrupted(df)
+    if not len(cut) and not len(never):
+        return rec
+    if not len(cut):  # the rows that ran finished; later batch sizes never started
+        body = rec.removeprefix("Verdict: ")
+        return f"Verdict, stopped before {len(never)} configuration(s) started: {body}"
+    when = _interrupted_after(df)
+    others = ok[ok["opt_level"] != "O0"]
+    measured = others["speedup_lo"].notna() | others["mem_saving_vs_O0"].notna()
+    if len(others) and not measured.any() or not len(ok):
+        return (
+            f"Verdict: {when}: too little was measured for a verdict (no configuration has a "
+            "speed interval or a memory reading yet); run again and stop later, or let it finish."
+        )
+    body = rec.removeprefix("Verdict: ").rstrip(".")
+    return f"Verdict, {when}: {body} (fewer steps than asked; intervals wider)."
 
 
 def _recommendation(fastest, smallest, emulated, ok) -> str:

@@ -92,7 +92,8 @@ class Workload:
         chance: the metric of a random guess (shown and used by the tests).
         lr, batch_size, steps: defaults for ``compare``.
         size: ``"small"``/``"medium"``/``"large"`` for built-ins, ``""`` for custom ones.
-        description: one line for the report (model, data, size).
+        description: one line for the report: the model and the data (not the batch size
+            or the steps: a run may change them, and the report prints the run's own).
     """
 
     name: str
@@ -318,7 +319,7 @@ def _image_workload(name: str, size: str) -> Workload:
         batch_size=s["batch"],
         steps=s["steps"],
         size=size,
-        description=f"{what}, batch {s['batch']}, {s['steps']} steps",
+        description=what,  # the batch and steps are the run's: the report prints those
     )
 
 
@@ -346,7 +347,7 @@ def _lm_workload(size: str) -> Workload:
         size=size,
         description=(
             f"GPT ({s['layers']} layers, width {s['d']}, {heads} heads) on generated text, "
-            f"{b} x {seq} tokens per step, {s['steps']} steps"
+            f"{seq} tokens per sequence"
         ),
     )
 

@@ -35,7 +35,8 @@ class ErrorBox(w.Output):
     """
 
     def __init__(self, **kw):
-        super().__init__(layout=w.Layout(max_height="240px", overflow="auto"), **kw)
+        kw.setdefault("layout", w.Layout(max_height="240px", overflow="auto"))
+        super().__init__(**kw)
         self.last_error: str | None = None
 
     def show(self, exc: BaseException, context: str = "") -> str:
@@ -65,8 +66,9 @@ class ErrorBox(w.Output):
         return wrapper
 
     def clear(self) -> None:
-        """Forget the shown errors."""
-        self.clear_output()
+        """Forget the shown errors (set directly: ``clear_output`` from a run's thread, or
+        with no front end listening, was seen to leave the old error on screen)."""
+        self.outputs = ()
         self.last_error = None
 
 

@@ -44,12 +44,25 @@ def parse_sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+#: one column of controls, as wide as its controls (never squeezed: a squeezed column clipped
+#: them); the columns wrap onto the next line when the notebook is narrow
+_COLUMN = dict(flex="0 0 auto", margin="0 6px 0 0")
+
+
 def _err() -> w.HTML:
-    return w.HTML("", layout=w.Layout(margin="0 0 0 8px"))
+    # Below its control and as wide as it: a message beside a control was squeezed to one
+    # word a line (or out of sight) when the notebook was narrow or several were shown.
+    return w.HTML("", layout=w.Layout(width="300px", margin="0 0 4px 0"))
 
 
-def _row(control, err) -> w.HBox:
-    return w.HBox([control, err], layout=w.Layout(align_items="center"))
+def _row(control, err) -> w.VBox:
+    return w.VBox([control, err])
+
+
+def _message(text: str, color: str) -> str:
+    return (
+        f"<div style='color:{color};font-size:12px;line-height:1.3;white-space:normal'>{text}</div>"
+    )
 
 
 class ControlsMixin:
@@ -65,8 +78,9 @@ class ControlsMixin:
             options=list(dict.fromkeys([wl, *names])), value=wl, description="workload"
         )
         self.size = w.Dropdown(options=SIZES, value=size, description="size")
+        # every configuration in view (a scrolled list hid the FP8 and pure-bf16 rows)
         self.opt_levels = w.SelectMultiple(
-            options=LEVELS, value=tuple(opt_levels), rows=4, description="opt levels"
+            options=LEVELS, value=tuple(opt_levels), rows=len(LEVELS), description="opt levels"
         )
         devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
         dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -92,33 +106,20 @@ class ControlsMixin:
             )
         }  # fmt: skip
         e = self.control_errors
+        columns = [
+            [self.workload, self.size, self.device, self.half_dtype,
+             _row(self.opt_levels, e["opt_levels"])],
+            [_row(self.batch_sizes, e["batch_sizes"]), _row(self.steps, e["steps"]),
+             self.optimizer, _row(self.threads, e["threads"])],
+            [self.scale_mode, self.init_scale, _row(self.growth_factor, e["growth_factor"]),
+             _row(self.backoff_factor, e["backoff_factor"]),
+             _row(self.growth_interval, e["growth_interval"]), self.static_scale],
+        ]  # fmt: skip
         self.controls = w.Accordion(
             children=[
                 w.HBox(
-                    [
-                        w.VBox(
-                            [self.workload, self.size, self.device, self.half_dtype]
-                            + [_row(self.opt_levels, e["opt_levels"])]
-                        ),
-                        w.VBox(
-                            [
-                                _row(self.batch_sizes, e["batch_sizes"]),
-                                _row(self.steps, e["steps"]),
-                                self.optimizer,
-                                _row(self.threads, e["threads"]),
-                            ]
-                        ),
-                        w.VBox(
-                            [
-                                self.scale_mode,
-                                self.init_scale,
-                                _row(self.growth_factor, e["growth_factor"]),
-                                _row(self.backoff_factor, e["backoff_factor"]),
-                                _row(self.growth_interval, e["growth_interval"]),
-                                self.static_scale,
-                            ]
-                        ),
-                    ]
+                    [w.VBox(c, layout=w.Layout(**_COLUMN)) for c in columns],
+                    layout=w.Layout(flex_flow="row wrap"),
                 )
             ],
             selected_index=0,
@@ -132,6 +133,8 @@ class ControlsMixin:
             c.observe(lambda _: self.validate(), names="value")
 
     def _build_actions(self):
+        """Run/Stop with the progress, the status line, what failed in the run and the run's
+        errors; then the export row with its own errors: each error right under its cause."""
         self.run_button = w.Button(description="Run", button_style="primary", icon="play")
         self.stop_button = w.Button(description="Stop", icon="stop", disabled=True)
         wide = w.Layout(width="auto")
@@ -139,15 +142,22 @@ class ControlsMixin:
         self.html_button = w.Button(description="Export HTML report", icon="file", layout=wide)
         self.export_path = w.Text("mpnb-compare", description="file stem")
         self.progress = w.IntProgress(value=0, min=0, max=1, description="progress")
-        self.status = w.Label("ready")
+        # an HTML line (not a Label, which cuts its text at the right edge): it wraps
+        self.status = w.HTML("ready", layout=w.Layout(width="auto", margin="0 0 0 8px"))
+        self.status.add_class("mpnb-status")
         self.run_button.on_click(self.errors.guard(lambda _: self._on_run()))
         self.stop_button.on_click(self.errors.guard(lambda _: self.stop()))
-        self.csv_button.on_click(self.errors.guard(lambda _: self.export_csv()))
-        self.html_button.on_click(self.errors.guard(lambda _: self.export_html()))
+        self.csv_button.on_click(self.export_errors.guard(lambda _: self.export_csv()))
+        self.html_button.on_click(self.export_errors.guard(lambda _: self.export_html()))
+        flow = w.Layout(flex_flow="row wrap", align_items="center")
         self.actions = w.VBox(
             [
-                w.HBox([self.run_button, self.stop_button, self.progress, self.status]),
-                w.HBox([self.export_path, self.csv_button, self.html_button]),
+                w.HBox([self.run_button, self.stop_button, self.progress], layout=flow),
+                self.status,
+                self.config_errors,
+                self.errors,
+                w.HBox([self.export_path, self.csv_button, self.html_button], layout=flow),
+                self.export_errors,
             ]
         )
 
@@ -230,13 +240,13 @@ class ControlsMixin:
         errs = self.input_errors()
         for k, box in self.control_errors.items():
             msg = errs.get(k, "")
-            text = f"<span style='color:#b00020'>&#9888; {html.escape(msg)}</span>"
+            text = _message(f"<span>&#9888; {html.escape(msg)}</span>", "#b00020")
             box.value = text if msg else ""
         cpus = os.cpu_count() or 1
         if "threads" not in errs and self.threads.value > cpus:
-            self.control_errors["threads"].value = (
-                f"<span style='color:#a05a00'>more than this machine's {cpus} CPUs: "
-                "threads will wait for each other</span>"
+            self.control_errors["threads"].value = _message(
+                f"more than this machine's {cpus} CPUs: threads will wait for each other",
+                "#a05a00",
             )
         self.run_button.disabled = bool(errs) or self.running
         return not errs

@@ -26,8 +26,12 @@ from mpnb.lab.html_report import (
     CHART_TEXT,
     chart_title,
     curve_style,
+    drawn_rows,
+    missing_metric,
     results_table,
     speed_bar,
+    speed_labels,
+    speed_note,
     warnings_banner,
 )
 from mpnb.lab.memory import ROLES
@@ -40,6 +44,7 @@ _PLACEHOLDER = (
     "<div style='padding:40px;color:#555'><b>{title}</b><br><i>No results yet: choose the "
     "configurations and press Run.</i></div>"
 )
+_MESSAGE = "<div style='padding:40px;color:#555'><b>{title}</b><br>{text}</div>"
 
 
 def _fig(name: str, **layout) -> go.Figure:
@@ -74,12 +79,14 @@ class ResultViews:
 
     def __init__(self):
         self.speed = _fig("speed")
+        # the labels show as annotations above each whisker (text on the bar was crossed by
+        # it); the bar keeps them as its (hidden) text, for hover and for readers of the data
         self.speed.add_bar(
             x=[],
             y=[],
             name="speed vs O0",
             text=[],
-            textposition="outside",
+            textposition="none",
             error_y=dict(type="data", symmetric=False, array=[], arrayminus=[]),
         )
         self.speed.add_hline(y=1.0, line_dash="dash", line_color="gray")
@@ -130,26 +137,53 @@ class ResultViews:
         self._placeholders()
 
     def update(self, df: pd.DataFrame) -> None:
-        """Redraw all figures from ``df``."""
-        ok = df[df["error"].fillna("") == ""]
+        """Redraw all figures from ``df`` (the rows that ran; not those Stop came before)."""
+        ok = drawn_rows(df)
         names = list(ok["configuration"])
         d = speed_bar(df)
         with self.speed.batch_update():
             bar = self.speed.data[0]
             bar.x, bar.y, bar.text = d["x"], d["y"], d["text"]
             bar.error_y.array, bar.error_y.arrayminus = d["plus"], d["minus"]
+            self.speed.layout.annotations = speed_labels(d)
+            self.speed.layout.yaxis.range = [0, d["y_max"]]
         with self.memory.batch_update():
             for tr, role in zip(self.memory.data, MEMORY_ROLES, strict=True):
                 tr.x, tr.y = names, [_num(v) or 0.0 for v in ok[f"mem_{role}_mib"]]
+        self._accuracy(df, ok)
+        self._curves(df.attrs.get("history"), names)
+        self.render()
+        why = missing_metric(df)
+        if why:  # a sentence, not empty axes
+            title = CHART_TEXT["accuracy"][0]
+            self.outputs["accuracy"].outputs = (
+                dict(
+                    output_type="display_data",
+                    data={"text/html": _MESSAGE.format(title=html.escape(title), text=why)},
+                    metadata={},
+                ),
+            )
+
+    def _accuracy(self, df: pd.DataFrame, ok: pd.DataFrame) -> None:
+        chance = (df.attrs.get("workload") or {}).get("chance")
         with self.accuracy.batch_update():
             bar = self.accuracy.data[0]
-            bar.x, bar.y = names, list(ok["metric"])
+            bar.x, bar.y = list(ok["configuration"]), list(ok["metric"])
             bar.text = [f"{m:.3f}" if _num(m) is not None else "" for m in ok["metric"]]
             if len(ok):
                 name = str(ok["metric_name"].iloc[0])
                 self.accuracy.layout.yaxis.title = f"{name} (0-1, higher is better)"
-        self._curves(df.attrs.get("history"), names)
-        self.render()
+            # the workload's chance level, drawn (and named) only where it is known
+            line = dict(
+                type="line", xref="paper", x0=0, x1=1, yref="y", y0=chance, y1=chance,
+                line=dict(dash="dash", color="gray"),
+            )  # fmt: skip
+            label = dict(
+                xref="paper", x=1, xanchor="right", yref="y", y=chance, yanchor="bottom",
+                text="chance (random guess)", showarrow=False,
+            )  # fmt: skip
+            self.accuracy.layout.shapes = [line] if chance else []
+            self.accuracy.layout.annotations = [label] if chance else []
 
     def _trace(self, fig: go.Figure, name: str, **kw):
         for tr in fig.data:
@@ -197,9 +231,13 @@ def table_html(df: pd.DataFrame | None) -> str:
     style = (
         "<style>.mpnb-table{font-size:12px;border-collapse:collapse}.mpnb-table td,"
         ".mpnb-table th{padding:2px 6px;white-space:nowrap;border-bottom:1px solid #ddd}"
-        "</style>"
+        ".mpnb-table th{white-space:normal;vertical-align:bottom}</style>"
     )
-    return style + banner + results_table(df, classes="mpnb-table")
+    note = (
+        "<p class='mpnb-speed-note' style='font-size:12px;color:#444;max-width:900px;"
+        f"line-height:1.4'>{html.escape(speed_note(df))}</p>"
+    )
+    return style + banner + note + results_table(df, classes="mpnb-table")
 
 
 def errors_html(df: pd.DataFrame | None) -> str:
@@ -209,7 +247,7 @@ def errors_html(df: pd.DataFrame | None) -> str:
     bad = df[df["error"].fillna("") != ""]
     return "".join(
         f"<div style='color:#b00020'><b>{html.escape(r.configuration)}</b> failed: "
-        f"{html.escape(str(r.error))}</div>"
+        f"{html.escape(str(r.error).removeprefix(f'{r.configuration}: '))}</div>"
         for r in bad.itertuples()
     )
 

@@ -9,6 +9,7 @@ step in progress and the rows keep what was measured, marked ``interrupted``.
 
 from __future__ import annotations
 
+import html
 import threading
 
 import ipywidgets as w
@@ -19,7 +20,7 @@ from mpnb.widgets._common import ErrorBox, hardware_html
 from mpnb.widgets._compare_controls import DEFAULT_LEVELS, LEVELS, ControlsMixin, parse_sizes
 from mpnb.widgets._compare_views import ResultViews, errors_html, table_html, verdict_html
 
-__all__ = ["CompareWidget", "compare"]
+__all__ = ["CompareWidget", "compare", "run_status"]
 
 
 def _lab():
@@ -96,14 +97,16 @@ class CompareWidget(ControlsMixin, w.VBox):
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._workload = workload
-        self.errors = ErrorBox()
+        # errors beside their cause: the run's under Run, the export's under the export row
+        self.errors, self.export_errors = ErrorBox(), ErrorBox()
+        self.config_errors = w.HTML()  # the configurations that failed in the last run
         self.views = ResultViews()
         default = workloads.get(workload, size)
         self._build_controls(
             opt_levels, half_dtype, batch_sizes or (default.batch_size,),
             steps or default.steps, optimizer, device, loss_scale, threads, size,
         )  # fmt: skip
-        self.table, self.config_errors = w.HTML(table_html(None)), w.HTML()
+        self.table = w.HTML(table_html(None))
         self.verdict = w.HTML(verdict_html(None))
         self.hardware = w.HTML(hardware_html(self._device()))
         v = self.views
@@ -120,9 +123,7 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.tabs = w.Tab(children=[c for _, c in tabs])
         for i, (title, _) in enumerate(tabs):
             self.tabs.set_title(i, title)
-        super().__init__(
-            [self.verdict, self.controls, self.actions, self.config_errors, self.tabs, self.errors]
-        )
+        super().__init__([self.verdict, self.controls, self.actions, self.tabs])
         self.observe(self.errors.guard(self._draw), names=["version"])
         self.observe(self._toggle_buttons, names=["running"])
         self.size.disabled = not isinstance(workload, str)  # a custom workload has one size
@@ -172,20 +173,13 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.views.clear()
         self.config_errors.value = ""
         self.errors.clear()
+        self.export_errors.clear()  # "nothing to export yet" and the like no longer hold
         self.status.value = "starting..."
         try:
             df = _lab().compare(
                 **kw, progress=False, on_progress=self._on_progress, should_stop=self._stop.is_set
             )
-            n = len(df)
-            if df.attrs.get("stopped"):
-                self.status.value = (
-                    f"stopped: {int((df['status'] == 'interrupted').sum())} of {n} "
-                    "configurations interrupted, finished steps kept"
-                )
-            else:
-                bad = int((df["status"] == "error").sum())
-                self.status.value = f"done: {n} configurations" + (f", {bad} failed" if bad else "")
+            self.status.value = html.escape(run_status(df))
             self.df = df
         except Exception as e:
             self.status.value = f"failed: {type(e).__name__} (see the error below)"
@@ -268,12 +262,15 @@ class CompareWidget(ControlsMixin, w.VBox):
         try:
             write(self._require_df(), path)
         except Exception as e:
-            self.status.value = f"export failed: {type(e).__name__} (see the error below)"
+            self.status.value = (
+                f"export failed: {type(e).__name__} (see the error under the export buttons)"
+            )
             raise
-        self.errors.clear()  # an old error no longer describes the state
+        self.export_errors.clear()  # an old error no longer describes the state
         bad = int((self.df["status"] == "error").sum())
-        self.status.value = f"wrote {path}" + (
-            f" ({bad} configuration(s) failed: their rows hold the error)" if bad else ""
+        self.status.value = html.escape(
+            f"wrote {path}"
+            + (f" ({bad} configuration(s) failed: their rows hold the error)" if bad else "")
         )
         return path
 
@@ -286,6 +283,35 @@ class CompareWidget(ControlsMixin, w.VBox):
         """Write the HTML report of :func:`mpnb.lab.report` (default ``<file stem>.html``)."""
         path = path or f"{self.export_path.value}.html"
         return self._export(path, lambda df, p: _lab().report(df, p))
+
+
+def run_status(df: pd.DataFrame) -> str:
+    """The status line after a run: how many configurations finished, failed, were
+    interrupted (and after how many steps) or never started.
+
+    Example::
+
+        >>> run_status(df)
+        'stopped: 3 of 6 configurations interrupted at step 22-23 of 400, 3 not started; ...'
+    """
+    n = len(df)
+    bad = int((df["status"] == "error").sum())
+    failed = f", {bad} failed" if bad else ""
+    if not df.attrs.get("stopped"):
+        return f"done: {n} configuration{'s' if n != 1 else ''}{failed}"
+    cut = df[(df["status"] == "interrupted") & (df["steps_done"] > 0)]
+    never = int(((df["status"] == "interrupted") & (df["steps_done"] == 0)).sum())
+    parts = []
+    if len(cut):
+        lo, hi, of = cut["steps_done"].min(), cut["steps_done"].max(), cut["steps"].max()
+        at = f"{lo}" if lo == hi else f"{lo}-{hi}"
+        parts.append(f"{len(cut)} of {n} configurations interrupted at step {at} of {of}")
+    if never:
+        parts.append(f"{never} of {n} not started")
+    done = int((df["status"] == "ok").sum())
+    if done:
+        parts.append(f"{done} finished")
+    return f"stopped: {', '.join(parts)}{failed}; every finished step is kept"
 
 
 def compare(workload="transformer", data=None, run: bool = False, **kwargs) -> CompareWidget:

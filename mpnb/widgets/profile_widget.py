@@ -51,14 +51,21 @@ _COLUMN_NAMES = {
 }
 
 
-# compact rows: one line per row (the pane scrolls sideways instead)
+# Tables no wider than the pane: the columns of long text (a reason, a module path, a list of
+# dtypes) wrap, and may break a long name, so every column stays in view; the short columns
+# (numbers, dtypes, op names) stay on one line.
 _TABLE_STYLE = (
     "<style>.mpnb-table{font-size:12px;border-collapse:collapse}.mpnb-table td,"
-    ".mpnb-table th{padding:2px 6px;white-space:nowrap;border-bottom:1px solid #ddd}</style>"
+    ".mpnb-table th{padding:2px 6px;border-bottom:1px solid #ddd;text-align:left;"
+    "vertical-align:top;white-space:nowrap}.mpnb-table th{white-space:normal}"
+    ".mpnb-table td.mpnb-long{white-space:normal;overflow-wrap:anywhere;min-width:8em}</style>"
 )
+_LONG = 24  # characters: a column with a longer cell wraps
 
 
 def _num(v) -> str:
+    if v is None:
+        return ""
     if isinstance(v, float):
         if v != v:  # NaN
             return ""
@@ -72,12 +79,23 @@ def _html_table(df: pd.DataFrame | None, empty: str, max_rows: int = 200) -> w.H
     if df is None or df.empty:
         return w.HTML(f"<i>{html.escape(empty)}</i>")
     df = df.head(max_rows).rename(columns=lambda c: _COLUMN_NAMES.get(c, c.replace("_", " ")))
-    for c in df.columns:
-        if c.startswith("share of"):
-            df[c] = [f"{v:.1%}" for v in df[c]]
-    fmt = {c: _num for c in df.columns if pd.api.types.is_float_dtype(df[c])}
-    body = df.to_html(index=False, formatters=fmt, na_rep="", border=0, classes="mpnb-table")
-    return w.HTML(f"{_TABLE_STYLE}<div style='overflow:auto;max-height:420px'>{body}</div>")
+    cells = {
+        c: [f"{v:.1%}" for v in df[c]] if c.startswith("share of") else [_num(v) for v in df[c]]
+        for c in df.columns
+    }
+    long = {c for c, vs in cells.items() if max(map(len, vs), default=0) > _LONG}
+    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+    rows = "".join(
+        "<tr>"
+        + "".join(
+            f"<td{' class=mpnb-long' if c in long else ''}>{html.escape(cells[c][i])}</td>"
+            for c in df.columns
+        )
+        + "</tr>"
+        for i in range(len(df))
+    )
+    table = f"<table class='mpnb-table'><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
+    return w.HTML(f"{_TABLE_STYLE}<div style='overflow:auto;max-height:420px'>{table}</div>")
 
 
 def _bar_fig(title: str, y: str, stacked: bool = False) -> go.Figure:
@@ -127,6 +145,7 @@ class ProfileWidget(w.VBox):
         precision: what :func:`mpnb.lab.trace_precision` returned, or None.
         model, example_inputs, loss_fn: kept to trace another configuration from the
             Precision tab (None: that tab shows only ``precision``).
+        half_dtype: the O levels' half dtype for those traces (None: the device's default).
 
     Every chart is a whole figure in an ``Output`` (:class:`~mpnb.widgets._common.FigureOutput`):
     it renders after Run All and after a page reload; a chart with nothing to draw says why.
@@ -155,10 +174,11 @@ class ProfileWidget(w.VBox):
         model=None,
         example_inputs=None,
         loss_fn=None,
+        half_dtype: torch.dtype | None = None,
     ):
         self.result, self.memory, self.trace = result, memory, trace
         self.precision = precision
-        self._traced = (model, example_inputs, loss_fn)
+        self._traced = (model, example_inputs, loss_fn, half_dtype)
         self.errors = ErrorBox()
         self.phases_fig = _bar_fig(
             "time per phase of one training step (median)", "ms", stacked=True
@@ -235,13 +255,17 @@ class ProfileWidget(w.VBox):
         return mods.reset_index()
 
     def _memory_table(self) -> pd.DataFrame | None:
-        if self.memory is None:
+        """One column per opt level, one row per role (a column per role did not fit)."""
+        if self.memory is None or self.memory.empty:
             return None
-        cols = ["opt_level", "precision", "peak_mem_mib"] + [f"mem_{r}_mib" for r in MEMORY_ROLES]
-        t = self.memory[[c for c in cols if c in self.memory.columns]]
-        return t.rename(
-            columns={f"mem_{r}_mib": f"{r.replace('_', ' ')} (MiB)" for r in MEMORY_ROLES}
-        )
+        m = self.memory.set_index("opt_level")
+        rows = {"precision": m["precision"], "peak (MiB)": m["peak_mem_mib"]}
+        for r in MEMORY_ROLES:
+            if f"mem_{r}_mib" in m and m[f"mem_{r}_mib"].fillna(0).any():
+                rows[f"{r.replace('_', ' ')} (MiB)"] = m[f"mem_{r}_mib"]
+        t = pd.DataFrame(rows).T
+        t.columns.name = None
+        return t.rename_axis("memory at the tracked step").reset_index()
 
     # ---- figures ------------------------------------------------------------------------------
 
@@ -362,15 +386,18 @@ class ProfileWidget(w.VBox):
         """Trace ``config`` (default: the one chosen in the Precision tab) and show it."""
         import mpnb.lab
 
-        model, x, loss_fn = self._traced
+        model, x, loss_fn, half = self._traced
         if model is None:
             raise RuntimeError(
                 "retrace: this widget was built without the model; use "
                 "mpnb.widgets.profile(model, inputs) to trace other configurations."
             )
+        from mpnb.lab.profiling import _default_loss
+
         self.precision = mpnb.lab.trace_precision(
-            model, x, config or self.precision_config.value, loss_fn=loss_fn
-        )
+            model, x, config or self.precision_config.value, loss_fn=loss_fn or _default_loss,
+            half_dtype=half,
+        )  # fmt: skip
         self._show_precision_trace()
 
     def _show_precision_trace(self) -> None:
@@ -383,8 +410,8 @@ class ProfileWidget(w.VBox):
         ops, s = tr
         cols = ["phase", "module", "op", "kind", "in_dtypes", "dtype", "reason", "detail"]
         head = (
-            f"<p><b>{html.escape(s.config)}</b> ({html.escape(s.half_dtype)}, "
-            f"{html.escape(s.device)}): {len(ops)} ops recorded."
+            f"<p><b>{html.escape(s.config)}</b> ({html.escape(_precision_of(s))}): "
+            f"{len(ops)} ops recorded."
             + (" FP8 is emulated on this device: FP8 numerics, not FP8 speed." if
                s.fp8_emulated else "")
             + "</p>"
@@ -397,6 +424,18 @@ class ProfileWidget(w.VBox):
             w.HTML("<b>Every op</b>"),
             _html_table(ops[[c for c in cols if c in ops.columns]], "no ops"),
         ]
+
+
+def _precision_of(summary) -> str:
+    """``"bfloat16, cpu"``; for a configuration with no half dtype (O0, the FP8 recipes) its
+    own description instead of a dash."""
+    from mpnb.core.precision import PRECISION_CONFIGS
+
+    if summary.half_dtype not in ("", "-", None):
+        return f"{summary.half_dtype}, {summary.device}"
+    cfg = PRECISION_CONFIGS.get(summary.config)
+    what = cfg.description.rstrip(".") if cfg is not None else "float32"
+    return f"{summary.device}; {what}"
 
 
 def _memory_frame(model, x, loss_fn, opt_levels, half_dtype, optimizer, lr, device):
@@ -493,6 +532,7 @@ def profile(
         >>> mpnb.widgets.profile(model, torch.randn(64, 784), opt_levels=("O0", "O2"))
     """
     import mpnb.lab
+    from mpnb.core.amp import HALF_DTYPES
     from mpnb.core.hardware import default_half_dtype
     from mpnb.lab.config import resolve_device
 
@@ -530,13 +570,18 @@ def profile(
     mem, tr, prec, errors = extra
     return ProfileWidget(
         result, mem, tr, device=dev, errors=errors, precision=prec, model=model,
-        example_inputs=example_inputs, loss_fn=loss_fn,
+        example_inputs=example_inputs, loss_fn=loss_fn, half_dtype=HALF_DTYPES[half],
     )  # fmt: skip
 
 
 def _extras(model, x, loss_fn, levels, half, optimizer, lr, dev, memory, trace, precision, step):
     import mpnb.lab
     from mpnb.core.amp import HALF_DTYPES
+    from mpnb.lab.profiling import _default_loss
+
+    # Every extra reads the model's output as mpnb.lab.profile does (any output form: tensor,
+    # tuple, dict, dataclass, ModelOutput), not by its own default.
+    loss_fn = loss_fn or _default_loss
 
     errors, mem, tr, prec, done = {}, None, None, None, 0
     if memory:

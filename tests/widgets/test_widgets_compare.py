@@ -68,7 +68,8 @@ def test_figures_show_the_one_speed_figure(finished):
     cw, df, v = finished, finished.df, finished.views
     names = list(df["configuration"])
     bar = v.speed.data[0]
-    assert list(bar.x) == names and list(bar.text) == list(df["speed_label"])
+    labels = [a.text for a in v.speed.layout.annotations]
+    assert list(bar.x) == names and labels == list(df["speed_label"])
     assert list(bar.y) == pytest.approx(list(df["speedup_vs_O0"]))
     for tr in v.memory.data:  # stacked bars: one trace per role
         role = tr.name.replace(" ", "_")
@@ -101,7 +102,7 @@ def test_export_csv_and_html(finished, tmp_path):
     finished.export_path.value = str(tmp_path / "out")
     finished.csv_button.click()
     finished.html_button.click()
-    assert finished.errors.last_error is None, finished.errors.last_error
+    assert finished.export_errors.last_error is None, finished.export_errors.last_error
     back = pd.read_csv(tmp_path / "out.csv")
     assert list(back["configuration"]) == list(finished.df["configuration"])
     page = (tmp_path / "out.html").read_text()
@@ -118,8 +119,8 @@ def test_failing_configuration_is_shown_and_others_kept():
         threaded=False,
         loss_scale=2.0**24,
     )
-    fp16 = half_support("cpu")["float16"]  # measured: native on CPUs with AVX512-FP16
-    assert cw.half_dtype.value == "fp16" and f"({fp16})" in cw.half_dtype.options[1][0]
+    status = half_support("cpu")["float16"]  # measured: native on CPUs with AVX512-FP16
+    assert cw.half_dtype.value == "fp16" and cw.half_dtype.options[1][0] == f"fp16 ({status})"
     cw.run_button.click()
     df = cw.df
     assert df.loc[0, "error"] == "" and "NaN divergence" in df.loc[1, "error"]
@@ -175,7 +176,7 @@ def test_bad_controls_are_shown_beside_them_and_block_run():
     cw.threads.value = 10_000
     assert "CPUs" in cw.control_errors["threads"].value and not cw.run_button.disabled
     cw.csv_button.click()  # nothing to export yet
-    assert "press Run first" in cw.errors.last_error
+    assert "press Run first" in cw.export_errors.last_error
 
 
 def test_cnn_and_hf_model_through_the_widget():
@@ -214,8 +215,8 @@ def test_charts_are_whole_figures_in_outputs_with_a_placeholder_before_run(finis
         assert "press Run" in out.outputs[0]["data"]["text/html"]
     bundle = finished.views.outputs["speed"].outputs[0]["data"]
     fig = bundle["application/vnd.plotly.v1+json"]
-    bar = next(t for t in fig["data"] if t["type"] == "bar")
-    assert list(bar["text"]) == list(finished.df["speed_label"])
+    labels = [a["text"] for a in fig["layout"]["annotations"]]
+    assert labels == list(finished.df["speed_label"])
     assert "Speed vs O0" in fig["layout"]["title"]["text"]
 
 
@@ -258,13 +259,110 @@ def test_custom_workload_batch_size_is_the_default_and_follows_the_workload():
 def test_old_errors_clear_on_success_and_status_never_says_wrote_over_an_error(tmp_path):
     cw = compare(_tiny(), opt_levels=("O0",), steps=3, threaded=False, threads=1)
     cw.csv_button.click()  # nothing to export yet: an error
-    assert "press Run first" in cw.errors.last_error
+    assert "press Run first" in cw.export_errors.last_error
     assert cw.status.value.startswith("export failed") and "wrote" not in cw.status.value
     cw.run_button.click()
-    assert cw.errors.last_error is None and cw.status.value.startswith("done")
+    assert cw.export_errors.last_error is None and cw.status.value.startswith("done")
+    assert cw.export_errors.outputs == () and cw.errors.outputs == ()  # gone from the screen
     cw.export_path.value = str(tmp_path / "missing-dir" / "compare")
     cw.csv_button.click()  # a directory that does not exist: an error, not "wrote"
-    assert cw.errors.last_error and "wrote" not in cw.status.value
+    assert cw.export_errors.last_error and "wrote" not in cw.status.value
     cw.export_path.value = str(tmp_path / "compare")
     cw.csv_button.click()
-    assert cw.errors.last_error is None and cw.status.value == f"wrote {tmp_path}/compare.csv"
+    assert cw.export_errors.last_error is None and cw.export_errors.outputs == ()
+    assert cw.status.value == f"wrote {tmp_path}/compare.csv"
+
+
+def _stopped_widget(stop_at: int) -> CompareWidget:
+    """Two batch sizes, three opt levels, stopped after ``stop_at`` steps of the first."""
+    cw = compare(_tiny(), opt_levels=("O0", "O1", "O2"), batch_sizes=(16, 32), steps=40,
+                 threads=1)  # fmt: skip
+
+    def stop(change):
+        if cw.progress.value == stop_at and not cw._stop.is_set():
+            cw.stop_button.click()
+
+    cw.progress.observe(stop, names="value")
+    cw.run_button.click()
+    assert cw.join(timeout=300), "the run did not finish in 300 s"
+    return cw
+
+
+def test_stop_keeps_every_configuration_and_gives_a_verdict_from_what_was_measured():
+    cw = _stopped_widget(stop_at=3 * 10)  # ten rounds of b16: six timed
+    df = cw.df
+    assert cw.errors.last_error is None, cw.errors.last_error
+    assert len(df) == 6 and list(df["batch_size"]) == [16] * 3 + [32] * 3  # none vanished
+    b16, b32 = df[df["batch_size"] == 16], df[df["batch_size"] == 32]
+    assert (b16["steps_done"] == 10).all() and (b32["steps_done"] == 0).all()
+    assert (df["status"] == "interrupted").all()
+    v = df.attrs["verdict"]["text"]
+    assert "every configuration failed" not in v
+    assert v.startswith("Verdict, interrupted after 10 of 40 steps: ")
+    assert "(fewer steps than asked; intervals wider)" in v.splitlines()[0]
+    assert "Not started (stopped first): O0 fp32 b32, O1 bf16 b32, O2 bf16 b32." in v
+    assert "no held-out metric" in v
+    assert "interrupted at 10 of 40 steps" in cw.table.value and "not started" in cw.table.value
+    assert cw.status.value.startswith("stopped: 3 of 6 configurations interrupted at step 10")
+    assert "3 of 6 not started" in cw.status.value
+    # the charts draw the configurations that ran; the Accuracy tab says why it has no bars
+    assert list(cw.views.speed.data[0].x) == list(b16["configuration"])
+    acc = cw.views.outputs["accuracy"].outputs[0]["data"]
+    assert "No held-out metric" in acc.get("text/html", "")
+
+
+def test_stop_before_anything_was_measured_says_so():
+    cw = _stopped_widget(stop_at=3)  # one round: warm-up only
+    first = cw.df.attrs["verdict"]["text"].splitlines()[0]
+    assert first.startswith("Verdict: interrupted after 1 of 40 steps: too little was measured")
+    assert "every configuration failed" not in first
+
+
+def test_verdict_without_a_metric_names_no_tolerance(finished):
+    from mpnb.lab.verdict import verdict
+
+    df = finished.df.copy()
+    df.attrs = dict(finished.df.attrs)
+    df["metric"], df["metric_vs_O0"], df["metric_name"] = float("nan"), float("nan"), "-"
+    df.loc[1, ["speedup_vs_O0", "speedup_lo", "speedup_hi"]] = [1.5, 1.3, 1.7]
+    df.loc[1, "speed_label"] = "1.50x faster than O0"
+    text = verdict(df)["text"]
+    assert "within" not in text and " - of O0" not in text
+    assert "Fastest: O2 bf16 b16, 1.50x faster than O0 (no metric was measured" in text
+
+
+def test_every_configuration_is_in_view_in_the_list():
+    cw = compare(_tiny(), steps=4, threaded=False)
+    assert cw.opt_levels.rows == len(cw.opt_levels.options) > 4  # FP8 and pure bf16 in view
+
+
+def test_accuracy_chance_line_drawn_only_where_the_workload_knows_it(finished):
+    from mpnb.widgets._compare_views import ResultViews
+
+    how = finished.views.accuracy.layout.title.text
+    assert "dashed" not in how and "chance" not in how  # no line promised in the title
+    assert not finished.views.accuracy.layout.shapes  # a custom workload: no chance level
+    df = finished.df.copy()
+    df.attrs = dict(finished.df.attrs, workload=dict(finished.df.attrs["workload"], chance=0.5))
+    views = ResultViews()
+    views.update(df)
+    (line,) = views.accuracy.layout.shapes
+    assert line.y0 == line.y1 == 0.5 and line.line.dash == "dash"
+    assert [a.text for a in views.accuracy.layout.annotations] == ["chance (random guess)"]
+
+
+def test_every_error_sits_under_its_cause():
+    cw = compare(_tiny(), steps=4, threaded=False)
+    run_row, status, failed, run_errors, export_row, export_errors = cw.actions.children
+    assert cw.run_button in run_row.children and status is cw.status
+    assert failed is cw.config_errors and run_errors is cw.errors
+    assert cw.csv_button in export_row.children and export_errors is cw.export_errors
+    assert cw.children[-1] is cw.tabs  # nothing below the charts
+    # each control's message under it, as wide as it (not squeezed beside it)
+    for key, box in cw.control_errors.items():
+        holder = next(
+            c for col in cw.controls.children[0].children for c in col.children
+            if isinstance(c, type(cw.actions)) and box in c.children
+        )  # fmt: skip
+        assert holder.children.index(box) == 1, key
+    assert cw.controls.children[0].layout.flex_flow == "row wrap"

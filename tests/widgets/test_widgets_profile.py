@@ -208,3 +208,39 @@ def test_profile_prints_no_kineto_usdt_lines():
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert "USDT" not in out.stderr and "profiler_start" not in out.stderr
+
+
+class _DictNet(torch.nn.Module):
+    """Returns a dict, as many user and library models do."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Linear(16, 4)
+
+    def forward(self, x):
+        return {"logits": self.body(x), "hidden": x}
+
+
+def test_a_dict_returning_model_is_profiled_and_traced_like_compare_reads_it():
+    pw = mpnb.widgets.profile(_DictNet(), torch.randn(8, 16), opt_levels=("O0", "O1"), steps=2,
+                              threads=1)  # fmt: skip
+    assert "precision trace" not in pw.failures.value, pw.failures.value
+    assert pw.precision is not None and pw.precision.summary.config == "O1"
+    assert len(pw.precision.ops) > 0 and pw.trace is not None
+    pw.retrace("O0")  # the Trace button reads the output the same way
+    assert pw.errors.last_error is None and pw.precision.summary.config == "O0"
+
+
+def test_precision_header_names_the_precision_never_a_dash(pw):
+    pw.retrace("O0")
+    head = pw.precision_view.children[0].value
+    assert "(-," not in head and "cpu; Pure fp32 training" in head
+    pw.retrace("O3")
+    assert "(float16, cpu)" in pw.precision_view.children[0].value
+
+
+def test_memory_table_has_a_column_per_level_and_a_row_per_role(pw):
+    t = pw._memory_table()
+    assert list(t.columns) == ["memory at the tracked step", "O0", "O3"]
+    rows = list(t["memory at the tracked step"])
+    assert rows[:2] == ["precision", "peak (MiB)"] and "params (MiB)" in rows
