@@ -62,6 +62,12 @@ class Strategy:
             self.masters.rebuild()
         self._n_groups = len(optimizer.param_groups)
 
+    def follow_model(self, optimizer, incoming: dict | None = None) -> None:
+        """Bring the fp32 masters in line with the model's current weights (see
+        :meth:`~mpnb.core.amp._grads.Masters.follow_model`)."""
+        if self.masters is not None:
+            self.masters.follow_model(incoming)
+
     # ---- a scale_loss block ------------------------------------------------------------
 
     def before_backward(self, st, keep_scaled: bool) -> None:
@@ -155,6 +161,22 @@ class FusedSeam(Strategy):
         self._flag: torch.Tensor | None = None
         dev = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
         self._one = torch.ones(1, dtype=torch.float32, device=dev)
+
+    @torch.no_grad()
+    def follow_model(self, optimizer, incoming: dict | None = None) -> None:
+        """As :meth:`Strategy.follow_model`, also for the masters the optimizer keeps (made
+        from the params at its first step, or set from a checkpoint before it)."""
+        super().follow_model(optimizer, incoming)
+        if not self.internal_masters:
+            return
+        for p in self.own.params:
+            if p.dtype not in _HALF:
+                continue
+            m = optimizer.state.get(p, {}).get("master_param")
+            if incoming and p in incoming:
+                optimizer._mpnb_set_master(p, incoming[p])
+            elif m is not None and not torch.equal(m.to(p.dtype), p):
+                m.copy_(p)
 
     def before_backward(self, st, keep_scaled: bool) -> None:
         """A block starts; grads still waiting, scaled, from an earlier block are unscaled."""
