@@ -156,7 +156,8 @@ def initialize(
         opt_level: ``"O0"`` fp32, ``"O1"`` autocast, ``"O2"`` half model + fp32 masters,
             ``"O3"`` pure half.
         half_dtype: ``torch.float16``/``torch.bfloat16`` or a name (``"bf16"``, ``"fp16"``,
-            ...; default fp16 on CUDA, bf16 on CPU).
+            ...; default fp16 on CUDA, bf16 on CPU; with ``cast_model_type=False``, the half
+            dtype the model's params already have, when they have one).
         loss_scale: the scalers' rule. ``"dynamic"`` (the default
             :class:`~mpnb.core.amp.LossScaleRule`), a positive finite number (a static scale:
             steps are never skipped, as in Apex), a :class:`~mpnb.core.amp.LossScaleRule`, or a
@@ -205,6 +206,8 @@ def initialize(
                 "amp.initialize: this optimizer was already initialized; pass it once."
             )
     device = model_device(model_list[0]) if model_list else torch.device("cpu")
+    if half_dtype is None and (cast_model_type is False or cast_model_type == "False"):
+        half_dtype = _models_half_dtype(model_list)  # the half dtype the model already has
     props = resolve_properties(
         opt_level,
         device,
@@ -235,6 +238,12 @@ def initialize(
     if optimizers is None:
         return models_out
     return models_out, (opt_list if opts_was_list else opt_list[0])
+
+
+def _models_half_dtype(models: list) -> torch.dtype | None:
+    """The one half dtype among the models' params (None: none, or both fp16 and bf16)."""
+    found = {p.dtype for m in models for p in m.parameters() if p.dtype in _HALF}
+    return found.pop() if len(found) == 1 else None
 
 
 def _uses_half(props: Properties) -> bool:

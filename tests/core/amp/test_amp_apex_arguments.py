@@ -106,6 +106,22 @@ def test_cast_model_type_false_leaves_the_dtypes_and_trains(level):
         assert dtypes == ["torch.float32"] * 4
 
 
+def test_cast_model_type_false_takes_the_models_half_dtype_and_its_dynamic_scale():
+    a = _Mixed(1.0)
+    opt = torch.optim.SGD(a.parameters(), lr=0.25)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        a, opt = amp.initialize(a, opt, opt_level="O2", cast_model_type=False, verbosity=0)
+    handle = amp.current_handle()
+    assert handle.properties.half_dtype == torch.float16 and handle.scalers[0].dynamic
+    before = [p.detach().clone() for p in a.parameters()]
+    opt.zero_grad()
+    with amp.scale_loss(a(torch.tensor([float("inf"), 1.0])), opt) as scaled:
+        scaled.backward()
+    opt.step()  # an overflow under a dynamic scale: skipped, as in Apex
+    assert all(torch.equal(b, p) for b, p in zip(before, a.parameters(), strict=True))
+
+
 def test_cast_model_type_false_is_checked_against_o1_rules():
     with pytest.raises(ValueError, match="cast_model_type"):
         _init(_net(), None, "O1", cast_model_type=torch.float16)
