@@ -186,6 +186,14 @@ class Masters:
         for p in self.model:
             p.grad = None
 
+    def release_grads(self) -> None:
+        """After a step: drop the masters' grads (Apex does too). A new backward makes them
+        afresh from the model's grads; whoever zeroes only the model's grads
+        (``model.zero_grad()``, ``p.grad = None``) must not get last step's master grads
+        added to the next ones."""
+        for m in self.masters:
+            m.grad = None
+
     def copy_to_model(self) -> None:
         """``model_param = master`` (rounded to half), one kernel call per dtype group."""
         with torch.no_grad():

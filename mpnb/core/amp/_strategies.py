@@ -107,6 +107,8 @@ class Strategy:
             skip[0](skip[1])
         elif self.masters is not None:
             self.masters.copy_to_model()
+        if self.masters is not None:
+            self.masters.release_grads()
 
 
 def _verdict(st, found: bool, scales: list[float]) -> bool:
@@ -222,8 +224,11 @@ class FusedSeam(Strategy):
         vals = torch.cat([self._flag, *(s.scale for s in st.scalers)]).tolist()
         st.host_syncs += 1
         self._flag = None
-        if not _verdict(st, vals[0] > 0, vals[1:]) and self.masters is not None:
-            self.masters.copy_to_model()
+        skipped = _verdict(st, vals[0] > 0, vals[1:])
+        if self.masters is not None:
+            if not skipped:
+                self.masters.copy_to_model()
+            self.masters.release_grads()
 
 
 def choose_strategy(optimizer: torch.optim.Optimizer, master_weights: bool) -> Strategy:

@@ -228,3 +228,35 @@ def test_keep_vars_state_dict_keeps_the_live_half_params():
     model = _init(_bn_net(), None, "O2")
     sd = model.state_dict(keep_vars=True)
     assert sd["0.weight"] is model[0].weight
+
+
+# ---- O2: zeroing only the model's grads (run_amp/test_add_param_group, how_to_zero="none") ----
+
+
+@pytest.mark.parametrize("how", ["none", "model", "optimizer"])
+def test_o2_steps_equal_fp32_steps_whichever_grads_are_zeroed(how):
+    x = torch.ones(2)
+
+    def make():
+        m = _Mixed(1.0).float()
+        return m, torch.optim.SGD(m.parameters(), lr=0.25, momentum=0.125)
+
+    ref, ref_opt = make()
+    amp_model, opt = make()
+    amp_model, opt = _init(amp_model, opt, "O2", loss_scale=4.0)
+    for model, o, scaled in ((ref, ref_opt, False), (amp_model, opt, True)):
+        for _ in range(3):
+            if how == "none":
+                for p in model.parameters():
+                    p.grad = None
+            else:
+                (model if how == "model" else o).zero_grad()
+            loss = model(x)
+            if scaled:
+                with amp.scale_loss(loss, o) as s:
+                    s.backward()
+            else:
+                loss.backward()
+            o.step()
+    for a, b in zip(ref.parameters(), amp_model.parameters(), strict=True):
+        torch.testing.assert_close(a.to(b.dtype), b)
