@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from mpnb.core.amp.casts import in_autocast_dtype
 from mpnb.core.ops.dense import ACTIVATIONS, bias_act_bwd
 
 __all__ = ["MLP", "mlp_function"]
@@ -53,8 +54,12 @@ class _MlpFunction(torch.autograd.Function):
 
 
 def mlp_function(bias: bool, activation: int, input: torch.Tensor, *params: torch.Tensor):
-    """Apex's ``mlp_function(bias, activation, input, *weights, *biases)`` (activation 0/1/2)."""
-    return _MlpFunction.apply(bias, activation, input, *params)
+    """Apex's ``mlp_function(bias, activation, input, *weights, *biases)`` (activation 0/1/2).
+
+    Inside a ``torch.autocast`` region the input, weights and biases are cast to the region's
+    dtype first (as Apex does), so forward and backward run in one dtype.
+    """
+    return in_autocast_dtype(_MlpFunction.apply, bias, activation, input, *params)
 
 
 class MLP(nn.Module):

@@ -58,7 +58,7 @@ def test_every_apex_name_with_status_home_port_and_lines(script):
             "mpnb.parallel.DistributedDataParallel",
             (8, 12),
         ),
-        "apex.fp16_utils.FP16Model": ("lacks", None, (9,)),
+        "apex.fp16_utils.FP16Model": ("provides", "mpnb.fp16_utils.FP16Model", (9,)),
         "apex.contrib.optimizers.DistributedFusedAdam": ("lacks", None, (10,)),
         "syncbn": ("emulates", "mpnb.compat.syncbn", (11,)),
         "apex.parallel.convert_syncbn_model": (
@@ -73,7 +73,7 @@ def test_every_apex_name_with_status_home_port_and_lines(script):
             (14,),
         ),
         "apex.optimizers.FusedLAMB": ("provides", "mpnb.optimizers.FusedLAMB", (14,)),
-        "apex.amp.init": ("lacks", None, (15,)),
+        "apex.amp.init": ("provides", "mpnb.amp.init", (15,)),
     }
     assert set(rows) == set(expected)
     for name, (status, home, lines) in expected.items():
@@ -84,14 +84,14 @@ def test_every_apex_name_with_status_home_port_and_lines(script):
         "torch.nn.parallel.DistributedDataParallel"
     )
     assert "read-only" in rows["apex.amp._amp_state.loss_scalers"].note
-    assert report.count("lacks") == 3 and report.count("emulates") == 2
+    assert report.count("lacks") == 1 and report.count("emulates") == 2
     assert report.cuda_only == {
         ".cuda()": [12],
         'backend="nccl"': [16],
         'device="cuda"': [17],
     }
     text = format_report(report)
-    assert "13 Apex names: 8 provided by mpnb, 2 emulated, 3 lacking" in text
+    assert "13 Apex names: 10 provided by mpnb, 2 emulated, 1 lacking" in text
     assert "python -m mpnb.apex --cpu" in text and "Porting to torch.amp" in text
 
 

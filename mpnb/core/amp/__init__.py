@@ -6,6 +6,9 @@ in ``optimizer.param_groups``; O3 is pure half. Loss scaling is an explicit
 :class:`LossScaler` per loss, following its :class:`LossScaleRule`, on the device, with one host
 sync per optimizer step.
 
+Apex's older API is here too: ``handle = amp.init()`` casts function by function until
+``handle._deactivate()`` (:mod:`mpnb.core.amp.init_api`, a ``TorchFunctionMode``).
+
 The names the lab and other front ends share are defined here once: :data:`OPT_LEVELS`,
 :data:`HALF_DTYPES` with :func:`parse_half_dtype`, and :func:`parse_loss_scale`.
 
@@ -46,10 +49,14 @@ from mpnb.core.amp.frontend import (
     state_dict,
 )
 from mpnb.core.amp.handle import AmpHandle, RoundedWeightsWarning
+from mpnb.core.amp.init_api import InitHandle, NoOpHandle, init
 from mpnb.core.amp.scaler import LossScaleCollapseError, LossScaler, StaticScaleOverflowWarning
 
 __all__ = [
     "initialize",
+    "init",
+    "InitHandle",
+    "NoOpHandle",
     "scale_loss",
     "master_params",
     "state_dict",

@@ -119,6 +119,22 @@ class Masters:
         self.model.append(p)
         self.masters.append(m)
 
+    @torch.no_grad()
+    def follow_model(self, incoming: dict | None = None) -> None:
+        """Re-read each master whose model param no longer holds its rounded value.
+
+        The model's weights can change after the masters were made: a DDP constructor
+        broadcasting rank 0's weights, a ``model.load_state_dict``, a user's copy. A master
+        that still rounds to its param keeps its fp32 digits (a checkpoint's, say); any other
+        takes the param's value, as Apex's masters, made from the half params at the first
+        step, do. ``incoming``: exact fp32 values for some params (a checkpoint being loaded).
+        """
+        for p, m in zip(self.model, self.masters, strict=True):
+            if incoming and p in incoming:
+                m.copy_(incoming[p])
+            elif not torch.equal(m.to(p.dtype), p):
+                m.copy_(p)
+
     def rebuild(self) -> None:
         """Group the (model, master) pairs by model dtype: one kernel call per group."""
         self.pairs = []
@@ -169,6 +185,14 @@ class Masters:
         """Drop the half model grads (a block raised)."""
         for p in self.model:
             p.grad = None
+
+    def release_grads(self) -> None:
+        """After a step: drop the masters' grads (Apex does too). A new backward makes them
+        afresh from the model's grads; whoever zeroes only the model's grads
+        (``model.zero_grad()``, ``p.grad = None``) must not get last step's master grads
+        added to the next ones."""
+        for m in self.masters:
+            m.grad = None
 
     def copy_to_model(self) -> None:
         """``model_param = master`` (rounded to half), one kernel call per dtype group."""

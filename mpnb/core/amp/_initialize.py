@@ -15,7 +15,7 @@ from mpnb.core.amp._state import AmpOptimizerState, AmpStash
 from mpnb.core.amp._strategies import choose_strategy
 from mpnb.core.amp.casts import default_registry
 from mpnb.core.amp.frontend import set_current_handle
-from mpnb.core.amp.handle import AmpHandle
+from mpnb.core.amp.handle import AmpHandle, Fp32StateDict
 from mpnb.core.amp.scaler import LossScaler
 from mpnb.core.hardware import cuda_info, dtype_support, half_support
 
@@ -70,10 +70,19 @@ class HardwareCheck:
             )
 
 
+def _wrapped(obj):
+    """The torch optimizer inside a wrapper such as :class:`~mpnb.parallel.LARC` (``.optim``),
+    or None: amp attaches to it, and the wrapper's ``step()`` runs it after its own work."""
+    inner = getattr(obj, "optim", None)
+    return inner if isinstance(inner, torch.optim.Optimizer) else None
+
+
 def _as_list(obj, kind: type, what: str) -> tuple[list, bool]:
     was_list = isinstance(obj, (list, tuple))
     items = list(obj) if was_list else [obj]
     for x in items:
+        if kind is torch.optim.Optimizer and _wrapped(x) is not None:
+            continue
         if not isinstance(x, kind):
             raise TypeError(
                 f"amp.initialize: {what} must be a {kind.__module__}.{kind.__name__} "
@@ -142,11 +151,14 @@ def initialize(
 
     Args:
         models: a ``torch.nn.Module`` or a list of them.
-        optimizers: a ``torch.optim.Optimizer``, a list, or None.
+        optimizers: a ``torch.optim.Optimizer``, a list, or None. An optimizer wrapped in
+            :class:`~mpnb.parallel.LARC` is accepted as in Apex (amp serves the optimizer
+            inside; the wrapper's ``step()`` rescales the unscaled grads, then steps it).
         opt_level: ``"O0"`` fp32, ``"O1"`` autocast, ``"O2"`` half model + fp32 masters,
             ``"O3"`` pure half.
         half_dtype: ``torch.float16``/``torch.bfloat16`` or a name (``"bf16"``, ``"fp16"``,
-            ...; default fp16 on CUDA, bf16 on CPU).
+            ...; default fp16 on CUDA, bf16 on CPU; with ``cast_model_type=False``, the half
+            dtype the model's params already have, when they have one).
         loss_scale: the scalers' rule. ``"dynamic"`` (the default
             :class:`~mpnb.core.amp.LossScaleRule`), a positive finite number (a static scale:
             steps are never skipped, as in Apex), a :class:`~mpnb.core.amp.LossScaleRule`, or a
@@ -195,6 +207,8 @@ def initialize(
                 "amp.initialize: this optimizer was already initialized; pass it once."
             )
     device = model_device(model_list[0]) if model_list else torch.device("cpu")
+    if half_dtype is None and (cast_model_type is False or cast_model_type == "False"):
+        half_dtype = _models_half_dtype(model_list)  # the half dtype the model already has
     props = resolve_properties(
         opt_level,
         device,
@@ -214,6 +228,7 @@ def initialize(
         for m in model_list:
             check_model(m)
         for o in opt_list if props.master_weights else ():
+            o = _wrapped(o) or o
             if hasattr(o, "_mpnb_check_master_weights"):  # refuses before the model changes
                 o._mpnb_check_master_weights()
     if verbosity:
@@ -224,6 +239,12 @@ def initialize(
     if optimizers is None:
         return models_out
     return models_out, (opt_list if opts_was_list else opt_list[0])
+
+
+def _models_half_dtype(models: list) -> torch.dtype | None:
+    """The one half dtype among the models' params (None: none, or both fp16 and bf16)."""
+    found = {p.dtype for m in models for p in m.parameters() if p.dtype in _HALF}
+    return found.pop() if len(found) == 1 else None
 
 
 def _uses_half(props: Properties) -> bool:
@@ -252,11 +273,14 @@ def _build(props, rule, model_list, opt_list, device, num_losses) -> AmpHandle:
             )
     for o in opt_list:
         st = None
+        inner = _wrapped(o) or o  # LARC: amp's hooks go on the optimizer it wraps
         if props.enabled:
-            st = AmpOptimizerState(o, choose_strategy(o, props.master_weights), handle)
+            st = AmpOptimizerState(inner, choose_strategy(inner, props.master_weights), handle)
             handle.opt_states.append(st)
         o._amp_stash = AmpStash(st, handle)
         o._lazy_init_maybe_master_weights = o._amp_stash.lazy_init_maybe_master_weights  # Apex's
+        if inner is not o:
+            inner._amp_stash = o._amp_stash
     for m in model_list:
         handle.hooks += _attach_model(m, props, handle)
         setattr(m, _MODEL_MARK, True)
@@ -272,9 +296,13 @@ def _attach_model(model: torch.nn.Module, props: Properties, handle: AmpHandle) 
         hooks += CastForward(props.cast_model_type, out).attach(model)
     if props.patch_torch_functions:
         dev = model_device(model).type
-        hooks += AutocastForward(dev, props.half_dtype, default_registry.copy(), out).attach(model)
+        casts = AutocastForward(dev, props.half_dtype, default_registry.copy(), out).attach(model)
+        handle.cast_hooks += casts  # what handle._deactivate() takes off
+        hooks += casts
     elif props.cast_model_type is None and out is not None:
         hooks += CastForward(None, out).attach(model)
+    if props.enabled and props.cast_model_type in _HALF:  # Apex's fp32 checkpoint format
+        hooks.append(model.register_state_dict_post_hook(Fp32StateDict()))
     # model.load_state_dict after initialize: the fp32 masters follow (and keep the handle).
     hooks.append(model.register_load_state_dict_pre_hook(handle.model_load_pre))
     hooks.append(model.register_load_state_dict_post_hook(handle.model_load_post))

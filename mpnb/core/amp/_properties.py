@@ -35,7 +35,9 @@ class Properties:
     Attributes:
         enabled: False makes amp a no-op (scale_loss yields the loss unchanged).
         opt_level: ``"O0"``..``"O3"``.
-        cast_model_type: dtype the model is cast to (None: the model is not cast).
+        cast_model_type: dtype the model is cast to (None: the model is not cast; Apex's
+            ``cast_model_type=False`` resolves to None at any level, and the level's master
+            weights then serve the half params the model already has).
         patch_torch_functions: run forward under ``torch.autocast`` (O1).
         keep_batchnorm_fp32: keep batch norms fp32 when the model is cast.
         master_weights: keep fp32 master params in the optimizer.
@@ -152,8 +154,14 @@ def parse_opt_level(value) -> str:
     return value
 
 
+def _no_cast(value) -> bool:
+    """Apex's ``cast_model_type=False``: leave the model's dtypes as they are."""
+    return value is False or value == "False"
+
+
 def _check_o1(over: dict) -> None:
-    if over.get("cast_model_type") not in (None, torch.float32):
+    cast = over.get("cast_model_type")
+    if not (cast is None or _no_cast(cast) or cast == torch.float32):
         raise ValueError(
             "amp.initialize: O1 casts inside torch.autocast, not the model's weights, so "
             "cast_model_type must stay None with O1; use opt_level='O2' or 'O3' to cast the model."
@@ -177,7 +185,8 @@ def resolve_properties(opt_level: str = "O1", device="cpu", **overrides) -> Prop
         opt_level: ``"O0"``, ``"O1"``, ``"O2"`` or ``"O3"`` (the letter O, not zero).
         device: where the model lives; picks the default half dtype (fp16 CUDA, bf16 CPU).
         **overrides: any :class:`Properties` field; None means "the level's default";
-            ``cast_model_outputs=False`` leaves the outputs uncast; ``loss_scale`` may also be
+            ``cast_model_outputs=False`` leaves the outputs uncast, ``cast_model_type=False``
+            the model's dtypes; ``loss_scale`` may also be
             a :class:`~mpnb.core.amp.LossScaleRule` or a dict of its fields (``"dynamic"``).
 
     Example::
@@ -194,6 +203,12 @@ def resolve_properties(opt_level: str = "O1", device="cpu", **overrides) -> Prop
     if opt_level == "O1":
         _check_o1(over)
     props = OPT_LEVELS[opt_level].defaults(half)
+    uncast = _no_cast(over.get("cast_model_type"))
+    if uncast:  # the model keeps its dtypes; the level's other defaults stay (Apex)
+        over.pop("cast_model_type")
+        props = dataclasses.replace(props, cast_model_type=None)
+        if "keep_batchnorm_fp32" not in over:
+            props = dataclasses.replace(props, keep_batchnorm_fp32=None)
     conv = {
         "enabled": lambda v: _bool("enabled", v),
         "cast_model_type": lambda v: _dtype("cast_model_type", v, (*_HALF, torch.float32)),
@@ -205,7 +220,7 @@ def resolve_properties(opt_level: str = "O1", device="cpu", **overrides) -> Prop
         "half_dtype": lambda v: _dtype("half_dtype", v, _HALF),
     }
     props = dataclasses.replace(props, **{k: conv[k](v) for k, v in over.items()})
-    _check_consistent(props)
+    _check_consistent(props, uncast)
     return props
 
 
@@ -214,7 +229,7 @@ def _resolve_half(over: dict, device) -> torch.dtype:
     if half is not None:
         half = _dtype("half_dtype", half, _HALF)
     cast = over.get("cast_model_type")
-    if cast is not None:
+    if cast is not None and not _no_cast(cast):
         cast = _dtype("cast_model_type", cast, (*_HALF, torch.float32))
         if cast in _HALF:
             if half is not None and half != cast:
@@ -226,14 +241,15 @@ def _resolve_half(over: dict, device) -> torch.dtype:
     return half or default_half_dtype(device)
 
 
-def _check_consistent(p: Properties) -> None:
-    if p.master_weights and p.cast_model_type not in _HALF:
+def _check_consistent(p: Properties, uncast: bool = False) -> None:
+    # With cast_model_type=False the model's own half params get the masters (Apex).
+    if p.master_weights and p.cast_model_type not in _HALF and not uncast:
         raise ValueError(
             f"amp.initialize: master_weights=True needs a half model (cast_model_type "
             f"{p.half_dtype}), got cast_model_type={p.cast_model_type}; drop master_weights or "
             "use opt_level='O2'."
         )
-    if p.keep_batchnorm_fp32 and p.cast_model_type not in _HALF:
+    if p.keep_batchnorm_fp32 and p.cast_model_type not in _HALF and not uncast:
         raise ValueError(
             "amp.initialize: keep_batchnorm_fp32=True only applies when the model is cast to "
             "half (O2/O3); drop it or pick opt_level='O2' or 'O3'."

@@ -8,6 +8,8 @@ done by the optimizer's strategy (:mod:`mpnb.core.amp._strategies`).
 
 Host syncs: one per optimizer step, in the strategy's ``pre_step`` (in place, masters) or
 ``post_step`` (fused seam), where every overflow flag and scale of the step is read together.
+The first step also compares each fp32 master with its model param once (see
+:meth:`~mpnb.core.amp._strategies.Strategy.follow_model`).
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ class AmpOptimizerState:
         self.scalers: list[LossScaler] = []
         self.host_syncs = 0
         self.carried: list = []  # fp32 values a checkpoint put into fp32 params (O0/O1/O3)
+        self.followed = False  # the masters re-read the model at the first step
         self._found: dict = {}
         self.hooks = [
             optimizer.register_step_pre_hook(self._pre_step),
@@ -156,6 +159,12 @@ class AmpOptimizerState:
     def _pre_step(self, optimizer, args, kwargs):
         state = self.state
         if state is OptState.UNSCALED:
+            if not self.followed:
+                # Until the first step the model is the truth: DDP's broadcast of rank 0's
+                # weights, a load_state_dict or a user's copy after amp.initialize reach the
+                # model only; the masters take them now (Apex makes its masters here).
+                self.strategy.follow_model(optimizer)
+                self.followed = True
             self.strategy.pre_step(self, optimizer)
         elif state is not OptState.READY:  # READY: no scale_loss this step, a plain step
             raise RuntimeError(_MISUSE[state])

@@ -62,6 +62,12 @@ class Strategy:
             self.masters.rebuild()
         self._n_groups = len(optimizer.param_groups)
 
+    def follow_model(self, optimizer, incoming: dict | None = None) -> None:
+        """Bring the fp32 masters in line with the model's current weights (see
+        :meth:`~mpnb.core.amp._grads.Masters.follow_model`)."""
+        if self.masters is not None:
+            self.masters.follow_model(incoming)
+
     # ---- a scale_loss block ------------------------------------------------------------
 
     def before_backward(self, st, keep_scaled: bool) -> None:
@@ -101,6 +107,8 @@ class Strategy:
             skip[0](skip[1])
         elif self.masters is not None:
             self.masters.copy_to_model()
+        if self.masters is not None:
+            self.masters.release_grads()
 
 
 def _verdict(st, found: bool, scales: list[float]) -> bool:
@@ -156,6 +164,22 @@ class FusedSeam(Strategy):
         dev = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
         self._one = torch.ones(1, dtype=torch.float32, device=dev)
 
+    @torch.no_grad()
+    def follow_model(self, optimizer, incoming: dict | None = None) -> None:
+        """As :meth:`Strategy.follow_model`, also for the masters the optimizer keeps (made
+        from the params at its first step, or set from a checkpoint before it)."""
+        super().follow_model(optimizer, incoming)
+        if not self.internal_masters:
+            return
+        for p in self.own.params:
+            if p.dtype not in _HALF:
+                continue
+            m = optimizer.state.get(p, {}).get("master_param")
+            if incoming and p in incoming:
+                optimizer._mpnb_set_master(p, incoming[p])
+            elif m is not None and not torch.equal(m.to(p.dtype), p):
+                m.copy_(p)
+
     def before_backward(self, st, keep_scaled: bool) -> None:
         """A block starts; grads still waiting, scaled, from an earlier block are unscaled."""
         if self.deferred is not None:  # a second block this step: no more deferring
@@ -200,8 +224,11 @@ class FusedSeam(Strategy):
         vals = torch.cat([self._flag, *(s.scale for s in st.scalers)]).tolist()
         st.host_syncs += 1
         self._flag = None
-        if not _verdict(st, vals[0] > 0, vals[1:]) and self.masters is not None:
-            self.masters.copy_to_model()
+        skipped = _verdict(st, vals[0] > 0, vals[1:])
+        if self.masters is not None:
+            if not skipped:
+                self.masters.copy_to_model()
+            self.masters.release_grads()
 
 
 def choose_strategy(optimizer: torch.optim.Optimizer, master_weights: bool) -> Strategy:

@@ -25,6 +25,7 @@ __all__ = [
     "CastRegistry",
     "default_registry",
     "disable_casts",
+    "in_autocast_dtype",
     "half_function",
     "float_function",
     "promote_function",
@@ -93,7 +94,8 @@ def _widest(obj, found: list) -> None:
 
 @contextlib.contextmanager
 def disable_casts() -> Iterator[None]:
-    """Turn autocast off for the body (every device where it is on); restored on exit.
+    """Turn autocast off for the body (every device where it is on), and the casts of any
+    ``amp.init`` handle active in this thread; restored on exit.
 
     Example::
 
@@ -104,7 +106,33 @@ def disable_casts() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for dev in _active_autocast():
             stack.enter_context(torch.autocast(dev, enabled=False))
+        from mpnb.core.amp.init_api import active_handles  # it imports this module
+
+        for handle in active_handles():  # amp.init's casts (Apex's older API)
+            stack.enter_context(handle._disable_casts())
         yield
+
+
+def in_autocast_dtype(fn: Callable, *args):
+    """``fn(*args)`` as Apex runs its fused functions: in the autocast region's dtype.
+
+    Inside a ``torch.autocast`` region of the device of the first tensor argument, every
+    floating tensor argument is cast to the region's dtype and ``fn`` runs with autocast off,
+    so a fused op (which autocast knows nothing of) returns the region's dtype and its
+    backward sees one dtype; outside a region, ``fn(*args)`` unchanged. (Apex's
+    ``_cast_if_autocast_enabled`` plus ``autocast(enabled=False)``.)
+
+    Example::
+
+        >>> with torch.autocast("cpu", dtype=torch.float16):
+        ...     y = in_autocast_dtype(layer_norm_op, x, weight, bias)   # fp16
+    """
+    dev = next((a.device.type for a in args if isinstance(a, torch.Tensor)), None)
+    if dev is None or not torch.is_autocast_enabled(dev):
+        return fn(*args)
+    args = _cast(args, torch.get_autocast_dtype(dev))
+    with torch.autocast(dev, enabled=False):
+        return fn(*args)
 
 
 def _wrap(fn: Callable, policy: str) -> Callable:

@@ -78,7 +78,8 @@ def current_handle() -> AmpHandle:
 
 
 def _stash_of(optimizer):
-    if not isinstance(optimizer, torch.optim.Optimizer):
+    wrapper = isinstance(getattr(optimizer, "optim", None), torch.optim.Optimizer)  # LARC
+    if not (isinstance(optimizer, torch.optim.Optimizer) or wrapper):
         raise TypeError(f"amp: expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
     stash = getattr(optimizer, "_amp_stash", None)
     if not isinstance(getattr(stash, "handle", None), AmpHandle):

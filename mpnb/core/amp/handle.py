@@ -17,7 +17,7 @@ from mpnb.core.amp import _checkpoint
 from mpnb.core.amp._properties import Properties
 from mpnb.core.amp.scaler import LossScaler
 
-__all__ = ["AmpHandle", "RoundedWeightsWarning"]
+__all__ = ["AmpHandle", "Fp32StateDict", "RoundedWeightsWarning"]
 
 _HALF = (torch.float16, torch.bfloat16)
 
@@ -109,6 +109,7 @@ class AmpHandle:
         self.scalers = scalers
         self.opt_states: list = []
         self.hooks: list = []
+        self.cast_hooks: list = []  # O1's autocast hooks (among ``hooks``)
         self._deferred: list = []  # fused optimizers whose grads wait, scaled, for step()
         self._incoming: dict = {}  # fp32 checkpoint values for half params, during a load
         self._incoming_rounded: torch.dtype | None = None
@@ -190,18 +191,23 @@ class AmpHandle:
         for s, (checked, _) in zip(self.scalers, resolved, strict=True):
             s.apply_state(checked)
 
-    def model_load_pre(self, module, state_dict, prefix, *args) -> None:
+    def model_load_pre(self, module, state_dict, prefix, local_metadata=None, *args) -> None:
         """Before ``model.load_state_dict``: note fp32 values meant for half params (their
-        masters take them exactly) and half values meant for fp32 params (rounded)."""
+        masters take them exactly) and half values meant for fp32 params (rounded). An
+        O2/O3 model's state dict holds its half weights as fp32 (Apex's format); its metadata
+        says so (:class:`Fp32StateDict`), and those values count as half ones."""
         self._incoming, rounded = {}, None
+        marked = local_metadata.get(Fp32StateDict.KEY) if isinstance(local_metadata, dict) else None
+        marked = marked if isinstance(marked, dict) else {}
         for name, p in module.named_parameters():
             t = state_dict.get(prefix + name)
             if not isinstance(t, torch.Tensor) or t.shape != p.shape:
                 continue
-            if p.dtype in _HALF and t.dtype == torch.float32:
+            half = t.dtype if t.dtype in _HALF else _HALF_NAMES.get(marked.get(name))
+            if p.dtype in _HALF and t.dtype == torch.float32 and half is None:
                 self._incoming[p] = t
-            elif p.dtype == torch.float32 and t.dtype in _HALF:
-                rounded = t.dtype
+            elif p.dtype == torch.float32 and half is not None:
+                rounded = half
         self._incoming_rounded = rounded
 
     @torch.no_grad()
@@ -222,6 +228,15 @@ class AmpHandle:
                 stacklevel=3,
             )
 
+    def _deactivate(self) -> None:
+        """Apex's ``_amp_state.handle._deactivate()``: end O1's casts (the models' autocast
+        hooks come off; the models run as they were). Loss scaling and the optimizers'
+        state stay. A no-op at the other levels, whose casts are the model's dtypes."""
+        for h in self.cast_hooks:
+            h.remove()
+        self.hooks = [h for h in self.hooks if h not in self.cast_hooks]
+        self.cast_hooks = []
+
     def remove_hooks(self) -> None:
         """Detach every model and optimizer hook this handle registered."""
         for h in self.hooks:
@@ -232,27 +247,45 @@ class AmpHandle:
         self.hooks = []
 
 
+class Fp32StateDict:
+    """``model.state_dict()`` post-hook of an O2/O3 model: its half tensors saved as fp32.
+
+    Apex's checkpoint format (its ``O2StateDictHook``): a checkpoint of a half model loads
+    into an fp32 model, and back, in either library. Registered with PyTorch's public
+    ``Module.register_state_dict_post_hook``; tensors asked for with ``keep_vars=True`` (the
+    live parameters) are left as they are. The converted values are the model's rounded
+    weights, not the masters (those travel with the optimizer's state), so the module's
+    metadata notes which entries were half, and in which dtype (``KEY``: ``{name: dtype
+    name}``), read back by :meth:`AmpHandle.model_load_pre`.
+
+    Example::
+
+        >>> model, opt = amp.initialize(model, opt, opt_level="O2")
+        >>> {t.dtype for t in model.state_dict().values() if t.is_floating_point()}
+        {torch.float32}
+    """
+
+    KEY = "mpnb_amp_half_weights"
+
+    def __call__(self, module, state_dict, prefix, local_metadata) -> None:
+        converted = {}
+        for k, v in list(state_dict.items()):
+            if not k.startswith(prefix) or not isinstance(v, torch.Tensor):
+                continue
+            if v.dtype in _HALF and not isinstance(v, torch.nn.Parameter):
+                converted[k[len(prefix) :]] = str(v.dtype).split(".")[-1]
+                state_dict[k] = v.float()
+        if converted:
+            local_metadata[self.KEY] = converted  # {name: its half dtype}
+
+
+_HALF_NAMES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
 def _refresh(st, incoming: dict) -> bool:
     """Bring ``st``'s fp32 values in line with a freshly loaded model; True if a checkpoint's
     fp32 masters (carried by an optimizer load) were kept over rounded model values."""
-    strategy = st.strategy
-    masters = strategy.masters
-    if masters is not None:
-        for p, m in zip(masters.model, masters.masters, strict=True):
-            if p in incoming:
-                m.copy_(incoming[p])
-            elif not torch.equal(m.to(p.dtype), p):
-                m.copy_(p)
-    if getattr(strategy, "internal_masters", False):
-        opt = st.optimizer
-        for p in strategy.own.params:
-            if p.dtype not in _HALF:
-                continue
-            m = opt.state.get(p, {}).get("master_param")
-            if p in incoming:
-                opt._mpnb_set_master(p, incoming[p])
-            elif m is not None and not torch.equal(m.to(p.dtype), p):
-                m.copy_(p)
+    st.strategy.follow_model(st.optimizer, incoming)
     kept = False
     for p, v in st.carried:  # O0/O1/O3: a model load after the optimizer's must not round
         if not torch.equal(p, v) and any(torch.equal(p, v.to(h).float()) for h in _HALF):

@@ -3,6 +3,7 @@
 from mpnb.core.fp16_utils.fp16_optimizer import FP16_Optimizer
 from mpnb.core.fp16_utils.fp16util import (
     BN_convert_float,
+    FP16Model,
     clip_grad_norm,
     convert_module,
     convert_network,
@@ -17,6 +18,7 @@ from mpnb.core.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
 
 __all__ = [
     "FP16_Optimizer",
+    "FP16Model",
     "BN_convert_float",
     "clip_grad_norm",
     "convert_module",

@@ -9,6 +9,7 @@ from mpnb.core.amp._model import cast_model
 from mpnb.core.ops import multi_tensor_scale
 
 __all__ = [
+    "FP16Model",
     "tofp16",
     "BN_convert_float",
     "network_to_half",
@@ -73,6 +74,36 @@ def convert_network(network: torch.nn.Module, dtype: torch.dtype) -> torch.nn.Mo
         if isinstance(m, _BatchNorm) and not m.affine:
             convert_module(m, dtype)
     return network
+
+
+class FP16Model(torch.nn.Module):
+    """Apex's ``FP16Model``: ``network`` cast to half, batch-norm safe, inputs cast on entry.
+
+    The network is cast in place by :func:`convert_network` (affine batch norms stay fp32,
+    their fp32 statistics and weights take half inputs) and becomes ``self.network``; the
+    floating inputs of each forward are cast to ``dtype`` (other inputs, index tensors say,
+    pass unchanged).
+
+    Args:
+        network: the fp32 model.
+        dtype: the half dtype (fp16 as in Apex; bf16 also works).
+
+    Example::
+
+        >>> model = FP16Model(torchvision.models.resnet18())
+        >>> model(torch.randn(8, 3, 224, 224)).dtype
+        torch.float16
+    """
+
+    def __init__(self, network: torch.nn.Module, dtype: torch.dtype = torch.float16) -> None:
+        super().__init__()
+        self.dtype = dtype
+        self.network = convert_network(network, dtype=dtype)
+
+    def forward(self, *inputs):
+        """Run the network on the inputs, floating ones cast to ``dtype``."""
+        cast = (t.to(self.dtype) if torch.is_floating_point(t) else t for t in inputs)
+        return self.network(*cast)
 
 
 def prep_param_lists(model: torch.nn.Module, flat_master: bool = False):

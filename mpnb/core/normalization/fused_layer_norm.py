@@ -6,6 +6,8 @@ for fp16/bf16 input), PyTorch's own ops on CUDA, or the pure-PyTorch reference w
 kernels. ``memory_efficient=True`` saves the output instead of the input for the backward,
 which recomputes ``xhat = (y - bias) / weight`` (as Apex does: weights must not be zero).
 The ``mixed_dtype_*`` forms take fp32 weights with a half input and return the input's dtype.
+Inside a ``torch.autocast`` region every function runs in the region's dtype (input and
+parameters cast to it, as Apex's do), so its output is the region's dtype.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from mpnb.core.amp.casts import in_autocast_dtype
 from mpnb.core.ops.layer_norm import layer_norm_fwd
 from mpnb.core.ops.rms_norm import rms_norm_fwd
 
@@ -39,6 +42,14 @@ def _shape(normalized_shape) -> list[int]:
     return [int(s) for s in normalized_shape]
 
 
+def _ln(input, normalized_shape, weight, bias, eps, memory_efficient):
+    return layer_norm_fwd(input, normalized_shape, weight, bias, eps, memory_efficient)[0]
+
+
+def _rms(input, normalized_shape, weight, eps, memory_efficient):
+    return rms_norm_fwd(input, normalized_shape, weight, eps, memory_efficient)[0]
+
+
 def fused_layer_norm_affine(
     input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False
 ):
@@ -51,36 +62,42 @@ def fused_layer_norm_affine(
         >>> fused_layer_norm_affine(x, w, b, [16]).shape
         torch.Size([2, 5, 16])
     """
-    return layer_norm_fwd(input, _shape(normalized_shape), weight, bias, eps, memory_efficient)[0]
+    return in_autocast_dtype(
+        _ln, input, _shape(normalized_shape), weight, bias, eps, memory_efficient
+    )
 
 
 def fused_layer_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
     """Layer norm without affine parameters."""
-    return layer_norm_fwd(input, _shape(normalized_shape), None, None, eps, memory_efficient)[0]
+    return in_autocast_dtype(
+        _ln, input, _shape(normalized_shape), None, None, eps, memory_efficient
+    )
 
 
 def mixed_dtype_fused_layer_norm_affine(
     input, weight, bias, normalized_shape, eps=1e-6, memory_efficient=False
 ):
     """Layer norm of a half input with fp32 ``weight``/``bias``; output in the input dtype."""
-    return layer_norm_fwd(input, _shape(normalized_shape), weight, bias, eps, memory_efficient)[0]
+    return in_autocast_dtype(
+        _ln, input, _shape(normalized_shape), weight, bias, eps, memory_efficient
+    )
 
 
 def fused_rms_norm_affine(input, weight, normalized_shape, eps=1e-6, memory_efficient=False):
     """``x / sqrt(mean(x^2) + eps) * weight`` over the trailing ``normalized_shape``."""
-    return rms_norm_fwd(input, _shape(normalized_shape), weight, eps, memory_efficient)[0]
+    return in_autocast_dtype(_rms, input, _shape(normalized_shape), weight, eps, memory_efficient)
 
 
 def fused_rms_norm(input, normalized_shape, eps=1e-6, memory_efficient=False):
     """RMS norm without a weight."""
-    return rms_norm_fwd(input, _shape(normalized_shape), None, eps, memory_efficient)[0]
+    return in_autocast_dtype(_rms, input, _shape(normalized_shape), None, eps, memory_efficient)
 
 
 def mixed_dtype_fused_rms_norm_affine(
     input, weight, normalized_shape, eps=1e-6, memory_efficient=False
 ):
     """RMS norm of a half input with an fp32 ``weight``; the output has the input's dtype."""
-    return rms_norm_fwd(input, _shape(normalized_shape), weight, eps, memory_efficient)[0]
+    return in_autocast_dtype(_rms, input, _shape(normalized_shape), weight, eps, memory_efficient)
 
 
 class FusedLayerNorm(nn.Module):

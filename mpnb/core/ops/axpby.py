@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from mpnb.core.ops._checks import acc_dtype, any_nonfinite, check_lists, raise_flag_if
+from mpnb.core.ops._layout import in_memory_order
 from mpnb.core.ops._library import Sample, define, ensure_kernels, no_outputs
 
 __all__ = ["multi_tensor_axpby", "reference_multi_tensor_axpby"]
@@ -71,7 +72,8 @@ def multi_tensor_axpby(noop_flag, x, y, out, a: float, b: float, arg_to_check: i
 
     Args:
         noop_flag: set to 1 when a checked input holds inf or NaN.
-        x, y: inputs; out: outputs (each list one dtype of fp32/fp16/bf16, or all fp64).
+        x, y: inputs; out: outputs (each list one dtype of fp32/fp16/bf16, or all fp64;
+            contiguous, or channels-last triples laid out alike).
         a, b: the scalars (rounded to fp32 for non-fp64 lists, as Apex does).
         arg_to_check: which inputs are checked for non-finite values: -1 both, 0 ``x``, 1 ``y``.
 
@@ -82,4 +84,4 @@ def multi_tensor_axpby(noop_flag, x, y, out, a: float, b: float, arg_to_check: i
         >>> multi_tensor_axpby(flag, x, y, out, 2.0, 3.0)     # out == [5, 5, 5, 5]
     """
     ensure_kernels()
-    _op(noop_flag, x, y, out, a, b, arg_to_check)
+    in_memory_order(_op, (noop_flag, x, y, out, a, b, arg_to_check), (1, 2, 3))

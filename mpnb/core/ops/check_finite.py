@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 from mpnb.core.ops._checks import any_nonfinite, check_lists, raise_flag_if
+from mpnb.core.ops._layout import in_memory_order
 from mpnb.core.ops._library import Sample, define, ensure_kernels, no_outputs
 
 __all__ = ["multi_tensor_check_finite", "reference_multi_tensor_check_finite"]
@@ -61,7 +62,7 @@ def multi_tensor_check_finite(noop_flag, tensors) -> None:
 
     Args:
         noop_flag: a one-element tensor (any dtype), set to 1 on inf/NaN, never cleared.
-        tensors: contiguous tensors of one floating dtype.
+        tensors: contiguous (or channels-last) tensors of one floating dtype.
 
     Example::
 
@@ -69,4 +70,4 @@ def multi_tensor_check_finite(noop_flag, tensors) -> None:
         >>> multi_tensor_check_finite(flag, [torch.tensor([1.0, float("inf")])])   # flag == 1
     """
     ensure_kernels()
-    _op(noop_flag, tensors)
+    in_memory_order(_op, (noop_flag, tensors), (1,))

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from mpnb.core.ops._checks import acc_dtype, check_lists, raise_flag_if
+from mpnb.core.ops._layout import in_memory_order
 from mpnb.core.ops._library import Sample, define, ensure_kernels
 
 __all__ = ["multi_tensor_l2norm", "reference_multi_tensor_l2norm"]
@@ -81,7 +82,7 @@ def multi_tensor_l2norm(noop_flag, tensors, per_tensor: bool = False, inv_scale=
     Args:
         noop_flag: set to 1 when the norm is not finite (an input holds inf/NaN, or the norm
             exceeds the fp32 range).
-        tensors: contiguous tensors of one dtype.
+        tensors: contiguous (or channels-last) tensors of one dtype.
         per_tensor: also return each tensor's norm.
         inv_scale: optional one-element tensor; the norm is that of ``t * inv_scale`` computed
             element by element in fp32 (Apex's ``multi_tensor_unscale_l2norm``); the tensors
@@ -97,4 +98,4 @@ def multi_tensor_l2norm(noop_flag, tensors, per_tensor: bool = False, inv_scale=
         >>> total, per      # tensor([3.6056]), tensor([2., 3.])
     """
     ensure_kernels()
-    return _op(noop_flag, tensors, per_tensor, inv_scale)
+    return in_memory_order(_op, (noop_flag, tensors, per_tensor, inv_scale), (1,))

@@ -19,6 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from mpnb.core.ops._checks import acc_dtype, any_nonfinite, check_lists, raise_flag_if
+from mpnb.core.ops._layout import in_memory_order
 from mpnb.core.ops._library import Sample, define, ensure_kernels, no_outputs
 
 __all__ = ["multi_tensor_scale", "reference_multi_tensor_scale"]
@@ -113,6 +114,7 @@ def multi_tensor_scale(
         noop_flag: a one-element tensor set to 1 when any scaled value is inf or NaN.
         src: contiguous tensors to read (one dtype per list).
         dst: contiguous tensors to write, same sizes as ``src`` (may be ``src`` itself).
+            Channels-last pairs laid out alike work too (:mod:`mpnb.core.ops._layout`).
         scale: the factor.
         scale_tensor: optional one-element tensor multiplied into ``scale`` (a loss scaler's
             ``inv_scale`` that lives on the device).
@@ -124,4 +126,4 @@ def multi_tensor_scale(
         >>> multi_tensor_scale(flag, grads, master, 1 / 1024)
     """
     ensure_kernels()
-    _op(noop_flag, src, dst, scale, scale_tensor)
+    in_memory_order(_op, (noop_flag, src, dst, scale, scale_tensor), (1, 2))

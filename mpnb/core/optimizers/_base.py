@@ -10,9 +10,12 @@ one op of :mod:`mpnb.core.ops` (``adam``, ``sgd``, ...). Everything else lives h
   ``state[p]["master_param"]`` (saved by ``state_dict``); the kernel updates it and writes the
   rounded value into the param in the same pass.
 * **Loss scale.** ``_mpnb_set_scale(inv_scale, found_inf)`` (mpnb.amp) or the
-  ``grad_scale``/``found_inf`` attributes that ``torch.amp.GradScaler.step`` sets (because
-  ``_step_supports_amp_scaling`` is True) hand the scale to the step: grads are unscaled in
-  the kernel, and on inf/NaN nothing is written and ``found_inf`` is 1.
+  ``grad_scale``/``found_inf`` attributes that ``torch.amp.GradScaler.step`` sets hand the
+  scale to the step: grads are unscaled in the kernel, and on inf/NaN nothing is written and
+  ``found_inf`` is 1. GradScaler does so only where ``_step_supports_amp_scaling`` is True,
+  which, as in Apex, is ``FusedAdam(capturable=True)`` and ``FusedMixedPrecisionLamb``; after
+  such a step the ``.grad``s hold the unscaled values, as Apex's kernels leave them. Every
+  other fused optimizer gets its grads unscaled by GradScaler before ``step()``.
 * **Pure bf16.** ``stochastic_rounding=True`` or ``kahan_summation=True`` (FusedAdam,
   FusedSGD, FusedLAMB) send bf16 params without masters to the op's ``_bf16`` variant
   (:mod:`mpnb.core.ops._rounding` has the math): :class:`_Rounding` holds the seed (drawn once
@@ -111,7 +114,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     _has_step = True
     _check_grads = True  # run the read-only finite pre-pass when a scale is handed over
     _mpnb_accepts_scale = True
-    _step_supports_amp_scaling = True
+    _step_supports_amp_scaling = False  # torch's GradScaler unscales the grads (Apex's rule)
 
     def __init__(
         self,
@@ -348,6 +351,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        from_scaler = self._pending_scale is None and getattr(self, "grad_scale", None) is not None
         inv_scale, found_inf, check, skip = self._take_scale()
         work = [(g, self._buckets(g)) for g in self.param_groups]
         if found_inf is not None and check:
@@ -370,7 +374,16 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 # The cached plan keeps its buckets; not this step's grads, which would stay
                 # alive (a second copy of every grad) after zero_grad(set_to_none=True).
                 b.grads = []
+        if from_scaler:  # GradScaler's caller reads unscaled grads after step (Apex's kernel)
+            self._unscale_grads(work, inv_scale)
         return loss
+
+    @staticmethod
+    def _unscale_grads(work, inv_scale: torch.Tensor) -> None:
+        for _, buckets in work:
+            for b in buckets:
+                grads = [p.grad for p in b.params]
+                torch._foreach_mul_(grads, inv_scale.to(grads[0].device))
 
     def zero_grad(self, set_to_none: bool | None = None) -> None:
         """Clear grads; ``set_grad_none`` (Apex) picks ``None`` over zeros by default."""

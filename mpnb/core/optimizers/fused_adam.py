@@ -34,7 +34,10 @@ class FusedAdam(FusedOptimizerBase):
         adam_w_mode: decoupled weight decay (AdamW, default) or L2 decay (Adam).
         amsgrad: not supported (raises, as Apex does).
         set_grad_none: ``zero_grad()`` sets grads to None (default True).
-        capturable: accepted for Apex compatibility; the step count always lives in a tensor.
+        capturable: as in Apex, ``torch.amp.GradScaler.step`` hands this optimizer its scale
+            (``_step_supports_amp_scaling``): the step unscales, checks and updates in one
+            pass and leaves the unscaled grads in ``.grad``. Without it GradScaler unscales
+            the grads before ``step()``. (The step count always lives in a tensor.)
         master_weights: keep fp32 master copies of fp16/bf16 params; each step reads the half
             grad, updates the master and writes the half param in one pass.
         stochastic_rounding: pure bf16 training: bf16 params (no masters) are updated in
@@ -99,6 +102,9 @@ class FusedAdam(FusedOptimizerBase):
         )
         self.adam_w_mode = bool(adam_w_mode)
         self.capturable = bool(capturable)
+        # Apex: only the capturable step takes torch.amp.GradScaler's scale (and leaves the
+        # unscaled grads behind); otherwise GradScaler unscales the grads before step().
+        self._step_supports_amp_scaling = self.capturable
 
     def _update(self, group, bucket, inv_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]

@@ -29,6 +29,8 @@ class FusedMixedPrecisionLamb(FusedLAMB):
         >>> scaler.scale(loss).backward(); scaler.step(opt); scaler.update()
     """
 
+    _step_supports_amp_scaling = True  # as Apex's: torch's GradScaler hands it the scale
+
     def __init__(
         self,
         params,

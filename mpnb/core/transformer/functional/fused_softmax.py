@@ -3,7 +3,8 @@
 ``FusedScaleMaskSoftmax`` computes ``softmax(mask(scores * scale))`` over the last dim of
 ``[b, np, sq, sk]`` attention scores. It takes the fused kernel whenever fusion is on and the
 mask fits (``[b or 1, np or 1, sq, sk]``, or no mask, or causal); otherwise it runs the
-PyTorch expression with the user's ``mask_func``, exactly as Apex does.
+PyTorch expression with the user's ``mask_func``, exactly as Apex does. Inside a
+``torch.autocast`` region the fused functions run in the region's dtype (Apex's rule).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from mpnb.core.amp.casts import in_autocast_dtype
 from mpnb.core.ops import softmax as ops
 from mpnb.core.transformer.enums import AttnMaskType
 
@@ -43,12 +45,12 @@ def attention_mask_func(scores: torch.Tensor, mask: torch.Tensor) -> torch.Tenso
 
 def scaled_softmax(input: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """``softmax(input * scale, -1)``, fused (fp32 math for half input)."""
-    return ops.scaled_softmax_fwd(input, scale)
+    return in_autocast_dtype(ops.scaled_softmax_fwd, input, scale)
 
 
 def scaled_masked_softmax(input: torch.Tensor, mask: torch.Tensor, scale: float = 1.0):
     """Fused ``softmax(masked_fill(input * scale, mask, -10000), -1)`` for ``[b, np, sq, sk]``."""
-    return ops.scaled_masked_softmax_fwd(input, mask, scale)
+    return in_autocast_dtype(ops.scaled_masked_softmax_fwd, input, mask, scale)
 
 
 def generic_scaled_masked_softmax(input: torch.Tensor, mask: torch.Tensor, scale: float = 1.0):
@@ -59,7 +61,7 @@ def generic_scaled_masked_softmax(input: torch.Tensor, mask: torch.Tensor, scale
 
 def scaled_upper_triang_masked_softmax(input: torch.Tensor, scale: float = 1.0) -> torch.Tensor:
     """Causal fused softmax of ``[attn_batches, sq, sq]`` scores (no mask tensor)."""
-    return ops.scaled_upper_triang_masked_softmax_fwd(input, scale)
+    return in_autocast_dtype(ops.scaled_upper_triang_masked_softmax_fwd, input, scale)
 
 
 class FusedScaleMaskSoftmax(nn.Module):
