@@ -1,4 +1,5 @@
-"""The configurations of mpnb.core.precision beyond O0-O3, through compare and `mpnb compare`."""
+"""The configurations of mpnb.core.precision_configs beyond O0-O3, through compare and
+`mpnb compare`."""
 
 import json
 import subprocess
@@ -9,8 +10,13 @@ import torch
 
 import mpnb.lab
 from mpnb.core.optimizers import FusedAdam, FusedSGD
-from mpnb.core.precision import PRECISION_CONFIGS, config_names, get_config
-from mpnb.lab._train import make_optimizer
+from mpnb.core.precision_configs import (
+    PRECISION_CONFIGS,
+    Float8Config,
+    config_names,
+    get_config,
+    make_optimizer,
+)
 from mpnb.lab.config import expand
 from mpnb.lab.memory import ROLES, MemoryTracker
 from mpnb.lab.runner import emulation_note, fp8_support, half_support
@@ -31,8 +37,8 @@ def test_the_lab_offers_exactly_the_core_list():
     assert labels[:7] == ["O0 fp32 b32"] + [f"O{i} {h} b32" for i in (1, 2, 3) for h in
                                             ("bf16", "fp16")]  # fmt: skip
     assert labels[7:] == [f"{n} b32" for n in NEW]
-    assert {c.half_dtype for c in cfgs if c.is_fp8} == {"fp8"}
-    assert all(c.precision_config is PRECISION_CONFIGS[c.opt_level] for c in cfgs)
+    assert {c.half_dtype for c in cfgs if isinstance(c.config, Float8Config)} == {"fp8"}
+    assert all(c.config is PRECISION_CONFIGS[c.config.name] for c in cfgs)
 
 
 def test_unknown_configuration_names_the_choices():
