@@ -54,7 +54,7 @@ def fp8_support(device: str = "cpu") -> str:
     (:func:`mpnb.core.hardware.dtype_support`: measured ``torch._scaled_mm``), else
     ``"emulated"``: FP8 numerics computed with wider arithmetic, slower than fp32.
 
-    MXFP8's GEMM is emulated on every device (``Float8Config.status``); the rows say so.
+    MXFP8's GEMM is emulated on every device (its configuration's ``status``); the rows say so.
 
     Example::
 

@@ -24,7 +24,7 @@ import plotly.graph_objects as go
 import torch
 
 from mpnb.core.dtype_names import parse_half_dtype, short_name
-from mpnb.core.precision_configs import BASELINE, DEFAULT_CONFIGS
+from mpnb.core.precision_configs import BASELINE, DEFAULT_CONFIGS, PRECISION_CONFIGS, get_config
 from mpnb.lab.stats import torch_threads
 from mpnb.widgets._common import ErrorBox, FigureOutput, hardware_html
 from mpnb.widgets._compare_views import MEMORY_ROLES
@@ -233,10 +233,13 @@ class ProfileWidget(w.VBox):
         t.index = [_PHASE_NAMES[p] for p in t.index]
         t.columns.name = None
         t = t.rename_axis("phase (ms)").reset_index()
+        # the levels that scale no loss (O0: plain fp32 training) have a blank unscale row
+        known = [c for c in t.columns if c in PRECISION_CONFIGS]
+        unscaled = [c for c in known if not get_config(c).loss_scaling]
         note = (
-            "<p style='color:#555;font-size:12px'>O0 is plain fp32 training: no loss scaler "
-            "runs, so it has no unscale row (blank).</p>"
-            if "O0" in t.columns
+            f"<p style='color:#555;font-size:12px'>{', '.join(unscaled)}: no loss scaler "
+            "runs, so no unscale row (blank).</p>"
+            if unscaled
             else ""
         )
         table = _html_table(t, "no phases")
