@@ -38,7 +38,7 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
-from mpnb.core.dtype_names import lookup, short_name
+from mpnb.core.dtype_names import HALF_NAMES, lookup, short_name
 from mpnb.core.hardware import status_of
 from mpnb.core.precision_configs import config_names, get_config
 
@@ -118,7 +118,7 @@ def _where(device: str) -> str:
     return str(device).split(":")[0].upper()
 
 
-def hardware(facts: Mapping, device: str = "cpu", dtypes: Sequence[str] = ("bf16", "fp16")) -> str:
+def hardware(facts: Mapping, device: str = "cpu", dtypes: Sequence[str] = HALF_NAMES) -> str:
     """One sentence per dtype: doctor's fact on this device, what it means for mixed precision,
     and doctor's evidence when the fact carries it.
 
