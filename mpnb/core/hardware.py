@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from mpnb.core._gemm_probe import GemmTiming, time_gemms
-from mpnb.core.dtype_names import lookup, short_name
+from mpnb.core.dtype_names import HALF_NAMES, lookup, short_name, torch_name
 
 __all__ = [
     "CpuInfo",
@@ -286,7 +286,7 @@ def half_support(device: str | torch.device = "cpu") -> dict[str, str]:
         {'bfloat16': 'emulated', 'float16': 'emulated'}
     """
     support = dtype_support(device)
-    return {k: support[k].status for k in ("bfloat16", "float16")}
+    return {torch_name(h): support[torch_name(h)].status for h in HALF_NAMES}
 
 
 def status_of(facts: Mapping, dtype) -> str:

@@ -20,7 +20,7 @@
 Example::
 
     >>> import mpnb.lab
-    >>> df = mpnb.lab.compare("transformer", opt_levels=("O0", "O2"))
+    >>> df = mpnb.lab.compare("transformer", configs=("O0", "O2"))
     >>> print(df.attrs["verdict"]["text"])
     >>> mpnb.lab.report(df, "report.html")
 """

@@ -91,7 +91,7 @@ PRECISION_CONFIGS = types.MappingProxyType(
                 _F32,
                 _F32,
                 "half (autocast's lower-precision list), float32 (its fp32 list)",
-            ),  # fmt: skip
+            ),
             _amp("O2", ("half", "float32"), ("half", "float32"), _F32, "half"),
             _amp("O3", ("half",), ("half",), ("half",), "half"),
             _fp8(

@@ -48,9 +48,13 @@ class AmpConfig(PrecisionConfig):
         from mpnb.core import amp
 
         out = amp.initialize(
-            model, optimizer, opt_level=self.name, half_dtype=half_dtype, loss_scale=loss_scale,
+            model,
+            optimizer,
+            opt_level=self.name,
+            half_dtype=half_dtype,
+            loss_scale=loss_scale,
             verbosity=0,
-        )  # fmt: skip
+        )
         return out if optimizer is not None else (out, None)
 
     def halves(self, asked: Sequence[str]) -> tuple[str, ...]:
