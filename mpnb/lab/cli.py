@@ -111,7 +111,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--optimizer",
         default="adam",
         choices=OPTIMIZERS,
-        help="bf16-pure+sr / bf16-pure+kahan run mpnb's fused optimizer of the same rule",
+        help="a configuration that needs an optimizer option (bf16-pure+sr, bf16-pure+kahan) "
+        "runs mpnb's fused optimizer of the same rule",
     )
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")

@@ -318,13 +318,12 @@ def compare(
             output's logits. metric_fn: ``(output, target) -> float``, e.g.
             :func:`~mpnb.lab.workloads.accuracy` (it finds the logits in any output).
         eval_data: held-out data for the metric (default: the first training batches).
-        configs: configuration names of
-            :data:`mpnb.core.precision_configs.PRECISION_CONFIGS` (default: ``"O0"`` ..
-            ``"O3"``): the FP8 recipes ``"fp8-tensorwise"``, ``"fp8-delayed"``,
-            ``"fp8-rowwise"``, ``"mxfp8"`` (fp32 elsewhere; on hardware without FP8 the rows
-            say it is emulated), ``"bf16-pure"``, ``"bf16-pure+sr"``, ``"bf16-pure+kahan"``
-            (the last two train with mpnb's fused optimizer of the ``optimizer``'s rule, the
-            option set; the row's warnings say which).
+        configs: names (or objects) of
+            :data:`mpnb.core.precision_configs.PRECISION_CONFIGS`, whose module lists them
+            (default: ``"O0"`` .. ``"O3"``; also the FP8 recipes and pure bf16 with its
+            update roundings). A configuration that needs an optimizer option trains with
+            mpnb's fused optimizer of the ``optimizer``'s rule, the option set (the row's
+            warnings say which); a row says when its precision is emulated here.
         half_dtype: ``"bf16"``, ``"fp16"``, ``"auto"`` (bf16 on CPU, fp16 on CUDA) or a list.
         batch_sizes: default: the workload's (a DataLoader's own batch size).
         steps: optimizer steps per configuration (default: the workload's).
