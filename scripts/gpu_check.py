@@ -74,7 +74,7 @@ def _mpnb(*args: str) -> tuple[str, ...]:
 
 def _compare(device: str, levels: str, steps: int, extra: tuple[str, ...] = ()) -> tuple:
     return _mpnb("compare", "--device", device, "--workload", "transformer", "--size",
-                 "medium", "--opt-levels", levels, "--steps", str(steps), "--json",
+                 "medium", "--configs", levels, "--steps", str(steps), "--json",
                  "--no-progress", *extra)  # fmt: skip
 
 
@@ -185,7 +185,7 @@ def _check_mpnb(args: list[str]) -> str:
             if args[0] == "compare":
                 from mpnb.lab.config import expand
 
-                expand(parsed.workload, parsed.opt_levels, parsed.dtype, (32,), parsed.steps,
+                expand(parsed.workload, parsed.configs, parsed.dtype, (32,), parsed.steps,
                        device="cpu")  # fmt: skip
     except SystemExit as e:
         return f"the arguments do not parse (exit {e.code})"

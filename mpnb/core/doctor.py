@@ -8,6 +8,7 @@ import sys
 
 import torch
 
+from mpnb.core.dtype_names import short_name
 from mpnb.core.hardware import (
     NATIVE_MIN_SPEED,
     cpu_info,
@@ -30,10 +31,10 @@ def _toolchain() -> list[str]:
 
 def _dtype_lines(device: str) -> list[str]:
     """One line per low-precision dtype: status, measured speed vs fp32, and the evidence."""
-    names = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}
     where = "CPU" if device == "cpu" else device.upper()
     return [
-        f"  {names[k]} on {where}: {s.status}: {s.reason}" for k, s in dtype_support(device).items()
+        f"  {short_name(k)} on {where}: {s.status}: {s.reason}"
+        for k, s in dtype_support(device).items()
     ]
 
 

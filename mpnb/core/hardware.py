@@ -15,12 +15,13 @@ import functools
 import os
 import platform
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from mpnb.core._gemm_probe import GemmTiming, time_gemms
+from mpnb.core.dtype_names import HALF_NAMES, lookup, short_name, torch_name
 
 __all__ = [
     "CpuInfo",
@@ -32,6 +33,7 @@ __all__ = [
     "default_half_dtype",
     "dtype_support",
     "half_support",
+    "status_of",
 ]
 
 # x86 flags of hardware half-precision arithmetic: evidence printed beside the probe, not the
@@ -120,7 +122,6 @@ class DtypeSupport:
 #: than float32 is dequantized and computed in a wider type, so FP8 must beat float32.
 NATIVE_MIN_SPEED = {"bfloat16": 0.25, "float16": 0.25, "float8_e4m3fn": 1.0}
 
-_SHORT = {"bfloat16": "bf16", "float16": "fp16", "float8_e4m3fn": "fp8"}
 _CPU_FLAGS = {"bfloat16": _BF16_NATIVE, "float16": _FP16_NATIVE, "float8_e4m3fn": ()}
 #: environment variables read by ATen and oneDNN that change which kernels run
 PROBE_ENV = (
@@ -152,7 +153,7 @@ def classify(dtype: str, timings: Sequence[GemmTiming], evidence: str) -> DtypeS
     shown = f"{ratio:.2f}" if ratio >= 0.01 else f"{ratio:.2g}"  # never "0.00x"
     reason = (
         f"{shown}x fp32's GEMM speed ({t.n}x{t.n} at 1 thread: fp32 {t.fp32_s * 1e3:.3f} ms, "
-        f"{_SHORT[dtype]} {t.dtype_s * 1e3:.3f} ms); {evidence}"
+        f"{short_name(dtype)} {t.dtype_s * 1e3:.3f} ms); {evidence}"
     )
     return DtypeSupport(dtype, status, ratio, reason)
 
@@ -221,7 +222,7 @@ def _probe(device: torch.device) -> dict[str, DtypeSupport]:
         if isinstance(got, Exception):  # PyTorch cannot run it here: that is the answer
             text = (str(got).strip().splitlines() or [type(got).__name__])[0]
             first = text.split(". ")[0][:160]  # its first sentence
-            why = f"the {_SHORT[dtype]} GEMM failed: {first}; {evidence}"
+            why = f"the {short_name(dtype)} GEMM failed: {first}; {evidence}"
             out[dtype] = DtypeSupport(dtype, "unsupported", None, why)
         else:
             out[dtype] = classify(dtype, got, evidence)
@@ -285,7 +286,22 @@ def half_support(device: str | torch.device = "cpu") -> dict[str, str]:
         {'bfloat16': 'emulated', 'float16': 'emulated'}
     """
     support = dtype_support(device)
-    return {k: support[k].status for k in ("bfloat16", "float16")}
+    return {torch_name(h): support[torch_name(h)].status for h in HALF_NAMES}
+
+
+def status_of(facts: Mapping, dtype) -> str:
+    """``"native"``, ``"emulated"`` or ``"unsupported"``: the status of ``dtype`` (any of its
+    names, :mod:`mpnb.core.dtype_names`) in ``facts``, which may be :func:`dtype_support`'s
+    ``DtypeSupport`` values, :func:`half_support`'s statuses or a compare DataFrame's
+    ``attrs["hardware"]`` (keyed ``"bf16"``, ``"fp16"``, ``"fp8"``).
+
+    Example::
+
+        >>> status_of(dtype_support("cpu"), "bf16")
+        'native'
+    """
+    fact = lookup(facts, dtype)
+    return str(getattr(fact, "status", fact))
 
 
 def cuda_info(index: int = 0) -> dict | None:

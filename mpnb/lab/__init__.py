@@ -1,7 +1,7 @@
 """``mpnb.lab``: the headless experiment engine (no IPython, no widgets).
 
 * :func:`compare`: train a workload (a built-in one, or your model factory and data) under
-  O0/O1/O2/O3 or any configuration of :data:`mpnb.core.precision.PRECISION_CONFIGS` (FP8
+  O0/O1/O2/O3 or any configuration of :data:`mpnb.core.precision_configs.PRECISION_CONFIGS` (FP8
   recipes, pure bf16 with stochastic rounding or Kahan summation) and return a DataFrame,
   one row per configuration (one speed figure with its interval, memory by role, accuracy,
   loss-scale history) and a :func:`verdict`.
@@ -20,7 +20,7 @@
 Example::
 
     >>> import mpnb.lab
-    >>> df = mpnb.lab.compare("transformer", opt_levels=("O0", "O2"))
+    >>> df = mpnb.lab.compare("transformer", configs=("O0", "O2"))
     >>> print(df.attrs["verdict"]["text"])
     >>> mpnb.lab.report(df, "report.html")
 """
@@ -47,7 +47,7 @@ _LAZY = {
     "gemm_shapes": "troubleshoot",
     "step_overhead": "troubleshoot",
     "report": "html_report",
-    "trace_precision": "precision",
+    "trace_precision": "precision_trace",
 }
 
 __all__ = [*_LAZY, "workloads", "story"]

@@ -8,6 +8,7 @@ import math
 
 import pandas as pd
 
+from mpnb.core.precision_configs import BASELINE
 from mpnb.lab._rows import split_warnings
 
 __all__ = [
@@ -182,8 +183,8 @@ def speed_note(df: pd.DataFrame) -> str:
     worse = []
     rows = drawn_rows(df)
     for _, r in rows.iterrows():
-        base = rows[(rows["opt_level"] == "O0") & (rows["batch_size"] == r["batch_size"])]
-        if r["opt_level"] == "O0" or base.empty:
+        base = rows[(rows["opt_level"] == BASELINE) & (rows["batch_size"] == r["batch_size"])]
+        if r["opt_level"] == BASELINE or base.empty:
             continue
         t0, t = float(base["step_time_ms"].iloc[0]), float(r["step_time_ms"])
         fig, lo, hi = (float(r[c]) for c in ("speedup_vs_O0", "speedup_lo", "speedup_hi"))

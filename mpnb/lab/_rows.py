@@ -15,6 +15,7 @@ import math
 import pandas as pd
 import torch
 
+from mpnb.core.precision_configs import BASELINE
 from mpnb.lab._train import RunResult
 from mpnb.lab.memory import ROLES
 from mpnb.lab.stats import median, median_ci
@@ -124,19 +125,12 @@ def split_warnings(cell) -> list[str]:
 
 
 def _precision(cfg, hw: dict) -> tuple[str, list[str]]:
-    if cfg.opt_level == "O0":
-        return "fp32", []
-    if cfg.is_fp8:
-        status = cfg.precision_config.fp8_status(hw.get("fp8", "emulated"))
-        notes = []
-        if status == "emulated":
-            notes.append(row_note("fp8", str(hw["device"]), cfg.opt_level))
-        return f"fp8 ({status})", notes
-    status = hw[cfg.half_dtype]
-    notes = []
-    if status == "emulated":
-        notes.append(row_note(cfg.half_dtype, str(hw["device"])))
-    return f"{cfg.half_dtype} ({status})", notes
+    """The row's precision text and its emulation note, as the configuration says them from
+    the run's hardware facts (``hw``: :func:`~mpnb.lab.runner.hardware_summary`)."""
+    pc, half = cfg.config, cfg.half_dtype
+    status = pc.status(half, hw)
+    notes = [row_note(half, str(hw["device"]), pc.note_subject)] if status == "emulated" else []
+    return pc.precision_text(half, status), notes
 
 
 def _rel_diff(out: torch.Tensor | None, ref: torch.Tensor | None) -> float:
@@ -148,7 +142,7 @@ def _rel_diff(out: torch.Tensor | None, ref: torch.Tensor | None) -> float:
 def _baseline(results: list[RunResult], cfg) -> RunResult | None:
     for r in results:
         c = r.config
-        if c.opt_level == "O0" and c.batch_size == cfg.batch_size and r.error is None:
+        if c.config.name == BASELINE and c.batch_size == cfg.batch_size and r.error is None:
             return r
     return None
 
@@ -192,7 +186,7 @@ def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
     row = dict(
         configuration=cfg.label,
         workload=w.name,
-        opt_level=cfg.opt_level,
+        opt_level=cfg.config.name,
         half_dtype=cfg.half_dtype,
         precision=precision,
         batch_size=cfg.batch_size,

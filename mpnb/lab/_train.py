@@ -32,7 +32,6 @@ __all__ = [
     "RunResult",
     "Trainer",
     "run_config",
-    "make_optimizer",
     "to_device",
     "forward",
     "DivergenceError",
@@ -53,50 +52,6 @@ class RunResult:
     error: str | None = None
     warnings: list[str] = field(default_factory=list)
     interrupted: str = ""  # "interrupted at step k of N" when Stop ended the run early
-
-
-# The fused optimizer that stands in for each optimizer name when a configuration needs an
-# option only mpnb's fused optimizers have (stochastic rounding, Kahan summation).
-FUSED_FOR = {
-    "adam": "fused_adam",
-    "adamw": "fused_adamw",
-    "fused_adam": "fused_adam",
-    "sgd": "fused_sgd",
-    "fused_sgd": "fused_sgd",
-}
-
-
-def make_optimizer(name: str, params, lr: float, option: str | None = None):
-    """A fresh optimizer by name: adam, adamw, sgd (momentum 0.9), fused_adam, fused_sgd.
-
-    Args:
-        name: one of :data:`mpnb.lab.config.OPTIMIZERS`.
-        params: the parameters to optimize.
-        lr: the learning rate.
-        option: ``"stochastic_rounding"`` or ``"kahan_summation"``: build mpnb's fused
-            optimizer of the same rule (:data:`FUSED_FOR`: Adam and AdamW -> ``FusedAdam``,
-            SGD -> ``FusedSGD``) with that option set to True.
-
-    Example::
-
-        >>> make_optimizer("adam", model.parameters(), 1e-3, "stochastic_rounding")
-        FusedAdam (...)
-    """
-    from mpnb.core.optimizers import FusedAdam, FusedSGD
-
-    kw = {option: True} if option else {}
-    if option:
-        name = FUSED_FOR[name]
-    makers = {
-        "adam": lambda: torch.optim.Adam(params, lr=lr),
-        "adamw": lambda: torch.optim.AdamW(params, lr=lr),
-        "sgd": lambda: torch.optim.SGD(params, lr=lr, momentum=0.9),
-        "fused_adam": lambda: FusedAdam(params, lr=lr, **kw),
-        # torch.optim.AdamW's default decoupled weight decay
-        "fused_adamw": lambda: FusedAdam(params, lr=lr, weight_decay=1e-2, **kw),
-        "fused_sgd": lambda: FusedSGD(params, lr=lr, momentum=0.9, **kw),
-    }
-    return makers[name]()
 
 
 def to_device(x, device):
@@ -120,42 +75,18 @@ def forward(model, x):
 
 
 def _setup(cfg: RunConfig, w: Workload):
-    """Model, optimizer and amp handle of ``cfg``, set up by its precision configuration.
-
-    The O levels go through ``amp.initialize`` (with the run's half dtype and loss scale); the
-    FP8 recipes are :meth:`PrecisionConfig.apply` on an fp32 (O0) amp setup, so the training
-    step is the same for every row; the pure-bf16 family's ``apply`` initializes amp itself
-    (O3 in bf16), on an optimizer built with the option it needs.
-    """
+    """Model, optimizer and amp handle of ``cfg``, set up by its precision configuration:
+    the optimizer it needs (:meth:`PrecisionConfig.make_optimizer`) and
+    :meth:`PrecisionConfig.setup` with the run's half dtype and loss scale, which leaves every
+    configuration under amp so that the training step is the same for every row."""
     from mpnb import amp
 
-    pc = cfg.precision_config
+    pc = cfg.config
     torch.manual_seed(cfg.seed)
     model = w.model_fn().to(cfg.device)
-    option = getattr(pc, "optimizer_option", None)
-    opt = make_optimizer(cfg.optimizer, model.parameters(), cfg.lr or w.lr, option)
-    if cfg.is_opt_level:
-        scale = None if cfg.opt_level == "O0" else cfg.loss_scale
-        model, opt = amp.initialize(
-            model, opt, opt_level=cfg.opt_level, half_dtype=cfg.dtype, loss_scale=scale,
-            verbosity=0,
-        )  # fmt: skip
-    else:
-        if cfg.is_fp8:
-            model, opt = amp.initialize(model, opt, opt_level="O0", verbosity=0)
-        model, opt = pc.apply(model, opt)
+    opt = pc.make_optimizer(cfg.optimizer, model.parameters(), cfg.lr or w.lr)
+    model, opt = pc.setup(model, opt, half_dtype=cfg.dtype, loss_scale=cfg.loss_scale)
     return model, opt, amp.current_handle()
-
-
-def optimizer_note(cfg: RunConfig) -> str:
-    """What the run's optimizer really is, when the configuration replaced the one asked for."""
-    option = getattr(cfg.precision_config, "optimizer_option", None)
-    if not option:
-        return ""
-    fused = FUSED_FOR[cfg.optimizer]
-    cls = "FusedSGD" if fused == "fused_sgd" else "FusedAdam"
-    mode = ", weight_decay=0.01" if fused == "fused_adamw" else ""
-    return f"{cfg.opt_level} trains with mpnb's {cls}({option}=True{mode}) for {cfg.optimizer!r}"
 
 
 def _logits_cpu(out) -> torch.Tensor | None:
@@ -214,12 +145,7 @@ def divergence_message(cfg: RunConfig, loss: float, step: int, dynamic: bool, sc
         )
     else:
         advice = " (fp32: not a precision problem); lower the learning rate or clip the gradients."
-    if cfg.opt_level in ("O3", "bf16-pure"):
-        advice += (
-            f" {cfg.opt_level} keeps no fp32 master weights (Adam's eps=1e-8 is 0 in fp16); "
-            "O2 keeps them in fp32."
-        )
-    return head + advice
+    return head + advice + cfg.config.divergence_note()
 
 
 class Trainer:
@@ -257,7 +183,7 @@ class Trainer:
     def _setup(self) -> None:
         self.model, self.opt, self.handle = _setup(self.cfg, self.w)
         self.scaler = self.handle.scalers[0]
-        note = optimizer_note(self.cfg)
+        note = self.cfg.config.optimizer_note(self.cfg.optimizer)
         if note:
             self.res.warnings.append(note)
         self.res.output = _fixed_output(self.model, self.w, self.cfg.device)

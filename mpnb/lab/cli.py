@@ -64,7 +64,7 @@ def _checked(parse, check):
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``compare`` subcommand to ``sub`` (an argparse subparsers object)."""
-    from mpnb.core.precision import config_names
+    from mpnb.core.precision_configs import DEFAULT_CONFIGS, config_names
     from mpnb.lab.config import OPTIMIZERS, check_batch_sizes, check_steps
     from mpnb.lab.workloads import names
 
@@ -81,11 +81,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="workload size (default auto: small on CPU, medium on CUDA)",
     )
     p.add_argument(
-        "--opt-levels",
+        "--configs",
+        "--opt-levels",  # the flag's former name, still accepted
+        dest="configs",
         type=_csv(str),
-        default=("O0", "O1", "O2", "O3"),
-        help="comma-separated precision configurations, default O0,O1,O2,O3; any of "
-        f"{','.join(config_names())}",
+        default=DEFAULT_CONFIGS,
+        help=f"comma-separated precision configurations, default {','.join(DEFAULT_CONFIGS)}; "
+        f"any of {','.join(config_names())} (--opt-levels is the former name)",
     )
     p.add_argument(
         "--dtype",
@@ -109,7 +111,8 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--optimizer",
         default="adam",
         choices=OPTIMIZERS,
-        help="bf16-pure+sr / bf16-pure+kahan run mpnb's fused optimizer of the same rule",
+        help="a configuration that needs an optimizer option (bf16-pure+sr, bf16-pure+kahan) "
+        "runs mpnb's fused optimizer of the same rule",
     )
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -192,12 +195,12 @@ def run(args: argparse.Namespace) -> int:
             file=msg,
             flush=True,
         )
-        note = emulation_note(w, dtype, args.device, args.opt_levels)
+        note = emulation_note(w, dtype, args.device, args.configs)
         if note:
             print(note, file=msg, flush=True)
         df = mpnb.lab.compare(
             w,
-            opt_levels=args.opt_levels,
+            configs=args.configs,
             half_dtype=dtype,
             batch_sizes=args.batch_sizes,
             steps=args.steps,

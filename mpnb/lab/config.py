@@ -9,9 +9,10 @@ Example::
     >>> [c.label for c in expand("mlp", ("O0", "O2", "fp8-delayed"), "bf16", (64,), steps=50)]
     ['O0 fp32 b64', 'O2 bf16 b64', 'fp8-delayed b64']
 
-The configurations are :data:`mpnb.core.precision.PRECISION_CONFIGS` (one list, defined in
-core): the O levels run once per half dtype asked for, every other configuration fixes its own
-precision (``"fp8"`` for the FP8 recipes, ``"bf16"`` for the pure-bf16 family) and runs once.
+The configurations are :data:`mpnb.core.precision_configs.PRECISION_CONFIGS` (one list,
+defined in core); each one says which dtypes its runs use (``halves``): the O levels run once
+per half dtype asked for, every other configuration fixes its own precision (``"fp8"`` for the
+FP8 recipes, ``"bf16"`` for the pure-bf16 family) and runs once.
 """
 
 from __future__ import annotations
@@ -21,20 +22,19 @@ from dataclasses import dataclass
 
 import torch
 
-from mpnb.core.amp import (
-    HALF_DTYPES,
-    OPT_LEVELS,
-    LossScaleRule,
-    half_dtype_name,
-    parse_half_dtype,
-    parse_loss_scale,
-)
+from mpnb.core.amp import LossScaleRule, parse_loss_scale
 from mpnb.core.amp.scaler import check_scale_range
-from mpnb.core.precision import AmpConfig, Float8Config, config_names, get_config
+from mpnb.core.dtype_names import HALF_DTYPES, half_dtype_name, parse_half_dtype
+from mpnb.core.opt_levels import check_names
+from mpnb.core.precision_configs import (
+    DEFAULT_CONFIGS,
+    OPTIMIZERS,
+    PrecisionConfig,
+    config_names,
+    get_config,
+)
 
-__all__ = ["RunConfig", "expand", "resolve_device", "half_name", "LossScaleRule"]
-
-OPTIMIZERS = ("adam", "adamw", "sgd", "fused_adam", "fused_sgd")
+__all__ = ["RunConfig", "expand", "resolve_device", "half_name", "LossScaleRule", "OPTIMIZERS"]
 
 
 @dataclass(frozen=True)
@@ -43,25 +43,28 @@ class RunConfig:
 
     Args:
         workload: the workload's name (built-in or custom).
-        opt_level: a configuration name of :data:`mpnb.core.precision.PRECISION_CONFIGS`
-            (``"O0"`` .. ``"O3"``, ``"fp8-delayed"``, ``"bf16-pure+sr"``...).
-        half_dtype: ``"bf16"`` or ``"fp16"`` for O1-O3, ``"fp32"`` for O0, ``"fp8"`` for the
-            FP8 recipes, ``"bf16"`` for the pure-bf16 family.
+        config: the :class:`~mpnb.core.precision_configs.PrecisionConfig` this run applies
+            (a name of :data:`~mpnb.core.precision_configs.PRECISION_CONFIGS` is looked up:
+            ``"O0"`` .. ``"O3"``, ``"fp8-delayed"``, ``"bf16-pure+sr"``...).
+        half_dtype: the short name of the dtype this run computes in, one of
+            ``config.halves(...)``: ``"bf16"`` or ``"fp16"`` for O1-O3, ``"fp32"`` for O0,
+            ``"fp8"`` for the FP8 recipes, ``"bf16"`` for the pure-bf16 family.
         batch_size: samples per step.
         steps: optimizer steps (the first ``warmup`` steps and the memory-tracked step
             :attr:`memory_step` are not timed).
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, ``"fused_adam"`` or ``"fused_sgd"``.
         lr: learning rate (None: the workload's default).
         loss_scale: None (the opt level's default), a static number, or a
-            :class:`~mpnb.core.amp.LossScaleRule` (passed to ``amp.initialize``; O1-O3 only:
-            the FP8 recipes scale per tensor, pure bf16 needs no loss scale).
+            :class:`~mpnb.core.amp.LossScaleRule` (passed to ``amp.initialize`` where
+            ``config.loss_scaling`` holds, O1-O3: the FP8 recipes scale per tensor, pure bf16
+            needs no loss scale).
         device: ``"cpu"`` or ``"cuda[:i]"`` (already resolved, never ``"auto"``).
         seed: model initialization and data order; the same for every configuration.
         warmup: untimed steps at the start.
     """
 
     workload: str
-    opt_level: str
+    config: PrecisionConfig
     half_dtype: str
     batch_size: int
     steps: int
@@ -72,27 +75,13 @@ class RunConfig:
     seed: int = 0
     warmup: int = 3
 
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "config", get_config(self.config))
+
     @property
     def label(self) -> str:
         """A short name: ``"O2 bf16 b64"``, ``"fp8-delayed b64"`` (the name says the dtype)."""
-        if not self.is_opt_level:
-            return f"{self.opt_level} b{self.batch_size}"
-        return f"{self.opt_level} {self.half_dtype} b{self.batch_size}"
-
-    @property
-    def precision_config(self):
-        """The :class:`~mpnb.core.precision.PrecisionConfig` this run applies."""
-        return get_config(self.opt_level)
-
-    @property
-    def is_opt_level(self) -> bool:
-        """True for Apex's O0-O3 (applied by ``amp.initialize`` with the half dtype)."""
-        return isinstance(self.precision_config, AmpConfig)
-
-    @property
-    def is_fp8(self) -> bool:
-        """True for the FP8 recipes (``fp8-*``, ``mxfp8``)."""
-        return isinstance(self.precision_config, Float8Config)
+        return f"{self.config.label(self.half_dtype)} b{self.batch_size}"
 
     @property
     def memory_step(self) -> int:
@@ -102,7 +91,7 @@ class RunConfig:
 
     @property
     def dtype(self) -> torch.dtype | None:
-        """The half dtype as a torch dtype (None for O0)."""
+        """The half dtype as a torch dtype (None where the run has none: fp32, fp8)."""
         return HALF_DTYPES.get(self.half_dtype)
 
 
@@ -163,45 +152,46 @@ def check_batch_sizes(batch_sizes) -> None:
         )
 
 
-def check_opt_levels(opt_levels) -> None:
+def check_configs(configs) -> None:
     """Refuse an empty list, an unknown configuration name, or one given twice (it would run
     again under the same label). Raises ValueError naming the value and the valid choices."""
-    names = config_names()
-    bad = [lvl for lvl in opt_levels if lvl not in names]
-    if bad or not opt_levels:
-        hint = " (use the letter O, not zero)" if any(str(b).startswith("0") for b in bad) else ""
+    given = tuple(configs)
+    names = [c.name if isinstance(c, PrecisionConfig) else c for c in given]
+    if not names:
         raise ValueError(
-            f"opt_levels={tuple(opt_levels)!r}: {bad or 'none given'} invalid{hint}; "
-            f"choose from {names}."
+            f"configs=(): none given; choose from {', '.join(config_names())} (e.g. O0,O2)."
         )
-    twice = _twice(opt_levels)
+    check_names(names, config_names(), f"configs={given!r}: unknown configuration")
+    twice = _twice(names)
     if twice:
         raise ValueError(
-            f"opt_levels={tuple(opt_levels)!r} lists {', '.join(twice)} more than once; give "
-            f"each configuration once (e.g. {','.join(dict.fromkeys(opt_levels))})."
+            f"configs={given!r} lists {', '.join(twice)} more than once; give each "
+            f"configuration once (e.g. {','.join(dict.fromkeys(names))})."
         )
 
 
-def _check(opt_levels, batch_sizes, steps, optimizer) -> None:
-    check_opt_levels(opt_levels)
+def configs_argument(configs, opt_levels=None) -> Sequence:
+    """The configurations asked for by ``configs`` or by its former name ``opt_levels`` (at
+    most one of the two; neither: :data:`~mpnb.core.precision_configs.DEFAULT_CONFIGS`)."""
+    if configs is not None and opt_levels is not None:
+        raise TypeError(
+            "give configs= or its former name opt_levels=, not both (they are one argument)."
+        )
+    chosen = configs if configs is not None else opt_levels
+    return DEFAULT_CONFIGS if chosen is None else chosen
+
+
+def _check(configs, batch_sizes, steps, optimizer) -> None:
+    check_configs(configs)
     check_batch_sizes(batch_sizes)
     check_steps(steps)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is invalid; choose from {OPTIMIZERS}.")
 
 
-def _halves(name: str, names: list[str]) -> list[str]:
-    cfg = get_config(name)
-    if name == "O0":
-        return ["fp32"]
-    if isinstance(cfg, AmpConfig):
-        return names
-    return ["fp8" if isinstance(cfg, Float8Config) else "bf16"]
-
-
 def expand(
     workload: str,
-    opt_levels: Sequence[str] = tuple(OPT_LEVELS),
+    configs: Sequence[str | PrecisionConfig] = DEFAULT_CONFIGS,
     half_dtype="auto",
     batch_sizes: Sequence[int] = (64,),
     steps: int = 100,
@@ -214,13 +204,15 @@ def expand(
 ) -> list[RunConfig]:
     """Validate a request and expand it into one :class:`RunConfig` per configuration.
 
-    ``half_dtype`` may be one dtype or a sequence (``("bf16", "fp16")``): each half opt level
-    runs once per dtype; O0 and the configurations that fix their precision (FP8, pure bf16)
-    run once per batch size. Raises ValueError naming the bad value
-    and the valid choices before anything runs.
+    ``configs`` are configuration names or :class:`~mpnb.core.precision_configs.PrecisionConfig`
+    objects. ``half_dtype`` may be one dtype or a sequence (``("bf16", "fp16")``): each
+    configuration runs once per dtype its ``halves`` gives (each half opt level once per dtype;
+    O0 and the configurations that fix their precision, FP8 and pure bf16, once) and batch
+    size. Raises ValueError naming the bad value and the valid choices before anything runs.
     """
-    levels = tuple(opt_levels)
-    _check(levels, tuple(batch_sizes), steps, optimizer)
+    given = tuple(configs)
+    _check(given, tuple(batch_sizes), steps, optimizer)
+    cfgs = [get_config(c) for c in given]
     dev = resolve_device(device)
     halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)
     names = list(dict.fromkeys(half_name(h, dev) for h in halves))
@@ -231,9 +223,9 @@ def expand(
         raise ValueError(f"warmup={warmup!r}: need 0 <= warmup <= steps - 2 ({steps - 2}).")
     out = []
     for b in batch_sizes:
-        for lvl in levels:
-            for h in _halves(lvl, names):
+        for pc in cfgs:
+            for h in pc.halves(names):
                 out.append(
-                    RunConfig(workload, lvl, h, b, steps, optimizer, lr, scale, dev, seed, wu)
+                    RunConfig(workload, pc, h, b, steps, optimizer, lr, scale, dev, seed, wu)
                 )
     return out

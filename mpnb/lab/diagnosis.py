@@ -27,6 +27,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from mpnb.core.dtype_names import short_name
 from mpnb.lab._train import forward
 
 __all__ = ["TraceResult", "trace_overflow", "UnderflowReport", "underflow_report"]
@@ -193,7 +194,7 @@ def trace_overflow(
 
 
 def _result(dtype, table: pd.DataFrame, first) -> TraceResult:
-    name = "fp16" if dtype == torch.float16 else "bf16"
+    name = short_name(dtype)
     leaves = table[table.module != "(model)"]
     bad = leaves[leaves.status == "overflow"]
     if first is not None:

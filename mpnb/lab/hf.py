@@ -148,7 +148,7 @@ def transformers_workload(
     Example::
 
         >>> w = transformers_workload(lambda: BertForSequenceClassification(cfg), (ids, y))
-        >>> mpnb.lab.compare(w, opt_levels=("O0", "O1"))
+        >>> mpnb.lab.compare(w, configs=("O0", "O1"))
     """
     causal = _is_causal(model_fn) if causal is None else causal
     from mpnb.lab.workloads import custom

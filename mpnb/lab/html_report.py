@@ -91,13 +91,14 @@ CHART_TEXT = {
 
 
 def glossary_html(names=None) -> str:
-    """What each configuration is: :data:`mpnb.core.precision.PRECISION_CONFIGS` descriptions.
+    """What each configuration is: its
+    :data:`mpnb.core.precision_configs.PRECISION_CONFIGS` description.
 
     Args:
         names: the configurations to list first (those in the report); every other
             configuration follows.
     """
-    from mpnb.core.precision import PRECISION_CONFIGS
+    from mpnb.core.precision_configs import PRECISION_CONFIGS
 
     first = [n for n in dict.fromkeys(names or ()) if n in PRECISION_CONFIGS]
     order = first + [n for n in PRECISION_CONFIGS if n not in first]

@@ -13,11 +13,12 @@ stored in ``.grad`` is a grad):
   masters in ``param_groups``, or a fused optimizer's ``state[p]["master_param"]``);
 * ``grads``: ``.grad`` of either;
 * ``optimizer_state``: every other tensor in ``optimizer.state``;
-* ``fp8_scales``: the buffers of :class:`mpnb.fp8.Float8Linear` layers (the delayed recipe's
-  ``fp8_amax_history`` and ``fp8_scale``); the current-scaling recipes keep none, their
-  per-step scales are short-lived and count as activations;
-* ``kahan_buffers``: the Kahan compensation buffers of a fused optimizer built with
-  ``kahan_summation=True`` (its state entries named ``*compensation*`` / ``*kahan*``);
+* the extra state a precision configuration stores, each kind its own role, as the
+  configurations declare it (:data:`mpnb.core.precision_configs.STORED_ROLES`):
+  ``fp8_scales``, the buffers of :class:`mpnb.fp8.Float8Linear` layers (the delayed recipe's
+  ``fp8_amax_history`` and ``fp8_scale``; the current-scaling recipes keep none, their
+  per-step scales are short-lived and count as activations), and ``kahan_buffers``, the
+  Kahan compensation buffers of a fused optimizer built with ``kahan_summation=True``;
 * ``activations``: everything else (saved activations, temporaries, inputs, outputs).
 
 This is what a CPU has no allocator statistics for. On CUDA the runner reports
@@ -39,6 +40,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from mpnb.core.precision_configs import STORED_ROLES
+
 __all__ = ["MemoryTracker", "ROLES", "storage_roles"]
 
 ROLES = (
@@ -46,27 +49,14 @@ ROLES = (
     "grads",
     "master_weights",
     "optimizer_state",
-    "fp8_scales",
-    "kahan_buffers",
+    *(stored.role for stored in STORED_ROLES),
     "activations",
 )
 
 
 def _state_role(key: str) -> str:
-    """The role of the optimizer state entry ``key``."""
-    if key == "master_param":
-        return "master_weights"
-    if "compensation" in key or "kahan" in key:
-        return "kahan_buffers"
-    return "optimizer_state"
-
-
-def _fp8_buffers(model: torch.nn.Module) -> list[torch.Tensor]:
-    from mpnb.core.fp8 import Float8Linear
-
-    return [
-        b for m in model.modules() if isinstance(m, Float8Linear) for b in m.buffers(recurse=False)
-    ]
+    """The role of the optimizer state entry ``key`` (a fused optimizer's fp32 master copy)."""
+    return "master_weights" if key == "master_param" else "optimizer_state"
 
 
 def _storage(t: torch.Tensor):
@@ -92,9 +82,10 @@ def storage_roles(model: torch.nn.Module | None, optimizer=None) -> dict[int, st
         put(p, "params")
         if p.grad is not None:
             put(p.grad, "grads")
+    for stored in STORED_ROLES:  # before the generic buffer and state roles below
+        for t in stored.find(model, optimizer):
+            put(t, stored.role)
     if model is not None:
-        for b in _fp8_buffers(model):
-            put(b, "fp8_scales")
         for b in model.buffers():
             put(b, "params")
     if optimizer is not None:

@@ -39,10 +39,12 @@ import torch
 from torch.utils import benchmark
 from torch.utils.flop_counter import FlopCounterMode
 
-from mpnb.core.amp import HALF_DTYPES
+from mpnb.core.dtype_names import parse_half_dtype
+from mpnb.core.opt_levels import parse_opt_level
+from mpnb.core.precision_configs import DEFAULT_CONFIGS, get_config
 from mpnb.lab._errors import describe_error
-from mpnb.lab._train import forward, make_optimizer, to_device
-from mpnb.lab.config import half_name, resolve_device
+from mpnb.lab._train import forward, to_device
+from mpnb.lab.config import resolve_device
 from mpnb.lab.stats import loadavg, median
 
 __all__ = ["ProfileResult", "profile", "PHASES"]
@@ -101,16 +103,13 @@ class _Level:
     """One opt level's copy of the model, its optimizer, scaler and a timed step."""
 
     def __init__(self, model, level, half, opt_name, lr, device):
-        from mpnb import amp
-
-        self.amp = level != "O0"  # O0: plain fp32 training, no scaler
+        pc = get_config(parse_opt_level(level))
+        self.amp = pc.loss_scaling  # O0: plain fp32 training, no unscale phase to time
         self.model = copy.deepcopy(model).to(device)
-        opt = make_optimizer(opt_name, self.model.parameters(), lr)
+        opt = pc.make_optimizer(opt_name, self.model.parameters(), lr)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            self.model, self.opt = amp.initialize(
-                self.model, opt, opt_level=level, half_dtype=half, verbosity=0
-            )
+            self.model, self.opt = pc.apply(self.model, opt, half)
 
     def step(self, x, loss_fn) -> dict[str, float]:
         from mpnb import amp
@@ -240,7 +239,7 @@ def profile(
     model: torch.nn.Module,
     example_inputs,
     loss_fn=None,
-    opt_levels=("O0", "O1", "O2", "O3"),
+    opt_levels=DEFAULT_CONFIGS,
     half_dtype="auto",
     optimizer: str = "adam",
     lr: float = 1e-3,
@@ -280,7 +279,7 @@ def profile(
     """
     p = next(model.parameters(), None)
     dev = resolve_device(device or (p.device if p is not None else "cpu"))
-    half = HALF_DTYPES[half_name(half_dtype, dev)]
+    half = parse_half_dtype(half_dtype, dev)
     x = to_device(example_inputs, dev)
     loss_fn = loss_fn or _default_loss
     from mpnb.lab.runner import load_record

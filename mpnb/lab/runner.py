@@ -26,13 +26,15 @@ import pandas as pd
 import torch
 
 from mpnb.core.doctor import kernel_fallbacks
+from mpnb.core.dtype_names import HALF_NAMES, torch_name
 from mpnb.core.hardware import cpu_info, cuda_info, dtype_support, half_support
+from mpnb.core.precision_configs import DEFAULT_CONFIGS, get_config
 from mpnb.lab import workloads as _workloads
 from mpnb.lab._data import is_data
 from mpnb.lab._isolate import StopSignals, run_isolated, sigterm_interrupts, stop_label
 from mpnb.lab._rows import COLUMNS, frames, join_warnings
 from mpnb.lab._train import RunResult, Trainer
-from mpnb.lab.config import RunConfig, check_steps, expand, resolve_device
+from mpnb.lab.config import RunConfig, check_steps, configs_argument, expand, resolve_device
 from mpnb.lab.stats import loadavg, torch_threads
 from mpnb.lab.verdict import TOLERANCE, verdict
 
@@ -52,7 +54,7 @@ def fp8_support(device: str = "cpu") -> str:
     (:func:`mpnb.core.hardware.dtype_support`: measured ``torch._scaled_mm``), else
     ``"emulated"``: FP8 numerics computed with wider arithmetic, slower than fp32.
 
-    MXFP8's GEMM is emulated on every device (``Float8Config.fp8_status``); the rows say so.
+    MXFP8's GEMM is emulated on every device (its configuration's ``status``); the rows say so.
 
     Example::
 
@@ -81,8 +83,7 @@ def hardware_summary(device: str = "cpu") -> dict:
         "load_avg": load[0],
         "cpu": cpu.model,
         "isa": cpu.isa,
-        "bf16": hs["bfloat16"],
-        "fp16": hs["float16"],
+        **{h: hs[torch_name(h)] for h in HALF_NAMES},
         "fp8": fp8_support(device),
     }
     if torch.device(device).type == "cuda":
@@ -94,34 +95,24 @@ def hardware_summary(device: str = "cpu") -> dict:
     return out
 
 
-def emulation_note(w, half_dtype="auto", device="auto", opt_levels=()) -> str:
-    """One line when ``half_dtype`` (or an FP8 configuration among ``opt_levels``) is emulated
-    on ``device``: what that costs, and the size.
+def emulation_note(w, half_dtype="auto", device="auto", configs=DEFAULT_CONFIGS) -> str:
+    """One line when a dtype the ``configs`` run in (``half_dtype`` for the O levels, the
+    configurations' own otherwise) is emulated on ``device``: what that costs, and the size.
 
     Example::
 
         >>> emulation_note(workloads.get("transformer"), "bf16", "cpu")
         'bf16 is emulated on this CPU: ...'
     """
-    from mpnb.core.precision import AmpConfig, Float8Config, get_config
     from mpnb.lab.config import half_name
 
     dev = resolve_device(device)
-    cfgs = [get_config(c) for c in opt_levels] or [get_config("O1")]
     halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)
-    names = (
-        [half_name(h, dev) for h in halves]
-        if any(isinstance(c, AmpConfig) and c.name != "O0" for c in cfgs)
-        else []
-    )
-    if any(c.name.startswith("bf16-pure") for c in cfgs):
-        names.append("bf16")
-    names = list(dict.fromkeys(names))
-    hs = half_support(dev)
-    emulated = [n for n in names if hs["bfloat16" if n == "bf16" else "float16"] == "emulated"]
-    fp8 = [c for c in cfgs if isinstance(c, Float8Config)]
-    if any(c.fp8_status(fp8_support(dev)) == "emulated" for c in fp8):
-        emulated.append("fp8")
+    names = list(dict.fromkeys(half_name(h, dev) for h in halves))
+    facts = dtype_support(dev)
+    runs = [(pc, d) for pc in map(get_config, configs or DEFAULT_CONFIGS) for d in pc.halves(names)]
+    found = dict.fromkeys(d for pc, d in runs if pc.status(d, facts) == "emulated")
+    emulated = [d for d in found if d in HALF_NAMES] + [d for d in found if d not in HALF_NAMES]
     from mpnb.lab.story import run_note
 
     return run_note(emulated, dev, getattr(w, "size", "") or "")
@@ -295,7 +286,7 @@ def compare(
     loss_fn: Callable | None = None,
     metric_fn: Callable | None = None,
     eval_data=None,
-    opt_levels: Sequence[str] = ("O0", "O1", "O2", "O3"),
+    configs: Sequence[str] | None = None,
     half_dtype="auto",
     batch_sizes: Sequence[int] | None = None,
     steps: int | None = None,
@@ -311,6 +302,7 @@ def compare(
     on_progress: Callable[[dict], None] | None = None,
     should_stop: Callable[[], bool] | None = None,
     tolerance: float = TOLERANCE,
+    opt_levels: Sequence[str] | None = None,
 ) -> pd.DataFrame:
     """Train a workload under each configuration (and half dtype, batch size); one row each.
 
@@ -326,12 +318,12 @@ def compare(
             output's logits. metric_fn: ``(output, target) -> float``, e.g.
             :func:`~mpnb.lab.workloads.accuracy` (it finds the logits in any output).
         eval_data: held-out data for the metric (default: the first training batches).
-        opt_levels: configuration names of :data:`mpnb.core.precision.PRECISION_CONFIGS`:
-            ``"O0"`` .. ``"O3"``, the FP8 recipes ``"fp8-tensorwise"``, ``"fp8-delayed"``,
-            ``"fp8-rowwise"``, ``"mxfp8"`` (fp32 elsewhere; on hardware without FP8 the rows
-            say it is emulated), ``"bf16-pure"``, ``"bf16-pure+sr"``, ``"bf16-pure+kahan"``
-            (the last two train with mpnb's fused optimizer of the ``optimizer``'s rule, the
-            option set; the row's warnings say which).
+        configs: names (or objects) of
+            :data:`mpnb.core.precision_configs.PRECISION_CONFIGS`, whose module lists them
+            (default: ``"O0"`` .. ``"O3"``; also the FP8 recipes and pure bf16 with its
+            update roundings). A configuration that needs an optimizer option trains with
+            mpnb's fused optimizer of the ``optimizer``'s rule, the option set (the row's
+            warnings say which); a row says when its precision is emulated here.
         half_dtype: ``"bf16"``, ``"fp16"``, ``"auto"`` (bf16 on CPU, fp16 on CUDA) or a list.
         batch_sizes: default: the workload's (a DataLoader's own batch size).
         steps: optimizer steps per configuration (default: the workload's).
@@ -355,6 +347,7 @@ def compare(
             step): ``compare`` returns the rows measured so far instead of raising. A second
             Ctrl-C under ``isolate`` ends the subprocess at once.
         tolerance: the accuracy tolerance of the verdict.
+        opt_levels: the former name of ``configs`` (give one of the two).
 
     Returns:
         A DataFrame with :data:`COLUMNS`. ``attrs``: ``history`` (per-step loss, loss scale,
@@ -365,11 +358,12 @@ def compare(
 
     Example::
 
-        >>> df = mpnb.lab.compare("transformer", size="small")
+        >>> df = mpnb.lab.compare("transformer", configs=("O0", "O2", "bf16-pure"), size="small")
         >>> df[["configuration", "speed_label", "peak_mem_mib", "metric"]]
         >>> print(df.attrs["verdict"]["text"])
         >>> df = mpnb.lab.compare(lambda: MyNet(), (x, y), metric_fn=mpnb.lab.accuracy)
     """
+    configs = configs_argument(configs, opt_levels)
     dev = resolve_device(device)
     if steps is not None:  # refused before the workload is built (None: the workload's)
         check_steps(steps)
@@ -383,7 +377,7 @@ def compare(
         )
     steps = w.steps if steps is None else steps
     configs = expand(
-        w.name, opt_levels, half_dtype, batch_sizes, steps, optimizer, lr, loss_scale, dev, seed,
+        w.name, configs, half_dtype, batch_sizes, steps, optimizer, lr, loss_scale, dev, seed,
     )  # fmt: skip
     with torch_threads(threads):
         load_start = loadavg()

@@ -18,7 +18,8 @@ and explained, never hidden.
 Every function that takes ``facts`` accepts :func:`facts`'s ``DtypeSupport`` values, plain
 status strings keyed the same way (:func:`~mpnb.core.hardware.half_support`'s
 ``{"bfloat16": "native"}``), or a compare DataFrame's ``attrs["hardware"]``
-(``{"bf16": "native", "fp16": ..., "fp8": ...}``).
+(``{"bf16": "native", "fp16": ..., "fp8": ...}``), and any name of a dtype: the names are
+:mod:`mpnb.core.dtype_names`'.
 
 Example::
 
@@ -37,6 +38,10 @@ from collections.abc import Mapping, Sequence
 
 import pandas as pd
 
+from mpnb.core.dtype_names import HALF_NAMES, lookup, short_name
+from mpnb.core.hardware import status_of
+from mpnb.core.precision_configs import config_names, get_config
+
 __all__ = [
     "facts",
     "status",
@@ -51,10 +56,6 @@ __all__ = [
     "run_note",
     "emulation_lines",
 ]
-
-#: the lab's short names and the torch names doctor's facts are keyed by
-_LONG = {"bf16": "bfloat16", "fp16": "float16", "fp8": "float8_e4m3fn"}
-_SHORT = {v: k for k, v in _LONG.items()}
 
 _CONSEQUENCE = {
     "native": "it can save time as well as memory",
@@ -93,21 +94,12 @@ def facts(device: str = "cpu") -> dict:
     return dtype_support(device)
 
 
-def _short(dtype: str) -> str:
-    name = str(dtype).replace("torch.", "")
-    return _SHORT.get(name, name)
-
-
-def _entry(facts: Mapping, dtype: str):
-    """The fact for ``dtype`` ("bf16", "bfloat16" or torch.bfloat16), however ``facts`` is keyed."""
-    short = _short(dtype)
-    for key in (short, _LONG.get(short, short)):
-        if key in facts:
-            return facts[key]
-    raise KeyError(
-        f"no fact for {short!r} among {sorted(facts)}; pass mpnb.lab.story.facts(device) or a "
-        "compare DataFrame's attrs['hardware']."
-    )
+def _fact(facts: Mapping, dtype: str):
+    """The fact for ``dtype`` (any of its names), however ``facts`` is keyed."""
+    try:
+        return lookup(facts, dtype)
+    except KeyError as e:
+        raise KeyError(f"{e.args[0]} (mpnb.lab.story.facts(device) returns them)") from None
 
 
 def status(facts: Mapping, dtype: str) -> str:
@@ -118,15 +110,15 @@ def status(facts: Mapping, dtype: str) -> str:
         >>> status({"bfloat16": "native", "float16": "emulated"}, "fp16")
         'emulated'
     """
-    e = _entry(facts, dtype)
-    return str(getattr(e, "status", e))
+    _fact(facts, dtype)  # a missing fact raises here, naming where facts come from
+    return status_of(facts, dtype)
 
 
 def _where(device: str) -> str:
     return str(device).split(":")[0].upper()
 
 
-def hardware(facts: Mapping, device: str = "cpu", dtypes: Sequence[str] = ("bf16", "fp16")) -> str:
+def hardware(facts: Mapping, device: str = "cpu", dtypes: Sequence[str] = HALF_NAMES) -> str:
     """One sentence per dtype: doctor's fact on this device, what it means for mixed precision,
     and doctor's evidence when the fact carries it.
 
@@ -142,12 +134,12 @@ def hardware(facts: Mapping, device: str = "cpu", dtypes: Sequence[str] = ("bf16
     """
     out = []
     for d in dtypes:
-        e, s = _entry(facts, d), status(facts, d)
-        table = _FP8_CONSEQUENCE if _short(d) == "fp8" else _CONSEQUENCE
+        e, s = _fact(facts, d), status(facts, d)
+        table = _FP8_CONSEQUENCE if short_name(d) == "fp8" else _CONSEQUENCE
         consequence = table.get(s, "see mpnb doctor")
         reason = getattr(e, "reason", "")
         evidence = f" (doctor: {reason})" if reason else ""
-        out.append(f"On this {_where(device)} {_short(d)} is {s}: {consequence}.{evidence}")
+        out.append(f"On this {_where(device)} {short_name(d)} is {s}: {consequence}.{evidence}")
     return "\n".join(out)
 
 
@@ -256,7 +248,7 @@ def outcome(
         >>> outcome({"bf16": "emulated"}, "bf16", 0.2, 0.18, 0.22, "O3")
         'Measured: O3 ran 5.00x slower than O0 (95% interval ...). As expected where bf16 ...'
     """
-    short = _short(dtype)
+    short = short_name(dtype)
     d = direction(ratio, lo, hi)
     why = _why(status(facts, dtype), d, short, subject, _where(device), not_faster)
     return f"Measured: {speed(ratio, lo, hi, subject, baseline)}. {why}"
@@ -269,10 +261,11 @@ def _row_dtype_status(row, hw: Mapping) -> tuple[str, str] | None:
     if "(" in prec:
         name, st = prec.split("(", 1)
         return name.strip(), st.rstrip(")").strip()
-    half = str(row.get("half_dtype", "") or "")
-    if half in ("bf16", "fp16", "fp8") and row.get("opt_level") != "O0":
-        return half, status(hw, half)
-    return None
+    name, half = row.get("opt_level"), str(row.get("half_dtype", "") or "")
+    if name not in config_names() or not half:
+        return None
+    st = get_config(name).status(half, hw)  # the configuration's own reading of the facts
+    return (half, st) if st else None
 
 
 def compare(df: pd.DataFrame) -> list[str]:

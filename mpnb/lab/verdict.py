@@ -29,7 +29,8 @@ import re
 
 import pandas as pd
 
-from mpnb.core.precision import Float8Config, get_config
+from mpnb.core.dtype_names import HALF_NAMES
+from mpnb.core.precision_configs import BASELINE, get_config
 from mpnb.lab.memory import ROLES as _ROLES
 from mpnb.lab.story import emulated_clause, emulation_lines
 
@@ -79,11 +80,9 @@ def _bytes(row) -> float:
 
 
 def _gemm_dtype(row) -> str:
-    """The dtype a row's GEMMs would run in on a GPU (a GEMM emulated on every device, as
-    MXFP8's, runs in fp32 and gets the fp32 rate)."""
-    cfg = get_config(row["opt_level"])
-    emulated = isinstance(cfg, Float8Config) and cfg.gemm_emulated
-    return "fp32" if row["opt_level"] == "O0" or emulated else row["half_dtype"]
+    """The dtype a row's GEMMs would run in on a GPU, as its configuration says (a GEMM
+    emulated on every device, as MXFP8's, runs in fp32 and gets the fp32 rate)."""
+    return get_config(row["opt_level"]).gemm_dtype(row["half_dtype"])
 
 
 def _step_time(row, gpu: dict) -> float:
@@ -106,7 +105,7 @@ def gpu_estimate(df: pd.DataFrame) -> pd.DataFrame:
     rows = []
     for gpu, peaks in GPU_PEAKS.items():
         for _, grp in ok.groupby("batch_size", sort=False):
-            base = grp[grp["opt_level"] == "O0"]
+            base = grp[grp["opt_level"] == BASELINE]
             if base.empty:
                 continue
             t0 = _step_time(base.iloc[0], peaks)
@@ -168,11 +167,11 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
     """
     hw = df.attrs.get("hardware", {})
     ok = measured_rows(df)
-    halves = [c for c in ok["half_dtype"].unique() if c in ("bf16", "fp16")]
+    halves = [c for c in ok["half_dtype"].unique() if c in HALF_NAMES]
     emulated = [h for h in halves if hw.get(h) == "emulated"]
     if "precision" in ok and ok["precision"].astype(str).eq("fp8 (emulated)").any():
         emulated.append("fp8")
-    acc = ok[_accurate(ok, tolerance) & (ok["opt_level"] != "O0")]
+    acc = ok[_accurate(ok, tolerance) & (ok["opt_level"] != BASELINE)]
     faster = acc[acc["speedup_lo"] > 1.0]
     fastest = faster.loc[faster["speedup_vs_O0"].idxmax()] if len(faster) else None
     saving = acc[acc["mem_saving_vs_O0"] > 0.005]
@@ -288,7 +287,7 @@ def _interrupted_recommendation(df: pd.DataFrame, ok: pd.DataFrame, rec: str) ->
         body = rec.removeprefix("Verdict: ")
         return f"Verdict, stopped before {len(never)} configuration(s) started: {body}"
     when = _interrupted_after(df)
-    others = ok[ok["opt_level"] != "O0"]
+    others = ok[ok["opt_level"] != BASELINE]
     measured = others["speedup_lo"].notna() | others["mem_saving_vs_O0"].notna()
     if len(others) and not measured.any() or not len(ok):
         return (
@@ -316,13 +315,12 @@ def _recommendation(fastest, smallest, emulated, ok) -> str:
 def _estimate_lines(est: pd.DataFrame, hw: dict) -> list[str]:
     if est.empty:
         return []
-    if str(hw.get("device", "cpu")).startswith("cuda") and "emulated" not in (
-        hw.get("bf16"),
-        hw.get("fp16"),
+    if str(hw.get("device", "cpu")).startswith("cuda") and "emulated" not in map(
+        hw.get, HALF_NAMES
     ):
         return []  # measured on a GPU with native half: no estimate needed
     ref = est[(est["gpu"] == REFERENCE_GPU) & (est["est_speedup_vs_O0"].notna())]
-    half = ref[~ref["configuration"].str.startswith("O0")]
+    half = ref[~ref["configuration"].str.startswith(BASELINE)]
     if half.empty:
         return []
     best = half.loc[half["est_speedup_vs_O0"].idxmax()]

@@ -7,7 +7,7 @@ callback errors in the widget. They never measure or train themselves: every num
 Example::
 
     >>> from mpnb import widgets
-    >>> w = widgets.compare("mlp", opt_levels=("O0", "O1", "O2"), steps=20)   # shows the widget
+    >>> w = widgets.compare("mlp", configs=("O0", "O1", "O2"), steps=20)   # shows the widget
     >>> w.run()                                                               # or click Run
     >>> w.df                                                                  # the DataFrame
 """

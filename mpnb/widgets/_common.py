@@ -15,7 +15,7 @@ import ipywidgets as w
 import plotly.graph_objects as go
 import plotly.io as pio
 
-from mpnb.core.hardware import cpu_info, cuda_info, half_support
+from mpnb.core.hardware import cpu_info, cuda_info, half_support, status_of
 
 __all__ = ["ErrorBox", "FigureOutput", "hardware_html", "half_status_label"]
 
@@ -116,9 +116,11 @@ class FigureOutput(w.Output):
 
 def half_status_label(dtype_name: str, device: str = "cpu") -> str:
     """``"bf16 (emulated)"``: the dtype with the device's native/emulated/unsupported status."""
-    key = {"bf16": "bfloat16", "fp16": "float16"}.get(dtype_name, dtype_name)
-    status = half_support(device).get(key)
-    return f"{dtype_name} ({status})" if status else dtype_name
+    try:
+        status = status_of(half_support(device), dtype_name)
+    except KeyError:  # not a half dtype: no status to show
+        return dtype_name
+    return f"{dtype_name} ({status})"
 
 
 def hardware_html(device: str = "cpu") -> str:

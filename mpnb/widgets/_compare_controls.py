@@ -1,6 +1,6 @@
 """The controls of :class:`~mpnb.widgets.CompareWidget` (a mixin: the widget's own attributes).
 
-They hold the request (workload and size, opt levels, half dtype with its hardware status,
+They hold the request (workload and size, configurations, half dtype with its hardware status,
 batch sizes, steps, optimizer, device, threads, loss scaler) and turn it into
 :func:`mpnb.lab.compare` arguments; nothing runs here. Every control is validated when it
 changes: a bad value shows its message right beside the control and disables Run until
@@ -15,17 +15,18 @@ import os
 import ipywidgets as w
 import torch
 
-from mpnb.core.amp import OPT_LEVELS
-from mpnb.core.precision import config_names
-from mpnb.lab.config import OPTIMIZERS
+from mpnb.core.dtype_names import HALF_NAMES, short_name
+from mpnb.core.hardware import default_half_dtype
+from mpnb.core.precision_configs import DEFAULT_CONFIGS, OPTIMIZERS, config_names
 from mpnb.widgets._common import half_status_label, hardware_html
 
 __all__ = ["ControlsMixin", "LEVELS", "DEFAULT_LEVELS", "OPTIMIZERS", "parse_sizes"]
 
 # Every configuration mpnb compares (O0-O3, the FP8 recipes, pure bf16 and its optimizer
-# options), from the one list in mpnb.core.precision; the widget starts with the O levels.
+# options), from the one list in mpnb.core.precision_configs; the widget starts with the O
+# levels (compare's default).
 LEVELS = config_names()
-DEFAULT_LEVELS = tuple(OPT_LEVELS)
+DEFAULT_LEVELS = DEFAULT_CONFIGS
 SIZES = ("auto", "small", "medium", "large")
 
 
@@ -68,7 +69,7 @@ def _message(text: str, color: str) -> str:
 class ControlsMixin:
     """Builds the control widgets as attributes of the widget, validates and reads them."""
 
-    def _build_controls(self, opt_levels, half_dtype, batch_sizes, steps, optimizer, device,
+    def _build_controls(self, configs, half_dtype, batch_sizes, steps, optimizer, device,
                         loss_scale, threads, size):  # fmt: skip
         from mpnb.lab import workloads
 
@@ -80,7 +81,7 @@ class ControlsMixin:
         self.size = w.Dropdown(options=SIZES, value=size, description="size")
         # every configuration in view (a scrolled list hid the FP8 and pure-bf16 rows)
         self.opt_levels = w.SelectMultiple(
-            options=LEVELS, value=tuple(opt_levels), rows=len(LEVELS), description="opt levels"
+            options=LEVELS, value=tuple(configs), rows=len(LEVELS), description="opt levels"
         )
         devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
         dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
@@ -258,10 +259,8 @@ class ControlsMixin:
 
     def _half_options(self, value="auto"):
         if value == "auto" or value is None:
-            value = "fp16" if self._device().startswith("cuda") else "bf16"
-        self.half_dtype.options = [
-            (half_status_label(n, self._device()), n) for n in ("bf16", "fp16")
-        ]
+            value = short_name(default_half_dtype(self._device()))
+        self.half_dtype.options = [(half_status_label(n, self._device()), n) for n in HALF_NAMES]
         self.half_dtype.value = value
 
     def _device_changed(self):

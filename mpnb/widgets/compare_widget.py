@@ -16,8 +16,9 @@ import ipywidgets as w
 import pandas as pd
 import traitlets as t
 
+from mpnb.lab.config import configs_argument
 from mpnb.widgets._common import ErrorBox, hardware_html
-from mpnb.widgets._compare_controls import DEFAULT_LEVELS, LEVELS, ControlsMixin, parse_sizes
+from mpnb.widgets._compare_controls import LEVELS, ControlsMixin, parse_sizes
 from mpnb.widgets._compare_views import ResultViews, errors_html, table_html, verdict_html
 
 __all__ = ["CompareWidget", "compare", "run_status"]
@@ -37,13 +38,14 @@ class CompareWidget(ControlsMixin, w.VBox):
             model factory (with ``data``).
         data, loss_fn, metric_fn, eval_data: with a model factory, as for
             :func:`mpnb.lab.compare`.
-        opt_levels, half_dtype, batch_sizes, steps, optimizer, device, size: the initial
+        configs, half_dtype, batch_sizes, steps, optimizer, device, size: the initial
             controls (``batch_sizes`` and ``steps`` None: the workload's own, shown in their
             boxes; choosing another workload puts its own batch size and steps there).
         loss_scale: None (each opt level's default), a number (static) or a dict of
             ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``.
         threaded: run in a background thread when Run is clicked (tests pass False).
         threads: ``torch.set_num_threads`` for the runs (None: torch's default).
+        opt_levels: the former name of ``configs`` (give one of the two).
 
     Attributes:
         df: the results (a :func:`mpnb.lab.compare` DataFrame with ``attrs``).
@@ -51,7 +53,7 @@ class CompareWidget(ControlsMixin, w.VBox):
 
     Example::
 
-        >>> cw = CompareWidget("transformer", opt_levels=("O0", "O2"), threaded=False)
+        >>> cw = CompareWidget("transformer", configs=("O0", "O2"), threaded=False)
         >>> cw.run_button.click()
         >>> cw.df[["configuration", "speed_label", "metric"]]
     """
@@ -77,7 +79,7 @@ class CompareWidget(ControlsMixin, w.VBox):
         loss_fn=None,
         metric_fn=None,
         eval_data=None,
-        opt_levels=DEFAULT_LEVELS,
+        configs=None,
         half_dtype="auto",
         batch_sizes=None,
         steps: int | None = None,
@@ -87,6 +89,7 @@ class CompareWidget(ControlsMixin, w.VBox):
         threaded: bool = True,
         threads: int | None = None,
         size: str = "auto",
+        opt_levels=None,
     ):
         from mpnb.lab import workloads
 
@@ -103,7 +106,7 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.views = ResultViews()
         default = workloads.get(workload, size)
         self._build_controls(
-            opt_levels, half_dtype, batch_sizes or (default.batch_size,),
+            configs_argument(configs, opt_levels), half_dtype, batch_sizes or (default.batch_size,),
             steps or default.steps, optimizer, device, loss_scale, threads, size,
         )  # fmt: skip
         self.table = w.HTML(table_html(None))
@@ -154,7 +157,7 @@ class CompareWidget(ControlsMixin, w.VBox):
         return dict(
             workload=self._workload if named == own else named,
             size=self.size.value,
-            opt_levels=tuple(lvl for lvl in LEVELS if lvl in self.opt_levels.value),
+            configs=tuple(name for name in LEVELS if name in self.opt_levels.value),
             half_dtype=self.half_dtype.value,
             batch_sizes=parse_sizes(self.batch_sizes.value) or None,
             steps=int(self.steps.value),
@@ -322,11 +325,11 @@ def compare(workload="transformer", data=None, run: bool = False, **kwargs) -> C
         data: your training data (see :func:`mpnb.lab.compare`).
         run: start the run at once (in a thread unless ``threaded=False``).
         **kwargs: the other arguments of :class:`CompareWidget` (``loss_fn``, ``metric_fn``,
-            ``opt_levels``, ``half_dtype``, ``batch_sizes``, ``steps``, ``size``, ...).
+            ``configs``, ``half_dtype``, ``batch_sizes``, ``steps``, ``size``, ...).
 
     Example::
 
-        >>> cw = mpnb.widgets.compare("transformer", opt_levels=("O0", "O1", "O2"))
+        >>> cw = mpnb.widgets.compare("transformer", configs=("O0", "O1", "O2"))
         >>> cw = mpnb.widgets.compare(lambda: MyCNN(), (x, y), metric_fn=mpnb.lab.accuracy)
     """
     cw = CompareWidget(workload, data, **kwargs)

@@ -23,6 +23,8 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+from mpnb.core.dtype_names import parse_half_dtype, short_name
+from mpnb.core.precision_configs import BASELINE, DEFAULT_CONFIGS, PRECISION_CONFIGS, get_config
 from mpnb.lab.stats import torch_threads
 from mpnb.widgets._common import ErrorBox, FigureOutput, hardware_html
 from mpnb.widgets._compare_views import MEMORY_ROLES
@@ -231,10 +233,13 @@ class ProfileWidget(w.VBox):
         t.index = [_PHASE_NAMES[p] for p in t.index]
         t.columns.name = None
         t = t.rename_axis("phase (ms)").reset_index()
+        # the levels that scale no loss (O0: plain fp32 training) have a blank unscale row
+        known = [c for c in t.columns if c in PRECISION_CONFIGS]
+        unscaled = [c for c in known if not get_config(c).loss_scaling]
         note = (
-            "<p style='color:#555;font-size:12px'>O0 is plain fp32 training: no loss scaler "
-            "runs, so it has no unscale row (blank).</p>"
-            if "O0" in t.columns
+            f"<p style='color:#555;font-size:12px'>{', '.join(unscaled)}: no loss scaler "
+            "runs, so no unscale row (blank).</p>"
+            if unscaled
             else ""
         )
         table = _html_table(t, "no phases")
@@ -341,7 +346,7 @@ class ProfileWidget(w.VBox):
         self.precision_link = link
         if r is None:
             return w.VBox([w.HTML("<i>overflow tracer not run</i>"), link])
-        name = "fp16" if r.dtype == torch.float16 else "bf16"
+        name = short_name(r.dtype)
         if r.module is None:
             head = f"<p>Every module's activations and gradients fit in <b>{name}</b>.</p>"
         else:
@@ -358,7 +363,7 @@ class ProfileWidget(w.VBox):
         self.tabs.selected_index = self.TABS.index("Precision")
 
     def _precision_pane(self) -> w.Widget:
-        from mpnb.core.precision import PRECISION_CONFIGS
+        from mpnb.core.precision_configs import PRECISION_CONFIGS
 
         first = self.precision.summary.config if self.precision is not None else "O1"
         self.precision_config = w.Dropdown(
@@ -429,7 +434,7 @@ class ProfileWidget(w.VBox):
 def _precision_of(summary) -> str:
     """``"bfloat16, cpu"``; for a configuration with no half dtype (O0, the FP8 recipes) its
     own description instead of a dash."""
-    from mpnb.core.precision import PRECISION_CONFIGS
+    from mpnb.core.precision_configs import PRECISION_CONFIGS
 
     if summary.half_dtype not in ("", "-", None):
         return f"{summary.half_dtype}, {summary.device}"
@@ -457,10 +462,10 @@ def _memory_frame(model, x, loss_fn, opt_levels, half_dtype, optimizer, lr, devi
         steps=3,
         name="profiled model",
     )
-    levels = tuple(dict.fromkeys(("O0", *opt_levels)))  # compare needs its O0 baseline
+    levels = tuple(dict.fromkeys((BASELINE, *opt_levels)))  # compare needs its baseline
     df = mpnb.lab.compare(
         wl,
-        opt_levels=levels,
+        configs=levels,
         half_dtype=half_dtype,
         steps=3,
         optimizer=optimizer,
@@ -497,7 +502,7 @@ def profile(
     model: torch.nn.Module,
     example_inputs,
     loss_fn=None,
-    opt_levels=("O0", "O1", "O2", "O3"),
+    opt_levels=DEFAULT_CONFIGS,
     half_dtype="auto",
     optimizer: str = "adam",
     lr: float = 1e-3,
@@ -532,9 +537,7 @@ def profile(
         >>> mpnb.widgets.profile(model, torch.randn(64, 784), opt_levels=("O0", "O2"))
     """
     import mpnb.lab
-    from mpnb.core.amp import HALF_DTYPES
-    from mpnb.core.hardware import default_half_dtype
-    from mpnb.lab.config import resolve_device
+    from mpnb.lab.config import half_name, resolve_device
 
     if threads is not None and threads > (os.cpu_count() or 1):
         import warnings
@@ -546,13 +549,10 @@ def profile(
         )
     p = next(model.parameters(), None)
     dev = resolve_device(device or (p.device if p is not None else "cpu"))
-    if half_dtype in (None, "auto"):
-        half = "bf16" if default_half_dtype(dev) == torch.bfloat16 else "fp16"
-    else:
-        half = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(half_dtype, half_dtype)
+    half = half_name(half_dtype, dev)
     levels = tuple(opt_levels)
     if precision == "auto":
-        precision = next((lv for lv in levels if lv != "O0"), None)
+        precision = next((lv for lv in levels if lv != BASELINE), None)
     extras = int(memory) + int(trace) + int(precision is not None)
     bar = _Progress(len(levels) + extras)
     try:
@@ -570,13 +570,12 @@ def profile(
     mem, tr, prec, errors = extra
     return ProfileWidget(
         result, mem, tr, device=dev, errors=errors, precision=prec, model=model,
-        example_inputs=example_inputs, loss_fn=loss_fn, half_dtype=HALF_DTYPES[half],
+        example_inputs=example_inputs, loss_fn=loss_fn, half_dtype=parse_half_dtype(half),
     )  # fmt: skip
 
 
 def _extras(model, x, loss_fn, levels, half, optimizer, lr, dev, memory, trace, precision, step):
     import mpnb.lab
-    from mpnb.core.amp import HALF_DTYPES
     from mpnb.lab.profiling import _default_loss
 
     # Every extra reads the model's output as mpnb.lab.profile does (any output form: tensor,
@@ -597,7 +596,7 @@ def _extras(model, x, loss_fn, levels, half, optimizer, lr, dev, memory, trace, 
     if trace:
         step("overflow tracer", done)
         try:
-            tr = mpnb.lab.trace_overflow(model, x, loss_fn, dtype=HALF_DTYPES[half])
+            tr = mpnb.lab.trace_overflow(model, x, loss_fn, dtype=parse_half_dtype(half))
         except Exception as e:  # noqa: BLE001 - shown in the widget
             errors["overflow tracer"] = f"{type(e).__name__}: {e}"
         done += 1
@@ -605,7 +604,7 @@ def _extras(model, x, loss_fn, levels, half, optimizer, lr, dev, memory, trace, 
         step(f"precision trace ({precision})", done)
         try:
             prec = mpnb.lab.trace_precision(
-                model, x, precision, loss_fn=loss_fn, half_dtype=HALF_DTYPES[half]
+                model, x, precision, loss_fn=loss_fn, half_dtype=parse_half_dtype(half)
             )
         except Exception as e:  # noqa: BLE001 - shown in the widget
             errors["precision trace"] = f"{type(e).__name__}: {e}"

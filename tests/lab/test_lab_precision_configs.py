@@ -1,4 +1,5 @@
-"""The configurations of mpnb.core.precision beyond O0-O3, through compare and `mpnb compare`."""
+"""The configurations of mpnb.core.precision_configs beyond O0-O3, through compare and
+`mpnb compare`."""
 
 import json
 import subprocess
@@ -9,8 +10,13 @@ import torch
 
 import mpnb.lab
 from mpnb.core.optimizers import FusedAdam, FusedSGD
-from mpnb.core.precision import PRECISION_CONFIGS, config_names, get_config
-from mpnb.lab._train import make_optimizer
+from mpnb.core.precision_configs import (
+    PRECISION_CONFIGS,
+    Float8Config,
+    config_names,
+    get_config,
+    make_optimizer,
+)
 from mpnb.lab.config import expand
 from mpnb.lab.memory import ROLES, MemoryTracker
 from mpnb.lab.runner import emulation_note, fp8_support, half_support
@@ -31,8 +37,8 @@ def test_the_lab_offers_exactly_the_core_list():
     assert labels[:7] == ["O0 fp32 b32"] + [f"O{i} {h} b32" for i in (1, 2, 3) for h in
                                             ("bf16", "fp16")]  # fmt: skip
     assert labels[7:] == [f"{n} b32" for n in NEW]
-    assert {c.half_dtype for c in cfgs if c.is_fp8} == {"fp8"}
-    assert all(c.precision_config is PRECISION_CONFIGS[c.opt_level] for c in cfgs)
+    assert {c.half_dtype for c in cfgs if isinstance(c.config, Float8Config)} == {"fp8"}
+    assert all(c.config is PRECISION_CONFIGS[c.config.name] for c in cfgs)
 
 
 def test_unknown_configuration_names_the_choices():
@@ -151,3 +157,55 @@ def test_cli_rejects_an_unknown_configuration():
     cmd = [sys.executable, "-m", "mpnb.cli", "compare", "--opt-levels", "O0,fp4", "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and "fp4" in p.stderr and "mxfp8" in p.stderr and not p.stdout
+
+
+# ---- the lab asks the configuration ---------------------------------------------------------
+
+
+def test_a_new_configuration_runs_through_the_lab_by_its_table_entry_alone(monkeypatch):
+    import types
+    from pathlib import Path
+
+    import mpnb.core.precision_configs as pcs
+    from mpnb.core.hardware import dtype_support
+
+    fp16 = pcs.PureHalfConfig("fp16-pure", "Pure fp16.", ("float16",), ("float16",),
+                              ("float16",), "float16", half="float16")  # fmt: skip
+    table = types.MappingProxyType({**pcs.PRECISION_CONFIGS, "fp16-pure": fp16})
+    monkeypatch.setattr(pcs, "PRECISION_CONFIGS", table)
+    [cfg] = expand("mlp", ("fp16-pure",), "bf16", (32,), steps=4, device="cpu")
+    assert cfg.config is fp16 and cfg.half_dtype == "fp16" and cfg.label == "fp16-pure b32"
+    # SGD: Adam's eps=1e-8 is 0 in fp16, and the lab says so (the divergence note)
+    df = mpnb.lab.compare("mlp", configs=("O0", "fp16-pure"), size="small", steps=4,
+                          optimizer="sgd", progress=False, threads=1)  # fmt: skip
+    r = df.set_index("opt_level").loc["fp16-pure"]
+    assert r.status == "ok", r.error
+    assert r.precision == f"fp16 ({dtype_support('cpu')['float16'].status})"
+    assert r.mem_params_mib * MIB == (64 * 128 + 128 + 128 * 10 + 10) * 2  # fp16 weights
+    assert df.attrs["verdict"]["text"]
+    # the lab and the widgets hold no test of a configuration's kind
+    root = Path(mpnb.lab.__file__).parents[1]
+    kinds = ("AmpConfig", "Float8Config", "PureHalfConfig", "optimizer_option", "is_fp8")
+    found = [
+        f"{f.relative_to(root)}: {k}"
+        for f in [*(root / "lab").rglob("*.py"), *(root / "widgets").rglob("*.py")]
+        for k in kinds
+        if k in f.read_text()
+    ]
+    assert not found, found
+
+
+def test_configs_is_the_name_and_opt_levels_still_works(tmp_path):
+    from mpnb.cli import build_parser
+    from mpnb.lab.config import RunConfig
+
+    for flag in ("--configs", "--opt-levels"):
+        args = build_parser().parse_args(["compare", flag, "O0,bf16-pure"])
+        assert args.configs == ("O0", "bf16-pure")
+    with pytest.raises(TypeError, match="configs= or its former name opt_levels="):
+        mpnb.lab.compare("mlp", configs=("O0",), opt_levels=("O0",), steps=4)
+    df = mpnb.lab.compare("mlp", opt_levels=("O0",), size="small", steps=3, progress=False)
+    assert list(df["opt_level"]) == ["O0"]
+    run = RunConfig("mlp", "O2", "bf16", 32, 4)
+    assert run.config is PRECISION_CONFIGS["O2"] and run.label == "O2 bf16 b32"
+    assert run.dtype is torch.bfloat16

@@ -59,7 +59,7 @@ def test_one_warnings_banner_compact_rows_glossary_and_distinct_curves(df, tmp_p
     import html
     import re
 
-    from mpnb.core.precision import PRECISION_CONFIGS
+    from mpnb.core.precision_configs import PRECISION_CONFIGS
     from mpnb.lab.html_report import TABLE_COLUMNS, figures, warnings_banner
 
     noisy = df.copy()

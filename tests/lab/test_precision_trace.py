@@ -6,7 +6,7 @@ import torch.nn.functional as F
 
 from mpnb import amp
 from mpnb.lab import trace_precision
-from mpnb.lab.precision import COLUMNS, REASONS
+from mpnb.lab.precision_trace import COLUMNS, REASONS
 
 M, K, H, N = 16, 64, 32, 10
 

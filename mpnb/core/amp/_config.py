@@ -16,7 +16,8 @@ from numbers import Real
 
 import torch
 
-from mpnb.core.hardware import default_half_dtype
+# the half-dtype names live with the other dtype names; amp re-exports them
+from mpnb.core.dtype_names import HALF_DTYPES, half_dtype_name, parse_half_dtype
 
 __all__ = [
     "HALF_DTYPES",
@@ -26,55 +27,11 @@ __all__ = [
     "parse_loss_scale",
 ]
 
-HALF_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "bfloat16": torch.bfloat16,
-    "fp16": torch.float16,
-    "float16": torch.float16,
-    "half": torch.float16,
-}
-"""Every name of a half dtype that amp, the lab and the CLI accept."""
 
 # The smallest normal float32: without a min_loss_scale the scale never backs off below it, so
 # it never reaches 0 (and its inverse never reaches inf).
 _TINY = float(torch.finfo(torch.float32).tiny)
 _INT32_MAX = 2**31 - 1
-
-
-def parse_half_dtype(value, device="cpu", *, name: str = "half_dtype") -> torch.dtype:
-    """``torch.float16``/``torch.bfloat16`` from a dtype or one of :data:`HALF_DTYPES`' names.
-
-    Args:
-        value: a half dtype, a name (``"bf16"``, ``"fp16"``, ...), or None/``"auto"`` for
-            the device's default (fp16 on CUDA, bf16 on CPU).
-        device: the device whose default ``None``/``"auto"`` means.
-        name: the argument's name in the error message.
-
-    Example::
-
-        >>> parse_half_dtype("bf16")
-        torch.bfloat16
-    """
-    if value is None or value == "auto":
-        return default_half_dtype(device)
-    dtype = HALF_DTYPES.get(value, value) if isinstance(value, str) else value
-    if dtype not in (torch.float16, torch.bfloat16):
-        raise ValueError(
-            f"{name}={value!r} is invalid; valid choices: torch.float16, torch.bfloat16, "
-            f"{', '.join(repr(k) for k in HALF_DTYPES)} (or None/'auto' for the device default)."
-        )
-    return dtype
-
-
-def half_dtype_name(dtype: torch.dtype) -> str:
-    """The short name of a half dtype: ``"bf16"`` or ``"fp16"``.
-
-    Example::
-
-        >>> half_dtype_name(torch.float16)
-        'fp16'
-    """
-    return {torch.bfloat16: "bf16", torch.float16: "fp16"}[parse_half_dtype(dtype)]
 
 
 def _positive_finite(owner: str, name: str, value) -> float:

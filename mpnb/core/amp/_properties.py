@@ -14,6 +14,7 @@ import torch
 
 from mpnb.core.amp._config import HALF_DTYPES, LossScaleRule, parse_loss_scale
 from mpnb.core.hardware import default_half_dtype
+from mpnb.core.opt_levels import OPT_LEVEL_DESCRIPTIONS, parse_opt_level
 
 __all__ = [
     "Properties",
@@ -93,12 +94,7 @@ class OptLevel:
         )
 
 
-OPT_LEVELS = {
-    "O0": OptLevel("O0", "Pure FP32 training."),
-    "O1": OptLevel("O1", "Insert automatic casts around PyTorch functions (torch.autocast)."),
-    "O2": OptLevel("O2", "Half model weights (batch norms fp32), fp32 master weights."),
-    "O3": OptLevel("O3", "Pure half-precision training."),
-}
+OPT_LEVELS = {name: OptLevel(name, brief) for name, brief in OPT_LEVEL_DESCRIPTIONS.items()}
 
 
 def _dtype(name: str, value, allowed: tuple[torch.dtype, ...]) -> torch.dtype:
@@ -135,23 +131,6 @@ def _outputs(value) -> torch.dtype | None:
     if value is False or value == "False":
         return None  # no cast at all
     return _dtype("cast_model_outputs", value, (*_HALF, torch.float32))
-
-
-def parse_opt_level(value) -> str:
-    """``value`` if it names an opt level, else a ValueError listing the valid ones.
-
-    Example::
-
-        >>> parse_opt_level("O2")
-        'O2'
-    """
-    if value not in OPT_LEVELS:
-        hint = " (use the letter O, not zero)" if str(value).startswith("0") else ""
-        raise ValueError(
-            f"amp.initialize: unknown opt_level {value!r}{hint}; valid choices: "
-            f"{', '.join(OPT_LEVELS)}."
-        )
-    return value
 
 
 def _no_cast(value) -> bool:

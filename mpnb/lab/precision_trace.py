@@ -1,7 +1,7 @@
 """``trace_precision``: which precision every op of one training step ran in, and why.
 
 One forward and backward of a copy of your model under a precision configuration (a name of
-:data:`mpnb.core.precision.PRECISION_CONFIGS`: ``"O1"``, ``"fp8-delayed"``...) records every
+:data:`mpnb.core.precision_configs.PRECISION_CONFIGS`: ``"O1"``, ``"fp8-delayed"``...) records every
 aten op (see :mod:`mpnb.lab._precision_trace` for how) and explains its dtype with one of
 :data:`REASONS`. The result is a DataFrame (one row per op) and a :class:`PrecisionSummary`.
 
@@ -41,11 +41,12 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
+from mpnb.core.dtype_names import torch_name
 from mpnb.core.fp8 import Float8Linear
-from mpnb.core.precision import AmpConfig, PrecisionConfig, PureBf16Config, get_config
-from mpnb.core.precision import resolve_half as _resolve_half
+from mpnb.core.hardware import default_half_dtype
+from mpnb.core.precision_configs import PrecisionConfig, get_config
 from mpnb.lab._precision_trace import CAST_APIS, ApiMode, ModuleTracker, OpMode, autocast_policy
-from mpnb.lab._train import forward, make_optimizer
+from mpnb.lab._train import forward
 from mpnb.lab.workloads import logits_of
 
 __all__ = ["trace_precision", "PrecisionTrace", "PrecisionSummary", "REASONS", "COLUMNS"]
@@ -206,8 +207,8 @@ class _Explainer:
             return "explicit-cast", f"{api} to {f.dtype}"
         if call is not None and call.autocast:
             return self._autocast(i, f, api)
-        if cfg.name == "O1" and f.phase == "forward" and f.module != "-":
-            return "autocast-disabled", f"{api} ran with autocast off inside an O1 forward"
+        if cfg.autocast and f.phase == "forward" and f.module != "-":
+            return "autocast-disabled", f"{api} ran with autocast off inside an {cfg.name} forward"
         if f.dtype == self.half and cfg.weights[0] != "float32":
             return "promotion", f"its inputs are {self.half}: {cfg.name} cast the model's weights"
         return "promotion", f"no autocast here: ran in its inputs' dtype ({f.dtype})"
@@ -336,7 +337,8 @@ def trace_precision(
         model: an fp32 model (deep-copied; yours is not changed).
         inputs: a tensor, a tuple of positional inputs or a dict of keyword inputs (a
             ``transformers`` batch), on the model's device.
-        config: a name of :data:`mpnb.core.precision.PRECISION_CONFIGS` or such an object.
+        config: a name of :data:`mpnb.core.precision_configs.PRECISION_CONFIGS` or such an
+            object.
         loss_fn: ``output -> scalar loss`` (default: mean of the squared float32 logits, as
             :func:`mpnb.lab.profile`; the logits are found in a tuple, dict, dataclass or
             ``ModelOutput`` as :func:`mpnb.lab.compare` finds them).
@@ -363,13 +365,12 @@ def trace_precision(
             "layer or block that calls it)."
         )
     device = p.device
-    half = _resolve_half(cfg, half_dtype, device)
+    half = cfg.half_dtype(half_dtype, device)  # None: the configuration uses no half dtype
     with preserve_current_handle():  # amp.initialize on the copy keeps the user's handle
         facts, policies, op_policies = _trace(
             model, inputs, cfg, loss_fn or _default_loss, half, device
         )
-    uses_half = cfg.weights[0] != "float32" or cfg.name == "O1"
-    half_name = str(half).replace("torch.", "") if uses_half else "-"
+    half_name = torch_name(half) if half is not None else "-"
     ops = pd.DataFrame(_rows(facts, policies, op_policies, half_name, cfg), columns=COLUMNS)
     return PrecisionTrace(ops, _summary(ops, cfg, half_name, device.type))
 
@@ -378,12 +379,10 @@ def _trace(model, inputs, cfg, loss_fn, half, device):
     from mpnb.core import amp
 
     work = copy.deepcopy(model)
-    # never stepped; built with the option the configuration needs (bf16-pure+sr: a FusedSGD
-    # with stochastic rounding), as compare builds it
-    option = getattr(cfg, "optimizer_option", None)
-    opt = make_optimizer("sgd", work.parameters(), 0.0, option)
+    # never stepped; the optimizer the configuration needs (bf16-pure+sr: a FusedSGD with
+    # stochastic rounding), as compare builds it
+    opt = cfg.make_optimizer("sgd", work.parameters(), 0.0)
     work, opt = cfg.apply(work, opt, half_dtype=half)
-    uses_amp = isinstance(cfg, (AmpConfig, PureBf16Config))
     tracker = ModuleTracker(work)
     api = ApiMode(device.type)
     mode = OpMode(tracker, api, (Float8Linear,))
@@ -392,7 +391,7 @@ def _trace(model, inputs, cfg, loss_fn, half, device):
             out = forward(work, inputs)  # model(x), model(*tuple) or model(**dict)
             mode.phase = "loss"
             loss = loss_fn(out)
-            if uses_amp:
+            if cfg.uses_amp:
                 mode.phase = "loss-scaling"
                 with amp.scale_loss(loss, opt) as scaled:
                     mode.loss_scale_nodes = _nodes_between(scaled, loss)
@@ -404,6 +403,7 @@ def _trace(model, inputs, cfg, loss_fn, half, device):
                 loss.backward()
     finally:
         tracker.remove()
+    half = half or default_half_dtype(device)  # the dtype autocast's rules are measured in
     used = {f.call.key for f in mode.ops if f.call is not None and f.call.autocast}
     policies = {
         k: autocast_policy(c, device.type, half) for k, c in api.samples.items() if k in used

@@ -1,0 +1,75 @@
+"""FP8 training recipes as precision configurations: ``nn.Linear`` layers swapped for
+:class:`mpnb.fp8.Float8Linear`, everything else float32."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from mpnb.core.precision_configs._base import PrecisionConfig, StoredRole
+
+__all__ = ["Float8Config", "FP8_SCALES"]
+
+
+def _fp8_buffers(model, optimizer) -> list:
+    if model is None:
+        return []
+    from mpnb.core.fp8 import Float8Linear
+
+    return [
+        b for m in model.modules() if isinstance(m, Float8Linear) for b in m.buffers(recurse=False)
+    ]
+
+
+FP8_SCALES = StoredRole(
+    "fp8_scales",
+    "the buffers of mpnb.fp8.Float8Linear layers (the delayed recipe's fp8_amax_history and "
+    "fp8_scale); the current-scaling recipes keep none, their per-step scales are short-lived",
+    _fp8_buffers,
+)
+
+
+@dataclass(frozen=True)
+class Float8Config(PrecisionConfig):
+    """FP8 ``nn.Linear`` layers (module swap, shared parameters), everything else float32.
+
+    Attributes:
+        recipe: the :func:`mpnb.fp8.recipe` name.
+        gemm_emulated: True where the GEMM is emulated on every device (MXFP8's: :mod:`mpnb.fp8`
+            dequantizes its E8M0-scaled blocks and multiplies in float32).
+    """
+
+    recipe: str = "tensorwise"
+    gemm_emulated: bool = False
+
+    @property
+    def uses_amp(self) -> bool:
+        """False: the recipe changes the linear layers only (:meth:`setup` adds amp's O0)."""
+        return False
+
+    def apply(self, model, optimizer=None, half_dtype=None):
+        """:func:`mpnb.fp8.convert_to_float8_training` with this recipe (optimizer untouched)."""
+        from mpnb.core.fp8 import convert_to_float8_training
+
+        return convert_to_float8_training(model, self.recipe), optimizer
+
+    def halves(self, asked: Sequence[str]) -> tuple[str, ...]:
+        """Once, in ``"fp8"``, whatever half dtype was asked for."""
+        return ("fp8",)
+
+    def status(self, half: str, facts: Mapping | None = None, device="cpu") -> str:
+        """``"native"`` where ``device`` runs FP8 GEMMs faster than fp32 (doctor's facts) and
+        the recipe's GEMM is not emulated everywhere; else ``"emulated"`` (mpnb computes what
+        ``torch._scaled_mm`` cannot run here with wider arithmetic)."""
+        if self.gemm_emulated:
+            return "emulated"
+        return "native" if super().status(half, facts, device) == "native" else "emulated"
+
+    @property
+    def note_subject(self) -> str:
+        """The recipe: recipes are emulated for different reasons (MXFP8 on every device)."""
+        return self.name
+
+    def gemm_dtype(self, half: str) -> str:
+        """``"fp8"``, or ``"fp32"`` for a GEMM emulated everywhere (it gets fp32's rate)."""
+        return "fp32" if self.gemm_emulated else half

@@ -1,0 +1,84 @@
+"""mpnb.core.opt_levels: the opt levels' names, descriptions, default list and check, once."""
+
+import inspect
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from mpnb.core import amp
+from mpnb.core.opt_levels import (
+    OPT_LEVEL_DESCRIPTIONS,
+    OPT_LEVEL_NAMES,
+    check_names,
+    parse_opt_level,
+)
+from mpnb.core.precision_configs import DEFAULT_CONFIGS, PRECISION_CONFIGS, get_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_check_names_names_the_bad_values_and_the_choices():
+    check_names(["O0", "O3"], OPT_LEVEL_NAMES, "unknown level")
+    with pytest.raises(ValueError) as e:
+        check_names(["O0", "02", "O9", 2], OPT_LEVEL_NAMES, "unknown level")
+    assert str(e.value) == (
+        "unknown level '02', 'O9', 2 (use the letter O, not zero); valid choices: O0, O1, O2, O3."
+    )
+    with pytest.raises(ValueError, match=r"^unknown level 'O9'; valid") as e:
+        check_names(["O9"], OPT_LEVEL_NAMES, "unknown level")
+    assert "letter O" not in str(e.value)
+
+
+def test_every_entry_point_refuses_a_zero_with_the_same_hint():
+    from mpnb.lab.config import expand
+
+    hint = "(use the letter O, not zero)"
+    with pytest.raises(ValueError, match=r"^amp.initialize: unknown opt_level '02' \(use"):
+        amp.initialize(torch.nn.Linear(2, 2), opt_level="02")
+    with pytest.raises(ValueError, match=r"^amp.initialize: unknown opt_level"):
+        parse_opt_level("02")
+    with pytest.raises(ValueError, match=r"^unknown precision config '02' \(use.*mxfp8"):
+        get_config("02")
+    with pytest.raises(ValueError, match=r"unknown configuration '02' \(use.*mxfp8"):
+        expand("mlp", ("O0", "02"), steps=4, device="cpu")
+    cmd = [sys.executable, "-m", "mpnb.cli", "compare", "--configs", "O0,02", "--json"]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 2 and hint in p.stderr and not p.stdout
+    # the hint is written once, where the check is (docstrings may mention it)
+    files = [
+        f for f in (ROOT / "mpnb").rglob("*.py") if "use the letter O, not zero" in f.read_text()
+    ]
+    assert [f.name for f in files] == ["opt_levels.py"]
+
+
+def test_one_description_per_level_for_amp_and_the_configurations():
+    for name, text in OPT_LEVEL_DESCRIPTIONS.items():
+        assert amp.OPT_LEVELS[name].brief == text == PRECISION_CONFIGS[name].description
+    props = amp.resolve_properties("O2")
+    assert OPT_LEVEL_DESCRIPTIONS["O2"] in amp._properties.format_properties(props)
+
+
+def test_the_default_list_is_one_constant():
+    import mpnb.lab
+    import mpnb.widgets
+    from mpnb.lab.config import expand
+    from mpnb.lab.profiling import profile
+    from mpnb.widgets._compare_controls import DEFAULT_LEVELS
+
+    assert DEFAULT_CONFIGS is OPT_LEVEL_NAMES == ("O0", "O1", "O2", "O3")
+    assert DEFAULT_LEVELS is DEFAULT_CONFIGS
+    for fn, arg in ((expand, "configs"), (profile, "opt_levels"),
+                    (mpnb.widgets.profile, "opt_levels")):  # fmt: skip
+        assert inspect.signature(fn).parameters[arg].default is DEFAULT_CONFIGS
+    # compare and the widget take None for "the default", resolved to the same constant
+    from mpnb.lab.config import configs_argument
+
+    assert configs_argument(None) is DEFAULT_CONFIGS
+    assert inspect.signature(mpnb.lab.compare).parameters["configs"].default is None
+    levels = re.compile(r"""["']O0["'],\s*["']O1["'],\s*["']O2["'],\s*["']O3["']""")
+    spelled = [f.name for f in (ROOT / "mpnb").rglob("*.py") if levels.search(f.read_text())]
+    assert spelled == ["opt_levels.py"], spelled  # its docstring shows the value

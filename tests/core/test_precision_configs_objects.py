@@ -1,0 +1,134 @@
+"""What each precision configuration answers when asked (mpnb.core.precision_configs)."""
+
+import pytest
+import torch
+
+from mpnb import amp
+from mpnb.core import precision
+from mpnb.core.optimizers import FusedAdam, FusedSGD
+from mpnb.core.precision_configs import (
+    PRECISION_CONFIGS,
+    STORED_ROLES,
+    PrecisionConfig,
+    config_names,
+    get_config,
+)
+
+FP8 = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8")
+PURE = ("bf16-pure", "bf16-pure+sr", "bf16-pure+kahan")
+#: facts keyed as a compare DataFrame keys them: bf16 emulated, fp16 and fp8 native
+FACTS = {"bf16": "emulated", "fp16": "native", "fp8": "native"}
+
+
+def _pair():
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 2))
+    return m, m.parameters()
+
+
+def test_the_old_module_is_the_same_table():
+    assert precision.PRECISION_CONFIGS is PRECISION_CONFIGS
+    assert precision.get_config is get_config
+
+
+@pytest.mark.parametrize("name", config_names())
+def test_runs_labels_and_precision_text(name):
+    cfg = get_config(name)
+    runs = cfg.halves(("bf16", "fp16"))
+    want = {"O0": ("fp32",), **dict.fromkeys(FP8, ("fp8",)), **dict.fromkeys(PURE, ("bf16",))}
+    assert runs == want.get(name, ("bf16", "fp16"))
+    texts = [cfg.precision_text(h, cfg.status(h, FACTS)) for h in runs]
+    labels = [cfg.label(h) for h in runs]
+    if name == "O0":
+        assert texts == ["fp32"] and labels == ["O0 fp32"]
+    elif name in ("O1", "O2", "O3"):
+        assert texts == ["bf16 (emulated)", "fp16 (native)"]
+        assert labels == [f"{name} bf16", f"{name} fp16"]
+    elif name == "mxfp8":  # its GEMM is emulated on every device, native FP8 or not
+        assert texts == ["fp8 (emulated)"] and cfg.gemm_dtype("fp8") == "fp32"
+    elif name in FP8:
+        assert texts == ["fp8 (native)"] and cfg.gemm_dtype("fp8") == "fp8"
+    else:
+        assert texts == ["bf16 (emulated)"] and labels == [name]
+    assert cfg.note_subject == (name if name in FP8 else "")
+
+
+def test_what_each_configuration_says_of_itself():
+    by = {n: get_config(n) for n in config_names()}
+    assert [n for n, c in by.items() if c.loss_scaling] == ["O1", "O2", "O3"]
+    assert [n for n, c in by.items() if c.autocast] == ["O1"]
+    assert [n for n, c in by.items() if not c.uses_amp] == list(FP8)
+    assert [n for n, c in by.items() if not c.low_precision] == ["O0"]
+    assert [n for n, c in by.items() if c.divergence_note()] == ["O3", "bf16-pure"]
+    assert [n for n, c in by.items() if c.half_dtype("fp16") is None] == ["O0", *FP8]
+    assert by["O2"].half_dtype("fp16") is torch.float16 and by["O2"].half_dtype() is torch.bfloat16
+    assert by["bf16-pure+sr"].half_dtype("fp16") is torch.bfloat16
+    assert [r.role for r in STORED_ROLES] == ["fp8_scales", "kahan_buffers"]
+    assert [n for n, c in by.items() if c.stores] == [*FP8, "bf16-pure+kahan"]
+
+
+def test_status_reads_doctor_when_no_facts_are_given():
+    from mpnb.core.hardware import dtype_support
+
+    bf16 = dtype_support("cpu")["bfloat16"].status
+    assert get_config("bf16-pure").status("bf16") == bf16 == get_config("O1").status("bf16")
+    native = dtype_support("cpu")["float8_e4m3fn"].status == "native"
+    assert get_config("fp8-delayed").status("fp8") == ("native" if native else "emulated")
+
+
+@pytest.mark.parametrize(
+    "name, cls, option",
+    [("bf16-pure", torch.optim.Adam, None), ("bf16-pure+sr", FusedAdam, "stochastic_rounding"),
+     ("bf16-pure+kahan", FusedAdam, "kahan_summation"), ("O2", torch.optim.Adam, None)],
+)  # fmt: skip
+def test_a_configuration_builds_the_optimizer_it_needs(name, cls, option):
+    cfg = get_config(name)
+    _, params = _pair()
+    opt = cfg.make_optimizer("adam", params, 1e-3)
+    assert type(opt) is cls
+    if option:
+        assert opt.defaults[option] is True
+        assert (
+            cfg.optimizer_note("adam")
+            == f"{name} trains with mpnb's FusedAdam({option}=True) for 'adam'"
+        )
+        assert "FusedSGD" in cfg.optimizer_note("sgd")
+        assert type(cfg.make_optimizer("sgd", _pair()[1], 1e-3)) is FusedSGD
+    else:
+        assert cfg.optimizer_note("adam") == ""
+
+
+@pytest.mark.parametrize("name", config_names())
+def test_setup_leaves_every_configuration_under_one_training_loop(name):
+    cfg = get_config(name)
+    model, params = _pair()
+    opt = cfg.make_optimizer("sgd", params, 0.1)
+    model, opt = cfg.setup(model, opt, half_dtype=torch.bfloat16, loss_scale=2.0**4)
+    handle = amp.current_handle()
+    assert handle is not None
+    want = 2.0**4 if cfg.loss_scaling else 1.0  # the run's loss scale applies to O1-O3 only
+    assert handle.properties.loss_scale == want
+    x = torch.randn(4, 8)  # amp casts it where the model is half
+    before = [p.detach().clone() for p in model.parameters()]
+    loss = model(x).float().pow(2).mean()
+    with amp.scale_loss(loss, opt) as scaled:
+        scaled.backward()
+    opt.step()
+    assert any(
+        not torch.equal(a, p.detach()) for a, p in zip(before, model.parameters(), strict=True)
+    )
+
+
+def test_a_config_of_a_new_kind_needs_only_its_own_answers():
+    class Fp32Twin(PrecisionConfig):
+        def apply(self, model, optimizer=None, half_dtype=None):
+            return model, optimizer
+
+        def halves(self, asked):
+            return ("fp32",)
+
+    twin = Fp32Twin("twin", "fp32, by another name.", ("float32",), ("float32",), ("float32",),
+                    "float32")  # fmt: skip
+    assert twin.status("fp32", FACTS) == "" and twin.precision_text("fp32", "") == "fp32"
+    assert twin.label("fp32") == "twin" and not twin.loss_scaling and not twin.autocast
+    assert get_config(twin) is twin
