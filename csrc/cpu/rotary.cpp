@@ -1,6 +1,6 @@
 // mpnb::rope on the CPU: Apex's fused rotary position embedding (RoPE), forward and backward
 // (the backward is the transposed rotation, one flag of the same op). The schema is defined in
-// mpnb/core/ops/rope.py.
+// mpnb/core/ops/rotary.py.
 //
 // t is [S, B, H, D] with any strides (the last dim contiguous); cos/sin are fp32 (fp64 for
 // fp64) tables [S, D2] with D2 <= D. The first D2 channels are cut into groups of `group`
