@@ -9,13 +9,10 @@ buffer and then over programs in a fixed order (deterministic, no atomics).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops._checks import check_float, check_param, norm_rows
 from mpnb.core.ops.triton._common import (
     acc_of,
     div,
@@ -29,26 +26,12 @@ from mpnb.core.ops.triton._common import (
 )
 from mpnb.core.ops.triton._common import to_acc as _to_acc
 
-__all__ = ["MAX_FUSED", "rows_cols", "check_norm_args", "norm_fwd", "norm_bwd"]
+__all__ = ["MAX_FUSED", "norm_fwd", "norm_bwd"]
 
 MAX_FUSED = 8192  #: the longest row the forward holds in one block
 BWD_FUSED = 4096  #: the longest row the backward holds in one block
 _TILE = 4096  # elements per program in the one-block path (rows x cols)
 _MAX_PROGS = 256  # programs of the backward (and rows of its partial-gradient buffer)
-
-
-def rows_cols(op: str, x: torch.Tensor, shape: Sequence[int]) -> tuple[int, int]:
-    """``(rows, cols)`` of ``x`` normalized over its trailing ``shape``; raise on a mismatch."""
-    check_float(op, x, "input")
-    return norm_rows(op, x, shape)
-
-
-def check_norm_args(op: str, x: torch.Tensor, cols: int, **params: torch.Tensor | None) -> None:
-    """Raise unless each affine param fits ``x`` (``None`` for a missing one), one dtype."""
-    for name, p in params.items():
-        check_param(op, x, p, cols, name)
-    if len({p.dtype for p in params.values() if p is not None}) > 1:
-        raise TypeError(f"{op}: weight and bias have different dtypes; give them one dtype.")
 
 
 @triton.jit
