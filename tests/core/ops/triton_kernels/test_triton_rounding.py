@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cases import SIZES, bitwise, close, gen, kernel, on, randn
+from triton_cases import SIZES, bitwise, close, gen, kernel, on, randn, reference
 
-from mpnb.core.ops.adam import reference_fused_adam_bf16_
-from mpnb.core.ops.lamb import reference_fused_lamb_bf16_
-from mpnb.core.ops.sgd import reference_fused_sgd_bf16_
+reference_fused_adam_bf16_ = reference("fused_adam_bf16_")
+reference_fused_lamb_bf16_ = reference("fused_lamb_bf16_")
+reference_fused_sgd_bf16_ = reference("fused_sgd_bf16_")
 
 BF16 = torch.bfloat16
 ROUNDINGS = ("stochastic", "kahan")
