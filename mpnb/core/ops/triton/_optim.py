@@ -124,9 +124,15 @@ def store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER: tl.constexpr):
 
 @triton.jit
 def _advance_kernel(
-    table, n_tensors, found_ptr, s0, COL: tl.constexpr, HAS_FOUND: tl.constexpr,
-    ROW: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    table,
+    n_tensors,
+    found_ptr,
+    s0,
+    COL: tl.constexpr,
+    HAS_FOUND: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = t < n_tensors * not_found(found_ptr, HAS_FOUND)
     addr = tl.load(table + t.to(tl.int64) * ROW + COL, mask=m, other=0)

@@ -29,11 +29,34 @@ def _round(x, DT: tl.constexpr, ACC: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(
-    t_ptr, y_ptr, cos_ptr, sin_ptr, rows, B, H, d, d2,
-    ts, tb, th, td, ys, yb, yh, yd, cs, cd, ss, sd,
-    GROUP: tl.constexpr, BACKWARD: tl.constexpr, STEPWISE: tl.constexpr, ACC: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    t_ptr,
+    y_ptr,
+    cos_ptr,
+    sin_ptr,
+    rows,
+    B,
+    H,
+    d,
+    d2,
+    ts,
+    tb,
+    th,
+    td,
+    ys,
+    yb,
+    yh,
+    yd,
+    cs,
+    cd,
+    ss,
+    sd,
+    GROUP: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    STEPWISE: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     si = r // (B * H)
     bi = r // H % B
@@ -90,10 +113,27 @@ def rope(args) -> torch.Tensor:
     block = next_pow2(d)
     nrows = max(1, _TILE // block)
     launch(
-        _rope_kernel, (triton.cdiv(rows, nrows),), t, y, cos, sin, rows, b, h, d, cos.shape[1],
-        *t.stride(), *y.stride(), *cos.stride(), *sin.stride(),
-        GROUP=int(args.group), BACKWARD=bool(args.backward), STEPWISE=bool(args.stepwise),
-        ACC=tl.float64 if t.dtype == torch.float64 else tl.float32, ROWS=nrows, BLOCK=block,
+        _rope_kernel,
+        (triton.cdiv(rows, nrows),),
+        t,
+        y,
+        cos,
+        sin,
+        rows,
+        b,
+        h,
+        d,
+        cos.shape[1],
+        *t.stride(),
+        *y.stride(),
+        *cos.stride(),
+        *sin.stride(),
+        GROUP=int(args.group),
+        BACKWARD=bool(args.backward),
+        STEPWISE=bool(args.stepwise),
+        ACC=tl.float64 if t.dtype == torch.float64 else tl.float32,
+        ROWS=nrows,
+        BLOCK=block,
         num_warps=warps(nrows * block),
-    )  # fmt: skip
+    )
     return y

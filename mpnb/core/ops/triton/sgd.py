@@ -48,10 +48,23 @@ def _r(x, DT: tl.constexpr, STEPWISE: tl.constexpr):
 
 @triton.jit
 def _direction(
-    g, w, b_ptr, offs, mask, first_run, momentum, mom_add, one_m_damp, wd,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
-    WD_AFTER: tl.constexpr, STEPWISE: tl.constexpr, DT: tl.constexpr,
-):  # fmt: skip
+    g,
+    w,
+    b_ptr,
+    offs,
+    mask,
+    first_run,
+    momentum,
+    mom_add,
+    one_m_damp,
+    wd,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    WD_AFTER: tl.constexpr,
+    STEPWISE: tl.constexpr,
+    DT: tl.constexpr,
+):
     # The step direction (weight decay, momentum, nesterov); updates the momentum buffer.
     # STEPWISE: every operation rounded to the param dtype DT (torch.optim.SGD's half ops; the
     # alphas of its adds, mom_add, one_m_damp and wd, come rounded to DT).
@@ -77,13 +90,31 @@ def _direction(
 
 @triton.jit
 def _sgd_kernel(
-    table, n_tensors, inv_ptr, found_ptr, p0, g0, b0, w0,
-    neg_lr, momentum, mom_add, one_m_damp, wd,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
-    WD_AFTER: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_INV: tl.constexpr,
-    HAS_FOUND: tl.constexpr, STEPWISE: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr,
+    table,
+    n_tensors,
+    inv_ptr,
+    found_ptr,
+    p0,
+    g0,
+    b0,
+    w0,
+    neg_lr,
+    momentum,
+    mom_add,
+    one_m_damp,
+    wd,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    WD_AFTER: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    HAS_FOUND: tl.constexpr,
+    STEPWISE: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
     first_run = tensor_col(table, t, 0, ROW) != 0
@@ -98,9 +129,24 @@ def _sgd_kernel(
         mask = k + lanes < count
         g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
         w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
-        g = _direction(g, w, b_ptr, offs, mask, first_run, momentum, mom_add, one_m_damp, wd,
-                       HAS_MOMENTUM, NESTEROV, HAS_WD, WD_AFTER, STEPWISE,
-                       p0.dtype.element_ty)  # fmt: skip
+        g = _direction(
+            g,
+            w,
+            b_ptr,
+            offs,
+            mask,
+            first_run,
+            momentum,
+            mom_add,
+            one_m_damp,
+            wd,
+            HAS_MOMENTUM,
+            NESTEROV,
+            HAS_WD,
+            WD_AFTER,
+            STEPWISE,
+            p0.dtype.element_ty,
+        )
         w = w + neg_lr * g
         store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
@@ -140,8 +186,14 @@ def fused_sgd_(args) -> None:
         tab.n_tensors,
         tab.table if inv_scale is None else inv_scale,
         tab.table if found_inf is None else flag_view(found_inf),
-        params[0], grads[0], b_list[0], w_list[0],
-        alpha(-args.lr), f32(momentum), alpha(momentum), alpha(1.0 - args.dampening),
+        params[0],
+        grads[0],
+        b_list[0],
+        w_list[0],
+        alpha(-args.lr),
+        f32(momentum),
+        alpha(momentum),
+        alpha(1.0 - args.dampening),
         alpha(weight_decay),
         HAS_MOMENTUM=momentum != 0,
         NESTEROV=bool(args.nesterov),
@@ -155,7 +207,7 @@ def fused_sgd_(args) -> None:
         CHUNK=tab.chunk,
         BLOCK=BLOCK,
         num_warps=WARPS,
-    )  # fmt: skip
+    )
 
 
 # ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
@@ -166,12 +218,29 @@ def fused_sgd_(args) -> None:
 
 @triton.jit
 def _sgd_bf16_kernel(
-    table, n_tensors, inv_ptr, found_ptr, p0, g0, b0, c0,
-    lr, momentum, one_m_damp, wd,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
-    WD_AFTER: tl.constexpr, KAHAN: tl.constexpr, HAS_INV: tl.constexpr,
-    HAS_FOUND: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    table,
+    n_tensors,
+    inv_ptr,
+    found_ptr,
+    p0,
+    g0,
+    b0,
+    c0,
+    lr,
+    momentum,
+    one_m_damp,
+    wd,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    WD_AFTER: tl.constexpr,
+    KAHAN: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    HAS_FOUND: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
     first_run = tensor_col(table, t, 0, ROW) != 0
@@ -187,9 +256,24 @@ def _sgd_bf16_kernel(
         mask = k + lanes < count
         g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
         w = load_weight(p_ptr, p_ptr, offs, mask, False)
-        g = _direction(g, w, b_ptr, offs, mask, first_run, momentum, momentum, one_m_damp, wd,
-                       HAS_MOMENTUM, NESTEROV, HAS_WD, WD_AFTER, False,
-                       p0.dtype.element_ty)  # fmt: skip
+        g = _direction(
+            g,
+            w,
+            b_ptr,
+            offs,
+            mask,
+            first_run,
+            momentum,
+            momentum,
+            one_m_damp,
+            wd,
+            HAS_MOMENTUM,
+            NESTEROV,
+            HAS_WD,
+            WD_AFTER,
+            False,
+            p0.dtype.element_ty,
+        )
         store_rounded(p_ptr, c_ptr, offs, w - lr * g, mask, key, KAHAN)
 
 
@@ -224,8 +308,14 @@ def fused_sgd_bf16_(args) -> None:
         tab.n_tensors,
         tab.table if inv_scale is None else inv_scale,
         tab.table if found_inf is None else flag_view(found_inf),
-        params[0], grads[0], b_list[0], c_list[0],
-        f32(args.lr), f32(momentum), f32(1.0 - args.dampening), f32(weight_decay),
+        params[0],
+        grads[0],
+        b_list[0],
+        c_list[0],
+        f32(args.lr),
+        f32(momentum),
+        f32(1.0 - args.dampening),
+        f32(weight_decay),
         HAS_MOMENTUM=momentum != 0,
         NESTEROV=bool(args.nesterov),
         HAS_WD=weight_decay != 0,
@@ -237,4 +327,4 @@ def fused_sgd_bf16_(args) -> None:
         CHUNK=tab.chunk,
         BLOCK=BLOCK,
         num_warps=WARPS,
-    )  # fmt: skip
+    )

@@ -83,9 +83,23 @@ def _limit(r, k, SQ, MODE: tl.constexpr):
 
 @triton.jit
 def _fwd_fused(
-    x_ptr, y_ptr, m_ptr, rows, k, SQ, H, msb, msh, msq, s_hi, s_lo,
-    MODE: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    y_ptr,
+    m_ptr,
+    rows,
+    k,
+    SQ,
+    H,
+    msb,
+    msh,
+    msq,
+    s_hi,
+    s_lo,
+    MODE: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rvalid = r < rows
     lim = tl.where(rvalid, _limit(r, k, SQ, MODE), 0)
@@ -105,9 +119,22 @@ def _fwd_fused(
 
 @triton.jit
 def _fwd_looped(
-    x_ptr, y_ptr, m_ptr, rows, k, SQ, H, msb, msh, msq, s_hi, s_lo,
-    MODE: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    y_ptr,
+    m_ptr,
+    rows,
+    k,
+    SQ,
+    H,
+    msb,
+    msh,
+    msq,
+    s_hi,
+    s_lo,
+    MODE: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64)
     lim = _limit(r, k, SQ, MODE)
     row = r * k
@@ -160,9 +187,14 @@ def _forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, mode: int
         block = next_pow2(k)
         nrows = max(1, _TILE // block)
         launch(
-            _fwd_fused, (triton.cdiv(rows, nrows),), *args, ROWS=nrows, BLOCK=block,
-            num_warps=warps(nrows * block), **kw,
-        )  # fmt: skip
+            _fwd_fused,
+            (triton.cdiv(rows, nrows),),
+            *args,
+            ROWS=nrows,
+            BLOCK=block,
+            num_warps=warps(nrows * block),
+            **kw,
+        )
     else:
         launch(_fwd_looped, (rows,), *args, BLOCK=_BLOCK, **kw)
     return y
@@ -197,9 +229,17 @@ def scaled_upper_triang_masked_softmax_fwd(args) -> torch.Tensor:
 
 @triton.jit
 def _bwd_fused(
-    dy_ptr, y_ptr, dx_ptr, rows, k, s_hi, s_lo,
-    ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    dy_ptr,
+    y_ptr,
+    dx_ptr,
+    rows,
+    k,
+    s_hi,
+    s_lo,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     m = (r[:, None] < rows) & (cols[None, :] < k)
