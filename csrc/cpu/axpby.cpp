@@ -78,8 +78,7 @@ void axpby_lists(const at::Tensor& flag, const Tensors& xs, const Tensors& ys, c
 void multi_tensor_axpby_cpu(const at::Tensor& noop_flag, const Tensors& x, const Tensors& y,
                                    const Tensors& out, double a, double b, int64_t arg_to_check) {
   const char* op = "mpnb::multi_tensor_axpby";
-  TORCH_CHECK_VALUE(arg_to_check >= -1 && arg_to_check <= 1, op, ": arg_to_check must be -1 (both), ",
-              "0 (x) or 1 (y), got ", arg_to_check, ".");
+  TORCH_CHECK_VALUE(arg_to_check >= -1 && arg_to_check <= 1, op, ": arg_to_check ", arg_to_check);
   check_list(x, op, "x", x.size());
   check_list(y, op, "y", x.size());
   check_list(out, op, "out", x.size());
@@ -91,7 +90,7 @@ void multi_tensor_axpby_cpu(const at::Tensor& noop_flag, const Tensors& x, const
   check_float(out, op, "out");
   const auto tx = x[0].scalar_type(), ty = y[0].scalar_type(), to = out[0].scalar_type();
   if (tx == at::kDouble || ty == at::kDouble || to == at::kDouble) {
-    TORCH_CHECK_TYPE(tx == ty && ty == to, op, ": float64 lists can only be mixed with float64 lists.");
+    TORCH_CHECK_TYPE(tx == ty && ty == to, op, ": float64 lists mixed");
     return axpby_lists<double, double, double>(noop_flag, x, y, out, a, b, arg_to_check);
   }
   AT_DISPATCH_V2(tx, "multi_tensor_axpby", AT_WRAP([&] {

@@ -283,9 +283,7 @@ inline void fused_lamb_cpu(const Tensors& params_, const Tensors& grads_, const 
   check_opt_lists(op, params, grads, masters, exp_avgs, exp_avg_sqs);
   const int64_t n = static_cast<int64_t>(params.size());
   check_steps(steps, n, op);
-  TORCH_CHECK_VALUE(global_grad_norm.numel() == 1, op, ": global_grad_norm must hold one value, ",
-                    "got ", global_grad_norm.numel(),
-                    "; pass the one-element total of multi_tensor_l2norm.");
+  TORCH_CHECK_VALUE(global_grad_norm.numel() == 1, op, ": global_grad_norm must hold one value");
   if (n == 0 || step_skipped(found_inf, op)) return;
   const float inv = inv_of(inv_scale, op);
   const float gnorm = global_grad_norm.item<float>();
@@ -434,9 +432,7 @@ inline void fused_lamb_bf16_cpu(const Tensors& params_, const Tensors& grads_,
   const int64_t n = static_cast<int64_t>(params.size());
   check_steps(steps, n, op);
   const bool kahan = check_rounding(op, params, comps, rounding);
-  TORCH_CHECK_VALUE(global_grad_norm.numel() == 1, op, ": global_grad_norm must hold one value, ",
-                    "got ", global_grad_norm.numel(),
-                    "; pass the one-element total of multi_tensor_l2norm.");
+  TORCH_CHECK_VALUE(global_grad_norm.numel() == 1, op, ": global_grad_norm must hold one value");
   if (n == 0 || step_skipped(found_inf, op)) return;
   const float inv = inv_of(inv_scale, op);
   const float gnorm = global_grad_norm.item<float>();

@@ -71,34 +71,29 @@ inline void for_each_chunk(const ChunkTable& table, const F& fn) {
   });
 }
 
-// ---- argument checks shared by every multi-tensor op ------------------------------------
-// Value and type problems raise ValueError / TypeError in Python, as the references do.
+// ---- memory guards shared by every multi-tensor op ---------------------------------------
+// The arguments were checked once, in Python, by the op's check (mpnb/core/ops/_library.py),
+// whose messages name the problem and the fix; the wrapper shows that message when a kernel
+// refuses a call. These guards only keep a direct torch.ops.mpnb call from reading or writing
+// out of bounds: short messages, ValueError / TypeError as the checks raise.
 
 template <class L>
 inline void check_list(const L& list, const char* op, const char* what, int64_t n) {
-  TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == n, op, ": list '", what, "' has ",
-              list.size(), " tensors but the first list has ", n,
-              "; pass lists of equal length.");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(list.size()) == n, op, ": list length of ", what);
   if (list.empty()) return;
   const auto dtype = list[0].scalar_type();
   for (size_t i = 0; i < list.size(); ++i) {
     const auto& t = list[i];
-    TORCH_CHECK_VALUE(t.device().is_cpu(), op, ": tensor ", i, " of '", what, "' is on ", t.device(),
-                "; the CPU kernel takes CPU tensors (other devices go through mpnb's dispatcher).");
-    TORCH_CHECK_VALUE(t.is_contiguous(), op, ": tensor ", i, " of '", what,
-                "' is not contiguous; call .contiguous() first.");
-    TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": tensor ", i, " of '", what, "' is ",
-                t.scalar_type(), " but tensor 0 is ", dtype,
-                "; every tensor of one list must share a dtype.");
+    TORCH_CHECK_VALUE(t.device().is_cpu() && t.is_contiguous(), op, ": ", what, "[", i,
+                      "] is not a contiguous CPU tensor");
+    TORCH_CHECK_TYPE(t.scalar_type() == dtype, op, ": dtype of ", what, "[", i, "]");
   }
 }
 
 template <class A, class B>
 inline void check_same_sizes(const A& a, const B& b, const char* op, const char* what) {
   for (size_t i = 0; i < a.size(); ++i)
-    TORCH_CHECK_VALUE(a[i].numel() == b[i].numel(), op, ": tensor ", i, " of '", what, "' has ",
-                b[i].numel(), " elements but its partner has ", a[i].numel(),
-                "; pair tensors of the same size.");
+    TORCH_CHECK_VALUE(a[i].numel() == b[i].numel(), op, ": size of ", what, "[", i, "]");
 }
 
 inline bool is_float_type(at::ScalarType t) {
@@ -109,8 +104,7 @@ template <class L>
 inline void check_float(const L& list, const char* op, const char* what) {
   if (list.empty()) return;
   const auto t = list[0].scalar_type();
-  TORCH_CHECK_TYPE(is_float_type(t), op, ": list '", what, "' is ", t,
-              "; supported dtypes are float32, float16, bfloat16 and float64.");
+  TORCH_CHECK_TYPE(is_float_type(t), op, ": dtype of ", what);
 }
 
 // Set a flag tensor (any dtype) to 1.
@@ -119,8 +113,7 @@ inline void raise_flag(const at::Tensor& flag) { flag.fill_(1); }
 // The value of an optional one-element tensor (1.0 when absent).
 inline double scalar_of(const std::optional<at::Tensor>& t, const char* op, const char* what) {
   if (!t.has_value()) return 1.0;
-  TORCH_CHECK_VALUE(t->numel() == 1, op, ": '", what, "' must hold one value, got ", t->numel(),
-                    ".");
+  TORCH_CHECK_VALUE(t->numel() == 1, op, ": ", what, " must hold one value");
   return t->item<double>();
 }
 

@@ -26,20 +26,14 @@ inline void fused_novograd_cpu(const Tensors& params_, const Tensors& grads_,
   check_opt_lists(op, params, grads, masters, exp_avgs);
   const int64_t n = static_cast<int64_t>(params.size());
   check_steps(steps, n, op);
-  TORCH_CHECK_VALUE(norm_type == 0 || norm_type == 2, op,
-                    ": norm_type must be 0 (max) or 2 (L2), got ", norm_type, "; pass 0 or 2.");
-  TORCH_CHECK_VALUE(grad_norms.scalar_type() == at::kFloat && grad_norms.numel() == n &&
-                        grad_norms.is_contiguous(),
-                    op, ": grad_norms must be a contiguous float32 tensor with one norm per ",
-                    "param, got ", grad_norms.scalar_type(), " with ", grad_norms.numel(),
-                    " elements for ", n, " params; pass multi_tensor_l2norm(..., ",
-                    "per_tensor=True)[1].float().contiguous().");
+  TORCH_CHECK_VALUE(norm_type == 0 || norm_type == 2, op, ": norm_type ", norm_type);
+  TORCH_CHECK_VALUE(grad_norms.scalar_type() == at::kFloat && grad_norms.numel() == n && grad_norms.is_contiguous(),
+                    op, ": grad_norms");
   bool sqs_ok = static_cast<int64_t>(exp_avg_sqs.size()) == n;
   for (size_t t = 0; sqs_ok && t < exp_avg_sqs.size(); ++t)
     sqs_ok = exp_avg_sqs[t].numel() == 1 && exp_avg_sqs[t].scalar_type() == at::kFloat &&
              exp_avg_sqs[t].device().is_cpu();
-  TORCH_CHECK_VALUE(sqs_ok, op, ": exp_avg_sqs must hold one one-element float32 tensor per ",
-                    "param; pass [torch.zeros(()) for p in params].");
+  TORCH_CHECK_VALUE(sqs_ok, op, ": exp_avg_sqs");
   if (n == 0 || step_skipped(found_inf, op)) return;
   const float inv = inv_of(inv_scale, op);
   const auto step = advance_steps(steps);

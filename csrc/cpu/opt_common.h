@@ -39,16 +39,14 @@ constexpr int64_t kTailVecLanes = 8;
 // True when the caller's found_inf says an overflow was already seen: skip the whole step.
 inline bool step_skipped(const std::optional<at::Tensor>& found_inf, const char* op) {
   if (!found_inf.has_value()) return false;
-  TORCH_CHECK_VALUE(found_inf->numel() == 1, op, ": found_inf must hold one value, got ",
-                    found_inf->numel(), "; pass a one-element tensor.");
+  TORCH_CHECK_VALUE(found_inf->numel() == 1, op, ": found_inf must hold one value");
   return found_inf->item<double>() != 0.0;
 }
 
 // The grad multiplier: 1 without a scaler, else the fp32 value of inv_scale.
 inline float inv_of(const std::optional<at::Tensor>& inv_scale, const char* op) {
   if (!inv_scale.has_value()) return 1.0f;
-  TORCH_CHECK_VALUE(inv_scale->numel() == 1, op, ": inv_scale must hold one value, got ",
-                    inv_scale->numel(), "; pass a one-element tensor.");
+  TORCH_CHECK_VALUE(inv_scale->numel() == 1, op, ": inv_scale must hold one value");
   return inv_scale->item<float>();
 }
 
@@ -81,8 +79,9 @@ C10_ALWAYS_INLINE const T* cdata_of(const at::Tensor& t) {
   return static_cast<const T*>(t.const_data_ptr());
 }
 
-// Validate one optimizer call's lists: params/grads of one dtype each (fp32/fp16/bf16), every
-// state and master list fp32 and the same sizes as params.
+// Guard one optimizer call's lists (checked in Python before; short messages, see
+// multi_tensor_apply.h): params/grads of one dtype each (fp32/fp16/bf16), every state and
+// master list fp32 and the same sizes as params.
 template <class L, class... States>
 inline void check_opt_lists(const char* op, const L& params, const L& grads, const L& masters,
                             const States&... states) {
@@ -91,8 +90,7 @@ inline void check_opt_lists(const char* op, const L& params, const L& grads, con
   check_list(grads, op, "grads", n);
   check_same_sizes(params, grads, op, "grads");
   TORCH_CHECK_VALUE(masters.empty() || static_cast<int64_t>(masters.size()) == n, op,
-              ": 'masters' must be empty (no master weights) or hold one fp32 tensor per param, ",
-              "got ", masters.size(), " for ", n, " params.");
+                    ": list length of masters");
   if (!masters.empty()) {
     check_list(masters, op, "masters", n);
     check_same_sizes(params, masters, op, "masters");
@@ -102,36 +100,27 @@ inline void check_opt_lists(const char* op, const L& params, const L& grads, con
   if (n == 0) return;
   auto opt_dtype = [&](const L& l, const char* what) {
     const auto t = l[0].scalar_type();
-    TORCH_CHECK_TYPE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op, ": '", what,
-                     "' are ", t, "; the optimizer ops take float32, float16 or bfloat16 params ",
-                     "and grads (keep fp64 models on torch.optim).");
+    TORCH_CHECK_TYPE(t == at::kFloat || t == at::kHalf || t == at::kBFloat16, op, ": dtype of ",
+                     what);
   };
   opt_dtype(params, "params");
   opt_dtype(grads, "grads");
   auto fp32_state = [&](const L& s) {
-    TORCH_CHECK_TYPE(s[0].scalar_type() == at::kFloat, op, ": optimizer state must be float32, got ",
-                s[0].scalar_type(), "; keep state in fp32 (the optimizers do).");
+    TORCH_CHECK_TYPE(s[0].scalar_type() == at::kFloat, op, ": dtype of state");
   };
   (fp32_state(states), ...);
   TORCH_CHECK_TYPE(masters.empty() || masters[0].scalar_type() == at::kFloat, op,
-              ": master weights must be float32, got ", masters[0].scalar_type(),
-              "; pass fp32 copies of the params (or no masters).");
+                   ": dtype of masters");
 }
 
 // Check the per-param one-element fp32 CPU step tensors (before anything is written).
 template <class L>
 inline void check_steps(const L& steps, int64_t n, const char* op) {
-  TORCH_CHECK_VALUE(static_cast<int64_t>(steps.size()) == n, op,
-                    ": 'steps' must hold one tensor per param, got ", steps.size(), " for ", n,
-                    "; pass one one-element float32 tensor per param.");
+  TORCH_CHECK_VALUE(static_cast<int64_t>(steps.size()) == n, op, ": list length of steps");
   for (int64_t i = 0; i < n; ++i) {
     const at::Tensor& s = steps[i];
-    TORCH_CHECK_TYPE(s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": step ", i,
-                     " must be a one-element float32 tensor (torch's fused optimizers' format), ",
-                     "got ", s.scalar_type(), " with ", s.numel(),
-                     " elements; create it with torch.tensor(0.0).");
-    TORCH_CHECK_VALUE(s.device().is_cpu(), op, ": step ", i, " is on ", s.device(),
-                      "; the CPU kernel takes CPU step tensors (as torch.optim keeps them).");
+    TORCH_CHECK_TYPE(s.numel() == 1 && s.scalar_type() == at::kFloat, op, ": steps[", i, "]");
+    TORCH_CHECK_VALUE(s.device().is_cpu(), op, ": steps[", i, "] is not on the CPU");
   }
 }
 

@@ -74,41 +74,28 @@ C10_ALWAYS_INLINE uint16_t round_nearest(float x) {
   return is_nan_bits(b) ? uint16_t(0x7FC0) : static_cast<uint16_t>((b + 0x7FFFu + lsb) >> 16);
 }
 
-// The checks of _rounding.check_rounding: a known mode, bf16 params below 2^32 elements, one
-// contiguous bf16 compensation per param for Kahan (none for stochastic rounding). Returns
-// true for Kahan.
+// The memory guards behind _rounding.check_rounding (which names each problem and its fix):
+// bf16 params below 2^32 elements, one contiguous bf16 compensation per param for Kahan (none
+// for stochastic rounding). Returns true for Kahan.
 template <class L>
 inline bool check_rounding(const char* op, const L& params, const L& comps,
                            c10::string_view rounding) {
   const bool kahan = rounding == "kahan";
-  TORCH_CHECK_VALUE(kahan || rounding == "stochastic", op,
-                    ": rounding must be one of ('stochastic', 'kahan'), got '", rounding,
-                    "'; for round to nearest call the op without _bf16 (fused_adam_, "
-                    "fused_sgd_, fused_lamb_).");
+  TORCH_CHECK_VALUE(kahan || rounding == "stochastic", op, ": rounding '", rounding, "'");
   const size_t n = params.size();
-  TORCH_CHECK_TYPE(n == 0 || params[0].scalar_type() == at::kBFloat16, op, ": params are ",
-                   n ? params[0].scalar_type() : at::kBFloat16,
-                   "; stochastic rounding and Kahan summation are for bfloat16 params (fp32 "
-                   "params need neither; fp16 params: use fp32 master weights).");
+  TORCH_CHECK_TYPE(n == 0 || params[0].scalar_type() == at::kBFloat16, op, ": dtype of params");
   for (size_t i = 0; i < n; ++i)
-    TORCH_CHECK_VALUE(params[i].numel() < (int64_t(1) << 32), op, ": param ", i, " has ",
-                      params[i].numel(), " elements; the rounding's element index is a 32-bit ",
-                      "word: split the tensor into parts below 2^32 elements.");
+    TORCH_CHECK_VALUE(params[i].numel() < (int64_t(1) << 32), op, ": size of params[", i, "]");
   if (!kahan) {
-    TORCH_CHECK_VALUE(comps.empty(), op, ": stochastic rounding takes no compensation buffers, ",
-                      "got ", comps.size(), "; pass an empty list (or rounding='kahan').");
+    TORCH_CHECK_VALUE(comps.empty(), op, ": list length of compensations");
     return false;
   }
-  TORCH_CHECK_VALUE(comps.size() == n, op,
-                    ": Kahan summation needs one bf16 compensation buffer per param, got ",
-                    comps.size(), " for ", n, "; pass torch.zeros_like(p) per param.");
+  TORCH_CHECK_VALUE(comps.size() == n, op, ": list length of compensations");
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& c = comps[i];
     TORCH_CHECK_TYPE(c.scalar_type() == at::kBFloat16 && c.numel() == params[i].numel() &&
                          c.is_contiguous() && c.device().is_cpu(),
-                     op, ": compensation ", i, " is ", c.scalar_type(), " with ", c.numel(),
-                     " elements; it must be a contiguous bfloat16 CPU tensor of its param's ",
-                     params[i].numel(), " elements (torch.zeros_like(p)).");
+                     op, ": compensations[", i, "]");
   }
   return true;
 }

@@ -95,8 +95,7 @@ void multi_tensor_scale_cpu(const at::Tensor& noop_flag, const Tensors& src, con
   check_float(dst, op, "dst");
   const auto ti = src[0].scalar_type(), to = dst[0].scalar_type();
   if (ti == at::kDouble || to == at::kDouble) {
-    TORCH_CHECK_TYPE(ti == to, op, ": float64 lists can only be paired with float64 lists, got ",
-                     ti, " and ", to, ".");
+    TORCH_CHECK_TYPE(ti == to, op, ": float64 lists mixed");
     return scale_lists<double, double>(noop_flag, src, dst, scale, scale_tensor);
   }
   AT_DISPATCH_V2(ti, "multi_tensor_scale", AT_WRAP([&] {

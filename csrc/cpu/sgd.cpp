@@ -92,21 +92,15 @@ inline void fused_sgd_cpu(const Tensors& params_, const Tensors& grads_,
   if (has_mom) {
     check_list(momentum_buffers, op, "state", n);
     check_same_sizes(params, momentum_buffers, op, "state");
-    TORCH_CHECK_VALUE(static_cast<int64_t>(first_run.size()) == n, op,
-                      ": 'first_run' must hold one flag per param, got ", first_run.size(),
-                      " for ", n, "; pass True for each param whose momentum buffer is new.");
+    TORCH_CHECK_VALUE(static_cast<int64_t>(first_run.size()) == n, op, ": list length of first_run");
     if (n > 0) {
       const auto bt = momentum_buffers[0].scalar_type(), pt = params[0].scalar_type();
       buf_fp32 = bt == at::kFloat;
-      TORCH_CHECK_TYPE(buf_fp32 || (bt == pt && masters.empty()), op, ": momentum buffers are ", bt,
-                       "; they must be float32, or the params' dtype (", pt, ") when there are no ",
-                       "master weights (torch.optim.SGD's and Apex's buffers).");
-      TORCH_CHECK_TYPE(!stepwise || bt == pt, op, ": stepwise rounding keeps the momentum buffers ",
-                       "in the params' dtype (", pt, "), got ", bt, "; pass buffers of that dtype.");
+      TORCH_CHECK_TYPE(buf_fp32 || (bt == pt && masters.empty()), op, ": dtype of momentum_buffers");
+      TORCH_CHECK_TYPE(!stepwise || bt == pt, op, ": dtype of momentum_buffers");
     }
   }
-  TORCH_CHECK_VALUE(!stepwise || masters.empty(), op, ": stepwise rounding is for params updated ",
-                    "directly; with master weights the update is fp32: pass stepwise=False.");
+  TORCH_CHECK_VALUE(!stepwise || masters.empty(), op, ": stepwise with masters");
   if (n == 0 || step_skipped(found_inf, op)) return;
   const float inv = inv_of(inv_scale, op);
   std::vector<uint8_t> first(n, 0);
@@ -174,9 +168,7 @@ inline void fused_sgd_bf16_cpu(const Tensors& params_, const Tensors& grads_,
   const int64_t n = static_cast<int64_t>(params.size());
   if (has_mom) {
     check_opt_lists(op, params, grads, masters, momentum_buffers);
-    TORCH_CHECK_VALUE(static_cast<int64_t>(first_run.size()) == n, op,
-                      ": 'first_run' must hold one flag per param, got ", first_run.size(),
-                      " for ", n, "; pass True for each param whose momentum buffer is new.");
+    TORCH_CHECK_VALUE(static_cast<int64_t>(first_run.size()) == n, op, ": list length of first_run");
   } else {
     check_opt_lists(op, params, grads, masters);
   }

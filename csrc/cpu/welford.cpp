@@ -141,11 +141,8 @@ void welford_cl(const T* X, acc_t<T>* MEAN, acc_t<T>* VAR, int64_t M, int64_t C)
 
 std::tuple<at::Tensor, at::Tensor> welford_mean_var_cpu(const at::Tensor& input, bool channel_last) {
   const char* op = "mpnb::welford_mean_var";
-  TORCH_CHECK_TYPE(is_float_type(input.scalar_type()), op, ": input is ", input.scalar_type(),
-                   "; supported dtypes are float32, float16, bfloat16 and float64 (convert with ",
-                   ".float() or .to(torch.bfloat16)).");
-  TORCH_CHECK_VALUE(input.dim() >= 2, op, ": input of shape ", input.sizes(), " has no channel dim; ",
-                    "pass (N, C, ...) (or (N, ..., C) with channel_last=True).");
+  TORCH_CHECK_TYPE(is_float_type(input.scalar_type()), op, ": dtype of input");
+  TORCH_CHECK_VALUE(input.dim() >= 2, op, ": input has no channel dim");
   const auto x = input.contiguous();
   const int64_t C = channel_last ? x.size(-1) : x.size(1);
   const auto acc = x.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
@@ -170,15 +167,10 @@ std::tuple<at::Tensor, at::Tensor> welford_mean_var_cpu(const at::Tensor& input,
 std::tuple<at::Tensor, at::Tensor> welford_parallel_cpu(const at::Tensor& mean, const at::Tensor& var,
                                                         const at::Tensor& count) {
   const char* op = "mpnb::welford_parallel";
-  TORCH_CHECK_VALUE(mean.dim() == 2 && var.sizes() == mean.sizes() && count.dim() == 1 &&
-                        count.size(0) == mean.size(0),
-                    op, ": expected mean and var of shape [world, C] and count of shape [world], got ",
-                    mean.sizes(), ", ", var.sizes(), " and ", count.sizes(), "; stack one row per rank.");
-  TORCH_CHECK_TYPE(at::isFloatingType(mean.scalar_type()) && var.scalar_type() == mean.scalar_type() &&
-                       count.scalar_type() == mean.scalar_type(),
-                   op, ": mean, var and count must share one floating dtype, got ", mean.scalar_type(),
-                   ", ", var.scalar_type(), " and ", count.scalar_type(),
-                   "; convert the counts with .to(mean).");
+  TORCH_CHECK_VALUE(mean.dim() == 2 && var.sizes() == mean.sizes() && count.dim() == 1 && count.size(0) == mean.size(0),
+                    op, ": shapes of mean, var, count");
+  TORCH_CHECK_TYPE(at::isFloatingType(mean.scalar_type()) && var.scalar_type() == mean.scalar_type() && count.scalar_type() == mean.scalar_type(),
+                   op, ": dtypes of mean, var, count");
   const auto m = mean.to(at::kDouble).contiguous(), v = var.to(at::kDouble).contiguous();
   const auto n = count.to(at::kDouble).contiguous();
   const int64_t W = m.size(0), C = m.size(1);

@@ -1,14 +1,16 @@
 """The only door to mpnb's compiled kernels: one module per op family, one op library.
 
-Each module ``mpnb/core/ops/<family>.py`` defines its ops' schemas with ``torch.library``
-(namespace ``mpnb``), their pure-PyTorch references (``reference_<op>``), the PyTorch-ops
-path for devices without a kernel of ours, the fakes, and one-line wrappers that call
-``torch.ops.mpnb.<op>``. The C++ kernels (``csrc/cpu/<family>.cpp``) register themselves for
-the CPU key when the library is loaded (built just in time on first use). PyTorch's
-dispatcher is the only way to an op: :func:`op_path` says which implementation it picks.
+Each module ``mpnb/core/ops/<family>.py`` writes its ops' pure-PyTorch references
+(``reference_<op>``, annotated: the one written signature of each op) and defines the ops
+from them (:func:`mpnb.core.ops._library.define`): the ``torch.library`` schema (namespace
+``mpnb``), the public wrapper that checks the arguments and calls ``torch.ops.mpnb.<op>``, the
+PyTorch-ops path and the Triton kernel for CUDA, the fakes. The C++ kernels
+(``csrc/cpu/<family>.cpp``) register themselves for the CPU key when the library is loaded
+(built just in time on first use). PyTorch's dispatcher is the only way to an op:
+:func:`op_path` says which implementation it picks.
 
-``mpnb.core.ops.rope`` is the RoPE op's wrapper (the function shadows its module here); its
-module is imported by its full name (``from mpnb.core.ops.rope import reference_rope``).
+The RoPE op's family module is :mod:`mpnb.core.ops.rotary`, so ``mpnb.core.ops.rope`` is the
+op's wrapper and nothing else.
 """
 
 from mpnb.core.ops import (
@@ -23,6 +25,7 @@ from mpnb.core.ops import (
     loss_scale,
     novograd,
     rms_norm,
+    rotary,
     scale,
     sgd,
     softmax,
@@ -78,7 +81,7 @@ from mpnb.core.ops.rms_norm import (
     rms_norm_bwd,
     rms_norm_fwd,
 )
-from mpnb.core.ops.rope import reference_rope, rope
+from mpnb.core.ops.rotary import reference_rope, rope
 from mpnb.core.ops.scale import multi_tensor_scale, reference_multi_tensor_scale
 from mpnb.core.ops.sgd import (
     fused_sgd_,
@@ -137,6 +140,7 @@ __all__ = [
     "dense",
     "layer_norm",
     "rms_norm",
+    "rotary",
     "softmax",
     "welford",
     "ACTIVATIONS",

@@ -1,8 +1,12 @@
-"""Argument checks of the pure-PyTorch references (the C++ kernels check the same in C++).
+"""The argument checks the op families share, each message written once.
 
-Each implementation of an op validates its own arguments once: the references with these
-helpers, the kernels with ``csrc/cpu/multi_tensor_apply.h`` and ``norm_common.h``. The
-wrappers validate nothing. Messages name the problem and the fix.
+Every op's ``check(args, per_tensor)`` is built from these (:mod:`mpnb.core.ops._library`
+says when it runs). ``per_tensor=False`` checks what costs O(1) per list: the lists' lengths,
+the first tensor's dtype, the scalars, the shapes of single tensors. ``per_tensor=True`` adds
+what needs a loop over every tensor of every list: its size against its partner's, its dtype
+against its list's, its layout, its device. Messages name the problem and the fix.
+
+Also here: the few tensor helpers the references share (``acc_dtype``, the non-finite flag).
 """
 
 from __future__ import annotations
@@ -17,69 +21,104 @@ __all__ = [
     "any_nonfinite",
     "check_float",
     "check_lists",
+    "check_one",
     "check_param",
+    "check_tensors",
+    "dtype_names",
     "norm_rows",
     "raise_flag_if",
 ]
 
 SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
+Tensors = Sequence[torch.Tensor]
 
-def check_lists(op: str, first: Sequence[torch.Tensor], **others: Sequence[torch.Tensor]) -> None:
-    """Equal lengths and sizes, one supported dtype per list, contiguous tensors (as the
-    kernels' ``check_list``); fp64 lists only beside fp64 lists."""
-    n = len(first)
-    for name, lst in others.items():
+
+def dtype_names(dtypes: Sequence[torch.dtype]) -> str:
+    """``"float32, float16, bfloat16 and float64"``."""
+    names = [str(d).removeprefix("torch.") for d in dtypes]
+    return ", ".join(names[:-1]) + " and " + names[-1] if len(names) > 1 else names[0]
+
+
+def check_lists(
+    op: str, per_tensor: bool, dtypes: Sequence[torch.dtype] = SUPPORTED, **lists: Tensors
+) -> None:
+    """Lists that pair up, tensor by tensor, with the first one given.
+
+    Always: equal lengths, each list's tensor 0 of one of ``dtypes``, and float64 lists
+    only beside float64 lists. With ``per_tensor``: each tensor has its partner's number of
+    elements and its list's dtype, is contiguous, and lives on the first list's device.
+
+    Example::
+
+        >>> check_lists("multi_tensor_scale", True, src=[torch.ones(3)], dst=[torch.ones(4)])
+        ValueError: multi_tensor_scale: tensor 0 of 'dst' has 4 elements but its partner ...
+    """
+    (first, ref), *others = lists.items()
+    n = len(ref)
+    for name, lst in others:
         if len(lst) != n:
             raise ValueError(
-                f"{op}: list '{name}' has {len(lst)} tensors but the first list has {n}; "
-                "pass lists of equal length."
+                f"{op}: list '{name}' has {len(lst)} tensors but '{first}' has {n}; pass lists "
+                "of equal length."
             )
-        for i, (a, b) in enumerate(zip(first, lst, strict=True)):
-            if a.numel() != b.numel():
-                raise ValueError(
-                    f"{op}: tensor {i} of '{name}' has {b.numel()} elements but its partner has "
-                    f"{a.numel()}; pair tensors of the same size."
-                )
-    for name, lst in {"first": first, **others}.items():
-        if not lst:
-            continue
+    if not n:
+        return
+    kinds = set()
+    for name, lst in lists.items():
         dtype = lst[0].dtype
-        if dtype not in SUPPORTED:
+        if dtype not in dtypes:
             raise TypeError(
-                f"{op}: list '{name}' is {dtype}; supported dtypes are float32, float16, "
-                "bfloat16 and float64."
+                f"{op}: list '{name}' is {dtype}; supported dtypes are {dtype_names(dtypes)}."
             )
-        for i, t in enumerate(lst):
-            if t.dtype != dtype:
-                raise TypeError(
-                    f"{op}: tensor {i} of '{name}' is {t.dtype} but tensor 0 is {dtype}; every "
-                    "tensor of one list must share a dtype."
-                )
-            if not t.is_contiguous():
-                raise ValueError(
-                    f"{op}: tensor {i} of '{name}' is not contiguous; call .contiguous() first."
-                )
-    dtypes = {lst[0].dtype for lst in (first, *others.values()) if lst}
-    if torch.float64 in dtypes and len(dtypes) > 1:
-        raise TypeError(f"{op}: float64 lists can only be mixed with float64 lists, got {dtypes}.")
+        kinds.add(dtype)
+    if torch.float64 in kinds and len(kinds) > 1:
+        got = ", ".join(sorted(dtype_names([k]) for k in kinds))
+        raise TypeError(f"{op}: float64 lists can only be mixed with float64 lists, got {got}.")
+    if per_tensor:
+        check_tensors(op, **lists)
 
 
-def raise_flag_if(flag: torch.Tensor, bad: torch.Tensor) -> None:
-    """``flag = max(flag, bad)`` on the device (no host sync); flags are never cleared."""
-    flag.copy_(torch.maximum(flag, bad.to(flag.dtype).reshape(flag.shape)))
+def check_tensors(op: str, **lists: Tensors) -> None:
+    """The per-tensor half of :func:`check_lists` (lists of equal lengths): each tensor has
+    its partner's number of elements (in the first list) and its list's dtype, is contiguous,
+    and lives on the first list's device."""
+    ref = next(iter(lists.values()))
+    for name, lst in lists.items():
+        if lst:
+            _check_tensors(op, name, lst, ref)
 
 
-def any_nonfinite(tensors: Sequence[torch.Tensor], device: torch.device) -> torch.Tensor:
-    """A boolean 0-dim tensor: does any of ``tensors`` hold inf or NaN (no host sync)."""
-    if not tensors:
-        return torch.zeros((), dtype=torch.bool, device=device)
-    return torch.stack([~torch.isfinite(t).all() for t in tensors]).any()
+def _check_tensors(op: str, name: str, lst: Tensors, ref: Tensors) -> None:
+    dtype, device = lst[0].dtype, ref[0].device
+    for i, (t, partner) in enumerate(zip(lst, ref, strict=True)):
+        if t.numel() != partner.numel():
+            raise ValueError(
+                f"{op}: tensor {i} of '{name}' has {t.numel()} elements but its partner has "
+                f"{partner.numel()}; pair tensors of the same size."
+            )
+        if t.dtype != dtype:
+            raise TypeError(
+                f"{op}: tensor {i} of '{name}' is {t.dtype} but tensor 0 is {dtype}; every "
+                "tensor of one list must share a dtype."
+            )
+        if not t.is_contiguous():
+            raise ValueError(
+                f"{op}: tensor {i} of '{name}' is not contiguous; call .contiguous() first."
+            )
+        if t.device != device:
+            raise ValueError(
+                f"{op}: tensor {i} of '{name}' is on {t.device} but the first list is on "
+                f"{device}; put every tensor on one device."
+            )
 
 
-def acc_dtype(x: torch.Tensor) -> torch.dtype:
-    """The dtype a kernel computes in: fp64 for fp64 data, fp32 otherwise."""
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
+def check_one(op: str, name: str, t: torch.Tensor | None) -> None:
+    """Raise unless ``t`` (a flag, a scale; None allowed) holds exactly one element."""
+    if t is not None and t.numel() != 1:
+        raise ValueError(
+            f"{op}: {name} must hold one value, got {t.numel()}; pass a one-element tensor."
+        )
 
 
 def check_float(op: str, x: torch.Tensor, what: str = "input") -> None:
@@ -129,3 +168,23 @@ def check_param(op: str, x: torch.Tensor, p: torch.Tensor | None, cols: int, wha
             f"{op}: {what} is {p.dtype} but the input is {x.dtype}; use the input's "
             "dtype, or float32 weights with a half input (the mixed layers)."
         )
+
+
+# ---- helpers of the references --------------------------------------------------------------
+
+
+def raise_flag_if(flag: torch.Tensor, bad: torch.Tensor) -> None:
+    """``flag = max(flag, bad)`` on the device (no host sync); flags are never cleared."""
+    flag.copy_(torch.maximum(flag, bad.to(flag.dtype).reshape(flag.shape)))
+
+
+def any_nonfinite(tensors: Tensors, device: torch.device) -> torch.Tensor:
+    """A boolean 0-dim tensor: does any of ``tensors`` hold inf or NaN (no host sync)."""
+    if not tensors:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return torch.stack([~torch.isfinite(t).all() for t in tensors]).any()
+
+
+def acc_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype a kernel computes in: fp64 for fp64 data, fp32 otherwise."""
+    return torch.float64 if x.dtype == torch.float64 else torch.float32

@@ -4,19 +4,21 @@ The multi-tensor kernels walk each tensor's memory from start to end, so they ta
 tensors. A tensor that is dense in another dim order (``memory_format=torch.channels_last``)
 fills its memory just as well: viewed as the 1-D tensor of its memory (a view, so the kernel's
 writes land in it), it pairs element by element with partners laid out the same way. Apex's
-kernels take such tensors; :func:`in_memory_order` lets mpnb's wrappers do the same without a
-cost to the common case: the call is tried as given, and only when the op refuses a list
-(``ValueError``) are its dense tensors handed over in memory order and the call retried.
-Partners laid out differently stay refused, with the op's message.
+kernels take such tensors; an op defined with ``memory_order=`` (:func:`~mpnb.core.ops._library
+.define`) does the same without a cost to the common case: the call is tried as given, and
+only when the op refuses it are the dense tensors of those lists handed over in memory order
+(:func:`memory_order_views`) and the call retried. Partners laid out differently stay refused,
+with the op's message.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
-__all__ = ["in_memory_order", "memory_view"]
+__all__ = ["memory_order_views", "memory_view"]
 
 
 def memory_view(t: torch.Tensor) -> torch.Tensor | None:
@@ -37,7 +39,7 @@ def _views(lists: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]] 
             continue
         a = group[0]
         if any(t.shape != a.shape or t.stride() != a.stride() for t in group):
-            return None  # laid out unlike a partner: the kernel's own message stands
+            return None  # laid out unlike a partner: the op's own message stands
         views = [memory_view(t) for t in group]
         if any(v is None for v in views):
             return None
@@ -47,22 +49,17 @@ def _views(lists: Sequence[Sequence[torch.Tensor]]) -> list[list[torch.Tensor]] 
     return out if changed else None
 
 
-def in_memory_order(call: Callable, args: tuple, lists: Sequence[int]):
-    """``call(*args)``; if it refuses ``args``' tensor lists (at the positions ``lists``)
-    because a tensor is not contiguous, retry with each dense tensor in memory order.
+def memory_order_views(args: Any, names: Sequence[str]) -> Any | None:
+    """``args`` (an op's named tuple of arguments) with the tensors of the lists ``names``
+    in memory order, or None when that changes nothing or cannot pair them.
 
     Example::
 
         >>> x = [torch.randn(2, 3, 4, 4).contiguous(memory_format=torch.channels_last)]
-        >>> in_memory_order(op, (flag, x, x, 0.5), lists=(1, 2))    # x *= 0.5 in place
+        >>> memory_order_views(op.args(flag, x, x, 0.5), ("src", "dst")).src[0].shape
+        torch.Size([96])
     """
-    try:
-        return call(*args)
-    except ValueError:
-        views = _views([args[i] for i in lists])
-        if views is None:
-            raise
-    args = list(args)
-    for i, v in zip(lists, views, strict=True):
-        args[i] = v
-    return call(*args)
+    views = _views([getattr(args, n) for n in names])
+    if views is None:
+        return None
+    return args._replace(**dict(zip(names, views, strict=True)))

@@ -1,15 +1,17 @@
-"""What the two norm families (``layer_norm.py``, ``rms_norm.py``) share: the references'
-argument checks, the backward formula, the fakes and the test samples.
+"""What the two norm families (``layer_norm.py``, ``rms_norm.py``) share: their argument
+checks, the backward formula, the fakes and the test samples.
 
 A norm views its input as rows ``[M, N]`` (``N = prod(normalized_shape)``); ``mean`` and
 ``invvar`` hold one fp32 value per row (fp64 for fp64 input). ``saved`` is the input, or the
 output when ``memory_efficient`` (the backward then recomputes ``xhat = (y - b) / w``, as Apex
-does). The checks mirror the kernels' (``csrc/cpu/norm_common.h``), message for message.
+does). The checks are the ops' only ones (``csrc/cpu/norm_common.h`` keeps the kernels in
+bounds, with short messages).
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import torch
 
@@ -17,6 +19,14 @@ from mpnb.core.ops._checks import acc_dtype, check_float, check_param, norm_rows
 from mpnb.core.ops._library import Sample
 
 Shape = Sequence[int]
+
+
+def rows_cols(x: torch.Tensor, shape: Shape) -> tuple[int, int]:
+    """``(rows, cols)`` of ``x`` normalized over its trailing ``shape`` (checked before)."""
+    cols = 1
+    for s in shape:
+        cols *= int(s)
+    return (x.numel() // cols if cols else 0), cols
 
 
 def _check_params(op: str, x: torch.Tensor, weight, bias, cols: int) -> None:
@@ -28,25 +38,29 @@ def _check_params(op: str, x: torch.Tensor, weight, bias, cols: int) -> None:
         )
 
 
-def check_forward(op: str, x: torch.Tensor, shape: Shape, weight, bias=None) -> tuple[int, int]:
-    """Check a forward's arguments; return ``(rows, cols)``."""
+def check_forward(args: Any, per_tensor: bool) -> None:
+    """The check of a norm forward (``args.bias`` absent for RMS norm)."""
+    op, x = args.op_name, args.input
     check_float(op, x, "input")
-    rows, cols = norm_rows(op, x, shape)
-    _check_params(op, x, weight, bias, cols)
-    return rows, cols
+    _, cols = norm_rows(op, x, args.normalized_shape)
+    _check_params(op, x, args.weight, getattr(args, "bias", None), cols)
 
 
-def check_backward(
-    op: str, grad_out, saved, mean, invvar, shape: Shape, weight, bias, memory_efficient: bool
-) -> tuple[int, int]:
-    """Check a backward's arguments (``mean`` None for RMS norm); return ``(rows, cols)``."""
+def check_backward(args: Any, per_tensor: bool) -> None:
+    """The check of a norm backward (``args.mean`` and ``args.bias`` absent for RMS norm)."""
+    op, grad_out, saved, invvar = args.op_name, args.grad_out, args.saved, args.invvar
     check_float(op, saved, "saved")
-    rows, cols = norm_rows(op, saved, shape)
+    rows, cols = norm_rows(op, saved, args.normalized_shape)
     if grad_out.shape != saved.shape or grad_out.dtype != saved.dtype:
         raise ValueError(
             f"{op}: grad_out {tuple(grad_out.shape)} {grad_out.dtype} does not match the saved "
             f"tensor {tuple(saved.shape)} {saved.dtype}; pass the gradient of the forward's "
             "output."
+        )
+    if grad_out.device != saved.device:
+        raise ValueError(
+            f"{op}: grad_out is on {grad_out.device} but the saved tensor is on "
+            f"{saved.device}; pass the gradient of the forward's output."
         )
     acc = acc_dtype(saved)
     if invvar.numel() != rows or invvar.dtype != acc:
@@ -54,13 +68,13 @@ def check_backward(
             f"{op}: invvar must hold one {acc} per row ({rows}), got {invvar.numel()} of "
             f"{invvar.dtype}; pass the invvar the forward returned."
         )
-    if mean is not None and not memory_efficient and mean.numel() != rows:
+    mean = getattr(args, "mean", None)
+    if mean is not None and not args.memory_efficient and mean.numel() != rows:
         raise ValueError(
             f"{op}: mean must hold one value per row ({rows}), got {mean.numel()}; pass the "
             "mean the forward returned."
         )
-    _check_params(op, saved, weight, bias, cols)
-    return rows, cols
+    _check_params(op, saved, args.weight, getattr(args, "bias", None), cols)
 
 
 def _xhat(saved, mean, invvar, weight, bias, rows, cols, memory_efficient, acc):
@@ -97,14 +111,6 @@ def backward(grad_out, saved, mean, invvar, rows, cols, weight, bias, memory_eff
 
 
 # ---- fakes ----------------------------------------------------------------------------------
-
-
-def fake_rows(x: torch.Tensor, shape: Shape) -> int:
-    """Rows of ``x`` normalized over ``shape`` (0 when ``shape`` holds a 0)."""
-    cols = 1
-    for s in shape:
-        cols *= s
-    return x.numel() // cols if cols else 0
 
 
 def fake_like(x: torch.Tensor) -> torch.Tensor:
@@ -201,8 +207,9 @@ def backward_samples(dtype: torch.dtype, forward, rms: bool) -> Iterator[Sample]
         me = case.get("me", False)
         if rms:
             y, invvar = forward(x, nshape, w, 1e-5)
-            args = (dy, y if me else x, invvar, nshape, w, me)
+            kw = dict(invvar=invvar, weight=w)
         else:
             y, mean, invvar = forward(x, nshape, w, b, 1e-5)
-            args = (dy, y if me else x, mean, invvar, nshape, w, b, me)
-        yield Sample(args, name=sample_name(case))
+            kw = dict(mean=mean, invvar=invvar, weight=w, bias=b)
+        kw |= dict(grad_out=dy, saved=y if me else x, normalized_shape=nshape)
+        yield Sample(kw | dict(memory_efficient=me), name=sample_name(case))

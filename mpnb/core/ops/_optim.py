@@ -11,18 +11,19 @@ Every optimizer op updates lists of params in place, with these conventions:
   The ops never set it: the caller runs :func:`mpnb.core.ops.multi_tensor_check_finite`
   over all grads first (``csrc/cpu/opt_common.h`` says why).
 
-This module holds the references' argument checks (the kernels check the same in
-``opt_common.h``), the references' per-tensor helpers, the recipe that runs PyTorch's own
-fused optimizer ops on CUDA (:func:`via_torch`), and the sample builder of the op-table test.
+This module holds the optimizer ops' argument check (:func:`check_step`), the references'
+per-tensor helpers, the recipe that runs PyTorch's own fused optimizer ops on CUDA
+(:func:`via_torch`), and the sample builders of the op-table test.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
-from mpnb.core.ops._checks import check_lists
+from mpnb.core.ops._checks import check_lists, check_one, check_tensors
 from mpnb.core.ops._library import Sample
 
 __all__ = [
@@ -30,11 +31,10 @@ __all__ = [
     "advance",
     "bf16_compensations",
     "bf16_samples",
-    "check_opt_lists",
+    "check_step",
     "check_steps",
     "f32",
     "lists_for",
-    "no_outputs",
     "opt_samples",
     "opt_tolerance",
     "skipped",
@@ -50,83 +50,90 @@ OPT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 Tensors = Sequence[torch.Tensor]
 
 
-def no_outputs(*args, **kwargs) -> None:
-    """The fake of every optimizer op: they update their lists in place and return nothing."""
-    return None
+# ---- the check ------------------------------------------------------------------------------
 
 
-# ---- the references' checks (mirror opt_common.h) ------------------------------------------
-
-
-def check_opt_lists(op: str, params: Tensors, grads: Tensors, masters: Tensors, *states) -> None:
-    """Params and grads: one fp32/fp16/bf16 dtype per list, equal lengths and sizes;
-    ``masters`` empty or one fp32 tensor per param; every state list fp32, sized as ``params``."""
-    check_lists(op, params, grads=grads)
-    for name, lst in (("params", params), ("grads", grads)):
+def check_step(args: Any, per_tensor: bool, *states: str, masters: str | None = "masters") -> None:
+    """The check of an optimizer step: ``params`` and ``grads`` of one fp32/fp16/bf16 dtype
+    per list, ``masters`` empty or one fp32 tensor per param, each list of ``states`` fp32
+    and paired with the params, ``steps`` (when the op has them) one one-element fp32 tensor
+    per param, ``inv_scale`` and ``found_inf`` one value each."""
+    op, params = args.op_name, args.params
+    for name in ("params", "grads"):
+        lst = getattr(args, name)
         if lst and lst[0].dtype not in OPT_DTYPES:
             raise TypeError(
                 f"{op}: '{name}' are {lst[0].dtype}; the optimizer ops take float32, float16 "
                 "or bfloat16 params and grads (keep fp64 models on torch.optim)."
             )
-    if masters:
-        if len(masters) != len(params):
+    lists = {"params": params, "grads": args.grads}
+    m = getattr(args, masters) if masters else None
+    if m:
+        if len(m) != len(params):
             raise ValueError(
                 f"{op}: 'masters' must be empty (no master weights) or hold one fp32 tensor per "
-                f"param, got {len(masters)} for {len(params)} params."
+                f"param, got {len(m)} for {len(params)} params."
             )
-        check_lists(op, params, masters=masters)
-        if masters[0].dtype != torch.float32:
+        if m[0].dtype != torch.float32:
             raise TypeError(
-                f"{op}: master weights must be float32, got {masters[0].dtype}; pass fp32 "
-                "copies of the params (or no masters)."
+                f"{op}: master weights must be float32, got {m[0].dtype}; pass fp32 copies of "
+                "the params (or no masters)."
             )
-    for state in states:
-        check_lists(op, params, state=state)
-        if state and state[0].dtype != torch.float32:
+        lists["masters"] = m
+    for name in states:
+        lst = getattr(args, name)
+        if lst and lst[0].dtype != torch.float32:
             raise TypeError(
-                f"{op}: optimizer state must be float32, got {state[0].dtype}; keep state in "
+                f"{op}: optimizer state must be float32, got {lst[0].dtype}; keep state in "
                 "fp32 (the optimizers do)."
             )
+        lists[name] = lst
+    check_lists(op, False, **lists)
+    steps = getattr(args, "steps", None)
+    if steps is not None:
+        check_steps(op, steps, params, per_tensor)
+    check_one(op, "inv_scale", args.inv_scale)
+    check_one(op, "found_inf", args.found_inf)
+    if per_tensor:
+        check_tensors(op, **lists)
 
 
-def check_steps(op: str, steps: Tensors, n: int) -> None:
-    """One one-element float32 step tensor per param (``opt_common.h``'s ``advance_steps``)."""
-    if len(steps) != n:
+def check_steps(op: str, steps: Tensors, params: Tensors, per_tensor: bool) -> None:
+    """One one-element float32 step tensor per param, on its param's device."""
+    if len(steps) != len(params):
         raise ValueError(
-            f"{op}: 'steps' must hold one tensor per param, got {len(steps)} for {n}; pass "
-            "one one-element float32 tensor per param."
+            f"{op}: 'steps' must hold one tensor per param, got {len(steps)} for "
+            f"{len(params)}; pass one one-element float32 tensor per param."
         )
-    for i, s in enumerate(steps):
+    if not per_tensor:
+        return
+    for i, (s, p) in enumerate(zip(steps, params, strict=True)):
         if s.numel() != 1 or s.dtype != torch.float32:
             raise TypeError(
-                f"{op}: step {i} must be a one-element float32 tensor (torch's fused "
+                f"{op}: steps[{i}] must be a one-element float32 tensor (torch's fused "
                 f"optimizers' format), got {s.dtype} with {s.numel()} elements; create it "
                 "with torch.tensor(0.0)."
             )
-
-
-def _one_value(op: str, t: torch.Tensor, what: str) -> torch.Tensor:
-    if t.numel() != 1:
-        raise ValueError(
-            f"{op}: {what} must hold one value, got {t.numel()}; pass a one-element tensor."
-        )
-    return t.reshape(())
-
-
-def skipped(op: str, found_inf: torch.Tensor | None) -> bool:
-    """True when ``found_inf`` is set: the step writes nothing (one host read, as the kernel)."""
-    return found_inf is not None and bool(_one_value(op, found_inf, "found_inf").item() != 0)
+        if s.device != p.device:
+            raise ValueError(
+                f"{op}: steps[{i}] is on {s.device} but its param is on {p.device}; keep "
+                "each step on its param's device."
+            )
 
 
 # ---- the references' per-tensor steps -------------------------------------------------------
 
 
-def unscaled(op: str, g: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
+def skipped(found_inf: torch.Tensor | None) -> bool:
+    """True when ``found_inf`` is set: the step writes nothing (one host read, as the kernel)."""
+    return found_inf is not None and bool(found_inf.reshape(()).item() != 0)
+
+
+def unscaled(g: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
     """The grad in fp32, multiplied by ``inv_scale`` (rounded to fp32) when one is given."""
     g = g.float()
     if inv_scale is not None:
-        inv = _one_value(op, inv_scale, "inv_scale")
-        g = g * inv.to(device=g.device, dtype=torch.float32)
+        g = g * inv_scale.reshape(()).to(device=g.device, dtype=torch.float32)
     return g
 
 
@@ -172,33 +179,28 @@ def _fp32_grads(grads: Tensors, inv_scale: torch.Tensor | None) -> list[torch.Te
     return g32
 
 
-def via_torch(
-    params: Tensors,
-    grads: Tensors,
-    masters: Tensors,
-    steps: Tensors,
-    inv_scale: torch.Tensor | None,
-    found_inf: torch.Tensor | None,
-    call: Callable[[list, list, torch.Tensor | None], None],
-) -> None:
-    """Run one of PyTorch's fused optimizer ops under the conventions of this module.
+def via_torch(args: Any, call: Callable[[list, list, torch.Tensor | None], None]) -> None:
+    """Run one of PyTorch's fused optimizer ops on an optimizer op's ``args``, under the
+    conventions of this module.
 
     ``call(weights, grads, found)`` runs the op on fp32 weights (the masters, fp32 params, or
     fp32 copies of half params) and fp32 unscaled copies of the grads (``grad * inv_scale``,
     as the kernels do; PyTorch's own ``grad_scale`` would divide and write the grads back),
-    with ``found`` the flag as a 0-dim fp32 tensor. The step counts are advanced before the
-    call and a flagged step's advance is undone after it, on the device (PyTorch's recipe: no
-    host sync); the fp32 weights are then cast back into half params in one ``_foreach_copy_``.
+    with ``found`` the flag as a 0-dim fp32 tensor. The step counts (``args.steps``, when the
+    op has them) are advanced before the call and a flagged step's advance is undone after
+    it, on the device (PyTorch's recipe: no host sync); the fp32 weights are then cast back
+    into half params in one ``_foreach_copy_``.
     """
+    params, steps, found_inf = args.params, getattr(args, "steps", ()), args.found_inf
     if not params:
         return
-    w = _fp32_weights(params, masters)
+    w = _fp32_weights(params, args.masters)
     found = None
     if found_inf is not None:
         found = found_inf.to(device=params[0].device, dtype=torch.float32).reshape(())
     if steps:
         torch._foreach_add_(list(steps), 1)
-    call(w, _fp32_grads(grads, inv_scale), found)
+    call(w, _fp32_grads(args.grads, args.inv_scale), found)
     if found is not None and steps:
         torch._foreach_sub_(list(steps), [found] * len(steps))
     if params[0].dtype != torch.float32:
@@ -262,19 +264,30 @@ def _other(dtype: torch.dtype) -> torch.dtype:
     return {torch.float32: torch.bfloat16, torch.bfloat16: torch.float16}.get(dtype, torch.float32)
 
 
+Adapt = Callable[[dict], dict]
+
+
+def _kwargs(lists: tuple, states: Sequence[str], options: dict, adapt: Adapt | None) -> dict:
+    params, grads, masters, state_lists, steps = lists
+    kw = dict(params=params, grads=grads, masters=masters, steps=steps)
+    kw |= dict(zip(states, state_lists, strict=True)) | options
+    return adapt(kw) if adapt is not None else kw
+
+
 def opt_samples(
     dtype: torch.dtype,
-    nstate: int,
-    args_of: Callable[[tuple, dict], tuple],
+    states: Sequence[str],
     variants: Sequence[tuple[str, dict]],
+    adapt: Adapt | None = None,
 ):
     """The op-table samples of one optimizer op for params of ``dtype``.
 
-    ``args_of(lists, options)`` turns ``lists_for``'s lists and one set of options (the op's
-    hyper-parameters, ``inv_scale``, ``found_inf``) into the op's positional arguments.
-    Yields, for each ``(name, options)`` of ``variants`` (the op's own modes), a call on
-    params of ``dtype`` and grads of another dtype, with fp32 masters for half params (an
-    option ``sizes`` replaces the default tensor sizes of that call); then
+    Each ``(name, options)`` of ``variants`` (the op's own modes) gives the op's arguments by
+    name beside the lists (its hyper-parameters, ``inv_scale``, ``found_inf``; an option
+    ``sizes`` replaces the default tensor sizes of that call); ``states`` names the op's fp32
+    state lists, and ``adapt(kwargs)`` turns what is not yet an argument into one (a list the
+    op names otherwise, a norm given as a number...). Yields, for each variant, a call on
+    params of ``dtype`` and grads of another dtype, with fp32 masters for half params; then
     the shared cases: params and grads of ``dtype`` without masters, masters with an
     ``inv_scale`` and a clear ``found_inf``, a set ``found_inf`` (nothing may change, step
     counts included) and empty lists.
@@ -284,8 +297,8 @@ def opt_samples(
     for k, (name, options) in enumerate(variants):
         options = dict(options)
         sizes = options.pop("sizes", SIZES)
-        lists = lists_for(dtype, _other(dtype), half, nstate, sizes, seed=k)
-        yield Sample(args_of(lists, options), name=name)
+        lists = lists_for(dtype, _other(dtype), half, len(states), sizes, seed=k)
+        yield Sample(_kwargs(lists, states, options, adapt), name=name)
     base = {k: v for k, v in variants[0][1].items() if k != "sizes"}
     shared = (
         ("same-dtype grads, no masters", dict(master=False, gdt=dtype), {}),
@@ -298,11 +311,11 @@ def opt_samples(
         ("empty lists", dict(master=half, sizes=()), dict(inv_scale=inv)),
     )
     for k, (name, lists_kw, extra) in enumerate(shared, start=len(variants)):
-        kw = dict(pdt=dtype, gdt=_other(dtype), nstate=nstate, seed=k) | lists_kw
+        kw = dict(pdt=dtype, gdt=_other(dtype), nstate=len(states), seed=k) | lists_kw
         if "inv_scale" in extra:
             kw["grad_scale"] = 64.0
         lists = lists_for(**kw)
-        yield Sample(args_of(lists, base | extra), name=name)
+        yield Sample(_kwargs(lists, states, base | extra, adapt), name=name)
 
 
 def bf16_compensations(params: Tensors, seed: int = 11) -> list[torch.Tensor]:
@@ -315,25 +328,36 @@ def bf16_compensations(params: Tensors, seed: int = 11) -> list[torch.Tensor]:
 MANY = tuple(1 + (37 * k) % 300 for k in range(40))
 
 
+def _bf16_adapt(adapt: Adapt | None) -> Adapt:
+    def bf16(kw: dict) -> dict:
+        del kw["masters"]  # the pure-bf16 ops have compensations instead
+        kw["compensations"] = bf16_compensations(kw["params"]) if kw["rounding"] == "kahan" else []
+        return adapt(kw) if adapt is not None else kw
+
+    return bf16
+
+
 def bf16_samples(
     dtype: torch.dtype,
-    nstate: int,
-    args_of: Callable[[tuple, dict], tuple],
+    states: Sequence[str],
     variants: Sequence[tuple[str, dict]],
+    adapt: Adapt | None = None,
 ):
     """The op-table samples of a pure-bf16 optimizer op (``fused_<opt>_bf16_``).
 
-    ``args_of(lists, options)`` as for :func:`opt_samples`; ``options`` hold ``rounding``.
-    Yields each of ``variants`` (bf16 params, fp32 grads), then, for each rounding of the
-    first variants: bf16 grads over many small tensors, scaled grads with a clear
-    ``found_inf``, a set ``found_inf`` (nothing may change), and empty lists.
+    ``states``, ``variants`` and ``adapt`` as for :func:`opt_samples`; the options hold
+    ``rounding`` (Kahan summation gets compensation buffers). Yields each of ``variants``
+    (bf16 params, fp32 grads), then, for each rounding of the first variants: bf16 grads over
+    many small tensors, scaled grads with a clear ``found_inf``, a set ``found_inf`` (nothing
+    may change), and empty lists.
     """
     assert dtype == torch.bfloat16, "the pure-bf16 ops take bf16 params only"
+    adapt = _bf16_adapt(adapt)
     for k, (name, options) in enumerate(variants):
         options = dict(options)
         sizes = options.pop("sizes", SIZES)
-        lists = lists_for(dtype, torch.float32, False, nstate, sizes, seed=k)
-        yield Sample(args_of(lists, options), name=name)
+        lists = lists_for(dtype, torch.float32, False, len(states), sizes, seed=k)
+        yield Sample(_kwargs(lists, states, options, adapt), name=name)
     inv = torch.full((1,), 1 / 64)
     firsts = {}
     for _, options in variants:
@@ -350,6 +374,6 @@ def bf16_samples(
             ("empty lists", dict(sizes=()), {}),
         )
         for k, (name, lists_kw, extra) in enumerate(shared, start=len(variants)):
-            kw = dict(pdt=dtype, gdt=torch.float32, master=False, nstate=nstate, seed=k)
+            kw = dict(pdt=dtype, gdt=torch.float32, master=False, nstate=len(states), seed=k)
             lists = lists_for(**(kw | lists_kw))
-            yield Sample(args_of(lists, base | extra), name=f"{r}: {name}")
+            yield Sample(_kwargs(lists, states, base | extra, adapt), name=f"{r}: {name}")

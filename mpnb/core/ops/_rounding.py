@@ -43,6 +43,7 @@ both methods approximate at 2 bytes per param (against 4 for a master).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -123,11 +124,11 @@ def round_stochastic(x: torch.Tensor, bits16: torch.Tensor) -> torch.Tensor:
     return _to_bf16((bits + bits16.to(torch.int32).view(x.shape)) >> 16, x)
 
 
-def check_rounding(
-    op: str, params: Sequence[torch.Tensor], compensations: Sequence[torch.Tensor], rounding: str
-) -> None:
-    """The checks every ``fused_<opt>_bf16_`` implementation makes (``rounding.h`` mirrors):
-    bf16 params below 2^32 elements, a known mode, compensations as the mode needs them."""
+def check_rounding(args: Any, per_tensor: bool) -> None:
+    """The rounding's part of a ``fused_<opt>_bf16_`` op's check: bf16 params below 2^32
+    elements, a known mode, compensations as the mode needs them (``args`` holds ``params``,
+    ``compensations`` and ``rounding``)."""
+    op, params, comps, rounding = args.op_name, args.params, args.compensations, args.rounding
     if rounding not in ROUNDINGS:
         raise ValueError(
             f"{op}: rounding must be one of {ROUNDINGS}, got {rounding!r}; for round to "
@@ -139,30 +140,34 @@ def check_rounding(
             "for bfloat16 params (fp32 params need neither; fp16 params: use fp32 master "
             "weights)."
         )
+    if rounding == "stochastic" and comps:
+        raise ValueError(
+            f"{op}: stochastic rounding takes no compensation buffers, got "
+            f"{len(comps)}; pass an empty list (or rounding='kahan')."
+        )
+    if rounding == "kahan" and len(comps) != len(params):
+        raise ValueError(
+            f"{op}: Kahan summation needs one bf16 compensation buffer per param, got "
+            f"{len(comps)} for {len(params)}; pass torch.zeros_like(p) per param."
+        )
+    if per_tensor:
+        _check_rounding_tensors(op, params, comps)
+
+
+def _check_rounding_tensors(op: str, params: Sequence[torch.Tensor], comps) -> None:
     for i, p in enumerate(params):
         if p.numel() >= _MAX_NUMEL:
             raise ValueError(
                 f"{op}: param {i} has {p.numel()} elements; the rounding's element index is a "
                 "32-bit word: split the tensor into parts below 2^32 elements."
             )
-    if rounding == "stochastic" and compensations:
-        raise ValueError(
-            f"{op}: stochastic rounding takes no compensation buffers, got "
-            f"{len(compensations)}; pass an empty list (or rounding='kahan')."
-        )
-    if rounding == "kahan":
-        if len(compensations) != len(params):
-            raise ValueError(
-                f"{op}: Kahan summation needs one bf16 compensation buffer per param, got "
-                f"{len(compensations)} for {len(params)}; pass torch.zeros_like(p) per param."
+    for i, (p, c) in enumerate(zip(params, comps, strict=False)):
+        if c.dtype != torch.bfloat16 or c.numel() != p.numel() or not c.is_contiguous():
+            raise TypeError(
+                f"{op}: compensation {i} is {c.dtype} with {c.numel()} elements; it must "
+                f"be a contiguous bfloat16 tensor of its param's {p.numel()} elements "
+                "(torch.zeros_like(p))."
             )
-        for i, (p, c) in enumerate(zip(params, compensations, strict=True)):
-            if c.dtype != torch.bfloat16 or c.numel() != p.numel() or not c.is_contiguous():
-                raise TypeError(
-                    f"{op}: compensation {i} is {c.dtype} with {c.numel()} elements; it must "
-                    f"be a contiguous bfloat16 tensor of its param's {p.numel()} elements "
-                    "(torch.zeros_like(p))."
-                )
 
 
 def store_rounded(

@@ -13,16 +13,13 @@ import math
 
 import torch
 
-from mpnb.core.ops._library import define, ensure_kernels
+from mpnb.core.ops._library import Tensor, Tensors, call, define
 from mpnb.core.ops._optim import (
     OPT_DTYPES,
     advance,
-    bf16_compensations,
     bf16_samples,
-    check_opt_lists,
-    check_steps,
+    check_step,
     f32,
-    no_outputs,
     opt_samples,
     opt_tolerance,
     skipped,
@@ -41,124 +38,16 @@ __all__ = [
     "reference_fused_adam_bf16_",
 ]
 
-_NAME = "fused_adam_"
+_WRITES = ("params", "exp_avgs", "exp_avg_sqs", "steps")
 
 
 def reference_fused_adam_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    masters,
-    steps,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    inv_scale=None,
-    found_inf=None,
-) -> None:
-    """Reference of :func:`fused_adam_` (``torch.optim.adam._single_tensor_adam``'s ops)."""
-    check_opt_lists(_NAME, params, grads, masters, exp_avgs, exp_avg_sqs)
-    check_steps(_NAME, steps, len(params))
-    if not params or skipped(_NAME, found_inf):
-        return
-    for i in range(len(params)):
-        g, w = unscaled(_NAME, grads[i], inv_scale), weight(params, masters, i)
-        m, v = exp_avgs[i], exp_avg_sqs[i]
-        step = advance(steps[i])
-        if weight_decay != 0:
-            if adam_w_mode:
-                w.mul_(1 - lr * weight_decay)
-            else:
-                g = g.add(w, alpha=weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bc1 = 1 - beta1**step if bias_correction else 1.0
-        bc2 = 1 - beta2**step if bias_correction else 1.0
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-        w.addcdiv_(m, denom, value=-lr / bc1)
-        store(params, masters, i, w)
-
-
-def _torch_fused_adam_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    masters,
-    steps,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    inv_scale=None,
-    found_inf=None,
-) -> None:
-    """:func:`fused_adam_` through ``torch._fused_adamw_`` / ``_fused_adam_`` (CUDA); the
-    reference without bias correction (PyTorch's ops always apply it)."""
-    if not bias_correction:
-        reference_fused_adam_(
-            params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
-            weight_decay, adam_w_mode, bias_correction, inv_scale, found_inf,
-        )  # fmt: skip
-        return
-    op = torch._fused_adamw_ if adam_w_mode else torch._fused_adam_
-    via_torch(
-        params, grads, masters, steps, inv_scale, found_inf,
-        lambda w, g, found: op(
-            w, g, list(exp_avgs), list(exp_avg_sqs), [], list(steps), lr=lr, beta1=beta1,
-            beta2=beta2, weight_decay=weight_decay, eps=eps, amsgrad=False, maximize=False,
-            found_inf=found,
-        ),
-    )  # fmt: skip
-
-
-def _args(lists, o: dict) -> tuple:
-    params, grads, masters, (m, v), steps = lists
-    hyper = (o["lr"], 0.9, 0.999, 1e-8, o["weight_decay"], o["adam_w_mode"], o["bias_correction"])
-    return (params, grads, m, v, masters, steps, *hyper, o.get("inv_scale"), o.get("found_inf"))
-
-
-def _samples(dtype: torch.dtype):
-    adamw = dict(lr=1e-2, weight_decay=0.1, adam_w_mode=True, bias_correction=True)
-    variants = (
-        ("adamw", adamw),
-        ("adam, L2 decay", adamw | dict(adam_w_mode=False)),
-        ("no decay, no bias correction", adamw | dict(weight_decay=0.0, bias_correction=False)),
-    )
-    return opt_samples(dtype, 2, _args, variants)
-
-
-OP = define(
-    "fused_adam_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
-    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] masters, Tensor(e!)[] steps, float lr, "
-    "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
-    "bool bias_correction, Tensor? inv_scale=None, Tensor? found_inf=None) -> ()",
-    family="adam",
-    reference=reference_fused_adam_,
-    fake=no_outputs,
-    torch_path=_torch_fused_adam_,
-    dtypes=OPT_DTYPES,
-    sample_inputs=_samples,
-    tolerance=opt_tolerance(2e-8),
-)
-_op = OP.overload
-
-
-def fused_adam_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    masters,
-    steps,
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    masters: Tensors,
+    steps: Tensors,
     *,
     lr: float,
     beta1: float,
@@ -167,8 +56,8 @@ def fused_adam_(
     weight_decay: float,
     adam_w_mode: bool,
     bias_correction: bool,
-    inv_scale=None,
-    found_inf=None,
+    inv_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """One Adam (L2 decay) or AdamW (decoupled decay) step over lists, in place.
 
@@ -178,6 +67,9 @@ def fused_adam_(
         v \\leftarrow \\beta_2 v + (1-\\beta_2) g^2 \\\\
         w &\\leftarrow w (1 - \\eta\\lambda)_{\\text{adam\\_w\\_mode}}
              - \\frac{\\eta}{1-\\beta_1^t} \\frac{m}{\\sqrt{v}/\\sqrt{1-\\beta_2^t} + \\epsilon}
+
+    The reference is ``torch.optim.adam._single_tensor_adam``'s ops; the C++ kernel's fp32
+    step equals ``torch.optim.AdamW(fused=True)`` and ``Adam(fused=True)`` bit for bit.
 
     Args:
         params: the weights (fp32, fp16 or bf16; one dtype), updated in place.
@@ -201,16 +93,87 @@ def fused_adam_(
         >>> fused_adam_(p, g, m, v, [], step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
         ...             weight_decay=0.01, adam_w_mode=True, bias_correction=True)
     """
-    ensure_kernels()
-    _op(
-        params, grads, exp_avgs, exp_avg_sqs, masters, steps, lr, beta1, beta2, eps,
-        weight_decay, adam_w_mode, bias_correction, inv_scale, found_inf,
-    )  # fmt: skip
+    if not params or skipped(found_inf):
+        return
+    for i in range(len(params)):
+        g, w = unscaled(grads[i], inv_scale), weight(params, masters, i)
+        m, v = exp_avgs[i], exp_avg_sqs[i]
+        step = advance(steps[i])
+        if weight_decay != 0:
+            if adam_w_mode:
+                w.mul_(1 - lr * weight_decay)
+            else:
+                g = g.add(w, alpha=weight_decay)
+        m.lerp_(g, 1 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
+        bc1 = 1 - beta1**step if bias_correction else 1.0
+        bc2 = 1 - beta2**step if bias_correction else 1.0
+        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
+        w.addcdiv_(m, denom, value=-lr / bc1)
+        store(params, masters, i, w)
+
+
+def _check(args, per_tensor: bool) -> None:
+    check_step(args, per_tensor, "exp_avgs", "exp_avg_sqs")
+
+
+def _torch_fused_adam_(args) -> None:
+    """:func:`fused_adam_` through ``torch._fused_adamw_`` / ``_fused_adam_`` (CUDA); the
+    reference without bias correction (PyTorch's ops always apply it)."""
+    if not args.bias_correction:
+        call(reference_fused_adam_, args)
+        return
+    op = torch._fused_adamw_ if args.adam_w_mode else torch._fused_adam_
+
+    def fused(w, g, found):
+        op(
+            w,
+            g,
+            list(args.exp_avgs),
+            list(args.exp_avg_sqs),
+            [],
+            list(args.steps),
+            lr=args.lr,
+            beta1=args.beta1,
+            beta2=args.beta2,
+            weight_decay=args.weight_decay,
+            eps=args.eps,
+            amsgrad=False,
+            maximize=False,
+            found_inf=found,
+        )
+
+    via_torch(args, fused)
+
+
+_HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8)
+
+
+def _samples(dtype: torch.dtype):
+    adamw = _HYPER | dict(lr=1e-2, weight_decay=0.1, adam_w_mode=True, bias_correction=True)
+    variants = (
+        ("adamw", adamw),
+        ("adam, L2 decay", adamw | dict(adam_w_mode=False)),
+        ("no decay, no bias correction", adamw | dict(weight_decay=0.0, bias_correction=False)),
+    )
+    return opt_samples(dtype, ("exp_avgs", "exp_avg_sqs"), variants)
+
+
+OP = define(
+    reference_fused_adam_,
+    family="adam",
+    mutates=(*_WRITES, "masters"),
+    check=_check,
+    cuda=_torch_fused_adam_,
+    triton="adam",
+    dtypes=OPT_DTYPES,
+    sample_inputs=_samples,
+    tolerance=opt_tolerance(2e-8),
+)
+fused_adam_ = OP.wrapper
 
 
 # ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
-
-_NAME_BF16 = "fused_adam_bf16_"
 
 
 def _adam_plain(w, g, m, v, k: dict, t: int, adam_w_mode: bool, has_wd: bool):
@@ -246,86 +209,12 @@ def adam_constants(lr, beta1, beta2, eps, weight_decay, bias_correction, steps) 
 
 
 def reference_fused_adam_bf16_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    compensations,
-    steps,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    rounding,
-    seed,
-    rng_step,
-    inv_scale=None,
-    found_inf=None,
-) -> None:
-    """Reference of :func:`fused_adam_bf16_`: :func:`_adam_plain`, then the rounding of
-    :mod:`mpnb.core.ops._rounding`."""
-    check_opt_lists(_NAME_BF16, params, grads, [], exp_avgs, exp_avg_sqs)
-    check_steps(_NAME_BF16, steps, len(params))
-    check_rounding(_NAME_BF16, params, compensations, rounding)
-    if not params or skipped(_NAME_BF16, found_inf):
-        return
-    counts = [advance(s) for s in steps]
-    k = adam_constants(lr, beta1, beta2, eps, weight_decay, bias_correction, counts)
-    for i in range(len(params)):
-        g, w = unscaled(_NAME_BF16, grads[i], inv_scale), params[i].float()
-        x = _adam_plain(w, g, exp_avgs[i], exp_avg_sqs[i], k, i, adam_w_mode, weight_decay != 0)
-        comp = compensations[i] if rounding == "kahan" else None
-        store_rounded(params[i], comp, x, rounding, seed, rng_step, i)
-
-
-def _bf16_args(lists, o: dict) -> tuple:
-    params, grads, _, (m, v), steps = lists
-    hyper = (o["lr"], 0.9, 0.999, 1e-8, o["weight_decay"], o["adam_w_mode"], True)
-    comps = bf16_compensations(params) if o["rounding"] == "kahan" else []
-    return (
-        params, grads, m, v, comps, steps, *hyper, o["rounding"], o.get("seed", 7),
-        o.get("rng_step", 3), o.get("inv_scale"), o.get("found_inf"),
-    )  # fmt: skip
-
-
-def _bf16_samples(dtype: torch.dtype):
-    base = dict(lr=1e-2, weight_decay=0.1, adam_w_mode=True)
-    variants = []
-    for rounding in ROUNDINGS:
-        r = dict(rounding=rounding)
-        variants += [
-            (f"{rounding}: adamw", base | r),
-            (f"{rounding}: adam, L2 decay", base | r | dict(adam_w_mode=False)),
-            (f"{rounding}: no decay, tiny lr", base | r | dict(weight_decay=0.0, lr=1e-6)),
-        ]
-    return bf16_samples(dtype, 2, _bf16_args, variants)
-
-
-OP_BF16 = define(
-    "fused_adam_bf16_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
-    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] compensations, Tensor(e!)[] steps, float lr, "
-    "float beta1, float beta2, float eps, float weight_decay, bool adam_w_mode, "
-    "bool bias_correction, str rounding, int seed, int rng_step, Tensor? inv_scale=None, "
-    "Tensor? found_inf=None) -> ()",
-    family="adam",
-    reference=reference_fused_adam_bf16_,
-    fake=no_outputs,
-    dtypes=(torch.bfloat16,),
-    sample_inputs=_bf16_samples,  # kernel == reference bit for bit
-)
-_op_bf16 = OP_BF16.overload
-
-
-def fused_adam_bf16_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    compensations,
-    steps,
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    compensations: Tensors,
+    steps: Tensors,
     *,
     lr: float,
     beta1: float,
@@ -337,15 +226,17 @@ def fused_adam_bf16_(
     rounding: str,
     seed: int,
     rng_step: int,
-    inv_scale=None,
-    found_inf=None,
+    inv_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """One Adam/AdamW step of bf16 params without master weights, rounded stochastically or
     with Kahan summation (the math: :mod:`mpnb.core.ops._rounding`).
 
     The fp32 step is :func:`fused_adam_`'s formula computed one rounding per operation
     (``m = beta1 m + (1-beta1) g``, ``v = beta2 v + ((1-beta2) g) g``,
-    ``w + (-lr/bc1 * m) / (sqrt(v)/sqrt(bc2) + eps)``), from the param upcast to fp32.
+    ``w + (-lr/bc1 * m) / (sqrt(v)/sqrt(bc2) + eps)``), from the param upcast to fp32: the
+    reference is :func:`_adam_plain`, then the rounding; the kernels compute exactly these
+    operations.
 
     Args:
         params: bf16 weights, updated in place.
@@ -369,9 +260,43 @@ def fused_adam_bf16_(
         ...                  weight_decay=0.01, adam_w_mode=True, bias_correction=True,
         ...                  rounding="stochastic", seed=1, rng_step=1)
     """
-    ensure_kernels()
-    _op_bf16(
-        params, grads, exp_avgs, exp_avg_sqs, compensations, steps, lr, beta1, beta2, eps,
-        weight_decay, adam_w_mode, bias_correction, rounding, seed, rng_step, inv_scale,
-        found_inf,
-    )  # fmt: skip
+    if not params or skipped(found_inf):
+        return
+    counts = [advance(s) for s in steps]
+    k = adam_constants(lr, beta1, beta2, eps, weight_decay, bias_correction, counts)
+    for i in range(len(params)):
+        g, w = unscaled(grads[i], inv_scale), params[i].float()
+        x = _adam_plain(w, g, exp_avgs[i], exp_avg_sqs[i], k, i, adam_w_mode, weight_decay != 0)
+        comp = compensations[i] if rounding == "kahan" else None
+        store_rounded(params[i], comp, x, rounding, seed, rng_step, i)
+
+
+def _check_bf16(args, per_tensor: bool) -> None:
+    check_step(args, per_tensor, "exp_avgs", "exp_avg_sqs", masters=None)
+    check_rounding(args, per_tensor)
+
+
+def _bf16_samples(dtype: torch.dtype):
+    base = _HYPER | dict(lr=1e-2, weight_decay=0.1, adam_w_mode=True, bias_correction=True)
+    base |= dict(seed=7, rng_step=3)
+    variants = []
+    for rounding in ROUNDINGS:
+        r = dict(rounding=rounding)
+        variants += [
+            (f"{rounding}: adamw", base | r),
+            (f"{rounding}: adam, L2 decay", base | r | dict(adam_w_mode=False)),
+            (f"{rounding}: no decay, tiny lr", base | r | dict(weight_decay=0.0, lr=1e-6)),
+        ]
+    return bf16_samples(dtype, ("exp_avgs", "exp_avg_sqs"), variants)
+
+
+OP_BF16 = define(
+    reference_fused_adam_bf16_,
+    family="adam",
+    mutates=(*_WRITES, "compensations"),
+    check=_check_bf16,
+    triton="adam",
+    dtypes=(torch.bfloat16,),
+    sample_inputs=_bf16_samples,  # kernel == reference bit for bit
+)
+fused_adam_bf16_ = OP_BF16.wrapper

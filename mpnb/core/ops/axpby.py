@@ -11,63 +11,21 @@ from __future__ import annotations
 
 import torch
 
-from mpnb.core.ops._checks import acc_dtype, any_nonfinite, check_lists, raise_flag_if
-from mpnb.core.ops._layout import in_memory_order
-from mpnb.core.ops._library import Sample, define, ensure_kernels, no_outputs
+from mpnb.core.ops._checks import acc_dtype, any_nonfinite, check_lists, check_one, raise_flag_if
+from mpnb.core.ops._library import Sample, Tensor, Tensors, define
 
 __all__ = ["multi_tensor_axpby", "reference_multi_tensor_axpby"]
 
 
 def reference_multi_tensor_axpby(
-    noop_flag, x, y, out, a: float, b: float, arg_to_check: int = -1
+    noop_flag: Tensor,
+    x: Tensors,
+    y: Tensors,
+    out: Tensors,
+    a: float,
+    b: float,
+    arg_to_check: int = -1,
 ) -> None:
-    """Reference of :func:`multi_tensor_axpby` in plain PyTorch."""
-    if arg_to_check not in (-1, 0, 1):
-        raise ValueError(
-            "multi_tensor_axpby: arg_to_check must be -1 (both), 0 (x) or 1 (y), "
-            f"got {arg_to_check}."
-        )
-    check_lists("multi_tensor_axpby", x, y=y, out=out)
-    if not x:
-        return
-    acc = acc_dtype(x[0])
-    sa = torch.tensor(a, dtype=acc, device=x[0].device)
-    sb = torch.tensor(b, dtype=acc, device=x[0].device)
-    for xi, yi, oi in zip(x, y, out, strict=True):
-        oi.copy_(sa * xi.to(acc) + sb * yi.to(acc))
-    checked = {-1: [*x, *y], 0: list(x), 1: list(y)}[arg_to_check]
-    raise_flag_if(noop_flag, any_nonfinite(checked, noop_flag.device))
-
-
-def _samples(dtype: torch.dtype):
-    g = torch.Generator().manual_seed(1)
-    sizes = (0, 1, 17, 1000, 40000)
-
-    def make(dt):
-        return [torch.randn(n, generator=g, dtype=torch.float64).to(dt) for n in sizes]
-
-    other = torch.float64 if dtype == torch.float64 else torch.float32
-    for check in (-1, 0, 1):
-        x, y = make(dtype), make(other)
-        x[3][5] = float("nan")
-        yield Sample(
-            (torch.zeros(1, dtype=torch.int32), x, y, make(dtype), 0.5, -2.0, check),
-            name=f"arg_to_check={check}",
-        )
-
-
-OP = define(
-    "multi_tensor_axpby(Tensor(a!) noop_flag, Tensor[] x, Tensor[] y, Tensor(b!)[] out, "
-    "float a, float b, int arg_to_check=-1) -> ()",
-    family="axpby",
-    reference=reference_multi_tensor_axpby,
-    fake=no_outputs,
-    sample_inputs=_samples,
-)
-_op = OP.overload
-
-
-def multi_tensor_axpby(noop_flag, x, y, out, a: float, b: float, arg_to_check: int = -1) -> None:
     """``out[i] = a * x[i] + b * y[i]`` for every triple, in one pass (Apex's axpby).
 
     Args:
@@ -83,5 +41,48 @@ def multi_tensor_axpby(noop_flag, x, y, out, a: float, b: float, arg_to_check: i
         >>> x, y = [torch.ones(4)], [torch.ones(4)]; out = [torch.empty(4)]
         >>> multi_tensor_axpby(flag, x, y, out, 2.0, 3.0)     # out == [5, 5, 5, 5]
     """
-    ensure_kernels()
-    in_memory_order(_op, (noop_flag, x, y, out, a, b, arg_to_check), (1, 2, 3))
+    if not x:
+        return
+    acc = acc_dtype(x[0])
+    sa = torch.tensor(a, dtype=acc, device=x[0].device)
+    sb = torch.tensor(b, dtype=acc, device=x[0].device)
+    for xi, yi, oi in zip(x, y, out, strict=True):
+        oi.copy_(sa * xi.to(acc) + sb * yi.to(acc))
+    checked = {-1: [*x, *y], 0: list(x), 1: list(y)}[arg_to_check]
+    raise_flag_if(noop_flag, any_nonfinite(checked, noop_flag.device))
+
+
+def _check(args, per_tensor: bool) -> None:
+    op = args.op_name
+    if args.arg_to_check not in (-1, 0, 1):
+        raise ValueError(
+            f"{op}: arg_to_check must be -1 (both), 0 (x) or 1 (y), got {args.arg_to_check}."
+        )
+    check_one(op, "noop_flag", args.noop_flag)
+    check_lists(op, per_tensor, x=args.x, y=args.y, out=args.out)
+
+
+def _samples(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(1)
+    sizes = (0, 1, 17, 1000, 40000)
+
+    def make(dt):
+        return [torch.randn(n, generator=g, dtype=torch.float64).to(dt) for n in sizes]
+
+    other = torch.float64 if dtype == torch.float64 else torch.float32
+    for check in (-1, 0, 1):
+        x, y = make(dtype), make(other)
+        x[3][5] = float("nan")
+        kw = dict(noop_flag=torch.zeros(1, dtype=torch.int32), x=x, y=y, out=make(dtype))
+        yield Sample(kw | dict(a=0.5, b=-2.0, arg_to_check=check), name=f"arg_to_check={check}")
+
+
+OP = define(
+    reference_multi_tensor_axpby,
+    family="axpby",
+    mutates=("noop_flag", "out"),
+    check=_check,
+    memory_order=("x", "y", "out"),
+    sample_inputs=_samples,
+)
+multi_tensor_axpby = OP.wrapper

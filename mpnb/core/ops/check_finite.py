@@ -11,53 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from mpnb.core.ops._checks import any_nonfinite, check_lists, raise_flag_if
-from mpnb.core.ops._layout import in_memory_order
-from mpnb.core.ops._library import Sample, define, ensure_kernels, no_outputs
+from mpnb.core.ops._checks import any_nonfinite, check_lists, check_one, raise_flag_if
+from mpnb.core.ops._library import Sample, Tensor, Tensors, call, define
 
 __all__ = ["multi_tensor_check_finite", "reference_multi_tensor_check_finite"]
 
 
-def reference_multi_tensor_check_finite(noop_flag, tensors) -> None:
-    """Reference of :func:`multi_tensor_check_finite` in plain PyTorch."""
-    check_lists("multi_tensor_check_finite", tensors)
-    raise_flag_if(noop_flag, any_nonfinite(tensors, noop_flag.device))
-
-
-def _torch_multi_tensor_check_finite(noop_flag, tensors) -> None:
-    """PyTorch's fused check (CUDA): unscale by exactly 1.0 into a found-inf flag."""
-    if not tensors or tensors[0].dtype == torch.float64:
-        reference_multi_tensor_check_finite(noop_flag, tensors)
-        return
-    dev = tensors[0].device
-    found = torch.zeros(1, dtype=torch.float32, device=dev)
-    one = torch.ones(1, dtype=torch.float32, device=dev)
-    torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found, one)
-    raise_flag_if(noop_flag, found > 0)
-
-
-def _samples(dtype: torch.dtype):
-    g = torch.Generator().manual_seed(3)
-    sizes = (0, 1, 17, 1000, 32768 * 2 + 5)
-    for plant in (None, float("inf"), float("-inf"), float("nan")):
-        xs = [torch.randn(n, generator=g, dtype=torch.float64).to(dtype) for n in sizes]
-        if plant is not None:
-            xs[4][32768 + 9] = plant
-        yield Sample((torch.zeros(1, dtype=torch.int32), xs), name=f"plant={plant}")
-
-
-OP = define(
-    "multi_tensor_check_finite(Tensor(a!) noop_flag, Tensor[] tensors) -> ()",
-    family="check_finite",
-    reference=reference_multi_tensor_check_finite,
-    fake=no_outputs,
-    torch_path=_torch_multi_tensor_check_finite,
-    sample_inputs=_samples,
-)
-_op = OP.overload
-
-
-def multi_tensor_check_finite(noop_flag, tensors) -> None:
+def reference_multi_tensor_check_finite(noop_flag: Tensor, tensors: Tensors) -> None:
     """Set ``noop_flag`` to 1 if any element of ``tensors`` is inf or NaN; read-only, one pass.
 
     Args:
@@ -69,5 +29,45 @@ def multi_tensor_check_finite(noop_flag, tensors) -> None:
         >>> flag = torch.zeros(1)
         >>> multi_tensor_check_finite(flag, [torch.tensor([1.0, float("inf")])])   # flag == 1
     """
-    ensure_kernels()
-    in_memory_order(_op, (noop_flag, tensors), (1,))
+    raise_flag_if(noop_flag, any_nonfinite(tensors, noop_flag.device))
+
+
+def _check(args, per_tensor: bool) -> None:
+    check_one(args.op_name, "noop_flag", args.noop_flag)
+    check_lists(args.op_name, per_tensor, tensors=args.tensors)
+
+
+def _torch_multi_tensor_check_finite(args) -> None:
+    """PyTorch's fused check (CUDA): unscale by exactly 1.0 into a found-inf flag."""
+    tensors = args.tensors
+    if not tensors or tensors[0].dtype == torch.float64:
+        call(reference_multi_tensor_check_finite, args)
+        return
+    dev = tensors[0].device
+    found = torch.zeros(1, dtype=torch.float32, device=dev)
+    one = torch.ones(1, dtype=torch.float32, device=dev)
+    torch._amp_foreach_non_finite_check_and_unscale_(list(tensors), found, one)
+    raise_flag_if(args.noop_flag, found > 0)
+
+
+def _samples(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(3)
+    sizes = (0, 1, 17, 1000, 32768 * 2 + 5)
+    for plant in (None, float("inf"), float("-inf"), float("nan")):
+        xs = [torch.randn(n, generator=g, dtype=torch.float64).to(dtype) for n in sizes]
+        if plant is not None:
+            xs[4][32768 + 9] = plant
+        kw = dict(noop_flag=torch.zeros(1, dtype=torch.int32), tensors=xs)
+        yield Sample(kw, name=f"plant={plant}")
+
+
+OP = define(
+    reference_multi_tensor_check_finite,
+    family="check_finite",
+    mutates=("noop_flag",),
+    check=_check,
+    cuda=_torch_multi_tensor_check_finite,
+    memory_order=("tensors",),
+    sample_inputs=_samples,
+)
+multi_tensor_check_finite = OP.wrapper

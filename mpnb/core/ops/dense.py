@@ -1,7 +1,7 @@
 """``mpnb::bias_act_bwd``: the backward epilogue of a dense layer and its activation.
 
-``bias_act_bwd(grad, saved, activation, bias_grad) -> (dz, db)``: ``dz = grad * act'(saved)``
-and ``db = dz.sum(rows)`` in one pass (``db`` is empty when ``bias_grad`` is False).
+:func:`bias_act_bwd` returns ``(dz, db)``: ``dz = grad * act'(saved)`` and
+``db = dz.sum(rows)`` in one pass (``db`` is empty when ``bias_grad`` is False).
 ``activation``: 0 none, 1 relu and 2 sigmoid (``saved`` = the activation's output), 3 gelu
 (erf form; ``saved`` = its input). Used by :mod:`mpnb.core.mlp` and
 :mod:`mpnb.core.fused_dense`, whose autograd functions call it (it is itself a backward, and
@@ -17,7 +17,7 @@ import math
 import torch
 
 from mpnb.core.ops._checks import acc_dtype, check_float
-from mpnb.core.ops._library import Sample, define, ensure_kernels
+from mpnb.core.ops._library import Sample, Tensor, define
 
 __all__ = ["ACTIVATIONS", "bias_act_bwd", "reference_bias_act_bwd"]
 
@@ -25,23 +25,23 @@ __all__ = ["ACTIVATIONS", "bias_act_bwd", "reference_bias_act_bwd"]
 ACTIVATIONS = {"none": 0, "relu": 1, "sigmoid": 2, "gelu": 3}
 
 
-def _check(op: str, grad, saved, activation) -> None:
-    check_float(op, grad, "grad")
-    if grad.shape != saved.shape or grad.dtype != saved.dtype:
-        raise ValueError(
-            f"{op}: grad {tuple(grad.shape)} {grad.dtype} does not match the saved activation "
-            f"{tuple(saved.shape)} {saved.dtype}; pass the tensor the forward saved for this "
-            "gradient."
-        )
-    if activation not in ACTIVATIONS.values():
-        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {activation}.")
-    if grad.dim() < 1:
-        raise ValueError(f"{op}: grad is a scalar; pass [..., features] gradients.")
+def reference_bias_act_bwd(
+    grad: Tensor, saved: Tensor, activation: int, bias_grad: bool
+) -> tuple[Tensor, Tensor]:
+    """``(grad * act'(saved), column sums)`` in one pass; see :mod:`mpnb.core.ops.dense`. The
+    reference computes in fp32 (fp64 for fp64).
 
+    Args:
+        grad: the gradient of the activation's output, ``[..., features]``.
+        saved: the activation's output (relu, sigmoid) or input (gelu), like ``grad``.
+        activation: a value of :data:`ACTIVATIONS`.
+        bias_grad: also return the bias gradient (``dz`` summed over every row).
 
-def reference_bias_act_bwd(grad, saved, activation, bias_grad):
-    """Reference of :func:`bias_act_bwd` in fp32 (fp64 for fp64)."""
-    _check("bias_act_bwd", grad, saved, activation)
+    Example::
+
+        >>> y = torch.relu(torch.randn(4, 3))
+        >>> dz, db = bias_act_bwd(torch.ones(4, 3), y, ACTIVATIONS["relu"], True)
+    """
     acc = acc_dtype(grad)
     g, s = grad.to(acc), saved.to(acc)
     if activation == 1:
@@ -58,28 +58,45 @@ def reference_bias_act_bwd(grad, saved, activation, bias_grad):
     return g.to(grad.dtype), db
 
 
-def _fake(grad, saved, activation, bias_grad):
+def _check(args, per_tensor: bool) -> None:
+    op, grad, saved = args.op_name, args.grad, args.saved
+    check_float(op, grad, "grad")
+    if grad.shape != saved.shape or grad.dtype != saved.dtype:
+        raise ValueError(
+            f"{op}: grad {tuple(grad.shape)} {grad.dtype} does not match the saved activation "
+            f"{tuple(saved.shape)} {saved.dtype}; pass the tensor the forward saved for this "
+            "gradient."
+        )
+    if args.activation not in ACTIVATIONS.values():
+        raise ValueError(f"{op}: activation must be one of {ACTIVATIONS}, got {args.activation}.")
+    if grad.dim() < 1:
+        raise ValueError(f"{op}: grad is a scalar; pass [..., features] gradients.")
+
+
+def _fake(args):
+    grad = args.grad
     dz = torch.empty_like(grad, memory_format=torch.contiguous_format)
-    return dz, grad.new_empty(grad.shape[-1] if bias_grad else 0)
+    return dz, grad.new_empty(grad.shape[-1] if args.bias_grad else 0)
 
 
 def _samples(dtype):
     g = torch.Generator().manual_seed(0)
 
-    def make(shape, act):
+    def make(shape, act, bias_grad):
         dy = torch.randn(shape, generator=g).to(dtype)
         s = torch.randn(shape, generator=g).to(dtype)
-        return dy, (s.sigmoid() if act == 2 else s)
+        s = s.sigmoid() if act == 2 else s
+        return dict(grad=dy, saved=s, activation=act, bias_grad=bias_grad)
 
     for act in ACTIVATIONS.values():
         for cols in (1, 3, 1000):
             for bias_grad in (True, False):
                 name = f"act={act} cols={cols} bias_grad={bias_grad}"
-                yield Sample((*make((37, cols), act), act, bias_grad), name=name)
-        yield Sample((*make((2, 5, 7), act), act, True), name=f"act={act} 3-d")
-    yield Sample((*make((9,), 3), 3, True), name="1-d")
-    yield Sample((*make((0, 5), 1), 1, True), name="no rows")
-    yield Sample((*make((4, 0), 1), 1, True), name="no columns")
+                yield Sample(make((37, cols), act, bias_grad), name=name)
+        yield Sample(make((2, 5, 7), act, True), name=f"act={act} 3-d")
+    yield Sample(make((9,), 3, True), name="1-d")
+    yield Sample(make((0, 5), 1, True), name="no rows")
+    yield Sample(make((4, 0), 1, True), name="no columns")
 
 
 # Kernel vs reference, measured over the samples: the gelu derivative uses ATen's vectorized
@@ -93,29 +110,11 @@ TOLERANCE = {
 }
 
 OP = define(
-    "bias_act_bwd(Tensor grad, Tensor saved, int activation, bool bias_grad) -> (Tensor, Tensor)",
+    reference_bias_act_bwd,
     family="dense",
-    reference=reference_bias_act_bwd,
+    check=_check,
     fake=_fake,
     sample_inputs=_samples,
     tolerance=TOLERANCE,
 )
-_op = OP.overload
-
-
-def bias_act_bwd(grad, saved, activation: int, bias_grad: bool):
-    """``(grad * act'(saved), column sums)`` in one pass; see the module docstring.
-
-    Args:
-        grad: the gradient of the activation's output, ``[..., features]``.
-        saved: the activation's output (relu, sigmoid) or input (gelu), like ``grad``.
-        activation: a value of :data:`ACTIVATIONS`.
-        bias_grad: also return the bias gradient (``dz`` summed over every row).
-
-    Example::
-
-        >>> y = torch.relu(torch.randn(4, 3))
-        >>> dz, db = bias_act_bwd(torch.ones(4, 3), y, ACTIVATIONS["relu"], True)
-    """
-    ensure_kernels()
-    return _op(grad, saved, activation, bias_grad)
+bias_act_bwd = OP.wrapper

@@ -12,16 +12,38 @@ from __future__ import annotations
 
 import torch
 
-from mpnb.core.ops._checks import acc_dtype, check_lists, raise_flag_if
-from mpnb.core.ops._layout import in_memory_order
-from mpnb.core.ops._library import Sample, define, ensure_kernels
+from mpnb.core.ops._checks import acc_dtype, check_lists, check_one, raise_flag_if
+from mpnb.core.ops._library import Sample, Tensor, Tensors, define
 
 __all__ = ["multi_tensor_l2norm", "reference_multi_tensor_l2norm"]
 
 
-def reference_multi_tensor_l2norm(noop_flag, tensors, per_tensor: bool = False, inv_scale=None):
-    """Reference of :func:`multi_tensor_l2norm` in plain PyTorch (fp64 accumulation)."""
-    check_lists("multi_tensor_l2norm", tensors)
+def reference_multi_tensor_l2norm(
+    noop_flag: Tensor,
+    tensors: Tensors,
+    per_tensor: bool = False,
+    inv_scale: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """The L2 norm of all ``tensors`` together, and optionally of each one, in one pass.
+
+    Args:
+        noop_flag: set to 1 when the norm is not finite (an input holds inf/NaN, or the norm
+            exceeds the fp32 range).
+        tensors: contiguous (or channels-last) tensors of one dtype.
+        per_tensor: also return each tensor's norm.
+        inv_scale: optional one-element tensor; the norm is that of ``t * inv_scale`` computed
+            element by element in fp32 (Apex's ``multi_tensor_unscale_l2norm``); the tensors
+            are not modified.
+
+    Returns:
+        ``(total, per_tensor_norms)``: ``total`` has shape ``(1,)``; ``per_tensor_norms`` has
+        shape ``(len(tensors),)``, or ``(0,)`` when ``per_tensor`` is False.
+
+    Example::
+
+        >>> total, per = multi_tensor_l2norm(torch.zeros(1), [torch.ones(4), torch.ones(9)], True)
+        >>> total, per      # tensor([3.6056]), tensor([2., 3.])
+    """
     if not tensors:
         dev = noop_flag.device
         return torch.zeros(1, device=dev), torch.empty(0, device=dev)
@@ -43,10 +65,19 @@ def reference_multi_tensor_l2norm(noop_flag, tensors, per_tensor: bool = False, 
     return total, per
 
 
-def _fake(noop_flag, tensors, per_tensor=False, inv_scale=None):
+def _check(args, per_tensor: bool) -> None:
+    op = args.op_name
+    check_one(op, "noop_flag", args.noop_flag)
+    check_one(op, "inv_scale", args.inv_scale)
+    check_lists(op, per_tensor, tensors=args.tensors)
+
+
+def _fake(args):
+    tensors = args.tensors
     dtype = torch.float64 if tensors and tensors[0].dtype == torch.float64 else torch.float32
-    n = len(tensors) if per_tensor else 0
-    return noop_flag.new_empty((1,), dtype=dtype), noop_flag.new_empty((n,), dtype=dtype)
+    n = len(tensors) if args.per_tensor else 0
+    flag = args.noop_flag
+    return flag.new_empty((1,), dtype=dtype), flag.new_empty((n,), dtype=dtype)
 
 
 def _samples(dtype: torch.dtype):
@@ -54,17 +85,21 @@ def _samples(dtype: torch.dtype):
     sizes = (1, 3, 1000, 32768 + 3, 70000)
     for per_tensor in (False, True):
         xs = [torch.randn(n, generator=g, dtype=torch.float64).to(dtype) for n in sizes]
-        yield Sample((torch.zeros(1, dtype=torch.int32), xs, per_tensor), name=f"per={per_tensor}")
+        kw = dict(noop_flag=torch.zeros(1, dtype=torch.int32), tensors=xs, per_tensor=per_tensor)
+        yield Sample(kw, name=f"per={per_tensor}")
     xs = [(torch.randn(n, generator=g, dtype=torch.float64) * 512).to(dtype) for n in sizes]
-    yield Sample((torch.zeros(1), xs, True, torch.full((1,), 1 / 512)), name="inv_scale")
+    kw = dict(noop_flag=torch.zeros(1), tensors=xs, per_tensor=True)
+    yield Sample(kw | dict(inv_scale=torch.full((1,), 1 / 512)), name="inv_scale")
 
 
 OP = define(
-    "multi_tensor_l2norm(Tensor(a!) noop_flag, Tensor[] tensors, bool per_tensor=False, "
-    "Tensor? inv_scale=None) -> (Tensor, Tensor)",
+    reference_multi_tensor_l2norm,
     family="l2norm",
-    reference=reference_multi_tensor_l2norm,
+    mutates=("noop_flag",),
+    check=_check,
     fake=_fake,
+    triton="l2norm",
+    memory_order=("tensors",),
     sample_inputs=_samples,
     tolerance={
         torch.float32: (2e-6, 0.0),
@@ -73,29 +108,4 @@ OP = define(
         torch.float64: (1e-12, 0.0),
     },
 )
-_op = OP.overload
-
-
-def multi_tensor_l2norm(noop_flag, tensors, per_tensor: bool = False, inv_scale=None):
-    """The L2 norm of all ``tensors`` together, and optionally of each one, in one pass.
-
-    Args:
-        noop_flag: set to 1 when the norm is not finite (an input holds inf/NaN, or the norm
-            exceeds the fp32 range).
-        tensors: contiguous (or channels-last) tensors of one dtype.
-        per_tensor: also return each tensor's norm.
-        inv_scale: optional one-element tensor; the norm is that of ``t * inv_scale`` computed
-            element by element in fp32 (Apex's ``multi_tensor_unscale_l2norm``); the tensors
-            are not modified.
-
-    Returns:
-        ``(total, per_tensor_norms)``: ``total`` has shape ``(1,)``; ``per_tensor_norms`` has
-        shape ``(len(tensors),)``, or ``(0,)`` when ``per_tensor`` is False.
-
-    Example::
-
-        >>> total, per = multi_tensor_l2norm(torch.zeros(1), [torch.ones(4), torch.ones(9)], True)
-        >>> total, per      # tensor([3.6056]), tensor([2., 3.])
-    """
-    ensure_kernels()
-    return in_memory_order(_op, (noop_flag, tensors, per_tensor, inv_scale), (1,))
+multi_tensor_l2norm = OP.wrapper

@@ -13,16 +13,13 @@ import math
 
 import torch
 
-from mpnb.core.ops._library import define, ensure_kernels
+from mpnb.core.ops._library import Tensor, Tensors, define
 from mpnb.core.ops._optim import (
     OPT_DTYPES,
     advance,
-    bf16_compensations,
     bf16_samples,
-    check_opt_lists,
-    check_steps,
+    check_step,
     f32,
-    no_outputs,
     opt_samples,
     opt_tolerance,
     skipped,
@@ -41,125 +38,18 @@ __all__ = [
     "reference_fused_lamb_bf16_",
 ]
 
-_NAME = "fused_lamb_"
 _F32 = torch.float32
-
-
-def _update(w, g, m, v, clip, wd, beta1, beta3, beta2, eps, bc1, bc2, adam_w_mode):
-    g = g / clip
-    if wd != 0 and not adam_w_mode:
-        g = g + f32(wd) * w
-    m.copy_(m * f32(beta1) + f32(beta3) * g)
-    v.copy_(v * f32(beta2) + f32(1 - beta2) * g * g)
-    u = (m / f32(bc1)) / ((v / f32(bc2)).sqrt() + f32(eps))
-    if wd != 0 and adam_w_mode:
-        u = u + f32(wd) * w
-    return u
+_WRITES = ("params", "exp_avgs", "exp_avg_sqs", "steps")
 
 
 def reference_fused_lamb_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    masters,
-    steps,
-    global_grad_norm,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    grad_averaging,
-    max_grad_norm,
-    use_nvlamb,
-    inv_scale=None,
-    found_inf=None,
-) -> None:
-    """Reference of :func:`fused_lamb_`, written from the LAMB paper (You et al., 2019)."""
-    check_opt_lists(_NAME, params, grads, masters, exp_avgs, exp_avg_sqs)
-    check_steps(_NAME, steps, len(params))
-    if global_grad_norm.numel() != 1:
-        raise ValueError(
-            f"{_NAME}: global_grad_norm must hold one value, got {global_grad_norm.numel()}; "
-            "pass the one-element total of multi_tensor_l2norm."
-        )
-    if not params or skipped(_NAME, found_inf):
-        return
-    gnorm = global_grad_norm.reshape(()).to("cpu", _F32)
-    clip = gnorm / f32(max_grad_norm) if 0 < max_grad_norm < gnorm.item() else f32(1.0)
-    beta3 = 1 - beta1 if grad_averaging else 1.0
-    for i in range(len(params)):
-        g, w = unscaled(_NAME, grads[i], inv_scale), weight(params, masters, i)
-        step = advance(steps[i])
-        bc1 = 1 - beta1**step if bias_correction else 1.0
-        bc2 = 1 - beta2**step if bias_correction else 1.0
-        m, v = exp_avgs[i].clone(), exp_avg_sqs[i].clone()
-        u = _update(
-            w, g, m, v, clip.to(w.device), weight_decay, beta1, beta3, beta2, eps, bc1, bc2,
-            adam_w_mode,
-        )  # fmt: skip
-        ratio = f32(lr)
-        if use_nvlamb or weight_decay != 0:
-            pn = f32(w.double().square().sum().sqrt().item())
-            un = f32(u.double().square().sum().sqrt().item())
-            if pn.item() != 0 and un.item() != 0:
-                ratio = f32(lr) * (pn / un)
-        exp_avgs[i].copy_(m)
-        exp_avg_sqs[i].copy_(v)
-        store(params, masters, i, w - ratio.to(w.device) * u)
-
-
-def _args(lists, o: dict) -> tuple:
-    params, grads, masters, (m, v), steps = lists
-    gnorm = torch.tensor([o["global_grad_norm"]])
-    hyper = (1e-2, 0.9, 0.999, 1e-6, o["weight_decay"], o["adam_w_mode"], True, True)
-    return (
-        params, grads, m, v, masters, steps, gnorm, *hyper, 1.0, o["use_nvlamb"],
-        o.get("inv_scale"), o.get("found_inf"),
-    )  # fmt: skip
-
-
-def _samples(dtype: torch.dtype):
-    base = dict(global_grad_norm=0.5, weight_decay=0.01, adam_w_mode=True, use_nvlamb=False)
-    variants = (
-        ("adamw decay", base),
-        ("clipped, L2 decay", base | dict(global_grad_norm=3.0, adam_w_mode=False)),
-        ("no decay: one pass", base | dict(weight_decay=0.0)),
-        ("no decay, use_nvlamb", base | dict(weight_decay=0.0, use_nvlamb=True)),
-        # a tensor larger than a cache group (655360 elements): both passes shared by threads
-        ("a tensor past a group", base | dict(sizes=(5, 655360 + 3, 17))),
-    )
-    return opt_samples(dtype, 2, _args, variants)
-
-
-OP = define(
-    "fused_lamb_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
-    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] masters, Tensor(e!)[] steps, "
-    "Tensor global_grad_norm, float lr, float beta1, float beta2, float eps, "
-    "float weight_decay, bool adam_w_mode, bool bias_correction, bool grad_averaging, "
-    "float max_grad_norm, bool use_nvlamb, Tensor? inv_scale=None, "
-    "Tensor? found_inf=None) -> ()",
-    family="lamb",
-    reference=reference_fused_lamb_,
-    fake=no_outputs,
-    dtypes=OPT_DTYPES,
-    sample_inputs=_samples,
-    tolerance=opt_tolerance(6e-8),
-)
-_op = OP.overload
-
-
-def fused_lamb_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    masters,
-    steps,
-    global_grad_norm,
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    masters: Tensors,
+    steps: Tensors,
+    global_grad_norm: Tensor,
     *,
     lr: float,
     beta1: float,
@@ -171,8 +61,8 @@ def fused_lamb_(
     grad_averaging: bool = True,
     max_grad_norm: float = 1.0,
     use_nvlamb: bool = False,
-    inv_scale=None,
-    found_inf=None,
+    inv_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """One LAMB step over lists, in place.
 
@@ -185,6 +75,8 @@ def fused_lamb_(
              \\quad (+\\lambda w \\text{ with adam\\_w\\_mode}) \\\\
         w &\\leftarrow w - \\eta\\, r\\, u, \\quad r = \\lVert w \\rVert / \\lVert u \\rVert
              \\text{ per tensor (1 when a norm is 0, or without decay and use\\_nvlamb)}
+
+    The reference is written from the LAMB paper (You et al., 2019).
 
     Args:
         params: the weights (fp32, fp16 or bf16; one dtype), updated in place.
@@ -208,17 +100,86 @@ def fused_lamb_(
         >>> fused_lamb_(p, g, m, v, [], step, norm, lr=1e-2, beta1=0.9, beta2=0.999,
         ...             eps=1e-6, weight_decay=0.01)
     """
-    ensure_kernels()
-    _op(
-        params, grads, exp_avgs, exp_avg_sqs, masters, steps, global_grad_norm, lr, beta1,
-        beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging, max_grad_norm,
-        use_nvlamb, inv_scale, found_inf,
-    )  # fmt: skip
+    if not params or skipped(found_inf):
+        return
+    gnorm = global_grad_norm.reshape(()).to("cpu", _F32)
+    clip = gnorm / f32(max_grad_norm) if 0 < max_grad_norm < gnorm.item() else f32(1.0)
+    beta3 = 1 - beta1 if grad_averaging else 1.0
+    for i in range(len(params)):
+        g, w = unscaled(grads[i], inv_scale), weight(params, masters, i)
+        step = advance(steps[i])
+        bc1 = 1 - beta1**step if bias_correction else 1.0
+        bc2 = 1 - beta2**step if bias_correction else 1.0
+        g = g / clip.to(w.device)
+        if weight_decay != 0 and not adam_w_mode:
+            g = g + f32(weight_decay) * w
+        m = exp_avgs[i] * f32(beta1) + f32(beta3) * g
+        v = exp_avg_sqs[i] * f32(beta2) + f32(1 - beta2) * g * g
+        u = (m / f32(bc1)) / ((v / f32(bc2)).sqrt() + f32(eps))
+        if weight_decay != 0 and adam_w_mode:
+            u = u + f32(weight_decay) * w
+        ratio = f32(lr)
+        if use_nvlamb or weight_decay != 0:
+            pn = f32(w.double().square().sum().sqrt().item())
+            un = f32(u.double().square().sum().sqrt().item())
+            if pn.item() != 0 and un.item() != 0:
+                ratio = f32(lr) * (pn / un)
+        exp_avgs[i].copy_(m)
+        exp_avg_sqs[i].copy_(v)
+        store(params, masters, i, w - ratio.to(w.device) * u)
+
+
+def _check_norm(args) -> None:
+    if args.global_grad_norm.numel() != 1:
+        raise ValueError(
+            f"{args.op_name}: global_grad_norm must hold one value, got "
+            f"{args.global_grad_norm.numel()}; pass the one-element total of "
+            "multi_tensor_l2norm."
+        )
+
+
+def _check(args, per_tensor: bool) -> None:
+    check_step(args, per_tensor, "exp_avgs", "exp_avg_sqs")
+    _check_norm(args)
+
+
+def _adapt(kw: dict) -> dict:
+    kw["global_grad_norm"] = torch.tensor([kw["global_grad_norm"]])  # the sample's norm
+    return kw
+
+
+_HYPER = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6, bias_correction=True)
+_HYPER |= dict(grad_averaging=True, max_grad_norm=1.0)
+
+
+def _samples(dtype: torch.dtype):
+    base = _HYPER | dict(global_grad_norm=0.5, weight_decay=0.01, adam_w_mode=True)
+    base |= dict(use_nvlamb=False)
+    variants = (
+        ("adamw decay", base),
+        ("clipped, L2 decay", base | dict(global_grad_norm=3.0, adam_w_mode=False)),
+        ("no decay: one pass", base | dict(weight_decay=0.0)),
+        ("no decay, use_nvlamb", base | dict(weight_decay=0.0, use_nvlamb=True)),
+        # a tensor larger than a cache group (655360 elements): both passes shared by threads
+        ("a tensor past a group", base | dict(sizes=(5, 655360 + 3, 17))),
+    )
+    return opt_samples(dtype, ("exp_avgs", "exp_avg_sqs"), variants, _adapt)
+
+
+OP = define(
+    reference_fused_lamb_,
+    family="lamb",
+    mutates=(*_WRITES, "masters"),
+    check=_check,
+    triton="lamb",
+    dtypes=OPT_DTYPES,
+    sample_inputs=_samples,
+    tolerance=opt_tolerance(6e-8),
+)
+fused_lamb_ = OP.wrapper
 
 
 # ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
-
-_NAME_BF16 = "fused_lamb_bf16_"
 
 #: The norms of the pure-bf16 step are sums of fp64 squares in a fixed order: each block of
 #: this many elements from its first to its last, then the blocks' sums in block order (the
@@ -253,116 +214,13 @@ def _lamb_plain(w, g, m, v, k: dict, t: int, adam_w_mode: bool):
 
 
 def reference_fused_lamb_bf16_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    compensations,
-    steps,
-    global_grad_norm,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    grad_averaging,
-    max_grad_norm,
-    use_nvlamb,
-    rounding,
-    seed,
-    rng_step,
-    inv_scale=None,
-    found_inf=None,
-) -> None:
-    """Reference of :func:`fused_lamb_bf16_`: :func:`_lamb_plain`, the trust ratio from
-    :func:`block_norm`, then the rounding of :mod:`mpnb.core.ops._rounding`."""
-    check_opt_lists(_NAME_BF16, params, grads, [], exp_avgs, exp_avg_sqs)
-    check_steps(_NAME_BF16, steps, len(params))
-    check_rounding(_NAME_BF16, params, compensations, rounding)
-    if global_grad_norm.numel() != 1:
-        raise ValueError(
-            f"{_NAME_BF16}: global_grad_norm must hold one value, got "
-            f"{global_grad_norm.numel()}; pass the one-element total of multi_tensor_l2norm."
-        )
-    if not params or skipped(_NAME_BF16, found_inf):
-        return
-    gnorm, mx = f32(float(global_grad_norm.reshape(()))), f32(max_grad_norm)
-    clipped = bool(mx > 0) and bool(gnorm > mx)
-    clip = gnorm / mx if clipped else f32(1.0)
-    counts = [advance(s) for s in steps]
-
-    def rbc(beta):
-        return [f32(1 / (1 - beta**s)) if bias_correction else f32(1.0) for s in counts]
-
-    k = dict(
-        clipped=clipped, rclip=f32(1.0 / float(clip)), wd=f32(weight_decay),
-        has_wd=weight_decay != 0, beta1=f32(beta1),
-        beta3=f32(1 - beta1) if grad_averaging else f32(1.0), beta2=f32(beta2),
-        c2=f32(1 - beta2), eps=f32(eps), rbc1=rbc(beta1), rbc2=rbc(beta2),
-    )  # fmt: skip
-    for i in range(len(params)):
-        g, w = unscaled(_NAME_BF16, grads[i], inv_scale), params[i].float()
-        u = _lamb_plain(w, g, exp_avgs[i], exp_avg_sqs[i], k, i, adam_w_mode)
-        ratio = f32(lr)
-        if use_nvlamb or weight_decay != 0:
-            pn, un = f32(block_norm(w)), f32(block_norm(u))
-            if pn.item() != 0 and un.item() != 0:
-                ratio = f32(lr) * (pn / un)
-        comp = compensations[i] if rounding == "kahan" else None
-        store_rounded(params[i], comp, w - ratio * u, rounding, seed, rng_step, i)
-
-
-def _bf16_args(lists, o: dict) -> tuple:
-    params, grads, _, (m, v), steps = lists
-    gnorm = torch.tensor([o["global_grad_norm"]])
-    hyper = (1e-2, 0.9, 0.999, 1e-6, o["weight_decay"], o["adam_w_mode"], True, True, 1.0)
-    comps = bf16_compensations(params) if o["rounding"] == "kahan" else []
-    return (
-        params, grads, m, v, comps, steps, gnorm, *hyper, o["use_nvlamb"], o["rounding"], 3,
-        4, o.get("inv_scale"), o.get("found_inf"),
-    )  # fmt: skip
-
-
-def _bf16_samples(dtype: torch.dtype):
-    base = dict(global_grad_norm=0.5, weight_decay=0.01, adam_w_mode=True, use_nvlamb=False)
-    variants = []
-    for rounding in ROUNDINGS:
-        r = base | dict(rounding=rounding)
-        variants += [
-            (f"{rounding}: adamw decay", r),
-            (f"{rounding}: clipped, L2 decay", r | dict(global_grad_norm=3.0, adam_w_mode=False)),
-            (f"{rounding}: no decay", r | dict(weight_decay=0.0)),
-            (f"{rounding}: use_nvlamb", r | dict(weight_decay=0.0, use_nvlamb=True)),
-        ]
-    return bf16_samples(dtype, 2, _bf16_args, variants)
-
-
-OP_BF16 = define(
-    "fused_lamb_bf16_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "
-    "Tensor(c!)[] exp_avg_sqs, Tensor(d!)[] compensations, Tensor(e!)[] steps, "
-    "Tensor global_grad_norm, float lr, float beta1, float beta2, float eps, "
-    "float weight_decay, bool adam_w_mode, bool bias_correction, bool grad_averaging, "
-    "float max_grad_norm, bool use_nvlamb, str rounding, int seed, int rng_step, "
-    "Tensor? inv_scale=None, Tensor? found_inf=None) -> ()",
-    family="lamb",
-    reference=reference_fused_lamb_bf16_,
-    fake=no_outputs,
-    dtypes=(torch.bfloat16,),
-    sample_inputs=_bf16_samples,  # kernel == reference bit for bit
-)
-_op_bf16 = OP_BF16.overload
-
-
-def fused_lamb_bf16_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    compensations,
-    steps,
-    global_grad_norm,
+    params: Tensors,
+    grads: Tensors,
+    exp_avgs: Tensors,
+    exp_avg_sqs: Tensors,
+    compensations: Tensors,
+    steps: Tensors,
+    global_grad_norm: Tensor,
     *,
     lr: float,
     beta1: float,
@@ -377,14 +235,15 @@ def fused_lamb_bf16_(
     rounding: str,
     seed: int,
     rng_step: int,
-    inv_scale=None,
-    found_inf=None,
+    inv_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """One LAMB step of bf16 params without master weights, rounded stochastically or with
     Kahan summation (the math: :mod:`mpnb.core.ops._rounding`).
 
     The fp32 step is :func:`fused_lamb_`'s formula, one rounding per operation, with the
-    trust ratio's norms summed in fp64 in a fixed block order (:func:`block_norm`).
+    trust ratio's norms summed in fp64 in a fixed block order (:func:`block_norm`): the
+    reference is :func:`_lamb_plain`, the trust ratio, then the rounding.
 
     Args:
         params: bf16 weights, updated in place.
@@ -408,9 +267,60 @@ def fused_lamb_bf16_(
         ...                  beta2=0.999, eps=1e-6, weight_decay=0.01,
         ...                  rounding="stochastic", seed=1, rng_step=1)
     """
-    ensure_kernels()
-    _op_bf16(
-        params, grads, exp_avgs, exp_avg_sqs, compensations, steps, global_grad_norm, lr,
-        beta1, beta2, eps, weight_decay, adam_w_mode, bias_correction, grad_averaging,
-        max_grad_norm, use_nvlamb, rounding, seed, rng_step, inv_scale, found_inf,
-    )  # fmt: skip
+    if not params or skipped(found_inf):
+        return
+    gnorm, mx = f32(float(global_grad_norm.reshape(()))), f32(max_grad_norm)
+    clipped = bool(mx > 0) and bool(gnorm > mx)
+    clip = gnorm / mx if clipped else f32(1.0)
+    counts = [advance(s) for s in steps]
+
+    def rbc(beta):
+        return [f32(1 / (1 - beta**s)) if bias_correction else f32(1.0) for s in counts]
+
+    k = dict(clipped=clipped, rclip=f32(1.0 / float(clip)), wd=f32(weight_decay))
+    k |= dict(has_wd=weight_decay != 0, beta1=f32(beta1), beta2=f32(beta2), eps=f32(eps))
+    k |= dict(beta3=f32(1 - beta1) if grad_averaging else f32(1.0), c2=f32(1 - beta2))
+    k |= dict(rbc1=rbc(beta1), rbc2=rbc(beta2))
+    for i in range(len(params)):
+        g, w = unscaled(grads[i], inv_scale), params[i].float()
+        u = _lamb_plain(w, g, exp_avgs[i], exp_avg_sqs[i], k, i, adam_w_mode)
+        ratio = f32(lr)
+        if use_nvlamb or weight_decay != 0:
+            pn, un = f32(block_norm(w)), f32(block_norm(u))
+            if pn.item() != 0 and un.item() != 0:
+                ratio = f32(lr) * (pn / un)
+        comp = compensations[i] if rounding == "kahan" else None
+        store_rounded(params[i], comp, w - ratio * u, rounding, seed, rng_step, i)
+
+
+def _check_bf16(args, per_tensor: bool) -> None:
+    check_step(args, per_tensor, "exp_avgs", "exp_avg_sqs", masters=None)
+    check_rounding(args, per_tensor)
+    _check_norm(args)
+
+
+def _bf16_samples(dtype: torch.dtype):
+    base = _HYPER | dict(global_grad_norm=0.5, weight_decay=0.01, adam_w_mode=True)
+    base |= dict(use_nvlamb=False, seed=3, rng_step=4)
+    variants = []
+    for rounding in ROUNDINGS:
+        r = base | dict(rounding=rounding)
+        variants += [
+            (f"{rounding}: adamw decay", r),
+            (f"{rounding}: clipped, L2 decay", r | dict(global_grad_norm=3.0, adam_w_mode=False)),
+            (f"{rounding}: no decay", r | dict(weight_decay=0.0)),
+            (f"{rounding}: use_nvlamb", r | dict(weight_decay=0.0, use_nvlamb=True)),
+        ]
+    return bf16_samples(dtype, ("exp_avgs", "exp_avg_sqs"), variants, _adapt)
+
+
+OP_BF16 = define(
+    reference_fused_lamb_bf16_,
+    family="lamb",
+    mutates=(*_WRITES, "compensations"),
+    check=_check_bf16,
+    triton="lamb",
+    dtypes=(torch.bfloat16,),
+    sample_inputs=_bf16_samples,  # kernel == reference bit for bit
+)
+fused_lamb_bf16_ = OP_BF16.wrapper

@@ -1,9 +1,7 @@
 """``mpnb::layer_norm_fwd`` and ``mpnb::layer_norm_bwd``: Apex's fused layer norm.
 
-* ``layer_norm_fwd(input, normalized_shape, weight, bias, eps, memory_efficient)
-  -> (output, mean, invvar)``
-* ``layer_norm_bwd(grad_out, saved, mean, invvar, normalized_shape, weight, bias,
-  memory_efficient) -> (grad_input, grad_weight, grad_bias)``
+* :func:`layer_norm_fwd` returns ``(output, mean, invvar)``;
+* :func:`layer_norm_bwd` returns ``(grad_input, grad_weight, grad_bias)``.
 
 The input is normalized over its trailing ``normalized_shape`` dims; ``mean``/``invvar`` hold
 one fp32 value per row (fp64 for fp64 input). Weights may have the input's dtype or be fp32
@@ -19,11 +17,13 @@ from the input) on CUDA for fp32/fp64 data with parameters of its dtype, else th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from mpnb.core.ops import _norm
 from mpnb.core.ops._checks import acc_dtype
-from mpnb.core.ops._library import Sample, define, ensure_kernels
+from mpnb.core.ops._library import Sample, Tensor, call, define
 
 __all__ = [
     "layer_norm_fwd",
@@ -33,9 +33,33 @@ __all__ = [
 ]
 
 
-def reference_layer_norm_fwd(input, normalized_shape, weight, bias, eps, memory_efficient=False):
-    """Reference of :func:`layer_norm_fwd`: statistics in fp32 (fp64 for fp64), two-pass."""
-    rows, cols = _norm.check_forward("layer_norm_fwd", input, normalized_shape, weight, bias)
+def reference_layer_norm_fwd(
+    input: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    eps: float = 1e-5,
+    memory_efficient: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Layer norm over the trailing ``normalized_shape`` dims; returns ``(y, mean, invvar)``.
+
+    Differentiable in ``input``, ``weight`` and ``bias`` (the backward is
+    :func:`layer_norm_bwd`). The reference computes the statistics in fp32 (fp64 for fp64),
+    in two passes.
+
+    Args:
+        input: the tensor to normalize (fp32, fp16, bf16 or fp64).
+        normalized_shape: its trailing dims to normalize over (a list of ints).
+        weight, bias: optional affine parameters of shape ``normalized_shape``, in the input's
+            dtype or fp32 (with a half input).
+        eps: added to the variance.
+        memory_efficient: save the output instead of the input for the backward.
+
+    Example::
+
+        >>> y, mean, invvar = layer_norm_fwd(torch.randn(4, 8), [8], torch.ones(8), torch.zeros(8))
+    """
+    rows, cols = _norm.rows_cols(input, normalized_shape)
     acc = acc_dtype(input)
     x = input.reshape(rows, cols).to(acc)
     mean = x.mean(dim=1)
@@ -50,159 +74,17 @@ def reference_layer_norm_fwd(input, normalized_shape, weight, bias, eps, memory_
 
 
 def reference_layer_norm_bwd(
-    grad_out, saved, mean, invvar, normalized_shape, weight, bias, memory_efficient=False
-):
-    """Reference of :func:`layer_norm_bwd` (the textbook formula, in fp32)."""
-    rows, cols = _norm.check_backward(
-        "layer_norm_bwd",
-        grad_out,
-        saved,
-        mean,
-        invvar,
-        normalized_shape,
-        weight,
-        bias,
-        memory_efficient,
-    )
-    return _norm.backward(grad_out, saved, mean, invvar, rows, cols, weight, bias, memory_efficient)
-
-
-def _native(x, *params) -> bool:
-    # PyTorch's native layer norm returns its statistics in the input's dtype on the CPU and
-    # in the accumulation dtype on CUDA; for fp32/fp64 data with parameters of the same dtype
-    # both are ours, so only those take it (half data stays on the reference until the CUDA
-    # statistics' dtype is checked on a GPU).
-    return x.dtype in (torch.float32, torch.float64) and all(
-        p is None or p.dtype == x.dtype for p in params
-    )
-
-
-def _torch_layer_norm_fwd(input, normalized_shape, weight, bias, eps, memory_efficient=False):
-    """PyTorch's fused layer norm for fp32/fp64 (see ``_native``); the reference otherwise."""
-    if not _native(input, weight, bias):
-        return reference_layer_norm_fwd(input, normalized_shape, weight, bias, eps)
-    _norm.check_forward("layer_norm_fwd", input, normalized_shape, weight, bias)
-    y, mean, invvar = torch.native_layer_norm(input, normalized_shape, weight, bias, eps)
-    return y, mean.reshape(-1), invvar.reshape(-1)
-
-
-def _torch_layer_norm_bwd(
-    grad_out, saved, mean, invvar, normalized_shape, weight, bias, memory_efficient=False
-):
-    """PyTorch's fused layer-norm backward from the input (not memory-efficient) for fp32/fp64
-    (see ``_native``); the reference otherwise."""
-    args = (grad_out, saved, mean, invvar, normalized_shape, weight, bias, memory_efficient)
-    if memory_efficient or not _native(saved, weight, bias):
-        return reference_layer_norm_bwd(*args)
-    _norm.check_backward("layer_norm_bwd", *args)
-    k = len(normalized_shape)
-    stats = (*saved.shape[: saved.dim() - k], *([1] * k))
-    mask = [True, weight is not None, bias is not None]
-    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
-        grad_out, saved, normalized_shape, mean.view(stats), invvar.view(stats), weight, bias, mask
-    )
-    empty = saved.new_empty(0)
-    return dx, dw if weight is not None else empty, db if bias is not None else empty
-
-
-def _fake_fwd(input, normalized_shape, weight, bias, eps, memory_efficient=False):
-    rows = _norm.fake_rows(input, normalized_shape)
-    acc = acc_dtype(input)
-    return (
-        _norm.fake_like(input),
-        input.new_empty(rows, dtype=acc),
-        input.new_empty(rows, dtype=acc),
-    )
-
-
-def _fake_bwd(grad_out, saved, mean, invvar, normalized_shape, weight, bias, memory_efficient):
-    return (
-        _norm.fake_like(saved),
-        _norm.fake_grad(weight, saved),
-        _norm.fake_grad(bias, saved),
-    )
-
-
-def _setup_context(ctx, inputs, output):
-    x, shape, w, b, _eps, memory_efficient = inputs
-    y, mean, invvar = output
-    ctx.shape, ctx.memory_efficient = shape, memory_efficient
-    ctx.save_for_backward(y if memory_efficient else x, mean, invvar, w, b)
-    ctx.mark_non_differentiable(mean, invvar)
-
-
-def _backward(ctx, grad_y, _grad_mean, _grad_invvar):
-    saved, mean, invvar, w, b = ctx.saved_tensors
-    dx, dw, db = _bwd(grad_y, saved, mean, invvar, ctx.shape, w, b, ctx.memory_efficient)
-    return dx, None, dw if w is not None else None, db if b is not None else None, None, None
-
-
-def _samples_fwd(dtype: torch.dtype):
-    for case in _norm.sample_cases(dtype):
-        x, w, b, _dy, nshape = _norm.sample_tensors(dtype, case)
-        me = case.get("me", False)
-        yield Sample((x, nshape, w, b, 1e-5, me), name=_norm.sample_name(case))
-
-
-def _samples_bwd(dtype: torch.dtype):
-    return _norm.backward_samples(dtype, reference_layer_norm_fwd, rms=False)
-
-
-FWD = define(
-    "layer_norm_fwd(Tensor input, int[] normalized_shape, Tensor? weight, Tensor? bias, "
-    "float eps, bool memory_efficient=False) -> (Tensor, Tensor, Tensor)",
-    family="layer_norm",
-    reference=reference_layer_norm_fwd,
-    fake=_fake_fwd,
-    torch_path=_torch_layer_norm_fwd,
-    autograd=(_backward, _setup_context),
-    sample_inputs=_samples_fwd,
-    tolerance=_norm.TOLERANCE,
-)
-_fwd = FWD.overload
-
-BWD = define(
-    "layer_norm_bwd(Tensor grad_out, Tensor saved, Tensor mean, Tensor invvar, "
-    "int[] normalized_shape, Tensor? weight, Tensor? bias, bool memory_efficient) "
-    "-> (Tensor, Tensor, Tensor)",
-    family="layer_norm",
-    reference=reference_layer_norm_bwd,
-    fake=_fake_bwd,
-    torch_path=_torch_layer_norm_bwd,
-    sample_inputs=_samples_bwd,
-    tolerance=_norm.TOLERANCE,
-)
-_bwd = BWD.overload
-
-
-def layer_norm_fwd(
-    input, normalized_shape, weight=None, bias=None, eps=1e-5, memory_efficient=False
-):
-    """Layer norm over the trailing ``normalized_shape`` dims; returns ``(y, mean, invvar)``.
-
-    Differentiable in ``input``, ``weight`` and ``bias`` (the backward is
-    :func:`layer_norm_bwd`).
-
-    Args:
-        input: the tensor to normalize (fp32, fp16, bf16 or fp64).
-        normalized_shape: its trailing dims to normalize over (a list of ints).
-        weight, bias: optional affine parameters of shape ``normalized_shape``, in the input's
-            dtype or fp32 (with a half input).
-        eps: added to the variance.
-        memory_efficient: save the output instead of the input for the backward.
-
-    Example::
-
-        >>> y, mean, invvar = layer_norm_fwd(torch.randn(4, 8), [8], torch.ones(8), torch.zeros(8))
-    """
-    ensure_kernels()
-    return _fwd(input, normalized_shape, weight, bias, eps, memory_efficient)
-
-
-def layer_norm_bwd(
-    grad_out, saved, mean, invvar, normalized_shape, weight=None, bias=None, memory_efficient=False
-):
-    """Gradients of :func:`layer_norm_fwd`: ``(grad_input, grad_weight, grad_bias)``.
+    grad_out: Tensor,
+    saved: Tensor,
+    mean: Tensor,
+    invvar: Tensor,
+    normalized_shape: Sequence[int],
+    weight: Tensor | None = None,
+    bias: Tensor | None = None,
+    memory_efficient: bool = False,
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Gradients of :func:`layer_norm_fwd`: ``(grad_input, grad_weight, grad_bias)`` (the
+    textbook formula in fp32; a missing weight or bias gets an empty gradient).
 
     Args:
         grad_out: the gradient of the forward's output.
@@ -217,5 +99,114 @@ def layer_norm_bwd(
         >>> y, mean, invvar = layer_norm_fwd(x, [8], w, b)
         >>> dx, dw, db = layer_norm_bwd(torch.ones_like(y), x, mean, invvar, [8], w, b)
     """
-    ensure_kernels()
-    return _bwd(grad_out, saved, mean, invvar, normalized_shape, weight, bias, memory_efficient)
+    rows, cols = _norm.rows_cols(saved, normalized_shape)
+    return _norm.backward(grad_out, saved, mean, invvar, rows, cols, weight, bias, memory_efficient)
+
+
+def _native(x, *params) -> bool:
+    # PyTorch's native layer norm returns its statistics in the input's dtype on the CPU and
+    # in the accumulation dtype on CUDA; for fp32/fp64 data with parameters of the same dtype
+    # both are ours, so only those take it (half data stays on the reference until the CUDA
+    # statistics' dtype is checked on a GPU).
+    return x.dtype in (torch.float32, torch.float64) and all(
+        p is None or p.dtype == x.dtype for p in params
+    )
+
+
+def _torch_layer_norm_fwd(args):
+    """PyTorch's fused layer norm for fp32/fp64 (see ``_native``); the reference otherwise."""
+    x, weight, bias = args.input, args.weight, args.bias
+    if not _native(x, weight, bias):
+        return call(reference_layer_norm_fwd, args)
+    y, mean, invvar = torch.native_layer_norm(x, args.normalized_shape, weight, bias, args.eps)
+    return y, mean.reshape(-1), invvar.reshape(-1)
+
+
+def _torch_layer_norm_bwd(args):
+    """PyTorch's fused layer-norm backward from the input (not memory-efficient) for fp32/fp64
+    (see ``_native``); the reference otherwise."""
+    saved, weight, bias = args.saved, args.weight, args.bias
+    if args.memory_efficient or not _native(saved, weight, bias):
+        return call(reference_layer_norm_bwd, args)
+    k = len(args.normalized_shape)
+    stats = (*saved.shape[: saved.dim() - k], *([1] * k))
+    mask = [True, weight is not None, bias is not None]
+    dx, dw, db = torch.ops.aten.native_layer_norm_backward(
+        args.grad_out,
+        saved,
+        args.normalized_shape,
+        args.mean.view(stats),
+        args.invvar.view(stats),
+        weight,
+        bias,
+        mask,
+    )
+    empty = saved.new_empty(0)
+    return dx, dw if weight is not None else empty, db if bias is not None else empty
+
+
+def _fake_fwd(args):
+    x = args.input
+    rows, _ = _norm.rows_cols(x, args.normalized_shape)
+    acc = acc_dtype(x)
+    return _norm.fake_like(x), x.new_empty(rows, dtype=acc), x.new_empty(rows, dtype=acc)
+
+
+def _fake_bwd(args):
+    saved = args.saved
+    grads = _norm.fake_grad(args.weight, saved), _norm.fake_grad(args.bias, saved)
+    return _norm.fake_like(saved), *grads
+
+
+def _setup_context(ctx, args, output):
+    y, mean, invvar = output
+    ctx.shape, ctx.memory_efficient = args.normalized_shape, args.memory_efficient
+    saved = y if args.memory_efficient else args.input
+    ctx.save_for_backward(saved, mean, invvar, args.weight, args.bias)
+    ctx.mark_non_differentiable(mean, invvar)
+
+
+def _backward(ctx, grad_y, _grad_mean, _grad_invvar):
+    saved, mean, invvar, w, b = ctx.saved_tensors
+    dx, dw, db = _bwd(grad_y, saved, mean, invvar, ctx.shape, w, b, ctx.memory_efficient)
+    return {"input": dx, "weight": None if w is None else dw, "bias": None if b is None else db}
+
+
+def _samples_fwd(dtype: torch.dtype):
+    for case in _norm.sample_cases(dtype):
+        x, w, b, _dy, nshape = _norm.sample_tensors(dtype, case)
+        kw = dict(input=x, normalized_shape=nshape, weight=w, bias=b, eps=1e-5)
+        yield Sample(
+            kw | dict(memory_efficient=case.get("me", False)), name=_norm.sample_name(case)
+        )
+
+
+def _samples_bwd(dtype: torch.dtype):
+    return _norm.backward_samples(dtype, reference_layer_norm_fwd, rms=False)
+
+
+FWD = define(
+    reference_layer_norm_fwd,
+    family="layer_norm",
+    check=_norm.check_forward,
+    fake=_fake_fwd,
+    cuda=_torch_layer_norm_fwd,
+    triton="layer_norm",
+    autograd=(_backward, _setup_context),
+    sample_inputs=_samples_fwd,
+    tolerance=_norm.TOLERANCE,
+)
+layer_norm_fwd = FWD.wrapper
+
+BWD = define(
+    reference_layer_norm_bwd,
+    family="layer_norm",
+    check=_norm.check_backward,
+    fake=_fake_bwd,
+    cuda=_torch_layer_norm_bwd,
+    triton="layer_norm",
+    sample_inputs=_samples_bwd,
+    tolerance=_norm.TOLERANCE,
+)
+layer_norm_bwd = BWD.wrapper
+_bwd = BWD.overload  # the autograd formula calls the op itself (its inputs are checked)

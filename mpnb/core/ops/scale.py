@@ -14,95 +14,20 @@ on CUDA (fp32 destinations), else the reference.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from mpnb.core.ops._checks import acc_dtype, any_nonfinite, check_lists, raise_flag_if
-from mpnb.core.ops._layout import in_memory_order
-from mpnb.core.ops._library import Sample, define, ensure_kernels, no_outputs
+from mpnb.core.ops._checks import acc_dtype, any_nonfinite, check_lists, check_one, raise_flag_if
+from mpnb.core.ops._library import Sample, Tensor, Tensors, call, define
 
 __all__ = ["multi_tensor_scale", "reference_multi_tensor_scale"]
 
 
 def reference_multi_tensor_scale(
-    noop_flag: torch.Tensor,
-    src: Sequence[torch.Tensor],
-    dst: Sequence[torch.Tensor],
+    noop_flag: Tensor,
+    src: Tensors,
+    dst: Tensors,
     scale: float,
-    scale_tensor: torch.Tensor | None = None,
-) -> None:
-    """Reference of :func:`multi_tensor_scale` in plain PyTorch."""
-    check_lists("multi_tensor_scale", src, dst=dst)
-    if not src:
-        return
-    acc = acc_dtype(src[0])
-    s = torch.tensor(scale, dtype=acc, device=src[0].device)  # rounded to fp32, as the kernel
-    if scale_tensor is not None:
-        s = s * scale_tensor.to(device=s.device, dtype=acc).reshape(())
-    scaled = [a.to(acc) * s for a in src]
-    for b, v in zip(dst, scaled, strict=True):
-        b.copy_(v)
-    raise_flag_if(noop_flag, any_nonfinite(scaled, noop_flag.device))
-
-
-def _torch_multi_tensor_scale(noop_flag, src, dst, scale, scale_tensor=None) -> None:
-    """PyTorch's fused unscale for fp32 destinations (CUDA); the reference otherwise.
-
-    Widening into fp32 is exact, so ``_amp_foreach_non_finite_check_and_unscale_`` on the
-    copied values checks exactly the scaled values the reference checks.
-    """
-    fp32_dst = src and all(t.dtype == torch.float32 for t in dst)
-    aliased = any(a.numel() and a.data_ptr() == b.data_ptr() for a, b in zip(src, dst, strict=True))
-    if not fp32_dst or src[0].dtype == torch.float64 or (aliased and src[0].dtype != torch.float32):
-        reference_multi_tensor_scale(noop_flag, src, dst, scale, scale_tensor)
-        return
-    s = torch.tensor([scale], dtype=torch.float32, device=dst[0].device)
-    if scale_tensor is not None:
-        s = s * scale_tensor.to(device=s.device, dtype=torch.float32).reshape(1)
-    found = torch.zeros(1, dtype=torch.float32, device=dst[0].device)
-    torch._foreach_copy_(list(dst), list(src))
-    torch._amp_foreach_non_finite_check_and_unscale_(list(dst), found, s)
-    raise_flag_if(noop_flag, found > 0)
-
-
-def _samples(dtype: torch.dtype):
-    g = torch.Generator().manual_seed(0)
-    sizes = (0, 1, 3, 17, 1000, 32768 * 2 + 5)
-
-    def make(dt, scale=1.0):
-        return [(torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dt) for n in sizes]
-
-    outs = (dtype,) if dtype == torch.float64 else (dtype, torch.float32)
-    for out in outs:
-        flag = torch.zeros(1, dtype=torch.int32)
-        yield Sample((flag, make(dtype), make(out), 1 / 1024), name=f"to {out}")
-    src = make(dtype, 1e3)
-    src[4][7] = float("inf")
-    yield Sample(
-        (torch.zeros(1), src, [torch.empty_like(t) for t in src], 0.5, torch.ones(1)),
-        name="inf, scale_tensor",
-    )
-
-
-OP = define(
-    "multi_tensor_scale(Tensor(a!) noop_flag, Tensor[] src, Tensor(b!)[] dst, float scale, "
-    "Tensor? scale_tensor=None) -> ()",
-    family="scale",
-    reference=reference_multi_tensor_scale,
-    fake=no_outputs,
-    torch_path=_torch_multi_tensor_scale,
-    sample_inputs=_samples,
-)
-_op = OP.overload
-
-
-def multi_tensor_scale(
-    noop_flag: torch.Tensor,
-    src: Sequence[torch.Tensor],
-    dst: Sequence[torch.Tensor],
-    scale: float,
-    scale_tensor: torch.Tensor | None = None,
+    scale_tensor: Tensor | None = None,
 ) -> None:
     """``dst[i] = src[i] * scale`` for every pair, in one pass; flag non-finite results.
 
@@ -125,5 +50,72 @@ def multi_tensor_scale(
         >>> grads = [torch.randn(10).bfloat16()]; master = [torch.empty(10)]
         >>> multi_tensor_scale(flag, grads, master, 1 / 1024)
     """
-    ensure_kernels()
-    in_memory_order(_op, (noop_flag, src, dst, scale, scale_tensor), (1, 2))
+    if not src:
+        return
+    acc = acc_dtype(src[0])
+    s = torch.tensor(scale, dtype=acc, device=src[0].device)  # rounded to fp32, as the kernel
+    if scale_tensor is not None:
+        s = s * scale_tensor.to(device=s.device, dtype=acc).reshape(())
+    scaled = [a.to(acc) * s for a in src]
+    for b, v in zip(dst, scaled, strict=True):
+        b.copy_(v)
+    raise_flag_if(noop_flag, any_nonfinite(scaled, noop_flag.device))
+
+
+def _check(args, per_tensor: bool) -> None:
+    op = args.op_name
+    check_one(op, "noop_flag", args.noop_flag)
+    check_one(op, "scale_tensor", args.scale_tensor)
+    check_lists(op, per_tensor, src=args.src, dst=args.dst)
+
+
+def _torch_multi_tensor_scale(args) -> None:
+    """PyTorch's fused unscale for fp32 destinations (CUDA); the reference otherwise.
+
+    Widening into fp32 is exact, so ``_amp_foreach_non_finite_check_and_unscale_`` on the
+    copied values checks exactly the scaled values the reference checks.
+    """
+    src, dst = args.src, args.dst
+    fp32_dst = src and all(t.dtype == torch.float32 for t in dst)
+    aliased = any(a.numel() and a.data_ptr() == b.data_ptr() for a, b in zip(src, dst, strict=True))
+    if not fp32_dst or src[0].dtype == torch.float64 or (aliased and src[0].dtype != torch.float32):
+        call(reference_multi_tensor_scale, args)
+        return
+    s = torch.tensor([args.scale], dtype=torch.float32, device=dst[0].device)
+    if args.scale_tensor is not None:
+        s = s * args.scale_tensor.to(device=s.device, dtype=torch.float32).reshape(1)
+    found = torch.zeros(1, dtype=torch.float32, device=dst[0].device)
+    torch._foreach_copy_(list(dst), list(src))
+    torch._amp_foreach_non_finite_check_and_unscale_(list(dst), found, s)
+    raise_flag_if(args.noop_flag, found > 0)
+
+
+def _samples(dtype: torch.dtype):
+    g = torch.Generator().manual_seed(0)
+    sizes = (0, 1, 3, 17, 1000, 32768 * 2 + 5)
+
+    def make(dt, scale=1.0):
+        return [(torch.randn(n, generator=g, dtype=torch.float64) * scale).to(dt) for n in sizes]
+
+    outs = (dtype,) if dtype == torch.float64 else (dtype, torch.float32)
+    for out in outs:
+        flag = torch.zeros(1, dtype=torch.int32)
+        kw = dict(noop_flag=flag, src=make(dtype), dst=make(out), scale=1 / 1024)
+        yield Sample(kw, name=f"to {out}")
+    src = make(dtype, 1e3)
+    src[4][7] = float("inf")
+    kw = dict(noop_flag=torch.zeros(1), src=src, dst=[torch.empty_like(t) for t in src])
+    yield Sample(kw | dict(scale=0.5, scale_tensor=torch.ones(1)), name="inf, scale_tensor")
+
+
+OP = define(
+    reference_multi_tensor_scale,
+    family="scale",
+    mutates=("noop_flag", "dst"),
+    check=_check,
+    cuda=_torch_multi_tensor_scale,
+    triton="scale",
+    memory_order=("src", "dst"),
+    sample_inputs=_samples,
+)
+multi_tensor_scale = OP.wrapper

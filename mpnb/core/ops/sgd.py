@@ -19,17 +19,17 @@ and so equal to the reference); on CUDA PyTorch's
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from mpnb.core.ops._checks import check_lists
-from mpnb.core.ops._library import define, ensure_kernels
+from mpnb.core.ops._checks import check_lists, check_tensors
+from mpnb.core.ops._library import Tensor, Tensors, call, define
 from mpnb.core.ops._optim import (
     OPT_DTYPES,
-    bf16_compensations,
     bf16_samples,
-    check_opt_lists,
+    check_step,
     f32,
-    no_outputs,
     opt_samples,
     skipped,
     store,
@@ -46,214 +46,13 @@ __all__ = [
     "reference_fused_sgd_bf16_",
 ]
 
-_NAME = "fused_sgd_"
-
-
-def check_momentum_buffers(op: str, params, masters, bufs) -> None:
-    """Buffers sized as the params, fp32 or (without masters) the params' dtype."""
-    check_lists(op, params, state=bufs)
-    if not params:
-        return
-    b, p = bufs[0].dtype, params[0].dtype
-    if b != torch.float32 and (b != p or masters):
-        raise TypeError(
-            f"{op}: momentum buffers are {b}; they must be float32, or the params' dtype ({p}) "
-            "when there are no master weights (torch.optim.SGD's and Apex's buffers)."
-        )
-
-
-def check_stepwise(op: str, params, masters, bufs) -> None:
-    """Stepwise rounding: params updated directly, buffers in their dtype."""
-    if masters:
-        raise ValueError(
-            f"{op}: stepwise rounding is for params updated directly; with master weights "
-            "the update is fp32: pass stepwise=False."
-        )
-    if bufs and params and bufs[0].dtype != params[0].dtype:
-        raise TypeError(
-            f"{op}: stepwise rounding keeps the momentum buffers in the params' dtype "
-            f"({params[0].dtype}), got {bufs[0].dtype}; pass buffers of that dtype."
-        )
-
-
-def _stepwise_sgd(
-    params, grads, bufs, first_run, lr, momentum, dampening, weight_decay, nesterov,
-    wd_after_momentum, inv_scale,
-) -> None:  # fmt: skip
-    """torch.optim.SGD's single-tensor step on the params' own dtype (each op rounded to it)."""
-    for i, p in enumerate(params):
-        g = unscaled(_NAME, grads[i], inv_scale).to(p.dtype)  # the grad torch would hold
-        if weight_decay != 0 and not wd_after_momentum:
-            g = g.add(p, alpha=weight_decay)
-        if momentum != 0:
-            if first_run[i]:
-                bufs[i].copy_(g)
-            else:
-                bufs[i].mul_(momentum).add_(g, alpha=1 - dampening)
-            g = g.add(bufs[i], alpha=momentum) if nesterov else bufs[i]
-        if weight_decay != 0 and wd_after_momentum:
-            g = g.add(p, alpha=weight_decay)
-        p.add_(g, alpha=-lr)
-
-
-def _check_first_run(first_run, n: int) -> None:
-    if len(first_run) != n:
-        raise ValueError(
-            f"{_NAME}: 'first_run' must hold one flag per param, got {len(first_run)} for {n}; "
-            "pass True for each param whose momentum buffer is new."
-        )
-
 
 def reference_fused_sgd_(
-    params,
-    grads,
-    momentum_buffers,
-    masters,
-    first_run,
-    lr,
-    momentum,
-    dampening,
-    weight_decay,
-    nesterov,
-    wd_after_momentum,
-    inv_scale=None,
-    found_inf=None,
-    stepwise=False,
-) -> None:
-    """Reference of :func:`fused_sgd_`: ``torch.optim.sgd._single_tensor_sgd``'s ops, in fp32
-    (a half buffer stored rounded after them), or with ``stepwise`` on the param dtype's
-    tensors themselves."""
-    check_opt_lists(_NAME, params, grads, masters)
-    if momentum != 0:
-        check_momentum_buffers(_NAME, params, masters, momentum_buffers)
-        _check_first_run(first_run, len(params))
-    if stepwise:
-        check_stepwise(_NAME, params, masters, momentum_buffers if momentum != 0 else [])
-    if not params or skipped(_NAME, found_inf):
-        return
-    if stepwise:
-        _stepwise_sgd(
-            params, grads, momentum_buffers, first_run, lr, momentum, dampening, weight_decay,
-            nesterov, wd_after_momentum, inv_scale,
-        )  # fmt: skip
-        return
-    for i in range(len(params)):
-        g, w = unscaled(_NAME, grads[i], inv_scale), weight(params, masters, i)
-        if weight_decay != 0 and not wd_after_momentum:
-            g = g.add(w, alpha=weight_decay)
-        if momentum != 0:
-            buf = momentum_buffers[i].float()
-            if first_run[i]:
-                buf.copy_(g)
-            else:
-                buf.mul_(momentum).add_(g, alpha=1 - dampening)
-            momentum_buffers[i].copy_(buf)  # rounded when the buffer is half
-            g = g.add(buf, alpha=momentum) if nesterov else buf
-        if weight_decay != 0 and wd_after_momentum:
-            g = g.add(w, alpha=weight_decay)
-        w.add_(g, alpha=-lr)
-        store(params, masters, i, w)
-
-
-def _torch_fused_sgd_(
-    params,
-    grads,
-    momentum_buffers,
-    masters,
-    first_run,
-    lr,
-    momentum,
-    dampening,
-    weight_decay,
-    nesterov,
-    wd_after_momentum,
-    inv_scale=None,
-    found_inf=None,
-    stepwise=False,
-) -> None:
-    """:func:`fused_sgd_` through ``torch._fused_sgd_`` (CUDA), one call per ``first_run``
-    value; the reference with ``wd_after_momentum`` or ``stepwise`` (torch's op rounds once)."""
-    if wd_after_momentum or stepwise:
-        reference_fused_sgd_(
-            params, grads, momentum_buffers, masters, first_run, lr, momentum, dampening,
-            weight_decay, nesterov, wd_after_momentum, inv_scale, found_inf, stepwise,
-        )  # fmt: skip
-        return
-    groups = {False: list(range(len(params)))}
-    buffers = list(momentum_buffers)
-    if momentum != 0:
-        groups = {f: [i for i, x in enumerate(first_run) if bool(x) == f] for f in (False, True)}
-        if buffers and buffers[0].dtype != torch.float32:  # the op updates fp32 weights
-            buffers = [b.float() for b in buffers]
-
-    def call(w, g, found):
-        for first, idx in groups.items():
-            if idx:
-                bufs = [buffers[i] for i in idx] if momentum != 0 else []
-                torch._fused_sgd_(
-                    [w[i] for i in idx], [g[i] for i in idx], bufs, weight_decay=weight_decay,
-                    momentum=momentum, lr=lr, dampening=dampening, nesterov=nesterov,
-                    maximize=False, is_first_step=first, found_inf=found,
-                )  # fmt: skip
-
-    via_torch(params, grads, masters, [], inv_scale, found_inf, call)
-    if momentum != 0 and buffers and buffers[0] is not momentum_buffers[0]:
-        torch._foreach_copy_(list(momentum_buffers), buffers)  # rounded to the params' dtype
-
-
-def _args(lists, o: dict) -> tuple:
-    params, grads, masters, (bufs,), _ = lists
-    if o["momentum"] == 0:
-        bufs = []
-    elif o.get("half_buffers") and not masters:  # torch.optim.SGD's buffers: the param dtype
-        bufs = [b.to(params[0].dtype) for b in bufs]
-    first = [i % 2 == 0 for i in range(len(params))]  # new and old buffers in one call
-    hyper = (0.1, o["momentum"], 0.1, o["weight_decay"], o["nesterov"], o["wd_after_momentum"])
-    stepwise = bool(o.get("stepwise")) and not masters
-    extra = (o.get("inv_scale"), o.get("found_inf"), stepwise)
-    return (params, grads, bufs, masters, first, *hyper, *extra)
-
-
-def _samples(dtype: torch.dtype):
-    mom = dict(momentum=0.9, weight_decay=0.01, nesterov=False, wd_after_momentum=False)
-    variants = (
-        ("momentum", mom),
-        ("nesterov", mom | dict(nesterov=True)),
-        ("wd_after_momentum", mom | dict(wd_after_momentum=True)),
-        ("no momentum, no buffers", mom | dict(momentum=0.0)),
-        ("buffers in the param dtype", mom | dict(half_buffers=True)),
-        ("nesterov, buffers in the param dtype", mom | dict(nesterov=True, half_buffers=True)),
-        ("stepwise (torch.optim.SGD's ops)", mom | dict(half_buffers=True, stepwise=True)),
-        (
-            "stepwise, nesterov, decay after",
-            mom | dict(half_buffers=True, stepwise=True, nesterov=True, wd_after_momentum=True),
-        ),
-        ("stepwise, no momentum", mom | dict(momentum=0.0, stepwise=True)),
-    )
-    return opt_samples(dtype, 1, _args, variants)
-
-
-OP = define(
-    "fused_sgd_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
-    "Tensor(c!)[] masters, bool[] first_run, float lr, float momentum, float dampening, "
-    "float weight_decay, bool nesterov, bool wd_after_momentum, Tensor? inv_scale=None, "
-    "Tensor? found_inf=None, bool stepwise=False) -> ()",
-    family="sgd",
-    reference=reference_fused_sgd_,
-    fake=no_outputs,
-    torch_path=_torch_fused_sgd_,
-    dtypes=OPT_DTYPES,
-    sample_inputs=_samples,  # kernel == reference bit for bit (torch.optim.SGD's arithmetic)
-)
-_op = OP.overload
-
-
-def fused_sgd_(
-    params,
-    grads,
-    momentum_buffers,
-    masters,
-    first_run,
+    params: Tensors,
+    grads: Tensors,
+    momentum_buffers: Tensors,
+    masters: Tensors,
+    first_run: Sequence[bool],
     *,
     lr: float,
     momentum: float = 0.0,
@@ -261,8 +60,8 @@ def fused_sgd_(
     weight_decay: float = 0.0,
     nesterov: bool = False,
     wd_after_momentum: bool = False,
-    inv_scale=None,
-    found_inf=None,
+    inv_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
     stepwise: bool = False,
 ) -> None:
     """One SGD step over lists, in place (``momentum_buffers`` may be empty without momentum).
@@ -272,7 +71,9 @@ def fused_sgd_(
         b \\leftarrow \\mu b + (1 - d) g \\;(b = g \\text{ on the first run}), \\quad
         g = g + \\mu b \\text{ (nesterov) or } b, \\quad w \\leftarrow w - \\eta g
 
-    With ``wd_after_momentum`` the :math:`\\lambda w` term is added after the momentum.
+    With ``wd_after_momentum`` the :math:`\\lambda w` term is added after the momentum. The
+    reference is ``torch.optim.sgd._single_tensor_sgd``'s ops, in fp32 (a half buffer stored
+    rounded after them), or with ``stepwise`` on the param dtype's tensors themselves.
 
     Args:
         params: the weights (fp32, fp16 or bf16; one dtype), updated in place.
@@ -294,16 +95,164 @@ def fused_sgd_(
         >>> p, g, buf = [torch.randn(10)], [torch.randn(10)], [torch.zeros(10)]
         >>> fused_sgd_(p, g, buf, [], [True], lr=0.1, momentum=0.9)
     """
-    ensure_kernels()
-    _op(
-        params, grads, momentum_buffers, masters, first_run, lr, momentum, dampening,
-        weight_decay, nesterov, wd_after_momentum, inv_scale, found_inf, stepwise,
-    )  # fmt: skip
+    if not params or skipped(found_inf):
+        return
+    for i in range(len(params)):
+        g = unscaled(grads[i], inv_scale)
+        if stepwise:  # torch.optim.SGD's single-tensor step on the params' own dtype
+            w = params[i]
+            g = g.to(w.dtype)  # the grad torch would hold
+        else:
+            w = weight(params, masters, i)
+        if weight_decay != 0 and not wd_after_momentum:
+            g = g.add(w, alpha=weight_decay)
+        if momentum != 0:
+            buf = momentum_buffers[i] if stepwise else momentum_buffers[i].float()
+            if first_run[i]:
+                buf.copy_(g)
+            else:
+                buf.mul_(momentum).add_(g, alpha=1 - dampening)
+            if not stepwise:
+                momentum_buffers[i].copy_(buf)  # rounded when the buffer is half
+            g = g.add(buf, alpha=momentum) if nesterov else buf
+        if weight_decay != 0 and wd_after_momentum:
+            g = g.add(w, alpha=weight_decay)
+        w.add_(g, alpha=-lr)
+        if not stepwise:
+            store(params, masters, i, w)
+
+
+def _check_momentum(args, per_tensor: bool, buffers_fp32_only: bool) -> None:
+    """With momentum: one buffer and one ``first_run`` flag per param, each buffer fp32 or
+    (without masters, unless ``buffers_fp32_only``) the params' dtype."""
+    op, params, bufs = args.op_name, args.params, args.momentum_buffers
+    check_lists(op, False, params=params, momentum_buffers=bufs)
+    if len(args.first_run) != len(params):
+        raise ValueError(
+            f"{op}: 'first_run' must hold one flag per param, got {len(args.first_run)} for "
+            f"{len(params)}; pass True for each param whose momentum buffer is new."
+        )
+    if params:
+        b, p = bufs[0].dtype, params[0].dtype
+        if b != torch.float32 and (buffers_fp32_only or b != p or getattr(args, "masters", ())):
+            raise TypeError(
+                f"{op}: momentum buffers are {b}; they must be float32, or the params' dtype "
+                f"({p}) when there are no master weights (torch.optim.SGD's and Apex's "
+                "buffers)."
+            )
+    if per_tensor:
+        check_tensors(op, params=params, momentum_buffers=bufs)
+
+
+def _check(args, per_tensor: bool) -> None:
+    op = args.op_name
+    check_step(args, per_tensor)
+    if args.momentum != 0:
+        _check_momentum(args, per_tensor, buffers_fp32_only=False)
+    if not args.stepwise:
+        return
+    if args.masters:
+        raise ValueError(
+            f"{op}: stepwise rounding is for params updated directly; with master weights "
+            "the update is fp32: pass stepwise=False."
+        )
+    bufs, params = args.momentum_buffers, args.params
+    if args.momentum != 0 and bufs and params and bufs[0].dtype != params[0].dtype:
+        raise TypeError(
+            f"{op}: stepwise rounding keeps the momentum buffers in the params' dtype "
+            f"({params[0].dtype}), got {bufs[0].dtype}; pass buffers of that dtype."
+        )
+
+
+def _torch_fused_sgd_(args) -> None:
+    """:func:`fused_sgd_` through ``torch._fused_sgd_`` (CUDA), one call per ``first_run``
+    value; the reference with ``wd_after_momentum`` or ``stepwise`` (torch's op rounds once)."""
+    if args.wd_after_momentum or args.stepwise:
+        call(reference_fused_sgd_, args)
+        return
+    momentum, n = args.momentum, len(args.params)
+    groups = {False: list(range(n))}
+    buffers = list(args.momentum_buffers)
+    if momentum != 0:
+        flags = [bool(x) for x in args.first_run]
+        groups = {f: [i for i, x in enumerate(flags) if x == f] for f in (False, True)}
+        if buffers and buffers[0].dtype != torch.float32:  # the op updates fp32 weights
+            buffers = [b.float() for b in buffers]
+
+    def fused(w, g, found):
+        for first, idx in groups.items():
+            if idx:
+                torch._fused_sgd_(
+                    [w[i] for i in idx],
+                    [g[i] for i in idx],
+                    [buffers[i] for i in idx] if momentum != 0 else [],
+                    weight_decay=args.weight_decay,
+                    momentum=momentum,
+                    lr=args.lr,
+                    dampening=args.dampening,
+                    nesterov=args.nesterov,
+                    maximize=False,
+                    is_first_step=first,
+                    found_inf=found,
+                )
+
+    via_torch(args, fused)
+    if momentum != 0 and buffers and buffers[0] is not args.momentum_buffers[0]:
+        torch._foreach_copy_(list(args.momentum_buffers), buffers)  # rounded to the params' dtype
+
+
+def _adapt(kw: dict) -> dict:
+    # SGD has no step counts: a first-run flag per param (new and old buffers in one call);
+    # no buffers without momentum, or buffers in the params' dtype (torch.optim.SGD's).
+    del kw["steps"]
+    masters = kw.get("masters", [])
+    kw["first_run"] = [i % 2 == 0 for i in range(len(kw["params"]))]
+    if kw["momentum"] == 0:
+        kw["momentum_buffers"] = []
+    elif kw.pop("half_buffers", False) and not masters:
+        kw["momentum_buffers"] = [b.to(kw["params"][0].dtype) for b in kw["momentum_buffers"]]
+    kw.pop("half_buffers", None)
+    if "stepwise" in kw:
+        kw["stepwise"] = bool(kw["stepwise"]) and not masters
+    return kw
+
+
+_HYPER = dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01, nesterov=False)
+
+
+def _samples(dtype: torch.dtype):
+    mom = _HYPER | dict(wd_after_momentum=False)
+    variants = (
+        ("momentum", mom),
+        ("nesterov", mom | dict(nesterov=True)),
+        ("wd_after_momentum", mom | dict(wd_after_momentum=True)),
+        ("no momentum, no buffers", mom | dict(momentum=0.0)),
+        ("buffers in the param dtype", mom | dict(half_buffers=True)),
+        ("nesterov, buffers in the param dtype", mom | dict(nesterov=True, half_buffers=True)),
+        ("stepwise (torch.optim.SGD's ops)", mom | dict(half_buffers=True, stepwise=True)),
+        (
+            "stepwise, nesterov, decay after",
+            mom | dict(half_buffers=True, stepwise=True, nesterov=True, wd_after_momentum=True),
+        ),
+        ("stepwise, no momentum", mom | dict(momentum=0.0, stepwise=True)),
+    )
+    return opt_samples(dtype, ("momentum_buffers",), variants, _adapt)
+
+
+OP = define(
+    reference_fused_sgd_,
+    family="sgd",
+    mutates=("params", "momentum_buffers", "masters"),
+    check=_check,
+    cuda=_torch_fused_sgd_,
+    triton="sgd",
+    dtypes=OPT_DTYPES,
+    sample_inputs=_samples,  # kernel == reference bit for bit (torch.optim.SGD's arithmetic)
+)
+fused_sgd_ = OP.wrapper
 
 
 # ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
-
-_NAME_BF16 = "fused_sgd_bf16_"
 
 
 def _sgd_plain(w, g, buf, first: bool, k: dict, momentum, nesterov, wd_after_momentum):
@@ -321,94 +270,11 @@ def _sgd_plain(w, g, buf, first: bool, k: dict, momentum, nesterov, wd_after_mom
 
 
 def reference_fused_sgd_bf16_(
-    params,
-    grads,
-    momentum_buffers,
-    compensations,
-    first_run,
-    lr,
-    momentum,
-    dampening,
-    weight_decay,
-    nesterov,
-    wd_after_momentum,
-    rounding,
-    seed,
-    rng_step,
-    inv_scale=None,
-    found_inf=None,
-) -> None:
-    """Reference of :func:`fused_sgd_bf16_`: :func:`_sgd_plain`, then the rounding of
-    :mod:`mpnb.core.ops._rounding`."""
-    if momentum != 0:
-        check_opt_lists(_NAME_BF16, params, grads, [], momentum_buffers)
-        _check_first_run(first_run, len(params))
-    else:
-        check_opt_lists(_NAME_BF16, params, grads, [])
-    check_rounding(_NAME_BF16, params, compensations, rounding)
-    if not params or skipped(_NAME_BF16, found_inf):
-        return
-    k = dict(
-        lr=f32(lr), momentum=f32(momentum), damp=f32(1 - dampening), wd=f32(weight_decay),
-        has_wd=weight_decay != 0,
-    )  # fmt: skip
-    for i in range(len(params)):
-        g, w = unscaled(_NAME_BF16, grads[i], inv_scale), params[i].float()
-        buf = momentum_buffers[i] if momentum != 0 else None
-        first = bool(first_run[i]) if momentum != 0 else False
-        x = _sgd_plain(w, g, buf, first, k, momentum, nesterov, wd_after_momentum)
-        comp = compensations[i] if rounding == "kahan" else None
-        store_rounded(params[i], comp, x, rounding, seed, rng_step, i)
-
-
-def _bf16_args(lists, o: dict) -> tuple:
-    params, grads, _, (bufs,), _ = lists
-    if o["momentum"] == 0:
-        bufs = []
-    first = [i % 2 == 0 for i in range(len(params))]
-    hyper = (o["lr"], o["momentum"], 0.1, o["weight_decay"], o["nesterov"], o["wd_after"])
-    comps = bf16_compensations(params) if o["rounding"] == "kahan" else []
-    return (
-        params, grads, bufs, comps, first, *hyper, o["rounding"], 5, 2, o.get("inv_scale"),
-        o.get("found_inf"),
-    )  # fmt: skip
-
-
-def _bf16_samples(dtype: torch.dtype):
-    base = dict(lr=0.1, momentum=0.9, weight_decay=0.01, nesterov=False, wd_after=False)
-    variants = []
-    for rounding in ROUNDINGS:
-        r = base | dict(rounding=rounding)
-        variants += [
-            (f"{rounding}: momentum", r),
-            (f"{rounding}: nesterov", r | dict(nesterov=True)),
-            (f"{rounding}: wd_after_momentum", r | dict(wd_after=True)),
-            (f"{rounding}: no momentum, tiny lr", r | dict(momentum=0.0, lr=1e-5)),
-        ]
-    return bf16_samples(dtype, 1, _bf16_args, variants)
-
-
-OP_BF16 = define(
-    "fused_sgd_bf16_(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] momentum_buffers, "
-    "Tensor(c!)[] compensations, bool[] first_run, float lr, float momentum, "
-    "float dampening, float weight_decay, bool nesterov, bool wd_after_momentum, "
-    "str rounding, int seed, int rng_step, Tensor? inv_scale=None, "
-    "Tensor? found_inf=None) -> ()",
-    family="sgd",
-    reference=reference_fused_sgd_bf16_,
-    fake=no_outputs,
-    dtypes=(torch.bfloat16,),
-    sample_inputs=_bf16_samples,  # kernel == reference bit for bit
-)
-_op_bf16 = OP_BF16.overload
-
-
-def fused_sgd_bf16_(
-    params,
-    grads,
-    momentum_buffers,
-    compensations,
-    first_run,
+    params: Tensors,
+    grads: Tensors,
+    momentum_buffers: Tensors,
+    compensations: Tensors,
+    first_run: Sequence[bool],
     *,
     lr: float,
     momentum: float = 0.0,
@@ -419,15 +285,16 @@ def fused_sgd_bf16_(
     rounding: str,
     seed: int,
     rng_step: int,
-    inv_scale=None,
-    found_inf=None,
+    inv_scale: Tensor | None = None,
+    found_inf: Tensor | None = None,
 ) -> None:
     """One SGD step of bf16 params without master weights, rounded stochastically or with
     Kahan summation (the math: :mod:`mpnb.core.ops._rounding`).
 
     The fp32 step is :func:`fused_sgd_`'s formula, one rounding per operation
     (``g + wd * w``, ``b = momentum * b + (1 - dampening) * g``, ``w - lr * g``), from the
-    param upcast to fp32.
+    param upcast to fp32: the reference is :func:`_sgd_plain`, then the rounding; the kernels
+    compute exactly these operations.
 
     Args:
         params: bf16 weights, updated in place.
@@ -448,9 +315,47 @@ def fused_sgd_bf16_(
         >>> fused_sgd_bf16_(p, g, [], [], [], lr=1e-3, rounding="stochastic", seed=1,
         ...                 rng_step=1)
     """
-    ensure_kernels()
-    _op_bf16(
-        params, grads, momentum_buffers, compensations, first_run, lr, momentum, dampening,
-        weight_decay, nesterov, wd_after_momentum, rounding, seed, rng_step, inv_scale,
-        found_inf,
-    )  # fmt: skip
+    if not params or skipped(found_inf):
+        return
+    k = dict(lr=f32(lr), momentum=f32(momentum), damp=f32(1 - dampening), wd=f32(weight_decay))
+    k["has_wd"] = weight_decay != 0
+    for i in range(len(params)):
+        g, w = unscaled(grads[i], inv_scale), params[i].float()
+        buf = momentum_buffers[i] if momentum != 0 else None
+        first = bool(first_run[i]) if momentum != 0 else False
+        x = _sgd_plain(w, g, buf, first, k, momentum, nesterov, wd_after_momentum)
+        comp = compensations[i] if rounding == "kahan" else None
+        store_rounded(params[i], comp, x, rounding, seed, rng_step, i)
+
+
+def _check_bf16(args, per_tensor: bool) -> None:
+    check_step(args, per_tensor, masters=None)
+    if args.momentum != 0:
+        _check_momentum(args, per_tensor, buffers_fp32_only=True)
+    check_rounding(args, per_tensor)
+
+
+def _bf16_samples(dtype: torch.dtype):
+    base = _HYPER | dict(wd_after_momentum=False, seed=5, rng_step=2)
+    variants = []
+    for rounding in ROUNDINGS:
+        r = base | dict(rounding=rounding)
+        variants += [
+            (f"{rounding}: momentum", r),
+            (f"{rounding}: nesterov", r | dict(nesterov=True)),
+            (f"{rounding}: wd_after_momentum", r | dict(wd_after_momentum=True)),
+            (f"{rounding}: no momentum, tiny lr", r | dict(momentum=0.0, lr=1e-5)),
+        ]
+    return bf16_samples(dtype, ("momentum_buffers",), variants, _adapt)
+
+
+OP_BF16 = define(
+    reference_fused_sgd_bf16_,
+    family="sgd",
+    mutates=("params", "momentum_buffers", "compensations"),
+    check=_check_bf16,
+    triton="sgd",
+    dtypes=(torch.bfloat16,),
+    sample_inputs=_bf16_samples,  # kernel == reference bit for bit
+)
+fused_sgd_bf16_ = OP_BF16.wrapper

@@ -1,9 +1,9 @@
 """``mpnb::welford_mean_var`` and ``mpnb::welford_parallel``: SyncBatchNorm's batch statistics.
 
-* ``welford_mean_var(input, channel_last=False) -> (mean, var)``: per-channel mean and biased
+* :func:`welford_mean_var` returns ``(mean, var)``: per-channel mean and biased
   variance, fp32 (fp64 for fp64 input). Channels are dim 1 (``(N, C, *)``) or, with
   ``channel_last``, the last dim (``(N, *, C)``).
-* ``welford_parallel(mean, var, count) -> (mean, var)``: merges W ranks' statistics
+* :func:`welford_parallel` returns ``(mean, var)``: it merges W ranks' statistics
   (``mean``/``var`` of shape ``[W, C]``, ``count`` of shape ``[W]``, one floating dtype) with
   Chan's formula in fp64; ranks with a count of 0 contribute nothing.
 
@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from mpnb.core.ops._checks import acc_dtype, check_float
-from mpnb.core.ops._library import Sample, define, ensure_kernels
+from mpnb.core.ops._library import Sample, Tensor, define
 
 __all__ = [
     "welford_mean_var",
@@ -27,7 +27,44 @@ __all__ = [
 ]
 
 
-def _check_input(op: str, x: torch.Tensor) -> None:
+def reference_welford_mean_var(input: Tensor, channel_last: bool = False) -> tuple[Tensor, Tensor]:
+    """Per-channel mean and biased variance of ``input`` (fp32 statistics for half input);
+    the reference is ``torch.var_mean`` in fp64, rounded to fp32.
+
+    Example::
+
+        >>> mean, var = welford_mean_var(torch.randn(8, 3, 5, 5))
+        >>> mean.shape, var.dtype
+        (torch.Size([3]), torch.float32)
+    """
+    dims = tuple(range(input.dim() - 1)) if channel_last else (0, *range(2, input.dim()))
+    acc = acc_dtype(input)
+    c = input.shape[-1] if channel_last else input.shape[1]
+    if input.numel() == 0:
+        return input.new_zeros(c, dtype=acc), input.new_zeros(c, dtype=acc)
+    var, mean = torch.var_mean(input.double(), dim=dims, correction=0)
+    return mean.to(acc), var.to(acc)
+
+
+def reference_welford_parallel(mean: Tensor, var: Tensor, count: Tensor) -> tuple[Tensor, Tensor]:
+    """Merge per-rank statistics: global per-channel mean and biased variance (the reference
+    is the closed form of the merge, in fp64).
+
+    Example::
+
+        >>> m, v = welford_parallel(torch.zeros(2, 3), torch.ones(2, 3), torch.tensor([4., 2.]))
+    """
+    m, v, n = mean.double(), var.double(), count.double()[:, None]
+    total = n.sum(0)
+    safe = total.clamp_min(1e-300)
+    mu = (m * n).sum(0) / safe
+    var_out = ((v + (m - mu) ** 2) * n).sum(0) / safe
+    zero = total == 0
+    return mu.masked_fill(zero, 0).to(mean.dtype), var_out.masked_fill(zero, 0).to(mean.dtype)
+
+
+def _check_mean_var(args, per_tensor: bool) -> None:
+    op, x = args.op_name, args.input
     check_float(op, x)
     if x.dim() < 2:
         raise ValueError(
@@ -36,7 +73,8 @@ def _check_input(op: str, x: torch.Tensor) -> None:
         )
 
 
-def _check_parallel(op: str, mean, var, count) -> None:
+def _check_parallel(args, per_tensor: bool) -> None:
+    op, mean, var, count = args.op_name, args.mean, args.var, args.count
     ok = mean.dim() == 2 and var.shape == mean.shape and count.shape == (mean.shape[0],)
     if not ok:
         raise ValueError(
@@ -51,37 +89,15 @@ def _check_parallel(op: str, mean, var, count) -> None:
         )
 
 
-def reference_welford_mean_var(input: torch.Tensor, channel_last: bool = False):
-    """Reference of :func:`welford_mean_var`: ``torch.var_mean`` in fp64, rounded to fp32."""
-    _check_input("welford_mean_var", input)
-    dims = tuple(range(input.dim() - 1)) if channel_last else (0, *range(2, input.dim()))
-    acc = acc_dtype(input)
-    c = input.shape[-1] if channel_last else input.shape[1]
-    if input.numel() == 0:
-        return input.new_zeros(c, dtype=acc), input.new_zeros(c, dtype=acc)
-    var, mean = torch.var_mean(input.double(), dim=dims, correction=0)
-    return mean.to(acc), var.to(acc)
+def _fake_mean_var(args):
+    x = args.input
+    c = x.shape[-1] if args.channel_last else x.shape[1]
+    acc = acc_dtype(x)
+    return x.new_empty(c, dtype=acc), x.new_empty(c, dtype=acc)
 
 
-def reference_welford_parallel(mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor):
-    """Reference of :func:`welford_parallel`: the closed form of the merge, in fp64."""
-    _check_parallel("welford_parallel", mean, var, count)
-    m, v, n = mean.double(), var.double(), count.double()[:, None]
-    total = n.sum(0)
-    safe = total.clamp_min(1e-300)
-    mu = (m * n).sum(0) / safe
-    var_out = ((v + (m - mu) ** 2) * n).sum(0) / safe
-    zero = total == 0
-    return mu.masked_fill(zero, 0).to(mean.dtype), var_out.masked_fill(zero, 0).to(mean.dtype)
-
-
-def _fake_mean_var(input, channel_last=False):
-    c = input.shape[-1] if channel_last else input.shape[1]
-    acc = acc_dtype(input)
-    return input.new_empty(c, dtype=acc), input.new_empty(c, dtype=acc)
-
-
-def _fake_parallel(mean, var, count):
+def _fake_parallel(args):
+    mean = args.mean
     return mean.new_empty(mean.shape[1]), mean.new_empty(mean.shape[1])
 
 
@@ -103,10 +119,11 @@ def _samples_mean_var(dtype):
     for i, (shape, channel_last) in enumerate(_SHAPES):
         g = torch.Generator().manual_seed(i)
         x = (torch.randn(shape, generator=g, dtype=torch.float64) * 3 + 1).to(dtype)
-        yield Sample((x, channel_last), name=f"{shape} channel_last={channel_last}")
+        kw = dict(input=x, channel_last=channel_last)
+        yield Sample(kw, name=f"{shape} channel_last={channel_last}")
     g = torch.Generator().manual_seed(len(_SHAPES))
     x = torch.randn(3, 4, 20, generator=g, dtype=torch.float64).to(dtype).transpose(1, 2)
-    yield Sample((x, True), name="strided, channel_last")
+    yield Sample(dict(input=x, channel_last=True), name="strided, channel_last")
 
 
 def _samples_parallel(dtype):
@@ -115,11 +132,13 @@ def _samples_parallel(dtype):
         mean = (torch.randn(world, c, generator=g, dtype=torch.float64) * 2).to(dtype)
         var = (torch.rand(world, c, generator=g, dtype=torch.float64) + 0.1).to(dtype)
         count = torch.randint(1, 50, (world,), generator=g).to(dtype)
-        yield Sample((mean, var, count), name=f"world={world} C={c}")
+        yield Sample(dict(mean=mean, var=var, count=count), name=f"world={world} C={c}")
     mean = torch.randn(3, 4, generator=g, dtype=torch.float64).to(dtype)
     var = torch.rand(3, 4, generator=g, dtype=torch.float64).to(dtype)
-    yield Sample((mean, var, torch.tensor([5.0, 0.0, 2.0]).to(dtype)), name="a rank without data")
-    yield Sample((mean, var, torch.zeros(3).to(dtype)), name="no data at all")
+    count = torch.tensor([5.0, 0.0, 2.0]).to(dtype)
+    yield Sample(dict(mean=mean, var=var, count=count), name="a rank without data")
+    count = torch.zeros(3).to(dtype)
+    yield Sample(dict(mean=mean, var=var, count=count), name="no data at all")
 
 
 # Kernel vs reference, measured over the samples: the kernel merges fp32 chunk statistics with
@@ -136,43 +155,20 @@ MEAN_VAR_TOLERANCE = {
 PARALLEL_TOLERANCE = {torch.float64: (1e-14, 0.0)}
 
 MEAN_VAR = define(
-    "welford_mean_var(Tensor input, bool channel_last=False) -> (Tensor, Tensor)",
+    reference_welford_mean_var,
     family="welford",
-    reference=reference_welford_mean_var,
+    check=_check_mean_var,
     fake=_fake_mean_var,
     sample_inputs=_samples_mean_var,
     tolerance=MEAN_VAR_TOLERANCE,
 )
 PARALLEL = define(
-    "welford_parallel(Tensor mean, Tensor var, Tensor count) -> (Tensor, Tensor)",
+    reference_welford_parallel,
     family="welford",
-    reference=reference_welford_parallel,
+    check=_check_parallel,
     fake=_fake_parallel,
     sample_inputs=_samples_parallel,
     tolerance=PARALLEL_TOLERANCE,
 )
-_mean_var, _parallel = MEAN_VAR.overload, PARALLEL.overload
-
-
-def welford_mean_var(input: torch.Tensor, channel_last: bool = False):
-    """Per-channel mean and biased variance of ``input`` (fp32 statistics for half input).
-
-    Example::
-
-        >>> mean, var = welford_mean_var(torch.randn(8, 3, 5, 5))
-        >>> mean.shape, var.dtype
-        (torch.Size([3]), torch.float32)
-    """
-    ensure_kernels()
-    return _mean_var(input, channel_last)
-
-
-def welford_parallel(mean: torch.Tensor, var: torch.Tensor, count: torch.Tensor):
-    """Merge per-rank statistics: global per-channel mean and biased variance.
-
-    Example::
-
-        >>> m, v = welford_parallel(torch.zeros(2, 3), torch.ones(2, 3), torch.tensor([4., 2.]))
-    """
-    ensure_kernels()
-    return _parallel(mean, var, count)
+welford_mean_var = MEAN_VAR.wrapper
+welford_parallel = PARALLEL.wrapper

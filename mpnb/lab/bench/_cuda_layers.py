@@ -66,7 +66,7 @@ def norm_cases(rows: int, cols: int, dev: str, quick: bool) -> Iterator[Case]:
         ),
         (
             "triton layer_norm_bwd",
-            lambda: ln_b(dy, x, mean.view(-1), rstd.view(-1), [cols], wt, b, False),
+            lambda: ln_b(dy, x, mean.view(-1).float(), rstd.view(-1).float(), [cols], wt, b, False),
         ),
         6 * n,
         RMW,
@@ -90,7 +90,10 @@ def norm_cases(rows: int, cols: int, dev: str, quick: bool) -> Iterator[Case]:
             "rms_norm bwd",
             work,
             _rms_backward(dy, x, cols, rrstd, wt),
-            ("triton rms_norm_bwd", lambda: rms_b(dy, x, rrstd.view(-1), [cols], wt, False)),
+            (
+                "triton rms_norm_bwd",
+                lambda: rms_b(dy, x, rrstd.view(-1).float(), [cols], wt, False),
+            ),
             6 * n,
             RMW,
             n,
@@ -175,7 +178,7 @@ def softmax_cases(b: int, h: int, sq: int, dev: str, quick: bool) -> Iterator[Ca
 
 def rope_case(s: int, b: int, h: int, d: int, dev: str) -> Case:
     """RoPE over all ``d`` channels of ``[s, b, h, d]`` bf16 against the PyTorch-ops reference."""
-    from mpnb.core.ops.rope import reference_rope
+    from mpnb.core.ops.rotary import reference_rope
     from mpnb.core.ops.triton import launcher
 
     n = s * b * h * d

@@ -229,8 +229,8 @@ def test_cuda_path_matches_reference(name, dtype):
     rtol, atol = {torch.float64: (1e-12, 1e-12), torch.float32: (1e-5, 1e-4)}.get(dtype, (0, 0))
     for sample in op.sample_inputs(dtype):
         with torch.no_grad():
-            got = op.torch_path(*copy.deepcopy(sample.args))
-            want = op.reference(*copy.deepcopy(sample.args))
+            got = op.torch_path(**copy.deepcopy(sample.kwargs))
+            want = op.reference(**copy.deepcopy(sample.kwargs))
         for g, w in zip(got, want, strict=True):
             assert g.dtype == w.dtype and g.shape == w.shape, sample.name
             torch.testing.assert_close(g, w, rtol=rtol, atol=atol, msg=sample.name)

@@ -15,13 +15,24 @@ from mpnb.multi_tensor_apply import multi_tensor_applier
 from mpnb.optimizers import FusedLAMB
 
 APEX_AMP_C = {  # every function of Apex's amp_C module (csrc/amp_C_frontend.cpp)
-    "multi_tensor_scale", "multi_tensor_sgd", "multi_tensor_axpby", "multi_tensor_l2norm",
-    "multi_tensor_l2norm_mp", "multi_tensor_l2norm_scale", "multi_tensor_unscale_l2norm",
-    "multi_tensor_lamb_stage1_cuda", "multi_tensor_lamb_stage2_cuda", "multi_tensor_adam",
-    "multi_tensor_adam_capturable", "multi_tensor_adam_capturable_master",
-    "multi_tensor_adagrad", "multi_tensor_novograd", "multi_tensor_lamb",
-    "multi_tensor_lamb_mp", "update_scale_hysteresis",
-}  # fmt: skip
+    "multi_tensor_scale",
+    "multi_tensor_sgd",
+    "multi_tensor_axpby",
+    "multi_tensor_l2norm",
+    "multi_tensor_l2norm_mp",
+    "multi_tensor_l2norm_scale",
+    "multi_tensor_unscale_l2norm",
+    "multi_tensor_lamb_stage1_cuda",
+    "multi_tensor_lamb_stage2_cuda",
+    "multi_tensor_adam",
+    "multi_tensor_adam_capturable",
+    "multi_tensor_adam_capturable_master",
+    "multi_tensor_adagrad",
+    "multi_tensor_novograd",
+    "multi_tensor_lamb",
+    "multi_tensor_lamb_mp",
+    "update_scale_hysteresis",
+}
 SIZES = (1, 33, 4099, 70001)
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 # one rounding of the params' dtype apart at most (fp32: a few ulp, plus near-zero values)
@@ -132,8 +143,9 @@ def test_two_lamb_stages_are_one_lamb_step():
     gnorm = amp_C.multi_tensor_l2norm(2048, _noop(), [g])[0]
     upd = [torch.empty_like(t) for t in p]
     decay = torch.full((len(p),), 0.01)
-    amp_C.multi_tensor_lamb_stage1_cuda(2048, _noop(), [g, p, m, v, upd], decay, 0, 0.9, 0.999,
-                                        1e-6, gnorm, 1.0)  # fmt: skip
+    amp_C.multi_tensor_lamb_stage1_cuda(
+        2048, _noop(), [g, p, m, v, upd], decay, 0, 0.9, 0.999, 1e-6, gnorm, 1.0
+    )
     pn = amp_C.multi_tensor_l2norm(2048, _noop(), [p], True)[1]
     un = amp_C.multi_tensor_l2norm(2048, _noop(), [upd], True)[1]
     amp_C.multi_tensor_lamb_stage2_cuda(2048, _noop(), [p, upd], pn, un, 1e-2, 0.01)
@@ -150,8 +162,17 @@ def test_adam_capturable_matches_reference(dtype, mode, master):
     if master:
         lists.append([t.float() for t in lists[1]])
     name = "multi_tensor_adam_capturable" + ("_master" if master else "")
-    args = (torch.tensor([1e-2]), 0.9, 0.999, 1e-8, torch.tensor([3], dtype=torch.int32), mode,
-            1, 0.05, torch.tensor([0.5]))  # fmt: skip
+    args = (
+        torch.tensor([1e-2]),
+        0.9,
+        0.999,
+        1e-8,
+        torch.tensor([3], dtype=torch.int32),
+        mode,
+        1,
+        0.05,
+        torch.tensor([0.5]),
+    )
     mine, ref = _both(name, lists, *args)
     for k in range(len(lists)):  # without masters the moments are rounded to dtype too
         _close(mine[k], ref[k], dtype if k in (0, 1) or not master else torch.float32)
@@ -171,9 +192,22 @@ def test_lamb_mp_matches_reference(dtype, mode):
     g = [(t.float() * scale).to(dtype) for t in g]
     lists = [g, p, m, v] if dtype == torch.float32 else [g, [t.float() for t in p], m, v, p]
     gnorm = torch.stack([t.float().norm() for t in g]).norm().reshape(1)
-    args = (torch.tensor([1e-2]), 0.9, 0.999, 1e-6, torch.tensor([2], dtype=torch.int32), 1,
-            0.01, 1, mode, gnorm, torch.tensor([scale]), False, torch.zeros(1),
-            torch.tensor([1 / scale]))  # fmt: skip
+    args = (
+        torch.tensor([1e-2]),
+        0.9,
+        0.999,
+        1e-6,
+        torch.tensor([2], dtype=torch.int32),
+        1,
+        0.01,
+        1,
+        mode,
+        gnorm,
+        torch.tensor([scale]),
+        False,
+        torch.zeros(1),
+        torch.tensor([1 / scale]),
+    )
     mine, ref = _both("multi_tensor_lamb_mp", lists, *args)
     for k in range(1, len(lists)):
         _close(mine[k], ref[k], dtype if k == 4 else torch.float32)
@@ -181,5 +215,8 @@ def test_lamb_mp_matches_reference(dtype, mode):
     found[-2] = torch.ones(1)
     untouched = copy.deepcopy(lists)
     amp_C.multi_tensor_lamb_mp(2048, _noop(), untouched, *found)
-    assert all(torch.equal(x, y) for a, b in zip(untouched, lists, strict=True)
-               for x, y in zip(a, b, strict=True))  # fmt: skip
+    assert all(
+        torch.equal(x, y)
+        for a, b in zip(untouched, lists, strict=True)
+        for x, y in zip(a, b, strict=True)
+    )

@@ -313,8 +313,18 @@ print(Extension("cpu").sources_key())
 def test_wheel_ships_the_cpp_sources_and_finds_them_installed(tmp_path):
     """A non-editable install must find csrc/: the wheel carries it as mpnb/_csrc, and the
     installed package resolves it to a real directory (not a namespace MultiplexedPath)."""
-    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q",
-           "-w", str(tmp_path), str(ROOT)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "pip",
+        "wheel",
+        "--no-deps",
+        "--no-build-isolation",
+        "-q",
+        "-w",
+        str(tmp_path),
+        str(ROOT),
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr[-2000:]
     (wheel,) = tmp_path.glob("mpnb-*.whl")
@@ -330,8 +340,14 @@ def test_wheel_ships_the_cpp_sources_and_finds_them_installed(tmp_path):
     run = tmp_path / "elsewhere"
     run.mkdir()
     env = {**os.environ, "PYTHONPATH": str(site)}
-    out = subprocess.run([sys.executable, "-c", _FROM_WHEEL], cwd=run, env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _FROM_WHEEL],
+        cwd=run,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-2000:]
     module, sources, key = out.stdout.split()
     assert Path(module).parent == site / "mpnb"

@@ -4,6 +4,7 @@ test runs every op x dtype x {kernel, reference} and opcheck.)"""
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 
@@ -13,10 +14,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mpnb.core import ops
-from mpnb.core.ops import check_finite as cf
-from mpnb.core.ops import scale as sc
 
 mt = ops  # the references are exported beside the wrappers
+# The PyTorch-ops paths that serve CUDA tensors, as the dispatcher calls them (positional).
+_torch_scale = ops.op_info("multi_tensor_scale").torch_path
+_torch_check_finite = ops.op_info("multi_tensor_check_finite").torch_path
 
 HALF_FLOAT = (torch.float32, torch.float16, torch.bfloat16)
 PAIRS = [*itertools.product(HALF_FLOAT, HALF_FLOAT), (torch.float64, torch.float64)]
@@ -318,7 +320,16 @@ def test_update_loss_scale_is_the_three_calls_it_replaces(kernels):
 
 @pytest.mark.parametrize("path", ["kernel", "reference"])
 def test_update_loss_scale_errors(kernels, path):
-    fn = ops.update_loss_scale_ if path == "kernel" else mt.reference_update_loss_scale_
+    with _on(path):
+        _update_loss_scale_errors(ops.update_loss_scale_)
+
+
+def _on(path):
+    """The block runs the C++ kernels (``kernel``) or the references behind their check."""
+    return ops.use_reference() if path == "reference" else contextlib.nullcontext()
+
+
+def _update_loss_scale_errors(fn):
     scale, growth, hyst = _state()
     with pytest.raises(TypeError, match="inv_scale must be a one-element float32"):
         fn(
@@ -345,7 +356,12 @@ def test_update_loss_scale_errors(kernels, path):
 
 @pytest.mark.parametrize("path", ["kernel", "reference"])
 def test_errors_name_the_problem_and_the_fix(kernels, path):
-    scale = ops.multi_tensor_scale if path == "kernel" else mt.reference_multi_tensor_scale
+    with _on(path):
+        _errors_name_the_problem_and_the_fix()
+
+
+def _errors_name_the_problem_and_the_fix():
+    scale = ops.multi_tensor_scale
     a = [torch.ones(4), torch.ones(5)]
     with pytest.raises(ValueError, match="equal length"):
         scale(flag(), a, [torch.ones(4)], 1.0)
@@ -359,7 +375,7 @@ def test_errors_name_the_problem_and_the_fix(kernels, path):
         scale(flag(), [torch.ones(4, dtype=torch.int64)], [torch.ones(4)], 1.0)
     with pytest.raises(TypeError, match="float64"):
         scale(flag(), [torch.ones(4, dtype=torch.float64)], [torch.ones(4)], 1.0)
-    axpby = ops.multi_tensor_axpby if path == "kernel" else mt.reference_multi_tensor_axpby
+    axpby = ops.multi_tensor_axpby
     with pytest.raises(ValueError, match="arg_to_check"):
         axpby(flag(), a, a, a, 1.0, 1.0, 2)
 
@@ -374,7 +390,7 @@ def test_foreach_scale_path_matches_reference(din):
     a = [torch.empty_like(t, dtype=torch.float32) for t in src]
     b = [torch.empty_like(t, dtype=torch.float32) for t in src]
     fa, fb = flag(), flag()
-    sc._torch_multi_tensor_scale(fa, src, a, 0.125, torch.tensor([2.0]))
+    _torch_scale(fa, src, a, 0.125, torch.tensor([2.0]))
     mt.reference_multi_tensor_scale(fb, src, b, 0.125, torch.tensor([2.0]))
     assert_same(a, b)
     assert fa.item() == fb.item() == 1
@@ -385,7 +401,7 @@ def test_foreach_scale_path_falls_back_to_the_reference_for_half_destinations():
     src[0][3] = math.nan
     out, ref = [torch.empty(10).half()], [torch.empty(10).half()]
     fa, fb = flag(), flag()
-    sc._torch_multi_tensor_scale(fa, src, out, 2.0)
+    _torch_scale(fa, src, out, 2.0)
     mt.reference_multi_tensor_scale(fb, src, ref, 2.0)
     assert_same(out, ref)
     assert fa.item() == fb.item() == 1
@@ -396,11 +412,11 @@ def test_foreach_check_finite_path(dtype):
     xs = make([7, 3000], dtype, seed=9)
     before = [x.clone() for x in xs]
     f = flag()
-    cf._torch_multi_tensor_check_finite(f, xs)
+    _torch_check_finite(f, xs)
     assert f.item() == 0
     assert_same(xs, before)  # unscaling by 1.0 preserves every bit
     xs[1][17] = math.nan
-    cf._torch_multi_tensor_check_finite(f, xs)
+    _torch_check_finite(f, xs)
     assert f.item() == 1
 
 

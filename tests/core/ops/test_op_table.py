@@ -64,16 +64,17 @@ def test_kernel_matches_reference(kernels, case, path):
     op, dtype = case
     ran = 0
     for sample in op.sample_inputs(dtype):
-        args_k, args_r = copy.deepcopy(sample.args), copy.deepcopy(sample.args)
+        args = tuple(op.args(**sample.kwargs))  # the schema's positional order
+        args_k, args_r = copy.deepcopy(args), copy.deepcopy(args)
         if path == "kernel":
-            out_k = op.overload(*args_k, **sample.kwargs)
+            out_k = op.overload(*args_k)
         else:
             with ops.use_reference([op.name]):
-                out_k = op.overload(*args_k, **sample.kwargs)
-        out_r = op.reference(*args_r, **sample.kwargs)
+                out_k = op.overload(*args_k)
+        out_r = op.reference(**op.args(*args_r)._asdict())
         _assert_close(out_k, out_r, op, dtype, f"{op.name} {sample.name}: output")
         _assert_close(args_k, args_r, op, dtype, f"{op.name} {sample.name}: argument")
         if path == "kernel" and ran == 0:  # opcheck is slow: the first sample of each dtype
-            torch.library.opcheck(op.overload, copy.deepcopy(sample.args), sample.kwargs)
+            torch.library.opcheck(op.overload, copy.deepcopy(args))
         ran += 1
     assert ran > 0, f"{op.name} yields no sample for {dtype}"

@@ -8,8 +8,13 @@ import pytest
 import torch
 
 from mpnb import amp_C
-from mpnb.core.ops import reference_fused_lamb_, reference_fused_novograd_
+from mpnb.core.ops import op_info
 from mpnb.multi_tensor_apply import multi_tensor_applier
+
+# The references in the schema's positional order (the references themselves take their
+# hyper-parameters by keyword).
+reference_fused_lamb_ = op_info("fused_lamb_").reference_kernel
+reference_fused_novograd_ = op_info("fused_novograd_").reference_kernel
 
 SIZES = [3, 64, 1000, 40000]
 

@@ -127,9 +127,20 @@ def test_fp32_adam_equals_torch_fused_adam_bitwise(kernels, adam_w_mode, n):
 
     def ours(w, g, k):
         ops.fused_adam_(
-            [w], [g], [m], [v], [], [st], lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8,
-            weight_decay=0.1, adam_w_mode=adam_w_mode, bias_correction=True,
-        )  # fmt: skip
+            [w],
+            [g],
+            [m],
+            [v],
+            [],
+            [st],
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=0.1,
+            adam_w_mode=adam_w_mode,
+            bias_correction=True,
+        )
 
     opt, p, w = _torch_run(lambda p: cls([p], lr=1e-2, weight_decay=0.1, fused=True), ours, n)
     s = opt.state[opt.param_groups[0]["params"][0]]
@@ -149,9 +160,17 @@ def test_fp32_sgd_equals_torch_sgd_bitwise(kernels, nesterov, n):
 
     def ours(w, g, k):
         ops.fused_sgd_(
-            [w], [g], [buf], [], [k == 0], lr=0.1, momentum=0.9, dampening=damp,
-            weight_decay=0.01, nesterov=nesterov,
-        )  # fmt: skip
+            [w],
+            [g],
+            [buf],
+            [],
+            [k == 0],
+            lr=0.1,
+            momentum=0.9,
+            dampening=damp,
+            weight_decay=0.01,
+            nesterov=nesterov,
+        )
 
     def make(p):
         return torch.optim.SGD(
@@ -172,9 +191,16 @@ def test_fp32_adagrad_within_two_ulp_of_torch_fused_adagrad(kernels, weight_deca
 
     def ours(w, g, k):
         ops.fused_adagrad_(
-            [w], [g], [h], [], [st], lr=1e-2, eps=1e-10, weight_decay=weight_decay,
+            [w],
+            [g],
+            [h],
+            [],
+            [st],
+            lr=1e-2,
+            eps=1e-10,
+            weight_decay=weight_decay,
             lr_decay=0.01,
-        )  # fmt: skip
+        )
 
     def make(p):
         return torch.optim.Adagrad(
@@ -226,9 +252,14 @@ def test_lamb_bits_independent_of_grouping_and_threads(kernels, use_nvlamb):
 
 def _adam_kw():
     return dict(
-        lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.0, adam_w_mode=True,
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        adam_w_mode=True,
         bias_correction=True,
-    )  # fmt: skip
+    )
 
 
 BAD = {
@@ -236,47 +267,79 @@ BAD = {
         ValueError,
         "same size",
         lambda: ops.fused_adam_(
-            [torch.randn(4)], [torch.randn(5)], [torch.zeros(4)], [torch.zeros(4)], [],
-            [torch.tensor(0.0)], **_adam_kw(),
+            [torch.randn(4)],
+            [torch.randn(5)],
+            [torch.zeros(4)],
+            [torch.zeros(4)],
+            [],
+            [torch.tensor(0.0)],
+            **_adam_kw(),
         ),
     ),
     "half state": (
         TypeError,
         "keep state in fp32",
         lambda: ops.fused_adam_(
-            [torch.randn(4)], [torch.randn(4)], [torch.zeros(4, dtype=torch.half)],
-            [torch.zeros(4)], [], [torch.tensor(0.0)], **_adam_kw(),
+            [torch.randn(4)],
+            [torch.randn(4)],
+            [torch.zeros(4, dtype=torch.half)],
+            [torch.zeros(4)],
+            [],
+            [torch.tensor(0.0)],
+            **_adam_kw(),
         ),
     ),
     "fp64 params": (
         TypeError,
         "float32, float16 or bfloat16",
         lambda: ops.fused_adam_(
-            [torch.randn(4, dtype=torch.float64)], [torch.randn(4, dtype=torch.float64)],
-            [torch.zeros(4)], [torch.zeros(4)], [], [torch.tensor(0.0)], **_adam_kw(),
+            [torch.randn(4, dtype=torch.float64)],
+            [torch.randn(4, dtype=torch.float64)],
+            [torch.zeros(4)],
+            [torch.zeros(4)],
+            [],
+            [torch.tensor(0.0)],
+            **_adam_kw(),
         ),
     ),
     "masters count": (
         ValueError,
         "one fp32 tensor per param",
         lambda: ops.fused_adam_(
-            [torch.randn(4).bfloat16()] * 2, [torch.randn(4)] * 2, [torch.zeros(4)] * 2,
-            [torch.zeros(4)] * 2, [torch.zeros(4)], [torch.tensor(0.0)] * 2, **_adam_kw(),
+            [torch.randn(4).bfloat16()] * 2,
+            [torch.randn(4)] * 2,
+            [torch.zeros(4)] * 2,
+            [torch.zeros(4)] * 2,
+            [torch.zeros(4)],
+            [torch.tensor(0.0)] * 2,
+            **_adam_kw(),
         ),
     ),
     "int step": (
         TypeError,
         r"torch.tensor\(0.0\)",
         lambda: ops.fused_adagrad_(
-            [torch.randn(4)], [torch.randn(4)], [torch.zeros(4)], [],
-            [torch.tensor(0)], lr=1e-2, eps=1e-10, weight_decay=0.0,
+            [torch.randn(4)],
+            [torch.randn(4)],
+            [torch.zeros(4)],
+            [],
+            [torch.tensor(0)],
+            lr=1e-2,
+            eps=1e-10,
+            weight_decay=0.0,
         ),
     ),
     "steps count": (
         ValueError,
         "one tensor per param",
         lambda: ops.fused_adagrad_(
-            [torch.randn(4)], [torch.randn(4)], [torch.zeros(4)], [], [], lr=1e-2, eps=1e-10,
+            [torch.randn(4)],
+            [torch.randn(4)],
+            [torch.zeros(4)],
+            [],
+            [],
+            lr=1e-2,
+            eps=1e-10,
             weight_decay=0.0,
         ),
     ),
@@ -298,8 +361,17 @@ BAD = {
         ValueError,
         "multi_tensor_l2norm",
         lambda: ops.fused_lamb_(
-            [torch.randn(4)], [torch.randn(4)], [torch.zeros(4)], [torch.zeros(4)], [],
-            [torch.tensor(0.0)], torch.ones(2), lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-6,
+            [torch.randn(4)],
+            [torch.randn(4)],
+            [torch.zeros(4)],
+            [torch.zeros(4)],
+            [],
+            [torch.tensor(0.0)],
+            torch.ones(2),
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-6,
             weight_decay=0.0,
         ),
     ),
@@ -307,21 +379,40 @@ BAD = {
         ValueError,
         "pass 0 or 2",
         lambda: ops.fused_novograd_(
-            [torch.randn(4)], [torch.randn(4)], [torch.zeros(4)], [torch.tensor(0.0)], [],
-            [torch.tensor(0.0)], torch.ones(1), lr=1e-2, beta1=0.9, beta2=0.98, eps=1e-8,
-            weight_decay=0.0, norm_type=1,
+            [torch.randn(4)],
+            [torch.randn(4)],
+            [torch.zeros(4)],
+            [torch.tensor(0.0)],
+            [],
+            [torch.tensor(0.0)],
+            torch.ones(1),
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.98,
+            eps=1e-8,
+            weight_decay=0.0,
+            norm_type=1,
         ),
     ),
     "novograd grad_norms": (
         ValueError,
         "one norm per param",
         lambda: ops.fused_novograd_(
-            [torch.randn(4)], [torch.randn(4)], [torch.zeros(4)], [torch.tensor(0.0)], [],
-            [torch.tensor(0.0)], torch.ones(3), lr=1e-2, beta1=0.9, beta2=0.98, eps=1e-8,
+            [torch.randn(4)],
+            [torch.randn(4)],
+            [torch.zeros(4)],
+            [torch.tensor(0.0)],
+            [],
+            [torch.tensor(0.0)],
+            torch.ones(3),
+            lr=1e-2,
+            beta1=0.9,
+            beta2=0.98,
+            eps=1e-8,
             weight_decay=0.0,
         ),
     ),
-}  # fmt: skip
+}
 
 
 @pytest.mark.parametrize("case", list(BAD))

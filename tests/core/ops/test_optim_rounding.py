@@ -117,10 +117,23 @@ def _adam_step(n: int, seed: int, rounding: str = "stochastic"):
     m, v, st = torch.zeros(n), torch.zeros(n), torch.tensor(0.0)
     comps = [torch.zeros_like(p)] if rounding == "kahan" else []
     fused_adam_bf16_(
-        [p], [grad], [m], [v], comps, [st], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
-        weight_decay=0.0, adam_w_mode=True, bias_correction=True, rounding=rounding,
-        seed=seed, rng_step=1,
-    )  # fmt: skip
+        [p],
+        [grad],
+        [m],
+        [v],
+        comps,
+        [st],
+        lr=1e-3,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-8,
+        weight_decay=0.0,
+        adam_w_mode=True,
+        bias_correction=True,
+        rounding=rounding,
+        seed=seed,
+        rng_step=1,
+    )
     return p
 
 
@@ -151,9 +164,17 @@ def test_errors_name_the_fix(op_impl):
         fused_sgd_bf16_(p, g, [], [], [], lr=0.1, rounding="kahan", seed=0, rng_step=0)
     with pytest.raises(ValueError, match="no compensation"):
         fused_sgd_bf16_(
-            p, g, [], [torch.zeros(4, dtype=torch.bfloat16)], [], lr=0.1,
-            rounding="stochastic", seed=0, rng_step=0,
-        )  # fmt: skip
+            p,
+            g,
+            [],
+            [torch.zeros(4, dtype=torch.bfloat16)],
+            [],
+            lr=0.1,
+            rounding="stochastic",
+            seed=0,
+            rng_step=0,
+        )
     with pytest.raises(TypeError, match="contiguous bfloat16"):
-        fused_sgd_bf16_(p, g, [], [torch.zeros(4)], [], lr=0.1, rounding="kahan", seed=0,
-                        rng_step=0)  # fmt: skip
+        fused_sgd_bf16_(
+            p, g, [], [torch.zeros(4)], [], lr=0.1, rounding="kahan", seed=0, rng_step=0
+        )

@@ -90,7 +90,7 @@ def test_sgd_torch_path_first_run_per_param(kernels):
     for first in ([True] * 4, [False] * 4, [True, False, False, True]):
         a, b = copy.deepcopy(base), copy.deepcopy(base)
         _path("sgd")(*_args("sgd", a, first=first))
-        ops.reference_fused_sgd_(*_args("sgd", b, first=first))
+        ops.op_info("fused_sgd_").reference_kernel(*_args("sgd", b, first=first))
         for x, y in zip(a[0] + a[3][0], b[0] + b[3][0], strict=True):
             torch.testing.assert_close(x, y, rtol=2e-6, atol=2e-7)
 
@@ -104,7 +104,8 @@ def test_torch_path_runs_the_reference_for_what_torch_lacks(name, kw):
     base = lists_for(torch.bfloat16, torch.float32, True, NSTATE[name], SIZES)
     a, b = copy.deepcopy(base), copy.deepcopy(base)
     _path(name)(*_args(name, a, **kw), torch.tensor([0.5]), None)
-    ops.op_info(f"fused_{name}_").reference(*_args(name, b, **kw), torch.tensor([0.5]), None)
+    ref = ops.op_info(f"fused_{name}_").reference_kernel  # positional, as the schema
+    ref(*_args(name, b, **kw), torch.tensor([0.5]), None)
     assert all(torch.equal(x, y) for x, y in zip(_flat(a), _flat(b), strict=True))
     assert not torch.equal(a[0][-1], base[0][-1])
 

@@ -31,17 +31,38 @@ def test_at_or_above_pytorchs_speed_is_default_the_rest_opt_in_with_their_ratio(
 
 def test_record_keeps_each_kernels_worst_case_from_the_bench_rows():
     rows = [
-        dict(case="AdamW O2 bf16", workload="(a)", candidate="torch _fused_adamw_",
-             role="baseline", ratio=None),
-        dict(case="AdamW O2 bf16", workload="(a)", candidate="triton fused_adam_",
-             role="candidate", ratio=1.4),
-        dict(case="AdamW O2 bf16", workload="(c)", candidate="triton fused_adam_",
-             role="candidate", ratio=0.9),
-        dict(case="AdamW O2 bf16", workload="(a)", candidate="bw: a += s*b (fp32)",
-             role="bandwidth", ratio=None),
-        dict(case="rope bf16", workload="(b)", candidate="triton rope", role="candidate",
-             ratio=1.2),
-    ]  # fmt: skip
+        dict(
+            case="AdamW O2 bf16",
+            workload="(a)",
+            candidate="torch _fused_adamw_",
+            role="baseline",
+            ratio=None,
+        ),
+        dict(
+            case="AdamW O2 bf16",
+            workload="(a)",
+            candidate="triton fused_adam_",
+            role="candidate",
+            ratio=1.4,
+        ),
+        dict(
+            case="AdamW O2 bf16",
+            workload="(c)",
+            candidate="triton fused_adam_",
+            role="candidate",
+            ratio=0.9,
+        ),
+        dict(
+            case="AdamW O2 bf16",
+            workload="(a)",
+            candidate="bw: a += s*b (fp32)",
+            role="bandwidth",
+            ratio=None,
+        ),
+        dict(
+            case="rope bf16", workload="(b)", candidate="triton rope", role="candidate", ratio=1.2
+        ),
+    ]
     table = dec.record(rows, "NVIDIA H200", "2026-05-01", torch="2.13.0")
     assert set(table["kernels"]) == {"fused_adam_", "rope"}
     adam = table["kernels"]["fused_adam_"]

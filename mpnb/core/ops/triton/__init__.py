@@ -2,15 +2,17 @@
 where a GPU run measured them at least as fast as PyTorch's own CUDA path.
 
 One module per op family, named like the op's module (``adam.py``, ``sgd.py``, ``lamb.py``,
-``scale.py``, ``l2norm.py``, ``layer_norm.py``, ``rms_norm.py``, ``softmax.py``, ``rope.py``).
-Each exposes launchers with exactly the signature of the op's schema (the reference's
-positional arguments), to be registered for the CUDA dispatch key of the existing op::
+``scale.py``, ``l2norm.py``, ``layer_norm.py``, ``rms_norm.py``, ``softmax.py``,
+``rotary.py``). Each exposes one launcher per op, named like the op, taking the op's call as
+one object (``args``, the named tuple of its reference's parameters: ``args.lr``). An op says
+which module holds its launcher where it is defined (``define(..., triton="adam")``,
+:mod:`mpnb.core.ops._library`), which registers the launcher, behind the op's checks, for the
+CUDA key of the op; :data:`LAUNCHERS` lists them, read off the op table, and
+:func:`launcher` gives one as the dispatcher calls it (positional, the reference's order)::
 
     from mpnb.core.ops import triton as tk
 
-    for name in tk.LAUNCHERS:
-        if tk.triton_enabled(name):
-            torch.library.impl(f"mpnb::{name}", "CUDA", tk.launcher(name))
+    scale = tk.launcher("multi_tensor_scale")     # scale(flag, src, dst, 0.5)
 
 Importing this package imports neither triton nor the kernels (it must stay importable where
 triton is not installed); :func:`launcher` imports a kernel module on first use.
@@ -22,18 +24,17 @@ ratio. ``MPNB_TRITON=1`` switches every kernel on, ``MPNB_TRITON=0`` every kerne
 once, :func:`triton_status`).
 
 Tensor-list launchers read their tensors through a table of addresses (one launch per list),
-which ``torch.compile`` cannot see into: register them as opaque ops (``torch.library.impl``),
-not through ``torch.library.triton_op``. The layer launchers (norms, softmax, RoPE) pass
-every tensor to the kernel and may also be registered with ``triton_op``.
+which ``torch.compile`` cannot see into: they are registered as opaque ops
+(``torch.library.impl``), not through ``torch.library.triton_op``. The layer launchers (norms,
+softmax, RoPE) pass every tensor to the kernel.
 """
 
 from __future__ import annotations
 
 import functools
-import importlib
 import os
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from mpnb.core.ops.triton._decision import TritonDecision, decide, load_table
@@ -43,6 +44,7 @@ __all__ = [
     "TritonDecision",
     "TritonStatus",
     "decision",
+    "enabled_for",
     "launcher",
     "probe_triton",
     "triton_enabled",
@@ -50,30 +52,37 @@ __all__ = [
     "triton_usable",
 ]
 
-#: ``mpnb::`` op name -> ``"<module>:<function>"`` of its Triton launcher in this package.
-LAUNCHERS: Mapping[str, str] = {
-    "fused_adam_": "adam:fused_adam_",
-    "fused_adam_bf16_": "adam:fused_adam_bf16_",
-    "fused_sgd_": "sgd:fused_sgd_",
-    "fused_sgd_bf16_": "sgd:fused_sgd_bf16_",
-    "fused_lamb_": "lamb:fused_lamb_",
-    "fused_lamb_bf16_": "lamb:fused_lamb_bf16_",
-    "multi_tensor_scale": "scale:multi_tensor_scale",
-    "multi_tensor_l2norm": "l2norm:multi_tensor_l2norm",
-    "layer_norm_fwd": "layer_norm:layer_norm_fwd",
-    "layer_norm_bwd": "layer_norm:layer_norm_bwd",
-    "rms_norm_fwd": "rms_norm:rms_norm_fwd",
-    "rms_norm_bwd": "rms_norm:rms_norm_bwd",
-    "scaled_softmax_fwd": "softmax:scaled_softmax_fwd",
-    "scaled_masked_softmax_fwd": "softmax:scaled_masked_softmax_fwd",
-    "scaled_upper_triang_masked_softmax_fwd": "softmax:scaled_upper_triang_masked_softmax_fwd",
-    "scaled_softmax_bwd": "softmax:scaled_softmax_bwd",
-    "rope": "rope:rope",
-}
+
+class _Launchers(Mapping):
+    """``mpnb::`` op name -> ``"<module>:<function>"`` of its Triton launcher in this package,
+    read off the op table (importing :mod:`mpnb.core.ops` on first use defines every op)."""
+
+    def _table(self) -> dict[str, str]:
+        import mpnb.core.ops  # noqa: F401 - defines every op
+        from mpnb.core.ops._library import all_ops
+
+        return {op.name: f"{op.triton}:{op.name}" for op in all_ops() if op.triton}
+
+    def __getitem__(self, name: str) -> str:
+        return self._table()[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._table())
+
+    def __len__(self) -> int:
+        return len(self._table())
+
+    def __repr__(self) -> str:
+        return f"LAUNCHERS({self._table()!r})"
+
+
+#: The ops with a Triton kernel: ``{op name: "<module>:<function>"}`` (a view of the op table).
+LAUNCHERS: Mapping[str, str] = _Launchers()
 
 
 def launcher(name: str) -> Callable:
-    """The Triton launcher of op ``name`` (imports triton and the kernel module).
+    """The Triton launcher of op ``name`` as the dispatcher calls it: positional, in the
+    reference's order, behind the op's checks (imports triton and the kernel module).
 
     Raises:
         KeyError: ``name`` has no Triton kernel (the message lists those that do).
@@ -81,12 +90,13 @@ def launcher(name: str) -> Callable:
 
     Example::
 
-        >>> launcher("multi_tensor_scale")  # mpnb.core.ops.triton.scale.multi_tensor_scale
+        >>> launcher("multi_tensor_scale")(flag, src, dst, 0.5)
     """
     if name not in LAUNCHERS:
         raise KeyError(f"no Triton kernel for op {name!r}; ops with one: {', '.join(LAUNCHERS)}.")
-    module, func = LAUNCHERS[name].split(":")
-    return getattr(importlib.import_module(f"{__name__}.{module}"), func)
+    from mpnb.core.ops._library import op_info
+
+    return op_info(name).triton_kernel()
 
 
 @dataclass(frozen=True)
@@ -145,7 +155,7 @@ def probe_triton(
         return TritonStatus(mode, cuda, None, "switched off by MPNB_TRITON=0")
     if mode == "measured":
         measured = load_table() if table is None else table
-        if not any(decide(n, measured).default for n in LAUNCHERS):
+        if not any(decide(n, measured).default for n in measured.get("kernels", {})):
             why = (
                 "opt-in: no kernel has measured at least PyTorch's speed on a GPU (set "
                 "MPNB_TRITON=1 to use them all)"
@@ -194,10 +204,15 @@ def triton_usable() -> bool:
     return triton_status().usable
 
 
-def triton_enabled(name: str) -> bool:
-    """True when op ``name``'s CUDA calls run its Triton kernel: usable here, and on by
-    default (measured at least PyTorch's speed) or switched on by ``MPNB_TRITON=1``."""
+def enabled_for(name: str) -> bool:
+    """True when a Triton kernel of op ``name`` would serve its CUDA calls: usable here, and
+    on by default (measured at least PyTorch's speed) or switched on by ``MPNB_TRITON=1``
+    (what :func:`~mpnb.core.ops._library.define` asks of an op that has one)."""
     status = triton_status()
-    if name not in LAUNCHERS or not status.usable:
-        return False
-    return status.opted_in or decision(name).default
+    return status.usable and (status.opted_in or decision(name).default)
+
+
+def triton_enabled(name: str) -> bool:
+    """True when op ``name``'s CUDA calls run its Triton kernel: it has one
+    (:data:`LAUNCHERS`) and :func:`enabled_for` holds."""
+    return name in LAUNCHERS and enabled_for(name)

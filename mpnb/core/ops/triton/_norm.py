@@ -9,13 +9,10 @@ buffer and then over programs in a fixed order (deterministic, no atomics).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops._checks import check_float, check_param, norm_rows
 from mpnb.core.ops.triton._common import (
     acc_of,
     div,
@@ -29,26 +26,12 @@ from mpnb.core.ops.triton._common import (
 )
 from mpnb.core.ops.triton._common import to_acc as _to_acc
 
-__all__ = ["MAX_FUSED", "rows_cols", "check_norm_args", "norm_fwd", "norm_bwd"]
+__all__ = ["MAX_FUSED", "norm_fwd", "norm_bwd"]
 
 MAX_FUSED = 8192  #: the longest row the forward holds in one block
 BWD_FUSED = 4096  #: the longest row the backward holds in one block
 _TILE = 4096  # elements per program in the one-block path (rows x cols)
 _MAX_PROGS = 256  # programs of the backward (and rows of its partial-gradient buffer)
-
-
-def rows_cols(op: str, x: torch.Tensor, shape: Sequence[int]) -> tuple[int, int]:
-    """``(rows, cols)`` of ``x`` normalized over its trailing ``shape``; raise on a mismatch."""
-    check_float(op, x, "input")
-    return norm_rows(op, x, shape)
-
-
-def check_norm_args(op: str, x: torch.Tensor, cols: int, **params: torch.Tensor | None) -> None:
-    """Raise unless each affine param fits ``x`` (``None`` for a missing one), one dtype."""
-    for name, p in params.items():
-        check_param(op, x, p, cols, name)
-    if len({p.dtype for p in params.values() if p is not None}) > 1:
-        raise TypeError(f"{op}: weight and bias have different dtypes; give them one dtype.")
 
 
 @triton.jit
@@ -62,10 +45,23 @@ def _eps(hi, lo, ACC: tl.constexpr):
 
 @triton.jit
 def _fwd_fused(
-    x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, cols, eps_hi, eps_lo,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    y_ptr,
+    w_ptr,
+    b_ptr,
+    mean_ptr,
+    rstd_ptr,
+    rows,
+    cols,
+    eps_hi,
+    eps_lo,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK)
     cm = c < cols
@@ -92,10 +88,22 @@ def _fwd_fused(
 
 @triton.jit
 def _fwd_looped(
-    x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, rows, cols, eps_hi, eps_lo,
-    IS_RMS: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr, ACC: tl.constexpr,
+    x_ptr,
+    y_ptr,
+    w_ptr,
+    b_ptr,
+    mean_ptr,
+    rstd_ptr,
+    rows,
+    cols,
+    eps_hi,
+    eps_lo,
+    IS_RMS: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACC: tl.constexpr,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * cols
     lanes = tl.arange(0, BLOCK)
@@ -141,17 +149,31 @@ def norm_fwd(x, weight, bias, eps, rows, cols, is_rms: bool):
         block = next_pow2(cols)
         nrows = max(1, _TILE // block)
         launch(
-            _fwd_fused, (triton.cdiv(rows, nrows),), *args, ROWS=nrows, BLOCK=block,
-            num_warps=warps(nrows * block), **common,
-        )  # fmt: skip
+            _fwd_fused,
+            (triton.cdiv(rows, nrows),),
+            *args,
+            ROWS=nrows,
+            BLOCK=block,
+            num_warps=warps(nrows * block),
+            **common,
+        )
     else:
         launch(_fwd_looped, (rows,), *args, BLOCK=1024, **common)
     return y, mean, rstd
 
 
 @triton.jit
-def _xhat(s, mean, rstd, w, b, IS_RMS: tl.constexpr, ME: tl.constexpr, HAS_W: tl.constexpr,
-          HAS_B: tl.constexpr):  # fmt: skip
+def _xhat(
+    s,
+    mean,
+    rstd,
+    w,
+    b,
+    IS_RMS: tl.constexpr,
+    ME: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+):
     # The normalized input: from the input and the statistics, or (memory_efficient) from the
     # output and the affine params, as Apex recomputes it.
     if ME:
@@ -169,8 +191,20 @@ def _xhat(s, mean, rstd, w, b, IS_RMS: tl.constexpr, ME: tl.constexpr, HAS_W: tl
 
 
 @triton.jit
-def _row_grads(s, dy, w, b, mean, rstd, m, n, IS_RMS: tl.constexpr, ME: tl.constexpr,
-               HAS_W: tl.constexpr, HAS_B: tl.constexpr):  # fmt: skip
+def _row_grads(
+    s,
+    dy,
+    w,
+    b,
+    mean,
+    rstd,
+    m,
+    n,
+    IS_RMS: tl.constexpr,
+    ME: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+):
     # (xhat, g = dy * w, sum(g * xhat) / n, sum(g) / n) of one row held in one block.
     xh = _xhat(s, mean, rstd, w, b, IS_RMS, ME, HAS_W, HAS_B)
     g = dy
@@ -191,10 +225,25 @@ def _dx(g, xh, c1, c2, rstd, IS_RMS: tl.constexpr):
 
 @triton.jit
 def _bwd_fused(
-    dy_ptr, s_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dx_ptr, pw_ptr, pb_ptr, rows, cols,
-    per_prog, IS_RMS: tl.constexpr, ME: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    ACC: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    dy_ptr,
+    s_ptr,
+    w_ptr,
+    b_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    pw_ptr,
+    pb_ptr,
+    rows,
+    cols,
+    per_prog,
+    IS_RMS: tl.constexpr,
+    ME: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     pid = tl.program_id(0)
     c = tl.arange(0, BLOCK)
     m = c < cols
@@ -222,10 +271,25 @@ def _bwd_fused(
 
 @triton.jit
 def _bwd_looped(
-    dy_ptr, s_ptr, w_ptr, b_ptr, mean_ptr, rstd_ptr, dx_ptr, pw_ptr, pb_ptr, rows, cols,
-    per_prog, IS_RMS: tl.constexpr, ME: tl.constexpr, HAS_W: tl.constexpr, HAS_B: tl.constexpr,
-    ACC: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    dy_ptr,
+    s_ptr,
+    w_ptr,
+    b_ptr,
+    mean_ptr,
+    rstd_ptr,
+    dx_ptr,
+    pw_ptr,
+    pb_ptr,
+    rows,
+    cols,
+    per_prog,
+    IS_RMS: tl.constexpr,
+    ME: tl.constexpr,
+    HAS_W: tl.constexpr,
+    HAS_B: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     # Rows longer than a block: two sweeps per row; this program's partial weight and bias
     # gradients accumulate in its own row of the partial buffers.
     pid = tl.program_id(0)
@@ -318,12 +382,28 @@ def norm_bwd(dy, saved, mean, rstd, weight, bias, me: bool, rows, cols, is_rms: 
         b = bias if bias is not None else saved
         fused = cols <= BWD_FUSED
         launch(
-            _bwd_fused if fused else _bwd_looped, (nprog,), dy, saved, w, b,
-            mean if mean is not None else rstd, rstd, dx, pw, pb, rows, cols, per,
-            IS_RMS=is_rms, ME=bool(me), HAS_W=weight is not None, HAS_B=bias is not None,
-            ACC=acc_of(acc), BLOCK=next_pow2(cols) if fused else 1024,
+            _bwd_fused if fused else _bwd_looped,
+            (nprog,),
+            dy,
+            saved,
+            w,
+            b,
+            mean if mean is not None else rstd,
+            rstd,
+            dx,
+            pw,
+            pb,
+            rows,
+            cols,
+            per,
+            IS_RMS=is_rms,
+            ME=bool(me),
+            HAS_W=weight is not None,
+            HAS_B=bias is not None,
+            ACC=acc_of(acc),
+            BLOCK=next_pow2(cols) if fused else 1024,
             num_warps=warps(next_pow2(cols) if fused else 1024),
-        )  # fmt: skip
+        )
     else:
         pw.zero_()
         pb.zero_()

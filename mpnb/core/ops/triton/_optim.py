@@ -11,20 +11,17 @@ after the update.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import check_lists, check_one, check_same_device
+from mpnb.core.ops.triton._checks import check_same_device
 from mpnb.core.ops.triton._chunks import ChunkTable
 from mpnb.core.ops.triton._common import flag_view, from_acc, launch, to_acc
 
 __all__ = [
     "OPT_DTYPES",
-    "check_opt",
-    "check_steps",
+    "check_flags",
     "advance_steps",
     "pow64",
     "bias_corrections",
@@ -40,38 +37,12 @@ OPT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STEP_BLOCK = 256
 
 
-def check_opt(op: str, params, grads, masters, *states, inv_scale=None, found_inf=None) -> None:
-    """Raise unless the lists fit an optimizer step (the reference's checks, same messages)."""
-    check_lists(op, params, OPT_DTYPES, grads=grads)
-    if masters:
-        check_lists(op, params, OPT_DTYPES, masters=masters)
-        if masters[0].dtype != torch.float32:
-            raise TypeError(f"{op}: master weights must be float32, got {masters[0].dtype}.")
-    for state in states:
-        check_lists(op, params, OPT_DTYPES, state=state)
-        if state and state[0].dtype != torch.float32:
-            raise TypeError(
-                f"{op}: optimizer state must be float32, got {state[0].dtype}; keep state in "
-                "fp32 (the optimizers do)."
-            )
-    check_one(op, "inv_scale", inv_scale)
-    check_one(op, "found_inf", found_inf)
-    if params:
-        check_same_device(op, params[0], inv_scale=inv_scale, found_inf=found_inf)
-
-
-def check_steps(op: str, params: Sequence[torch.Tensor], steps: Sequence[torch.Tensor]) -> None:
-    """Raise unless ``steps`` holds one one-element float32 tensor per param, on its device."""
-    if len(steps) != len(params):
-        raise ValueError(
-            f"{op}: {len(steps)} step tensors for {len(params)} params; pass one per param."
-        )
-    for i, s in enumerate(steps):
-        if s.dtype != torch.float32 or s.numel() != 1 or s.device != params[i].device:
-            raise TypeError(
-                f"{op}: steps[{i}] must be a one-element float32 tensor on {params[i].device}, "
-                f"got {s.dtype} {tuple(s.shape)} on {s.device}."
-            )
+def check_flags(args) -> None:
+    """Raise unless ``inv_scale`` and ``found_inf`` (read by address) live on the params'
+    device (the one guard the op's check cannot know: :mod:`._checks`)."""
+    if args.params:
+        flags = dict(inv_scale=args.inv_scale, found_inf=args.found_inf)
+        check_same_device(args.op_name, args.params[0], **flags)
 
 
 @triton.jit
@@ -153,9 +124,15 @@ def store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER: tl.constexpr):
 
 @triton.jit
 def _advance_kernel(
-    table, n_tensors, found_ptr, s0, COL: tl.constexpr, HAS_FOUND: tl.constexpr,
-    ROW: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    table,
+    n_tensors,
+    found_ptr,
+    s0,
+    COL: tl.constexpr,
+    HAS_FOUND: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = t < n_tensors * not_found(found_ptr, HAS_FOUND)
     addr = tl.load(table + t.to(tl.int64) * ROW + COL, mask=m, other=0)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mpnb.core.ops._rounding import check_rounding
 from mpnb.core.ops.triton._chunks import (
     BLOCK,
     WARPS,
@@ -24,8 +23,7 @@ from mpnb.core.ops.triton._common import f32, flag_view, join64, launch, split64
 from mpnb.core.ops.triton._optim import (
     advance_steps,
     bias_corrections,
-    check_opt,
-    check_steps,
+    check_flags,
     load_grad,
     load_scale,
     load_weight,
@@ -53,12 +51,39 @@ def _lerp(a, b, wt, SMALL: tl.constexpr):
 
 @triton.jit
 def _adam_kernel(
-    table, n_tensors, inv_ptr, found_ptr, p0, g0, m0, w0, s0,
-    lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, neg_lr, one_m_b1, beta2, one_m_b2, eps, wd, decay,
-    ADAM_W: tl.constexpr, HAS_WD: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
-    LERP_SMALL: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_INV: tl.constexpr,
-    HAS_FOUND: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    table,
+    n_tensors,
+    inv_ptr,
+    found_ptr,
+    p0,
+    g0,
+    m0,
+    w0,
+    s0,
+    lr_hi,
+    lr_lo,
+    b1_hi,
+    b1_lo,
+    b2_hi,
+    b2_lo,
+    neg_lr,
+    one_m_b1,
+    beta2,
+    one_m_b2,
+    eps,
+    wd,
+    decay,
+    ADAM_W: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    LERP_SMALL: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    HAS_FOUND: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     p_ptr = tensor_ptr(table, t, 2, p0, ROW)
     g_ptr = tensor_ptr(table, t, 3, g0, ROW)
@@ -95,39 +120,21 @@ def _adam_kernel(
         store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
 
-def fused_adam_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    masters,
-    steps,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    inv_scale=None,
-    found_inf=None,
-) -> None:
-    """One Adam/AdamW step over lists, in place: the signature and semantics of
-    :func:`mpnb.core.ops.adam.reference_fused_adam_` (arguments positional, as the
-    ``mpnb::fused_adam_`` schema passes them).
+def fused_adam_(args) -> None:
+    """One Adam/AdamW step over lists, in place: the semantics of
+    :func:`mpnb.core.ops.adam.reference_fused_adam_`, whose arguments ``args`` holds by name
+    (checked before the launch, :mod:`mpnb.core.ops._library`).
 
     Example::
 
-        >>> fused_adam_(params, grads, exp_avgs, exp_avg_sqs, masters, steps,
-        ...             1e-3, 0.9, 0.999, 1e-8, 0.01, True, True, inv_scale, found_inf)
+        >>> launcher("fused_adam_")(params, grads, exp_avgs, exp_avg_sqs, masters, steps,
+        ...                         1e-3, 0.9, 0.999, 1e-8, 0.01, True, True)
     """
-    op = "fused_adam_"
-    params, grads, masters = list(params), list(grads), list(masters)
-    exp_avgs, exp_avg_sqs, steps = list(exp_avgs), list(exp_avg_sqs), list(steps)
-    check_opt(
-        op, params, grads, masters, exp_avgs, exp_avg_sqs, inv_scale=inv_scale, found_inf=found_inf
-    )
-    check_steps(op, params, steps)
+    params, grads, masters = list(args.params), list(args.grads), list(args.masters)
+    exp_avgs, exp_avg_sqs, steps = list(args.exp_avgs), list(args.exp_avg_sqs), list(args.steps)
+    lr, beta1, beta2, weight_decay = args.lr, args.beta1, args.beta2, args.weight_decay
+    inv_scale, found_inf = args.inv_scale, args.found_inf
+    check_flags(args)
     if not params:
         return
     w_list = masters if masters else params
@@ -141,13 +148,24 @@ def fused_adam_(
             tab.n_tensors,
             tab.table if inv_scale is None else inv_scale,
             tab.table if found_inf is None else flag_view(found_inf),
-            params[0], grads[0], exp_avgs[0], w_list[0], steps[0],
-            *split64(lr), *split64(beta1), *split64(beta2),
-            f32(-lr), f32(wt), f32(beta2), f32(1.0 - beta2), f32(eps), f32(weight_decay),
+            params[0],
+            grads[0],
+            exp_avgs[0],
+            w_list[0],
+            steps[0],
+            *split64(lr),
+            *split64(beta1),
+            *split64(beta2),
+            f32(-lr),
+            f32(wt),
+            f32(beta2),
+            f32(1.0 - beta2),
+            f32(args.eps),
+            f32(weight_decay),
             f32(1.0 - lr * weight_decay),
-            ADAM_W=bool(adam_w_mode),
+            ADAM_W=bool(args.adam_w_mode),
             HAS_WD=weight_decay != 0,
-            BIAS_CORRECTION=bool(bias_correction),
+            BIAS_CORRECTION=bool(args.bias_correction),
             LERP_SMALL=abs(wt) < 0.5,
             HAS_MASTER=bool(masters),
             HAS_INV=inv_scale is not None,
@@ -156,7 +174,7 @@ def fused_adam_(
             CHUNK=tab.chunk,
             BLOCK=BLOCK,
             num_warps=WARPS,
-        )  # fmt: skip
+        )
     advance_steps(tab, 7, steps, found_inf)
 
 
@@ -168,13 +186,39 @@ def fused_adam_(
 
 @triton.jit
 def _adam_bf16_kernel(
-    table, n_tensors, inv_ptr, found_ptr, p0, g0, m0, c0, s0,
-    lr_hi, lr_lo, b1_hi, b1_lo, b2_hi, b2_lo, neg_lr, beta1, one_m_b1, beta2, one_m_b2, eps,
-    wd, decay,
-    ADAM_W: tl.constexpr, HAS_WD: tl.constexpr, BIAS_CORRECTION: tl.constexpr,
-    KAHAN: tl.constexpr, HAS_INV: tl.constexpr, HAS_FOUND: tl.constexpr, ROW: tl.constexpr,
-    CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    table,
+    n_tensors,
+    inv_ptr,
+    found_ptr,
+    p0,
+    g0,
+    m0,
+    c0,
+    s0,
+    lr_hi,
+    lr_lo,
+    b1_hi,
+    b1_lo,
+    b2_hi,
+    b2_lo,
+    neg_lr,
+    beta1,
+    one_m_b1,
+    beta2,
+    one_m_b2,
+    eps,
+    wd,
+    decay,
+    ADAM_W: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    KAHAN: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    HAS_FOUND: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
     key = tensor_col(table, t, 0, ROW).to(tl.uint32)
@@ -212,50 +256,28 @@ def _adam_bf16_kernel(
         store_rounded(p_ptr, c_ptr, offs, x, mask, key, KAHAN)
 
 
-def fused_adam_bf16_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    compensations,
-    steps,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    rounding,
-    seed,
-    rng_step,
-    inv_scale=None,
-    found_inf=None,
-) -> None:
-    """One pure-bf16 Adam/AdamW step: the signature and semantics of
-    :func:`mpnb.core.ops.adam.reference_fused_adam_bf16_` (positional, as the schema passes
-    them); the bias corrections are computed on the device from the step counts.
+def fused_adam_bf16_(args) -> None:
+    """One pure-bf16 Adam/AdamW step: the semantics of
+    :func:`mpnb.core.ops.adam.reference_fused_adam_bf16_`, whose arguments ``args`` holds by
+    name; the bias corrections are computed on the device from the step counts.
 
     Example::
 
-        >>> fused_adam_bf16_(params, grads, m, v, [], steps, 1e-3, 0.9, 0.999, 1e-8, 0.01,
-        ...                  True, True, "stochastic", 1, 1)
+        >>> launcher("fused_adam_bf16_")(params, grads, m, v, [], steps, 1e-3, 0.9, 0.999,
+        ...                              1e-8, 0.01, True, True, "stochastic", 1, 1)
     """
-    op = "fused_adam_bf16_"
-    params, grads, comps = list(params), list(grads), list(compensations)
-    exp_avgs, exp_avg_sqs, steps = list(exp_avgs), list(exp_avg_sqs), list(steps)
-    check_opt(
-        op, params, grads, [], exp_avgs, exp_avg_sqs, inv_scale=inv_scale, found_inf=found_inf
-    )
-    check_steps(op, params, steps)
-    check_rounding(op, params, comps, rounding)
+    params, grads, comps = list(args.params), list(args.grads), list(args.compensations)
+    exp_avgs, exp_avg_sqs, steps = list(args.exp_avgs), list(args.exp_avg_sqs), list(args.steps)
+    lr, beta1, beta2, weight_decay = args.lr, args.beta1, args.beta2, args.weight_decay
+    inv_scale, found_inf = args.inv_scale, args.found_inf
+    check_flags(args)
     if not params:
         return
-    kahan = rounding == "kahan"
+    kahan = args.rounding == "kahan"
     c_list = comps if kahan else params
     tab = ChunkTable.build(
         [params, grads, exp_avgs, exp_avg_sqs, c_list, steps],
-        cols=[keys_of(len(params), seed, rng_step, kahan)],
+        cols=[keys_of(len(params), args.seed, args.rng_step, kahan)],
     )
     if tab.n_chunks:
         launch(
@@ -265,13 +287,25 @@ def fused_adam_bf16_(
             tab.n_tensors,
             tab.table if inv_scale is None else inv_scale,
             tab.table if found_inf is None else flag_view(found_inf),
-            params[0], grads[0], exp_avgs[0], c_list[0], steps[0],
-            *split64(lr), *split64(beta1), *split64(beta2),
-            f32(-lr), f32(beta1), f32(1.0 - beta1), f32(beta2), f32(1.0 - beta2), f32(eps),
-            f32(weight_decay), f32(1.0 - lr * weight_decay),
-            ADAM_W=bool(adam_w_mode),
+            params[0],
+            grads[0],
+            exp_avgs[0],
+            c_list[0],
+            steps[0],
+            *split64(lr),
+            *split64(beta1),
+            *split64(beta2),
+            f32(-lr),
+            f32(beta1),
+            f32(1.0 - beta1),
+            f32(beta2),
+            f32(1.0 - beta2),
+            f32(args.eps),
+            f32(weight_decay),
+            f32(1.0 - lr * weight_decay),
+            ADAM_W=bool(args.adam_w_mode),
             HAS_WD=weight_decay != 0,
-            BIAS_CORRECTION=bool(bias_correction),
+            BIAS_CORRECTION=bool(args.bias_correction),
             KAHAN=kahan,
             HAS_INV=inv_scale is not None,
             HAS_FOUND=found_inf is not None,
@@ -279,5 +313,5 @@ def fused_adam_bf16_(
             CHUNK=tab.chunk,
             BLOCK=BLOCK,
             num_warps=WARPS,
-        )  # fmt: skip
+        )
     advance_steps(tab, 8, steps, found_inf)

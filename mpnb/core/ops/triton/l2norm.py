@@ -13,13 +13,11 @@ the bench measures it.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import check_lists, check_one, check_same_device
+from mpnb.core.ops.triton._checks import check_same_device
 from mpnb.core.ops.triton._chunks import (
     BLOCK,
     WARPS,
@@ -88,31 +86,22 @@ def _finish_kernel(
     raise_flag(flag_ptr, nonfinite(total))
 
 
-def multi_tensor_l2norm(
-    noop_flag: torch.Tensor,
-    tensors: Sequence[torch.Tensor],
-    per_tensor: bool = False,
-    inv_scale: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+def multi_tensor_l2norm(args) -> tuple[torch.Tensor, torch.Tensor]:
     """``(total, per_tensor_norms)`` of ``tensors`` (times ``inv_scale``), flagging a
-    non-finite norm: the signature and semantics of
-    :func:`mpnb.core.ops.l2norm.multi_tensor_l2norm`.
+    non-finite norm: the semantics of :func:`mpnb.core.ops.l2norm.reference_multi_tensor_l2norm`,
+    whose arguments ``args`` holds by name (checked before the launch).
 
     Example::
 
         >>> flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-        >>> total, per = multi_tensor_l2norm(flag, [torch.ones(4, device="cuda")], True)
+        >>> total, per = launcher("multi_tensor_l2norm")(flag, [torch.ones(4, device="cuda")], True)
     """
-    op = "multi_tensor_l2norm"
-    tensors = list(tensors)
-    check_lists(op, tensors)
-    check_one(op, "noop_flag", noop_flag)
-    check_one(op, "inv_scale", inv_scale)
+    tensors, noop_flag, inv_scale = list(args.tensors), args.noop_flag, args.inv_scale
     if not tensors:
         dev = noop_flag.device
         return torch.zeros(1, device=dev), torch.empty(0, device=dev)
     dev = tensors[0].device
-    check_same_device(op, tensors[0], noop_flag=noop_flag, inv_scale=inv_scale)
+    check_same_device(args.op_name, tensors[0], noop_flag=noop_flag, inv_scale=inv_scale)
     dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
     acc = acc_of(dtype)
     tab = ChunkTable.build([tensors])
@@ -135,7 +124,7 @@ def multi_tensor_l2norm(
         )
     sq = segment_sums(tab, partials)
     total = torch.empty(1, dtype=dtype, device=dev)
-    per = torch.empty(len(tensors) if per_tensor else 0, dtype=dtype, device=dev)
+    per = torch.empty(len(tensors) if args.per_tensor else 0, dtype=dtype, device=dev)
     launch(
         _finish_kernel,
         (1,),
@@ -144,7 +133,7 @@ def multi_tensor_l2norm(
         total,
         per,
         flag_view(noop_flag),
-        PER_TENSOR=bool(per_tensor),
+        PER_TENSOR=bool(args.per_tensor),
         ACC=acc,
         TAIL=_TAIL,
     )

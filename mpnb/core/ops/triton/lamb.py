@@ -14,8 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops._rounding import check_rounding
-from mpnb.core.ops.triton._checks import check_one, check_same_device
+from mpnb.core.ops.triton._checks import check_same_device
 from mpnb.core.ops.triton._chunks import (
     BLOCK,
     WARPS,
@@ -28,8 +27,6 @@ from mpnb.core.ops.triton._common import f32, flag_view, join64, launch, split64
 from mpnb.core.ops.triton._optim import (
     advance_steps,
     bias_corrections,
-    check_opt,
-    check_steps,
     load_grad,
     load_scale,
     load_weight,
@@ -78,12 +75,40 @@ def _trust_ratio(sq, t, lr, TRUST: tl.constexpr):
 
 @triton.jit
 def _lamb_phase1(
-    table, n_tensors, inv_ptr, found_ptr, gnorm_ptr, partials, p0, g0, m0, w0, s0,
-    b1_hi, b1_lo, b2_hi, b2_lo, mx_hi, mx_lo, max_norm, beta1, beta3, beta2, one_m_b2, eps, wd,
-    L2_WD: tl.constexpr, DECOUPLED: tl.constexpr, BIAS: tl.constexpr, HAS_MASTER: tl.constexpr,
-    HAS_INV: tl.constexpr, HAS_FOUND: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr,
+    table,
+    n_tensors,
+    inv_ptr,
+    found_ptr,
+    gnorm_ptr,
+    partials,
+    p0,
+    g0,
+    m0,
+    w0,
+    s0,
+    b1_hi,
+    b1_lo,
+    b2_hi,
+    b2_lo,
+    mx_hi,
+    mx_lo,
+    max_norm,
+    beta1,
+    beta3,
+    beta2,
+    one_m_b2,
+    eps,
+    wd,
+    L2_WD: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    BIAS: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    HAS_FOUND: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
     p_ptr = tensor_ptr(table, t, 2, p0, ROW)
@@ -124,11 +149,30 @@ def _lamb_phase1(
 
 @triton.jit
 def _lamb_phase2(
-    table, n_tensors, found_ptr, sq, p0, m0, w0, s0,
-    b1_hi, b1_lo, b2_hi, b2_lo, lr, eps, wd,
-    TRUST: tl.constexpr, DECOUPLED: tl.constexpr, BIAS: tl.constexpr, HAS_MASTER: tl.constexpr,
-    HAS_FOUND: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    table,
+    n_tensors,
+    found_ptr,
+    sq,
+    p0,
+    m0,
+    w0,
+    s0,
+    b1_hi,
+    b1_lo,
+    b2_hi,
+    b2_lo,
+    lr,
+    eps,
+    wd,
+    TRUST: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    BIAS: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    HAS_FOUND: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
     p_ptr = tensor_ptr(table, t, 2, p0, ROW)
@@ -148,84 +192,93 @@ def _lamb_phase2(
         store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
 
-def fused_lamb_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    masters,
-    steps,
-    global_grad_norm,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    grad_averaging,
-    max_grad_norm,
-    use_nvlamb,
-    inv_scale=None,
-    found_inf=None,
-) -> None:
-    """One LAMB step over lists, in place: the signature and semantics of
-    :func:`mpnb.core.ops.lamb.reference_fused_lamb_` (arguments positional, as
-    the ``mpnb::fused_lamb_`` schema passes them).
+def fused_lamb_(args) -> None:
+    """One LAMB step over lists, in place: the semantics of
+    :func:`mpnb.core.ops.lamb.reference_fused_lamb_`, whose arguments ``args`` holds by name
+    (checked before the launch).
 
     Example::
 
-        >>> fused_lamb_(params, grads, exp_avgs, exp_avg_sqs, masters, steps, grad_norm,
-        ...             1e-3, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False,
-        ...             inv_scale, found_inf)
+        >>> launcher("fused_lamb_")(params, grads, exp_avgs, exp_avg_sqs, masters, steps,
+        ...                         grad_norm, 1e-3, 0.9, 0.999, 1e-6, 0.01)
     """
-    op = "fused_lamb_"
-    params, grads, masters = list(params), list(grads), list(masters)
-    exp_avgs, exp_avg_sqs, steps = list(exp_avgs), list(exp_avg_sqs), list(steps)
-    check_opt(
-        op, params, grads, masters, exp_avgs, exp_avg_sqs, inv_scale=inv_scale, found_inf=found_inf
-    )
-    check_steps(op, params, steps)
-    check_one(op, "global_grad_norm", global_grad_norm)
+    params, grads, masters = list(args.params), list(args.grads), list(args.masters)
+    exp_avgs, exp_avg_sqs, steps = list(args.exp_avgs), list(args.exp_avg_sqs), list(args.steps)
+    global_grad_norm, lr, beta1, beta2 = args.global_grad_norm, args.lr, args.beta1, args.beta2
+    eps, weight_decay, max_grad_norm = args.eps, args.weight_decay, args.max_grad_norm
+    inv_scale, found_inf = args.inv_scale, args.found_inf
     if not params:
         return
-    check_same_device(op, params[0], global_grad_norm=global_grad_norm)
+    flags = dict(global_grad_norm=global_grad_norm, inv_scale=inv_scale, found_inf=found_inf)
+    check_same_device(args.op_name, params[0], **flags)
     w_list = masters if masters else params
     tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, w_list, steps])
     found = tab.table if found_inf is None else flag_view(found_inf)
-    decoupled = weight_decay != 0 and bool(adam_w_mode)
+    decoupled = weight_decay != 0 and bool(args.adam_w_mode)
     bias = (*split64(beta1), *split64(beta2))
     if tab.n_chunks:
         partials = torch.empty((tab.n_chunks, 2), dtype=torch.float64, device=params[0].device)
-        beta3 = 1.0 - beta1 if grad_averaging else 1.0
+        beta3 = 1.0 - beta1 if args.grad_averaging else 1.0
         launch(
             _lamb_phase1,
             (tab.n_chunks,),
-            tab.table, tab.n_tensors,
+            tab.table,
+            tab.n_tensors,
             tab.table if inv_scale is None else inv_scale,
-            found, global_grad_norm, partials,
-            params[0], grads[0], exp_avgs[0], w_list[0], steps[0],
-            *bias, *split64(max_grad_norm), f32(max_grad_norm),
-            f32(beta1), f32(beta3), f32(beta2), f32(1.0 - beta2), f32(eps), f32(weight_decay),
-            L2_WD=weight_decay != 0 and not adam_w_mode, DECOUPLED=decoupled,
-            BIAS=bool(bias_correction), HAS_MASTER=bool(masters),
-            HAS_INV=inv_scale is not None, HAS_FOUND=found_inf is not None,
-            ROW=tab.row, CHUNK=tab.chunk, BLOCK=BLOCK,
+            found,
+            global_grad_norm,
+            partials,
+            params[0],
+            grads[0],
+            exp_avgs[0],
+            w_list[0],
+            steps[0],
+            *bias,
+            *split64(max_grad_norm),
+            f32(max_grad_norm),
+            f32(beta1),
+            f32(beta3),
+            f32(beta2),
+            f32(1.0 - beta2),
+            f32(eps),
+            f32(weight_decay),
+            L2_WD=weight_decay != 0 and not args.adam_w_mode,
+            DECOUPLED=decoupled,
+            BIAS=bool(args.bias_correction),
+            HAS_MASTER=bool(masters),
+            HAS_INV=inv_scale is not None,
+            HAS_FOUND=found_inf is not None,
+            ROW=tab.row,
+            CHUNK=tab.chunk,
+            BLOCK=BLOCK,
             num_warps=WARPS,
-        )  # fmt: skip
+        )
         sq = segment_sums(tab, partials, 2)
         launch(
             _lamb_phase2,
             (tab.n_chunks,),
-            tab.table, tab.n_tensors, found, sq,
-            params[0], exp_avgs[0], w_list[0], steps[0],
-            *bias, f32(lr), f32(eps), f32(weight_decay),
-            TRUST=bool(use_nvlamb) or weight_decay != 0, DECOUPLED=decoupled,
-            BIAS=bool(bias_correction), HAS_MASTER=bool(masters),
+            tab.table,
+            tab.n_tensors,
+            found,
+            sq,
+            params[0],
+            exp_avgs[0],
+            w_list[0],
+            steps[0],
+            *bias,
+            f32(lr),
+            f32(eps),
+            f32(weight_decay),
+            TRUST=bool(args.use_nvlamb) or weight_decay != 0,
+            DECOUPLED=decoupled,
+            BIAS=bool(args.bias_correction),
+            HAS_MASTER=bool(masters),
             HAS_FOUND=found_inf is not None,
-            ROW=tab.row, CHUNK=tab.chunk, BLOCK=BLOCK,
+            ROW=tab.row,
+            CHUNK=tab.chunk,
+            BLOCK=BLOCK,
             num_warps=WARPS,
-        )  # fmt: skip
+        )
     advance_steps(tab, 7, steps, found_inf)
 
 
@@ -238,11 +291,31 @@ def fused_lamb_(
 
 @triton.jit
 def _lamb_bf16_phase2(
-    table, n_tensors, found_ptr, sq, keys, p0, m0, c0, s0,
-    b1_hi, b1_lo, b2_hi, b2_lo, lr, eps, wd,
-    TRUST: tl.constexpr, DECOUPLED: tl.constexpr, BIAS: tl.constexpr, KAHAN: tl.constexpr,
-    HAS_FOUND: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    table,
+    n_tensors,
+    found_ptr,
+    sq,
+    keys,
+    p0,
+    m0,
+    c0,
+    s0,
+    b1_hi,
+    b1_lo,
+    b2_hi,
+    b2_lo,
+    lr,
+    eps,
+    wd,
+    TRUST: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    BIAS: tl.constexpr,
+    KAHAN: tl.constexpr,
+    HAS_FOUND: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
     p_ptr = tensor_ptr(table, t, 2, p0, ROW)
@@ -263,88 +336,98 @@ def _lamb_bf16_phase2(
         store_rounded(p_ptr, c_ptr, offs, x, mask, key, KAHAN)
 
 
-def fused_lamb_bf16_(
-    params,
-    grads,
-    exp_avgs,
-    exp_avg_sqs,
-    compensations,
-    steps,
-    global_grad_norm,
-    lr,
-    beta1,
-    beta2,
-    eps,
-    weight_decay,
-    adam_w_mode,
-    bias_correction,
-    grad_averaging,
-    max_grad_norm,
-    use_nvlamb,
-    rounding,
-    seed,
-    rng_step,
-    inv_scale=None,
-    found_inf=None,
-) -> None:
-    """One pure-bf16 LAMB step: the signature and semantics of
-    :func:`mpnb.core.ops.lamb.reference_fused_lamb_bf16_` (positional, as the schema passes
-    them); the rounding is bitwise the reference's, the trust ratio's norms are tree sums.
+def fused_lamb_bf16_(args) -> None:
+    """One pure-bf16 LAMB step: the semantics of
+    :func:`mpnb.core.ops.lamb.reference_fused_lamb_bf16_`, whose arguments ``args`` holds by
+    name (checked before the launch); the rounding is bitwise the reference's, the trust
+    ratio's norms are tree sums.
 
     Example::
 
-        >>> fused_lamb_bf16_(params, grads, m, v, [], steps, grad_norm, 1e-3, 0.9, 0.999,
-        ...                  1e-6, 0.01, True, True, True, 1.0, False, "stochastic", 1, 1)
+        >>> launcher("fused_lamb_bf16_")(params, grads, m, v, [], steps, grad_norm, 1e-3, 0.9,
+        ...                              0.999, 1e-6, 0.01, True, True, True, 1.0, False,
+        ...                              "stochastic", 1, 1)
     """
-    op = "fused_lamb_bf16_"
-    params, grads, comps = list(params), list(grads), list(compensations)
-    exp_avgs, exp_avg_sqs, steps = list(exp_avgs), list(exp_avg_sqs), list(steps)
-    check_opt(
-        op, params, grads, [], exp_avgs, exp_avg_sqs, inv_scale=inv_scale, found_inf=found_inf
-    )
-    check_steps(op, params, steps)
-    check_rounding(op, params, comps, rounding)
-    check_one(op, "global_grad_norm", global_grad_norm)
+    params, grads, comps = list(args.params), list(args.grads), list(args.compensations)
+    exp_avgs, exp_avg_sqs, steps = list(args.exp_avgs), list(args.exp_avg_sqs), list(args.steps)
+    global_grad_norm, lr, beta1, beta2 = args.global_grad_norm, args.lr, args.beta1, args.beta2
+    eps, weight_decay, max_grad_norm = args.eps, args.weight_decay, args.max_grad_norm
+    inv_scale, found_inf = args.inv_scale, args.found_inf
     if not params:
         return
-    check_same_device(op, params[0], global_grad_norm=global_grad_norm)
-    kahan = rounding == "kahan"
+    flags = dict(global_grad_norm=global_grad_norm, inv_scale=inv_scale, found_inf=found_inf)
+    check_same_device(args.op_name, params[0], **flags)
+    kahan = args.rounding == "kahan"
     c_list = comps if kahan else params
     dev = params[0].device
-    keys = torch.tensor(keys_of(len(params), seed, rng_step, kahan), dtype=torch.int64).to(dev)
+    keys = keys_of(len(params), args.seed, args.rng_step, kahan)
+    keys = torch.tensor(keys, dtype=torch.int64).to(dev)
     tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, params, steps, c_list])
     found = tab.table if found_inf is None else flag_view(found_inf)
-    decoupled = weight_decay != 0 and bool(adam_w_mode)
+    decoupled = weight_decay != 0 and bool(args.adam_w_mode)
     bias = (*split64(beta1), *split64(beta2))
     if tab.n_chunks:
         partials = torch.empty((tab.n_chunks, 2), dtype=torch.float64, device=dev)
-        beta3 = 1.0 - beta1 if grad_averaging else 1.0
+        beta3 = 1.0 - beta1 if args.grad_averaging else 1.0
         launch(
             _lamb_phase1,
             (tab.n_chunks,),
-            tab.table, tab.n_tensors,
+            tab.table,
+            tab.n_tensors,
             tab.table if inv_scale is None else inv_scale,
-            found, global_grad_norm, partials,
-            params[0], grads[0], exp_avgs[0], params[0], steps[0],
-            *bias, *split64(max_grad_norm), f32(max_grad_norm),
-            f32(beta1), f32(beta3), f32(beta2), f32(1.0 - beta2), f32(eps), f32(weight_decay),
-            L2_WD=weight_decay != 0 and not adam_w_mode, DECOUPLED=decoupled,
-            BIAS=bool(bias_correction), HAS_MASTER=False,
-            HAS_INV=inv_scale is not None, HAS_FOUND=found_inf is not None,
-            ROW=tab.row, CHUNK=tab.chunk, BLOCK=BLOCK,
+            found,
+            global_grad_norm,
+            partials,
+            params[0],
+            grads[0],
+            exp_avgs[0],
+            params[0],
+            steps[0],
+            *bias,
+            *split64(max_grad_norm),
+            f32(max_grad_norm),
+            f32(beta1),
+            f32(beta3),
+            f32(beta2),
+            f32(1.0 - beta2),
+            f32(eps),
+            f32(weight_decay),
+            L2_WD=weight_decay != 0 and not args.adam_w_mode,
+            DECOUPLED=decoupled,
+            BIAS=bool(args.bias_correction),
+            HAS_MASTER=False,
+            HAS_INV=inv_scale is not None,
+            HAS_FOUND=found_inf is not None,
+            ROW=tab.row,
+            CHUNK=tab.chunk,
+            BLOCK=BLOCK,
             num_warps=WARPS,
-        )  # fmt: skip
+        )
         sq = segment_sums(tab, partials, 2)
         launch(
             _lamb_bf16_phase2,
             (tab.n_chunks,),
-            tab.table, tab.n_tensors, found, sq, keys,
-            params[0], exp_avgs[0], c_list[0], steps[0],
-            *bias, f32(lr), f32(eps), f32(weight_decay),
-            TRUST=bool(use_nvlamb) or weight_decay != 0, DECOUPLED=decoupled,
-            BIAS=bool(bias_correction), KAHAN=kahan,
+            tab.table,
+            tab.n_tensors,
+            found,
+            sq,
+            keys,
+            params[0],
+            exp_avgs[0],
+            c_list[0],
+            steps[0],
+            *bias,
+            f32(lr),
+            f32(eps),
+            f32(weight_decay),
+            TRUST=bool(args.use_nvlamb) or weight_decay != 0,
+            DECOUPLED=decoupled,
+            BIAS=bool(args.bias_correction),
+            KAHAN=kahan,
             HAS_FOUND=found_inf is not None,
-            ROW=tab.row, CHUNK=tab.chunk, BLOCK=BLOCK,
+            ROW=tab.row,
+            CHUNK=tab.chunk,
+            BLOCK=BLOCK,
             num_warps=WARPS,
-        )  # fmt: skip
+        )
     advance_steps(tab, 7, steps, found_inf)

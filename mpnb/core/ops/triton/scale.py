@@ -7,13 +7,11 @@ dtype: the unscale of half grads into fp32 master grads in one pass.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import check_lists, check_one, check_same_device
+from mpnb.core.ops.triton._checks import check_same_device
 from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable, chunk_info, tensor_ptr
 from mpnb.core.ops.triton._common import (
     acc_of,
@@ -61,32 +59,23 @@ def _scale_kernel(
     raise_flag(flag_ptr, tl.max(bad, axis=0))
 
 
-def multi_tensor_scale(
-    noop_flag: torch.Tensor,
-    src: Sequence[torch.Tensor],
-    dst: Sequence[torch.Tensor],
-    scale: float,
-    scale_tensor: torch.Tensor | None = None,
-) -> None:
-    """``dst[i] = src[i] * scale`` (times ``scale_tensor``), flagging inf/NaN in ``src``.
-
-    The signature and semantics of :func:`mpnb.core.ops.scale.multi_tensor_scale`.
+def multi_tensor_scale(args) -> None:
+    """``dst[i] = src[i] * scale`` (times ``scale_tensor``), flagging inf/NaN in ``src``: the
+    semantics of :func:`mpnb.core.ops.scale.reference_multi_tensor_scale`, whose arguments
+    ``args`` holds by name (checked before the launch).
 
     Example::
 
         >>> flag = torch.zeros(1, dtype=torch.int32, device="cuda")
         >>> grads = [torch.randn(10, device="cuda").bfloat16()]
         >>> master = [torch.empty(10, device="cuda")]
-        >>> multi_tensor_scale(flag, grads, master, 1 / 1024)
+        >>> launcher("multi_tensor_scale")(flag, grads, master, 1 / 1024)
     """
-    op = "multi_tensor_scale"
-    src, dst = list(src), list(dst)
-    check_lists(op, src, dst=dst)
-    check_one(op, "noop_flag", noop_flag)
-    check_one(op, "scale_tensor", scale_tensor)
+    src, dst, noop_flag = list(args.src), list(args.dst), args.noop_flag
+    scale, scale_tensor = args.scale, args.scale_tensor
     if not src:
         return
-    check_same_device(op, src[0], noop_flag=noop_flag, scale_tensor=scale_tensor)
+    check_same_device(args.op_name, src[0], noop_flag=noop_flag, scale_tensor=scale_tensor)
     tab = ChunkTable.build([src, dst])
     if not tab.n_chunks:
         return

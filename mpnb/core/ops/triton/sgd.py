@@ -13,8 +13,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops._rounding import check_rounding
-from mpnb.core.ops.sgd import check_momentum_buffers, check_stepwise
 from mpnb.core.ops.triton._chunks import (
     BLOCK,
     WARPS,
@@ -25,7 +23,7 @@ from mpnb.core.ops.triton._chunks import (
 )
 from mpnb.core.ops.triton._common import f32, flag_view, from_acc, launch, to_acc
 from mpnb.core.ops.triton._optim import (
-    check_opt,
+    check_flags,
     load_grad,
     load_scale,
     load_weight,
@@ -50,10 +48,23 @@ def _r(x, DT: tl.constexpr, STEPWISE: tl.constexpr):
 
 @triton.jit
 def _direction(
-    g, w, b_ptr, offs, mask, first_run, momentum, mom_add, one_m_damp, wd,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
-    WD_AFTER: tl.constexpr, STEPWISE: tl.constexpr, DT: tl.constexpr,
-):  # fmt: skip
+    g,
+    w,
+    b_ptr,
+    offs,
+    mask,
+    first_run,
+    momentum,
+    mom_add,
+    one_m_damp,
+    wd,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    WD_AFTER: tl.constexpr,
+    STEPWISE: tl.constexpr,
+    DT: tl.constexpr,
+):
     # The step direction (weight decay, momentum, nesterov); updates the momentum buffer.
     # STEPWISE: every operation rounded to the param dtype DT (torch.optim.SGD's half ops; the
     # alphas of its adds, mom_add, one_m_damp and wd, come rounded to DT).
@@ -79,13 +90,31 @@ def _direction(
 
 @triton.jit
 def _sgd_kernel(
-    table, n_tensors, inv_ptr, found_ptr, p0, g0, b0, w0,
-    neg_lr, momentum, mom_add, one_m_damp, wd,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
-    WD_AFTER: tl.constexpr, HAS_MASTER: tl.constexpr, HAS_INV: tl.constexpr,
-    HAS_FOUND: tl.constexpr, STEPWISE: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr,
+    table,
+    n_tensors,
+    inv_ptr,
+    found_ptr,
+    p0,
+    g0,
+    b0,
+    w0,
+    neg_lr,
+    momentum,
+    mom_add,
+    one_m_damp,
+    wd,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    WD_AFTER: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    HAS_FOUND: tl.constexpr,
+    STEPWISE: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
-):  # fmt: skip
+):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
     first_run = tensor_col(table, t, 0, ROW) != 0
@@ -100,50 +129,42 @@ def _sgd_kernel(
         mask = k + lanes < count
         g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
         w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
-        g = _direction(g, w, b_ptr, offs, mask, first_run, momentum, mom_add, one_m_damp, wd,
-                       HAS_MOMENTUM, NESTEROV, HAS_WD, WD_AFTER, STEPWISE,
-                       p0.dtype.element_ty)  # fmt: skip
+        g = _direction(
+            g,
+            w,
+            b_ptr,
+            offs,
+            mask,
+            first_run,
+            momentum,
+            mom_add,
+            one_m_damp,
+            wd,
+            HAS_MOMENTUM,
+            NESTEROV,
+            HAS_WD,
+            WD_AFTER,
+            STEPWISE,
+            p0.dtype.element_ty,
+        )
         w = w + neg_lr * g
         store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
 
-def fused_sgd_(
-    params,
-    grads,
-    momentum_buffers,
-    masters,
-    first_run,
-    lr,
-    momentum,
-    dampening,
-    weight_decay,
-    nesterov,
-    wd_after_momentum,
-    inv_scale=None,
-    found_inf=None,
-    stepwise=False,
-) -> None:
-    """One SGD step over lists, in place: the signature and semantics of
-    :func:`mpnb.core.ops.sgd.reference_fused_sgd_` (arguments positional, as the
-    ``mpnb::fused_sgd_`` schema passes them; ``momentum_buffers`` may be empty without
-    momentum).
+def fused_sgd_(args) -> None:
+    """One SGD step over lists, in place: the semantics of
+    :func:`mpnb.core.ops.sgd.reference_fused_sgd_`, whose arguments ``args`` holds by name
+    (checked before the launch; ``momentum_buffers`` may be empty without momentum).
 
     Example::
 
-        >>> fused_sgd_(params, grads, bufs, masters, [False] * len(params),
-        ...            0.1, 0.9, 0.0, 1e-4, True, False, inv_scale, found_inf)
+        >>> launcher("fused_sgd_")(params, grads, bufs, masters, [False] * len(params),
+        ...                        0.1, 0.9, 0.0, 1e-4, True, False)
     """
-    op = "fused_sgd_"
-    params, grads, masters, bufs = list(params), list(grads), list(masters), list(momentum_buffers)
-    check_opt(op, params, grads, masters, inv_scale=inv_scale, found_inf=found_inf)
-    if momentum != 0:
-        check_momentum_buffers(op, params, masters, bufs)
-    if stepwise:
-        check_stepwise(op, params, masters, bufs if momentum != 0 else [])
-    if len(first_run) != len(params):
-        raise ValueError(
-            f"{op}: {len(first_run)} first_run values for {len(params)} params; pass one per param."
-        )
+    params, grads, masters = list(args.params), list(args.grads), list(args.masters)
+    momentum, weight_decay, stepwise = args.momentum, args.weight_decay, args.stepwise
+    inv_scale, found_inf = args.inv_scale, args.found_inf
+    check_flags(args)
     if not params:
         return
     w_list = masters if masters else params
@@ -152,9 +173,9 @@ def fused_sgd_(
         # ATen's add(..., alpha) on half tensors rounds alpha to their dtype (stepwise rule)
         return float(torch.tensor(x).to(params[0].dtype)) if stepwise else f32(x)
 
-    b_list = bufs if momentum != 0 else params
+    b_list = list(args.momentum_buffers) if momentum != 0 else params
     tab = ChunkTable.build(
-        [params, grads, b_list, w_list], cols=[[int(bool(f)) for f in first_run]]
+        [params, grads, b_list, w_list], cols=[[int(bool(f)) for f in args.first_run]]
     )
     if not tab.n_chunks:
         return
@@ -165,12 +186,19 @@ def fused_sgd_(
         tab.n_tensors,
         tab.table if inv_scale is None else inv_scale,
         tab.table if found_inf is None else flag_view(found_inf),
-        params[0], grads[0], b_list[0], w_list[0],
-        alpha(-lr), f32(momentum), alpha(momentum), alpha(1.0 - dampening), alpha(weight_decay),
+        params[0],
+        grads[0],
+        b_list[0],
+        w_list[0],
+        alpha(-args.lr),
+        f32(momentum),
+        alpha(momentum),
+        alpha(1.0 - args.dampening),
+        alpha(weight_decay),
         HAS_MOMENTUM=momentum != 0,
-        NESTEROV=bool(nesterov),
+        NESTEROV=bool(args.nesterov),
         HAS_WD=weight_decay != 0,
-        WD_AFTER=bool(wd_after_momentum),
+        WD_AFTER=bool(args.wd_after_momentum),
         HAS_MASTER=bool(masters),
         HAS_INV=inv_scale is not None,
         HAS_FOUND=found_inf is not None,
@@ -179,7 +207,7 @@ def fused_sgd_(
         CHUNK=tab.chunk,
         BLOCK=BLOCK,
         num_warps=WARPS,
-    )  # fmt: skip
+    )
 
 
 # ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
@@ -190,12 +218,29 @@ def fused_sgd_(
 
 @triton.jit
 def _sgd_bf16_kernel(
-    table, n_tensors, inv_ptr, found_ptr, p0, g0, b0, c0,
-    lr, momentum, one_m_damp, wd,
-    HAS_MOMENTUM: tl.constexpr, NESTEROV: tl.constexpr, HAS_WD: tl.constexpr,
-    WD_AFTER: tl.constexpr, KAHAN: tl.constexpr, HAS_INV: tl.constexpr,
-    HAS_FOUND: tl.constexpr, ROW: tl.constexpr, CHUNK: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    table,
+    n_tensors,
+    inv_ptr,
+    found_ptr,
+    p0,
+    g0,
+    b0,
+    c0,
+    lr,
+    momentum,
+    one_m_damp,
+    wd,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    WD_AFTER: tl.constexpr,
+    KAHAN: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    HAS_FOUND: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
     first_run = tensor_col(table, t, 0, ROW) != 0
@@ -211,62 +256,49 @@ def _sgd_bf16_kernel(
         mask = k + lanes < count
         g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
         w = load_weight(p_ptr, p_ptr, offs, mask, False)
-        g = _direction(g, w, b_ptr, offs, mask, first_run, momentum, momentum, one_m_damp, wd,
-                       HAS_MOMENTUM, NESTEROV, HAS_WD, WD_AFTER, False,
-                       p0.dtype.element_ty)  # fmt: skip
+        g = _direction(
+            g,
+            w,
+            b_ptr,
+            offs,
+            mask,
+            first_run,
+            momentum,
+            momentum,
+            one_m_damp,
+            wd,
+            HAS_MOMENTUM,
+            NESTEROV,
+            HAS_WD,
+            WD_AFTER,
+            False,
+            p0.dtype.element_ty,
+        )
         store_rounded(p_ptr, c_ptr, offs, w - lr * g, mask, key, KAHAN)
 
 
-def fused_sgd_bf16_(
-    params,
-    grads,
-    momentum_buffers,
-    compensations,
-    first_run,
-    lr,
-    momentum,
-    dampening,
-    weight_decay,
-    nesterov,
-    wd_after_momentum,
-    rounding,
-    seed,
-    rng_step,
-    inv_scale=None,
-    found_inf=None,
-) -> None:
-    """One pure-bf16 SGD step: the signature and semantics of
-    :func:`mpnb.core.ops.sgd.reference_fused_sgd_bf16_` (positional, as the schema passes
-    them).
+def fused_sgd_bf16_(args) -> None:
+    """One pure-bf16 SGD step: the semantics of
+    :func:`mpnb.core.ops.sgd.reference_fused_sgd_bf16_`, whose arguments ``args`` holds by
+    name (checked before the launch).
 
     Example::
 
-        >>> fused_sgd_bf16_(params, grads, bufs, [], [False] * len(params), 0.1, 0.9, 0.0,
-        ...                 0.0, False, False, "stochastic", 1, 1)
+        >>> launcher("fused_sgd_bf16_")(params, grads, bufs, [], [False] * len(params), 0.1,
+        ...                             0.9, 0.0, 0.0, False, False, "stochastic", 1, 1)
     """
-    op = "fused_sgd_bf16_"
-    params, grads, bufs, comps = (
-        list(params),
-        list(grads),
-        list(momentum_buffers),
-        list(compensations),
-    )
-    states = (bufs,) if momentum != 0 else ()
-    check_opt(op, params, grads, [], *states, inv_scale=inv_scale, found_inf=found_inf)
-    check_rounding(op, params, comps, rounding)
-    if len(first_run) != len(params) and momentum != 0:
-        raise ValueError(
-            f"{op}: {len(first_run)} first_run values for {len(params)} params; pass one per param."
-        )
+    params, grads, comps = list(args.params), list(args.grads), list(args.compensations)
+    momentum, weight_decay = args.momentum, args.weight_decay
+    inv_scale, found_inf = args.inv_scale, args.found_inf
+    check_flags(args)
     if not params:
         return
-    kahan = rounding == "kahan"
-    b_list = bufs if momentum != 0 else params
+    kahan = args.rounding == "kahan"
+    b_list = list(args.momentum_buffers) if momentum != 0 else params
     c_list = comps if kahan else params
-    first = [int(bool(f)) for f in first_run] if momentum != 0 else [0] * len(params)
-    tab = ChunkTable.build(
-        [params, grads, b_list, c_list], cols=[first, keys_of(len(params), seed, rng_step, kahan)]
-    )
+    first = [int(bool(f)) for f in args.first_run] if momentum != 0 else [0] * len(params)
+    keys = keys_of(len(params), args.seed, args.rng_step, kahan)
+    tab = ChunkTable.build([params, grads, b_list, c_list], cols=[first, keys])
     if not tab.n_chunks:
         return
     launch(
@@ -276,12 +308,18 @@ def fused_sgd_bf16_(
         tab.n_tensors,
         tab.table if inv_scale is None else inv_scale,
         tab.table if found_inf is None else flag_view(found_inf),
-        params[0], grads[0], b_list[0], c_list[0],
-        f32(lr), f32(momentum), f32(1.0 - dampening), f32(weight_decay),
+        params[0],
+        grads[0],
+        b_list[0],
+        c_list[0],
+        f32(args.lr),
+        f32(momentum),
+        f32(1.0 - args.dampening),
+        f32(weight_decay),
         HAS_MOMENTUM=momentum != 0,
-        NESTEROV=bool(nesterov),
+        NESTEROV=bool(args.nesterov),
         HAS_WD=weight_decay != 0,
-        WD_AFTER=bool(wd_after_momentum),
+        WD_AFTER=bool(args.wd_after_momentum),
         KAHAN=kahan,
         HAS_INV=inv_scale is not None,
         HAS_FOUND=found_inf is not None,
@@ -289,4 +327,4 @@ def fused_sgd_bf16_(
         CHUNK=tab.chunk,
         BLOCK=BLOCK,
         num_warps=WARPS,
-    )  # fmt: skip
+    )

@@ -15,8 +15,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops._checks import check_float
-from mpnb.core.ops.softmax import check_mask
 from mpnb.core.ops.triton._common import (
     acc_of,
     div,
@@ -85,9 +83,23 @@ def _limit(r, k, SQ, MODE: tl.constexpr):
 
 @triton.jit
 def _fwd_fused(
-    x_ptr, y_ptr, m_ptr, rows, k, SQ, H, msb, msh, msq, s_hi, s_lo,
-    MODE: tl.constexpr, ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    y_ptr,
+    m_ptr,
+    rows,
+    k,
+    SQ,
+    H,
+    msb,
+    msh,
+    msq,
+    s_hi,
+    s_lo,
+    MODE: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rvalid = r < rows
     lim = tl.where(rvalid, _limit(r, k, SQ, MODE), 0)
@@ -107,9 +119,22 @@ def _fwd_fused(
 
 @triton.jit
 def _fwd_looped(
-    x_ptr, y_ptr, m_ptr, rows, k, SQ, H, msb, msh, msq, s_hi, s_lo,
-    MODE: tl.constexpr, ACC: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    x_ptr,
+    y_ptr,
+    m_ptr,
+    rows,
+    k,
+    SQ,
+    H,
+    msb,
+    msh,
+    msq,
+    s_hi,
+    s_lo,
+    MODE: tl.constexpr,
+    ACC: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64)
     lim = _limit(r, k, SQ, MODE)
     row = r * k
@@ -162,57 +187,59 @@ def _forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, mode: int
         block = next_pow2(k)
         nrows = max(1, _TILE // block)
         launch(
-            _fwd_fused, (triton.cdiv(rows, nrows),), *args, ROWS=nrows, BLOCK=block,
-            num_warps=warps(nrows * block), **kw,
-        )  # fmt: skip
+            _fwd_fused,
+            (triton.cdiv(rows, nrows),),
+            *args,
+            ROWS=nrows,
+            BLOCK=block,
+            num_warps=warps(nrows * block),
+            **kw,
+        )
     else:
         launch(_fwd_looped, (rows,), *args, BLOCK=_BLOCK, **kw)
     return y
 
 
-def scaled_softmax_fwd(input: torch.Tensor, scale: float) -> torch.Tensor:
-    """``softmax(input * scale)`` over the last dim: the signature and semantics of
-    :func:`mpnb.core.ops.softmax.reference_scaled_softmax_fwd`."""
-    check_float("scaled_softmax", input)
-    return _forward(input, None, scale, _NONE)
+def scaled_softmax_fwd(args) -> torch.Tensor:
+    """``softmax(input * scale)`` over the last dim: the semantics of
+    :func:`mpnb.core.ops.softmax.reference_scaled_softmax_fwd` (``args``: its arguments by
+    name, checked before the launch)."""
+    return _forward(args.input, None, args.scale, _NONE)
 
 
-def scaled_masked_softmax_fwd(
-    input: torch.Tensor, mask: torch.Tensor, scale: float, zero_all_masked: bool = False
-):
-    """Masked softmax of ``[b, np, sq, sk]`` scores: the signature and semantics of
+def scaled_masked_softmax_fwd(args) -> torch.Tensor:
+    """Masked softmax of ``[b, np, sq, sk]`` scores: the semantics of
     :func:`mpnb.core.ops.softmax.reference_scaled_masked_softmax_fwd`.
 
     Example::
 
         >>> x = torch.randn(2, 4, 8, 8, device="cuda", dtype=torch.float16)
         >>> pad = torch.zeros(2, 1, 8, 8, dtype=torch.bool, device="cuda"); pad[..., 6:] = True
-        >>> y = scaled_masked_softmax_fwd(x, pad, 0.125)
+        >>> y = launcher("scaled_masked_softmax_fwd")(x, pad, 0.125)
     """
-    op = "scaled_masked_softmax"
-    check_float(op, input)
-    check_mask(op, input, mask)
-    return _forward(input, mask, scale, _MASK_ZERO if zero_all_masked else _MASK)
+    mode = _MASK_ZERO if args.zero_all_masked else _MASK
+    return _forward(args.input, args.mask, args.scale, mode)
 
 
-def scaled_upper_triang_masked_softmax_fwd(input: torch.Tensor, scale: float) -> torch.Tensor:
-    """Causal softmax of ``[..., sq, sq]`` scores: the signature and semantics of
+def scaled_upper_triang_masked_softmax_fwd(args) -> torch.Tensor:
+    """Causal softmax of ``[..., sq, sq]`` scores: the semantics of
     :func:`mpnb.core.ops.softmax.reference_scaled_upper_triang_masked_softmax_fwd`."""
-    op = "scaled_upper_triang_masked_softmax"
-    check_float(op, input)
-    if input.dim() < 2 or input.shape[-1] != input.shape[-2]:
-        raise ValueError(
-            f"{op}: the causal softmax needs square [..., sq, sk] scores with sq == sk, got "
-            f"shape {tuple(input.shape)}."
-        )
-    return _forward(input, None, scale, _CAUSAL)
+    return _forward(args.input, None, args.scale, _CAUSAL)
 
 
 @triton.jit
 def _bwd_fused(
-    dy_ptr, y_ptr, dx_ptr, rows, k, s_hi, s_lo,
-    ACC: tl.constexpr, ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    dy_ptr,
+    y_ptr,
+    dx_ptr,
+    rows,
+    k,
+    s_hi,
+    s_lo,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     m = (r[:, None] < rows) & (cols[None, :] < k)
@@ -244,17 +271,11 @@ def _bwd_looped(dy_ptr, y_ptr, dx_ptr, rows, k, s_hi, s_lo, ACC: tl.constexpr, B
         )
 
 
-def scaled_softmax_bwd(grad_out, output, scale: float, upper_triang: bool = False):
+def scaled_softmax_bwd(args) -> torch.Tensor:
     """``scale * y * (dy - sum(dy * y))``, the backward of every softmax forward here: the
-    signature and semantics of :func:`mpnb.core.ops.softmax.reference_scaled_softmax_bwd`
-    (``upper_triang`` changes nothing in the result: the causal zeros stay zero)."""
-    op = "scaled_softmax_bwd"
-    check_float(op, output, "output")
-    if grad_out.shape != output.shape or grad_out.device != output.device:
-        raise ValueError(
-            f"{op}: grad_out is {tuple(grad_out.shape)} on {grad_out.device} but the output is "
-            f"{tuple(output.shape)} on {output.device}; pass the gradient of the output."
-        )
+    semantics of :func:`mpnb.core.ops.softmax.reference_scaled_softmax_bwd` (``upper_triang``
+    changes nothing in the result: the causal zeros stay zero)."""
+    output, grad_out, scale = args.output, args.grad_out, args.scale
     y, dy = output.contiguous(), grad_out.contiguous()
     dx = torch.empty_like(y)
     k = y.shape[-1] if y.dim() else 1

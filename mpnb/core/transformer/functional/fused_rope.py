@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 from mpnb.core.ops._checks import acc_dtype
-from mpnb.core.ops.rope import rope
+from mpnb.core.ops.rotary import rope
 
 __all__ = [
     "fused_apply_rotary_pos_emb",

@@ -30,10 +30,23 @@ def test_kernels_compile_for_sm90(tmp_path):
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
     compiled = {line.split()[1] for line in run.stdout.splitlines() if line.startswith("sm_90 ")}
     expected = {
-        "_scale_kernel", "_sumsq_kernel", "segment_sum_kernel", "_finish_kernel",
-        "_adam_kernel", "_advance_kernel", "_sgd_kernel", "_lamb_phase1", "_lamb_phase2",
-        "_fwd_fused", "_fwd_looped", "_bwd_fused", "_bwd_looped", "_colsum_kernel",
-        "_rope_kernel", "_adam_bf16_kernel", "_sgd_bf16_kernel",
+        "_scale_kernel",
+        "_sumsq_kernel",
+        "segment_sum_kernel",
+        "_finish_kernel",
+        "_adam_kernel",
+        "_advance_kernel",
+        "_sgd_kernel",
+        "_lamb_phase1",
+        "_lamb_phase2",
+        "_fwd_fused",
+        "_fwd_looped",
+        "_bwd_fused",
+        "_bwd_looped",
+        "_colsum_kernel",
+        "_rope_kernel",
+        "_adam_bf16_kernel",
+        "_sgd_bf16_kernel",
         "_lamb_bf16_phase2",
-    }  # fmt: skip
+    }
     assert expected <= compiled, sorted(expected - compiled)

@@ -6,16 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cases import SIZES, bitwise, clone, close, gen, kernel, on, poison, randn
-
-from mpnb.core.ops import reference_fused_adam_, reference_fused_lamb_, reference_fused_sgd_
+from triton_cases import SIZES, bitwise, clone, close, gen, kernel, on, poison, randn, reference
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
-REFERENCES = {
-    "fused_adam_": reference_fused_adam_,
-    "fused_sgd_": reference_fused_sgd_,
-    "fused_lamb_": reference_fused_lamb_,
-}
+REFERENCES = {name: reference(name) for name in ("fused_adam_", "fused_sgd_", "fused_lamb_")}
 # (param dtype, grad dtype, fp32 masters): O0, O2 with bf16 and fp16, fp32 grads into half
 # params, and half params updated without masters.
 MIXES = [

@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cases import SIZES, bitwise, close, gen, kernel, on, randn
+from triton_cases import SIZES, bitwise, close, gen, kernel, on, randn, reference
 
-from mpnb.core.ops.adam import reference_fused_adam_bf16_
-from mpnb.core.ops.lamb import reference_fused_lamb_bf16_
-from mpnb.core.ops.sgd import reference_fused_sgd_bf16_
+reference_fused_adam_bf16_ = reference("fused_adam_bf16_")
+reference_fused_lamb_bf16_ = reference("fused_lamb_bf16_")
+reference_fused_sgd_bf16_ = reference("fused_sgd_bf16_")
 
 BF16 = torch.bfloat16
 ROUNDINGS = ("stochastic", "kahan")
@@ -30,8 +30,22 @@ def test_rounding_alone_is_bitwise(device, rounding):
     grads = [randn(n, torch.float32, g, 1e-3) for n in SIZES]
     grads[-1].view(-1)[:3] = torch.tensor([float("inf"), float("nan"), -float("inf")])
     comps = _comps(params, rounding, g)
-    args = [params, grads, [], comps, [False] * len(SIZES), 1.0, 0.0, 0.0, 0.0, False, False,
-            rounding, 1234, 7]  # fmt: skip
+    args = [
+        params,
+        grads,
+        [],
+        comps,
+        [False] * len(SIZES),
+        1.0,
+        0.0,
+        0.0,
+        0.0,
+        False,
+        False,
+        rounding,
+        1234,
+        7,
+    ]
     ours = on(device, args[:4])
     kernel("fused_sgd_bf16_")(*ours, *args[4:])
     reference_fused_sgd_bf16_(*args)
@@ -49,8 +63,24 @@ def test_sgd_bf16_matches_reference(device, ulps, rounding, momentum, nesterov):
     comps = _comps(params, rounding, g)
     first = [k % 2 == 0 for k in range(len(SIZES))]
     inv = torch.full((1,), 0.5)
-    args = [params, grads, bufs, comps, first, 0.1, momentum, 0.0, 0.01, nesterov, False,
-            rounding, 5, 2, inv, torch.zeros(1)]  # fmt: skip
+    args = [
+        params,
+        grads,
+        bufs,
+        comps,
+        first,
+        0.1,
+        momentum,
+        0.0,
+        0.01,
+        nesterov,
+        False,
+        rounding,
+        5,
+        2,
+        inv,
+        torch.zeros(1),
+    ]
     ours = on(device, args[:4])
     kernel("fused_sgd_bf16_")(*ours, *args[4:14], *on(device, args[14:]))
     reference_fused_sgd_bf16_(*args)
@@ -69,8 +99,24 @@ def test_adam_bf16_matches_reference(device, ulps, rounding, adam_w):
     v = [torch.rand(n, generator=g) * 0.1 for n in SIZES]
     steps = [torch.tensor(float(k + 2)) for k in range(len(SIZES))]
     comps = _comps(params, rounding, g)
-    args = [params, grads, m, v, comps, steps, 1e-3, 0.9, 0.999, 1e-8, 0.01, adam_w, True,
-            rounding, 9, 3]  # fmt: skip
+    args = [
+        params,
+        grads,
+        m,
+        v,
+        comps,
+        steps,
+        1e-3,
+        0.9,
+        0.999,
+        1e-8,
+        0.01,
+        adam_w,
+        True,
+        rounding,
+        9,
+        3,
+    ]
     ours = on(device, args[:6])
     kernel("fused_adam_bf16_")(*ours, *args[6:])
     reference_fused_adam_bf16_(*args)
@@ -90,8 +136,21 @@ def test_flagged_step_writes_nothing(device):
     v = [torch.zeros(n) for n in SIZES]
     steps = [torch.tensor(1.0) for _ in SIZES]
     ours = on(device, [params, grads, m, v, [], steps])
-    kernel("fused_adam_bf16_")(*ours, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True, "stochastic",
-                               1, 1, None, on(device, torch.ones(1)))  # fmt: skip
+    kernel("fused_adam_bf16_")(
+        *ours,
+        1e-3,
+        0.9,
+        0.999,
+        1e-8,
+        0.0,
+        True,
+        True,
+        "stochastic",
+        1,
+        1,
+        None,
+        on(device, torch.ones(1)),
+    )
     bitwise(ours[0], before)
     bitwise(ours[5], steps)
 
@@ -99,8 +158,9 @@ def test_flagged_step_writes_nothing(device):
 def test_errors_are_the_references(device):
     p = [torch.zeros(4, device=device)]
     with pytest.raises(TypeError, match="bfloat16 params"):
-        kernel("fused_sgd_bf16_")(p, p, [], [], [False], 0.1, 0.0, 0.0, 0.0, False, False,
-                                  "stochastic", 0, 0)  # fmt: skip
+        kernel("fused_sgd_bf16_")(
+            p, p, [], [], [False], 0.1, 0.0, 0.0, 0.0, False, False, "stochastic", 0, 0
+        )
 
 
 @pytest.mark.parametrize("rounding", ROUNDINGS)
@@ -114,8 +174,28 @@ def test_lamb_bf16_matches_reference(device, ulps, rounding, wd, nvlamb):
     steps = [torch.tensor(float(k + 2)) for k in range(len(SIZES))]
     comps = _comps(params, rounding, g)
     gnorm = torch.tensor([3.0])
-    args = [params, grads, m, v, comps, steps, gnorm, 1e-2, 0.9, 0.999, 1e-6, wd, True, True,
-            True, 1.0, nvlamb, rounding, 4, 6]  # fmt: skip
+    args = [
+        params,
+        grads,
+        m,
+        v,
+        comps,
+        steps,
+        gnorm,
+        1e-2,
+        0.9,
+        0.999,
+        1e-6,
+        wd,
+        True,
+        True,
+        True,
+        1.0,
+        nvlamb,
+        rounding,
+        4,
+        6,
+    ]
     ours = on(device, args[:7])
     kernel("fused_lamb_bf16_")(*ours, *args[7:])
     reference_fused_lamb_bf16_(*args)

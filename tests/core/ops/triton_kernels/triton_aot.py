@@ -32,7 +32,7 @@ MODULES = (
     "lamb",
     "_norm",
     "softmax",
-    "rope",
+    "rotary",
 )
 
 

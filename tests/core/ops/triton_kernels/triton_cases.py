@@ -17,6 +17,14 @@ def kernel(name: str):
     return launcher(name)
 
 
+def reference(name: str):
+    """The reference of op ``name`` in the schema's positional order, behind its check (the
+    reference itself takes its hyper-parameters by keyword)."""
+    from mpnb.core.ops import op_info
+
+    return op_info(name).reference_kernel
+
+
 def gen(seed: int) -> torch.Generator:
     """A seeded CPU generator."""
     return torch.Generator().manual_seed(seed)

@@ -1,6 +1,6 @@
 // mpnb::rope on the CPU: Apex's fused rotary position embedding (RoPE), forward and backward
 // (the backward is the transposed rotation, one flag of the same op). The schema is defined in
-// mpnb/core/ops/rope.py.
+// mpnb/core/ops/rotary.py.
 //
 // t is [S, B, H, D] with any strides (the last dim contiguous); cos/sin are fp32 (fp64 for
 // fp64) tables [S, D2] with D2 <= D. The first D2 channels are cut into groups of `group`
@@ -106,29 +106,20 @@ void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& s
 at::Tensor rope_cpu(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, int64_t group,
                     bool transpose_output, bool backward, bool stepwise) {
   const char* op = "mpnb::rope";
-  TORCH_CHECK_TYPE(is_float_type(t.scalar_type()), op, ": t is ", t.scalar_type(),
-                   "; supported dtypes are float32, float16, bfloat16 and float64 (convert with ",
-                   ".float() or .to(torch.bfloat16)).");
-  TORCH_CHECK_VALUE(t.dim() == 4, op, ": t must be [s, b, h, d], got shape ", t.sizes(),
-                    "; add the missing dims (e.g. t.unsqueeze(1) for [s, h, d]).");
+  TORCH_CHECK_TYPE(is_float_type(t.scalar_type()), op, ": dtype of t");
+  TORCH_CHECK_VALUE(t.dim() == 4, op, ": t is not [s, b, h, d]");
   const auto acc = t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const char* acc_name = acc == at::kDouble ? "float64" : "float32";
   const int64_t S = t.size(0), D = t.size(3);
   for (const auto* tab : {&cos, &sin}) {
     const char* name = tab == &cos ? "cos" : "sin";
     TORCH_CHECK_VALUE(tab->dim() == 2 && tab->size(0) == S && tab->size(1) <= D && tab->scalar_type() == acc,
-                      op, ": ", name, " must be a ", acc_name, " table [s=", S, ", d2<=", D, "], got ",
-                      tab->sizes(), " ", tab->scalar_type(), "; the freqs/cos/sin must cover every ",
-                      "position.");
-    TORCH_CHECK_VALUE(tab->device() == t.device(), op, ": ", name, " is on ", tab->device(),
-                      " but t is on ", t.device(), "; move both to one device.");
+                      op, ": table ", name);
+    TORCH_CHECK_VALUE(tab->device() == t.device(), op, ": device of ", name);
   }
-  TORCH_CHECK_VALUE(cos.sizes() == sin.sizes(), op, ": cos ", cos.sizes(), " and sin ", sin.sizes(),
-                    " differ; build both from the same frequencies.");
+  TORCH_CHECK_VALUE(cos.sizes() == sin.sizes(), op, ": cos and sin differ");
   const int64_t D2 = cos.size(1);
-  TORCH_CHECK_VALUE(group > 0 && group % 2 == 0 && D2 % group == 0, op, ": the rotary dim ", D2,
-                    " must be a multiple of an even group, got group=", group,
-                    "; use an even number of rotary channels.");
+  TORCH_CHECK_VALUE(group > 0 && group % 2 == 0 && D2 % group == 0, op, ": group ", group);
   const auto x = t.stride(3) == 1 ? t : t.contiguous();
   const auto c = cos.contiguous(), s = sin.contiguous();
   at::Tensor out = transpose_output

@@ -1,4 +1,4 @@
-"""Rotary position embedding in Triton: ``rope(t, cos, sin, group, transpose_output, backward)``.
+"""Rotary position embedding in Triton: the launcher of ``mpnb::rope``.
 
 ``t`` is ``[s, b, h, d]`` with any strides; ``cos``/``sin`` are fp32 (fp64 for fp64 ``t``)
 tables ``[s, d2]``. The first ``d2`` channels form groups of ``group`` channels, each rotated
@@ -14,7 +14,6 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.rope import check_rope
 from mpnb.core.ops.triton._common import from_acc, launch, next_pow2, to_acc, warps
 
 __all__ = ["rope"]
@@ -30,11 +29,34 @@ def _round(x, DT: tl.constexpr, ACC: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(
-    t_ptr, y_ptr, cos_ptr, sin_ptr, rows, B, H, d, d2,
-    ts, tb, th, td, ys, yb, yh, yd, cs, cd, ss, sd,
-    GROUP: tl.constexpr, BACKWARD: tl.constexpr, STEPWISE: tl.constexpr, ACC: tl.constexpr,
-    ROWS: tl.constexpr, BLOCK: tl.constexpr,
-):  # fmt: skip
+    t_ptr,
+    y_ptr,
+    cos_ptr,
+    sin_ptr,
+    rows,
+    B,
+    H,
+    d,
+    d2,
+    ts,
+    tb,
+    th,
+    td,
+    ys,
+    yb,
+    yh,
+    yd,
+    cs,
+    cd,
+    ss,
+    sd,
+    GROUP: tl.constexpr,
+    BACKWARD: tl.constexpr,
+    STEPWISE: tl.constexpr,
+    ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     si = r // (B * H)
     bi = r // H % B
@@ -68,29 +90,20 @@ def _rope_kernel(
     tl.store(y_ptr + y_row + c * yd, from_acc(y, y_ptr.dtype.element_ty), mask=inside)
 
 
-def _check(op: str, t, cos, sin, group: int) -> None:
-    check_rope(op, t, cos, sin, group)
-    if cos.shape != sin.shape:  # the kernel reads both tables over cos's columns
-        raise ValueError(f"{op}: cos {tuple(cos.shape)} and sin {tuple(sin.shape)} differ.")
-
-
-def rope(
-    t, cos, sin, group, transpose_output=False, backward=False, stepwise=False
-) -> torch.Tensor:
-    """Rotate ``t`` by the position tables: the signature and semantics of
-    :func:`mpnb.core.ops.rope.reference_rope` (see the module docstring).
+def rope(args) -> torch.Tensor:
+    """Rotate ``t`` by the position tables: the semantics of
+    :func:`mpnb.core.ops.rotary.reference_rope`, whose arguments ``args`` holds by name
+    (checked before the launch; see the module docstring).
 
     Example::
 
         >>> t = torch.randn(16, 2, 4, 64, device="cuda", dtype=torch.bfloat16)
         >>> ang = torch.randn(16, 64, device="cuda")
-        >>> y = rope(t, ang.cos(), ang.sin(), 64)
+        >>> y = launcher("rope")(t, ang.cos(), ang.sin(), 64)
     """
-    op = "rope"
-    group = int(group)
-    _check(op, t, cos, sin, group)
+    t, cos, sin = args.t, args.cos, args.sin
     s, b, h, d = t.shape
-    if transpose_output:
+    if args.transpose_output:
         y = torch.empty((b, s, h, d), dtype=t.dtype, device=t.device).transpose(0, 1)
     else:
         y = torch.empty((s, b, h, d), dtype=t.dtype, device=t.device)
@@ -100,10 +113,27 @@ def rope(
     block = next_pow2(d)
     nrows = max(1, _TILE // block)
     launch(
-        _rope_kernel, (triton.cdiv(rows, nrows),), t, y, cos, sin, rows, b, h, d, cos.shape[1],
-        *t.stride(), *y.stride(), *cos.stride(), *sin.stride(),
-        GROUP=group, BACKWARD=bool(backward), STEPWISE=bool(stepwise),
-        ACC=tl.float64 if t.dtype == torch.float64 else tl.float32, ROWS=nrows, BLOCK=block,
+        _rope_kernel,
+        (triton.cdiv(rows, nrows),),
+        t,
+        y,
+        cos,
+        sin,
+        rows,
+        b,
+        h,
+        d,
+        cos.shape[1],
+        *t.stride(),
+        *y.stride(),
+        *cos.stride(),
+        *sin.stride(),
+        GROUP=int(args.group),
+        BACKWARD=bool(args.backward),
+        STEPWISE=bool(args.stepwise),
+        ACC=tl.float64 if t.dtype == torch.float64 else tl.float32,
+        ROWS=nrows,
+        BLOCK=block,
         num_warps=warps(nrows * block),
-    )  # fmt: skip
+    )
     return y
