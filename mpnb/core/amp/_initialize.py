@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import math
 import warnings
-from numbers import Real
 
 import torch
 
-from mpnb.core.amp._config import LossScaleRule, parse_loss_scale
 from mpnb.core.amp._model import AutocastForward, CastForward, cast_model, check_model, model_device
 from mpnb.core.amp._properties import Properties, format_properties, resolve_properties
+from mpnb.core.amp._rule import LossScaleRule
 from mpnb.core.amp._state import AmpOptimizerState, AmpStash
 from mpnb.core.amp._strategies import choose_strategy
 from mpnb.core.amp.casts import default_registry
@@ -91,43 +89,12 @@ def _as_list(obj, kind: type, what: str) -> tuple[list, bool]:
     return items, was_list
 
 
-def _bound(name: str, value) -> float | None:
-    if value is None:
-        return None
-    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value <= 0:
-        raise ValueError(
-            f"amp.initialize: {name}={value!r} is invalid; pass a positive finite number "
-            "(or None for the default)."
-        )
-    return float(value)
-
-
-def _scale_rule(loss_scale, min_loss_scale, max_loss_scale) -> float | LossScaleRule:
-    """The scalers' static scale or dynamic rule, from ``loss_scale`` and the two bounds."""
-    low, high = _bound("min_loss_scale", min_loss_scale), _bound("max_loss_scale", max_loss_scale)
+def _bounded(rule: LossScaleRule, min_loss_scale, max_loss_scale) -> LossScaleRule:
+    """``rule`` with Apex's ``min_loss_scale``/``max_loss_scale`` arguments applied."""
     try:
-        parsed = parse_loss_scale(loss_scale)
+        return rule.with_bounds(min_loss_scale, max_loss_scale)
     except ValueError as e:
-        raise ValueError(f"amp.initialize: {e}") from None
-    if isinstance(parsed, float):
-        return parsed
-    rule, default = parsed or LossScaleRule(), LossScaleRule()
-    changes = {}
-    for key, value in (("min_loss_scale", low), ("max_loss_scale", high)):
-        mine = getattr(rule, key)
-        if value is None:
-            continue
-        if mine != getattr(default, key) and mine != value:
-            raise ValueError(
-                f"amp.initialize: {key}={value!r} conflicts with the loss_scale rule's "
-                f"{key}={mine!r}; pass it in one place."
-            )
-        changes[key] = value
-    try:
-        return rule.replace(**changes)
-    except ValueError as e:
-        raise ValueError(str(e).replace("LossScaleRule", "amp.initialize")) from None
+        raise ValueError(str(e).replace("LossScaleRule", "amp.initialize", 1)) from None
 
 
 def initialize(
@@ -209,6 +176,8 @@ def initialize(
     device = model_device(model_list[0]) if model_list else torch.device("cpu")
     if half_dtype is None and (cast_model_type is False or cast_model_type == "False"):
         half_dtype = _models_half_dtype(model_list)  # the half dtype the model already has
+    # The one parse of loss_scale; the rule travels unchanged to the scalers.
+    rule = LossScaleRule.parse(loss_scale, owner="amp.initialize")
     props = resolve_properties(
         opt_level,
         device,
@@ -217,13 +186,12 @@ def initialize(
         patch_torch_functions=patch_torch_functions,
         keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=master_weights,
-        loss_scale=loss_scale,
+        loss_scale=rule,
         cast_model_outputs=cast_model_outputs,
         half_dtype=half_dtype,
     )
-    rule = _scale_rule(
-        props.loss_scale if loss_scale is None else loss_scale, min_loss_scale, max_loss_scale
-    )
+    # No loss_scale given: the opt level's default, which Properties spells as Apex does.
+    rule = _bounded(rule or LossScaleRule.parse(props.loss_scale), min_loss_scale, max_loss_scale)
     if props.enabled:
         for m in model_list:
             check_model(m)
