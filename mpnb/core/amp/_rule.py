@@ -214,6 +214,35 @@ class LossScaleRule:
                 raise ValueError(_reowned(e, owner).replace("loss_scale=", f"{name}=")) from None
         raise ValueError(f"{owner}: {name}={value!r} is invalid; {_CHOICES}.")
 
+    @classmethod
+    def field_errors(cls, **fields) -> dict[str, str]:
+        """``{field: message}`` for each of ``fields`` the rule refuses; empty when
+        ``LossScaleRule(**fields)`` is valid.
+
+        For forms that show each error beside its control (the widgets): each field is
+        checked on its own (the others at their defaults), then all together; an error that
+        involves several fields goes to the first field it names. The messages are the rule's
+        own, without its ``"LossScaleRule: "`` prefix.
+
+        Example::
+
+            >>> LossScaleRule.field_errors(growth_factor=0.5, backoff_factor=1.0)
+            {'growth_factor': 'growth_factor=0.5 must be >= 1 (1 never grows); pass ...'}
+        """
+        errs = {}
+        for key, value in fields.items():
+            try:
+                cls(**{key: value})
+            except ValueError as e:
+                errs[key] = _reowned(e, "")
+        if not errs:
+            try:
+                cls(**fields)
+            except ValueError as e:
+                msg = _reowned(e, "")
+                errs[next((k for k in fields if f"{k}=" in msg), next(iter(fields)))] = msg
+        return errs
+
     def replace(self, **changes) -> LossScaleRule:
         """A copy with ``changes`` applied (and validated)."""
         return dataclasses.replace(self, **changes)
