@@ -15,6 +15,7 @@ from mpnb.core.amp.casts import default_registry
 from mpnb.core.amp.frontend import set_current_handle
 from mpnb.core.amp.handle import AmpHandle, Fp32StateDict
 from mpnb.core.amp.scaler import LossScaler
+from mpnb.core.amp.seam import amp_stash, bind, inner_optimizer
 from mpnb.core.hardware import cuda_info, dtype_support, half_support
 
 __all__ = ["initialize", "EmulatedHalfWarning", "PrecisionRecastWarning", "HardwareCheck"]
@@ -68,18 +69,11 @@ class HardwareCheck:
             )
 
 
-def _wrapped(obj):
-    """The torch optimizer inside a wrapper such as :class:`~mpnb.parallel.LARC` (``.optim``),
-    or None: amp attaches to it, and the wrapper's ``step()`` runs it after its own work."""
-    inner = getattr(obj, "optim", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else None
-
-
 def _as_list(obj, kind: type, what: str) -> tuple[list, bool]:
     was_list = isinstance(obj, (list, tuple))
     items = list(obj) if was_list else [obj]
     for x in items:
-        if kind is torch.optim.Optimizer and _wrapped(x) is not None:
+        if kind is torch.optim.Optimizer and inner_optimizer(x) is not None:
             continue
         if not isinstance(x, kind):
             raise TypeError(
@@ -169,7 +163,7 @@ def initialize(
                 "amp.initialize once per model (build a fresh model to change level)."
             )
     for o in opt_list:
-        if hasattr(o, "_amp_stash"):
+        if amp_stash(o) is not None:
             raise ValueError(
                 "amp.initialize: this optimizer was already initialized; pass it once."
             )
@@ -192,16 +186,16 @@ def initialize(
     )
     # No loss_scale given: the opt level's default, which Properties spells as Apex does.
     rule = _bounded(rule or LossScaleRule.parse(props.loss_scale), min_loss_scale, max_loss_scale)
+    bindings = [None] * len(opt_list)
     if props.enabled:
         for m in model_list:
             check_model(m)
-        for o in opt_list if props.master_weights else ():
-            o = _wrapped(o) or o
-            if hasattr(o, "_mpnb_check_master_weights"):  # refuses before the model changes
-                o._mpnb_check_master_weights()
+        # amp binds each optimizer (the inner one of a LARC) once, before the model changes
+        bindings = [bind(inner_optimizer(o) or o, props.master_weights) for o in opt_list]
     if verbosity:
         print(format_properties(props))
-    handle = _build(props, rule, model_list, opt_list, device, num_losses)
+    optimizers_bound = list(zip(opt_list, bindings, strict=True))
+    handle = _build(props, rule, model_list, optimizers_bound, device, num_losses)
     set_current_handle(handle)
     models_out = model_list if models_was_list else model_list[0]
     if optimizers is None:
@@ -219,7 +213,8 @@ def _uses_half(props: Properties) -> bool:
     return props.patch_torch_functions or props.cast_model_type in _HALF
 
 
-def _build(props, rule, model_list, opt_list, device, num_losses) -> AmpHandle:
+def _build(props, rule, model_list, optimizers, device, num_losses) -> AmpHandle:
+    """The handle: scalers, cast models, and each ``(optimizer, binding)`` served by amp."""
     half = props.half_dtype if props.enabled and _uses_half(props) else None
     scalers = [LossScaler(rule, device=device, half_dtype=half) for _ in range(num_losses)]
     handle = AmpHandle(props, scalers)
@@ -239,11 +234,12 @@ def _build(props, rule, model_list, opt_list, device, num_losses) -> AmpHandle:
                 PrecisionRecastWarning,
                 stacklevel=3,
             )
-    for o in opt_list:
+    for o, binding in optimizers:
         st = None
-        inner = _wrapped(o) or o  # LARC: amp's hooks go on the optimizer it wraps
+        inner = inner_optimizer(o) or o  # LARC: amp's hooks go on the optimizer it wraps
         if props.enabled:
-            st = AmpOptimizerState(inner, choose_strategy(inner, props.master_weights), handle)
+            strategy = choose_strategy(inner, props.master_weights, binding)
+            st = AmpOptimizerState(inner, strategy, handle)
             handle.opt_states.append(st)
         o._amp_stash = AmpStash(st, handle)
         o._lazy_init_maybe_master_weights = o._amp_stash.lazy_init_maybe_master_weights  # Apex's
