@@ -256,3 +256,39 @@ def test_the_explorer_scale_is_clamped_to_max_scale_as_amps_is(grads):
     ex.scale_slider.value = 2.0**30  # beyond max_scale: the scaler starts from its clamp
     (first,) = ex.step(1)
     assert first["scale"] == 2.0**6 and ex.scaler.max_loss_scale == 2.0**6
+
+
+@pytest.mark.parametrize(
+    "growth, backoff, interval", [(2.0, 0.5, 2), (3.0, 0.25, 1), (1.0, 1.0, 1), (2.0, 0.5, 3)]
+)
+def test_the_explorer_and_amps_scaler_agree_step_for_step(grads, growth, backoff, interval):
+    """The same rule, the same overflow pattern: the explorer's scales are the ones amp's own
+    LossScaler takes in training (backoff, growth after ``interval`` clean steps, the
+    ``max_scale`` clamp), step for step."""
+    from mpnb import amp
+
+    pattern = [False, True, False, False, True, True, False, False, False, False, False]
+    ex = ScalerExplorer(
+        grads * 1e-12,  # far below overflow at any scale here: the pattern alone decides
+        init_scale=2.0**10,
+        growth_factor=growth,
+        backoff_factor=backoff,
+        growth_interval=interval,
+        max_scale=2.0**12,
+    )
+    explored = [ex.step(1, force_inf=inf)[0] for inf in pattern]
+    model = torch.nn.Linear(3, 1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.0)
+    model, opt = amp.initialize(model, opt, opt_level="O0", loss_scale=ex.rule(), verbosity=0)
+    scaler = amp.current_handle().scalers[0]
+    trained = []
+    for inf in pattern:
+        used = scaler.loss_scale()
+        opt.zero_grad()
+        loss = model(torch.ones(2, 3)).sum() * (float("inf") if inf else 1.0)
+        with amp.scale_loss(loss, opt) as scaled:
+            scaled.backward()
+        opt.step()
+        trained.append({"scale": used, "skipped": inf, "next_scale": scaler.loss_scale()})
+    assert [{k: h[k] for k in ("scale", "skipped", "next_scale")} for h in explored] == trained
+    assert len({h["scale"] for h in trained}) > 1 or growth == backoff == 1.0
