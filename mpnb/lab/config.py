@@ -22,8 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpnb.core.amp import LossScaleRule, parse_loss_scale
-from mpnb.core.amp.scaler import check_scale_range
+from mpnb.core.amp import LossScaleRule
 from mpnb.core.dtype_names import HALF_DTYPES, half_dtype_name, parse_half_dtype
 from mpnb.core.opt_levels import check_names
 from mpnb.core.precision_configs import (
@@ -54,9 +53,9 @@ class RunConfig:
             :attr:`memory_step` are not timed).
         optimizer: ``"adam"``, ``"adamw"``, ``"sgd"``, ``"fused_adam"`` or ``"fused_sgd"``.
         lr: learning rate (None: the workload's default).
-        loss_scale: None (the opt level's default), a static number, or a
-            :class:`~mpnb.core.amp.LossScaleRule` (passed to ``amp.initialize`` where
-            ``config.loss_scaling`` holds, O1-O3: the FP8 recipes scale per tensor, pure bf16
+        loss_scale: None (the opt level's default) or a :class:`~mpnb.core.amp.LossScaleRule`
+            (static or dynamic; parsed once by :func:`expand`, passed as it is to
+            ``amp.initialize``; O1-O3 only: the FP8 recipes scale per tensor, pure bf16
             needs no loss scale).
         device: ``"cpu"`` or ``"cuda[:i]"`` (already resolved, never ``"auto"``).
         seed: model initialization and data order; the same for every configuration.
@@ -70,7 +69,7 @@ class RunConfig:
     steps: int
     optimizer: str = "adam"
     lr: float | None = None
-    loss_scale: float | LossScaleRule | None = None
+    loss_scale: LossScaleRule | None = None
     device: str = "cpu"
     seed: int = 0
     warmup: int = 3
@@ -216,8 +215,8 @@ def expand(
     dev = resolve_device(device)
     halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)
     names = list(dict.fromkeys(half_name(h, dev) for h in halves))
-    scale = parse_loss_scale(loss_scale)
-    check_scale_range(scale)  # refused here, before a run, rather than in every row
+    # The one parse of the loss scale, before a run rather than in every row.
+    scale = LossScaleRule.parse(loss_scale, owner="mpnb.lab.compare")
     wu = min(3, max(0, (steps - 2) // 4)) if warmup is None else int(warmup)
     if not 0 <= wu <= steps - 2:
         raise ValueError(f"warmup={warmup!r}: need 0 <= warmup <= steps - 2 ({steps - 2}).")

@@ -13,7 +13,10 @@ reports:
   and the achieved FLOP/s over the measured forward + backward time;
 * ``ops``: the ``torch.profiler`` op table of one step (self time, calls); that step's
   trace is kept and :meth:`ProfileResult.export_chrome_trace` writes it for Chrome's
-  ``chrome://tracing`` or https://ui.perfetto.dev (``torch.profiler``'s own export).
+  ``chrome://tracing`` or https://ui.perfetto.dev (``torch.profiler``'s own export);
+* when asked (``memory``, ``trace``, ``precision``): the memory breakdown by role, the first
+  layer that leaves the half range and the precision each op ran in
+  (:mod:`mpnb.lab._profile_extras`).
 
 O0 is plain fp32 training: its step calls ``loss.backward()`` without ``amp.scale_loss`` (no
 scaler runs), so it has no ``unscale_and_update`` row; the half levels have one.
@@ -43,9 +46,10 @@ from mpnb.core.dtype_names import parse_half_dtype
 from mpnb.core.opt_levels import parse_opt_level
 from mpnb.core.precision_configs import DEFAULT_CONFIGS, get_config
 from mpnb.lab._errors import describe_error
+from mpnb.lab._profile_extras import Extras
 from mpnb.lab._train import forward, to_device
 from mpnb.lab.config import resolve_device
-from mpnb.lab.stats import loadavg, median
+from mpnb.lab.stats import loadavg, median, torch_threads
 
 __all__ = ["ProfileResult", "profile", "PHASES"]
 
@@ -54,7 +58,12 @@ PHASES = ("forward", "backward", "unscale_and_update", "optimizer_step")
 
 @dataclass
 class ProfileResult:
-    """The tables :func:`profile` returns (long format, one ``opt_level`` column each)."""
+    """The tables :func:`profile` returns (long format, one ``opt_level`` column each).
+
+    ``memory`` (a :func:`mpnb.lab.compare` frame), ``overflow`` (:func:`trace_overflow`'s
+    result) and ``precision`` (:func:`trace_precision`'s) are None unless asked for;
+    ``device`` and ``half_dtype`` are what the profile resolved and used.
+    """
 
     phases: pd.DataFrame
     modules: pd.DataFrame
@@ -63,6 +72,11 @@ class ProfileResult:
     errors: dict = field(default_factory=dict)
     load: dict = field(default_factory=dict)
     traces: dict = field(default_factory=dict, repr=False)
+    memory: pd.DataFrame | None = None
+    overflow: object = None
+    precision: object = None
+    device: str = ""
+    half_dtype: torch.dtype | None = None
 
     def export_chrome_trace(self, path: str, opt_level: str | None = None) -> str:
         """Write the ``torch.profiler`` trace of one profiled step (Chrome/Perfetto JSON).
@@ -248,6 +262,11 @@ def profile(
     device=None,
     top_ops: int = 15,
     on_progress=None,
+    *,
+    memory: bool = False,
+    trace: bool = False,
+    precision: str | None = None,
+    threads: int | None = None,
 ) -> ProfileResult:
     """Profile one training step of ``model`` under each opt level.
 
@@ -260,8 +279,17 @@ def profile(
         steps, warmup: timed and untimed steps per level.
         device: default: where the model's parameters are.
         top_ops: rows of the op table per level.
-        on_progress: called as ``on_progress(level, done, total)`` before each level and
-            once at the end (``level`` None), e.g. to move a progress bar.
+        on_progress: called as ``on_progress(what, done, total)`` before each level (``what``
+            the level), before each extra (``what`` says which) and once at the end (``what``
+            None), e.g. to move a progress bar.
+        memory: also measure the memory breakdown by role (a 3-step :func:`mpnb.lab.compare`
+            run of your model and inputs): ``result.memory``.
+        trace: also run :func:`mpnb.lab.trace_overflow` in the half dtype: ``result.overflow``.
+        precision: also run :func:`mpnb.lab.trace_precision` of this configuration
+            (``"auto"``: the first level other than O0; None: not traced):
+            ``result.precision``.
+        threads: ``torch.set_num_threads`` while profiling (restored after; None: unchanged);
+            more than the machine's CPUs warns, since the times then mislead.
 
     ``example_inputs`` may be a dict (``model(**inputs)``, e.g. a ``transformers`` batch with
     ``labels``), and the model may return a tensor, tuple, dict, dataclass or ``ModelOutput``:
@@ -280,15 +308,73 @@ def profile(
     p = next(model.parameters(), None)
     dev = resolve_device(device or (p.device if p is not None else "cpu"))
     half = parse_half_dtype(half_dtype, dev)
-    x = to_device(example_inputs, dev)
+    if threads is not None and threads > (os.cpu_count() or 1):
+        warnings.warn(
+            f"profile: threads={threads} is more than this machine's {os.cpu_count()} CPUs: "
+            "threads will wait for each other and the times mislead; use at most that many.",
+            stacklevel=2,
+        )
+    levels = tuple(opt_levels)
+    extras = Extras(memory, trace, precision, levels)
+    total = len(levels) + extras.count
+    progress = on_progress or (lambda what, done, n: None)
     loss_fn = loss_fn or _default_loss
+    with torch_threads(threads):
+        result = _profile(
+            model,
+            example_inputs,
+            loss_fn,
+            levels,
+            half,
+            dev,
+            optimizer=optimizer,
+            lr=lr,
+            steps=steps,
+            warmup=warmup,
+            top_ops=top_ops,
+            step=lambda level, i: progress(level, i, total),
+        )
+        extras.run(
+            model,
+            example_inputs,
+            loss_fn,
+            half,
+            optimizer,
+            lr,
+            dev,
+            lambda what, i: progress(what, len(levels) + i, total),
+        )
+    progress(None, total, total)
+    result.errors.update(extras.errors)
+    result.memory, result.overflow = extras.frame, extras.overflow
+    result.precision, result.device, result.half_dtype = extras.precision_trace, dev, half
+    return result
+
+
+def _profile(
+    model,
+    example_inputs,
+    loss_fn,
+    levels,
+    half,
+    dev,
+    *,
+    optimizer,
+    lr,
+    steps,
+    warmup,
+    top_ops,
+    step,
+) -> ProfileResult:
+    """The levels' phases, modules, FLOPs and ops (what :func:`profile` always measures);
+    ``step(level, done)`` is called before each level."""
     from mpnb.lab.runner import load_record
 
+    x = to_device(example_inputs, dev)
     phases, modules, flops, ops, errors, traces = [], [], [], [], {}, {}
-    load_start, levels = loadavg(), tuple(opt_levels)
+    load_start = loadavg()
     for i, level in enumerate(levels):
-        if on_progress is not None:
-            on_progress(level, i, len(levels))
+        step(level, i)
         try:
             ph, mods, fl, op, traces[level] = _profile_level(
                 model, x, loss_fn, level, half, optimizer, lr, dev, steps, warmup, top_ops
@@ -310,7 +396,5 @@ def profile(
         pd.DataFrame(rows, columns=c)
         for rows, c in zip((phases, modules, flops, ops), cols, strict=True)
     ]
-    if on_progress is not None:
-        on_progress(None, len(levels), len(levels))
     load = load_record(load_start, loadavg(), torch.get_num_threads(), os.cpu_count() or 1)
     return ProfileResult(*frames, errors, load, traces)

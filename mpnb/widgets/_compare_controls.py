@@ -15,6 +15,7 @@ import os
 import ipywidgets as w
 import torch
 
+from mpnb.core.amp import LossScaleRule
 from mpnb.core.dtype_names import HALF_NAMES, short_name
 from mpnb.core.hardware import default_half_dtype
 from mpnb.core.precision_configs import DEFAULT_CONFIGS, OPTIMIZERS, config_names
@@ -163,30 +164,21 @@ class ControlsMixin:
         )
 
     def _scaler_controls(self, loss_scale):
-        spec = loss_scale if isinstance(loss_scale, dict) else {}
-        mode = (
-            "default"
-            if loss_scale is None
-            else "dynamic"
-            if spec or loss_scale == "dynamic"
-            else "static"
-        )
+        # the widget's argument is parsed once, as amp.initialize parses it
+        rule = LossScaleRule.parse(loss_scale, owner="CompareWidget")
+        mode = "default" if rule is None else "dynamic" if rule.dynamic else "static"
+        dyn = rule if mode == "dynamic" else LossScaleRule()
         self.scale_mode = w.Dropdown(
             options=["default", "dynamic", "static"], value=mode, description="loss scale"
         )
         self.init_scale = w.FloatLogSlider(
-            spec.get("init_scale", 2.0**16), base=2, min=0, max=24, step=1,
-            description="initial scale",
-        )  # fmt: skip
+            dyn.init_scale, base=2, min=0, max=24, step=1, description="initial scale"
+        )
         # plain text boxes: a bad value is refused beside the control, never clamped
-        self.growth_factor = w.FloatText(
-            spec.get("growth_factor", 2.0), step=0.5, description="growth"
-        )
-        self.backoff_factor = w.FloatText(
-            spec.get("backoff_factor", 0.5), step=0.05, description="backoff"
-        )
-        self.growth_interval = w.IntText(spec.get("growth_interval", 2000), description="interval")
-        static = float(loss_scale) if mode == "static" else 2.0**10
+        self.growth_factor = w.FloatText(dyn.growth_factor, step=0.5, description="growth")
+        self.backoff_factor = w.FloatText(dyn.backoff_factor, step=0.05, description="backoff")
+        self.growth_interval = w.IntText(dyn.growth_interval, description="interval")
+        static = rule.init_scale if mode == "static" else 2.0**10
         self.static_scale = w.FloatLogSlider(
             static, base=2, min=0, max=24, step=1, description="static scale"
         )
@@ -219,21 +211,9 @@ class ControlsMixin:
         if self.threads.value < 0:
             errs["threads"] = f"threads {self.threads.value}: use 0 (torch's default) or more"
         if self.scale_mode.value == "dynamic":
-            if not self.growth_factor.value > 1.0:
-                errs["growth_factor"] = (
-                    f"growth {self.growth_factor.value:g}: must be above 1 (the scale grows "
-                    "after clean steps; 2 is the usual); refused, not clamped"
-                )
-            if not 0.0 < self.backoff_factor.value < 1.0:
-                errs["backoff_factor"] = (
-                    f"backoff {self.backoff_factor.value:g}: must be between 0 and 1 "
-                    "(the scale shrinks on overflow; 0.5 is the usual)"
-                )
-            if self.growth_interval.value < 1:
-                errs["growth_interval"] = (
-                    f"interval {self.growth_interval.value}: need at least 1 clean step "
-                    "before the scale grows"
-                )
+            # the rule amp applies checks them, so the controls accept exactly what amp does
+            for k, msg in LossScaleRule.field_errors(**self._scale_fields()).items():
+                errs[k] = f"{msg.rstrip('.')}; refused, not clamped"
         return errs
 
     def validate(self) -> bool:
@@ -267,15 +247,21 @@ class ControlsMixin:
         self._half_options(self.half_dtype.value)
         self.hardware.value = hardware_html(self._device())
 
-    def loss_scale(self):
-        """The loss-scale argument for :func:`mpnb.lab.compare` from the scaler controls."""
-        if self.scale_mode.value == "default":
-            return None
-        if self.scale_mode.value == "static":
-            return float(self.static_scale.value)
+    def _scale_fields(self) -> dict:
+        """The :class:`~mpnb.amp.LossScaleRule` fields the dynamic scaler's controls set."""
         return dict(
             init_scale=float(self.init_scale.value),
             growth_factor=float(self.growth_factor.value),
             backoff_factor=float(self.backoff_factor.value),
             growth_interval=int(self.growth_interval.value),
         )
+
+    def loss_scale(self) -> LossScaleRule | None:
+        """The loss-scale argument for :func:`mpnb.lab.compare` from the scaler controls: None
+        (each level's default) or a :class:`~mpnb.amp.LossScaleRule` (ValueError if a control
+        is bad), which the lab and amp use as it is."""
+        if self.scale_mode.value == "default":
+            return None
+        if self.scale_mode.value == "static":
+            return LossScaleRule.static(float(self.static_scale.value))
+        return LossScaleRule(**self._scale_fields())

@@ -41,8 +41,10 @@ class CompareWidget(ControlsMixin, w.VBox):
         configs, half_dtype, batch_sizes, steps, optimizer, device, size: the initial
             controls (``batch_sizes`` and ``steps`` None: the workload's own, shown in their
             boxes; choosing another workload puts its own batch size and steps there).
-        loss_scale: None (each opt level's default), a number (static) or a dict of
-            ``init_scale``, ``growth_factor``, ``backoff_factor``, ``growth_interval``.
+        loss_scale: None (each opt level's default), or what ``amp.initialize`` takes: a
+            number (static), ``"dynamic"``, a :class:`~mpnb.amp.LossScaleRule` or a dict of its
+            fields (the controls show ``init_scale``, ``growth_factor``, ``backoff_factor``,
+            ``growth_interval``).
         threaded: run in a background thread when Run is clicked (tests pass False).
         threads: ``torch.set_num_threads`` for the runs (None: torch's default).
         opt_levels: the former name of ``configs`` (give one of the two).

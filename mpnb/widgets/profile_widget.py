@@ -1,11 +1,10 @@
 """``mpnb.widgets.profile(model, example_inputs)``: one call, the whole profile across opt levels.
 
-It calls :func:`mpnb.lab.profile` (phase times, per-module table, FLOPs and achieved FLOP/s, op
-table, the ``torch.profiler`` trace of one step), :func:`mpnb.lab.compare` on a workload made
-of your model and inputs (the memory breakdown by role of one tracked step),
-:func:`mpnb.lab.trace_overflow` (the first layer that leaves the half dtype's range) and
-:func:`mpnb.lab.trace_precision` (which precision each op ran in, and why), and shows the
-results in tabs. Nothing is measured here.
+It calls :func:`mpnb.lab.profile` once (phase times, per-module table, FLOPs and achieved
+FLOP/s, op table, the ``torch.profiler`` trace of one step and, as asked, the memory breakdown
+by role of one tracked step, the first layer that leaves the half dtype's range and which
+precision each op ran in) and shows the results in tabs. Nothing is measured or orchestrated
+here.
 
 Like :class:`~mpnb.widgets.CompareWidget`, it says how busy the machine was (load average at
 the start and end, threads used) and warns when other processes competed for the CPU: the
@@ -14,18 +13,15 @@ phase times of the levels are then not comparable.
 
 from __future__ import annotations
 
-import copy
 import html
-import os
 
 import ipywidgets as w
 import pandas as pd
 import plotly.graph_objects as go
 import torch
 
-from mpnb.core.dtype_names import parse_half_dtype, short_name
-from mpnb.core.precision_configs import BASELINE, DEFAULT_CONFIGS, PRECISION_CONFIGS, get_config
-from mpnb.lab.stats import torch_threads
+from mpnb.core.dtype_names import short_name
+from mpnb.core.precision_configs import DEFAULT_CONFIGS, PRECISION_CONFIGS, get_config
 from mpnb.widgets._common import ErrorBox, FigureOutput, hardware_html
 from mpnb.widgets._compare_views import MEMORY_ROLES
 
@@ -397,12 +393,9 @@ class ProfileWidget(w.VBox):
                 "retrace: this widget was built without the model; use "
                 "mpnb.widgets.profile(model, inputs) to trace other configurations."
             )
-        from mpnb.lab.profiling import _default_loss
-
         self.precision = mpnb.lab.trace_precision(
-            model, x, config or self.precision_config.value, loss_fn=loss_fn or _default_loss,
-            half_dtype=half,
-        )  # fmt: skip
+            model, x, config or self.precision_config.value, loss_fn=loss_fn, half_dtype=half
+        )
         self._show_precision_trace()
 
     def _show_precision_trace(self) -> None:
@@ -443,43 +436,11 @@ def _precision_of(summary) -> str:
     return f"{summary.device}; {what}"
 
 
-def _memory_frame(model, x, loss_fn, opt_levels, half_dtype, optimizer, lr, device):
-    import mpnb.lab
-    from mpnb.lab import workloads
-    from mpnb.lab._data import batch_len
-    from mpnb.lab.profiling import _default_loss
-
-    fn = loss_fn or _default_loss  # mpnb.lab.profile's default
-    n = batch_len(x)
-    # one batch, replayed: a dict is its own input (model(**x)), a tuple is model(*x)
-    batch = x if isinstance(x, dict) else (x, torch.zeros(n))
-    wl = workloads.custom(
-        lambda: copy.deepcopy(model),
-        iter([batch]),
-        lambda out, _target: fn(out),
-        lr=lr,
-        batch_size=n,
-        steps=3,
-        name="profiled model",
-    )
-    levels = tuple(dict.fromkeys((BASELINE, *opt_levels)))  # compare needs its baseline
-    df = mpnb.lab.compare(
-        wl,
-        configs=levels,
-        half_dtype=half_dtype,
-        steps=3,
-        optimizer=optimizer,
-        device=device,
-        progress=False,
-    )
-    return df[df["opt_level"].isin(opt_levels)].reset_index(drop=True)
-
-
 class _Progress:
     """A progress bar shown in the notebook while :func:`profile` measures (closed after)."""
 
-    def __init__(self, total: int):
-        self.bar = w.IntProgress(value=0, min=0, max=total, description="profiling")
+    def __init__(self):
+        self.bar = w.IntProgress(value=0, min=0, max=1, description="profiling")
         self.label = w.Label("starting...")
         self.box = w.HBox([self.bar, self.label])
         try:
@@ -491,8 +452,10 @@ class _Progress:
         except ImportError:  # no IPython: nothing to show the bar in
             pass
 
-    def __call__(self, what: str, done: int) -> None:
-        self.bar.value, self.label.value = done, what
+    def __call__(self, what: str | None, done: int, total: int) -> None:
+        """:func:`mpnb.lab.profile`'s ``on_progress``."""
+        self.bar.max, self.bar.value = total, done
+        self.label.value = f"profiling {what}" if what else "profiled"
 
     def close(self) -> None:
         self.box.close()
@@ -530,82 +493,43 @@ def profile(
         precision: the configuration :func:`mpnb.lab.trace_precision` traces for the
             Precision tab (``"auto"``: the first half level profiled; None: not traced).
 
-    A progress bar shows while it measures (in a notebook).
+    A progress bar shows while it measures (in a notebook). Everything is measured by that one
+    :func:`mpnb.lab.profile` call (its ``memory``, ``trace``, ``precision`` and ``threads``).
 
     Example::
 
         >>> mpnb.widgets.profile(model, torch.randn(64, 784), opt_levels=("O0", "O2"))
     """
     import mpnb.lab
-    from mpnb.lab.config import half_name, resolve_device
 
-    if threads is not None and threads > (os.cpu_count() or 1):
-        import warnings
-
-        warnings.warn(
-            f"profile: threads={threads} is more than this machine's {os.cpu_count()} CPUs: "
-            "threads will wait for each other and the times mislead; use at most that many.",
-            stacklevel=2,
-        )
-    p = next(model.parameters(), None)
-    dev = resolve_device(device or (p.device if p is not None else "cpu"))
-    half = half_name(half_dtype, dev)
-    levels = tuple(opt_levels)
-    if precision == "auto":
-        precision = next((lv for lv in levels if lv != BASELINE), None)
-    extras = int(memory) + int(trace) + int(precision is not None)
-    bar = _Progress(len(levels) + extras)
+    bar = _Progress()
     try:
-        with torch_threads(threads):
-            result = mpnb.lab.profile(
-                model, example_inputs, loss_fn, levels, half, optimizer, lr, steps, device=dev,
-                on_progress=lambda lv, i, n: bar(f"profiling {lv}" if lv else "profiled", i),
-            )  # fmt: skip
-            extra = _extras(
-                model, example_inputs, loss_fn, levels, half, optimizer, lr, dev, memory, trace,
-                precision, lambda what, i: bar(what, len(levels) + i),
-            )  # fmt: skip
+        result = mpnb.lab.profile(
+            model,
+            example_inputs,
+            loss_fn,
+            opt_levels,
+            half_dtype,
+            optimizer,
+            lr,
+            steps,
+            device=device,
+            on_progress=bar,
+            memory=memory,
+            trace=trace,
+            precision=precision,
+            threads=threads,
+        )
     finally:
         bar.close()
-    mem, tr, prec, errors = extra
     return ProfileWidget(
-        result, mem, tr, device=dev, errors=errors, precision=prec, model=model,
-        example_inputs=example_inputs, loss_fn=loss_fn, half_dtype=parse_half_dtype(half),
-    )  # fmt: skip
-
-
-def _extras(model, x, loss_fn, levels, half, optimizer, lr, dev, memory, trace, precision, step):
-    import mpnb.lab
-    from mpnb.lab.profiling import _default_loss
-
-    # Every extra reads the model's output as mpnb.lab.profile does (any output form: tensor,
-    # tuple, dict, dataclass, ModelOutput), not by its own default.
-    loss_fn = loss_fn or _default_loss
-
-    errors, mem, tr, prec, done = {}, None, None, None, 0
-    if memory:
-        step("memory (3 tracked steps per level)", done)
-        try:
-            mem = _memory_frame(model, x, loss_fn, levels, half, optimizer, lr, dev)
-            for r in mem.itertuples():
-                if r.error:
-                    errors[f"memory ({r.configuration})"] = r.error
-        except Exception as e:  # noqa: BLE001 - shown in the widget
-            errors["memory"] = f"{type(e).__name__}: {e}"
-        done += 1
-    if trace:
-        step("overflow tracer", done)
-        try:
-            tr = mpnb.lab.trace_overflow(model, x, loss_fn, dtype=parse_half_dtype(half))
-        except Exception as e:  # noqa: BLE001 - shown in the widget
-            errors["overflow tracer"] = f"{type(e).__name__}: {e}"
-        done += 1
-    if precision is not None:
-        step(f"precision trace ({precision})", done)
-        try:
-            prec = mpnb.lab.trace_precision(
-                model, x, precision, loss_fn=loss_fn, half_dtype=parse_half_dtype(half)
-            )
-        except Exception as e:  # noqa: BLE001 - shown in the widget
-            errors["precision trace"] = f"{type(e).__name__}: {e}"
-    return mem, tr, prec, errors
+        result,
+        result.memory,
+        result.overflow,
+        device=result.device,
+        precision=result.precision,
+        model=model,
+        example_inputs=example_inputs,
+        loss_fn=loss_fn,
+        half_dtype=result.half_dtype,
+    )

@@ -1,11 +1,13 @@
-"""``ScalerExplorer``: gradients against the fp16/bf16 ranges, and a dynamic scaler to step.
+"""``ScalerExplorer``: gradients against the fp16/bf16 ranges, and a real loss scaler to step.
 
 The view shows a histogram of ``log2|g|`` of a model's gradients, shifted by the chosen loss
 scale, over the bands fp16 and bf16 can represent, with the fractions that would underflow to
-zero or overflow to inf. Stepping runs mpnb's own scaler update
-(:func:`mpnb.core.ops.update_scale_hysteresis`, the rule :class:`mpnb.amp.LossScaler` uses) on
-the overflow flag that :func:`mpnb.core.ops.multi_tensor_check_finite` raises for the scaled,
-half-cast gradients: growth after ``growth_interval`` clean steps, backoff on inf/NaN.
+zero or overflow to inf. Stepping runs a real :class:`mpnb.amp.LossScaler`, built from a
+:class:`mpnb.amp.LossScaleRule` of the controls' values (validated by that rule, so the
+controls accept exactly what amp accepts): each step unscales the scaled, half-cast gradients
+with the scaler (which flags inf/NaN) and applies :meth:`~mpnb.amp.LossScaler.update`, the
+rule amp applies: growth after ``growth_interval`` clean steps, backoff on inf/NaN, the clamp
+to ``[floor, max_scale]``.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import plotly.graph_objects as go
 import torch
 import traitlets as t
 
-from mpnb.core.ops import multi_tensor_check_finite, update_scale_hysteresis
+from mpnb.core.amp import LossScaler, LossScaleRule
 from mpnb.widgets._common import ErrorBox, FigureOutput, half_status_label
 
 __all__ = ["ScalerExplorer", "format_range"]
@@ -75,9 +77,9 @@ class ScalerExplorer(w.VBox):
             a tensor, or an iterable of tensors: the *unscaled* gradients.
         init_scale: the loss scale to start from (the slider is in powers of two).
         growth_factor, backoff_factor, growth_interval: the dynamic scaler's parameters
-            (``torch.amp.GradScaler``'s names).
+            (``torch.amp.GradScaler``'s names; the :class:`~mpnb.amp.LossScaleRule`'s fields).
         dtype: ``"fp16"`` or ``"bf16"``, the half dtype the gradients are cast to.
-        max_scale: the scale never grows past this (Apex's ``max_loss_scale``).
+        max_scale: the scale never grows past this (the rule's ``max_loss_scale``).
 
     The charts are whole figures in ``Output`` s (:class:`~mpnb.widgets._common.FigureOutput`):
     they render after Run All and after a page reload, with the bands and history the kernel
@@ -86,6 +88,8 @@ class ScalerExplorer(w.VBox):
     Attributes:
         hist_fig, timeline_fig: the plotly figures (tests read them); hist_view,
             timeline_view: the ``Output`` s that show them.
+        scaler: the :class:`~mpnb.amp.LossScaler` that :meth:`step` steps (a new one on
+            :meth:`reset`).
 
     Example::
 
@@ -177,15 +181,42 @@ class ScalerExplorer(w.VBox):
         )
         self.validate()
 
+    def _fields(self) -> dict:
+        """The rule's fields the controls set (the scale itself comes from the slider)."""
+        return dict(
+            growth_factor=self.growth.value,
+            backoff_factor=self.backoff.value,
+            growth_interval=self.interval.value,
+        )
+
+    def rule(self) -> LossScaleRule:
+        """The :class:`~mpnb.amp.LossScaleRule` of the controls (ValueError if one is bad).
+
+        Hysteresis 1 (PyTorch's GradScaler rule), ``max_scale`` as ``max_loss_scale``, and no
+        collapse error: a simulation may sit at the floor as long as you like.
+        """
+        return self._base_rule().replace(**self._fields())
+
+    def _base_rule(self) -> LossScaleRule:
+        return LossScaleRule(
+            init_scale=self._init_scale, max_loss_scale=self.max_scale, max_skips_at_min=None
+        )
+
     def input_errors(self) -> list[str]:
-        """What is wrong with the scaler controls now (empty: all valid)."""
-        errs = []
-        if not self.growth.value > 1.0:
-            errs.append(f"growth {self.growth.value:g}: must be above 1 (2 is the usual)")
-        if not 0.0 < self.backoff.value < 1.0:
-            errs.append(f"backoff {self.backoff.value:g}: must be between 0 and 1 (0.5 usual)")
-        if self.interval.value < 1:
-            errs.append(f"interval {self.interval.value}: need at least 1 clean step")
+        """What is wrong with the scaler controls now (empty: all valid).
+
+        The loss-scale fields are checked by :class:`~mpnb.amp.LossScaleRule` itself
+        (:meth:`~mpnb.amp.LossScaleRule.field_errors`), so they accept what amp accepts.
+        """
+        labels = {
+            "growth_factor": "growth",
+            "backoff_factor": "backoff",
+            "growth_interval": "interval",
+        }
+        errs = [
+            f"{labels[k]}: {msg.rstrip('.')}"
+            for k, msg in LossScaleRule.field_errors(**self._fields()).items()
+        ]
         if self.n_steps.value < 1:
             errs.append(f"steps {self.n_steps.value}: need at least 1")
         return errs
@@ -262,52 +293,45 @@ class ScalerExplorer(w.VBox):
         return {"underflow": under, "overflow": over, "zero_before": self._zero_frac}
 
     def reset(self) -> None:
-        """Back to the initial scale with empty counters and history."""
-        self._scale_t = torch.full((1,), float(self._init_scale), dtype=torch.float32)
-        self._growth_t = torch.zeros(1, dtype=torch.int32)
-        self._hyst_t = torch.ones(1, dtype=torch.int32)
-        self.scale = float(self._init_scale)
+        """Back to the initial scale with a new scaler and an empty history."""
+        self.scaler = LossScaler(self._base_rule())  # step() applies the controls' rule
+        self.scale = self.scaler.loss_scale()
         self.history = []
 
     def step(self, n: int = 1, force_inf: bool = False) -> list[dict]:
-        """Run ``n`` simulated optimizer steps of the dynamic scaler; returns the new entries.
+        """Run ``n`` steps of :attr:`scaler`; returns the new history entries.
 
         Each entry is ``{"step", "scale" (the scale the step used), "skipped", "next_scale"}``.
 
-        Each step casts the scaled extreme gradients to the half dtype, checks them for inf/NaN
-        with ``multi_tensor_check_finite`` and applies ``update_scale_hysteresis`` (hysteresis
-        1: PyTorch's GradScaler rule), clamped to ``max_scale``. ``force_inf`` simulates a batch
-        whose gradients are non-finite whatever the scale.
+        Each step casts the scaled extreme gradients to the half dtype, unscales them with
+        :meth:`LossScaler.unscale` (which flags inf/NaN, as in amp) and applies
+        :meth:`LossScaler.update` with the controls' :meth:`rule`. A scale set with the slider
+        since the last step is loaded into the scaler first (clamped by the rule, as a
+        checkpoint's would be). ``force_inf`` simulates a batch whose gradients are non-finite
+        whatever the scale.
         """
         if not self.validate():
             raise ValueError("; ".join(self.input_errors()) + " (fix it beside the control)")
-        self._scale_t.fill_(self.scale)  # the slider may have moved since the last step
+        s = self.scaler
+        s.rule = self.rule()  # the controls may have changed since the last step
+        if self.scale != s.loss_scale():  # the slider moved: the scaler starts from there
+            s.load_state_dict({**s.state_dict(), "loss_scale": float(self.scale)})
+        half = _DTYPES[self.dtype]
         new = []
         for _ in range(int(n)):
-            found = torch.zeros(1, dtype=torch.float32)
-            scaled = (self._extremes * self._scale_t).to(_DTYPES[self.dtype])
+            s.clear_overflow()
+            scaled = (self._extremes * s.scale).to(half)
             if force_inf:
                 scaled = scaled.clone().fill_(float("inf"))
-            multi_tensor_check_finite(found, [scaled])
-            used = float(self._scale_t.item())
-            update_scale_hysteresis(
-                self._scale_t,
-                self._growth_t,
-                self._hyst_t,
-                found,
-                self.growth.value,
-                self.backoff.value,
-                self.interval.value,
-                1,
-            )
-            self._scale_t.clamp_(max=self.max_scale)
-            nxt = float(self._scale_t.item())
+            used = s.loss_scale()
+            s.unscale([scaled], [torch.empty_like(scaled, dtype=torch.float32)])
+            s.update()
             new.append(
                 {
                     "step": len(self.history) + len(new) + 1,
                     "scale": used,
-                    "skipped": bool(found.item() > 0),
-                    "next_scale": nxt,
+                    "skipped": bool(s.found_inf.item() > 0),
+                    "next_scale": s.loss_scale(),
                 }
             )
         self.history = [*self.history, *new]

@@ -231,7 +231,7 @@ def test_scaler_controls_refuse_bad_values_beside_them_and_follow_the_mode():
     assert not any(c.disabled for c in dynamic) and cw.static_scale.disabled
     for control, bad, key in (
         (cw.growth_factor, 0.1, "growth_factor"),
-        (cw.growth_factor, 1.0, "growth_factor"),
+        (cw.backoff_factor, 0.0, "backoff_factor"),
         (cw.backoff_factor, 1.5, "backoff_factor"),
         (cw.growth_interval, 0, "growth_interval"),
     ):

@@ -244,3 +244,25 @@ def test_memory_table_has_a_column_per_level_and_a_row_per_role(pw):
     assert list(t.columns) == ["memory at the tracked step", "O0", "O3"]
     rows = list(t["memory at the tracked step"])
     assert rows[:2] == ["precision", "peak (MiB)"] and "params (MiB)" in rows
+
+
+def test_the_widget_is_one_call_of_the_labs_profile(monkeypatch):
+    """The widget re-did the lab's orchestration (device, half dtype, a workload for the
+    memory run, the tracers); now one mpnb.lab.profile call measures all of it."""
+    calls = []
+    real = mpnb.lab.profile
+
+    def recorded(*args, **kw):
+        calls.append(kw)
+        result = real(*args, **kw)
+        calls.append(result)
+        return result
+
+    monkeypatch.setattr(mpnb.lab, "profile", recorded)
+    x = torch.randn(8, 16)
+    pw = mpnb.widgets.profile(_model(), x, opt_levels=("O0", "O1"), half_dtype="bf16", threads=1)
+    kw, result = calls
+    assert (kw["memory"], kw["trace"], kw["precision"], kw["threads"]) == (True, True, "auto", 1)
+    assert pw.result is result and pw.memory is result.memory and pw.trace is result.overflow
+    assert pw.precision is result.precision and result.precision.summary.config == "O1"
+    assert list(result.memory.opt_level) == ["O0", "O1"] and result.half_dtype == torch.bfloat16

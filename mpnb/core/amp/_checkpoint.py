@@ -28,6 +28,8 @@ from collections.abc import Mapping
 
 import torch
 
+from mpnb.core.amp.seam import MASTERS_KEY
+
 __all__ = [
     "MASTERS_KEY",
     "LossScaleStateWarning",
@@ -39,7 +41,6 @@ __all__ = [
     "warn_kept_scales",
 ]
 
-MASTERS_KEY = "mpnb_amp_masters"
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -86,7 +87,7 @@ def take_masters(strategy, optimizer, state_dict: dict) -> tuple[dict, dict[int,
         found = dict(saved)
     elif saved is not None:
         raise _bad(f"state_dict[{MASTERS_KEY!r}] is a {type(saved).__name__}, not a dict")
-    keeps_own = getattr(strategy, "internal_masters", False)
+    keeps_own = strategy.internal_masters
     state = state_dict.get("state", {})
     for k, v in state.items():
         if isinstance(v, Mapping) and "master_param" in v:
@@ -136,7 +137,7 @@ def apply_masters(strategy, optimizer, found: dict[int, torch.Tensor]) -> list:
     for i, t in found.items():
         p = params[i]
         value = t.detach().to(device=p.device, dtype=torch.float32).reshape(p.shape)
-        if getattr(strategy, "internal_masters", False) and p.dtype in _HALF:
+        if strategy.internal_masters and p.dtype in _HALF:
             optimizer._mpnb_set_master(p, value)
             p.copy_(value)
         elif p.dtype == torch.float32:

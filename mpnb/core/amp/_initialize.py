@@ -2,21 +2,20 @@
 
 from __future__ import annotations
 
-import math
 import warnings
-from numbers import Real
 
 import torch
 
-from mpnb.core.amp._config import LossScaleRule, parse_loss_scale
 from mpnb.core.amp._model import AutocastForward, CastForward, cast_model, check_model, model_device
 from mpnb.core.amp._properties import Properties, format_properties, resolve_properties
+from mpnb.core.amp._rule import LossScaleRule
 from mpnb.core.amp._state import AmpOptimizerState, AmpStash
 from mpnb.core.amp._strategies import choose_strategy
 from mpnb.core.amp.casts import default_registry
 from mpnb.core.amp.frontend import set_current_handle
 from mpnb.core.amp.handle import AmpHandle, Fp32StateDict
 from mpnb.core.amp.scaler import LossScaler
+from mpnb.core.amp.seam import amp_stash, bind, inner_optimizer
 from mpnb.core.hardware import cuda_info, dtype_support, half_support
 
 __all__ = ["initialize", "EmulatedHalfWarning", "PrecisionRecastWarning", "HardwareCheck"]
@@ -70,18 +69,11 @@ class HardwareCheck:
             )
 
 
-def _wrapped(obj):
-    """The torch optimizer inside a wrapper such as :class:`~mpnb.parallel.LARC` (``.optim``),
-    or None: amp attaches to it, and the wrapper's ``step()`` runs it after its own work."""
-    inner = getattr(obj, "optim", None)
-    return inner if isinstance(inner, torch.optim.Optimizer) else None
-
-
 def _as_list(obj, kind: type, what: str) -> tuple[list, bool]:
     was_list = isinstance(obj, (list, tuple))
     items = list(obj) if was_list else [obj]
     for x in items:
-        if kind is torch.optim.Optimizer and _wrapped(x) is not None:
+        if kind is torch.optim.Optimizer and inner_optimizer(x) is not None:
             continue
         if not isinstance(x, kind):
             raise TypeError(
@@ -91,43 +83,12 @@ def _as_list(obj, kind: type, what: str) -> tuple[list, bool]:
     return items, was_list
 
 
-def _bound(name: str, value) -> float | None:
-    if value is None:
-        return None
-    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value <= 0:
-        raise ValueError(
-            f"amp.initialize: {name}={value!r} is invalid; pass a positive finite number "
-            "(or None for the default)."
-        )
-    return float(value)
-
-
-def _scale_rule(loss_scale, min_loss_scale, max_loss_scale) -> float | LossScaleRule:
-    """The scalers' static scale or dynamic rule, from ``loss_scale`` and the two bounds."""
-    low, high = _bound("min_loss_scale", min_loss_scale), _bound("max_loss_scale", max_loss_scale)
+def _bounded(rule: LossScaleRule, min_loss_scale, max_loss_scale) -> LossScaleRule:
+    """``rule`` with Apex's ``min_loss_scale``/``max_loss_scale`` arguments applied."""
     try:
-        parsed = parse_loss_scale(loss_scale)
+        return rule.with_bounds(min_loss_scale, max_loss_scale)
     except ValueError as e:
-        raise ValueError(f"amp.initialize: {e}") from None
-    if isinstance(parsed, float):
-        return parsed
-    rule, default = parsed or LossScaleRule(), LossScaleRule()
-    changes = {}
-    for key, value in (("min_loss_scale", low), ("max_loss_scale", high)):
-        mine = getattr(rule, key)
-        if value is None:
-            continue
-        if mine != getattr(default, key) and mine != value:
-            raise ValueError(
-                f"amp.initialize: {key}={value!r} conflicts with the loss_scale rule's "
-                f"{key}={mine!r}; pass it in one place."
-            )
-        changes[key] = value
-    try:
-        return rule.replace(**changes)
-    except ValueError as e:
-        raise ValueError(str(e).replace("LossScaleRule", "amp.initialize")) from None
+        raise ValueError(str(e).replace("LossScaleRule", "amp.initialize", 1)) from None
 
 
 def initialize(
@@ -202,13 +163,15 @@ def initialize(
                 "amp.initialize once per model (build a fresh model to change level)."
             )
     for o in opt_list:
-        if hasattr(o, "_amp_stash"):
+        if amp_stash(o) is not None:
             raise ValueError(
                 "amp.initialize: this optimizer was already initialized; pass it once."
             )
     device = model_device(model_list[0]) if model_list else torch.device("cpu")
     if half_dtype is None and (cast_model_type is False or cast_model_type == "False"):
         half_dtype = _models_half_dtype(model_list)  # the half dtype the model already has
+    # The one parse of loss_scale; the rule travels unchanged to the scalers.
+    rule = LossScaleRule.parse(loss_scale, owner="amp.initialize")
     props = resolve_properties(
         opt_level,
         device,
@@ -217,23 +180,22 @@ def initialize(
         patch_torch_functions=patch_torch_functions,
         keep_batchnorm_fp32=keep_batchnorm_fp32,
         master_weights=master_weights,
-        loss_scale=loss_scale,
+        loss_scale=rule,
         cast_model_outputs=cast_model_outputs,
         half_dtype=half_dtype,
     )
-    rule = _scale_rule(
-        props.loss_scale if loss_scale is None else loss_scale, min_loss_scale, max_loss_scale
-    )
+    # No loss_scale given: the opt level's default, which Properties spells as Apex does.
+    rule = _bounded(rule or LossScaleRule.parse(props.loss_scale), min_loss_scale, max_loss_scale)
+    bindings = [None] * len(opt_list)
     if props.enabled:
         for m in model_list:
             check_model(m)
-        for o in opt_list if props.master_weights else ():
-            o = _wrapped(o) or o
-            if hasattr(o, "_mpnb_check_master_weights"):  # refuses before the model changes
-                o._mpnb_check_master_weights()
+        # amp binds each optimizer (the inner one of a LARC) once, before the model changes
+        bindings = [bind(inner_optimizer(o) or o, props.master_weights) for o in opt_list]
     if verbosity:
         print(format_properties(props))
-    handle = _build(props, rule, model_list, opt_list, device, num_losses)
+    optimizers_bound = list(zip(opt_list, bindings, strict=True))
+    handle = _build(props, rule, model_list, optimizers_bound, device, num_losses)
     set_current_handle(handle)
     models_out = model_list if models_was_list else model_list[0]
     if optimizers is None:
@@ -251,7 +213,8 @@ def _uses_half(props: Properties) -> bool:
     return props.patch_torch_functions or props.cast_model_type in _HALF
 
 
-def _build(props, rule, model_list, opt_list, device, num_losses) -> AmpHandle:
+def _build(props, rule, model_list, optimizers, device, num_losses) -> AmpHandle:
+    """The handle: scalers, cast models, and each ``(optimizer, binding)`` served by amp."""
     half = props.half_dtype if props.enabled and _uses_half(props) else None
     scalers = [LossScaler(rule, device=device, half_dtype=half) for _ in range(num_losses)]
     handle = AmpHandle(props, scalers)
@@ -271,11 +234,12 @@ def _build(props, rule, model_list, opt_list, device, num_losses) -> AmpHandle:
                 PrecisionRecastWarning,
                 stacklevel=3,
             )
-    for o in opt_list:
+    for o, binding in optimizers:
         st = None
-        inner = _wrapped(o) or o  # LARC: amp's hooks go on the optimizer it wraps
+        inner = inner_optimizer(o) or o  # LARC: amp's hooks go on the optimizer it wraps
         if props.enabled:
-            st = AmpOptimizerState(inner, choose_strategy(inner, props.master_weights), handle)
+            strategy = choose_strategy(inner, props.master_weights, binding)
+            st = AmpOptimizerState(inner, strategy, handle)
             handle.opt_states.append(st)
         o._amp_stash = AmpStash(st, handle)
         o._lazy_init_maybe_master_weights = o._amp_stash.lazy_init_maybe_master_weights  # Apex's

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpnb.core.amp._config import HALF_DTYPES, LossScaleRule, parse_loss_scale
+from mpnb.core.amp._config import HALF_DTYPES, LossScaleRule
 from mpnb.core.hardware import default_half_dtype
 from mpnb.core.opt_levels import OPT_LEVEL_DESCRIPTIONS, parse_opt_level
 
@@ -117,14 +117,9 @@ def _bool(name: str, value) -> bool:
 
 
 def _loss_scale(value) -> float | str:
-    from mpnb.core.amp.scaler import check_scale_range
-
-    try:
-        parsed = parse_loss_scale(value)
-        check_scale_range(parsed)
-    except ValueError as e:
-        raise ValueError(f"amp.initialize: {e}") from None
-    return "dynamic" if isinstance(parsed, LossScaleRule) else parsed
+    """Apex's view of the rule: ``"dynamic"`` or the static scale (a rule passes through the
+    parse unchanged; another value is parsed here, for a direct caller)."""
+    return LossScaleRule.parse(value, owner="amp.initialize").apex_value
 
 
 def _outputs(value) -> torch.dtype | None:

@@ -72,6 +72,10 @@ class AmpOptimizerState:
         state: the current :class:`OptState`.
         flags: the overflow flags of this step's unscaled blocks (device tensors).
         scalers: the :class:`~mpnb.core.amp.LossScaler` of each block of this step.
+        deferred: the scaler of this step's one block whose grads wait, still scaled, for a
+            fused optimizer's ``step()`` to unscale them (:class:`~mpnb.core.amp._strategies.
+            FusedSeam`); None otherwise. Anything that needs those grads first calls
+            :meth:`unscale_deferred`.
         host_syncs: device-to-host reads so far (one per step that amp took part in).
     """
 
@@ -82,6 +86,7 @@ class AmpOptimizerState:
         self.state = OptState.READY
         self.flags: list[torch.Tensor] = []
         self.scalers: list[LossScaler] = []
+        self.deferred: LossScaler | None = None
         self.host_syncs = 0
         self.carried: list = []  # fp32 values a checkpoint put into fp32 params (O0/O1/O3)
         self.followed = False  # the masters re-read the model at the first step
@@ -146,9 +151,10 @@ class AmpOptimizerState:
             self.state = OptState.READY
 
     def unscale_deferred(self) -> None:
-        """Unscale grads left scaled for a fused optimizer's step (to read or clip them)."""
-        if getattr(self.strategy, "deferred", None) is not None:
-            self.strategy.materialize(self)
+        """Unscale grads left scaled for a fused optimizer's step (to read or clip them, or
+        before another block that would disturb them); the step then only reads the flag."""
+        if self.deferred is not None:
+            self.strategy.unscale_deferred(self)
 
     def _use(self, scaler: LossScaler) -> None:
         if scaler not in self.scalers:

@@ -5,10 +5,10 @@
 * :class:`MasterWeights` (O2 with an optimizer that keeps no masters of its own): amp places fp32
   masters in ``optimizer.param_groups``; a block's end unscales the half model grads into fp32
   master grads, and a step ends by copying the masters back into the model.
-* :class:`FusedSeam` (an optimizer with ``_mpnb_accepts_scale``, e.g. ``mpnb.optimizers``):
-  the grads stay scaled and the optimizer's ``step()`` unscales, checks and updates in one pass
-  (:meth:`~mpnb.core.optimizers.FusedAdam._mpnb_set_scale`). Under O2 such an optimizer keeps
-  the fp32 masters itself.
+* :class:`FusedSeam` (an optimizer that implements :class:`~mpnb.core.amp.seam.FusedOptimizer`,
+  e.g. ``mpnb.optimizers``): the grads stay scaled and the optimizer's ``step()`` unscales,
+  checks and updates in one pass. Under O2 such an optimizer keeps the fp32 masters itself
+  when it offers them.
 
 Each strategy works on lists built once (again only when ``add_param_group`` adds a group): a
 step makes one multi-tensor call per dtype group, and its Python work per parameter is reading
@@ -23,6 +23,7 @@ import torch
 from mpnb.core.amp._grads import Grads, Masters
 from mpnb.core.amp._skip import drop_grads, is_torch_optim, snapshot
 from mpnb.core.amp.scaler import LossScaler, warn_static_overflow
+from mpnb.core.amp.seam import Binding, bind
 
 __all__ = ["Strategy", "InPlaceUnscale", "MasterWeights", "FusedSeam", "choose_strategy"]
 
@@ -38,6 +39,7 @@ class Strategy:
     """
 
     name = "in-place"
+    internal_masters = False  # the optimizer keeps the fp32 masters itself (FusedSeam, O2)
 
     def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool):
         self.own = Grads()
@@ -142,24 +144,27 @@ class MasterWeights(Strategy):
 class FusedSeam(Strategy):
     """The optimizer unscales, checks and skips inside its own ``step()``.
 
-    A step with one block leaves the grads scaled and hands ``(inv_scale, found_inf)`` to the
-    optimizer (``optimizer._mpnb_set_scale``); the scale update and the step's one host read
-    follow the step. A step with several blocks (several ``loss_id``s, accumulation, or
-    another optimizer's block on the same scaler) unscales each block in place as
+    A step with one block leaves the grads scaled (``st.deferred`` holds its scaler) and hands
+    ``(inv_scale, found_inf)`` to the optimizer (:meth:`FusedOptimizer._mpnb_set_scale
+    <mpnb.core.amp.seam.FusedOptimizer._mpnb_set_scale>`); the scale update and the step's one
+    host read follow the step. A step with several blocks (several ``loss_id``s, accumulation,
+    or another optimizer's block on the same scaler) unscales each block in place as
     :class:`InPlaceUnscale` does and hands the optimizer a scale of 1 with the combined flag.
-    Under O2 an optimizer with ``_mpnb_use_master_weights()`` keeps the fp32 masters itself;
-    one without it gets amp's masters (unscaled into, as :class:`MasterWeights`).
+    Under O2 an optimizer that offers its own masters keeps them; one without gets amp's
+    masters (unscaled into, as :class:`MasterWeights`).
+
+    Args:
+        optimizer: the optimizer, already checked by :func:`~mpnb.core.amp.seam.bind`.
+        binding: what that check found.
     """
 
     name = "fused-seam"
 
-    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool):
-        internal = master_weights and hasattr(optimizer, "_mpnb_use_master_weights")
-        if internal:
+    def __init__(self, optimizer: torch.optim.Optimizer, master_weights: bool, binding: Binding):
+        if binding.own_masters:
             optimizer._mpnb_use_master_weights()
-        super().__init__(optimizer, master_weights and not internal)
-        self.internal_masters = internal
-        self.deferred: LossScaler | None = None
+        super().__init__(optimizer, master_weights and not binding.own_masters)
+        self.internal_masters = binding.own_masters
         self._flag: torch.Tensor | None = None
         dev = next((p.device for g in optimizer.param_groups for p in g["params"]), None)
         self._one = torch.ones(1, dtype=torch.float32, device=dev)
@@ -180,46 +185,36 @@ class FusedSeam(Strategy):
             elif m is not None and not torch.equal(m.to(p.dtype), p):
                 m.copy_(p)
 
-    def before_backward(self, st, keep_scaled: bool) -> None:
-        """A block starts; grads still waiting, scaled, from an earlier block are unscaled."""
-        if self.deferred is not None:  # a second block this step: no more deferring
-            self.materialize(st)
-        super().before_backward(st, keep_scaled)
-
     def unscale(self, st, scaler: LossScaler, alone: bool) -> bool:
         """Leave a step's single block scaled for the optimizer (False), else unscale now."""
-        if alone and self.masters is None and not st.flags and self.deferred is None:
-            self.deferred = scaler
-            st.handle.defer(st)
+        if alone and self.masters is None and not st.flags and st.deferred is None:
+            st.deferred = scaler
             return False
         return super().unscale(st, scaler, alone)
 
-    def materialize(self, st) -> None:
-        """Another block is coming: unscale the deferred grads in place now."""
-        s, self.deferred = self.deferred, None
-        st.handle.undefer(st)
+    def unscale_deferred(self, st) -> None:
+        """The grads ``st.deferred`` left scaled are needed now (another block is coming, or
+        the user reads them): unscale them in place, update that scale, keep its flag."""
+        s, st.deferred = st.deferred, None
         self.own.unscale(s)
         s.update()
         st.flags.append(s.found_inf)
 
     def pre_step(self, st, optimizer) -> None:
         """Hand the optimizer the scale to undo (1 if already unscaled) and the flag."""
-        if self.deferred is not None:
-            inv, flag = self.deferred.inv_scale, self.deferred.found_inf
+        if st.deferred is not None:
+            inv, flag = st.deferred.inv_scale, st.deferred.found_inf
         else:
             inv = self._one
             flag = st.flags[0] if len(st.flags) == 1 else torch.cat(st.flags).amax(0, True)
         self._flag = flag
-        if any(s.dynamic for s in st.scalers):
-            optimizer._mpnb_set_scale(inv, flag)
-        else:  # a static scale: the optimizer flags inf/NaN but steps anyway (Apex)
-            optimizer._mpnb_set_scale(inv, flag, skip=False)
+        # a static scale: the optimizer flags inf/NaN but steps anyway (Apex)
+        optimizer._mpnb_set_scale(inv, flag, skip=any(s.dynamic for s in st.scalers))
 
     def post_step(self, st, optimizer) -> None:
         """The deferred scale update, then the step's one host read."""
-        if self.deferred is not None:
-            s, self.deferred = self.deferred, None
-            st.handle.undefer(st)
+        if st.deferred is not None:
+            s, st.deferred = st.deferred, None
             s.update()
         vals = torch.cat([self._flag, *(s.scale for s in st.scalers)]).tolist()
         st.host_syncs += 1
@@ -231,14 +226,22 @@ class FusedSeam(Strategy):
             self.masters.release_grads()
 
 
-def choose_strategy(optimizer: torch.optim.Optimizer, master_weights: bool) -> Strategy:
+def choose_strategy(
+    optimizer: torch.optim.Optimizer, master_weights: bool, binding: Binding | None = None
+) -> Strategy:
     """The strategy for ``optimizer``: the fused seam if it has one, else masters or in place.
+
+    Args:
+        optimizer: the optimizer amp serves.
+        master_weights: O2's fp32 masters.
+        binding: what :func:`~mpnb.core.amp.seam.bind` found (None: bind it now).
 
     Example::
 
         >>> choose_strategy(torch.optim.SGD(model.parameters(), lr=0.1), True).name
         'master-weights'
     """
-    if getattr(optimizer, "_mpnb_accepts_scale", False):
-        return FusedSeam(optimizer, master_weights)
+    binding = binding or bind(optimizer, master_weights)
+    if binding.fused_unscale:
+        return FusedSeam(optimizer, master_weights, binding)
     return MasterWeights(optimizer) if master_weights else InPlaceUnscale(optimizer)

@@ -17,6 +17,7 @@ from collections.abc import Iterator
 import torch
 
 from mpnb.core.amp.handle import AmpHandle, _ScaleLossBlock
+from mpnb.core.amp.seam import amp_stash, inner_optimizer
 
 __all__ = [
     "scale_loss",
@@ -78,10 +79,10 @@ def current_handle() -> AmpHandle:
 
 
 def _stash_of(optimizer):
-    wrapper = isinstance(getattr(optimizer, "optim", None), torch.optim.Optimizer)  # LARC
+    wrapper = inner_optimizer(optimizer) is not None  # LARC
     if not (isinstance(optimizer, torch.optim.Optimizer) or wrapper):
         raise TypeError(f"amp: expected a torch.optim.Optimizer, got {type(optimizer).__name__}.")
-    stash = getattr(optimizer, "_amp_stash", None)
+    stash = amp_stash(optimizer)
     if not isinstance(getattr(stash, "handle", None), AmpHandle):
         raise ValueError(
             "amp: this optimizer was not passed to amp.initialize; call "
@@ -146,8 +147,7 @@ def master_params(optimizer) -> Iterator[torch.nn.Parameter]:
 
         >>> torch.nn.utils.clip_grad_norm_(amp.master_params(optimizer), 1.0)
     """
-    stash = getattr(optimizer, "_amp_stash", None)
-    state = getattr(stash, "amp_state", None)
+    state = getattr(amp_stash(optimizer), "amp_state", None)
     if state is not None:
         state.unscale_deferred()
     return (p for group in optimizer.param_groups for p in group["params"])

@@ -16,6 +16,7 @@ import torch
 from mpnb.core.amp import _checkpoint
 from mpnb.core.amp._properties import Properties
 from mpnb.core.amp.scaler import LossScaler
+from mpnb.core.amp.seam import amp_stash
 
 __all__ = ["AmpHandle", "Fp32StateDict", "RoundedWeightsWarning"]
 
@@ -53,8 +54,9 @@ class _ScaleLossBlock:
         scaler = h.scalers[self.loss_id]
         for st in self.states:
             st.check_enter()
-        if h._deferred:
-            h.materialize(scaler, self.states)
+        for st in h.opt_states:  # grads waiting, scaled, that this block would disturb
+            if st.deferred is not None and (st.deferred is scaler or st in self.states):
+                st.unscale_deferred()
         for st in self.states:
             st.enter()
         scaler.clear_overflow()
@@ -110,7 +112,6 @@ class AmpHandle:
         self.opt_states: list = []
         self.hooks: list = []
         self.cast_hooks: list = []  # O1's autocast hooks (among ``hooks``)
-        self._deferred: list = []  # fused optimizers whose grads wait, scaled, for step()
         self._incoming: dict = {}  # fp32 checkpoint values for half params, during a load
         self._incoming_rounded: torch.dtype | None = None
         self._rounded_warned = False
@@ -135,7 +136,7 @@ class AmpHandle:
 
     def state_of(self, optimizer):
         """The amp state of ``optimizer`` (ValueError if it is not one of this handle's)."""
-        stash = getattr(optimizer, "_amp_stash", None)
+        stash = amp_stash(optimizer)
         if stash is None or getattr(stash, "handle", None) is not self:
             raise ValueError(
                 "amp: this optimizer was not passed to this amp.initialize; call `model, "
@@ -143,24 +144,6 @@ class AmpHandle:
                 "optimizer it returns."
             )
         return stash.amp_state
-
-    # ---- fused optimizers whose grads wait, scaled, for their step --------------------------
-
-    def defer(self, st) -> None:
-        """Record that ``st``'s grads stay scaled until its step."""
-        self._deferred.append(st)
-
-    def undefer(self, st) -> None:
-        """``st``'s deferred grads were unscaled (or stepped)."""
-        if st in self._deferred:
-            self._deferred.remove(st)
-
-    def materialize(self, scaler: LossScaler, states: list) -> None:
-        """Before a block of ``scaler`` on ``states``: unscale the deferred grads it would
-        disturb (a second block on the same optimizer or the same scaler before the step)."""
-        for st in list(self._deferred):
-            if st.strategy.deferred is scaler or st in states:
-                st.strategy.materialize(st)
 
     # ---- checkpoints -----------------------------------------------------------------------
 

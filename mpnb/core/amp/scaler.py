@@ -12,25 +12,24 @@ needs in one go and hands them to :meth:`LossScaler.note_step`.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 
 import torch
 
+from mpnb.core._numbers import positive_finite
 from mpnb.core.amp._collapse import (
     CollapseCheck,
     LossScaleCollapseError,
     StaticScaleOverflowWarning,
     warn_static_overflow,
 )
-from mpnb.core.amp._config import LossScaleRule, parse_loss_scale
+from mpnb.core.amp._rule import LossScaleRule
 from mpnb.core.ops import multi_tensor_scale, update_loss_scale_
 
 __all__ = [
     "LossScaler",
     "LossScaleCollapseError",
     "CollapseCheck",
-    "check_scale_range",
     "StaticScaleOverflowWarning",
     "warn_static_overflow",
 ]
@@ -41,49 +40,6 @@ _DISABLE = (
     "pass amp.initialize(..., min_loss_scale=...) to set the floor, or "
     "loss_scale=LossScaleRule(max_skips_at_min=None) to turn this check off"
 )
-
-
-# A scale is stored as a float32 with its float32 inverse (the unscale factor): both must be
-# finite, so the scale lies between float32's smallest normal number and its largest.
-_SCALE_RANGE = (float(torch.finfo(torch.float32).tiny), float(torch.finfo(torch.float32).max))
-
-
-def check_scale_range(value, name: str = "loss_scale") -> None:
-    """Refuse a loss scale that float32 cannot hold with a finite inverse.
-
-    ``value`` is a static scale (a number) or a :class:`~mpnb.core.amp.LossScaleRule`, whose
-    bounds ``min_loss_scale`` and ``max_loss_scale`` are checked (its scale stays within
-    them). A scale above float32's largest number cannot be stored; one below its smallest
-    normal number (about 1.2e-38) has an infinite inverse, which would turn every unscaled
-    gradient into inf or NaN. Raises ValueError naming the value, the range and the usual choice.
-
-    Example::
-
-        >>> check_scale_range(2.0**16)      # fine
-        >>> check_scale_range(2.0**200)     # ValueError: ... float32 ...
-    """
-    if isinstance(value, LossScaleRule):
-        fields = dict(max_loss_scale=value.max_loss_scale)
-        if value.min_loss_scale is not None:
-            fields["min_loss_scale"] = value.min_loss_scale
-        for field, v in fields.items():
-            check_scale_range(v, f"{name} rule's {field}")
-        return
-    if not isinstance(value, (int, float)) or isinstance(value, bool):
-        return  # not a number: parse_loss_scale names that error
-    low, high = _SCALE_RANGE
-    if not low <= value <= high:
-        why = (
-            "cannot be stored in float32 (it overflows to inf)"
-            if value > high
-            else "has an infinite float32 inverse, so unscaling would turn every gradient into "
-            "inf or NaN"
-        )
-        raise ValueError(
-            f"{name}={value:g} {why}; a loss scale must lie in [{low:.3g}, {high:.3g}]. Use "
-            "loss_scale='dynamic' (the scale adapts), or a static power of two such as 128 or "
-            "2**16."
-        )
 
 
 def _rule_field(name: str, doc: str) -> property:
@@ -106,8 +62,10 @@ class LossScaler:
     :class:`StaticScaleOverflowWarning`).
 
     Args:
-        loss_scale: ``"dynamic"``, a positive finite number (static), a
-            :class:`~mpnb.core.amp.LossScaleRule` or a dict of its fields.
+        loss_scale: a :class:`~mpnb.core.amp.LossScaleRule` (what ``amp.initialize`` passes:
+            used as it is), or anything :meth:`~mpnb.core.amp.LossScaleRule.parse` takes
+            (``"dynamic"``, a positive finite number for a static scale, a dict of the rule's
+            fields), parsed here.
         init_scale, growth_factor, backoff_factor, growth_interval, hysteresis,
         min_loss_scale, max_loss_scale, max_skips_at_min: override the rule's fields.
         scale_factor, scale_window: Apex's names, accepted as aliases: ``scale_factor`` is the
@@ -119,7 +77,7 @@ class LossScaler:
     Attributes:
         rule: the :class:`~mpnb.core.amp.LossScaleRule` (the rule's fields are also readable
             and assignable as attributes: ``scaler.growth_interval = 100``).
-        dynamic: False for a static scale.
+        dynamic: False for a static scale (read-only: the rule's kind).
         scale, inv_scale: one-element fp32 tensors.
         found_inf: the current ``scale_loss`` block's overflow flag (a new tensor per block).
 
@@ -158,10 +116,7 @@ class LossScaler:
         device="cpu",
         half_dtype=None,
     ):
-        parsed = parse_loss_scale(loss_scale)
-        check_scale_range(parsed)
-        self.dynamic = not isinstance(parsed, float)
-        base = parsed if isinstance(parsed, LossScaleRule) else LossScaleRule()
+        base = LossScaleRule.parse(loss_scale, owner="LossScaler") or LossScaleRule()
         given = dict(
             init_scale=init_scale,
             growth_factor=_alias(growth_factor, scale_factor, "growth_factor", "scale_factor"),
@@ -180,13 +135,13 @@ class LossScaler:
             changes["max_skips_at_min"] = max_skips_at_min
         self.half_dtype = half_dtype
         self._collapse = CollapseCheck(1.0, None, half_dtype, _DISABLE)
+        self._rule = None
         try:
-            self.rule = base.replace(**changes)
+            self.rule = base.replace(**changes) if changes else base
         except ValueError as e:
             raise ValueError(str(e).replace("LossScaleRule", "LossScaler")) from None
-        check_scale_range(self.rule)
         dev = self._device = torch.device(device)
-        first = self.rule.clamp(self.rule.init_scale) if self.dynamic else parsed
+        first = self.rule.first_scale
         self.scale = torch.full((1,), first, dtype=torch.float32, device=dev)
         self.inv_scale = torch.reciprocal(self.scale)
         self.growth_tracker = torch.zeros(1, dtype=torch.int32, device=dev)
@@ -206,7 +161,14 @@ class LossScaler:
         if not isinstance(value, LossScaleRule):
             raise TypeError(
                 f"LossScaler.rule must be a LossScaleRule, got {type(value).__name__}; build "
-                "one with LossScaleRule(...) or parse_loss_scale(...)."
+                "one with LossScaleRule(...) or LossScaleRule.parse(...)."
+            )
+        if self._rule is not None and value.dynamic != self._rule.dynamic:
+            kind = "dynamic" if self._rule.dynamic else "static"
+            raise ValueError(
+                f"LossScaler.rule: this scaler is {kind} and stays so (its state was made for "
+                "it); build a new LossScaler (or amp.initialize(..., loss_scale=...)) to change "
+                "between a dynamic and a static scale."
             )
         self._rule = value
         check = self._collapse
@@ -216,6 +178,11 @@ class LossScaler:
             if value.min_loss_scale is None
             else "min_loss_scale, the floor of the scale"
         )
+
+    @property
+    def dynamic(self) -> bool:
+        """False for a static scale (the rule's kind, fixed for the scaler's life)."""
+        return self._rule.dynamic
 
     @property
     def scale_factor(self) -> float:
@@ -340,22 +307,17 @@ class LossScaler:
                 f"amp.load_state_dict: {key} lacks {sorted(missing)}; pass an entry of "
                 "amp.state_dict()."
             )
-        scale = state["loss_scale"]
-        if (
-            isinstance(scale, bool)
-            or not isinstance(scale, (int, float))
-            or not math.isfinite(scale)
-            or scale <= 0
-        ):
-            raise ValueError(
-                f"amp.load_state_dict: {key}['loss_scale']={scale!r} is not a positive finite "
-                "number; the checkpoint is corrupt or not an amp.state_dict()."
-            )
+        scale = positive_finite(
+            state["loss_scale"],
+            f"{key}['loss_scale']",
+            owner="amp.load_state_dict",
+            fix="the checkpoint is corrupt or not an amp.state_dict()",
+        )
         counts = [_count(state, key, "unskipped", 0)]
         counts.append(_count(state, key, "hysteresis_tracker", self.rule.hysteresis, low=None))
         counts.append(_count(state, key, "skips_at_min", 0))
         unskipped, hyst, skips = counts
-        scale = self.rule.clamp(float(scale)) if self.dynamic else float(scale)
+        scale = self.rule.clamp(scale)
         # A count past the window (an Apex static scaler counts without bound) grows next time.
         unskipped = min(unskipped, self.rule.growth_interval - 1)
         return scale, unskipped, hyst, skips

@@ -7,11 +7,11 @@ Host syncs: one per step, reading the overflow flag that the unscale pass wrote.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping
 
 import torch
 
+from mpnb.core._numbers import positive_finite
 from mpnb.core.amp.scaler import CollapseCheck
 from mpnb.core.fp16_utils.loss_scaler import DynamicLossScaler, LossScaler
 from mpnb.core.ops import multi_tensor_scale
@@ -260,13 +260,12 @@ def _scaler_from(state) -> LossScaler:
     if not isinstance(state, Mapping):  # Apex pickled the scaler object itself
         state = {k: getattr(state, k) for k in _SCALER_KEYS if hasattr(state, k)}
         state["dynamic"] = "scale_window" in state
-    scale = state.get("cur_scale")
-    ok = isinstance(scale, (int, float)) and not isinstance(scale, bool)
-    if not ok or not math.isfinite(scale) or scale <= 0:
-        raise ValueError(
-            f"FP16_Optimizer.load_state_dict: loss_scaler['cur_scale']={scale!r} is not a "
-            "positive finite number; the checkpoint is corrupt. Nothing was loaded."
-        )
+    scale = positive_finite(
+        state.get("cur_scale"),
+        "loss_scaler['cur_scale']",
+        owner="FP16_Optimizer.load_state_dict",
+        fix="the checkpoint is corrupt. Nothing was loaded",
+    )
     if not state.get("dynamic"):
         return LossScaler(scale)
     try:

@@ -6,21 +6,12 @@ flag once (its host sync). New code should prefer :class:`mpnb.amp.LossScaler`.
 
 from __future__ import annotations
 
-import math
-from numbers import Real
-
 import torch
 
+from mpnb.core._numbers import positive_finite
 from mpnb.core.ops import multi_tensor_check_finite
 
 __all__ = ["LossScaler", "DynamicLossScaler"]
-
-
-def _scale(owner: str, name: str, value) -> float:
-    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-    if not ok or value <= 0:
-        raise ValueError(f"{owner}: {name}={value!r} must be a positive finite number.")
-    return float(value)
 
 
 def _grads_overflow(params) -> bool:
@@ -45,7 +36,7 @@ class LossScaler:
     """
 
     def __init__(self, scale: float = 1.0):
-        self.cur_scale = _scale("LossScaler", "scale", scale)
+        self.cur_scale = positive_finite(scale, "scale", owner="LossScaler")
 
     @property
     def loss_scale(self) -> float:
@@ -92,10 +83,10 @@ class DynamicLossScaler(LossScaler):
         scale_window: int = 1000,
         max_skips_at_min: int | None = 100,
     ):
-        super().__init__(_scale("DynamicLossScaler", "init_scale", init_scale))
+        super().__init__(positive_finite(init_scale, "init_scale", owner="DynamicLossScaler"))
         self.cur_iter = 0
         self.last_overflow_iter = -1
-        self.scale_factor = _scale("DynamicLossScaler", "scale_factor", scale_factor)
+        self.scale_factor = positive_finite(scale_factor, "scale_factor", owner="DynamicLossScaler")
         if self.scale_factor <= 1:
             raise ValueError(
                 f"DynamicLossScaler: scale_factor={scale_factor!r} must be > 1 (it is both the "

@@ -9,10 +9,12 @@ one op of :mod:`mpnb.core.ops` (``adam``, ``sgd``, ...). Everything else lives h
 * **Master weights.** With ``master_weights=True`` every fp16/bf16 param gets an fp32 copy in
   ``state[p]["master_param"]`` (saved by ``state_dict``); the kernel updates it and writes the
   rounded value into the param in the same pass.
-* **Loss scale.** ``_mpnb_set_scale(inv_scale, found_inf)`` (mpnb.amp) or the
-  ``grad_scale``/``found_inf`` attributes that ``torch.amp.GradScaler.step`` sets hand the
-  scale to the step: grads are unscaled in the kernel, and on inf/NaN nothing is written and
-  ``found_inf`` is 1. GradScaler does so only where ``_step_supports_amp_scaling`` is True,
+* **Loss scale.** The class implements amp's seam, :class:`mpnb.core.amp.seam.FusedOptimizer`
+  (``_mpnb_set_scale(inv_scale, found_inf)`` and the three master-weight methods); the
+  ``grad_scale``/``found_inf`` attributes that ``torch.amp.GradScaler.step`` sets are an
+  adapter over the same handoff (:class:`~mpnb.core.amp.seam.GradScalerAttribute`). Either way
+  grads are unscaled in the kernel, and on inf/NaN nothing is written and ``found_inf`` is 1.
+  GradScaler hands its scale over only where ``_step_supports_amp_scaling`` is True,
   which, as in Apex, is ``FusedAdam(capturable=True)`` and ``FusedMixedPrecisionLamb``; after
   such a step the ``.grad``s hold the unscaled values, as Apex's kernels leave them. Every
   other fused optimizer gets its grads unscaled by GradScaler before ``step()``.
@@ -34,6 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mpnb.core.amp.seam import GradScalerAttribute, ScaleHandoff
 from mpnb.core.ops._rounding import mix64
 from mpnb.core.ops.check_finite import multi_tensor_check_finite
 from mpnb.core.optimizers import _load
@@ -108,13 +111,16 @@ def _draw_seed(generator: torch.Generator | None) -> int:
 
 
 class FusedOptimizerBase(torch.optim.Optimizer):
-    """Base of mpnb's fused optimizers (a real ``torch.optim.Optimizer``)."""
+    """Base of mpnb's fused optimizers (a real ``torch.optim.Optimizer``); implements
+    :class:`mpnb.core.amp.seam.FusedOptimizer`."""
 
     _state_keys: tuple[str, ...] = ()
     _has_step = True
-    _check_grads = True  # run the read-only finite pre-pass when a scale is handed over
+    _check_grads = True  # run the read-only finite pre-pass when amp hands a scale over
     _mpnb_accepts_scale = True
     _step_supports_amp_scaling = False  # torch's GradScaler unscales the grads (Apex's rule)
+    grad_scale = GradScalerAttribute("grad_scale")  # set by GradScaler.step around step()
+    found_inf = GradScalerAttribute("found_inf")
 
     def __init__(
         self,
@@ -143,7 +149,8 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self._rounding = _Rounding(_draw_seed(generator) if stochastic_rounding else 0)
         self.master_weights = bool(master_weights)
         self.set_grad_none = bool(set_grad_none)
-        self._pending_scale: tuple | None = None
+        self._pending_scale: ScaleHandoff | None = None
+        self._carried: list = []  # fp32 masters a load without amp put in fp32 params
         self._plans: dict[int, _Plan] = {}
         self._dummy_overflow_buf = self._new_overflow_buf()
 
@@ -157,6 +164,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self.__dict__.setdefault("set_grad_none", True)
         self.__dict__.setdefault("_rounding", _Rounding())
         self._pending_scale = None
+        self.__dict__.setdefault("_carried", [])
         self._plans = {}
         self._dummy_overflow_buf = self._new_overflow_buf()
 
@@ -176,7 +184,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         for name, t in (("inv_scale", inv_scale), ("found_inf", found_inf)):
             if not isinstance(t, torch.Tensor) or t.numel() != 1:
                 raise TypeError(f"_mpnb_set_scale: {name} must be a one-element tensor.")
-        self._pending_scale = (inv_scale, found_inf, bool(skip))
+        self._pending_scale = ScaleHandoff(inv_scale, found_inf, bool(skip))
 
     def _mpnb_check_master_weights(self) -> None:
         """Raise when this optimizer cannot take fp32 master weights (stochastic rounding or
@@ -204,16 +212,19 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         )
         self._plans.clear()
 
-    def _take_scale(self):
-        if self._pending_scale is not None:
-            inv, found, skip = self._pending_scale
-            self._pending_scale = None
-            return inv.float(), found, self._check_grads, skip
-        found = getattr(self, "found_inf", None)
-        scale = getattr(self, "grad_scale", None)
-        # torch.amp.GradScaler already ran its own finite check: no pre-pass here.
-        inv = None if scale is None else scale.double().reciprocal().float()
-        return inv, found, False, True
+    def _take_scale(self) -> tuple[ScaleHandoff, bool, bool]:
+        """This step's handoff, whether to run the finite pre-pass, and whether to leave the
+        unscaled grads in ``.grad`` after the step."""
+        amp_handoff, self._pending_scale = self._pending_scale, None
+        if amp_handoff is not None:
+            inv, found, skip = amp_handoff
+            return ScaleHandoff(inv.float(), found, skip), self._check_grads, False
+        h = GradScalerAttribute.handoff(self)
+        if h is not None:
+            # GradScaler ran its own finite check: no pre-pass. Apex's kernels leave the
+            # unscaled grads behind, and GradScaler's callers read them after step().
+            return h, False, h.inv_scale is not None
+        return ScaleHandoff(None, None), False, False
 
     # -- gathering -------------------------------------------------------------------------
     def _init_state(self, p: torch.Tensor, state: dict) -> None:
@@ -351,14 +362,13 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        from_scaler = self._pending_scale is None and getattr(self, "grad_scale", None) is not None
-        inv_scale, found_inf, check, skip = self._take_scale()
+        (inv_scale, found_inf, skip), check, leave_unscaled = self._take_scale()
         work = [(g, self._buckets(g)) for g in self.param_groups]
         if found_inf is not None and check:
             for _, buckets in work:
                 for b in buckets:
                     multi_tensor_check_finite(found_inf, b.grads)
-        carried = self.__dict__.pop("_mpnb_carried", None)  # fp32 masters a load put in params
+        carried, self._carried = self._carried, []
         if carried:
             _load.keep_carried(carried)
         self._prepare(work, inv_scale, found_inf)
@@ -374,7 +384,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 # The cached plan keeps its buckets; not this step's grads, which would stay
                 # alive (a second copy of every grad) after zero_grad(set_to_none=True).
                 b.grads = []
-        if from_scaler:  # GradScaler's caller reads unscaled grads after step (Apex's kernel)
+        if leave_unscaled:
             self._unscale_grads(work, inv_scale)
         return loss
 
@@ -445,4 +455,4 @@ class FusedOptimizerBase(torch.optim.Optimizer):
                 group.setdefault(k, v)
         if rounding_kept.restore() and rounding is not None:
             self._rounding = _Rounding(rounding["seed"], rounding["step"])
-        self._mpnb_carried = masters.apply()
+        self._carried = masters.apply()

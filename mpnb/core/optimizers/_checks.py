@@ -9,6 +9,8 @@ from collections.abc import Mapping
 import torch
 from torch.optim.optimizer import required
 
+from mpnb.core._numbers import is_positive_finite, positive_finite
+
 __all__ = ["check_hyperparams", "check_loadable", "number"]
 
 
@@ -37,13 +39,9 @@ def check_hyperparams(owner: str, *, betas=None, **values) -> None:
     for name, value in values.items():
         if value is None or value is required:
             continue
-        v = number(value)
-        if v is None or not math.isfinite(v) or v < 0:
-            what = "learning rate" if name == "lr" else f"{name} value"
-            raise ValueError(
-                f"{owner}: Invalid {what}: {value!r} (must be a finite number >= 0; pass "
-                f"{name}= a non-negative number)."
-            )
+        what = "the learning rate" if name == "lr" else f"the {name} value"
+        fix = f"pass {what} as {name}= a finite number >= 0 (as torch.optim requires)"
+        positive_finite(value, name, owner=owner, fix=fix, allow_zero=True)
     if betas is None:
         return
     pair = isinstance(betas, (tuple, list)) and len(betas) == 2
@@ -70,8 +68,7 @@ def _corrupt(name: str, what: str) -> ValueError:
 
 def _check_group(name: str, i: int, group) -> None:
     for k in _GROUP_NUMBERS:
-        v = number(group.get(k, 0.0))
-        if v is None or not math.isfinite(v) or v < 0:
+        if not is_positive_finite(group.get(k, 0.0), allow_zero=True):
             raise _corrupt(
                 name, f"param_groups[{i}][{k!r}]={group[k]!r} is not a finite number >= 0"
             )

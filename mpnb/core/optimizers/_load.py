@@ -22,10 +22,10 @@ import warnings
 
 import torch
 
+from mpnb.core.amp.seam import MASTERS_KEY, amp_stash
+
 __all__ = ["CheckpointRoundingWarning", "Rounding", "MastersWithoutAmp"]
 
-# amp's key for the fp32 masters of a torch.optim optimizer (mpnb.core.amp._checkpoint)
-AMP_MASTERS_KEY = "mpnb_amp_masters"
 _HALF = (torch.float16, torch.bfloat16)
 _OPTIONS = ("stochastic_rounding", "kahan_summation")
 _NAMES = {None: "round-to-nearest", "stochastic": "stochastic rounding", "kahan": "Kahan summation"}
@@ -118,8 +118,7 @@ def _warn(owner: str, changed: list, dropped: int, fresh: int, had_seed: bool) -
 
 def _amp_loads_masters(optimizer) -> bool:
     """True when amp set this optimizer up: its load hooks put the masters where they go."""
-    stash = getattr(optimizer, "_amp_stash", None)
-    return getattr(stash, "amp_state", None) is not None
+    return getattr(amp_stash(optimizer), "amp_state", None) is not None
 
 
 def saved_masters(optimizer, state_dict: dict) -> dict[int, torch.Tensor]:
@@ -130,7 +129,7 @@ def saved_masters(optimizer, state_dict: dict) -> dict[int, torch.Tensor]:
     ids = _flat_ids(state_dict["param_groups"])
     pos = {pid: i for i, pid in enumerate(ids)}
     found = {}
-    extra = state_dict.get(AMP_MASTERS_KEY)
+    extra = state_dict.get(MASTERS_KEY)
     if isinstance(extra, dict):
         found.update({pos[pid]: t for pid, t in extra.items() if pid in pos})
     for pid, entry in state_dict["state"].items():

@@ -22,12 +22,12 @@ hidden warm-up calls to every measurement and defaults to one thread.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
 import torch
 
+from mpnb.core._numbers import is_positive_finite
 from mpnb.lab.bench._timing import time_rounds
 from mpnb.lab.stats import iqr, median, per_round_ratios, quantile, ratio_summary
 
@@ -154,7 +154,7 @@ class Options:
 
 def _check_options(scale, threads, device) -> None:
     """Refuse a scale, thread count or device no run can use (ValueError naming the fix)."""
-    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+    if not is_positive_finite(scale):
         raise ValueError(
             f"--scale {scale!r}: workload sizes are multiplied by it, so it must be a positive "
             "number (e.g. 0.01 for tiny sizes, 1 for the suite's own); a scale of 0 or less "
