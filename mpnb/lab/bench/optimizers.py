@@ -120,16 +120,11 @@ class _RefOpt:
                 [],
                 self.steps,
                 norm,
-                _LR,
-                0.9,
-                0.999,
-                1e-6,
-                0.01,
-                True,
-                True,
-                True,
-                1.0,
-                False,
+                lr=_LR,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-6,
+                weight_decay=0.01,
             )
         else:
             norms = torch.stack([g.norm() for g in gs])
@@ -141,16 +136,11 @@ class _RefOpt:
                 [],
                 self.steps,
                 norms,
-                _LR,
-                0.9,
-                0.999,
-                1e-8,
-                0.0,
-                True,
-                True,
-                False,
-                2,
-                False,
+                lr=_LR,
+                beta1=0.9,
+                beta2=0.999,
+                eps=1e-8,
+                weight_decay=0.0,
             )
 
 
@@ -275,15 +265,30 @@ def _pure_bf16_case(work, numels) -> Case:
         work,
         [
             Candidate("torch AdamW(fused=True), bf16 params and moments", ta.step, b["torch"] * n),
-            Candidate("mpnb FusedAdam bf16, round to nearest", ours["round to nearest"].step,
-                      b["nearest"] * n),
-            Candidate("mpnb FusedAdam(stochastic_rounding=True)",
-                      ours["stochastic_rounding=True"].step, b["stochastic"] * n, RMW, None, bw),
-            Candidate("mpnb FusedAdam(kahan_summation=True)", ours["kahan_summation=True"].step,
-                      b["kahan"] * n, RMW, None, bw),
+            Candidate(
+                "mpnb FusedAdam bf16, round to nearest",
+                ours["round to nearest"].step,
+                b["nearest"] * n,
+            ),
+            Candidate(
+                "mpnb FusedAdam(stochastic_rounding=True)",
+                ours["stochastic_rounding=True"].step,
+                b["stochastic"] * n,
+                RMW,
+                None,
+                bw,
+            ),
+            Candidate(
+                "mpnb FusedAdam(kahan_summation=True)",
+                ours["kahan_summation=True"].step,
+                b["kahan"] * n,
+                RMW,
+                None,
+                bw,
+            ),
         ],
         bandwidth_numel=n,
-    )  # fmt: skip
+    )
 
 
 def cases(opts: Options) -> Iterator[Case]:

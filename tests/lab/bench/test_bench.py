@@ -187,11 +187,14 @@ def _fixed_times(monkeypatch, per_round: dict[str, list[float]]):
 
 
 def test_max_extra_is_the_time_added_to_the_baseline(monkeypatch):
-    _fixed_times(monkeypatch, {
-        "base": [200e-6, 210e-6, 190e-6, 400e-6, 200e-6, 205e-6],
-        "adds 300us": [500e-6, 505e-6, 495e-6, 700e-6, 500e-6, 510e-6],
-        "adds 300us, tight": [500e-6, 505e-6, 495e-6, 700e-6, 500e-6, 510e-6],
-    })  # fmt: skip
+    _fixed_times(
+        monkeypatch,
+        {
+            "base": [200e-6, 210e-6, 190e-6, 400e-6, 200e-6, 205e-6],
+            "adds 300us": [500e-6, 505e-6, 495e-6, 700e-6, 500e-6, 510e-6],
+            "adds 300us, tight": [500e-6, 505e-6, 495e-6, 700e-6, 500e-6, 510e-6],
+        },
+    )
     case = Case(
         "c",
         "w",
@@ -212,12 +215,15 @@ def test_max_extra_is_the_time_added_to_the_baseline(monkeypatch):
 
 
 def test_extra_ratio_compares_what_two_candidates_add_to_the_baseline(monkeypatch):
-    _fixed_times(monkeypatch, {
-        "base": [200e-6, 250e-6, 200e-6, 220e-6, 200e-6],
-        "other": [800e-6, 850e-6, 800e-6, 820e-6, 1200e-6],  # adds 600 us (1000 once)
-        "adds 150us": [350e-6, 400e-6, 350e-6, 370e-6, 350e-6],
-        "adds 450us": [650e-6, 700e-6, 650e-6, 670e-6, 650e-6],
-    })  # fmt: skip
+    _fixed_times(
+        monkeypatch,
+        {
+            "base": [200e-6, 250e-6, 200e-6, 220e-6, 200e-6],
+            "other": [800e-6, 850e-6, 800e-6, 820e-6, 1200e-6],  # adds 600 us (1000 once)
+            "adds 150us": [350e-6, 400e-6, 350e-6, 370e-6, 350e-6],
+            "adds 450us": [650e-6, 700e-6, 650e-6, 670e-6, 650e-6],
+        },
+    )
     case = Case(
         "c",
         "w",
@@ -266,6 +272,17 @@ def test_multi_tensor_quick_smoke(tmp_path, capsys):
     assert any(r["status"] in ("PASS", "MISS") for r in ours)
 
 
+@pytest.mark.parametrize("suite", ["optimizers", "layers", "amp"])
+def test_every_cpu_suite_runs_end_to_end_at_tiny_sizes(suite, tmp_path, capsys):
+    """Each CPU suite runs every case (its references called as the op table defines them)."""
+    path = tmp_path / f"{suite}.json"
+    argv = [suite, "--quick", "--rounds", "1", "--scale", "0.001", "--json", str(path)]
+    assert bench.main(argv) == 0, capsys.readouterr().err
+    rows = json.loads(path.read_text())["rows"]
+    assert rows and all(r["median_s"] > 0 for r in rows)
+    assert any(r["candidate"].startswith("mpnb") for r in rows)
+
+
 def test_threads_option_is_restored_even_on_error(monkeypatch):
     before = torch.get_num_threads()
     seen = []
@@ -309,8 +326,10 @@ def test_pure_bf16_rows_report_bytes_and_bandwidth_share(monkeypatch):
     assert per_param == [14, 22, 22, 26]
     names = [c.name for c in case.candidates]
     bw = "bw: a += s*b (fp32)"
-    _fixed_times(monkeypatch, {names[0]: [1e-3], names[1]: [2e-3], names[2]: [2e-3],
-                               names[3]: [3e-3], bw: [1e-3]})  # fmt: skip
+    _fixed_times(
+        monkeypatch,
+        {names[0]: [1e-3], names[1]: [2e-3], names[2]: [2e-3], names[3]: [3e-3], bw: [1e-3]},
+    )
     rows = run_case(case, Options.make(quick=True, rounds=1))
     sr, kahan = rows[2], rows[3]
     # bandwidth a += s*b moves 12 B/elem in 1 ms; SR moves 22 B/param in 2 ms: 22/24 of it
