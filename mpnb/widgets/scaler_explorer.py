@@ -22,17 +22,17 @@ import torch
 import traitlets as t
 
 from mpnb.core.amp import LossScaler, LossScaleRule
+from mpnb.core.dtype_names import HALF_NAMES, parse_half_dtype
 from mpnb.widgets._common import ErrorBox, FigureOutput, half_status_label
 
 __all__ = ["ScalerExplorer", "format_range"]
 
-_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 _BINS = torch.arange(-100.0, 61.0)  # log2|g| bin edges shown on the x axis
 
 
 def format_range(name: str) -> tuple[float, float, float]:
     """``(log2 smallest subnormal, log2 smallest normal, log2 max)`` of ``"fp16"``/``"bf16"``."""
-    fi = torch.finfo(_DTYPES[name])
+    fi = torch.finfo(parse_half_dtype(name))
     return math.log2(fi.smallest_normal * fi.eps), math.log2(fi.smallest_normal), math.log2(fi.max)
 
 
@@ -145,7 +145,8 @@ class ScalerExplorer(w.VBox):
             readout_format=".3g",
         )
         self.dtype_toggle = w.ToggleButtons(
-            options=[(half_status_label(n), n) for n in _DTYPES],
+            # fp16 first: the format loss scaling exists for
+            options=[(half_status_label(n), n) for n in reversed(HALF_NAMES)],
             value=dtype,
             description="half dtype",
         )
@@ -285,7 +286,7 @@ class ScalerExplorer(w.VBox):
         """
         s = math.log2(self.scale if scale is None else scale)
         sub, _, top = format_range(dtype or self.dtype)
-        eps = torch.finfo(_DTYPES[dtype or self.dtype]).eps
+        eps = torch.finfo(parse_half_dtype(dtype or self.dtype)).eps
         shifted = self._log2 + s
         n = self._log2.numel() / max(1e-300, 1.0 - self._zero_frac)
         under = (shifted < sub - 1).sum().item() / n
@@ -316,7 +317,7 @@ class ScalerExplorer(w.VBox):
         s.rule = self.rule()  # the controls may have changed since the last step
         if self.scale != s.loss_scale():  # the slider moved: the scaler starts from there
             s.load_state_dict({**s.state_dict(), "loss_scale": float(self.scale)})
-        half = _DTYPES[self.dtype]
+        half = parse_half_dtype(self.dtype)
         new = []
         for _ in range(int(n)):
             s.clear_overflow()

@@ -16,6 +16,7 @@ from mpnb.core.amp.frontend import set_current_handle
 from mpnb.core.amp.handle import AmpHandle, Fp32StateDict
 from mpnb.core.amp.scaler import LossScaler
 from mpnb.core.amp.seam import amp_stash, bind, inner_optimizer
+from mpnb.core.dtype_names import torch_name
 from mpnb.core.hardware import cuda_info, dtype_support, half_support
 
 __all__ = ["initialize", "EmulatedHalfWarning", "PrecisionRecastWarning", "HardwareCheck"]
@@ -43,7 +44,7 @@ class HardwareCheck:
 
     def __call__(self, device: torch.device, dtype: torch.dtype) -> None:
         """Warn (once per device type and dtype) when emulated; raise when unsupported."""
-        name = "float16" if dtype == torch.float16 else "bfloat16"
+        name = torch_name(dtype)
         status = half_support(device)[name]
         if status == "unsupported":
             info = cuda_info(device.index or 0) if device.type == "cuda" else None
