@@ -26,9 +26,16 @@ def test_every_step_has_a_budget_and_they_fit_in_eight_minutes():
     assert all(s.budget_s > 0 for s in steps)
     assert sum(s.budget_s for s in steps) <= gc.LIMIT_S == 480
     names = " ".join(" ".join(s.argv) for s in steps)
-    for needed in ("doctor", "-m gpu", "triton_kernels", "bench --device cuda --quick",
-                   "compare --device cuda", "fp8-tensorwise,fp8-delayed,fp8-rowwise,mxfp8",
-                   "--dtype fp16,bf16", "--nbval-lax"):  # fmt: skip
+    for needed in (
+        "doctor",
+        "-m gpu",
+        "triton_kernels",
+        "bench --device cuda --quick",
+        "compare --device cuda",
+        "fp8-tensorwise,fp8-delayed,fp8-rowwise,mxfp8",
+        "--dtype fp16,bf16",
+        "--nbval-lax",
+    ):
         assert needed in names, needed
     assert all((ROOT / "notebooks" / n).is_file() for n in gc.NOTEBOOKS)
 
@@ -38,8 +45,10 @@ def test_every_step_has_a_budget_and_they_fit_in_eight_minutes():
 def test_dry_run_lists_each_step_with_its_budget_and_checks_every_command(tmp_path):
     out = subprocess.run(
         ["bash", str(ROOT / "scripts" / "gpu-check.sh"), "--dry-run", str(tmp_path)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stdout + out.stderr
     for i, step in enumerate(gc.steps(), 1):
         assert f"{i:2}. {step.name:<22} {step.budget_s:>4} s  ok" in out.stdout, step.name
@@ -72,17 +81,28 @@ def test_a_failing_or_overrunning_step_is_recorded_and_the_check_goes_on(tmp_pat
 
 
 def _row(config, opt, half, speed, flops=2e9, ops=400.0, mib=20.0, precision="?"):
-    return dict(configuration=config, opt_level=opt, half_dtype=half, batch_size=32,
-                status="ok", flops_per_step=flops, ops_per_step=ops, mem_params_mib=mib,
-                speedup_vs_O0=speed, precision=precision)  # fmt: skip
+    return dict(
+        configuration=config,
+        opt_level=opt,
+        half_dtype=half,
+        batch_size=32,
+        status="ok",
+        flops_per_step=flops,
+        ops_per_step=ops,
+        mem_params_mib=mib,
+        speedup_vs_O0=speed,
+        precision=precision,
+    )
 
 
 def test_summary_sets_the_estimate_beside_the_measured_speed(tmp_path):
     cpu = [_row("O0 fp32 b32", "O0", "fp32", 1.0), _row("O3 bf16 b32", "O3", "bf16", 0.2)]
-    cuda = [_row("O0 fp32 b32", "O0", "fp32", 1.0, precision="fp32"),
-            _row("O3 bf16 b32", "O3", "bf16", 4.0, precision="bf16 (native)"),
-            _row("O3 fp16 b32", "O3", "fp16", 3.0, precision="fp16 (native)"),
-            _row("O1 fp16 b32", "O1", "fp16", 1.2, precision="fp16 (native)")]  # fmt: skip
+    cuda = [
+        _row("O0 fp32 b32", "O0", "fp32", 1.0, precision="fp32"),
+        _row("O3 bf16 b32", "O3", "bf16", 4.0, precision="bf16 (native)"),
+        _row("O3 fp16 b32", "O3", "fp16", 3.0, precision="fp16 (native)"),
+        _row("O1 fp16 b32", "O1", "fp16", 1.2, precision="fp16 (native)"),
+    ]
     for name, rows in (("compare-cuda.json", cuda), ("compare-cpu-half.json", cpu)):
         (tmp_path / name).write_text(json.dumps({"rows": rows}))
     table = gc.estimate_vs_measured(cuda, [cpu], "NVIDIA H100 80GB HBM3")
@@ -112,10 +132,15 @@ def test_an_unknown_card_gets_no_estimate():
 
 @pytest.mark.parametrize(
     "name, key",
-    [("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM"), ("NVIDIA H200", "NVIDIA H200 SXM"),
-     ("NVIDIA H100 PCIe", None), ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 SXM 80GB"),
-     ("NVIDIA L40S", None), ("Tesla T4", "NVIDIA T4")],
-)  # fmt: skip
+    [
+        ("NVIDIA H100 80GB HBM3", "NVIDIA H100 SXM"),
+        ("NVIDIA H200", "NVIDIA H200 SXM"),
+        ("NVIDIA H100 PCIe", None),
+        ("NVIDIA A100-SXM4-80GB", "NVIDIA A100 SXM 80GB"),
+        ("NVIDIA L40S", None),
+        ("Tesla T4", "NVIDIA T4"),
+    ],
+)
 def test_cards_are_named_as_torch_reports_them(name, key):
     from mpnb.lab.verdict import estimate_for_card
 

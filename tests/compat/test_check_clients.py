@@ -110,8 +110,10 @@ def test_private_state_writes_and_calls_are_reported(bert, tmp_path):
     assert "Apex internals written or called" in text and "7: loss_scaler._scale_seq_len" in text
     out = subprocess.run(
         [sys.executable, "-m", "mpnb.apex", "--check", "--json", str(gnmt)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 0, out.stderr
     assert {p["key"] for p in json.loads(out.stdout)["private"]} == set(private)
 
@@ -166,8 +168,10 @@ def test_a_file_that_is_not_utf8_gets_one_clear_line(tmp_path, capsys):
     assert [r.name for r in check_script(str(declared)).names] == ["apex.amp"]
     r = subprocess.run(
         [sys.executable, "-m", "mpnb.apex", "--check", str(bad)],
-        capture_output=True, text=True, timeout=120,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert r.returncode == 2 and "Traceback" not in r.stderr
 
 

@@ -74,8 +74,13 @@ _BY_HAND = re.compile(
     r"""|torch\.b?float16\s*:\s*["']"""
     r"""|["'](bf16|fp16|b?float16)["']\s+if\s+\w+(\.\w+)?\s*==\s*torch\."""
 )
-_USERS = ["mpnb/lab", "mpnb/widgets", "mpnb/core/hardware.py", "mpnb/core/doctor.py",
-          "mpnb/core/precision_configs"]  # fmt: skip
+_USERS = [
+    "mpnb/lab",
+    "mpnb/widgets",
+    "mpnb/core/hardware.py",
+    "mpnb/core/doctor.py",
+    "mpnb/core/precision_configs",
+]
 _OTHERS = {"mpnb/widgets/scaler_explorer.py"}  # the scaler explorer's own dtype table
 
 

@@ -265,13 +265,27 @@ def test_doctor_gives_two_answers_under_the_two_environments():
 @pytest.mark.slow
 @needs_bf16
 def test_compare_labels_and_verdict_follow_the_environment():
-    args = ["compare", "--workload", "mlp", "--opt-levels", "O0,O3,fp8-tensorwise", "--steps", "3",
-            "--threads", "1", "--json", "--out", ""]  # fmt: skip
+    args = [
+        "compare",
+        "--workload",
+        "mlp",
+        "--opt-levels",
+        "O0,O3,fp8-tensorwise",
+        "--steps",
+        "3",
+        "--threads",
+        "1",
+        "--json",
+        "--out",
+        "",
+    ]
     native = json.loads(_run(args, {}))
     emulated = json.loads(_run(args, AVX2_ENV))
     assert native["hardware"]["bf16"] == "native" and emulated["hardware"]["bf16"] == "emulated"
-    labels = {e: {r["configuration"]: r["precision"] for r in d["rows"]}
-              for e, d in (("native", native), ("emulated", emulated))}  # fmt: skip
+    labels = {
+        e: {r["configuration"]: r["precision"] for r in d["rows"]}
+        for e, d in (("native", native), ("emulated", emulated))
+    }
     assert "bf16 (native)" in labels["native"].values()
     assert "bf16 (emulated)" in labels["emulated"].values()
     for d in (native, emulated):  # under the ISA limit torch._scaled_mm fails: emulated GEMM

@@ -71,8 +71,11 @@ def test_the_default_list_is_one_constant():
 
     assert DEFAULT_CONFIGS is OPT_LEVEL_NAMES == ("O0", "O1", "O2", "O3")
     assert DEFAULT_LEVELS is DEFAULT_CONFIGS
-    for fn, arg in ((expand, "configs"), (profile, "opt_levels"),
-                    (mpnb.widgets.profile, "opt_levels")):  # fmt: skip
+    for fn, arg in (
+        (expand, "configs"),
+        (profile, "opt_levels"),
+        (mpnb.widgets.profile, "opt_levels"),
+    ):
         assert inspect.signature(fn).parameters[arg].default is DEFAULT_CONFIGS
     # compare and the widget take None for "the default", resolved to the same constant
     from mpnb.lab.config import configs_argument

@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_browser import CHROMIUM, ROOT, _require, _wait_kernel, serve_lab
+
+from .test_browser import CHROMIUM, ROOT, _require, _wait_kernel, serve_lab
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -358,9 +359,18 @@ def test_bad_inputs_keep_every_message_and_control_readable(lab, width):
         ]
         controls = [
             (label, _box(_input(widget, label)))
-            for label in ("opt levels", "growth", "threads", "backoff", "initial scale",
-                          "static scale", "loss scale", "batch sizes", "workload")
-        ]  # fmt: skip
+            for label in (
+                "opt levels",
+                "growth",
+                "threads",
+                "backoff",
+                "initial scale",
+                "static scale",
+                "loss scale",
+                "batch sizes",
+                "workload",
+            )
+        ]
     finally:
         _close(page)
     texts = " ".join(t for t, _, _ in boxes)
@@ -486,10 +496,27 @@ def test_one_reading_of_speed_in_the_table_the_report_and_the_header(lab, tmp_pa
 
     out = tmp_path / "cli-report.html"
     cli = subprocess.run(
-        [sys.executable, "-m", "mpnb", "compare", "--workload", "mlp", "--steps", "6",
-         "--opt-levels", "O0,O1,O3", "--threads", "1", "--no-progress", "--out", str(out)],
-        capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "mpnb",
+            "compare",
+            "--workload",
+            "mlp",
+            "--steps",
+            "6",
+            "--opt-levels",
+            "O0,O1,O3",
+            "--threads",
+            "1",
+            "--no-progress",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert cli.returncode == 0, cli.stderr
     header = cli.stdout.split("\n\n")[0]
     assert "6 steps" in header and not re.search(r"\b(?!6 )\d+ steps", header), header

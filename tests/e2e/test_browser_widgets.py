@@ -17,7 +17,8 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_browser import CHROMIUM, ROOT, _require, _wait_kernel, serve_lab
+
+from .test_browser import CHROMIUM, ROOT, _require, _wait_kernel, serve_lab
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 

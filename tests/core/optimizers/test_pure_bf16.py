@@ -118,10 +118,14 @@ def test_kahan_and_sr_follow_the_fp32_run_where_plain_bf16_stalls(kernels):
         return p.detach().float()
 
     ref = run(torch.float32)
-    err = {k: (run(torch.bfloat16, **o) - ref).abs().mean().item() for k, o in (
-        ("plain", {}), ("kahan", dict(kahan_summation=True)),
-        ("sr", dict(stochastic_rounding=True)),
-    )}  # fmt: skip
+    err = {
+        k: (run(torch.bfloat16, **o) - ref).abs().mean().item()
+        for k, o in (
+            ("plain", {}),
+            ("kahan", dict(kahan_summation=True)),
+            ("sr", dict(stochastic_rounding=True)),
+        )
+    }
     ulp = (ref.abs() * 2.0**-8).mean().item()  # bf16's mean half-ulp: a final rounding
     assert err["kahan"] < 1.5 * ulp < err["plain"], err
     assert err["sr"] < 0.5 * err["plain"], err
@@ -197,8 +201,9 @@ def test_state_dict_round_trip_keeps_seed_step_and_bf16_compensation():
     sd = opt.state_dict()
     other = FusedAdam(model.parameters(), stochastic_rounding=True)
     other.load_state_dict(sd)
-    assert other.state_dict()["rounding"] == sd["rounding"] == {"seed": opt._rounding.seed,
-                                                                "step": 2}  # fmt: skip
+    assert (
+        other.state_dict()["rounding"] == sd["rounding"] == {"seed": opt._rounding.seed, "step": 2}
+    )
     with pytest.raises(ValueError, match="nothing was loaded"):
         other.load_state_dict({**sd, "rounding": {"seed": "x"}})
     kahan = FusedSGD(model.parameters(), lr=0.1, kahan_summation=True)

@@ -23,9 +23,12 @@ def _run(code: str, tmp_path, env=None, args=()) -> subprocess.CompletedProcess:
     full = {k: v for k, v in os.environ.items() if k != "OMP_NUM_THREADS"}
     full.update(env or {})
     return subprocess.run(
-        [sys.executable, *args, str(script)], capture_output=True, text=True, env=full,
+        [sys.executable, *args, str(script)],
+        capture_output=True,
+        text=True,
+        env=full,
         timeout=300,
-    )  # fmt: skip
+    )
 
 
 @needs_two

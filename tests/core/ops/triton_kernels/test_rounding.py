@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cases import SIZES, bitwise, close, gen, kernel, on, randn, reference
+
+from .triton_cases import SIZES, bitwise, close, gen, kernel, on, randn, reference
 
 reference_fused_adam_bf16_ = reference("fused_adam_bf16_")
 reference_fused_lamb_bf16_ = reference("fused_lamb_bf16_")

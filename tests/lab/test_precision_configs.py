@@ -34,8 +34,9 @@ def test_the_lab_offers_exactly_the_core_list():
     cfgs = expand("mlp", config_names(), ("bf16", "fp16"), (32,), steps=4, device="cpu")
     labels = [c.label for c in cfgs]
     # O1-O3 once per half dtype; every other configuration fixes its precision: once
-    assert labels[:7] == ["O0 fp32 b32"] + [f"O{i} {h} b32" for i in (1, 2, 3) for h in
-                                            ("bf16", "fp16")]  # fmt: skip
+    assert labels[:7] == ["O0 fp32 b32"] + [
+        f"O{i} {h} b32" for i in (1, 2, 3) for h in ("bf16", "fp16")
+    ]
     assert labels[7:] == [f"{n} b32" for n in NEW]
     assert {c.half_dtype for c in cfgs if isinstance(c.config, Float8Config)} == {"fp8"}
     assert all(c.config is PRECISION_CONFIGS[c.config.name] for c in cfgs)
@@ -136,9 +137,27 @@ def test_every_configuration_trains_through_compare(rows, name):
 
 
 def test_cli_json_runs_every_new_configuration(tmp_path):
-    cmd = [sys.executable, "-m", "mpnb.cli", "compare", "--workload", "mlp", "--size", "small",
-           "--steps", "3", "--opt-levels", ",".join(["O0", *NEW]), "--threads", "1",
-           "--optimizer", "sgd", "--json", "--out", ""]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mpnb.cli",
+        "compare",
+        "--workload",
+        "mlp",
+        "--size",
+        "small",
+        "--steps",
+        "3",
+        "--opt-levels",
+        ",".join(["O0", *NEW]),
+        "--threads",
+        "1",
+        "--optimizer",
+        "sgd",
+        "--json",
+        "--out",
+        "",
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)
@@ -169,15 +188,29 @@ def test_a_new_configuration_runs_through_the_lab_by_its_table_entry_alone(monke
     import mpnb.core.precision_configs as pcs
     from mpnb.core.hardware import dtype_support
 
-    fp16 = pcs.PureHalfConfig("fp16-pure", "Pure fp16.", ("float16",), ("float16",),
-                              ("float16",), "float16", half="float16")  # fmt: skip
+    fp16 = pcs.PureHalfConfig(
+        "fp16-pure",
+        "Pure fp16.",
+        ("float16",),
+        ("float16",),
+        ("float16",),
+        "float16",
+        half="float16",
+    )
     table = types.MappingProxyType({**pcs.PRECISION_CONFIGS, "fp16-pure": fp16})
     monkeypatch.setattr(pcs, "PRECISION_CONFIGS", table)
     [cfg] = expand("mlp", ("fp16-pure",), "bf16", (32,), steps=4, device="cpu")
     assert cfg.config is fp16 and cfg.half_dtype == "fp16" and cfg.label == "fp16-pure b32"
     # SGD: Adam's eps=1e-8 is 0 in fp16, and the lab says so (the divergence note)
-    df = mpnb.lab.compare("mlp", configs=("O0", "fp16-pure"), size="small", steps=4,
-                          optimizer="sgd", progress=False, threads=1)  # fmt: skip
+    df = mpnb.lab.compare(
+        "mlp",
+        configs=("O0", "fp16-pure"),
+        size="small",
+        steps=4,
+        optimizer="sgd",
+        progress=False,
+        threads=1,
+    )
     r = df.set_index("opt_level").loc["fp16-pure"]
     assert r.status == "ok", r.error
     assert r.precision == f"fp16 ({dtype_support('cpu')['float16'].status})"

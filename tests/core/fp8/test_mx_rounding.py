@@ -74,9 +74,14 @@ def test_a_layer_follows_the_reference_with_either_rounding(rounding):
     gy = torch.randn_like(y)
     y.backward(gy)
     ref = fp8.reference_float8_linear(
-        x.detach(), layer.weight.detach(), layer.bias.detach(), gy, (E4M3, E4M3), "mx",
+        x.detach(),
+        layer.weight.detach(),
+        layer.bias.detach(),
+        gy,
+        (E4M3, E4M3),
+        "mx",
         mx_rounding=rounding,
-    )  # fmt: skip
+    )
     for got, want in zip((y, x.grad, layer.weight.grad), ref[:3], strict=False):
         assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
 

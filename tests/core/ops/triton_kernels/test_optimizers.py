@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cases import SIZES, bitwise, clone, close, gen, kernel, on, poison, randn, reference
+
+from .triton_cases import SIZES, bitwise, clone, close, gen, kernel, on, poison, randn, reference
 
 F32, F16, BF16 = torch.float32, torch.float16, torch.bfloat16
 REFERENCES = {name: reference(name) for name in ("fused_adam_", "fused_sgd_", "fused_lamb_")}

@@ -29,9 +29,13 @@ def test_clipping_master_params_of_a_fused_optimizer_clips_unscaled_grads(make):
 
     m = _mlp()
     m, opt = amp.initialize(
-        m, make(m.parameters(), lr=0.1), opt_level="O1", half_dtype=torch.float16,
-        loss_scale=2.0**10, verbosity=0,
-    )  # fmt: skip
+        m,
+        make(m.parameters(), lr=0.1),
+        opt_level="O1",
+        half_dtype=torch.float16,
+        loss_scale=2.0**10,
+        verbosity=0,
+    )
     with amp.scale_loss(nn.functional.mse_loss(m(x), y), opt) as scaled:
         scaled.backward()
     norm = torch.nn.utils.clip_grad_norm_(amp.master_params(opt), 0.5)
@@ -50,9 +54,12 @@ def test_master_params_of_a_fused_optimizer_keeps_the_overflow_skip():
     x, y = _data()
     m = _mlp()
     m, opt = amp.initialize(
-        m, FusedAdam(m.parameters(), lr=0.1), opt_level="O1", half_dtype=torch.float16,
+        m,
+        FusedAdam(m.parameters(), lr=0.1),
+        opt_level="O1",
+        half_dtype=torch.float16,
         verbosity=0,
-    )  # fmt: skip
+    )
     before = [p.detach().clone() for p in m.parameters()]
     with amp.scale_loss(nn.functional.mse_loss(m(x), y) * float("inf"), opt) as scaled:
         scaled.backward()

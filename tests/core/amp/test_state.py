@@ -185,9 +185,13 @@ def test_several_loss_ids_per_step_with_fused_adam_match_torch_adamw():
         torch.manual_seed(0)
         m = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
         m, opt = amp.initialize(
-            m, make(m.parameters()), opt_level="O1", num_losses=2, loss_scale="dynamic",
+            m,
+            make(m.parameters()),
+            opt_level="O1",
+            num_losses=2,
+            loss_scale="dynamic",
             verbosity=0,
-        )  # fmt: skip
+        )
         h = amp.current_handle()
         g = torch.Generator().manual_seed(3)
         for i in range(4):

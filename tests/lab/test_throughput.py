@@ -16,9 +16,15 @@ def _data(n=40):
 
 def test_batch_larger_than_the_data_is_reported_clamped_and_counted_as_trained():
     df = mpnb.lab.compare(
-        lambda: nn.Linear(8, 3), _data(), loss_fn=nn.functional.cross_entropy,
-        opt_levels=("O0",), batch_sizes=(1_000_000,), steps=4, progress=False, threads=1,
-    )  # fmt: skip
+        lambda: nn.Linear(8, 3),
+        _data(),
+        loss_fn=nn.functional.cross_entropy,
+        opt_levels=("O0",),
+        batch_sizes=(1_000_000,),
+        steps=4,
+        progress=False,
+        threads=1,
+    )
     r = df.iloc[0]
     assert r.status == "ok", r.error
     assert r.batch_size == 1_000_000 and r.samples_per_step == 40
@@ -29,8 +35,14 @@ def test_batch_larger_than_the_data_is_reported_clamped_and_counted_as_trained()
 
 def test_a_batch_the_data_fills_is_not_reported_clamped():
     df = mpnb.lab.compare(
-        lambda: nn.Linear(8, 3), _data(), loss_fn=nn.functional.cross_entropy,
-        opt_levels=("O0",), batch_sizes=(16,), steps=4, progress=False, threads=1,
-    )  # fmt: skip
+        lambda: nn.Linear(8, 3),
+        _data(),
+        loss_fn=nn.functional.cross_entropy,
+        opt_levels=("O0",),
+        batch_sizes=(16,),
+        steps=4,
+        progress=False,
+        threads=1,
+    )
     r = df.iloc[0]
     assert r.samples_per_step == 16 and "clamped" not in r.warnings

@@ -1,6 +1,6 @@
 """``mpnb bench --device cuda`` on a machine without a GPU: a clear message, exit code 2, no
 traceback (the suite itself runs on a GPU; its cases are smoke-tested on the CPU in
-tests/core/ops/triton_kernels/test_triton_bench_cases.py)."""
+tests/core/ops/triton_kernels/test_bench_cases.py)."""
 
 from __future__ import annotations
 

@@ -188,13 +188,27 @@ def test_cnn_and_hf_model_through_the_widget():
     cnn = lambda: torch.nn.Sequential(  # noqa: E731
         torch.nn.Conv2d(1, 4, 3), torch.nn.ReLU(), torch.nn.Flatten(), torch.nn.Linear(400, 2)
     )
-    cw = compare(cnn, (x, (x.mean((1, 2, 3)) > 0).long()), metric_fn=workloads.accuracy,
-                 opt_levels=("O0", "O2"), steps=3, threaded=False, threads=1)  # fmt: skip
+    cw = compare(
+        cnn,
+        (x, (x.mean((1, 2, 3)) > 0).long()),
+        metric_fn=workloads.accuracy,
+        opt_levels=("O0", "O2"),
+        steps=3,
+        threaded=False,
+        threads=1,
+    )
     assert cw.batch_sizes.value == "64" and cw.size.disabled is True  # the workload's own
     cw.run_button.click()
     assert (cw.df["status"] == "ok").all(), cw.df["error"].tolist()
-    cfg = tr.GPT2Config(vocab_size=64, n_positions=32, n_embd=32, n_layer=1, n_head=2,
-                        bos_token_id=0, eos_token_id=0)  # fmt: skip
+    cfg = tr.GPT2Config(
+        vocab_size=64,
+        n_positions=32,
+        n_embd=32,
+        n_layer=1,
+        n_head=2,
+        bos_token_id=0,
+        eos_token_id=0,
+    )
     ids = torch.randint(0, 64, (32, 16))
     w = transformers_workload(lambda: tr.GPT2LMHeadModel(cfg), ids, batch_size=8)
     cw = compare(w, opt_levels=("O0", "O1", "O2", "O3"), steps=3, threaded=False, threads=1)
@@ -275,8 +289,7 @@ def test_old_errors_clear_on_success_and_status_never_says_wrote_over_an_error(t
 
 def _stopped_widget(stop_at: int) -> CompareWidget:
     """Two batch sizes, three opt levels, stopped after ``stop_at`` steps of the first."""
-    cw = compare(_tiny(), opt_levels=("O0", "O1", "O2"), batch_sizes=(16, 32), steps=40,
-                 threads=1)  # fmt: skip
+    cw = compare(_tiny(), opt_levels=("O0", "O1", "O2"), batch_sizes=(16, 32), steps=40, threads=1)
 
     def stop(change):
         if cw.progress.value == stop_at and not cw._stop.is_set():
@@ -361,8 +374,10 @@ def test_every_error_sits_under_its_cause():
     # each control's message under it, as wide as it (not squeezed beside it)
     for key, box in cw.control_errors.items():
         holder = next(
-            c for col in cw.controls.children[0].children for c in col.children
+            c
+            for col in cw.controls.children[0].children
+            for c in col.children
             if isinstance(c, type(cw.actions)) and box in c.children
-        )  # fmt: skip
+        )
         assert holder.children.index(box) == 1, key
     assert cw.controls.children[0].layout.flex_flow == "row wrap"

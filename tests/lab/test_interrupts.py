@@ -92,9 +92,12 @@ def _stop_cli(tmp_path, sig: int, extra: list[str], group: bool):
     cmd += ["--opt-levels", "O0,O1", "--steps", "20000", "--threads", "1", "--out", str(out)]
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     p = subprocess.Popen(
-        [*cmd, *extra], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+        [*cmd, *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
         start_new_session=True,
-    )  # fmt: skip
+    )
     err, started = bytearray(), threading.Event()
     reader = threading.Thread(target=_read_until, args=(p.stderr, b"/20000]", err, started))
     reader.start()
@@ -233,9 +236,10 @@ def test_a_row_whose_every_step_was_skipped_says_so():
 def _cfg(level, half):
     dtype = "bf16" if half == "fp32" else half  # O0 runs fp32 whatever the half dtype
     return next(
-        c for c in expand("mlp", (level,), dtype, (16,), 4, "adam", None, None, "cpu", 0)
+        c
+        for c in expand("mlp", (level,), dtype, (16,), 4, "adam", None, None, "cpu", 0)
         if c.half_dtype == half
-    )  # fmt: skip
+    )
 
 
 def test_the_nan_divergence_advice_fits_the_row():

@@ -27,18 +27,28 @@ def _quiet_transformers():
 def _gpt2():
     tr = _quiet_transformers()
     cfg = tr.GPT2Config(
-        vocab_size=64, n_positions=32, n_embd=32, n_layer=2, n_head=2, bos_token_id=0,
+        vocab_size=64,
+        n_positions=32,
+        n_embd=32,
+        n_layer=2,
+        n_head=2,
+        bos_token_id=0,
         eos_token_id=0,
-    )  # fmt: skip
+    )
     return lambda: tr.GPT2LMHeadModel(cfg)
 
 
 def _bert():
     tr = _quiet_transformers()
     cfg = tr.BertConfig(
-        vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-        intermediate_size=64, max_position_embeddings=32, num_labels=3,
-    )  # fmt: skip
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=64,
+        max_position_embeddings=32,
+        num_labels=3,
+    )
     return lambda: tr.BertForSequenceClassification(cfg)
 
 
@@ -116,9 +126,14 @@ def test_output_types_reach_loss_fn_unchanged(kind):
         return nn.functional.cross_entropy(workloads.logits_of(out).float(), target)
 
     df = mpnb.lab.compare(
-        lambda: _Multi(kind), (x, y), loss_fn=loss_fn, metric_fn=workloads.accuracy,
-        steps=3, progress=False, threads=1,
-    )  # fmt: skip
+        lambda: _Multi(kind),
+        (x, y),
+        loss_fn=loss_fn,
+        metric_fn=workloads.accuracy,
+        steps=3,
+        progress=False,
+        threads=1,
+    )
     # every level hands loss_fn the model's own output type, casts applied inside it
     assert (df.status == "ok").all(), df.error.tolist()
     expected = {"tensor": torch.Tensor, "tuple": tuple, "dict": dict, "dataclass": _Out}[kind]
@@ -131,10 +146,16 @@ class TinyCNN(nn.Module):
     def __init__(self):
         super().__init__()
         self.net = nn.Sequential(
-            nn.Conv2d(1, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.MaxPool2d(2),
-            nn.Conv2d(8, 8, 3, padding=1), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+            nn.Conv2d(1, 8, 3, padding=1),
+            nn.BatchNorm2d(8),
+            nn.ReLU(),
+            nn.MaxPool2d(2),
+            nn.Conv2d(8, 8, 3, padding=1),
+            nn.ReLU(),
+            nn.AdaptiveAvgPool2d(1),
+            nn.Flatten(),
             nn.Linear(8, 2),
-        )  # fmt: skip
+        )
 
     def forward(self, x):
         return self.net(x)
@@ -153,9 +174,15 @@ def test_cnn_with_a_dataloader_generator_function_and_iterator():
     iterator = iter([(x[i : i + 16], y[i : i + 16]) for i in range(0, 64, 16)])
     for data in (loader, gen_fn, iterator):
         df = mpnb.lab.compare(
-            TinyCNN, data, metric_fn=workloads.accuracy, eval_data=_images(32, 1),
-            opt_levels=("O0", "O2"), steps=5, progress=False, threads=1,
-        )  # fmt: skip
+            TinyCNN,
+            data,
+            metric_fn=workloads.accuracy,
+            eval_data=_images(32, 1),
+            opt_levels=("O0", "O2"),
+            steps=5,
+            progress=False,
+            threads=1,
+        )
         assert (df.status == "ok").all(), df.error.tolist()
         assert list(df.batch_size) == [16, 16] and (df.mem_activations_mib > 0).all()
     with pytest.raises(ValueError, match="fixes the batch size"):
@@ -182,6 +209,6 @@ def test_user_errors_become_rows_naming_configuration_and_frame():
     for lvl in ("O2", "O3"):
         err = df.loc[lvl, "error"]
         assert err.startswith(f"{lvl} bf16 b") and "user code cannot take bf16" in err
-        assert "test_lab_user_models.py" in err and "in forward" in err
+        assert "test_user_models.py" in err and "in forward" in err
     with pytest.raises(TypeError, match="function returning a fresh model"):
         mpnb.lab.compare(_Boom(), (x, x))

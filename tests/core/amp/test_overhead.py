@@ -41,9 +41,13 @@ def _setup(level, layers, opt_cls=None):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedHalfWarning)
         model, opt = amp.initialize(
-            model, make(model.parameters()), opt_level=level, half_dtype=torch.bfloat16,
-            loss_scale="dynamic" if level in ("O1", "O2") else None, verbosity=0,
-        )  # fmt: skip
+            model,
+            make(model.parameters()),
+            opt_level=level,
+            half_dtype=torch.bfloat16,
+            loss_scale="dynamic" if level in ("O1", "O2") else None,
+            verbosity=0,
+        )
     params = list(model.parameters())
     grads = [torch.full_like(p, 2.0) for p in params]
     loss = torch.ones(())
@@ -142,9 +146,13 @@ def test_param_groups_added_after_initialize_get_masters():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedHalfWarning)
         model, opt = amp.initialize(
-            model, opt, opt_level="O2", half_dtype=torch.bfloat16, loss_scale="dynamic",
+            model,
+            opt,
+            opt_level="O2",
+            half_dtype=torch.bfloat16,
+            loss_scale="dynamic",
             verbosity=0,
-        )  # fmt: skip
+        )
     opt.add_param_group({"params": list(b.parameters())})
     before = b.weight.detach().clone()
     loss = model(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum()
@@ -167,9 +175,13 @@ def test_overflow_flag_survives_a_later_block_of_the_same_scaler():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", EmulatedHalfWarning)
         (ma, mb), (oa, ob) = amp.initialize(
-            [ma, mb], [oa, ob], opt_level="O1", half_dtype=torch.bfloat16,
-            loss_scale="dynamic", verbosity=0,
-        )  # fmt: skip
+            [ma, mb],
+            [oa, ob],
+            opt_level="O1",
+            half_dtype=torch.bfloat16,
+            loss_scale="dynamic",
+            verbosity=0,
+        )
     loss = torch.ones(())
     for model, bad in ((ma, True), (mb, False)):
         with amp.scale_loss(loss, oa if model is ma else ob):

@@ -8,11 +8,12 @@ import itertools
 
 import pytest
 import torch
-from triton_cases import bitwise, close, gen, kernel, on, poison, randn
 
 import mpnb.core.ops as N
 import mpnb.core.ops as R
 import mpnb.core.ops as S
+
+from .triton_cases import bitwise, close, gen, kernel, on, poison, randn
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
 HALF_OR_32 = [torch.float32, torch.float16, torch.bfloat16]

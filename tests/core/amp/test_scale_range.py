@@ -61,9 +61,13 @@ def test_the_collapse_at_a_min_loss_scale_floor_says_to_lower_the_floor():
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         m, opt = amp.initialize(
-            m, opt, opt_level="O2", half_dtype=torch.float16, verbosity=0,
+            m,
+            opt,
+            opt_level="O2",
+            half_dtype=torch.float16,
+            verbosity=0,
             loss_scale=dict(min_loss_scale=2.0**16, max_skips_at_min=3),
-        )  # fmt: skip
+        )
     x = torch.full((3, 4), 100.0)
     with pytest.raises(LossScaleCollapseError) as e:
         for _ in range(20):

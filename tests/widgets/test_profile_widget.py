@@ -109,9 +109,15 @@ def test_threads_above_the_cores_warn():
 
     with pytest.warns(UserWarning, match="more than this machine"):
         mpnb.widgets.profile(
-            _model(), torch.randn(8, 16), opt_levels=("O0",), steps=1, memory=False,
-            trace=False, precision=None, threads=(os.cpu_count() or 1) + 1,
-        )  # fmt: skip
+            _model(),
+            torch.randn(8, 16),
+            opt_levels=("O0",),
+            steps=1,
+            memory=False,
+            trace=False,
+            precision=None,
+            threads=(os.cpu_count() or 1) + 1,
+        )
 
 
 def test_chrome_trace_export(pw, tmp_path):
@@ -144,9 +150,14 @@ def test_threads_are_restored(pw):
 
 def test_tuple_inputs_are_measured_and_skipped_extras_say_so():
     pw = mpnb.widgets.profile(
-        _model(), (torch.randn(8, 16),), opt_levels=("O0",), steps=2, trace=False,
-        precision=None, threads=1,
-    )  # fmt: skip
+        _model(),
+        (torch.randn(8, 16),),
+        opt_levels=("O0",),
+        steps=2,
+        trace=False,
+        precision=None,
+        threads=1,
+    )
     assert pw.failures.value == "" and pw.memory.peak_mem_mib.gt(0).all()
     assert "not run" in pw.tabs.children[5].children[0].value
     assert "not run" in pw.precision_view.children[0].value
@@ -173,9 +184,13 @@ def test_hf_tiny_model_through_profile_and_its_widget_under_every_level():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         pw = mpnb.widgets.profile(
-            model, {"input_ids": ids, "labels": ids}, loss_fn=loss_fn, opt_levels=levels,
-            steps=1, threads=1,
-        )  # fmt: skip
+            model,
+            {"input_ids": ids, "labels": ids},
+            loss_fn=loss_fn,
+            opt_levels=levels,
+            steps=1,
+            threads=1,
+        )
     assert pw.result.errors == {} and pw.failures.value == "", pw.failures.value
     assert set(pw.result.phases.opt_level) == set(levels)
     assert list(pw.memory.opt_level) == list(levels) and pw.memory.status.eq("ok").all()
@@ -187,9 +202,13 @@ def test_hf_tiny_model_through_profile_and_its_widget_under_every_level():
 def test_profile_reports_progress_per_level():
     seen = []
     mpnb.lab.profile(
-        _model(), torch.randn(8, 16), opt_levels=("O0", "O1"), steps=1, warmup=0,
+        _model(),
+        torch.randn(8, 16),
+        opt_levels=("O0", "O1"),
+        steps=1,
+        warmup=0,
         on_progress=lambda level, done, total: seen.append((level, done, total)),
-    )  # fmt: skip
+    )
     assert seen == [("O0", 0, 2), ("O1", 1, 2), (None, 2, 2)]
 
 
@@ -222,8 +241,9 @@ class _DictNet(torch.nn.Module):
 
 
 def test_a_dict_returning_model_is_profiled_and_traced_like_compare_reads_it():
-    pw = mpnb.widgets.profile(_DictNet(), torch.randn(8, 16), opt_levels=("O0", "O1"), steps=2,
-                              threads=1)  # fmt: skip
+    pw = mpnb.widgets.profile(
+        _DictNet(), torch.randn(8, 16), opt_levels=("O0", "O1"), steps=2, threads=1
+    )
     assert "precision trace" not in pw.failures.value, pw.failures.value
     assert pw.precision is not None and pw.precision.summary.config == "O1"
     assert len(pw.precision.ops) > 0 and pw.trace is not None

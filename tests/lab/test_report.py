@@ -3,13 +3,14 @@
 import json
 
 import pytest
-from test_lab_runner import _data, _Fragile
 from torch import nn
 
 import mpnb.lab
 from mpnb.cli import main
 from mpnb.lab import workloads
 from mpnb.lab.html_report import CHARTS
+
+from .test_runner import _data, _Fragile
 
 
 @pytest.fixture(scope="module")

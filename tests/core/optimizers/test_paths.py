@@ -1,5 +1,5 @@
 """The fused optimizers on a GPU: PyTorch's fused CUDA ops behind mpnb's optimizer classes
-(the ops' CUDA path itself is tested in tests/core/ops/test_optim_torch_path.py)."""
+(the ops' CUDA path itself is tested in tests/core/ops/test_optimizer_torch_path.py)."""
 
 from __future__ import annotations
 

@@ -220,8 +220,10 @@ def test_a_corrupt_adam_checkpoint_is_refused_naming_the_entry(path, value, mess
     after = opt.state_dict()
     assert after["param_groups"] == before["param_groups"]
     for k, s in before["state"].items():
-        assert all(torch.equal(torch.as_tensor(v), torch.as_tensor(after["state"][k][n]))
-                   for n, v in s.items())  # fmt: skip
+        assert all(
+            torch.equal(torch.as_tensor(v), torch.as_tensor(after["state"][k][n]))
+            for n, v in s.items()
+        )
     _train(model, opt, 1)
     assert all(torch.isfinite(p).all() for p in model.parameters())
 

@@ -92,10 +92,13 @@ def test_outcome_without_an_interval_reads_the_ratio_alone():
 
 def test_outcome_names_why_native_was_not_faster():
     why = "PyTorch's {dtype} kernel for this shape costs {cost} its fp32 one"
-    slower = story.outcome(NATIVE, "fp16", 0.5, subject="the fp16 matmul", baseline="fp32",
-                           not_faster=why)  # fmt: skip
-    assert slower.endswith("fp16 is native on this CPU, yet slower here: PyTorch's fp16 kernel "
-                           "for this shape costs more than its fp32 one.")  # fmt: skip
+    slower = story.outcome(
+        NATIVE, "fp16", 0.5, subject="the fp16 matmul", baseline="fp32", not_faster=why
+    )
+    assert slower.endswith(
+        "fp16 is native on this CPU, yet slower here: PyTorch's fp16 kernel "
+        "for this shape costs more than its fp32 one."
+    )
     same = story.outcome(NATIVE, "fp16", 1.0, 0.9, 1.1, not_faster=why)
     assert "not faster here: PyTorch's fp16 kernel for this shape costs about as much as" in same
     default = story.outcome(NATIVE, "fp16", 0.5)
@@ -115,15 +118,37 @@ def test_fp8_is_read_for_accuracy_not_memory():
 def _frame(half_status: str, o3: tuple[float, float, float]) -> pd.DataFrame:
     ratio, lo, hi = o3
     rows = [
-        dict(configuration="O0 fp32 b16", opt_level="O0", half_dtype="fp32", precision="fp32",
-             status="ok", speedup_vs_O0=1.0, speedup_lo=1.0, speedup_hi=1.0),
-        dict(configuration="O3 bf16 b16", opt_level="O3", half_dtype="bf16",
-             precision=f"bf16 ({half_status})", status="ok", speedup_vs_O0=ratio,
-             speedup_lo=lo, speedup_hi=hi),
-        dict(configuration="O2 bf16 b16", opt_level="O2", half_dtype="bf16",
-             precision=f"bf16 ({half_status})", status="error", speedup_vs_O0=float("nan"),
-             speedup_lo=float("nan"), speedup_hi=float("nan")),
-    ]  # fmt: skip
+        dict(
+            configuration="O0 fp32 b16",
+            opt_level="O0",
+            half_dtype="fp32",
+            precision="fp32",
+            status="ok",
+            speedup_vs_O0=1.0,
+            speedup_lo=1.0,
+            speedup_hi=1.0,
+        ),
+        dict(
+            configuration="O3 bf16 b16",
+            opt_level="O3",
+            half_dtype="bf16",
+            precision=f"bf16 ({half_status})",
+            status="ok",
+            speedup_vs_O0=ratio,
+            speedup_lo=lo,
+            speedup_hi=hi,
+        ),
+        dict(
+            configuration="O2 bf16 b16",
+            opt_level="O2",
+            half_dtype="bf16",
+            precision=f"bf16 ({half_status})",
+            status="error",
+            speedup_vs_O0=float("nan"),
+            speedup_lo=float("nan"),
+            speedup_hi=float("nan"),
+        ),
+    ]
     df = pd.DataFrame(rows)
     cols = zip(df.speedup_vs_O0, df.speedup_lo, df.speedup_hi, strict=True)
     df["speed_label"] = [speed_label(*c, baseline=(i == 0)) for i, c in enumerate(cols)]
@@ -152,9 +177,14 @@ def test_compare_story_agrees_with_each_rows_numbers_and_fact(half, o3, expect):
 def test_the_verdict_speaks_through_the_story(half):
     df = _frame(half, (0.17, 0.16, 0.19))
     for col, val in dict(
-        error="", peak_mem_mib=[10.0, 5.0, 5.0], mem_saving_vs_O0=[0.0, 0.5, 0.5], metric=0.9,
-        metric_vs_O0=0.0, metric_name="accuracy", batch_size=16,
-    ).items():  # fmt: skip
+        error="",
+        peak_mem_mib=[10.0, 5.0, 5.0],
+        mem_saving_vs_O0=[0.0, 0.5, 0.5],
+        metric=0.9,
+        metric_vs_O0=0.0,
+        metric_name="accuracy",
+        batch_size=16,
+    ).items():
         df[col] = val
     v = verdict(df)
     lines = story.emulation_lines(["bf16"] if half == "emulated" else [], "cpu")

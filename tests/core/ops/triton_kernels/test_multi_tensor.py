@@ -5,12 +5,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-from triton_cases import SIZES, bitwise, gen, kernel, on, poison, randn
 
 from mpnb.core.ops import (
     reference_multi_tensor_l2norm,
     reference_multi_tensor_scale,
 )
+
+from .triton_cases import SIZES, bitwise, gen, kernel, on, poison, randn
 
 PAIRS = [
     (torch.bfloat16, torch.float32),  # the unscale of a half backward into fp32 masters

@@ -49,19 +49,49 @@ def test_load_record_flags_competition():
 
 def _frame(o2_speed, o2_lo, o2_hi, o2_metric, o2_peak, half="emulated"):
     rows = [
-        dict(configuration="O0 fp32 b16", opt_level="O0", half_dtype="fp32", status="ok",
-             error="", speedup_vs_O0=1.0, speedup_lo=1.0, speedup_hi=1.0,
-             speed_label="baseline", peak_mem_mib=100.0, mem_saving_vs_O0=0.0, metric=0.9,
-             metric_vs_O0=0.0, metric_name="accuracy", batch_size=16, flops_per_step=2e12,
-             ops_per_step=100.0, mem_params_mib=50.0, mem_activations_mib=50.0),
-        dict(configuration="O2 bf16 b16", opt_level="O2", half_dtype="bf16", status="ok",
-             error="", speedup_vs_O0=o2_speed, speedup_lo=o2_lo, speedup_hi=o2_hi,
-             speed_label=f"{o2_speed:.2f}x", peak_mem_mib=o2_peak,
-             mem_saving_vs_O0=1 - o2_peak / 100.0, metric=o2_metric,
-             metric_vs_O0=o2_metric - 0.9, metric_name="accuracy", batch_size=16,
-             flops_per_step=2e12, ops_per_step=100.0, mem_params_mib=25.0,
-             mem_activations_mib=25.0),
-    ]  # fmt: skip
+        dict(
+            configuration="O0 fp32 b16",
+            opt_level="O0",
+            half_dtype="fp32",
+            status="ok",
+            error="",
+            speedup_vs_O0=1.0,
+            speedup_lo=1.0,
+            speedup_hi=1.0,
+            speed_label="baseline",
+            peak_mem_mib=100.0,
+            mem_saving_vs_O0=0.0,
+            metric=0.9,
+            metric_vs_O0=0.0,
+            metric_name="accuracy",
+            batch_size=16,
+            flops_per_step=2e12,
+            ops_per_step=100.0,
+            mem_params_mib=50.0,
+            mem_activations_mib=50.0,
+        ),
+        dict(
+            configuration="O2 bf16 b16",
+            opt_level="O2",
+            half_dtype="bf16",
+            status="ok",
+            error="",
+            speedup_vs_O0=o2_speed,
+            speedup_lo=o2_lo,
+            speedup_hi=o2_hi,
+            speed_label=f"{o2_speed:.2f}x",
+            peak_mem_mib=o2_peak,
+            mem_saving_vs_O0=1 - o2_peak / 100.0,
+            metric=o2_metric,
+            metric_vs_O0=o2_metric - 0.9,
+            metric_name="accuracy",
+            batch_size=16,
+            flops_per_step=2e12,
+            ops_per_step=100.0,
+            mem_params_mib=25.0,
+            mem_activations_mib=25.0,
+        ),
+    ]
     df = pd.DataFrame(rows)
     df.attrs["hardware"] = dict(device="cpu", bf16=half, fp16=half)
     return df
@@ -111,9 +141,12 @@ def test_gpu_estimate_is_a_roofline_of_the_measured_counts():
 def _tiny():
     x = torch.randn(128, 8, generator=torch.Generator().manual_seed(0))
     return workloads.custom(
-        lambda: torch.nn.Linear(8, 2), (x, (x[:, 0] > 0).long()),
-        metric_fn=workloads.accuracy, batch_size=16, steps=10,
-    )  # fmt: skip
+        lambda: torch.nn.Linear(8, 2),
+        (x, (x[:, 0] > 0).long()),
+        metric_fn=workloads.accuracy,
+        batch_size=16,
+        steps=10,
+    )
 
 
 def test_should_stop_keeps_measured_rows_and_progress_has_an_eta():
@@ -123,9 +156,14 @@ def test_should_stop_keeps_measured_rows_and_progress_has_an_eta():
         events.append(p)
 
     df = mpnb.lab.compare(
-        _tiny(), opt_levels=("O0", "O2"), steps=10, progress=False, threads=1,
-        on_progress=on_progress, should_stop=lambda: len(events) >= 13,
-    )  # fmt: skip
+        _tiny(),
+        opt_levels=("O0", "O2"),
+        steps=10,
+        progress=False,
+        threads=1,
+        on_progress=on_progress,
+        should_stop=lambda: len(events) >= 13,
+    )
     assert len(events) == 13 and df.attrs["stopped"]
     assert set(events[-1]) >= {"configuration", "step", "steps", "eta_s", "done", "total"}
     assert events[-1]["total"] == 20 and events[-1]["eta_s"] >= 0
@@ -136,9 +174,25 @@ def test_should_stop_keeps_measured_rows_and_progress_has_an_eta():
 
 def test_cli_json_writes_only_json_to_stdout(tmp_path):
     out = tmp_path / "r.html"
-    cmd = [sys.executable, "-m", "mpnb.cli", "compare", "--workload", "mlp", "--size", "small",
-           "--steps", "4", "--opt-levels", "O0,O3", "--threads", "1", "--json",
-           "--out", str(out)]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "mpnb.cli",
+        "compare",
+        "--workload",
+        "mlp",
+        "--size",
+        "small",
+        "--steps",
+        "4",
+        "--opt-levels",
+        "O0,O3",
+        "--threads",
+        "1",
+        "--json",
+        "--out",
+        str(out),
+    ]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
     doc = json.loads(p.stdout)  # nothing but JSON on stdout

@@ -141,9 +141,13 @@ def test_uneven_inputs_under_torchrun_are_named_at_once(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     t0 = time.monotonic()
     proc = subprocess.run(
-        [*cmd, str(script), str(TIMEOUT)], capture_output=True, text=True, timeout=180, env=env,
+        [*cmd, str(script), str(TIMEOUT)],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env=env,
         cwd=ROOT,
-    )  # fmt: skip
+    )
     took = time.monotonic() - t0
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0

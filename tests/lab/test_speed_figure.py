@@ -111,9 +111,13 @@ def test_real_round_robin_run_shows_one_figure_in_every_view(tmp_path):
 
     x = torch.randn(64, 8)
     df = mpnb.lab.compare(
-        _Sleepy, (x, (x[:, 0] > 0).long()), opt_levels=("O0", "O2"), steps=12,
-        progress=False, threads=1,
-    )  # fmt: skip
+        _Sleepy,
+        (x, (x[:, 0] > 0).long()),
+        opt_levels=("O0", "O2"),
+        steps=12,
+        progress=False,
+        threads=1,
+    )
     assert (df.status == "ok").all(), df.error.tolist()
     views = ResultViews()
     views.update(df)
@@ -137,9 +141,14 @@ def test_configurations_run_round_robin_step_k_of_each_before_step_k_plus_1():
     order = []
     seen = lambda p: order.append((p["step"], p["configuration"]))  # noqa: E731
     df = mpnb.lab.compare(
-        _Sleepy, (x, (x[:, 0] > 0).long()), opt_levels=("O0", "O1", "O2"), steps=6,
-        progress=False, threads=1, on_progress=seen,
-    )  # fmt: skip
+        _Sleepy,
+        (x, (x[:, 0] > 0).long()),
+        opt_levels=("O0", "O1", "O2"),
+        steps=6,
+        progress=False,
+        threads=1,
+        on_progress=seen,
+    )
     assert (df.status == "ok").all(), df.error.tolist()
     steps = [s for s, _ in order]
     assert steps == sorted(steps) and len(order) == 3 * 6  # no configuration runs ahead
