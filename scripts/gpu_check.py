@@ -73,9 +73,8 @@ def _mpnb(*args: str) -> tuple[str, ...]:
 
 
 def _compare(device: str, levels: str, steps: int, extra: tuple[str, ...] = ()) -> tuple:
-    return _mpnb("compare", "--device", device, "--workload", "transformer", "--size",
-                 "medium", "--configs", levels, "--steps", str(steps), "--json",
-                 "--no-progress", *extra)  # fmt: skip
+    flags = f"--workload transformer --size medium --configs {levels} --steps {steps}"
+    return _mpnb("compare", "--device", device, *flags.split(), "--json", "--no-progress", *extra)
 
 
 def steps() -> list[Step]:
@@ -85,28 +84,60 @@ def steps() -> list[Step]:
     return [
         Step("build-ext", 60, _mpnb("build-ext"), "the CPU kernels build and load"),
         Step("doctor", 20, _mpnb("doctor"), "hardware, dtypes measured on CUDA, op paths"),
-        Step("gpu tests", 45, (sys.executable, *_PYTEST, "-m", "gpu", "tests"),
-             "every gpu-marked test"),
-        Step("triton vs reference", 75,
-             (sys.executable, *_PYTEST, "tests/core/ops/triton_kernels"),
-             "every Triton kernel against its reference on CUDA, fp32/fp16/bf16"),
-        Step("bench cuda", 60,
-             _mpnb("bench", "--device", "cuda", "--quick", "--json", "{out}/bench-cuda.json"),
-             "Triton vs PyTorch's fused CUDA ops, same-run bandwidth"),
-        Step("compare cuda", 60,
-             _compare("cuda", f"{HALF},{FP8}", 20, (*both, "--out", "{out}/compare-cuda.html")),
-             "O0-O3 fp16/bf16 and the FP8 recipes, measured on this GPU",
-             "compare-cuda.json"),
-        Step("estimate: cpu bf16", 45, _compare("cpu", HALF, 2, ("--dtype", "bf16", "--out", "")),
-             "the same workload on the CPU (bf16, its default): the verdict's estimate",
-             "compare-cpu-half.json"),
-        Step("estimate: cpu fp8", 30, _compare("cpu", f"O0,{FP8}", 2, ("--out", "")),
-             "the same for the FP8 recipes", "compare-cpu-fp8.json"),
-        Step("notebooks", 75,
-             (sys.executable, *_PYTEST, "--nbval-lax", "--nbval-current-env",
-              "--nbval-sanitize-with", "notebooks/sanitize.cfg", *nb),
-             "notebooks 01, 03, 09 under nbval on CUDA"),
-    ]  # fmt: skip
+        Step(
+            "gpu tests",
+            45,
+            (sys.executable, *_PYTEST, "-m", "gpu", "tests"),
+            "every gpu-marked test",
+        ),
+        Step(
+            "triton vs reference",
+            75,
+            (sys.executable, *_PYTEST, "tests/core/ops/triton_kernels"),
+            "every Triton kernel against its reference on CUDA, fp32/fp16/bf16",
+        ),
+        Step(
+            "bench cuda",
+            60,
+            _mpnb("bench", "--device", "cuda", "--quick", "--json", "{out}/bench-cuda.json"),
+            "Triton vs PyTorch's fused CUDA ops, same-run bandwidth",
+        ),
+        Step(
+            "compare cuda",
+            60,
+            _compare("cuda", f"{HALF},{FP8}", 20, (*both, "--out", "{out}/compare-cuda.html")),
+            "O0-O3 fp16/bf16 and the FP8 recipes, measured on this GPU",
+            "compare-cuda.json",
+        ),
+        Step(
+            "estimate: cpu bf16",
+            45,
+            _compare("cpu", HALF, 2, ("--dtype", "bf16", "--out", "")),
+            "the same workload on the CPU (bf16, its default): the verdict's estimate",
+            "compare-cpu-half.json",
+        ),
+        Step(
+            "estimate: cpu fp8",
+            30,
+            _compare("cpu", f"O0,{FP8}", 2, ("--out", "")),
+            "the same for the FP8 recipes",
+            "compare-cpu-fp8.json",
+        ),
+        Step(
+            "notebooks",
+            75,
+            (
+                sys.executable,
+                *_PYTEST,
+                "--nbval-lax",
+                "--nbval-current-env",
+                "--nbval-sanitize-with",
+                "notebooks/sanitize.cfg",
+                *nb,
+            ),
+            "notebooks 01, 03, 09 under nbval on CUDA",
+        ),
+    ]
 
 
 def _argv(step: Step, out: Path) -> list[str]:
@@ -126,8 +157,14 @@ def run_step(step: Step, out: Path) -> Result:
     with open(log, "w") as err:
         sink = open(out / step.stdout, "w") if step.stdout else err  # noqa: SIM115
         try:
-            proc = subprocess.Popen(_argv(step, out), cwd=ROOT, env=_env(), stdout=sink,
-                                    stderr=err, start_new_session=True)  # fmt: skip
+            proc = subprocess.Popen(
+                _argv(step, out),
+                cwd=ROOT,
+                env=_env(),
+                stdout=sink,
+                stderr=err,
+                start_new_session=True,
+            )
             try:
                 rc = proc.wait(timeout=step.budget_s)
                 status = "pass" if rc == 0 else f"FAIL (exit {rc})"
@@ -164,8 +201,9 @@ def check_step(step: Step, out: Path) -> str:
     if argv[1:3] == ["-m", "mpnb.cli"]:
         return _check_mpnb(argv[3:])
     if argv[1:3] == ["-m", "pytest"]:
-        missing = [a for a in argv if a.startswith(("notebooks/", "tests")) and
-                   not (ROOT / a).exists()]  # fmt: skip
+        missing = [
+            a for a in argv if a.startswith(("notebooks/", "tests")) and not (ROOT / a).exists()
+        ]
         if missing:
             return f"missing: {', '.join(missing)}"
         return _collect(argv)
@@ -185,8 +223,9 @@ def _check_mpnb(args: list[str]) -> str:
             if args[0] == "compare":
                 from mpnb.lab.config import expand
 
-                expand(parsed.workload, parsed.configs, parsed.dtype, (32,), parsed.steps,
-                       device="cpu")  # fmt: skip
+                expand(
+                    parsed.workload, parsed.configs, parsed.dtype, (32,), parsed.steps, device="cpu"
+                )
     except SystemExit as e:
         return f"the arguments do not parse (exit {e.code})"
     except Exception as e:  # noqa: BLE001 - the dry run reports it, whatever it is
@@ -213,8 +252,10 @@ def dry_run(out: Path) -> int:
         total += step.budget_s
         bad += bool(problem)
         shown = " ".join(_argv(step, out)[1:]).replace(" -p no:cacheprovider", "")
-        print(f"{i:2}. {step.name:<22} {step.budget_s:>4} s  {'ok' if not problem else 'FAIL'}"
-              f"  {step.what}\n      $ python {shown}")  # fmt: skip
+        print(
+            f"{i:2}. {step.name:<22} {step.budget_s:>4} s  {'ok' if not problem else 'FAIL'}"
+            f"  {step.what}\n      $ python {shown}"
+        )
         if problem:
             print(f"      problem: {problem}")
     print(f"total budget: {total} s of {LIMIT_S} s; {bad} step(s) not ready")
@@ -249,10 +290,16 @@ def estimate_vs_measured(cuda_rows: list[dict], cpu_runs: list[list[dict]], card
         measured = r.get("speedup_vs_O0")
         guess = float(e["est_speedup_vs_O0"]) if e is not None else math.nan
         ok = measured is not None and math.isfinite(measured) and math.isfinite(guess)
-        out.append(dict(configuration=r["configuration"], precision=r.get("precision", ""),
-                        measured=measured, estimated=guess,
-                        error=measured / guess if ok and guess > 0 else math.nan,
-                        bound=e["bound"] if e is not None else ""))  # fmt: skip
+        out.append(
+            dict(
+                configuration=r["configuration"],
+                precision=r.get("precision", ""),
+                measured=measured,
+                estimated=guess,
+                error=measured / guess if ok and guess > 0 else math.nan,
+                bound=e["bound"] if e is not None else "",
+            )
+        )
     return out
 
 
@@ -275,15 +322,28 @@ def _f(v, fmt="{:.2f}") -> str:
 def summary(results: list[Result], out: Path, card: str, about: str, triton: dict) -> str:
     """The summary as Markdown: the steps, the Triton decisions, estimate vs measured."""
     total = sum(r.seconds for r in results)
-    lines = [f"# GPU check: {card}", "", about, f"Total {total:.0f} s (limit {LIMIT_S} s).", "",
-             "| step | budget s | took s | result | checks |", "|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"# GPU check: {card}",
+        "",
+        about,
+        f"Total {total:.0f} s (limit {LIMIT_S} s).",
+        "",
+        "| step | budget s | took s | result | checks |",
+        "|---|---|---|---|---|",
+    ]
     for r in results:
         note = f" (`{r.log.name}`: {r.tail[-1][:120]})" if r.status != "pass" and r.tail else ""
-        lines.append(f"| {r.step.name} | {r.step.budget_s} | {r.seconds:.0f} | {r.status}{note} "
-                     f"| {r.step.what} |")  # fmt: skip
-    lines += ["", "## Triton kernels vs PyTorch's CUDA path (`mpnb bench --device cuda --quick`)",
-              "", "| kernel | worst case: PyTorch time / Triton time | decision |",
-              "|---|---|---|"]  # fmt: skip
+        lines.append(
+            f"| {r.step.name} | {r.step.budget_s} | {r.seconds:.0f} | {r.status}{note} "
+            f"| {r.step.what} |"
+        )
+    lines += [
+        "",
+        "## Triton kernels vs PyTorch's CUDA path (`mpnb bench --device cuda --quick`)",
+        "",
+        "| kernel | worst case: PyTorch time / Triton time | decision |",
+        "|---|---|---|",
+    ]
     from mpnb.core.ops.triton import LAUNCHERS
     from mpnb.core.ops.triton._decision import decide
 
@@ -295,14 +355,24 @@ def summary(results: list[Result], out: Path, card: str, about: str, triton: dic
         [_rows(out / "compare-cpu-half.json"), _rows(out / "compare-cpu-fp8.json")],
         card,
     )
-    lines += ["", f"## Speed vs O0: measured on {card}, and estimated by a CPU run's verdict", "",
-              "| configuration | precision | measured | estimated | measured / estimated | "
-              "estimate's bound |", "|---|---|---|---|---|---|"]  # fmt: skip
+    lines += [
+        "",
+        f"## Speed vs O0: measured on {card}, and estimated by a CPU run's verdict",
+        "",
+        "| configuration | precision | measured | estimated | measured / estimated | "
+        "estimate's bound |",
+        "|---|---|---|---|---|---|",
+    ]
     for r in rows:
-        off = " (off by more than 1.5x)" if math.isfinite(r["error"]) and not (
-            1 / 1.5 <= r["error"] <= 1.5) else ""  # fmt: skip
-        lines.append(f"| {r['configuration']} | {r['precision']} | {_f(r['measured'])} | "
-                     f"{_f(r['estimated'])} | {_f(r['error'])}{off} | {r['bound']} |")  # fmt: skip
+        off = (
+            " (off by more than 1.5x)"
+            if math.isfinite(r["error"]) and not (1 / 1.5 <= r["error"] <= 1.5)
+            else ""
+        )
+        lines.append(
+            f"| {r['configuration']} | {r['precision']} | {_f(r['measured'])} | "
+            f"{_f(r['estimated'])} | {_f(r['error'])}{off} | {r['bound']} |"
+        )
     if not rows:
         lines.append("| (no CUDA compare rows: see the compare step) | | | | | |")
     return "\n".join(lines) + "\n"
@@ -320,10 +390,13 @@ def _card_and_about() -> tuple[str, str]:
         tv = triton.__version__
     except ImportError:
         tv = "not installed"
-    rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT,
-                         capture_output=True, text=True).stdout.strip()  # fmt: skip
-    about = (f"{_dt.date.today()}: mpnb {mpnb.__version__} ({rev or 'no git'}), torch "
-             f"{torch.__version__} (CUDA {torch.version.cuda}), triton {tv}.")  # fmt: skip
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    about = (
+        f"{_dt.date.today()}: mpnb {mpnb.__version__} ({rev or 'no git'}), torch "
+        f"{torch.__version__} (CUDA {torch.version.cuda}), triton {tv}."
+    )
     return card, about
 
 
@@ -333,8 +406,12 @@ def _record_triton(out: Path, card: str) -> dict:
     bench = out / "bench-cuda.json"
     if not bench.is_file():
         return load_table()
-    table = record(json.loads(bench.read_text())["rows"], card, str(_dt.date.today()),
-                   source="mpnb bench --device cuda --quick")  # fmt: skip
+    table = record(
+        json.loads(bench.read_text())["rows"],
+        card,
+        str(_dt.date.today()),
+        source="mpnb bench --device cuda --quick",
+    )
     write_table(table)
     write_table(table, out / "measured.json")
     return table
@@ -345,16 +422,20 @@ def check(out: Path) -> int:
     import torch
 
     if not torch.cuda.is_available():
-        print("gpu-check: no CUDA GPU is visible to torch here; run it on a machine with one "
-              "(`bash scripts/gpu-check.sh --dry-run` checks the commands on any machine).",
-              file=sys.stderr)  # fmt: skip
+        print(
+            "gpu-check: no CUDA GPU is visible to torch here; run it on a machine with one "
+            "(`bash scripts/gpu-check.sh --dry-run` checks the commands on any machine).",
+            file=sys.stderr,
+        )
         return 2
     results = []
     for step in steps():
         r = run_step(step, out)
         results.append(r)
-        print(f"gpu-check: {step.name}: {r.status} in {r.seconds:.0f} s (budget "
-              f"{step.budget_s} s)", flush=True)  # fmt: skip
+        print(
+            f"gpu-check: {step.name}: {r.status} in {r.seconds:.0f} s (budget {step.budget_s} s)",
+            flush=True,
+        )
     card, about = _card_and_about()
     text = summary(results, out, card, about, _record_triton(out, card))
     slug = re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")

@@ -245,7 +245,7 @@ def check_script(path: str, follow_imports: bool = True) -> CheckReport:
             note,
             tuple(sorted({w for w in wheres if isinstance(w, int)})),
             tuple(dict.fromkeys(w for w in wheres if isinstance(w, str))),
-        )  # fmt: skip
+        )
         for full, ((st, home, port, note), wheres) in merged.items()
     ]
     names.sort(key=lambda r: (_first(r), r.name))

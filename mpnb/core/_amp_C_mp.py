@@ -181,8 +181,21 @@ def multi_tensor_lamb_stage2_cuda(
     torch._foreach_copy_(p, new)
 
 
-def _adam_capturable(op, tensor_lists, n_lists, noop_flag, lr, beta1, beta2, epsilon, step,
-                     mode, bias_correction, weight_decay, inv_scale) -> None:  # fmt: skip
+def _adam_capturable(
+    op,
+    tensor_lists,
+    n_lists,
+    noop_flag,
+    lr,
+    beta1,
+    beta2,
+    epsilon,
+    step,
+    mode,
+    bias_correction,
+    weight_decay,
+    inv_scale,
+) -> None:
     from mpnb.core.amp_C import _fp32, _write_back
 
     lists = _lists(op, tensor_lists, n_lists)
@@ -193,10 +206,21 @@ def _adam_capturable(op, tensor_lists, n_lists, noop_flag, lr, beta1, beta2, eps
     back: list = []
     inv = inv_scale.reshape(1).to(_F32)
     _mt.fused_adam_(
-        p, g, _fp32(m, back), _fp32(v, back), masters, _steps(len(p), int(_value(step)), p),
-        lr=_value(lr), beta1=beta1, beta2=beta2, eps=epsilon, weight_decay=weight_decay,
-        adam_w_mode=mode == 1, bias_correction=bool(bias_correction), inv_scale=inv,
-    )  # fmt: skip
+        p,
+        g,
+        _fp32(m, back),
+        _fp32(v, back),
+        masters,
+        _steps(len(p), int(_value(step)), p),
+        lr=_value(lr),
+        beta1=beta1,
+        beta2=beta2,
+        eps=epsilon,
+        weight_decay=weight_decay,
+        adam_w_mode=mode == 1,
+        bias_correction=bool(bias_correction),
+        inv_scale=inv,
+    )
     _write_back(back)
     if not masters and p[0].dtype != _F32:  # Apex stores these moments rounded to p's dtype
         for x in (*m, *v):
@@ -205,36 +229,92 @@ def _adam_capturable(op, tensor_lists, n_lists, noop_flag, lr, beta1, beta2, eps
 
 
 def multi_tensor_adam_capturable(
-    chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
-    bias_correction, weight_decay, inv_scale,
-) -> None:  # fmt: skip
+    chunk_size,
+    noop_flag,
+    tensor_lists,
+    lr,
+    beta1,
+    beta2,
+    epsilon,
+    step,
+    mode,
+    bias_correction,
+    weight_decay,
+    inv_scale,
+) -> None:
     """``[grads, params, exp_avgs, exp_avg_sqs]``: Adam (``mode`` 0, L2) or AdamW (1) with
     ``lr``, ``step`` (the count after this step) and ``inv_scale`` as tensors; the grads are
     unscaled (``g *= inv_scale``, as Apex's kernel leaves them); a set ``noop_flag`` writes
     nothing. Half params keep fp32 moments rounded to their dtype (as Apex's kernel)."""
     _adam_capturable(
-        "multi_tensor_adam_capturable", tensor_lists, 4, noop_flag, lr, beta1, beta2,
-        epsilon, step, mode, bias_correction, weight_decay, inv_scale,
-    )  # fmt: skip
+        "multi_tensor_adam_capturable",
+        tensor_lists,
+        4,
+        noop_flag,
+        lr,
+        beta1,
+        beta2,
+        epsilon,
+        step,
+        mode,
+        bias_correction,
+        weight_decay,
+        inv_scale,
+    )
 
 
 def multi_tensor_adam_capturable_master(
-    chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
-    bias_correction, weight_decay, inv_scale,
-) -> None:  # fmt: skip
+    chunk_size,
+    noop_flag,
+    tensor_lists,
+    lr,
+    beta1,
+    beta2,
+    epsilon,
+    step,
+    mode,
+    bias_correction,
+    weight_decay,
+    inv_scale,
+) -> None:
     """As :func:`multi_tensor_adam_capturable` with a fifth list, the fp32 master weights:
     the masters are updated and the (half) params receive their rounded copy."""
     _adam_capturable(
-        "multi_tensor_adam_capturable_master", tensor_lists, 5, noop_flag, lr, beta1, beta2,
-        epsilon, step, mode, bias_correction, weight_decay, inv_scale,
-    )  # fmt: skip
+        "multi_tensor_adam_capturable_master",
+        tensor_lists,
+        5,
+        noop_flag,
+        lr,
+        beta1,
+        beta2,
+        epsilon,
+        step,
+        mode,
+        bias_correction,
+        weight_decay,
+        inv_scale,
+    )
 
 
 def multi_tensor_lamb_mp(
-    chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, bias_correction,
-    weight_decay, grad_averaging, mode, global_grad_norm, max_grad_norm, use_nvlamb,
-    found_inf, inv_scale,
-) -> None:  # fmt: skip
+    chunk_size,
+    noop_flag,
+    tensor_lists,
+    lr,
+    beta1,
+    beta2,
+    epsilon,
+    step,
+    bias_correction,
+    weight_decay,
+    grad_averaging,
+    mode,
+    global_grad_norm,
+    max_grad_norm,
+    use_nvlamb,
+    found_inf,
+    inv_scale,
+) -> None:
     """Apex's FusedMixedPrecisionLamb step: ``[g, p, m, v]`` (params updated directly, moments
     in their dtype) or ``[g, p_master, m, v, p_model]`` (fp32 masters updated, the model's
     half params get their rounded copy). ``lr``, ``step`` (the count after this step),
@@ -251,11 +331,23 @@ def multi_tensor_lamb_mp(
     params, masters = (lists[4], w) if len(lists) == 5 else (w, [])
     back: list = []
     _mt.fused_lamb_(
-        params, g, _fp32(m, back), _fp32(v, back), masters,
-        _steps(len(params), int(_value(step)), params), global_grad_norm.reshape(1).to(_F32),
-        lr=_value(lr), beta1=beta1, beta2=beta2, eps=epsilon, weight_decay=weight_decay,
-        adam_w_mode=mode == 1, bias_correction=bool(bias_correction),
-        grad_averaging=bool(grad_averaging), max_grad_norm=_value(max_grad_norm),
-        use_nvlamb=bool(use_nvlamb), inv_scale=inv_scale.reshape(1).to(_F32),
-    )  # fmt: skip
+        params,
+        g,
+        _fp32(m, back),
+        _fp32(v, back),
+        masters,
+        _steps(len(params), int(_value(step)), params),
+        global_grad_norm.reshape(1).to(_F32),
+        lr=_value(lr),
+        beta1=beta1,
+        beta2=beta2,
+        eps=epsilon,
+        weight_decay=weight_decay,
+        adam_w_mode=mode == 1,
+        bias_correction=bool(bias_correction),
+        grad_averaging=bool(grad_averaging),
+        max_grad_norm=_value(max_grad_norm),
+        use_nvlamb=bool(use_nvlamb),
+        inv_scale=inv_scale.reshape(1).to(_F32),
+    )
     _write_back(back)

@@ -70,9 +70,17 @@ def reference_multi_tensor_l2norm_scale(chunk_size, noop_flag, tensor_lists, sca
 
 
 def reference_multi_tensor_lamb_stage1_cuda(
-    chunk_size, noop_flag, tensor_lists, per_tensor_decay, step, beta1, beta2, epsilon,
-    global_grad_norm, max_global_grad_norm,
-) -> None:  # fmt: skip
+    chunk_size,
+    noop_flag,
+    tensor_lists,
+    per_tensor_decay,
+    step,
+    beta1,
+    beta2,
+    epsilon,
+    global_grad_norm,
+    max_global_grad_norm,
+) -> None:
     """Apex's ``multi_tensor_lamb_stage1_cuda``: ``[g, p, m, v, update]``."""
     g, p, m, v, upd = tensor_lists
     gn = float(global_grad_norm.reshape(-1)[0])
@@ -94,9 +102,15 @@ def reference_multi_tensor_lamb_stage1_cuda(
 
 
 def reference_multi_tensor_lamb_stage2_cuda(
-    chunk_size, noop_flag, tensor_lists, per_tensor_param_norm, per_tensor_update_norm, lr,
-    weight_decay, use_nvlamb=False,
-) -> None:  # fmt: skip
+    chunk_size,
+    noop_flag,
+    tensor_lists,
+    per_tensor_param_norm,
+    per_tensor_update_norm,
+    lr,
+    weight_decay,
+    use_nvlamb=False,
+) -> None:
     """Apex's ``multi_tensor_lamb_stage2_cuda``: ``[p, update]``."""
     p, upd = tensor_lists
     for i in range(len(p)):
@@ -143,15 +157,34 @@ def _capturable(tensor_lists, noop_flag, lr, b1, b2, eps, step, mode, bc, decay,
 
 
 def reference_multi_tensor_adam_capturable(
-    chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, mode,
-    bias_correction, weight_decay, inv_scale,
-) -> None:  # fmt: skip
+    chunk_size,
+    noop_flag,
+    tensor_lists,
+    lr,
+    beta1,
+    beta2,
+    epsilon,
+    step,
+    mode,
+    bias_correction,
+    weight_decay,
+    inv_scale,
+) -> None:
     """Apex's ``multi_tensor_adam_capturable`` (``[g, p, m, v]``) and, with a fifth list of
     fp32 masters, ``multi_tensor_adam_capturable_master``."""
     _capturable(
-        tensor_lists, noop_flag, lr, beta1, beta2, epsilon, step, mode, bias_correction,
-        weight_decay, inv_scale,
-    )  # fmt: skip
+        tensor_lists,
+        noop_flag,
+        lr,
+        beta1,
+        beta2,
+        epsilon,
+        step,
+        mode,
+        bias_correction,
+        weight_decay,
+        inv_scale,
+    )
 
 
 #: the master form is the same computation with the fifth list
@@ -159,10 +192,24 @@ reference_multi_tensor_adam_capturable_master = reference_multi_tensor_adam_capt
 
 
 def reference_multi_tensor_lamb_mp(
-    chunk_size, noop_flag, tensor_lists, lr, beta1, beta2, epsilon, step, bias_correction,
-    weight_decay, grad_averaging, mode, global_grad_norm, max_grad_norm, use_nvlamb,
-    found_inf, inv_scale,
-) -> None:  # fmt: skip
+    chunk_size,
+    noop_flag,
+    tensor_lists,
+    lr,
+    beta1,
+    beta2,
+    epsilon,
+    step,
+    bias_correction,
+    weight_decay,
+    grad_averaging,
+    mode,
+    global_grad_norm,
+    max_grad_norm,
+    use_nvlamb,
+    found_inf,
+    inv_scale,
+) -> None:
     """Apex's ``multi_tensor_lamb_mp``: ``[g, p, m, v]`` or ``[g, p_master, m, v, p_model]``
     (the update is not written into the grads here)."""
     g, w, m, v = tensor_lists[:4]

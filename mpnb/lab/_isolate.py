@@ -141,9 +141,13 @@ def _died(cfg, p) -> RunResult:
 
 
 def run_isolated(
-    cfg, spec, threads: int | None, on_step: Callable[[int], None], signals: StopSignals,
+    cfg,
+    spec,
+    threads: int | None,
+    on_step: Callable[[int], None],
+    signals: StopSignals,
     should_stop: Callable[[], bool] | None,
-) -> RunResult:  # fmt: skip
+) -> RunResult:
     """Train ``cfg`` in a spawned subprocess; returns its row's :class:`RunResult`.
 
     ``on_step(i)`` runs in this process as the subprocess finishes step ``i``. A Stop

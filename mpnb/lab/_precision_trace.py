@@ -381,8 +381,10 @@ def autocast_policy(call: Call, device_type: str, half: torch.dtype) -> str:
             o32, c32 = _run(call, to32, device_type, half, True)
             oh, ch = _run(call, toh, device_type, half, True)
             if o32 is None or oh is None:  # no floating output: did autocast cast anything?
-                base = (_run(call, to32, device_type, half, False)[1],
-                        _run(call, toh, device_type, half, False)[1])  # fmt: skip
+                base = (
+                    _run(call, to32, device_type, half, False)[1],
+                    _run(call, toh, device_type, half, False)[1],
+                )
                 return "none" if (c32, ch) == base else "unknown"
             if o32 == half:
                 return "lower-precision"

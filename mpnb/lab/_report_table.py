@@ -52,14 +52,27 @@ TABLE_COLUMNS = {
 #: shown beside the speed-up, in its cell.
 TABLE_GROUPS = {
     "Speed and memory": (
-        "configuration", "precision", "status", "speed_label", "speedup_vs_O0", "step_time_ms",
-        "samples_per_s", "peak_mem_mib", "mem_saving_vs_O0",
+        "configuration",
+        "precision",
+        "status",
+        "speed_label",
+        "speedup_vs_O0",
+        "step_time_ms",
+        "samples_per_s",
+        "peak_mem_mib",
+        "mem_saving_vs_O0",
     ),
     "Accuracy and numerics": (
-        "configuration", "final_loss", "metric", "metric_vs_O0", "output_diff_vs_O0",
-        "skipped_steps", "final_loss_scale", "error",
+        "configuration",
+        "final_loss",
+        "metric",
+        "metric_vs_O0",
+        "output_diff_vs_O0",
+        "skipped_steps",
+        "final_loss_scale",
+        "error",
     ),
-}  # fmt: skip
+}
 
 
 def format_value(col: str, v) -> str:

@@ -183,8 +183,10 @@ def run(args: argparse.Namespace) -> int:
     msg = sys.stderr if args.json else sys.stdout
     why = unwritable_reason(args.out) if args.out else ""
     if why:
-        print(f"mpnb compare: --out {args.out}: {why}; pass another path, or --out '' for no "
-              "report.", file=sys.stderr)  # fmt: skip
+        print(
+            f"mpnb compare: --out {args.out}: {why}; pass another path, or --out '' for no report.",
+            file=sys.stderr,
+        )
         return 2
     try:
         w = get(args.workload, args.size, resolve_device(args.device))

@@ -227,8 +227,12 @@ def _accuracy(go, df):
     if why:
         fig.add_annotation(
             text="<br>".join(textwrap.wrap(html.escape(why), 80)),
-            xref="paper", yref="paper", x=0.5, y=0.5, showarrow=False,
-        )  # fmt: skip
+            xref="paper",
+            yref="paper",
+            x=0.5,
+            y=0.5,
+            showarrow=False,
+        )
     chance = df.attrs.get("workload", {}).get("chance")
     if chance:
         fig.add_hline(

@@ -68,9 +68,22 @@ REASONS = {
 }
 
 COLUMNS = [
-    "seq", "phase", "module", "module_type", "api", "op", "kind", "in_dtypes", "out_dtypes",
-    "dtype", "reason", "detail", "flops", "bytes", "grad_fn",
-]  # fmt: skip
+    "seq",
+    "phase",
+    "module",
+    "module_type",
+    "api",
+    "op",
+    "kind",
+    "in_dtypes",
+    "out_dtypes",
+    "dtype",
+    "reason",
+    "detail",
+    "flops",
+    "bytes",
+    "grad_fn",
+]
 
 
 @dataclass
@@ -277,7 +290,7 @@ def _rows(facts, policies, op_policies, half, cfg) -> list[dict]:
                 flops=f.flops,
                 bytes=f.bytes,
                 grad_fn=f.grad_fn,
-            )  # fmt: skip
+            )
         )
     return rows
 
@@ -303,7 +316,7 @@ def _summary(ops: pd.DataFrame, cfg: PrecisionConfig, half: str, device: str) ->
             flops=("flops", "sum"),
             bytes=("bytes", "sum"),
             detail=("detail", "first"),
-        )  # fmt: skip
+        )
         .reset_index()
     )
     has_fp8 = ops["dtype"].str.startswith("float8").any()

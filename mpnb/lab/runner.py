@@ -377,8 +377,17 @@ def compare(
         )
     steps = w.steps if steps is None else steps
     configs = expand(
-        w.name, configs, half_dtype, batch_sizes, steps, optimizer, lr, loss_scale, dev, seed,
-    )  # fmt: skip
+        w.name,
+        configs,
+        half_dtype,
+        batch_sizes,
+        steps,
+        optimizer,
+        lr,
+        loss_scale,
+        dev,
+        seed,
+    )
     with torch_threads(threads):
         load_start = loadavg()
         hw = hardware_summary(dev)

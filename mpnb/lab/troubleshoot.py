@@ -306,9 +306,15 @@ def step_overhead(
     ratio = median(ratios)
     share = overhead_share(ratio, factor)
     report = OverheadReport(
-        batch, factor, median(small) * 1e3, median(large) * 1e3, ratio, median_ci(ratios),
-        share, "overhead" if share > 0.5 else "compute",
-    )  # fmt: skip
+        batch,
+        factor,
+        median(small) * 1e3,
+        median(large) * 1e3,
+        ratio,
+        median_ci(ratios),
+        share,
+        "overhead" if share > 0.5 else "compute",
+    )
     report.load = load_record(load_start, loadavg(), torch.get_num_threads(), os.cpu_count() or 1)
     report.advice = _overhead_advice(report, dev)
     return report

@@ -70,8 +70,9 @@ def _message(text: str, color: str) -> str:
 class ControlsMixin:
     """Builds the control widgets as attributes of the widget, validates and reads them."""
 
-    def _build_controls(self, configs, half_dtype, batch_sizes, steps, optimizer, device,
-                        loss_scale, threads, size):  # fmt: skip
+    def _build_controls(
+        self, configs, half_dtype, batch_sizes, steps, optimizer, device, loss_scale, threads, size
+    ):
         from mpnb.lab import workloads
 
         names = list(workloads.names())
@@ -103,20 +104,39 @@ class ControlsMixin:
         self.control_errors = {
             k: _err()
             for k in (
-                "opt_levels", "batch_sizes", "steps", "threads", "growth_factor",
-                "backoff_factor", "growth_interval",
+                "opt_levels",
+                "batch_sizes",
+                "steps",
+                "threads",
+                "growth_factor",
+                "backoff_factor",
+                "growth_interval",
             )
-        }  # fmt: skip
+        }
         e = self.control_errors
         columns = [
-            [self.workload, self.size, self.device, self.half_dtype,
-             _row(self.opt_levels, e["opt_levels"])],
-            [_row(self.batch_sizes, e["batch_sizes"]), _row(self.steps, e["steps"]),
-             self.optimizer, _row(self.threads, e["threads"])],
-            [self.scale_mode, self.init_scale, _row(self.growth_factor, e["growth_factor"]),
-             _row(self.backoff_factor, e["backoff_factor"]),
-             _row(self.growth_interval, e["growth_interval"]), self.static_scale],
-        ]  # fmt: skip
+            [
+                self.workload,
+                self.size,
+                self.device,
+                self.half_dtype,
+                _row(self.opt_levels, e["opt_levels"]),
+            ],
+            [
+                _row(self.batch_sizes, e["batch_sizes"]),
+                _row(self.steps, e["steps"]),
+                self.optimizer,
+                _row(self.threads, e["threads"]),
+            ],
+            [
+                self.scale_mode,
+                self.init_scale,
+                _row(self.growth_factor, e["growth_factor"]),
+                _row(self.backoff_factor, e["backoff_factor"]),
+                _row(self.growth_interval, e["growth_interval"]),
+                self.static_scale,
+            ],
+        ]
         self.controls = w.Accordion(
             children=[
                 w.HBox(
@@ -129,9 +149,16 @@ class ControlsMixin:
         self.controls.set_title(0, "Configurations")
         self._build_actions()
         for c in (
-            self.opt_levels, self.batch_sizes, self.steps, self.threads, self.workload,
-            self.scale_mode, self.growth_factor, self.backoff_factor, self.growth_interval,
-        ):  # fmt: skip
+            self.opt_levels,
+            self.batch_sizes,
+            self.steps,
+            self.threads,
+            self.workload,
+            self.scale_mode,
+            self.growth_factor,
+            self.backoff_factor,
+            self.growth_interval,
+        ):
             c.observe(lambda _: self.validate(), names="value")
 
     def _build_actions(self):

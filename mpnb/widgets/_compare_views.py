@@ -175,13 +175,25 @@ class ResultViews:
                 self.accuracy.layout.yaxis.title = f"{name} (0-1, higher is better)"
             # the workload's chance level, drawn (and named) only where it is known
             line = dict(
-                type="line", xref="paper", x0=0, x1=1, yref="y", y0=chance, y1=chance,
+                type="line",
+                xref="paper",
+                x0=0,
+                x1=1,
+                yref="y",
+                y0=chance,
+                y1=chance,
                 line=dict(dash="dash", color="gray"),
-            )  # fmt: skip
+            )
             label = dict(
-                xref="paper", x=1, xanchor="right", yref="y", y=chance, yanchor="bottom",
-                text="chance (random guess)", showarrow=False,
-            )  # fmt: skip
+                xref="paper",
+                x=1,
+                xanchor="right",
+                yref="y",
+                y=chance,
+                yanchor="bottom",
+                text="chance (random guess)",
+                showarrow=False,
+            )
             self.accuracy.layout.shapes = [line] if chance else []
             self.accuracy.layout.annotations = [label] if chance else []
 

@@ -108,9 +108,16 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.views = ResultViews()
         default = workloads.get(workload, size)
         self._build_controls(
-            configs_argument(configs, opt_levels), half_dtype, batch_sizes or (default.batch_size,),
-            steps or default.steps, optimizer, device, loss_scale, threads, size,
-        )  # fmt: skip
+            configs_argument(configs, opt_levels),
+            half_dtype,
+            batch_sizes or (default.batch_size,),
+            steps or default.steps,
+            optimizer,
+            device,
+            loss_scale,
+            threads,
+            size,
+        )
         self.table = w.HTML(table_html(None))
         self.verdict = w.HTML(verdict_html(None))
         self.hardware = w.HTML(hardware_html(self._device()))

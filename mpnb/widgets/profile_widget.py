@@ -410,10 +410,13 @@ class ProfileWidget(w.VBox):
         head = (
             f"<p><b>{html.escape(s.config)}</b> ({html.escape(_precision_of(s))}): "
             f"{len(ops)} ops recorded."
-            + (" FP8 is emulated on this device: FP8 numerics, not FP8 speed." if
-               s.fp8_emulated else "")
+            + (
+                " FP8 is emulated on this device: FP8 numerics, not FP8 speed."
+                if s.fp8_emulated
+                else ""
+            )
             + "</p>"
-        )  # fmt: skip
+        )
         self.precision_view.children = [
             w.HTML(head + "<b>Share of FLOPs and bytes per dtype</b>"),
             _html_table(s.by_dtype, "no compute ops"),

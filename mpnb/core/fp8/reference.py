@@ -149,9 +149,16 @@ def _quantize_for(x, dtype, granularity, power_of_2, scale, mx_rounding="rceil")
 
 
 def reference_float8_linear(
-    x, weight, bias, grad_output, dtypes, granularity, power_of_2=False, scales=None,
+    x,
+    weight,
+    bias,
+    grad_output,
+    dtypes,
+    granularity,
+    power_of_2=False,
+    scales=None,
     mx_rounding="rceil",
-):  # fmt: skip
+):
     """``(y, grad_x, grad_w, grad_b)`` in float64 from the dequantized FP8 operands.
 
     Args:

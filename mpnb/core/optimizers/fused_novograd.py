@@ -111,11 +111,23 @@ class FusedNovoGrad(FusedOptimizerBase):
             return  # the step is skipped
         beta1, beta2 = group["betas"]
         fused_novograd_(
-            bucket.params, bucket.grads, self.state_list(bucket, "exp_avg"),
-            self.state_list(bucket, "exp_avg_sq"), bucket.masters,
-            self.state_list(bucket, "step"), self._norms.pop(id(bucket)), lr=float(group["lr"]),
-            beta1=beta1, beta2=beta2, eps=group["eps"], weight_decay=group["weight_decay"],
-            bias_correction=group["bias_correction"], grad_averaging=group["grad_averaging"],
-            reg_inside_moment=self.reg_inside_moment, norm_type=group["norm_type"],
-            init_zero=group["init_zero"], inv_scale=inv_scale, found_inf=found_inf,
-        )  # fmt: skip
+            bucket.params,
+            bucket.grads,
+            self.state_list(bucket, "exp_avg"),
+            self.state_list(bucket, "exp_avg_sq"),
+            bucket.masters,
+            self.state_list(bucket, "step"),
+            self._norms.pop(id(bucket)),
+            lr=float(group["lr"]),
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            bias_correction=group["bias_correction"],
+            grad_averaging=group["grad_averaging"],
+            reg_inside_moment=self.reg_inside_moment,
+            norm_type=group["norm_type"],
+            init_zero=group["init_zero"],
+            inv_scale=inv_scale,
+            found_inf=found_inf,
+        )

@@ -494,9 +494,20 @@ def launch(
                 p = ctx.Process(  # not daemonic: a rank may start its own workers
                     target=_worker,
                     name=f"mpnb-rank{rank}",
-                    args=(rank, nprocs, fn, args, backend, port, timeout, threads, os.getpid(),
-                          send, stacks[rank]),
-                )  # fmt: skip
+                    args=(
+                        rank,
+                        nprocs,
+                        fn,
+                        args,
+                        backend,
+                        port,
+                        timeout,
+                        threads,
+                        os.getpid(),
+                        send,
+                        stacks[rank],
+                    ),
+                )
                 procs.append(p)
                 p.start()
                 send.close()

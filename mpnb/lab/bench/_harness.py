@@ -296,10 +296,12 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
             if c.extra_vs is not None:
                 other = [x.name for x in case.candidates].index(c.extra_vs)
                 row.extra_vs = c.extra_vs
-                row.extra_ratio = median([
-                    (x - b) / (o - b) if o != b else float("inf")
-                    for x, o, b in zip(t, times[other], base_t, strict=True)
-                ])  # fmt: skip
+                row.extra_ratio = median(
+                    [
+                        (x - b) / (o - b) if o != b else float("inf")
+                        for x, o, b in zip(t, times[other], base_t, strict=True)
+                    ]
+                )
                 row.extra_ratio_target = c.max_extra_ratio
         if c.bytes:
             row.gbps = c.bytes / row.median_s / 1e9
