@@ -239,8 +239,11 @@ class ControlsMixin:
             errs["threads"] = f"threads {self.threads.value}: use 0 (torch's default) or more"
         if self.scale_mode.value == "dynamic":
             # the rule amp applies checks them, so the controls accept exactly what amp does
-            for k, msg in LossScaleRule.field_errors(**self._scale_fields()).items():
-                errs[k] = f"{msg.rstrip('.')}; refused, not clamped"
+            # each message starts with the control as the user sees it, like the others
+            fields = self._scale_fields()
+            for k, msg in LossScaleRule.field_errors(**fields).items():
+                label = getattr(self, k).description
+                errs[k] = f"{label} {fields[k]:g}: {msg.rstrip('.')}; refused, not clamped"
         return errs
 
     def validate(self) -> bool:

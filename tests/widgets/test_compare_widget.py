@@ -253,6 +253,7 @@ def test_scaler_controls_refuse_bad_values_beside_them_and_follow_the_mode():
         control.value = bad
         assert control.value == bad  # kept as typed, not clamped
         assert "must" in cw.control_errors[key].value or "need" in cw.control_errors[key].value
+        assert f"{control.description} {bad:g}:" in cw.control_errors[key].value  # as typed
         assert cw.run_button.disabled
         control.value = good
         assert cw.control_errors[key].value == "" and not cw.run_button.disabled
