@@ -8,7 +8,8 @@ round-robin rounds, so that the compile time never enters the steady-state media
 
 A call "compiled" when dynamo, AOTAutograd or inductor's graph cache counted work during it
 (:func:`compile_events`); a candidate whose first call counts none ran eagerly (dynamo skipped
-it), which is reported as an error rather than timed as compiled.
+it), and one that hits dynamo's recompile limit would from then on run partly eagerly: both are
+reported as errors rather than timed as compiled.
 """
 
 from __future__ import annotations
@@ -82,19 +83,22 @@ def warm_up(fn: Callable[[], object], max_calls: int = MAX_WARM_CALLS) -> Warm:
     Raises:
         RuntimeError: the first call compiled nothing (``fn`` ran eagerly), or ``fn`` still
             recompiled after ``max_calls`` calls. An error of ``torch.compile`` itself (no C++
-            compiler, a failed lowering) propagates as raised.
+            compiler, a failed lowering, dynamo's recompile limit hit) propagates as raised.
     """
     start = compile_events()
     seconds, calls = 0.0, 0
-    while True:
-        before = compile_events()
-        t0 = _clock()
-        fn()
-        dt = _clock() - t0
-        if compile_events() == before:
-            break
-        seconds, calls = seconds + dt, calls + 1
-        if calls >= max_calls:
+    # Past its recompile limit dynamo runs the code eagerly and says so only in a log line:
+    # make that an error, so that an eager run is never timed as a compiled one.
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        while calls < max_calls:
+            before = compile_events()
+            t0 = _clock()
+            fn()
+            dt = _clock() - t0
+            if compile_events() == before:
+                break
+            seconds, calls = seconds + dt, calls + 1
+        else:
             raise RuntimeError(
                 f"still recompiling after {max_calls} calls (each call changed what dynamo "
                 "guards on); make the timed callable repeat the same work, or run with "
@@ -111,6 +115,12 @@ def warm_up(fn: Callable[[], object], max_calls: int = MAX_WARM_CALLS) -> Warm:
 
 def failure(err: BaseException) -> str:
     """One line for a compiled candidate that could not run: the error and the way out."""
+    if type(err).__name__ == "FailOnRecompileLimitHit":
+        return (
+            "torch.compile hit dynamo's recompile limit (the code recompiles per call or per "
+            "tensor, e.g. at a graph break inside a loop, so it would run mostly eagerly); see "
+            "TORCH_LOGS=recompiles,graph_breaks, or run with --no-compile"
+        )
     first = (str(err).strip().splitlines() or [""])[0]
     if len(first) > 200:
         first = first[:197] + "..."
