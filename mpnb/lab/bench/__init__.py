@@ -12,7 +12,9 @@ reason it cannot run with ``opts`` here, which ``mpnb bench`` prints instead of 
 
 Suites are found on disk and imported only when run, so ``mpnb bench --list`` is fast. The
 method (round-robin rounds, median of per-round ratios, same-run bandwidth baselines) is in
-:mod:`mpnb.lab.bench._harness`; see there before writing a suite.
+:mod:`mpnb.lab.bench._harness`; see there before writing a suite. A case's ``torch.compile``
+candidate is made with :func:`compiled`; its compile time is reported apart from its
+steady-state ratio, and ``--no-compile`` (the default with ``--quick``) leaves it out.
 
 Example::
 
@@ -44,6 +46,7 @@ _LAZY = {
     "Case": "_harness",
     "Options": "_harness",
     "Row": "_harness",
+    "compiled": "_harness",
     "run_case": "_harness",
     "run_cases": "_harness",
     "iqr": "mpnb.lab.stats",
@@ -78,7 +81,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--list", action="store_true", help="list the suites and exit")
     p.add_argument("--json", metavar="PATH", help="also write the header and rows to PATH")
     p.add_argument("--rounds", type=int, help="timed rounds per case (default 15; 5 with --quick)")
-    p.add_argument("--quick", action="store_true", help="a rough run in seconds")
+    p.add_argument(
+        "--quick", action="store_true", help="a rough run in seconds (implies --no-compile)"
+    )
+    p.add_argument(
+        "--compile",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="time each case's torch.compile candidate, its compile time (tens of seconds "
+        "each on a CPU) reported apart; default: on, off with --quick",
+    )
     p.add_argument(
         "--filter",
         default="",
@@ -101,7 +113,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``mpnb bench <suite> [--json PATH] [--rounds N] [--quick] [--filter S]``; ``--list``.
+    """``mpnb bench <suite> [--json PATH] [--rounds N] [--quick] [--[no-]compile] [--filter S]``;
+    ``--list``.
 
     ``mpnb bench --device cuda`` without a suite runs suite ``cuda``. Returns 2, with the
     reason on stderr, when the suite cannot run here (an unknown suite, a bad option, or a
@@ -126,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             filter=args.filter,
             device=args.device,
             threads=args.threads,
+            compile=args.compile,
         )
         module = load_suite(args.suite)
     except (KeyError, ValueError) as e:

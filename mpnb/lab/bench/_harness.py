@@ -18,6 +18,11 @@ The clock is ``torch.utils.benchmark.timer`` (it synchronizes the accelerator, i
 reading ``timeit.default_timer``), driven by ``timeit.Timer`` with a fixed call count per
 round. ``torch.utils.benchmark.Timer.timeit`` is not used per round because it adds two
 hidden warm-up calls to every measurement and defaults to one thread.
+
+A ``torch.compile`` candidate (:func:`compiled`) is first called until its graph is warm; the
+time of those calls is its compile time (:attr:`Row.compile_s`), reported apart and never
+part of a round. ``Options.compile`` False drops such candidates; a compile that fails becomes
+an ``ERROR`` row with the reason, and the case's other candidates are timed as usual.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from dataclasses import asdict, dataclass, replace
 import torch
 
 from mpnb.core._numbers import is_positive_finite
+from mpnb.lab.bench import _compile
 from mpnb.lab.bench._timing import time_rounds
 from mpnb.lab.stats import iqr, median, per_round_ratios, quantile, ratio_summary
 
@@ -38,6 +44,7 @@ __all__ = [
     "Case",
     "Options",
     "Row",
+    "compiled",
     "quantile",
     "median",
     "iqr",
@@ -74,6 +81,9 @@ class Candidate:
             work as a fraction of what the other adds (``extra_ratio``), or None.
         max_extra_ratio: the most that fraction may be (``0.5``: "adds at most half of what
             the other adds"), or None.
+        compiled: ``fn`` runs code compiled by ``torch.compile`` (see :func:`compiled`): it is
+            warmed up until it stops compiling, that time is reported apart, and it is left
+            out when ``Options.compile`` is False.
     """
 
     name: str
@@ -85,6 +95,34 @@ class Candidate:
     max_extra_s: float | None = None
     extra_vs: str | None = None
     max_extra_ratio: float | None = None
+    compiled: bool = False
+
+
+def compiled(
+    name: str,
+    fn: Callable[..., object],
+    call: Callable[[Callable[..., object]], Callable[[], object]] | None = None,
+    **kw,
+) -> Candidate:
+    """A candidate that runs ``torch.compile(fn)`` (static shapes, graph breaks allowed).
+
+    Args:
+        name: shown in the table (``"torch.compile(reference_rms_norm_fwd)"``).
+        fn: the PyTorch code to compile; it takes no arguments unless ``call`` is given.
+        call: builds the timed zero-argument callable from the compiled function (a forward
+            and backward: ``lambda f: lambda: torch.autograd.grad(f(x), x, dy)``); None times
+            the compiled ``fn`` itself.
+        kw: the other :class:`Candidate` fields (``bytes``, ``access``, targets).
+
+    Compiling is lazy: nothing compiles until the harness warms the candidate up.
+
+    Example::
+
+        opt = torch.optim.AdamW(params, lr=1e-3)  # PyTorch's compiled-optimizer recipe
+        compiled("torch.compile(AdamW.step)", lambda: opt.step(), bytes=28 * n)
+    """
+    fast = torch.compile(fn, dynamic=False)
+    return Candidate(name, call(fast) if call is not None else fast, compiled=True, **kw)
 
 
 @dataclass
@@ -128,6 +166,8 @@ class Options:
         device: the device suites should put their tensors on.
         filter: run only cases whose :attr:`Case.label` contains this substring.
         threads: ``torch.set_num_threads`` for the run (restored after), or None to keep it.
+        compile: time the cases' ``torch.compile`` candidates (each compiles first: seconds
+            to minutes); False leaves them out.
     """
 
     rounds: int = 15
@@ -138,12 +178,19 @@ class Options:
     device: str = "cpu"
     filter: str = ""
     threads: int | None = None
+    compile: bool = True
 
     @classmethod
-    def make(cls, quick: bool = False, rounds: int | None = None, **kw) -> Options:
-        """Defaults for a full run, or for ``quick`` (5 rounds, 1 warm-up, 5 ms per round)."""
+    def make(
+        cls, quick: bool = False, rounds: int | None = None, compile: bool | None = None, **kw
+    ) -> Options:
+        """Defaults for a full run, or for ``quick`` (5 rounds, 1 warm-up, 5 ms per round).
+
+        ``compile`` None means "not when quick": a quick run takes seconds, and one compiled
+        candidate alone takes tens of seconds to compile on a CPU.
+        """
         base = cls(rounds=5, warmup=1, round_time=0.005, quick=True) if quick else cls()
-        fields = {**asdict(base), **kw}
+        fields = {**asdict(base), **kw, "compile": not quick if compile is None else compile}
         if rounds is not None:
             fields["rounds"] = rounds
         if fields["rounds"] < 1:
@@ -190,6 +237,10 @@ class Row:
     ``status`` is ``"PASS"``/``"MISS"`` against the targets, or ``""``;
     ``preempt_per_call`` counts the OS's involuntary context switches of the process per call
     (well above 0: the machine is contended and a parallel region waited for a preempted thread).
+    A ``torch.compile`` candidate also has ``compile_s``, the time of its calls that compiled
+    (``compile_calls`` of them; ``compile_cache`` is ``"cached"`` when inductor's on-disk cache
+    held every graph), which no other field includes; one whose compile failed has status
+    ``"ERROR"``, the reason in ``error`` and no times (NaN; ``null`` in the JSON).
     """
 
     suite: str
@@ -200,7 +251,7 @@ class Row:
     median_s: float
     iqr_s: float
     rounds: int
-    calls_per_round: int
+    calls_per_round: int = 0
     ratio: float | None = None
     ratio_iqr: float | None = None
     target: float | None = None
@@ -217,11 +268,18 @@ class Row:
     status: str = ""
     preempt_per_call: float = 0.0
     times_s: tuple[float, ...] = ()
+    compile_s: float | None = None
+    compile_calls: int = 0
+    compile_cache: str = ""
+    error: str = ""
 
     def to_dict(self) -> dict:
-        """The row as plain JSON-ready data."""
+        """The row as plain JSON-ready data (NaN times of an ``ERROR`` row as None)."""
         d = asdict(self)
         d["times_s"] = list(self.times_s)
+        for k in ("median_s", "iqr_s"):
+            if d[k] != d[k]:
+                d[k] = None
         return d
 
 
@@ -256,68 +314,103 @@ def _status(row: Row) -> str:
     return "" if not checks else ("PASS" if all(checks) else "MISS")
 
 
+def _warm_compiled(cands: Sequence[Candidate]) -> tuple[dict[int, _compile.Warm], dict[int, str]]:
+    """Warm up the compiled candidates (after forgetting earlier cases' graphs): their compile
+    times, and the reasons of those that failed, by index."""
+    warm: dict[int, _compile.Warm] = {}
+    failed: dict[int, str] = {}
+    if any(c.compiled for c in cands):
+        _compile.reset()
+    for i, c in enumerate(cands):
+        if not c.compiled:
+            continue
+        try:
+            warm[i] = _compile.warm_up(c.fn)
+        except Exception as e:  # any compile error becomes this candidate's row, not a crash
+            failed[i] = _compile.failure(e)
+    return warm, failed
+
+
 def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
     """Time ``case`` round-robin with its bandwidth baselines; one :class:`Row` per callable.
 
-    Rows come in the case's order (baseline first), then the bandwidth baselines.
+    Rows come in the case's order (baseline first), then the bandwidth baselines. Compiled
+    candidates are left out unless ``opts.compile``; each is warmed up first (its compile time
+    goes to its row's ``compile_s``), and one that fails to compile gets an ``ERROR`` row.
     """
     if not case.candidates:
         raise ValueError(f"case {case.label!r} has no candidates.")
     if case.min_rounds > opts.rounds and not opts.quick:
         opts = replace(opts, rounds=case.min_rounds)
+    listed = [c for c in case.candidates if opts.compile or not c.compiled]
+    warm, failed = _warm_compiled(listed)
+    if 0 in failed:
+        raise RuntimeError(f"case {case.label!r}: its baseline {failed[0]}")
+    ours = [c for i, c in enumerate(listed) if i not in failed]
     bw = _bandwidth_candidates(case)
-    cands = [*case.candidates, *bw.values()]
+    cands = [*ours, *bw.values()]
     times, numbers, preempted = time_rounds(cands, opts)
-    base_t = times[0]
-    bw_t = {kind: times[len(case.candidates) + j] for j, kind in enumerate(bw)}
+    by_name = dict(zip([c.name for c in cands], times, strict=True))
+    bw_t = {kind: times[len(ours) + j] for j, kind in enumerate(bw)}
+    timed = iter(range(len(cands)))
     rows = []
-    for i, c in enumerate(cands):
-        role = "baseline" if i == 0 else "candidate" if i < len(case.candidates) else "bandwidth"
-        t = times[i]
-        row = Row(
-            suite,
-            case.name,
-            case.workload,
-            c.name,
-            role,
-            median(t),
-            iqr(t),
-            opts.rounds,
-            numbers[i],
-            bytes=c.bytes,
-            preempt_per_call=preempted[i],
-            times_s=tuple(t),
-        )
+    for i, c in enumerate([*listed, *bw.values()]):
+        if i in failed:
+            rows.append(_error_row(suite, case, c, failed[i]))
+            continue
+        j = next(timed)
+        role = "baseline" if i == 0 else "candidate" if i < len(listed) else "bandwidth"
+        t = times[j]
+        row = Row(suite, case.name, case.workload, c.name, role, median(t), iqr(t), opts.rounds)
+        row.calls_per_round, row.bytes = numbers[j], c.bytes
+        row.preempt_per_call, row.times_s = preempted[j], tuple(t)
         if role == "candidate":
-            row.ratio, row.ratio_iqr = ratio_summary(base_t, t)
-            row.target = c.target
-            row.extra_s = median([x - b for x, b in zip(t, base_t, strict=True)])
-            row.extra_target_s = c.max_extra_s
-            if c.extra_vs is not None:
-                other = [x.name for x in case.candidates].index(c.extra_vs)
-                row.extra_vs = c.extra_vs
-                row.extra_ratio = median(
-                    [
-                        (x - b) / (o - b) if o != b else float("inf")
-                        for x, o, b in zip(t, times[other], base_t, strict=True)
-                    ]
-                )
-                row.extra_ratio_target = c.max_extra_ratio
+            _compare(row, c, t, times[0], by_name)
         if c.bytes:
-            row.gbps = c.bytes / row.median_s / 1e9
-            if c.access in bw_t:
-                ref = bw[c.access]
-                # Fraction of the reference's GB/s, round by round.
-                row.bw_frac = median(
-                    per_round_ratios(
-                        [c.bytes / x for x in t], [ref.bytes / x for x in bw_t[c.access]]
-                    )
-                )
-                row.bw_ref = ref.name
-                row.bw_target = c.bw_target
+            _bandwidth(row, c, t, bw, bw_t)
+        if i in warm:
+            row.compile_s, row.compile_calls = warm[i].seconds, warm[i].calls
+            row.compile_cache = warm[i].cache
         row.status = _status(row)
         rows.append(row)
     return rows
+
+
+def _error_row(suite: str, case: Case, c: Candidate, reason: str) -> Row:
+    nan = float("nan")
+    row = Row(suite, case.name, case.workload, c.name, "candidate", nan, nan, 0)
+    row.bytes, row.status, row.error = c.bytes, "ERROR", reason
+    return row
+
+
+def _compare(row: Row, c: Candidate, t: list[float], base_t: list[float], by_name) -> None:
+    """Fill the row's speed-up, its time above the baseline's and the extra-cost ratio."""
+    row.ratio, row.ratio_iqr = ratio_summary(base_t, t)
+    row.target = c.target
+    row.extra_s = median([x - b for x, b in zip(t, base_t, strict=True)])
+    row.extra_target_s = c.max_extra_s
+    if c.extra_vs is not None:
+        other = by_name[c.extra_vs]
+        row.extra_vs = c.extra_vs
+        row.extra_ratio = median(
+            [
+                (x - b) / (o - b) if o != b else float("inf")
+                for x, o, b in zip(t, other, base_t, strict=True)
+            ]
+        )
+        row.extra_ratio_target = c.max_extra_ratio
+
+
+def _bandwidth(row: Row, c: Candidate, t: list[float], bw, bw_t) -> None:
+    """Fill the row's GB/s and its per-round fraction of the matching bandwidth baseline's."""
+    row.gbps = c.bytes / row.median_s / 1e9
+    if c.access in bw_t:
+        ref = bw[c.access]
+        row.bw_frac = median(
+            per_round_ratios([c.bytes / x for x in t], [ref.bytes / x for x in bw_t[c.access]])
+        )
+        row.bw_ref = ref.name
+        row.bw_target = c.bw_target
 
 
 def run_cases(

@@ -114,16 +114,26 @@ def _fmt_bw(row: Row) -> str:
     return text
 
 
+def _fmt_compile(row: Row) -> str:
+    if row.compile_s is None:
+        return ""
+    text = _fmt_time(row.compile_s)
+    if row.compile_calls > 1:
+        text += f" x{row.compile_calls}"
+    return f"{text} {row.compile_cache}".rstrip()
+
+
 _COLUMNS = (  # title, width, cell
     ("case", 37, lambda r: f"{r.case} [{r.workload}]"),
     ("candidate", 38, lambda r: r.candidate),
     ("median", 9, lambda r: _fmt_time(r.median_s)),
-    ("spread", 7, lambda r: f"{100 * r.iqr_s / r.median_s:.0f}%" if r.median_s else ""),
+    ("spread", 7, lambda r: f"{100 * r.iqr_s / r.median_s:.0f}%" if r.median_s > 0 else ""),
     ("vs PyTorch", 17, _fmt_ratio),
     ("GB/s", 6, lambda r: f"{r.gbps:.1f}" if r.gbps is not None else ""),
     ("% bw", 11, _fmt_bw),
     ("status", 6, lambda r: r.status),
     ("preempt", 7, lambda r: f"{r.preempt_per_call:.2g}"),
+    ("compile", 16, _fmt_compile),
 )
 
 
@@ -133,6 +143,11 @@ def format_rows(rows: Sequence[Row], title: bool = True) -> str:
     ``preempt`` is the OS's involuntary context switches of the process per call: near 0 on a
     quiet machine; above ~0.5 the timings include waits for a preempted thread.
 
+    ``compile`` is a ``torch.compile`` candidate's compile time (the calls until its graph was
+    warm; ``xN``: N calls compiled; ``cached``: inductor's on-disk cache held every graph),
+    apart from its steady-state ``median``. A row whose status is ``ERROR`` is followed by its
+    reason.
+
     ``title=False`` leaves out the column titles, so a run can print case after case.
     """
     lines = []
@@ -141,6 +156,8 @@ def format_rows(rows: Sequence[Row], title: bool = True) -> str:
         lines.append("  ".join("-" * w for _, w, _ in _COLUMNS))
     for r in rows:
         lines.append("  ".join(str(cell(r)).ljust(w) for _, w, cell in _COLUMNS).rstrip())
+        if r.error:
+            lines.append(f"    {r.candidate}: {r.error}")
     return "\n".join(lines)
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from mpnb.lab.bench._compile import inductor_settings
 from mpnb.lab.bench._harness import Options, Row, run_cases
 from mpnb.lab.bench._registry import load_suite
 from mpnb.lab.bench._report import collect_header, format_header, format_rows
@@ -40,7 +41,9 @@ def run_suite(name: str, opts: Options | None = None, echo: bool = False) -> Res
     module = load_suite(name)
     with torch_threads(opts.threads):
         header = {"suite": name, **collect_header(opts.device)}
-        header.update(rounds=opts.rounds, quick=opts.quick)
+        header.update(rounds=opts.rounds, quick=opts.quick, compile=opts.compile)
+        if opts.compile:
+            header["inductor"] = inductor_settings()
         if opts.scale != 1.0:
             header["scale"] = opts.scale
         result = Result(name, header)

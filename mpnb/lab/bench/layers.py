@@ -14,6 +14,9 @@ Three kinds of case:
   (forward: read x, write y; backward: read x or y and dy, write dx). Targets: forward at
   least 1/1.3 and backward at least 1/1.6 of the ``a += s*b`` bandwidth.
 
+Every case also times ``torch.compile`` of mpnb's pure-PyTorch reference of the op (the
+forward compiled, the backward through it), its compile time apart (``--no-compile`` skips it).
+
 Outputs are allocated fresh on every call by both sides. With glibc's default allocator a
 fresh output of 32 MiB or more is page-faulted on every call; run the suite twice, plain and
 with ``MALLOC_MMAP_MAX_=0`` (the header reports it), to see the difference. mpnb's layer
@@ -32,7 +35,14 @@ import torch
 import torch.nn.functional as F
 
 from mpnb.core import ops
-from mpnb.lab.bench._harness import RMW, Candidate, Case, Options
+from mpnb.core.ops.layer_norm import reference_layer_norm_bwd, reference_layer_norm_fwd
+from mpnb.core.ops.rms_norm import reference_rms_norm_bwd, reference_rms_norm_fwd
+from mpnb.core.ops.softmax import (
+    reference_scaled_masked_softmax_fwd,
+    reference_scaled_softmax_bwd,
+    reference_scaled_upper_triang_masked_softmax_fwd,
+)
+from mpnb.lab.bench._harness import RMW, Candidate, Case, Options, compiled
 
 __all__ = ["cases", "SHAPES"]
 
@@ -62,6 +72,13 @@ def _fwd_bwd(f, inputs, dy):
     return run
 
 
+def _compiled(ref, f, inputs=(), dy=None, **kw) -> Candidate:
+    """``torch.compile`` of ``f``, a call of the pure-PyTorch reference ``ref``; with ``dy``,
+    ``f`` takes ``inputs`` and its forward and backward are timed (as :func:`_fwd_bwd`)."""
+    call = (lambda fast: _fwd_bwd(fast, inputs, dy)) if dy is not None else None
+    return compiled(f"torch.compile({ref.__name__})", f, call, **kw)
+
+
 def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator[Case]:
     g = torch.Generator().manual_seed(0)
     x = torch.randn(rows, cols, generator=g).to(dtype).requires_grad_(True)
@@ -82,6 +99,12 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
                 _fwd_bwd(lambda x, w: ops.rms_norm_fwd(x, [cols], w, 1e-5)[0], (x, w), dy),
                 target=_TARGETS[("rms", dtype)],
             ),
+            _compiled(
+                reference_rms_norm_fwd,
+                lambda x, w: reference_rms_norm_fwd(x, [cols], w, eps=1e-5)[0],
+                (x, w),
+                dy,
+            ),
         ],
     )
     yield Case(
@@ -98,6 +121,12 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
                     lambda x, w, b: ops.layer_norm_fwd(x, [cols], w, b, 1e-5)[0], (x, w, b), dy
                 ),
                 target=_TARGETS[("ln", dtype)],
+            ),
+            _compiled(
+                reference_layer_norm_fwd,
+                lambda x, w, b: reference_layer_norm_fwd(x, [cols], w, b, eps=1e-5)[0],
+                (x, w, b),
+                dy,
             ),
         ],
     )
@@ -117,6 +146,11 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
                 2 * n * es,
                 RMW,
                 bw_target=_FWD_BW,
+            ),
+            _compiled(
+                reference_layer_norm_fwd,
+                lambda: reference_layer_norm_fwd(xd, [cols], wd, bd, eps=1e-5),
+                bytes=2 * n * es,
             ),
         ],
         bandwidth_numel=n,
@@ -139,6 +173,11 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
                 RMW,
                 bw_target=_BWD_BW,
             ),
+            _compiled(
+                reference_layer_norm_bwd,
+                lambda: reference_layer_norm_bwd(dy, xd, mean, rstd, [cols], weight=wd, bias=bd),
+                bytes=3 * n * es,
+            ),
         ],
         bandwidth_numel=n,
     )
@@ -153,6 +192,11 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
                 2 * n * es,
                 RMW,
                 bw_target=_FWD_BW,
+            ),
+            _compiled(
+                reference_rms_norm_fwd,
+                lambda: reference_rms_norm_fwd(xd, [cols], wd, eps=1e-5),
+                bytes=2 * n * es,
             ),
         ],
         bandwidth_numel=n,
@@ -172,6 +216,11 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
                 3 * n * es,
                 RMW,
                 bw_target=_BWD_BW,
+            ),
+            _compiled(
+                reference_rms_norm_bwd,
+                lambda: reference_rms_norm_bwd(dy, xd, rrms, [cols], weight=wd),
+                bytes=3 * n * es,
             ),
         ],
         bandwidth_numel=n,
@@ -200,6 +249,12 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
                 _fwd_bwd(lambda x: ops.scaled_masked_softmax_fwd(x, mask, _SCALE), (x,), dy),
                 target=_TARGETS[("masked", dtype)],
             ),
+            _compiled(
+                reference_scaled_masked_softmax_fwd,
+                lambda x: reference_scaled_masked_softmax_fwd(x, mask, scale=_SCALE),
+                (x,),
+                dy,
+            ),
         ],
     )
     c = torch.randn(max(1, rows // sk), sk, sk, generator=g).to(dtype).requires_grad_(True)
@@ -226,6 +281,12 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
                 ),
                 target=_TARGETS[("causal", dtype)],
             ),
+            _compiled(
+                reference_scaled_upper_triang_masked_softmax_fwd,
+                lambda c: reference_scaled_upper_triang_masked_softmax_fwd(c, scale=_SCALE),
+                (c,),
+                dyc,
+            ),
         ],
     )
     if dtype != torch.float32:
@@ -244,6 +305,11 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
                 RMW,
                 bw_target=_FWD_BW,
             ),  # + the mask, once
+            _compiled(
+                reference_scaled_masked_softmax_fwd,
+                lambda: reference_scaled_masked_softmax_fwd(xd, mask, scale=_SCALE),
+                bytes=2 * n * es + n // heads,
+            ),
         ],
         bandwidth_numel=n,
     )
@@ -261,6 +327,11 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
                 3 * n * es,
                 RMW,
                 bw_target=_BWD_BW,
+            ),
+            _compiled(
+                reference_scaled_softmax_bwd,
+                lambda: reference_scaled_softmax_bwd(dy, y, scale=_SCALE),
+                bytes=3 * n * es,
             ),
         ],
         bandwidth_numel=n,

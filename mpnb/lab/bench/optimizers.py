@@ -24,6 +24,14 @@ params (which keeps its moments in bf16: 14 B/param) and against our round-to-ne
 step. Ours move :data:`PURE_BF16_BYTES` per param: bf16 param read + write 4, bf16 grad 2,
 fp32 m and v read + write 16 (22 B); Kahan adds its bf16 compensation read + write (26 B).
 The target is the share of the same-run in-place bandwidth (``bw_target``), not a speed-up.
+
+Every case also times PyTorch's compiled-optimizer recipe: ``torch.compile`` of a function
+that calls ``step()`` of a ``torch.optim`` optimizer made without ``fused``/``foreach`` (so the
+compiler generates the update), on its own copy of the params; in the O2 cases the whole copy,
+unscale, step, copy path is compiled. Its compile time is reported apart; ``--no-compile``
+skips it. LAMB and NovoGrad have none: PyTorch has no such optimizer to compile, and mpnb's
+references (written for parity, with a host read per tensor) break the graph once per tensor,
+which runs into dynamo's recompile limit.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import torch
 from mpnb.core.ops.lamb import reference_fused_lamb_
 from mpnb.core.ops.novograd import reference_fused_novograd_
 from mpnb.core.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
-from mpnb.lab.bench._harness import RMW, Candidate, Case, Options
+from mpnb.lab.bench._harness import RMW, Candidate, Case, Options, compiled
 from mpnb.lab.bench.multi_tensor import gpt_numels
 
 __all__ = ["cases", "WORKLOADS"]
@@ -170,6 +178,18 @@ _O2 = {  # name -> (torch optimizer on masters, ours with master weights, update
     ),
 }
 _TARGETS = {("AdamW", _A): 1.6, ("AdamW", _D): 5.0}
+#: The optimizers ``torch.compile`` is given: PyTorch's own without ``fused`` (the compiled
+#: recipe's); none for LAMB and NovoGrad, which PyTorch lacks.
+_COMPILED = {
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=_LR, weight_decay=0.01),
+    "SGD momentum": lambda p: torch.optim.SGD(p, lr=_LR, momentum=0.9),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr=_LR),
+}
+
+
+def _compiled_step(opt, bytes: int, what: str = "AdamW.step") -> Candidate:
+    """PyTorch's compiled-optimizer recipe: ``torch.compile`` of a function calling ``opt``."""
+    return compiled(f"torch.compile({what})", lambda: opt(), bytes=bytes, access=RMW)
 
 
 def _o2_case(name, work, numels, quick) -> Case:
@@ -191,6 +211,9 @@ def _o2_case(name, work, numels, quick) -> Case:
             0.85 if work == _A else None,
         ),
     ]
+    if name in _COMPILED:
+        o2 = _TorchO2(_params(numels, torch.bfloat16), _COMPILED[name])
+        cands.append(_compiled_step(o2, bpp * n, f"O2 {name}: copy, unscale, step, copy"))
     return Case(f"O2 {name} step", work, cands, bandwidth_numel=n)
 
 
@@ -199,12 +222,14 @@ def _adam_cases(work, numels, quick) -> Iterator[Case]:
     a, b, c = (_params(numels, torch.float32) for _ in range(3))
     ta = torch.optim.AdamW(a, lr=_LR, weight_decay=0.01, fused=True)
     ours = FusedAdam(b, lr=_LR, weight_decay=0.01)
+    step = _COMPILED["AdamW"](_params(numels, torch.float32)).step
     yield Case(
         "fp32 AdamW step",
         work,
         [
             Candidate("torch AdamW(fused=True)", ta.step, 28 * n, RMW),
             Candidate("mpnb FusedAdam", ours.step, 28 * n, RMW, 0.95, 0.85 if work == _A else None),
+            _compiled_step(step, 28 * n),
         ],
         bandwidth_numel=n,
     )
@@ -215,6 +240,7 @@ def _adam_cases(work, numels, quick) -> Iterator[Case]:
         [
             Candidate("torch AdamW(foreach=True)", tf.step, 28 * n, RMW),
             Candidate("mpnb FusedAdam", ours.step, 28 * n, RMW, 1.0),
+            _compiled_step(step, 28 * n),
         ],
         bandwidth_numel=n,
     )
@@ -225,6 +251,7 @@ def _adam_cases(work, numels, quick) -> Iterator[Case]:
         [
             Candidate("torch AdamW(fused=True) fp32", ta.step, 28 * n, RMW),
             Candidate("mpnb one-pass O2 AdamW", _OursO2(d, _O2["AdamW"][1]), 30 * n, RMW, 1 / 1.15),
+            _compiled_step(step, 28 * n),
         ],
         bandwidth_numel=n,
     )
@@ -240,6 +267,11 @@ def _adam_cases(work, numels, quick) -> Iterator[Case]:
                 RMW,
             ),
             Candidate("mpnb one-pass O2 AdamW", _OursO2(f, _O2["AdamW"][1]), 30 * n, RMW, 1.8),
+            _compiled_step(
+                _TorchO2(_params(numels, torch.bfloat16), _COMPILED["AdamW"], scaler=True),
+                30 * n,
+                "copy + GradScaler.step(AdamW) + update + copy",
+            ),
         ],
         bandwidth_numel=n,
     )
@@ -253,7 +285,7 @@ def _pure_bf16_case(work, numels) -> Case:
         "stochastic_rounding=True": dict(stochastic_rounding=True),
         "kahan_summation=True": dict(kahan_summation=True),
     }
-    params = {k: _params(numels, torch.bfloat16, seed=1) for k in ("torch", *opts)}
+    params = {k: _params(numels, torch.bfloat16, seed=1) for k in ("torch", "compiled", *opts)}
     ta = torch.optim.AdamW(params["torch"], lr=_LR, weight_decay=0.01, fused=True)
     ours = {
         k: FusedAdam(params[k], lr=_LR, weight_decay=0.01, generator=torch.Generator(), **o)
@@ -286,6 +318,7 @@ def _pure_bf16_case(work, numels) -> Case:
                 None,
                 bw,
             ),
+            _compiled_step(_COMPILED["AdamW"](params["compiled"]).step, b["torch"] * n),
         ],
         bandwidth_numel=n,
     )
