@@ -170,5 +170,4 @@ def fused_apply_rotary_pos_emb_2d(
     cols = torch.arange(s, device=t.device) % img_w
     cos = torch.cat([tabs[0][rows], tabs[2][cols]], -1).contiguous()
     sin = torch.cat([tabs[1][rows], tabs[3][cols]], -1).contiguous()
-    # [b, s, h, d] seen as [s, b, h, d]; transposed output memory gives back [b, s, h, d] rows.
-    return rope(t.transpose(0, 1), cos, sin, d // 2, True, False, stepwise).transpose(0, 1)
+    return rope(t, cos, sin, d // 2, False, False, stepwise, layout="bshd")
