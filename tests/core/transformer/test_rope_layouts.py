@@ -146,3 +146,18 @@ def test_layout_errors_name_the_fix(op_impl):
     with pytest.raises(ValueError, match=r"t must be \[b, h, s, d\]"):
         ops.rope(t[0], cos, sin, D2, layout="bhsd")
     assert LAYOUTS == ("sbhd", "bshd", "bhsd")
+
+
+def test_apex_form_takes_views_and_keeps_apexs_layout_for_sliced_heads(op_impl):
+    from mpnb.transformer.functional import fused_apply_rotary_pos_emb
+
+    inv = 1.0 / 10000 ** (torch.arange(0, D2, 2, dtype=torch.float64) / D2)
+    f = torch.outer(torch.arange(S, dtype=torch.float64), inv)
+    freqs = torch.cat([f, f], -1)[:, None, None, :].float()
+    q = torch.randn(B, H, S, D).permute(2, 0, 1, 3)  # [b, h, s, d] seen as [s, b, h, d]
+    y = fused_apply_rotary_pos_emb(q, freqs)
+    assert y.stride() == q.stride()
+    torch.testing.assert_close(y, fused_apply_rotary_pos_emb(q.contiguous(), freqs))
+    # heads sliced out of a fused [s, b, h, 3d] tensor: contiguous, as Apex's result
+    qs = torch.randn(S, B, H, 3 * D)[..., :D]
+    assert fused_apply_rotary_pos_emb(qs, freqs).is_contiguous()
