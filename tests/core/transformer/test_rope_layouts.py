@@ -161,3 +161,20 @@ def test_apex_form_takes_views_and_keeps_apexs_layout_for_sliced_heads(op_impl):
     # heads sliced out of a fused [s, b, h, 3d] tensor: contiguous, as Apex's result
     qs = torch.randn(S, B, H, 3 * D)[..., :D]
     assert fused_apply_rotary_pos_emb(qs, freqs).is_contiguous()
+
+
+@pytest.mark.parametrize("case", CASES, ids=_ids)
+def test_long_rows_walk_positions_in_blocks(kernels, case):
+    # d=520: the kernel walks 3 positions per block (2048 // d), so s=17 makes five full blocks
+    # and a partial one, in every layout's walk order
+    layout, memory = case
+    s, d, d2 = 17, 520, 512
+    g = torch.Generator().manual_seed(5)
+    shape = {"s": s, "b": 2, "h": 3, "d": d}
+    t = torch.randn([shape[c] for c in memory], generator=g).to(torch.bfloat16)
+    t = t.permute(_VIEW[case])
+    ang = torch.randn(s, d2, generator=g)
+    y = ops.rope(t, ang.cos(), ang.sin(), d2, layout=layout)
+    want = ops.reference_rope(t, ang.cos(), ang.sin(), d2, layout=layout)
+    torch.testing.assert_close(y, want, rtol=0, atol=0)
+    assert y.stride() == t.stride()
