@@ -178,3 +178,11 @@ def test_long_rows_walk_positions_in_blocks(kernels, case):
     want = ops.reference_rope(t, ang.cos(), ang.sin(), d2, layout=layout)
     torch.testing.assert_close(y, want, rtol=0, atol=0)
     assert y.stride() == t.stride()
+
+
+@pytest.mark.parametrize("case", [("bhsd", "bshd"), ("sbhd", "bhsd")], ids=_ids)
+def test_opcheck_on_views(kernels, case):
+    # the fake's strides (torch.compile's) are the kernel's, and autograd is registered
+    cos, sin = _tables()
+    _, t = _make(case, torch.float32, 6, grad=True)
+    torch.library.opcheck(ops.rotary.OP.overload, (t, cos, sin, D2, False, False, False, case[0]))
