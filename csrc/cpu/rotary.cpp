@@ -162,10 +162,16 @@ at::Tensor rope_cpu(const at::Tensor& t_in, const at::Tensor& cos, const at::Ten
   TORCH_CHECK_VALUE(group > 0 && group % 2 == 0 && D2 % group == 0, op, ": group ", group);
   const auto x = t.stride(3) == 1 ? t : t.contiguous();
   const auto c = cos.contiguous(), s = sin.contiguous();
-  // The result: laid out as t (empty_like keeps a dense t's strides), or as [B, S, H, D].
-  const at::Tensor result =
-      transpose_output ? at::empty({t.size(1), t.size(0), t.size(2), t.size(3)}, t.options()).transpose(0, 1)
-                       : at::empty_like(t_in);
+  // The result: laid out as t (empty_like keeps a dense t's strides) unless that puts a stride
+  // other than 1 on d (the kernel writes rows of d contiguous channels; then contiguous), or as
+  // [B, S, H, D] (mpnb/core/ops/rotary.py's _output is the same rule).
+  at::Tensor result;
+  if (transpose_output) {
+    result = at::empty({t.size(1), t.size(0), t.size(2), t.size(3)}, t.options()).transpose(0, 1);
+  } else {
+    result = at::empty_like(t_in);
+    if (result.stride(3) != 1) result = at::empty(t_in.sizes(), t_in.options());
+  }
   at::Tensor out = transpose_output ? result : result.permute(perm);
   if (t.numel() == 0) return result;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "mpnb", [&] {

@@ -12,12 +12,15 @@ default), ``"bshd"`` or ``"bhsd"`` (what attention code holds). ``t`` may be con
 strided view whose last dim has stride 1 (``x.transpose(1, 2)`` of a ``[b, s, h, d]`` tensor
 passed as ``"bhsd"``, ``x.permute(2, 0, 1, 3)`` of a ``[b, h, s, d]`` one passed as ``"sbhd"``,
 the heads sliced out of a fused QKV tensor...): the CPU kernel walks the rows in ``t``'s memory
-order, so no layout or view costs more than the contiguous ``[s, b, h, d]`` case and nothing
-is copied (only a last dim of another stride is copied first). The output has ``t``'s shape
-and memory layout (the strides of ``torch.empty_like(t)``: ``t``'s own when ``t`` is dense,
-contiguous or a permutation of a contiguous tensor; otherwise dense, its dims in ``t``'s
-memory order). ``transpose_output`` (``"sbhd"`` only) lays it out as ``[b, s, h, d]`` in
-memory instead (Apex's ``transpose_output_memory``).
+order (positions in blocks where ``s`` is the fastest dim), so every layout and view runs at
+the speed of the contiguous ``[s, b, h, d]`` case and nothing is copied (only a last dim of
+another stride is copied first).
+
+The output has ``t``'s shape and memory layout: the strides of ``torch.empty_like(t)`` (``t``'s
+own when ``t`` is dense, contiguous or a permutation of a contiguous tensor; otherwise dense,
+its dims in ``t``'s memory order), contiguous where those would not leave ``d`` innermost.
+``transpose_output`` (``"sbhd"`` only) lays it out as ``[b, s, h, d]`` in memory instead
+(Apex's ``transpose_output_memory``).
 
 Rounding, the rule ``stepwise`` selects (the two differ for fp16/bf16 ``t`` only):
 
@@ -46,6 +49,18 @@ LAYOUTS = ("sbhd", "bshd", "bhsd")
 def _sbhd(layout: str) -> list[int]:
     """The permutation that views a ``layout`` tensor as ``[s, b, h, d]``."""
     return [layout.index(c) for c in "sbhd"]
+
+
+def _output(t: Tensor, transpose_output: bool) -> Tensor:
+    """The op's result, uninitialized: laid out as ``t`` (``torch.empty_like``) unless that
+    gives ``d`` a stride other than 1 (a ``t`` whose last dim is not its innermost: then
+    contiguous), or as ``[b, s, h, d]`` with ``transpose_output``. The CPU kernel, the Triton
+    launcher and the fake allocate by this rule."""
+    if transpose_output:
+        s, b, h, d = t.shape
+        return t.new_empty(b, s, h, d).transpose(0, 1)
+    out = torch.empty_like(t)
+    return out if out.stride(-1) == 1 else t.new_empty(t.shape)
 
 
 def reference_rope(
@@ -78,7 +93,8 @@ def reference_rope(
 
     Returns:
         The rotated tensor, shaped as ``t`` and laid out in memory as ``t`` (the strides of
-        ``torch.empty_like(t)``), or as ``[b, s, h, d]`` with ``transpose_output``.
+        ``torch.empty_like(t)``; contiguous where those would not leave ``d`` innermost), or
+        as ``[b, s, h, d]`` with ``transpose_output``.
 
     Example::
 
@@ -89,7 +105,7 @@ def reference_rope(
         >>> rope(q, f.cos(), f.sin(), 8, layout="bhsd").stride() == q.stride()
         True
     """
-    out = torch.empty_like(t) if not transpose_output else None
+    out = _output(t, transpose_output)
     t = t.permute(_sbhd(layout))
     acc = t.dtype if stepwise else acc_dtype(t)
     cos, sin = cos.to(acc), sin.to(acc)
@@ -107,8 +123,6 @@ def reference_rope(
         y1 = x1 * c[..., 0, :] - x2 * s[..., 0, :]
         y2 = x2 * c[..., 1, :] + x1 * s[..., 1, :]
     y = torch.cat([torch.stack([y1, y2], -2).flatten(-3), x[..., d2:]], -1).to(t.dtype)
-    if transpose_output:
-        return y.transpose(0, 1).contiguous().transpose(0, 1)
     out.permute(_sbhd(layout)).copy_(y)
     return out
 
@@ -159,11 +173,7 @@ def _check(args, per_tensor: bool) -> None:
 
 
 def _fake(args):
-    t = args.t
-    if args.transpose_output:
-        s, b, h, d = t.shape
-        return t.new_empty(b, s, h, d).transpose(0, 1)
-    return torch.empty_like(t)
+    return _output(args.t, args.transpose_output)
 
 
 def _setup_context(ctx, args, output):

@@ -186,3 +186,24 @@ def test_opcheck_on_views(kernels, case):
     cos, sin = _tables()
     _, t = _make(case, torch.float32, 6, grad=True)
     torch.library.opcheck(ops.rotary.OP.overload, (t, cos, sin, D2, False, False, False, case[0]))
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_d_not_innermost_is_copied_and_the_output_contiguous(op_impl, layout):
+    # a dense t whose d is not its innermost dim (the gradient autograd hands over after an
+    # einsum can be one): t is copied, the output is contiguous, the values are right
+    cos, sin = _tables()
+    shape = {"s": S, "b": B, "h": H, "d": D}
+    t = torch.randn([D] + [shape[c] for c in layout[:3]]).to(torch.bfloat16).permute(1, 2, 3, 0)
+    assert t.stride(-1) != 1 and t.permute(3, 0, 1, 2).is_contiguous()
+    for backward in (False, True):
+        y = ops.rope(t, cos, sin, D2, False, backward, layout=layout)
+        assert y.is_contiguous()
+        want = ops.rope(t.contiguous(), cos, sin, D2, False, backward, layout=layout)
+        torch.testing.assert_close(y, want, rtol=0, atol=0)
+    # and through autograd, with such a gradient
+    base = t.detach().contiguous().requires_grad_(True)
+    dy = torch.randn([D] + [shape[c] for c in layout[:3]]).to(torch.bfloat16).permute(1, 2, 3, 0)
+    (g,) = torch.autograd.grad(ops.rope(base, cos, sin, D2, layout=layout), base, dy)
+    want = ops.rope(dy.contiguous(), cos, sin, D2, False, True, layout=layout)
+    torch.testing.assert_close(g, want, rtol=0, atol=0)

@@ -6,8 +6,8 @@ tables ``[s, d2]``. The first ``d2`` channels form groups of ``group`` channels,
 as ``rotate_half`` (``y = x * cos + rotate_half(x) * sin``); ``backward`` applies the
 transposed rotation; channels past ``d2`` pass through. Computed in fp32 (fp64), written in
 ``t``'s dtype (``stepwise``: tables, products and sum rounded to ``t``'s dtype, as Apex's
-kernel). The result is laid out as ``t`` (``torch.empty_like``), or as ``[b, s, h, d]`` with
-``transpose_output``.
+kernel). The result is allocated by the op's rule (``mpnb.core.ops.rotary._output``): laid
+out as ``t``, or as ``[b, s, h, d]`` with ``transpose_output``.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpnb.core.ops.rotary import _output
 from mpnb.core.ops.triton._common import from_acc, launch, next_pow2, to_acc, warps
 
 __all__ = ["rope"]
@@ -107,12 +108,8 @@ def rope(args) -> torch.Tensor:
     perm = [args.layout.index(c) for c in "sbhd"]  # views t as [s, b, h, d]
     t = args.t.permute(perm)
     s, b, h, d = t.shape
-    if args.transpose_output:
-        result = torch.empty((b, s, h, d), dtype=t.dtype, device=t.device).transpose(0, 1)
-        y = result
-    else:
-        result = torch.empty_like(args.t)
-        y = result.permute(perm)
+    result = _output(args.t, args.transpose_output)
+    y = result if args.transpose_output else result.permute(perm)
     rows = s * b * h
     if rows == 0 or d == 0:
         return result
