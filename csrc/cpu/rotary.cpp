@@ -2,8 +2,11 @@
 // (the backward is the transposed rotation, one flag of the same op). The schema is defined in
 // mpnb/core/ops/rotary.py.
 //
-// t is [S, B, H, D] with any strides (the last dim contiguous); cos/sin are fp32 (fp64 for
-// fp64) tables [S, D2] with D2 <= D. The first D2 channels are cut into groups of `group`
+// t is [S, B, H, D], [B, S, H, D] or [B, H, S, D] (`layout` names its dims) with any strides
+// (the last dim contiguous, else copied); the kernel sees it as an [S, B, H, D] view and walks
+// the S*B*H rows in t's memory order (its three row dims sorted by stride; blocks of positions
+// when s is the fastest), so a transposed or permuted view reads (and, its output laid out as
+// t, writes) memory as sequentially as a contiguous tensor. cos/sin are fp32 (fp64 for fp64) tables [S, D2] with D2 <= D. The first D2 channels are cut into groups of `group`
 // channels, each rotated as rotate_half (first half paired with the second half); channels
 // D2..D pass through. One group per rotary axis: group == D2 for 1-D RoPE, two groups of D/2
 // for the 2-D (image) variant. Each element is read once and written once.
@@ -20,6 +23,7 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <array>
 
 #include "cpu/multi_tensor_apply.h"
 
@@ -41,73 +45,109 @@ void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& s
   using IOT = IO<T, Acc>;
   using IOA = IO<Acc, Acc>;
   constexpr int64_t K = IOT::kWidth;
-  const int64_t S = t.size(0), B = t.size(1), H = t.size(2), D = t.size(3), D2 = cos.size(1);
+  const int64_t D = t.size(3), D2 = cos.size(1);
   const int64_t half = group / 2;
   const T* X = t.const_data_ptr<T>();
   T* Y = out.mutable_data_ptr<T>();
   const Acc* C = cos.const_data_ptr<Acc>();
   const Acc* Sn = sin.const_data_ptr<Acc>();
-  const int64_t rows = S * B * H;
-  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1));
-  at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
+  // The row dims (0..2 of the [S, B, H, D] view) from the largest input stride to the smallest,
+  // o[2] the fastest. The walk goes by units of up to TS consecutive rows along o[2]; a unit is
+  // (i0, i1, block), in memory order. When s is the fastest dim ([B, H, S, D] memory) each row
+  // needs the next table row, and a walk in memory order would read all S table rows again for
+  // every (b, h): as much traffic as t itself. There the units go (block, i0, i1): one block's
+  // TS table rows (cos and sin, at most 16 KiB) stay in L1 while every (b, h) reads its TS
+  // contiguous rows of t (16 rows of 128 channels: measured as fast as larger blocks of 64).
+  std::array<int64_t, 3> o{0, 1, 2};
+  std::stable_sort(o.begin(), o.end(), [&](int64_t a, int64_t b) { return t.stride(a) > t.stride(b); });
+  const int64_t n0 = t.size(o[0]), n1 = t.size(o[1]), n2 = t.size(o[2]);
+  const std::array<int64_t, 3> xs{t.stride(o[0]), t.stride(o[1]), t.stride(o[2])};
+  const std::array<int64_t, 3> ys{out.stride(o[0]), out.stride(o[1]), out.stride(o[2])};
+  const int sdim = static_cast<int>(std::find(o.begin(), o.end(), 0) - o.begin());
+  const bool s_fastest = sdim == 2;
+  const int64_t TS = std::max<int64_t>(1, 2048 / std::max<int64_t>(D, 1));
+  const int64_t blocks = (n2 + TS - 1) / TS;
+  const int64_t units = n0 * n1 * blocks;
+  const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1) / TS);
+  at::parallel_for(0, units, grain, [&](int64_t u0, int64_t u1) {
     V a0, a1, b0, b1, c0, c1, s0, s1, d0, d1, e0, e1;
-    for (int64_t r = r0; r < r1; ++r) {
-      const int64_t h = r % H, b = (r / H) % B, s = r / (H * B);
-      const T* x = X + s * t.stride(0) + b * t.stride(1) + h * t.stride(2);
-      T* y = Y + s * out.stride(0) + b * out.stride(1) + h * out.stride(2);
-      const Acc* cr = C + s * D2;
-      const Acc* sr = Sn + s * D2;
-      for (int64_t g = 0; g < D2; g += group) {
-        for (int64_t q = 0; q < half; q += K) {
-          const int64_t n = std::min<int64_t>(K, half - q);
-          const int64_t i = g + q, j = g + half + q;  // partner channels
-          auto ld = [&](auto io, const auto* p, V& u, V& v) {
-            if (n == K) decltype(io)::load(p, u, v); else decltype(io)::load(p, n, u, v);
-          };
-          ld(IOT{}, x + i, a0, a1);
-          ld(IOT{}, x + j, b0, b1);
-          ld(IOA{}, cr + i, c0, c1);
-          ld(IOA{}, sr + i, s0, s1);
-          ld(IOA{}, cr + j, d0, d1);
-          ld(IOA{}, sr + j, e0, e1);
-          V o0, o1, p0, p1;
-          if constexpr (kStepwise) {
-            round_to<T>(c0, c1); round_to<T>(s0, s1); round_to<T>(d0, d1); round_to<T>(e0, e1);
-            // y = round(round(x * c) -/+ round(x' * s)): each product rounded, the sum on store
-            V u0 = a0 * c0, u1 = a1 * c1, w0 = b0 * d0, w1 = b1 * d1;
-            V f0 = backward ? b0 * e0 : b0 * s0, f1 = backward ? b1 * e1 : b1 * s1;
-            V h0 = backward ? a0 * s0 : a0 * e0, h1 = backward ? a1 * s1 : a1 * e1;
-            round_to<T>(u0, u1); round_to<T>(w0, w1); round_to<T>(f0, f1); round_to<T>(h0, h1);
-            if (!backward) {
-              o0 = u0 - f0; o1 = u1 - f1; p0 = w0 + h0; p1 = w1 + h1;
+    for (int64_t unit = u0; unit < u1; ++unit) {
+      const int64_t blk = s_fastest ? unit / (n0 * n1) : unit % blocks;
+      const int64_t rest = s_fastest ? unit % (n0 * n1) : unit / blocks;
+      std::array<int64_t, 3> idx{rest / n1, rest % n1, blk * TS};
+      const int64_t end = std::min(n2, idx[2] + TS);
+      for (; idx[2] < end; ++idx[2]) {
+        const T* x = X + idx[0] * xs[0] + idx[1] * xs[1] + idx[2] * xs[2];
+        T* y = Y + idx[0] * ys[0] + idx[1] * ys[1] + idx[2] * ys[2];
+        const Acc* cr = C + idx[sdim] * D2;
+        const Acc* sr = Sn + idx[sdim] * D2;
+        for (int64_t g = 0; g < D2; g += group) {
+          for (int64_t q = 0; q < half; q += K) {
+            const int64_t n = std::min<int64_t>(K, half - q);
+            const int64_t i = g + q, j = g + half + q;  // partner channels
+            auto ld = [&](auto io, const auto* p, V& u, V& v) {
+              if (n == K) decltype(io)::load(p, u, v); else decltype(io)::load(p, n, u, v);
+            };
+            ld(IOT{}, x + i, a0, a1);
+            ld(IOT{}, x + j, b0, b1);
+            ld(IOA{}, cr + i, c0, c1);
+            ld(IOA{}, sr + i, s0, s1);
+            ld(IOA{}, cr + j, d0, d1);
+            ld(IOA{}, sr + j, e0, e1);
+            V o0, o1, p0, p1;
+            if constexpr (kStepwise) {
+              round_to<T>(c0, c1); round_to<T>(s0, s1); round_to<T>(d0, d1); round_to<T>(e0, e1);
+              // y = round(round(x * c) -/+ round(x' * s)): each product rounded, the sum on store
+              V u0 = a0 * c0, u1 = a1 * c1, w0 = b0 * d0, w1 = b1 * d1;
+              V f0 = backward ? b0 * e0 : b0 * s0, f1 = backward ? b1 * e1 : b1 * s1;
+              V h0 = backward ? a0 * s0 : a0 * e0, h1 = backward ? a1 * s1 : a1 * e1;
+              round_to<T>(u0, u1); round_to<T>(w0, w1); round_to<T>(f0, f1); round_to<T>(h0, h1);
+              if (!backward) {
+                o0 = u0 - f0; o1 = u1 - f1; p0 = w0 + h0; p1 = w1 + h1;
+              } else {
+                o0 = u0 + f0; o1 = u1 + f1; p0 = w0 - h0; p1 = w1 - h1;
+              }
+            } else if (!backward) {
+              o0 = a0 * c0 - b0 * s0; o1 = a1 * c1 - b1 * s1;
+              p0 = b0 * d0 + a0 * e0; p1 = b1 * d1 + a1 * e1;
             } else {
-              o0 = u0 + f0; o1 = u1 + f1; p0 = w0 - h0; p1 = w1 - h1;
+              o0 = a0 * c0 + b0 * e0; o1 = a1 * c1 + b1 * e1;
+              p0 = b0 * d0 - a0 * s0; p1 = b1 * d1 - a1 * s1;
             }
-          } else if (!backward) {
-            o0 = a0 * c0 - b0 * s0; o1 = a1 * c1 - b1 * s1;
-            p0 = b0 * d0 + a0 * e0; p1 = b1 * d1 + a1 * e1;
-          } else {
-            o0 = a0 * c0 + b0 * e0; o1 = a1 * c1 + b1 * e1;
-            p0 = b0 * d0 - a0 * s0; p1 = b1 * d1 - a1 * s1;
+            if (n == K) { IOT::store(y + i, o0, o1); IOT::store(y + j, p0, p1); }
+            else { IOT::store(y + i, n, o0, o1); IOT::store(y + j, n, p0, p1); }
           }
-          if (n == K) { IOT::store(y + i, o0, o1); IOT::store(y + j, p0, p1); }
-          else { IOT::store(y + i, n, o0, o1); IOT::store(y + j, n, p0, p1); }
         }
-      }
-      for (int64_t i = D2; i < D; i += K) {  // pass-through channels
-        const int64_t n = std::min<int64_t>(K, D - i);
-        IOT::load(x + i, n, a0, a1);
-        IOT::store(y + i, n, a0, a1);
+        for (int64_t i = D2; i < D; i += K) {  // pass-through channels
+          const int64_t n = std::min<int64_t>(K, D - i);
+          IOT::load(x + i, n, a0, a1);
+          IOT::store(y + i, n, a0, a1);
+        }
       }
     }
   });
 }
 
-at::Tensor rope_cpu(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, int64_t group,
-                    bool transpose_output, bool backward, bool stepwise) {
+// The permutation that views a `layout` tensor as [S, B, H, D]; the layouts are checked in
+// Python, here only that it is a permutation (any is memory-safe).
+std::array<int64_t, 4> sbhd_of(c10::string_view layout) {
+  std::array<int64_t, 4> p{};
+  TORCH_CHECK_VALUE(layout.size() == 4, "mpnb::rope: layout");
+  for (int64_t k = 0; k < 4; ++k) {
+    const auto at = layout.find("sbhd"[k]);
+    TORCH_CHECK_VALUE(at != c10::string_view::npos, "mpnb::rope: layout");
+    p[k] = static_cast<int64_t>(at);
+  }
+  return p;
+}
+
+at::Tensor rope_cpu(const at::Tensor& t_in, const at::Tensor& cos, const at::Tensor& sin, int64_t group,
+                    bool transpose_output, bool backward, bool stepwise, c10::string_view layout) {
   const char* op = "mpnb::rope";
-  TORCH_CHECK_TYPE(is_float_type(t.scalar_type()), op, ": dtype of t");
-  TORCH_CHECK_VALUE(t.dim() == 4, op, ": t is not [s, b, h, d]");
+  TORCH_CHECK_TYPE(is_float_type(t_in.scalar_type()), op, ": dtype of t");
+  TORCH_CHECK_VALUE(t_in.dim() == 4, op, ": t is not 4-D");
+  const auto perm = sbhd_of(layout);
+  const at::Tensor t = t_in.permute(perm);  // a view: [S, B, H, D]
   const auto acc = t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const char* acc_name = acc == at::kDouble ? "float64" : "float32";
   const int64_t S = t.size(0), D = t.size(3);
@@ -122,15 +162,23 @@ at::Tensor rope_cpu(const at::Tensor& t, const at::Tensor& cos, const at::Tensor
   TORCH_CHECK_VALUE(group > 0 && group % 2 == 0 && D2 % group == 0, op, ": group ", group);
   const auto x = t.stride(3) == 1 ? t : t.contiguous();
   const auto c = cos.contiguous(), s = sin.contiguous();
-  at::Tensor out = transpose_output
-                       ? at::empty({t.size(1), t.size(0), t.size(2), t.size(3)}, t.options()).transpose(0, 1)
-                       : at::empty(t.sizes(), t.options());
-  if (t.numel() == 0) return out;
+  // The result: laid out as t (empty_like keeps a dense t's strides) unless that puts a stride
+  // other than 1 on d (the kernel writes rows of d contiguous channels; then contiguous), or as
+  // [B, S, H, D] (mpnb/core/ops/rotary.py's _output is the same rule).
+  at::Tensor result;
+  if (transpose_output) {
+    result = at::empty({t.size(1), t.size(0), t.size(2), t.size(3)}, t.options()).transpose(0, 1);
+  } else {
+    result = at::empty_like(t_in);
+    if (result.stride(3) != 1) result = at::empty(t_in.sizes(), t_in.options());
+  }
+  at::Tensor out = transpose_output ? result : result.permute(perm);
+  if (t.numel() == 0) return result;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "mpnb", [&] {
     if (stepwise) rope_kernel<scalar_t, true>(x, c, s, out, group, backward);
     else rope_kernel<scalar_t, false>(x, c, s, out, group, backward);
   });
-  return out;
+  return result;
 }
 
 }  // namespace

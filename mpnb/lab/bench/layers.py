@@ -1,10 +1,16 @@
-"""Fused layers (RMS norm, layer norm, scaled masked / causal softmax) vs PyTorch, fwd+bwd.
+"""Fused layers (RMS norm, layer norm, scaled masked / causal softmax, RoPE) vs PyTorch.
 
 Workloads: rows x columns (8192, 4096) and (32768, 1024), fp32 and bf16. For softmax the
 rows are ``[b, np, sq]`` attention rows with ``sk`` columns: the padding-masked case uses a
 ``[b, 1, sq, sk]`` bool mask, the causal case square ``[batches, sq, sq]`` scores.
 
-Three kinds of case:
+RoPE: the forward on ``[s, b, h, d]`` = (2048, 4, 32, 128), fp32 and bf16, one case per
+layout (``[s, b, h, d]``, ``[b, s, h, d]``, ``[b, h, s, d]`` contiguous, and the strided views
+``q.transpose(1, 2)`` of a ``[b, s, h, d]`` tensor and ``[b, h, s, d]`` seen as ``[s, b, h,
+d]``) against PyTorch's unfused expression on the same tensor; compare the layouts by their
+same-run bandwidth fraction (target 0.7).
+
+Three kinds of case for the norms and softmax:
 
 * ``fwd+bwd``: one forward and ``torch.autograd.grad`` (no ``.grad`` accumulation) through
   mpnb's module/function against PyTorch's: ``F.rms_norm``, ``F.layer_norm`` and the composite
@@ -37,6 +43,7 @@ import torch.nn.functional as F
 from mpnb.core import ops
 from mpnb.core.ops.layer_norm import reference_layer_norm_bwd, reference_layer_norm_fwd
 from mpnb.core.ops.rms_norm import reference_rms_norm_bwd, reference_rms_norm_fwd
+from mpnb.core.ops.rotary import reference_rope
 from mpnb.core.ops.softmax import (
     reference_scaled_masked_softmax_fwd,
     reference_scaled_softmax_bwd,
@@ -44,7 +51,7 @@ from mpnb.core.ops.softmax import (
 )
 from mpnb.lab.bench._harness import RMW, Candidate, Case, Options, compiled
 
-__all__ = ["cases", "SHAPES"]
+__all__ = ["cases", "SHAPES", "ROPE_SHAPE"]
 
 SHAPES = ((8192, 4096), (32768, 1024))
 _TARGETS = {  # (op, dtype) -> fwd+bwd speed-up over PyTorch
@@ -338,6 +345,64 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
     )
 
 
+#: RoPE's workload: s, b, h, d (a bf16 tensor of 64 MiB), every channel rotated.
+ROPE_SHAPE = (2048, 4, 32, 128)
+_ROPE_BW = 0.7
+# (the name, the layout passed, the memory order made, the permutation memory -> layout): the
+# three layouts contiguous and the two views attention code passes, q.transpose(1, 2) of a
+# [b, s, h, d] projection and a [b, h, s, d] tensor seen as Apex's [s, b, h, d].
+_ROPE_LAYOUTS = (
+    ("sbhd", "sbhd", "sbhd", (0, 1, 2, 3)),
+    ("bshd", "bshd", "bshd", (0, 1, 2, 3)),
+    ("bhsd", "bhsd", "bhsd", (0, 1, 2, 3)),
+    ("bhsd view of bshd", "bhsd", "bshd", (0, 2, 1, 3)),
+    ("sbhd view of bhsd", "sbhd", "bhsd", (2, 0, 1, 3)),
+)
+
+
+def _rope_cases(s: int, dtype: torch.dtype) -> Iterator[Case]:
+    """RoPE forward, one case per layout: mpnb's kernel against the unfused PyTorch expression
+    on the same tensor (``t * cos + rotate_half(t) * sin``), the compiled reference, and the
+    same-run bandwidth."""
+    _, b, h, d = ROPE_SHAPE
+    size = dict(s=s, b=b, h=h, d=d)
+    g = torch.Generator().manual_seed(2)
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+    f = torch.outer(torch.arange(s, dtype=torch.float64), inv)
+    f = torch.cat([f, f], -1).float()
+    cos, sin = f.cos(), f.sin()
+    for name, layout, memory, perm in _ROPE_LAYOUTS:
+        t = torch.randn([size[c] for c in memory], generator=g).to(dtype).permute(perm)
+        # the tables broadcast over t's dims, in t's dtype (as the unfused expression runs)
+        shape = [s if c == "s" else d if c == "d" else 1 for c in layout]
+        c_t, s_t = cos.to(dtype).view(shape), sin.to(dtype).view(shape)
+
+        def unfused(t=t, c_t=c_t, s_t=s_t):
+            x1, x2 = t.chunk(2, -1)
+            return t * c_t + torch.cat((-x2, x1), -1) * s_t
+
+        n, es = t.numel(), t.element_size()
+        yield Case(
+            f"rope fwd {name}",
+            f"(s={s}, b={b}, h={h}, d={d}) {_name(dtype)}",
+            [
+                Candidate("torch t*cos + rotate_half(t)*sin", unfused),
+                Candidate(
+                    f"mpnb rope layout={layout}",
+                    lambda t=t, layout=layout: ops.rope(t, cos, sin, d, layout=layout),
+                    2 * n * es + 2 * cos.numel() * 4,
+                    RMW,
+                    bw_target=_ROPE_BW,
+                ),
+                _compiled(
+                    reference_rope,
+                    lambda t=t, layout=layout: reference_rope(t, cos, sin, d, layout=layout),
+                ),
+            ],
+            bandwidth_numel=n,
+        )
+
+
 def cases(opts: Options) -> Iterator[Case]:
     """Yield every case, one workload's tensors alive at a time."""
     for rows, cols in SHAPES:
@@ -346,3 +411,5 @@ def cases(opts: Options) -> Iterator[Case]:
             work = f"({rows}, {cols}) {_name(dtype)}"
             yield from _norm_cases(rows, cols, dtype, work)
             yield from _softmax_cases(rows, cols, dtype, work)
+    for dtype in (torch.float32, torch.bfloat16):
+        yield from _rope_cases(max(8, int(ROPE_SHAPE[0] * opts.scale)), dtype)

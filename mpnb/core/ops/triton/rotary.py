@@ -1,11 +1,13 @@
 """Rotary position embedding in Triton: the launcher of ``mpnb::rope``.
 
-``t`` is ``[s, b, h, d]`` with any strides; ``cos``/``sin`` are fp32 (fp64 for fp64 ``t``)
+``t`` is ``[s, b, h, d]``, ``[b, s, h, d]`` or ``[b, h, s, d]`` (``layout``) with any
+strides, read as an ``[s, b, h, d]`` view; ``cos``/``sin`` are fp32 (fp64 for fp64 ``t``)
 tables ``[s, d2]``. The first ``d2`` channels form groups of ``group`` channels, each rotated
 as ``rotate_half`` (``y = x * cos + rotate_half(x) * sin``); ``backward`` applies the
 transposed rotation; channels past ``d2`` pass through. Computed in fp32 (fp64), written in
 ``t``'s dtype (``stepwise``: tables, products and sum rounded to ``t``'s dtype, as Apex's
-kernel); ``transpose_output`` lays the result out as ``[b, s, h, d]`` in memory.
+kernel). The result is allocated by the op's rule (``mpnb.core.ops.rotary._output``): laid
+out as ``t``, or as ``[b, s, h, d]`` with ``transpose_output``.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpnb.core.ops.rotary import _output
 from mpnb.core.ops.triton._common import from_acc, launch, next_pow2, to_acc, warps
 
 __all__ = ["rope"]
@@ -101,15 +104,15 @@ def rope(args) -> torch.Tensor:
         >>> ang = torch.randn(16, 64, device="cuda")
         >>> y = launcher("rope")(t, ang.cos(), ang.sin(), 64)
     """
-    t, cos, sin = args.t, args.cos, args.sin
+    cos, sin = args.cos, args.sin
+    perm = [args.layout.index(c) for c in "sbhd"]  # views t as [s, b, h, d]
+    t = args.t.permute(perm)
     s, b, h, d = t.shape
-    if args.transpose_output:
-        y = torch.empty((b, s, h, d), dtype=t.dtype, device=t.device).transpose(0, 1)
-    else:
-        y = torch.empty((s, b, h, d), dtype=t.dtype, device=t.device)
+    result = _output(args.t, args.transpose_output)
+    y = result if args.transpose_output else result.permute(perm)
     rows = s * b * h
     if rows == 0 or d == 0:
-        return y
+        return result
     block = next_pow2(d)
     nrows = max(1, _TILE // block)
     launch(
@@ -136,4 +139,4 @@ def rope(args) -> torch.Tensor:
         BLOCK=block,
         num_warps=warps(nrows * block),
     )
-    return y
+    return result

@@ -57,6 +57,14 @@ def fused_apply_rotary_pos_emb(
     ``y = t * cos(freqs) + rotate_half(t) * sin(freqs)`` on the first ``d2`` channels.
     ``stepwise``: Apex's rounding (see the module docstring).
 
+    ``t`` may be contiguous or a strided view (last dim of stride 1), such as
+    ``q.permute(2, 0, 1, 3)`` of a ``[b, h, s, d]`` tensor: no copy is made and every view runs
+    at the contiguous speed. The result has ``t``'s memory layout (``torch.empty_like(t)``:
+    contiguous for a contiguous ``t`` or heads sliced out of a contiguous ``[s, b, h, 3d]``
+    tensor, as Apex's; a permuted view gets its own strides, where Apex's is contiguous), or
+    ``[b, s, h, d]`` memory with ``transpose_output_memory``. For ``[b, s, h, d]`` and
+    ``[b, h, s, d]`` tensors without the permute, see :func:`mpnb.core.ops.rope`'s ``layout``.
+
     Example::
 
         >>> t = torch.randn(16, 2, 4, 64)
@@ -81,7 +89,8 @@ def fused_apply_rotary_pos_emb_cached(
     stepwise: bool = False,
 ) -> torch.Tensor:
     """RoPE with precomputed ``cos_``/``sin_`` ``[s, 1, 1, d2]`` (fp32 or ``t``'s dtype);
-    ``stepwise``: Apex's rounding."""
+    ``stepwise``: Apex's rounding. ``t``'s layouts and the result's: as
+    :func:`fused_apply_rotary_pos_emb`."""
     op = "fused_apply_rotary_pos_emb_cached"
     _check_t(op, t, 4, "s, b, h, d")
     c = _table(op, cos_, t.shape[0], "cos_", t)
@@ -170,5 +179,4 @@ def fused_apply_rotary_pos_emb_2d(
     cols = torch.arange(s, device=t.device) % img_w
     cos = torch.cat([tabs[0][rows], tabs[2][cols]], -1).contiguous()
     sin = torch.cat([tabs[1][rows], tabs[3][cols]], -1).contiguous()
-    # [b, s, h, d] seen as [s, b, h, d]; transposed output memory gives back [b, s, h, d] rows.
-    return rope(t.transpose(0, 1), cos, sin, d // 2, True, False, stepwise).transpose(0, 1)
+    return rope(t, cos, sin, d // 2, False, False, stepwise, layout="bshd")

@@ -254,3 +254,30 @@ def test_rope_refuses_bad_tables(device):
         kernel("rope")(t, torch.ones(3, 8, device=device), torch.ones(3, 8, device=device), 8)
     with pytest.raises(ValueError, match="even group"):
         kernel("rope")(t, torch.ones(4, 6, device=device), torch.ones(4, 6, device=device), 4)
+
+
+# [b, s, h, d] and [b, h, s, d] contiguous, and each as the strided view of another layout's
+# memory (what attention code holds): (layout passed, memory made, permutation memory -> layout)
+ROPE_LAYOUTS = [
+    ("bshd", (2, 5, 3, 12), (0, 1, 2, 3)),
+    ("bshd", (2, 3, 5, 12), (0, 2, 1, 3)),
+    ("bhsd", (2, 3, 5, 12), (0, 1, 2, 3)),
+    ("bhsd", (2, 5, 3, 12), (0, 2, 1, 3)),
+    ("sbhd", (2, 3, 5, 12), (2, 0, 1, 3)),
+]
+
+
+@pytest.mark.parametrize("dtype", HALF_OR_32)
+@pytest.mark.parametrize("case", ROPE_LAYOUTS, ids=str)
+def test_rope_layouts_match_reference(device, ulps, dtype, case):
+    layout, memory, perm = case
+    g = gen(31)
+    angles = torch.randn(5, 8, generator=g)
+    cos, sin = angles.cos(), angles.sin()
+    t = randn(memory, dtype, g).to(device).permute(perm)
+    for backward, stepwise in itertools.product((False, True), (False, True)):
+        args = (8, False, backward, stepwise, layout)
+        got = kernel("rope")(t, *on(device, [cos, sin]), *args)
+        want = R.reference_rope(t.cpu(), cos, sin, *args[:4], layout=layout)
+        close(got, want, ulps)
+        assert got.stride() == t.stride()  # laid out as the input
