@@ -316,11 +316,10 @@ struct MaskView {
 // arithmetic instead of following it.
 template <typename T>
 void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale, const MaskView& mv,
-                        bool causal, int64_t sq, bool zero_all_masked) {
+                        bool causal, int64_t sq, bool zero_all_masked, bool stream) {
   using Acc = acc_t<T>;
   constexpr int64_t K = IO<T, Acc>::kWidth;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sk, 1));
-  const bool stream = stream_output<T>(rows * sk);
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     const int64_t width = ((sk + K - 1) / K) * K + K;
     std::vector<Acc> bufs(2 * width);
@@ -357,13 +356,12 @@ void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale
 
 template <typename T>
 void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk, double scale,
-                        bool causal, int64_t sq) {
+                        bool causal, int64_t sq, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
   constexpr int64_t K = IOT::kWidth;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sk, 1));
-  const bool stream = stream_output<T>(rows * sk);
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     V g0, g1, y0, y1;
     for (int64_t r = r0; r < r1; ++r) {
@@ -441,7 +439,7 @@ at::Tensor softmax_fwd(const at::Tensor& input, const std::optional<at::Tensor>&
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mpnb", [&] {
     using T = scalar_t;
     softmax_fwd_kernel<T>(x.const_data_ptr<T>(), y.mutable_data_ptr<T>(), rows, sk, scale, mv, causal, sq,
-                          zero_all_masked);
+                          zero_all_masked, stream_into(y));
   });
   return y;
 }
@@ -481,7 +479,7 @@ at::Tensor scaled_softmax_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "mpnb", [&] {
     using T = scalar_t;
     softmax_bwd_kernel<T>(dy.const_data_ptr<T>(), y.const_data_ptr<T>(), dx.mutable_data_ptr<T>(), rows,
-                          sk, scale, upper_triang, sq);
+                          sk, scale, upper_triang, sq, stream_into(dx));
   });
   return dx;
 }
