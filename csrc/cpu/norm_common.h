@@ -154,7 +154,7 @@ inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, ac
                            bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
-  using IOT = IO<T, Acc>;
+  using IOT = LayerIO<T, Acc>;
   constexpr int64_t K = IOT::kWidth;
   const V vr(rs), vm(mu);
   auto block = [=](int64_t j, int64_t n, V& a, V& c) {
@@ -290,7 +290,7 @@ C10_ALWAYS_INLINE void bwd_stats(NormBwdRow<T>& row, int64_t N, const acc_t<T>* 
 template <typename T>
 C10_ALWAYS_INLINE void store_block(T* p, int64_t n, bool nt, const Vectorized<acc_t<T>>& a,
                         const Vectorized<acc_t<T>>& b) {
-  using IOT = IO<T, acc_t<T>>;
+  using IOT = LayerIO<T, acc_t<T>>;
   if (n < IOT::kWidth) IOT::store(p, n, a, b);
   else if (nt) IOT::stream(p, a, b);
   else IOT::store(p, a, b);

@@ -44,6 +44,7 @@ void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& s
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
   using IOA = IO<Acc, Acc>;
+  using OUT = LayerIO<T, Acc>;  // stores: the CPU's own bf16 conversion where it has one
   constexpr int64_t K = IOT::kWidth;
   const int64_t D = t.size(3), D2 = cos.size(1);
   const int64_t half = group / 2;
@@ -114,8 +115,8 @@ void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& s
               o0 = a0 * c0 + b0 * e0; o1 = a1 * c1 + b1 * e1;
               p0 = b0 * d0 - a0 * s0; p1 = b1 * d1 - a1 * s1;
             }
-            if (n == K) { IOT::store(y + i, o0, o1); IOT::store(y + j, p0, p1); }
-            else { IOT::store(y + i, n, o0, o1); IOT::store(y + j, n, p0, p1); }
+            if (n == K) { OUT::store(y + i, o0, o1); OUT::store(y + j, p0, p1); }
+            else { OUT::store(y + i, n, o0, o1); OUT::store(y + j, n, p0, p1); }
           }
         }
         for (int64_t i = D2; i < D; i += K) {  // pass-through channels

@@ -191,10 +191,10 @@ template <typename T>
 inline void finish_row(const PendingRow<T>& p, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
-  write_blocks<T, Acc>(p.y + p.done, p.Lp - p.done, stream, [&](int64_t j, int64_t, V& a, V& b) {
+  write_blocks<T, Acc, LayerIO<T, Acc>>(p.y + p.done, p.Lp - p.done, stream, [&](int64_t j, int64_t, V& a, V& b) {
     pending_block(p, p.done + j, a, b);
   });
-  write_zeros<T, Acc>(p.y + p.Lp, p.n - p.Lp, stream);
+  write_zeros<T, Acc, LayerIO<T, Acc>>(p.y + p.Lp, p.n - p.Lp, stream);
 }
 
 // Pass 2 of a row: buf = exp(x * scale - shift) over [0, L), masked lanes exp(-10000 - shift),
@@ -231,7 +231,7 @@ inline acc_t<T> softmax_exp_pass(const T* __restrict x, const uint8_t* __restric
     s0 = s0 + a; s1 = s1 + b;
     if (j < pend_end) {
       pending_block(*pend, j, c, d);
-      if (stream) IOT::stream(py + j, c, d); else IOT::store(py + j, c, d);
+      if (stream) LayerIO<T, Acc>::stream(py + j, c, d); else LayerIO<T, Acc>::store(py + j, c, d);
     }
   }
   if (pend) pend->done = std::min(j, pend_end);
@@ -386,7 +386,7 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
       const V dot(static_cast<Acc>(hsum(d0 + d1))), vs(static_cast<Acc>(scale));
       const bool next = r + 1 < rows;
       const int64_t Lp = std::min<int64_t>(sk, (L + K - 1) / K * K);
-      write_blocks<T, Acc>(dx, Lp, stream, [&](int64_t j, int64_t n, V& p, V& q) {
+      write_blocks<T, Acc, LayerIO<T, Acc>>(dx, Lp, stream, [&](int64_t j, int64_t n, V& p, V& q) {
         if (next) { prefetch_next(dy + sk + j); prefetch_next(y + sk + j); }
         if (n == K) { IOT::load(dy + j, g0, g1); IOT::load(y + j, y0, y1); }
         else { IOT::load(dy + j, n, g0, g1); IOT::load(y + j, n, y0, y1); }
@@ -396,7 +396,7 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
         }
         p = vs * (y0 * (g0 - dot)); q = vs * (y1 * (g1 - dot));
       });
-      write_zeros<T, Acc>(dx + Lp, sk - Lp, stream);
+      write_zeros<T, Acc, LayerIO<T, Acc>>(dx + Lp, sk - Lp, stream);
     }
     if (stream) stream_fence();
   });
