@@ -25,7 +25,10 @@ fraction of the same-run ``a += s*b`` bandwidth (target 0.7) and its roofline: t
 kernel timed on cache-resident slices of the workload (``InCache``: rows or positions that
 fit in half of the L2 of each thread, at two slice sizes so the per-call cost cancels). A
 kernel whose in-cache throughput is below 70% of that bandwidth is compute-bound at its
-arithmetic on this CPU, and its row says so.
+arithmetic on this CPU, and its row says so. Each such case also times ``x.clone()`` of a
+tensor of the output's size (``floor: x.clone() (fresh output)``, its bytes read and written
+once): every kernel that returns a fresh output pays what that copy pays beyond the add, the
+OS zeroing each page of the new buffer on its first touch.
 
 Every case also times ``torch.compile`` of mpnb's pure-PyTorch reference of the op (the
 forward compiled, the backward through it), its compile time apart (``--no-compile`` skips it).
@@ -113,6 +116,7 @@ def _kernel_case(
     numel: int,
     compiled_cand: Candidate,
     bytes: int | None = None,
+    fresh: torch.Tensor | None = None,
 ) -> Case:
     """A kernel alone against PyTorch's, the same-run bandwidth and its in-cache roofline.
 
@@ -128,6 +132,9 @@ def _kernel_case(
         numel: the fp32 elements of the bandwidth baseline (the workload's element count).
         compiled_cand: the compiled reference.
         bytes: the whole workload's bytes, where they are not ``units * unit_bytes``.
+        fresh: a tensor shaped as the kernel's output: its ``clone()`` (a fresh output of the
+            same size, read and written once) is timed too, the floor a kernel that returns a
+            fresh output sits on (the OS zeroes every page of it on first touch).
     """
     k = cache_resident(unit_bytes, most=units)
     small = max(1, k // 4)
@@ -140,7 +147,15 @@ def _kernel_case(
         bw_target=_BW,
         in_cache=roofline,
     )
-    return Case(name, work, [torch_cand, mpnb_cand, compiled_cand], bandwidth_numel=numel)
+    cands = [torch_cand, mpnb_cand, compiled_cand]
+    if fresh is not None:
+        cands.append(_fresh_floor(fresh))
+    return Case(name, work, cands, bandwidth_numel=numel)
+
+
+def _fresh_floor(t: torch.Tensor) -> Candidate:
+    """``t.clone()``: a fresh output of ``t``'s size read and written once, with its bytes."""
+    return Candidate("floor: x.clone() (fresh output)", t.clone, 2 * t.numel() * t.element_size())
 
 
 def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator[Case]:
@@ -218,6 +233,7 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
             lambda: reference_layer_norm_fwd(xd, [cols], wd, bd, eps=1e-5),
             bytes=ln_fwd * rd,
         ),
+        fresh=xd,
     )
     yield _kernel_case(
         "layer_norm bwd",
@@ -238,6 +254,7 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
             lambda: reference_layer_norm_bwd(dy, xd, mean, rstd, [cols], weight=wd, bias=bd),
             bytes=ln_bwd * rd,
         ),
+        fresh=dy,
     )
     yield _kernel_case(
         "rms_norm fwd",
@@ -253,6 +270,7 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
             lambda: reference_rms_norm_fwd(xd, [cols], wd, eps=1e-5),
             bytes=rms_fwd * rd,
         ),
+        fresh=xd,
     )
     yield _kernel_case(
         "rms_norm bwd",
@@ -271,6 +289,7 @@ def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator
             lambda: reference_rms_norm_bwd(dy, xd, rrms, [cols], weight=wd),
             bytes=rms_bwd * rd,
         ),
+        fresh=dy,
     )
 
 
@@ -358,6 +377,7 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
             lambda: reference_scaled_softmax_fwd(xd, scale=_SCALE),
             bytes=2 * n * es,
         ),
+        fresh=xd,
     )
 
     # the [b, 1, sq, sk] mask is read once for all heads at full size (n // heads bytes); the
@@ -383,6 +403,7 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
             bytes=2 * n * es + n // heads,
         ),
         bytes=2 * n * es + n // heads,
+        fresh=xd,
     )
     yield _kernel_case(
         "scaled_softmax bwd",
@@ -401,6 +422,7 @@ def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterato
             lambda: reference_scaled_softmax_bwd(dy, y, scale=_SCALE),
             bytes=3 * n * es,
         ),
+        fresh=dy,
     )
     yield from _causal_cases(cd, dyc, yc, future, work)
 
@@ -465,7 +487,8 @@ def _causal_cases(c, dy, y, future, work: str) -> Iterator[Case]:
         cand = Candidate(
             label, make(None), batches * size(sq), RMW, bw_target=_BW, in_cache=roofline
         )
-        yield Case(name, work, [torch_cand, cand, compiled_cand], bandwidth_numel=n)
+        floor = _fresh_floor(c)
+        yield Case(name, work, [torch_cand, cand, compiled_cand, floor], bandwidth_numel=n)
 
 
 #: RoPE's workload: s, b, h, d (a bf16 tensor of 64 MiB), every channel rotated.
@@ -529,6 +552,7 @@ def _rope_cases(s: int, dtype: torch.dtype) -> Iterator[Case]:
                         t, cos, sin, d, backward=backward, layout=layout
                     ),
                 ),
+                fresh=t,
             )
 
 

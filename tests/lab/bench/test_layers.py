@@ -22,7 +22,8 @@ def test_rope_has_one_case_per_layout_and_its_candidates_agree(kernels):
     ]
     assert [(c.name, c.workload.split()[-1]) for c in rope] == want
     for case in rope:
-        torch_ops, mpnb_rope, compiled_ref = case.candidates
+        torch_ops, mpnb_rope, compiled_ref, floor = case.candidates
+        assert floor.bytes == 2 * floor.fn().numel() * floor.fn().element_size()
         assert compiled_ref.compiled and compiled_ref.name == "torch.compile(reference_rope)"
         want, got = torch_ops.fn(), mpnb_rope.fn()
         assert got.shape == want.shape and got.stride() == want.stride(), case.label
@@ -59,7 +60,9 @@ def test_every_kernel_alone_in_fp32_and_bf16_has_bytes_bandwidth_and_roofline(ke
     got = sorted((c.name, c.workload.split()[-1]) for c in cases)
     assert got == sorted((k, dt) for k in _KERNELS for dt in ("float32", "bfloat16"))
     for case in cases:
-        torch_cand, mpnb_cand, compiled_ref = case.candidates
+        torch_cand, mpnb_cand, compiled_ref, floor = case.candidates
+        assert floor.name == "floor: x.clone() (fresh output)"
+        assert floor.fn().shape == _first(mpnb_cand.fn()).shape, case.label
         assert compiled_ref.compiled and not torch_cand.bytes
         assert mpnb_cand.bw_target == 0.7 and case.bandwidth_numel > 0, case.label
         roof = mpnb_cand.in_cache
