@@ -5,9 +5,9 @@
 // Softmax runs over the last dim; one thread owns whole rows. Forward: one pass reads the row
 // from memory for its max; a second exponentiates it (scaled, masked, shifted) into an fp32
 // scratch row (in L1/L2) and sums; the normalized row is written during the next row's second
-// pass (two scratch rows per thread), so the output's streaming stores overlap the exp
-// arithmetic, the bound of this kernel on AVX2. Each element is read from memory once and
-// written once. Masked elements become -10000 after scaling (as Apex and Megatron do, so a fully
+// pass (two scratch rows per thread), so the output's stores (streaming for a large output
+// whose memory is already backed: stream_into, fast_math.h) overlap the exp arithmetic, the
+// bound of this kernel on AVX2. Each element is read from memory once and written once. Masked elements become -10000 after scaling (as Apex and Megatron do, so a fully
 // masked row is uniform; with zero_all_masked, Apex's generic kernel, a fully masked row is all
 // zeros instead); the upper-triangular (causal) variant has no mask tensor: row i keeps
 // columns 0..i and writes zeros after them.
