@@ -119,10 +119,13 @@ def l2_bytes() -> int | None:
     return None
 
 
-def cache_resident(unit_bytes: int, threads: int | None = None, most: int | None = None) -> int:
+def cache_resident(
+    unit_bytes: int, threads: int | None = None, most: int | None = None
+) -> int | None:
     """How many units (rows, positions) of ``unit_bytes`` each make a slice that stays in cache:
     half of one core's L2 per thread (the other half for weights, scratch and the code's own
-    data), at least 4 units per thread, at most ``most``.
+    data), at least 4 units per thread, at most ``most``; None where the L2 size is not known
+    (:func:`l2_bytes`), so that no roofline is made from a guessed cache.
 
     Args:
         unit_bytes: the bytes a unit moves (reads and writes).
@@ -135,7 +138,9 @@ def cache_resident(unit_bytes: int, threads: int | None = None, most: int | None
         64
     """
     threads = threads or torch.get_num_threads()
-    l2 = l2_bytes() or (1 << 20)  # unknown: 1 MiB, the smallest L2 of the x86 cores we run on
+    l2 = l2_bytes()
+    if l2 is None:
+        return None
     units = max(4, l2 // 2 // max(unit_bytes, 1)) * threads
     return min(units, most) if most else units
 

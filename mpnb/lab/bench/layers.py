@@ -136,9 +136,11 @@ def _kernel_case(
             same size, read and written once) is timed too, the floor a kernel that returns a
             fresh output sits on (the OS zeroes every page of it on first touch).
     """
-    k = cache_resident(unit_bytes, most=units)
-    small = max(1, k // 4)
-    roofline = InCache(make(k), k * unit_bytes, make(small), small * unit_bytes)
+    k = cache_resident(unit_bytes, most=units)  # None: the L2 size is not known, no roofline
+    roofline = None
+    if k is not None:
+        small = max(1, k // 4)
+        roofline = InCache(make(k), k * unit_bytes, make(small), small * unit_bytes)
     mpnb_cand = Candidate(
         mpnb_name,
         make(None),
@@ -480,10 +482,12 @@ def _causal_cases(c, dy, y, future, work: str) -> Iterator[Case]:
             ),
         ),
     ):
-        s = 16
-        while s + 16 <= sq and size(s + 16) <= budget:
-            s += 16
-        roofline = InCache(make(s), size(s), make(s // 2), size(s // 2))
+        roofline = None
+        if budget is not None:  # the L2 size is known
+            s = 16
+            while s + 16 <= sq and size(s + 16) <= budget:
+                s += 16
+            roofline = InCache(make(s), size(s), make(s // 2), size(s // 2))
         cand = Candidate(
             label, make(None), batches * size(sq), RMW, bw_target=_BW, in_cache=roofline
         )

@@ -397,6 +397,8 @@ def test_cache_resident_slices_fit_half_the_l2_of_each_thread(monkeypatch):
     assert _harness.cache_resident(16 << 10, threads=2) == 128
     assert _harness.cache_resident(16 << 10, threads=2, most=100) == 100
     assert _harness.cache_resident(4 << 20, threads=1) == 4  # at least 4 units per thread
+    monkeypatch.setattr(_harness, "l2_bytes", lambda: None)
+    assert _harness.cache_resident(16 << 10, threads=1) is None  # no guessed cache
 
 
 def test_l2_size_is_read_from_the_system():
