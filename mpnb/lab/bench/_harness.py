@@ -84,7 +84,8 @@ class InCache:
         small_bytes: the bytes ``small_fn`` moves.
 
     The in-cache throughput is the median over rounds of
-    ``(bytes - small_bytes) / (t(fn) - t(small_fn))``.
+    ``(bytes - small_bytes) / (t(fn) - t(small_fn))``, over the rounds where ``fn`` took longer
+    than ``small_fn``; where that is not most rounds (a loaded machine), the row has none.
     """
 
     fn: Callable[[], object]
@@ -495,13 +496,16 @@ def _roofline(row: Row, c: Candidate, pair: list[list[float]], bw, bw_t) -> None
     by round), its fraction of the same-run bandwidth and the verdict."""
     ic = c.in_cache
     extra = ic.bytes - ic.small_bytes
-    per_round = [extra / (t - s) if t > s else float("inf") for t, s in zip(*pair, strict=True)]
+    ref_t = bw_t.get(c.access, [float("nan")] * len(pair[0]))
+    # rounds where the larger slice did not take longer (a preempted small call) say nothing
+    kept = [(extra / (t - s), r) for t, s, r in zip(*pair, ref_t, strict=True) if t > s]
+    if 2 * len(kept) < len(pair[0]):  # most rounds: no figure rather than a noisy one
+        return
+    per_round = [g for g, _ in kept]
     row.cache_gbps = median(per_round) / 1e9
     if c.access in bw_t:
         ref = bw[c.access]
-        row.cache_frac = median(
-            per_round_ratios(per_round, [ref.bytes / x for x in bw_t[c.access]])
-        )
+        row.cache_frac = median(per_round_ratios(per_round, [ref.bytes / r for _, r in kept]))
         row.bound = "compute" if row.cache_frac < COMPUTE_BOUND else "memory"
 
 

@@ -342,7 +342,7 @@ def test_pure_bf16_rows_report_bytes_and_bandwidth_share(monkeypatch):
 # ---- the in-cache roofline -----------------------------------------------------------------
 
 
-def _roofline_case(in_cache_small: float) -> Case:
+def _roofline_case() -> Case:
     from mpnb.lab.bench._harness import InCache
 
     fits = InCache(lambda: None, 3000, lambda: None, 1000)
@@ -376,7 +376,7 @@ def test_roofline_is_the_marginal_in_cache_throughput_against_the_same_run_add(
             "kernel [in cache, small]": [small_s],
         },
     )
-    rows = run_case(_roofline_case(small_s), Options.make(quick=True, rounds=1))
+    rows = run_case(_roofline_case(), Options.make(quick=True, rounds=1))
     assert [r.candidate for r in rows] == ["torch", "kernel", "bw: a += s*b (fp32)"]
     kernel = rows[1]
     assert kernel.bw_frac == pytest.approx(0.5) and kernel.status == "MISS"
@@ -406,3 +406,20 @@ def test_l2_size_is_read_from_the_system():
 
     l2 = l2_bytes()
     assert l2 is None or (l2 >= 64 << 10 and l2 % (64 << 10) == 0)  # whole 64 KiB multiples
+
+
+def test_no_roofline_from_rounds_where_the_small_slice_took_longer(monkeypatch):
+    times = {
+        "torch": [5e-6] * 3,
+        "kernel": [6e-6] * 3,
+        "bw: a += s*b (fp32)": [3e-6] * 3,
+        "kernel [in cache]": [2.5e-6, 2.5e-6, 2.5e-6],
+    }
+    # one bad round of three: left out, the other two give 2000 B / 2 us
+    _fixed_times(monkeypatch, {**times, "kernel [in cache, small]": [0.5e-6, 3e-6, 0.5e-6]})
+    kernel = run_case(_roofline_case(), Options.make(quick=True, rounds=3))[1]
+    assert kernel.cache_gbps == pytest.approx(1.0) and kernel.bound == "compute"
+    # two bad rounds of three: no figure at all
+    _fixed_times(monkeypatch, {**times, "kernel [in cache, small]": [3e-6, 3e-6, 0.5e-6]})
+    kernel = run_case(_roofline_case(), Options.make(quick=True, rounds=3))[1]
+    assert kernel.cache_gbps is None and kernel.bound == "" and kernel.bw_frac is not None
