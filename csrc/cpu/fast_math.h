@@ -14,7 +14,7 @@
 // fp64 uses ATen's exp (Sleef, 1 ulp).
 //
 // Also here: empty_output_like, the output allocation of the layer kernels (norm_common.h,
-// softmax.cpp).
+// softmax.cpp), and stream_into, their choice of stores for it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,8 +22,11 @@
 
 #include <cstdint>
 
+#include "cpu/vec_io.h"
+
 #if defined(__linux__)
 #include <sys/mman.h>
+#include <unistd.h>
 #endif
 
 namespace mpnb::cpu {
@@ -115,6 +118,37 @@ inline at::Tensor empty_output_like(const at::Tensor& x) {
   }
 #endif
   return y;
+}
+
+// True when the memory of [p, p + bytes) is backed now (sampled: its first and last whole
+// pages), false for a buffer fresh from mmap. Where the answer is not known: true.
+inline bool pages_backed(const void* p, size_t bytes) {
+#if defined(__linux__)
+  const long page_size = sysconf(_SC_PAGESIZE);
+  if (page_size <= 0) return true;
+  const uintptr_t page = static_cast<uintptr_t>(page_size);
+  const uintptr_t a = (reinterpret_cast<uintptr_t>(p) + page - 1) & ~(page - 1);
+  const uintptr_t e = (reinterpret_cast<uintptr_t>(p) + bytes) & ~(page - 1);
+  if (e <= a) return true;
+  unsigned char first = 1, last = 1;
+  if (mincore(reinterpret_cast<void*>(a), page, &first) != 0) return true;
+  if (mincore(reinterpret_cast<void*>(e - page), page, &last) != 0) return true;
+  return (first & 1) && (last & 1);
+#else
+  (void)p;
+  (void)bytes;
+  return true;
+#endif
+}
+
+// Whether a layer kernel writes its output y with streaming stores: y is large (see
+// stream_output) and its pages are already backed (memory the allocator reuses). A fresh
+// buffer is faulted in by the kernel's first write to each page, and the OS zeroes the page
+// then, which leaves its lines in cache: ordinary stores hit them, streaming stores write every
+// line to memory a second time (measured, 1 thread, 8192 x 4096 layer norm forward: 16% faster
+// into a fresh output with ordinary stores, 21% slower into a backed one).
+inline bool stream_into(const at::Tensor& y) {
+  return static_cast<int64_t>(y.nbytes()) >= kStreamMinBytes && pages_backed(y.const_data_ptr(), y.nbytes());
 }
 
 }  // namespace mpnb::cpu

@@ -154,7 +154,7 @@ inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, ac
                            bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
-  using IOT = IO<T, Acc>;
+  using IOT = LayerIO<T, Acc>;
   constexpr int64_t K = IOT::kWidth;
   const V vr(rs), vm(mu);
   auto block = [=](int64_t j, int64_t n, V& a, V& c) {
@@ -203,13 +203,12 @@ inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, ac
 
 template <typename T, typename W, bool kRms>
 void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, acc_t<T>* RSTD,
-                     int64_t M, int64_t N, double eps) {
+                     int64_t M, int64_t N, double eps, bool stream) {
   using Acc = acc_t<T>;
   std::vector<Acc> wbuf, bbuf;
   const Acc* wf = widen_param<W, Acc>(w, N, wbuf);
   const Acc* bf = widen_param<W, Acc>(b, N, bbuf);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
-  const bool stream = stream_output<T>(M * N);
   at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = X + r * N;
@@ -291,7 +290,7 @@ C10_ALWAYS_INLINE void bwd_stats(NormBwdRow<T>& row, int64_t N, const acc_t<T>* 
 template <typename T>
 C10_ALWAYS_INLINE void store_block(T* p, int64_t n, bool nt, const Vectorized<acc_t<T>>& a,
                         const Vectorized<acc_t<T>>& b) {
-  using IOT = IO<T, acc_t<T>>;
+  using IOT = LayerIO<T, acc_t<T>>;
   if (n < IOT::kWidth) IOT::store(p, n, a, b);
   else if (nt) IOT::stream(p, a, b);
   else IOT::store(p, a, b);
@@ -335,14 +334,13 @@ C10_ALWAYS_INLINE void bwd_write(const NormBwdRow<T>& row, int64_t N, const acc_
 template <typename T, typename W, bool kRms>
 void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<T>* RSTD,
                      const W* w, const W* b, T* DX, acc_t<T>* DW, acc_t<T>* DB, int64_t M,
-                     int64_t N, bool from_y) {
+                     int64_t N, bool from_y, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   std::vector<Acc> wbuf, bbuf;
   const Acc* wf = widen_param<W, Acc>(w, N, wbuf);
   const Acc* bf = widen_param<W, Acc>(b, N, bbuf);
   const int64_t P = std::max<int64_t>(1, std::min<int64_t>(M, at::get_num_threads()));
-  const bool stream = stream_output<T>(M * N);
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       Acc* dw = DW ? DW + p * N : nullptr;
@@ -417,7 +415,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_fwd(const at::Tensor& input,
     using Wt = std::remove_pointer_t<decltype(wp)>;
     norm_fwd_kernel<T, Wt, kRms>(x.const_data_ptr<T>(), opt_ptr<Wt>(w), opt_ptr<Wt>(b),
                                  y.mutable_data_ptr<T>(), kRms ? nullptr : mean.mutable_data_ptr<acc_t<T>>(),
-                                 rstd.mutable_data_ptr<acc_t<T>>(), sh.rows, sh.cols, eps);
+                                 rstd.mutable_data_ptr<acc_t<T>>(), sh.rows, sh.cols, eps, stream_into(y));
   });
   return {y, mean, rstd};
 }
@@ -454,7 +452,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> norm_bwd(
           kRms || memory_efficient ? nullptr : m.const_data_ptr<Acc>(), r.const_data_ptr<Acc>(),
           opt_ptr<Wt>(w), memory_efficient ? opt_ptr<Wt>(b) : nullptr, dx.mutable_data_ptr<T>(),
           w ? dw_part.mutable_data_ptr<Acc>() : nullptr, b ? db_part.mutable_data_ptr<Acc>() : nullptr,
-          sh.rows, sh.cols, memory_efficient);
+          sh.rows, sh.cols, memory_efficient, stream_into(dx));
     });
   }
   auto reduce = [&](const at::Tensor& part, const std::optional<at::Tensor>& p) {

@@ -16,7 +16,8 @@
 //
 // Computed in fp32 and rounded once to t's dtype; with `stepwise` (Apex's kernel, and torch's
 // unfused expression in t's dtype) the table values, each product and the sum are rounded to
-// t's dtype (fp16/bf16 only: for fp32/fp64 the two rules are the same).
+// t's dtype (fp16/bf16 only: for fp32/fp64 the two rules are the same). A large output whose
+// memory is already backed is written with streaming stores (stream_into, fast_math.h).
 #include <ATen/ATen.h>
 #include <ATen/Dispatch.h>
 #include <ATen/Parallel.h>
@@ -25,6 +26,7 @@
 #include <algorithm>
 #include <array>
 
+#include "cpu/fast_math.h"
 #include "cpu/multi_tensor_apply.h"
 
 namespace mpnb::cpu {
@@ -39,11 +41,12 @@ C10_ALWAYS_INLINE void round_to(V& a, V& b) {
 
 template <typename T, bool kStepwise>
 void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& sin, at::Tensor& out,
-                 int64_t group, bool backward) {
+                 int64_t group, bool backward, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
   using IOA = IO<Acc, Acc>;
+  using OUT = LayerIO<T, Acc>;  // stores: the CPU's own bf16 conversion where it has one
   constexpr int64_t K = IOT::kWidth;
   const int64_t D = t.size(3), D2 = cos.size(1);
   const int64_t half = group / 2;
@@ -114,8 +117,10 @@ void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& s
               o0 = a0 * c0 + b0 * e0; o1 = a1 * c1 + b1 * e1;
               p0 = b0 * d0 - a0 * s0; p1 = b1 * d1 - a1 * s1;
             }
-            if (n == K) { IOT::store(y + i, o0, o1); IOT::store(y + j, p0, p1); }
-            else { IOT::store(y + i, n, o0, o1); IOT::store(y + j, n, p0, p1); }
+            if (n < K) { OUT::store(y + i, n, o0, o1); OUT::store(y + j, n, p0, p1); }
+            else if (stream && align_head(y + i, K) == 0 && align_head(y + j, K) == 0) {
+              OUT::stream(y + i, o0, o1); OUT::stream(y + j, p0, p1);
+            } else { OUT::store(y + i, o0, o1); OUT::store(y + j, p0, p1); }
           }
         }
         for (int64_t i = D2; i < D; i += K) {  // pass-through channels
@@ -125,6 +130,7 @@ void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& s
         }
       }
     }
+    if (stream) stream_fence();
   });
 }
 
@@ -175,8 +181,10 @@ at::Tensor rope_cpu(const at::Tensor& t_in, const at::Tensor& cos, const at::Ten
   at::Tensor out = transpose_output ? result : result.permute(perm);
   if (t.numel() == 0) return result;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "mpnb", [&] {
-    if (stepwise) rope_kernel<scalar_t, true>(x, c, s, out, group, backward);
-    else rope_kernel<scalar_t, false>(x, c, s, out, group, backward);
+    // streaming stores for large outputs already backed (see stream_into), rows of d contiguous
+    const bool stream = stream_into(result);
+    if (stepwise) rope_kernel<scalar_t, true>(x, c, s, out, group, backward, stream);
+    else rope_kernel<scalar_t, false>(x, c, s, out, group, backward, stream);
   });
   return result;
 }

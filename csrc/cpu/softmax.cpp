@@ -5,9 +5,9 @@
 // Softmax runs over the last dim; one thread owns whole rows. Forward: one pass reads the row
 // from memory for its max; a second exponentiates it (scaled, masked, shifted) into an fp32
 // scratch row (in L1/L2) and sums; the normalized row is written during the next row's second
-// pass (two scratch rows per thread), so the output's streaming stores overlap the exp
-// arithmetic, the bound of this kernel on AVX2. Each element is read from memory once and
-// written once. Masked elements become -10000 after scaling (as Apex and Megatron do, so a fully
+// pass (two scratch rows per thread), so the output's stores (streaming for a large output
+// whose memory is already backed: stream_into, fast_math.h) overlap the exp arithmetic, the
+// bound of this kernel on AVX2. Each element is read from memory once and written once. Masked elements become -10000 after scaling (as Apex and Megatron do, so a fully
 // masked row is uniform; with zero_all_masked, Apex's generic kernel, a fully masked row is all
 // zeros instead); the upper-triangular (causal) variant has no mask tensor: row i keeps
 // columns 0..i and writes zeros after them.
@@ -191,10 +191,10 @@ template <typename T>
 inline void finish_row(const PendingRow<T>& p, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
-  write_blocks<T, Acc>(p.y + p.done, p.Lp - p.done, stream, [&](int64_t j, int64_t, V& a, V& b) {
+  write_blocks<T, Acc, LayerIO<T, Acc>>(p.y + p.done, p.Lp - p.done, stream, [&](int64_t j, int64_t, V& a, V& b) {
     pending_block(p, p.done + j, a, b);
   });
-  write_zeros<T, Acc>(p.y + p.Lp, p.n - p.Lp, stream);
+  write_zeros<T, Acc, LayerIO<T, Acc>>(p.y + p.Lp, p.n - p.Lp, stream);
 }
 
 // Pass 2 of a row: buf = exp(x * scale - shift) over [0, L), masked lanes exp(-10000 - shift),
@@ -231,7 +231,7 @@ inline acc_t<T> softmax_exp_pass(const T* __restrict x, const uint8_t* __restric
     s0 = s0 + a; s1 = s1 + b;
     if (j < pend_end) {
       pending_block(*pend, j, c, d);
-      if (stream) IOT::stream(py + j, c, d); else IOT::store(py + j, c, d);
+      if (stream) LayerIO<T, Acc>::stream(py + j, c, d); else LayerIO<T, Acc>::store(py + j, c, d);
     }
   }
   if (pend) pend->done = std::min(j, pend_end);
@@ -316,11 +316,10 @@ struct MaskView {
 // arithmetic instead of following it.
 template <typename T>
 void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale, const MaskView& mv,
-                        bool causal, int64_t sq, bool zero_all_masked) {
+                        bool causal, int64_t sq, bool zero_all_masked, bool stream) {
   using Acc = acc_t<T>;
   constexpr int64_t K = IO<T, Acc>::kWidth;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sk, 1));
-  const bool stream = stream_output<T>(rows * sk);
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     const int64_t width = ((sk + K - 1) / K) * K + K;
     std::vector<Acc> bufs(2 * width);
@@ -357,13 +356,12 @@ void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale
 
 template <typename T>
 void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk, double scale,
-                        bool causal, int64_t sq) {
+                        bool causal, int64_t sq, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
   constexpr int64_t K = IOT::kWidth;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sk, 1));
-  const bool stream = stream_output<T>(rows * sk);
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     V g0, g1, y0, y1;
     for (int64_t r = r0; r < r1; ++r) {
@@ -388,7 +386,7 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
       const V dot(static_cast<Acc>(hsum(d0 + d1))), vs(static_cast<Acc>(scale));
       const bool next = r + 1 < rows;
       const int64_t Lp = std::min<int64_t>(sk, (L + K - 1) / K * K);
-      write_blocks<T, Acc>(dx, Lp, stream, [&](int64_t j, int64_t n, V& p, V& q) {
+      write_blocks<T, Acc, LayerIO<T, Acc>>(dx, Lp, stream, [&](int64_t j, int64_t n, V& p, V& q) {
         if (next) { prefetch_next(dy + sk + j); prefetch_next(y + sk + j); }
         if (n == K) { IOT::load(dy + j, g0, g1); IOT::load(y + j, y0, y1); }
         else { IOT::load(dy + j, n, g0, g1); IOT::load(y + j, n, y0, y1); }
@@ -398,7 +396,7 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
         }
         p = vs * (y0 * (g0 - dot)); q = vs * (y1 * (g1 - dot));
       });
-      write_zeros<T, Acc>(dx + Lp, sk - Lp, stream);
+      write_zeros<T, Acc, LayerIO<T, Acc>>(dx + Lp, sk - Lp, stream);
     }
     if (stream) stream_fence();
   });
@@ -441,7 +439,7 @@ at::Tensor softmax_fwd(const at::Tensor& input, const std::optional<at::Tensor>&
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, x.scalar_type(), "mpnb", [&] {
     using T = scalar_t;
     softmax_fwd_kernel<T>(x.const_data_ptr<T>(), y.mutable_data_ptr<T>(), rows, sk, scale, mv, causal, sq,
-                          zero_all_masked);
+                          zero_all_masked, stream_into(y));
   });
   return y;
 }
@@ -481,7 +479,7 @@ at::Tensor scaled_softmax_bwd_cpu(const at::Tensor& grad_out, const at::Tensor& 
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, y.scalar_type(), "mpnb", [&] {
     using T = scalar_t;
     softmax_bwd_kernel<T>(dy.const_data_ptr<T>(), y.const_data_ptr<T>(), dx.mutable_data_ptr<T>(), rows,
-                          sk, scale, upper_triang, sq);
+                          sk, scale, upper_triang, sq, stream_into(dx));
   });
   return dx;
 }

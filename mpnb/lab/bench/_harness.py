@@ -19,6 +19,13 @@ reading ``timeit.default_timer``), driven by ``timeit.Timer`` with a fixed call 
 round. ``torch.utils.benchmark.Timer.timeit`` is not used per round because it adds two
 hidden warm-up calls to every measurement and defaults to one thread.
 
+A candidate may also carry an :class:`InCache` roofline: the same kernel on a cache-resident
+slice of its workload (sized by :func:`cache_resident`), timed in the same rounds at two slice
+sizes so that the fixed cost of a call (dispatch, allocation, thread start) cancels out. Its
+marginal throughput, in GB/s of the same bytes, is the kernel's speed when memory is no limit:
+below :data:`COMPUTE_BOUND` of the same-run ``a += s*b`` bandwidth the kernel cannot reach that
+fraction from memory either, and its row says it is compute-bound at its arithmetic.
+
 A ``torch.compile`` candidate (:func:`compiled`) is first called until its graph is warm; the
 time of those calls is its compile time (:attr:`Row.compile_s`), reported apart and never
 part of a round. ``Options.compile`` False drops such candidates; a compile that fails becomes
@@ -38,6 +45,10 @@ from mpnb.lab.bench._timing import time_rounds
 from mpnb.lab.stats import iqr, median, per_round_ratios, quantile, ratio_summary
 
 __all__ = [
+    "COMPUTE_BOUND",
+    "InCache",
+    "cache_resident",
+    "l2_bytes",
     "RMW",
     "READ",
     "Candidate",
@@ -56,6 +67,83 @@ __all__ = [
 RMW = "rmw"  #: the candidate writes: compare with the in-place ``a += s*b`` bandwidth
 READ = "read"  #: the candidate only reads: compare with the ``x.sum()`` bandwidth
 _BW_NAMES = {RMW: "bw: a += s*b (fp32)", READ: "bw: x.sum() (fp32)"}
+#: In-cache throughput below this fraction of the same-run bandwidth: compute-bound.
+COMPUTE_BOUND = 0.7
+
+
+@dataclass(frozen=True)
+class InCache:
+    """A candidate's kernel on cache-resident slices of its workload: the roofline of its
+    arithmetic on this CPU.
+
+    Args:
+        fn: the kernel on a slice that fits in the L2 caches of the run's threads.
+        bytes: the bytes ``fn`` moves, counted as the candidate's own ``bytes`` are.
+        small_fn: the kernel on a smaller slice of the same shape (a quarter, say), also
+            parallel as ``fn`` is; its time is subtracted so that the per-call cost cancels.
+        small_bytes: the bytes ``small_fn`` moves.
+
+    The in-cache throughput is the median over rounds of
+    ``(bytes - small_bytes) / (t(fn) - t(small_fn))``, over the rounds where ``fn`` took longer
+    than ``small_fn``; where that is not most rounds (a loaded machine), the row has none.
+    """
+
+    fn: Callable[[], object]
+    bytes: int
+    small_fn: Callable[[], object]
+    small_bytes: int
+
+
+def l2_bytes() -> int | None:
+    """The L2 cache of one core in bytes, read from Linux's sysfs; None where it is not known.
+
+    Example::
+
+        >>> l2_bytes()  # doctest: +SKIP
+        2097152
+    """
+    import glob
+
+    for path in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        try:
+            with open(f"{path}/level") as f:
+                level = f.read().strip()
+            with open(f"{path}/type") as f:
+                kind = f.read().strip()
+            with open(f"{path}/size") as f:
+                size = f.read().strip()
+        except OSError:
+            continue
+        if level == "2" and kind in ("Unified", "Data"):
+            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return None
+
+
+def cache_resident(
+    unit_bytes: int, threads: int | None = None, most: int | None = None
+) -> int | None:
+    """How many units (rows, positions) of ``unit_bytes`` each make a slice that stays in cache:
+    half of one core's L2 per thread (the other half for weights, scratch and the code's own
+    data), at least 4 units per thread, at most ``most``; None where the L2 size is not known
+    (:func:`l2_bytes`), so that no roofline is made from a guessed cache.
+
+    Args:
+        unit_bytes: the bytes a unit moves (reads and writes).
+        threads: the run's threads (``torch.get_num_threads()`` when None).
+        most: the workload's own unit count.
+
+    Example::
+
+        >>> cache_resident(16 * 1024, threads=1)  # 2 MiB L2: 64 rows of 16 KiB  # doctest: +SKIP
+        64
+    """
+    threads = threads or torch.get_num_threads()
+    l2 = l2_bytes()
+    if l2 is None:
+        return None
+    units = max(4, l2 // 2 // max(unit_bytes, 1)) * threads
+    return min(units, most) if most else units
 
 
 @dataclass(frozen=True)
@@ -84,6 +172,8 @@ class Candidate:
         compiled: ``fn`` runs code compiled by ``torch.compile`` (see :func:`compiled`): it is
             warmed up until it stops compiling, that time is reported apart, and it is left
             out when ``Options.compile`` is False.
+        in_cache: the kernel on cache-resident slices (see :class:`InCache`): the row then
+            also has its in-cache throughput and says whether it is compute-bound.
     """
 
     name: str
@@ -96,6 +186,7 @@ class Candidate:
     extra_vs: str | None = None
     max_extra_ratio: float | None = None
     compiled: bool = False
+    in_cache: InCache | None = None
 
 
 def compiled(
@@ -241,6 +332,10 @@ class Row:
     (``compile_calls`` of them; ``compile_cache`` is ``"cached"`` when inductor's on-disk cache
     held every graph), which no other field includes; one whose compile failed has status
     ``"ERROR"``, the reason in ``error`` and no times (NaN; ``null`` in the JSON).
+    A candidate with an :class:`InCache` roofline has ``cache_gbps`` (its in-cache throughput),
+    ``cache_frac`` (the median per-round fraction of the same-run bandwidth baseline's GB/s)
+    and ``bound``: ``"compute"`` when ``cache_frac`` is below :data:`COMPUTE_BOUND` (the kernel
+    cannot reach that share of the bandwidth even from cache), else ``"memory"``.
     """
 
     suite: str
@@ -272,6 +367,9 @@ class Row:
     compile_calls: int = 0
     compile_cache: str = ""
     error: str = ""
+    cache_gbps: float | None = None
+    cache_frac: float | None = None
+    bound: str = ""
 
     def to_dict(self) -> dict:
         """The row as plain JSON-ready data (NaN times of an ``ERROR`` row as None)."""
@@ -348,8 +446,10 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
         raise RuntimeError(f"case {case.label!r}: its baseline {failed[0]}")
     ours = [c for i, c in enumerate(listed) if i not in failed]
     bw = _bandwidth_candidates(case)
-    cands = [*ours, *bw.values()]
+    rooflines = _in_cache_candidates(ours)
+    cands = [*ours, *bw.values(), *(x for pair in rooflines.values() for x in pair)]
     times, numbers, preempted = time_rounds(cands, opts)
+    cache_t = dict(zip([c.name for c in cands], times, strict=True))
     by_name = dict(zip([c.name for c in cands], times, strict=True))
     bw_t = {kind: times[len(ours) + j] for j, kind in enumerate(bw)}
     timed = iter(range(len(cands)))
@@ -368,12 +468,45 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
             _compare(row, c, t, times[0], by_name)
         if c.bytes:
             _bandwidth(row, c, t, bw, bw_t)
+        if c.name in rooflines:
+            _roofline(row, c, [cache_t[x.name] for x in rooflines[c.name]], bw, bw_t)
         if i in warm:
             row.compile_s, row.compile_calls = warm[i].seconds, warm[i].calls
             row.compile_cache = warm[i].cache
         row.status = _status(row)
         rows.append(row)
     return rows
+
+
+def _in_cache_candidates(cands: Sequence[Candidate]) -> dict[str, tuple[Candidate, Candidate]]:
+    """The two slices of each candidate that has an in-cache roofline, as timed callables."""
+    out = {}
+    for c in cands:
+        if c.in_cache is not None:
+            ic = c.in_cache
+            out[c.name] = (
+                Candidate(f"{c.name} [in cache]", ic.fn, ic.bytes, c.access),
+                Candidate(f"{c.name} [in cache, small]", ic.small_fn, ic.small_bytes, c.access),
+            )
+    return out
+
+
+def _roofline(row: Row, c: Candidate, pair: list[list[float]], bw, bw_t) -> None:
+    """Fill the row's in-cache throughput (marginal: the small slice's time subtracted, round
+    by round), its fraction of the same-run bandwidth and the verdict."""
+    ic = c.in_cache
+    extra = ic.bytes - ic.small_bytes
+    ref_t = bw_t.get(c.access, [float("nan")] * len(pair[0]))
+    # rounds where the larger slice did not take longer (a preempted small call) say nothing
+    kept = [(extra / (t - s), r) for t, s, r in zip(*pair, ref_t, strict=True) if t > s]
+    if 2 * len(kept) < len(pair[0]):  # most rounds: no figure rather than a noisy one
+        return
+    per_round = [g for g, _ in kept]
+    row.cache_gbps = median(per_round) / 1e9
+    if c.access in bw_t:
+        ref = bw[c.access]
+        row.cache_frac = median(per_round_ratios(per_round, [ref.bytes / r for _, r in kept]))
+        row.bound = "compute" if row.cache_frac < COMPUTE_BOUND else "memory"
 
 
 def _error_row(suite: str, case: Case, c: Candidate, reason: str) -> Row:

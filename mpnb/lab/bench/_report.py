@@ -11,7 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from mpnb.lab._files import write_atomic
-from mpnb.lab.bench._harness import Row
+from mpnb.lab.bench._harness import Row, l2_bytes
 from mpnb.lab.stats import loadavg
 
 __all__ = [
@@ -60,6 +60,7 @@ def collect_header(device: str = "cpu", build: bool = True) -> dict:
         "cpu": cpu.model,
         "isa": cpu.isa,
         "cpu_count": os.cpu_count(),
+        "l2_per_core": l2_bytes(),  # sizes the in-cache slices of the roofline
         "allocator": {k: os.environ.get(k, "unset") for k in ALLOCATOR_ENV},
         "mpnb_kernels": _kernel_paths(device),
         "device": device,
@@ -114,6 +115,15 @@ def _fmt_bw(row: Row) -> str:
     return text
 
 
+def _fmt_roofline(row: Row) -> str:
+    if row.cache_gbps is None:
+        return ""
+    text = f"in-cache {row.cache_gbps:.3g} GB/s"
+    if row.cache_frac is not None:
+        text += f" = {100 * row.cache_frac:.0f}%"
+    return f"{row.bound}-bound: {text}" if row.bound else text
+
+
 def _fmt_compile(row: Row) -> str:
     if row.compile_s is None:
         return ""
@@ -131,6 +141,7 @@ _COLUMNS = (  # title, width, cell
     ("vs PyTorch", 17, _fmt_ratio),
     ("GB/s", 6, lambda r: f"{r.gbps:.1f}" if r.gbps is not None else ""),
     ("% bw", 11, _fmt_bw),
+    ("roofline", 38, _fmt_roofline),
     ("status", 6, lambda r: r.status),
     ("preempt", 7, lambda r: f"{r.preempt_per_call:.2g}"),
     ("compile", 16, _fmt_compile),
@@ -142,6 +153,11 @@ def format_rows(rows: Sequence[Row], title: bool = True) -> str:
 
     ``preempt`` is the OS's involuntary context switches of the process per call: near 0 on a
     quiet machine; above ~0.5 the timings include waits for a preempted thread.
+
+    ``roofline`` is, for a candidate timed also on cache-resident slices, its in-cache
+    throughput in GB/s of the same bytes and its share of the same-run bandwidth baseline's
+    GB/s: ``compute-bound`` below the harness's ``COMPUTE_BOUND`` share (the kernel's arithmetic
+    cannot keep up with memory here), ``memory-bound`` above.
 
     ``compile`` is a ``torch.compile`` candidate's compile time (the calls until its graph was
     warm; ``xN``: N calls compiled; ``cached``: inductor's on-disk cache held every graph),

@@ -337,3 +337,89 @@ def test_pure_bf16_rows_report_bytes_and_bandwidth_share(monkeypatch):
     assert sr.bw_frac == pytest.approx(22 / 24) and sr.status == "PASS"
     assert kahan.bw_frac == pytest.approx(26 / 36) and kahan.status == "MISS"
     assert rows[-1].role == "bandwidth"
+
+
+# ---- the in-cache roofline -----------------------------------------------------------------
+
+
+def _roofline_case() -> Case:
+    from mpnb.lab.bench._harness import InCache
+
+    fits = InCache(lambda: None, 3000, lambda: None, 1000)
+    return Case(
+        "c",
+        "w",
+        [
+            Candidate("torch", lambda: None),
+            Candidate("kernel", lambda: None, 6000, RMW, bw_target=0.7, in_cache=fits),
+        ],
+        bandwidth_numel=500,  # a += s*b: 6000 bytes
+    )
+
+
+@pytest.mark.parametrize(
+    "small_s, bound, frac",
+    [(0.5e-6, "compute", 0.5), (2.1e-6, "memory", 2.5)],  # 2000 B in 2 us or 0.4 us
+)
+def test_roofline_is_the_marginal_in_cache_throughput_against_the_same_run_add(
+    monkeypatch, small_s, bound, frac
+):
+    # DRAM: the add moves 6000 B in 3 us (2 GB/s), the kernel 6000 B in 6 us (1 GB/s: 50%).
+    # In cache: 3000 B in 2.5 us, 1000 B in small_s; the call's fixed cost cancels out.
+    _fixed_times(
+        monkeypatch,
+        {
+            "torch": [5e-6],
+            "kernel": [6e-6],
+            "bw: a += s*b (fp32)": [3e-6],
+            "kernel [in cache]": [2.5e-6],
+            "kernel [in cache, small]": [small_s],
+        },
+    )
+    rows = run_case(_roofline_case(), Options.make(quick=True, rounds=1))
+    assert [r.candidate for r in rows] == ["torch", "kernel", "bw: a += s*b (fp32)"]
+    kernel = rows[1]
+    assert kernel.bw_frac == pytest.approx(0.5) and kernel.status == "MISS"
+    assert kernel.cache_gbps == pytest.approx(2000 / (2.5e-6 - small_s) / 1e9)
+    assert kernel.cache_frac == pytest.approx(frac) and kernel.bound == bound
+    assert rows[0].cache_gbps is None and rows[0].bound == ""
+    table = format_rows(rows)
+    assert "roofline" in table.splitlines()[0]
+    want = f"{bound}-bound: in-cache {kernel.cache_gbps:.3g} GB/s = {100 * frac:.0f}%"
+    assert want in table.splitlines()[3]
+
+
+def test_cache_resident_slices_fit_half_the_l2_of_each_thread(monkeypatch):
+    from mpnb.lab.bench import _harness
+
+    monkeypatch.setattr(_harness, "l2_bytes", lambda: 2 << 20)
+    assert _harness.cache_resident(16 << 10, threads=1) == 64
+    assert _harness.cache_resident(16 << 10, threads=2) == 128
+    assert _harness.cache_resident(16 << 10, threads=2, most=100) == 100
+    assert _harness.cache_resident(4 << 20, threads=1) == 4  # at least 4 units per thread
+    monkeypatch.setattr(_harness, "l2_bytes", lambda: None)
+    assert _harness.cache_resident(16 << 10, threads=1) is None  # no guessed cache
+
+
+def test_l2_size_is_read_from_the_system():
+    from mpnb.lab.bench._harness import l2_bytes
+
+    l2 = l2_bytes()
+    assert l2 is None or (l2 >= 64 << 10 and l2 % (64 << 10) == 0)  # whole 64 KiB multiples
+
+
+def test_no_roofline_from_rounds_where_the_small_slice_took_longer(monkeypatch):
+    times = {
+        "torch": [5e-6] * 3,
+        "kernel": [6e-6] * 3,
+        "bw: a += s*b (fp32)": [3e-6] * 3,
+        "kernel [in cache]": [2.5e-6, 2.5e-6, 2.5e-6],
+    }
+    # one bad round of three: left out, the other two give 2000 B / 2 us
+    _fixed_times(monkeypatch, {**times, "kernel [in cache, small]": [0.5e-6, 3e-6, 0.5e-6]})
+    kernel = run_case(_roofline_case(), Options.make(quick=True, rounds=3))[1]
+    assert kernel.cache_gbps == pytest.approx(1.0) and kernel.bound == "compute"
+    # two bad rounds of three: no figure at all
+    _fixed_times(monkeypatch, {**times, "kernel [in cache, small]": [3e-6, 3e-6, 0.5e-6]})
+    kernel = run_case(_roofline_case(), Options.make(quick=True, rounds=3))[1]
+    assert kernel.cache_gbps is None and kernel.bound == "" and kernel.bw_frac is not None

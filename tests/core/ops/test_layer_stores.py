@@ -1,0 +1,65 @@
+"""The layer kernels' bf16 stores (RoPE, the norms, softmax) round exactly as torch's conversion.
+
+Where the CPU has its own bf16 conversion the kernels use it for full blocks; it reads
+subnormal fp32 values as zero, so the kernels convert a block holding one (or a NaN) as ATen
+does. The results must keep their bits: the reference computes the same fp32 values and rounds
+them with ``Tensor.to(torch.bfloat16)``, to nearest even, subnormals included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpnb.core.ops.rotary import reference_rope
+
+M = torch.ops.mpnb
+
+
+@pytest.fixture
+def compiled(kernels):
+    if not kernels:
+        pytest.skip("the stores are a property of the compiled kernels")
+
+
+def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
+    nan = want.isnan()
+    assert torch.equal(got.isnan(), nan)
+    g, w = got[~nan].view(torch.int16), want[~nan].view(torch.int16)
+    assert torch.equal(g, w), f"{(g != w).sum()} of {g.numel()} values differ"
+
+
+def test_rope_bf16_rounds_to_nearest_even_with_subnormals_and_nan(compiled):
+    g = torch.Generator().manual_seed(0)
+    s, b, h, d = 64, 2, 3, 64
+    t = torch.randn(s, b, h, d, generator=g)
+    t[: s // 2] *= 1e-30  # products near 1e-39: fp32 (and bf16) subnormals
+    t = t.to(torch.bfloat16)
+    t[5, 0, 0, 3] = float("nan")  # one block with a NaN, the others without
+    t[6, 1, 2, 40] = float("inf")
+    f = torch.rand(s, d, generator=g) * 6
+    cos, sin = f.cos(), f.sin()
+    cos[: s // 2] *= 1e-9
+    sin[: s // 2] *= 1e-9
+    for backward in (False, True):
+        got = M.rope(t, cos, sin, d, False, backward, False, "sbhd")
+        want = reference_rope(t, cos, sin, d, backward=backward)
+        sub = want.float().abs()
+        assert ((sub > 0) & (sub < torch.finfo(torch.float32).tiny)).sum() > 100  # covered
+        _same_bits(got, want)
+
+
+def test_norm_and_softmax_bf16_outputs_keep_their_bits(compiled):
+    g = torch.Generator().manual_seed(1)
+    rows, cols = 64, 1000  # a tail block per row
+    x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+    w = torch.randn(cols, generator=g).to(torch.bfloat16)
+    w[:50] = 1e-39  # subnormal weights: subnormal outputs
+    y, mean, rstd = M.layer_norm_fwd(x, [cols], w, None, 1e-5, False)
+    xf = x.float()
+    want = ((xf - mean[:, None]) * rstd[:, None] * w.float()).to(torch.bfloat16)
+    assert (want.float()[:, :50] != 0).any()
+    _same_bits(y, want)
+    # softmax computes the same fp32 values from bf16 and from fp32 input (one code path)
+    for scale in (0.7, 20.0):  # 20: many probabilities far below 1, some exactly 0
+        _same_bits(M.scaled_softmax_fwd(x, scale), M.scaled_softmax_fwd(xf, scale).bfloat16())
