@@ -29,6 +29,8 @@ __all__ = ["ControlsMixin", "LEVELS", "DEFAULT_LEVELS", "OPTIMIZERS", "parse_siz
 LEVELS = config_names()
 DEFAULT_LEVELS = DEFAULT_CONFIGS
 SIZES = ("auto", "small", "medium", "large")
+#: the strategy control's choices ("both": every DDP and FSDP2 policy)
+STRATEGIES = ("both", "ddp", "fsdp2")
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -71,7 +73,18 @@ class ControlsMixin:
     """Builds the control widgets as attributes of the widget, validates and reads them."""
 
     def _build_controls(
-        self, configs, half_dtype, batch_sizes, steps, optimizer, device, loss_scale, threads, size
+        self,
+        configs,
+        half_dtype,
+        batch_sizes,
+        steps,
+        optimizer,
+        device,
+        loss_scale,
+        threads,
+        size,
+        ranks=1,
+        strategy=None,
     ):
         from mpnb.lab import workloads
 
@@ -101,6 +114,7 @@ class ControlsMixin:
         self.threads = w.IntText(threads or 0, description="threads")
         self.threads.tooltip = "torch threads for the runs (0: torch's default)"
         self._scaler_controls(loss_scale)
+        self._distributed_controls(ranks, strategy)
         self.control_errors = {
             k: _err()
             for k in (
@@ -111,6 +125,7 @@ class ControlsMixin:
                 "growth_factor",
                 "backoff_factor",
                 "growth_interval",
+                "ranks",
             )
         }
         e = self.control_errors
@@ -127,6 +142,8 @@ class ControlsMixin:
                 _row(self.steps, e["steps"]),
                 self.optimizer,
                 _row(self.threads, e["threads"]),
+                _row(self.ranks, e["ranks"]),
+                self.strategy,
             ],
             [
                 self.scale_mode,
@@ -158,6 +175,7 @@ class ControlsMixin:
             self.growth_factor,
             self.backoff_factor,
             self.growth_interval,
+            self.ranks,
         ):
             c.observe(lambda _: self.validate(), names="value")
 
@@ -189,6 +207,25 @@ class ControlsMixin:
                 self.export_errors,
             ]
         )
+
+    def _distributed_controls(self, ranks, strategy) -> None:
+        """``ranks`` (1: one process, as before) and ``strategy`` (DDP, FSDP2 or both): with 2
+        or more ranks the run compares the strategy's distributed policies, not opt levels."""
+        if strategy not in (None, *STRATEGIES):
+            raise ValueError(f"strategy {strategy!r}: use one of {STRATEGIES} (or None for both).")
+        self.ranks = w.IntText(int(ranks or 1), description="ranks")
+        self.ranks.tooltip = "local processes (2 or more: DDP and FSDP2 policies per rank)"
+        self.strategy = w.Dropdown(
+            options=STRATEGIES, value=strategy or "both", description="strategy"
+        )
+        self.ranks.observe(lambda _: self._ranks_enabled(), names="value")
+        self._ranks_enabled()
+
+    def _ranks_enabled(self) -> None:
+        """Strategy counts only on several ranks; the opt levels only on one."""
+        many = self.ranks.value > 1
+        self.strategy.disabled = not many
+        self.opt_levels.disabled = many
 
     def _scaler_controls(self, loss_scale):
         # the widget's argument is parsed once, as amp.initialize parses it
@@ -224,8 +261,12 @@ class ControlsMixin:
     def input_errors(self) -> dict[str, str]:
         """``{control: message}`` for every control whose value is invalid now."""
         errs = {}
-        if not self.opt_levels.value:
+        if not self.opt_levels.value and self.ranks.value <= 1:
             errs["opt_levels"] = "choose at least one opt level"
+        if self.ranks.value < 1:
+            errs["ranks"] = (
+                f"ranks {self.ranks.value}: use 1 (one process) or more; refused, not clamped"
+            )
         try:
             parse_sizes(self.batch_sizes.value)
         except ValueError as e:
