@@ -258,3 +258,18 @@ def estimate_html(df: pd.DataFrame) -> str:
         + table.to_html(classes="mpnb-table mpnb-estimate-table", border=0)
         + f"<p style='font-size:12px;color:#444'>{html.escape(figures)}.</p>"
     )
+
+
+def dist_page_html(df: pd.DataFrame, views: DistributedViews, title: str) -> str:
+    """One self-contained HTML page of a distributed run: the verdict, the three figures (with
+    plotly inlined once), the table and the scale-out estimate."""
+    figs = "".join(
+        getattr(views, name).to_html(full_html=False, include_plotlyjs=(i == 0))
+        for i, name in enumerate(views.NAMES)
+    )
+    return (
+        f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+        f"</head><body><h1>{html.escape(title)}</h1>{dist_verdict_html(df)}{figs}"
+        f"{dist_table_html(df)}{dist_errors_html(df)}<h2>Scale-out estimate</h2>"
+        f"{estimate_html(df)}</body></html>"
+    )

@@ -26,6 +26,7 @@ from mpnb.widgets._compare_views import ResultViews, errors_html, table_html, ve
 from mpnb.widgets._distributed_views import (
     DistributedViews,
     dist_errors_html,
+    dist_page_html,
     dist_table_html,
     dist_verdict_html,
     estimate_html,
@@ -352,9 +353,18 @@ class CompareWidget(ControlsMixin, w.VBox):
         return self._export(path, lambda df, p: df.to_csv(p, index=False))
 
     def export_html(self, path: str | None = None) -> str:
-        """Write the HTML report of :func:`mpnb.lab.report` (default ``<file stem>.html``)."""
+        """Write the HTML report of :func:`mpnb.lab.report` (default ``<file stem>.html``); a
+        run on several ranks writes its own figures, table and estimate."""
         path = path or f"{self.export_path.value}.html"
-        return self._export(path, lambda df, p: _lab().report(df, p))
+        return self._export(path, self._write_html)
+
+    def _write_html(self, df: pd.DataFrame, path: str) -> None:
+        if "distributed" not in df.attrs:
+            _lab().report(df, path)
+            return
+        page = dist_page_html(df, self.dist_views, "mpnb compare on several ranks")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page)
 
 
 def run_status(df: pd.DataFrame) -> str:
@@ -370,6 +380,9 @@ def run_status(df: pd.DataFrame) -> str:
     bad = int((df["status"] == "error").sum())
     failed = f", {bad} failed" if bad else ""
     if not df.attrs.get("stopped"):
+        if "distributed" in df.attrs:
+            ranks = df.attrs["distributed"].get("ranks")
+            return f"done: {n} polic{'ies' if n != 1 else 'y'} on {ranks} ranks{failed}"
         return f"done: {n} configuration{'s' if n != 1 else ''}{failed}"
     cut = df[(df["status"] == "interrupted") & (df["steps_done"] > 0)]
     never = int(((df["status"] == "interrupted") & (df["steps_done"] == 0)).sum())

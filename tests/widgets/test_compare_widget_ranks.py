@@ -172,3 +172,18 @@ def test_bad_ranks_are_refused_beside_the_control(calls):
         cw.request()
     with pytest.raises(ValueError, match="strategy 'zero3'"):
         CompareWidget("mlp", ranks=2, strategy="zero3", threaded=False)
+
+
+def test_status_and_exports_of_a_distributed_run(calls, tmp_path):
+    cw = CompareWidget("mlp", ranks=2, threaded=False)
+    cw.run_button.click()
+    assert cw.status.value == "done: 4 policies on 2 ranks"
+    cw.export_path.value = str(tmp_path / "dist")
+    cw.csv_button.click()
+    cw.html_button.click()
+    assert cw.export_errors.last_error is None, cw.export_errors.last_error
+    back = pd.read_csv(tmp_path / "dist.csv")
+    assert list(back["policy"]) == list(cw.df["policy"])
+    page = (tmp_path / "dist.html").read_text()
+    assert "ESTIMATE, not measured" in page and "Memory per rank by role" in page
+    assert all(p in page for p in cw.df["policy"])
