@@ -144,3 +144,10 @@ def test_failed_rows_are_left_out_and_bad_input_is_refused():
         scale_estimate([_ddp("ddp-fp32", 4 * MB, 1e12)], interconnects=["carrier pigeon"])
     with pytest.raises(ValueError, match="fraction"):
         scale_estimate([_ddp("ddp-fp32", 4 * MB, 1e12)], utilization=1.5)
+
+
+def test_a_row_without_flops_gives_no_crossover():
+    row = _ddp("ddp-fp32", 4 * MB, float("nan"))
+    est = scale_estimate([row], gpus=(8,), interconnects=[IB])
+    assert est["crossover_gpus"].isna().all() and not est["comm_dominates"].any()
+    assert est["comm_over_compute"].isna().all() and est["comm_ms"].iloc[0] == pytest.approx(0.3444)

@@ -165,7 +165,10 @@ def _comm_s(buffers: dict, calls: Mapping, n: int, link: dict) -> tuple[float, f
 
 
 def _crossover(buffers, calls, compute_s, link) -> int | None:
-    """The smallest N >= 2 with comm(N) > compute (comm is non-decreasing in N), or None."""
+    """The smallest N >= 2 with comm(N) > compute (comm is non-decreasing in N), or None
+    (also when the row counted no FLOPs: there is nothing to compare with)."""
+    if not (math.isfinite(compute_s) and compute_s > 0):
+        return None
     top = min(link["max_gpus"] or MAX_GPUS, MAX_GPUS)
     if top < 2 or _comm_s(buffers, calls, top, link)[1] <= compute_s:
         return None
@@ -240,8 +243,8 @@ def scale_estimate(
                         comm_bytes_per_gpu=sent,
                         comm_ms=comm * 1e3,
                         compute_ms=compute_s * 1e3,
-                        comm_over_compute=comm / compute_s if compute_s > 0 else math.inf,
-                        comm_dominates=comm > compute_s,
+                        comm_over_compute=comm / compute_s if compute_s > 0 else math.nan,
+                        comm_dominates=bool(comm > compute_s > 0),
                         crossover_gpus=cross,
                     )
                 )
