@@ -134,7 +134,8 @@ def test_the_estimate_is_labelled_everywhere():
 
 def test_failed_rows_are_left_out_and_bad_input_is_refused():
     bad = dict(_ddp("ddp-fp16-compress", 0, 0.0), status="error", bytes_by_op=None)
-    est = scale_estimate([_ddp("ddp-fp32", 4 * MB, 1e12), bad], interconnects=[IB])
+    hung = dict(_ddp("fsdp2-fp32", 4 * MB, 1e12), status="hung")
+    est = scale_estimate([_ddp("ddp-fp32", 4 * MB, 1e12), bad, hung], interconnects=[IB])
     assert set(est["policy"]) == {"ddp-fp32"}
     with pytest.raises(ValueError, match="lacks.*ranks=N"):
         scale_estimate([{"policy": "x"}])

@@ -154,6 +154,7 @@ def test_a_failed_policy_is_named_and_the_others_drawn(calls, monkeypatch):
     def failing(**kw):
         df = _fake_frame(kw.get("strategy"))
         df.loc[1, ["status", "error"]] = ["error", "rank 1 exited with code 1"]
+        df.loc[3, ["status", "error"]] = ["hung", "rank 0 hung for 60 s in all_gather"]
         return df
 
     monkeypatch.setattr(mpnb.lab, "compare", failing)
@@ -161,7 +162,8 @@ def test_a_failed_policy_is_named_and_the_others_drawn(calls, monkeypatch):
     cw.run_button.click()
     assert "ddp-bf16-compress" in cw.config_errors.value
     assert "rank 1 exited" in cw.config_errors.value
-    assert "ddp-bf16-compress" not in list(cw.dist_views.memory.data[0].x)
+    assert "hung for 60 s" in cw.config_errors.value
+    assert list(cw.dist_views.memory.data[0].x) == ["ddp-fp32", "fsdp2-fp32"]  # the rows kept
 
 
 def test_bad_ranks_are_refused_beside_the_control(calls):

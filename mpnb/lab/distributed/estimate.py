@@ -140,8 +140,8 @@ def _rows(df_or_rows) -> list[dict]:
                 f"row {r.get('policy', r)!r} lacks {missing}: pass the DataFrame of "
                 "mpnb.lab.compare(..., ranks=N) (or rows with its distributed columns)."
             )
-        if r.get("status", "ok") == "error" or not isinstance(r["bytes_by_op"], Mapping):
-            continue  # a failed policy measured nothing to scale
+        if r.get("status", "ok") != "ok" or not isinstance(r["bytes_by_op"], Mapping):
+            continue  # a failed, hung or skipped policy has no whole step to scale
         ok.append(r)
     return ok
 
@@ -196,8 +196,8 @@ def scale_estimate(
     Args:
         df_or_rows: the DataFrame of ``mpnb.lab.compare(..., ranks=n)`` or its rows (dicts with
             ``policy``, ``ranks``, ``bytes_by_op``, ``flops_per_step``; ``strategy``,
-            ``param_dtype``, ``reduce_dtype``, ``calls_by_op`` when present). Failed rows are
-            left out.
+            ``param_dtype``, ``reduce_dtype``, ``calls_by_op`` when present). Only rows whose
+            ``status`` is ``"ok"`` are scaled.
         gpus: the numbers of GPUs to tabulate.
         interconnects: names of :data:`INTERCONNECTS`, or a mapping of your own (the same
             fields); None: all of them. N above a link's ``max_gpus`` is left out.
