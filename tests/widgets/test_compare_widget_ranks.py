@@ -11,6 +11,7 @@ pytest.importorskip("ipywidgets")
 pytest.importorskip("plotly")
 
 import mpnb.lab  # noqa: E402
+from mpnb.lab.distributed import DIST_COLUMNS  # noqa: E402
 from mpnb.widgets import CompareWidget  # noqa: E402
 
 MIB = 2**20
@@ -35,6 +36,8 @@ def _row(policy, strategy, reduce, sharded, unsharded, by_op, loss_diff, tol=1e-
         bytes_by_op=by_op,
         comm_s=1e-3,
         step_ms=12.0,
+        step_ms_lo=11.5,
+        step_ms_hi=12.5,
         loss_final=0.7,
         loss_vs_fp32=loss_diff,
         tolerance=tol,
@@ -69,6 +72,7 @@ def _fake_frame(strategy):
         ),
     ]
     df = pd.DataFrame([r for r in rows if strategy in (None, "both", r["strategy"])])
+    assert list(df.columns) == list(DIST_COLUMNS)  # the stand-in keeps to the contract
     df.attrs["distributed"] = dict(ranks=2, strategy=strategy, global_batch=32, reference=[])
     return df
 
