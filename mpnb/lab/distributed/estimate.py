@@ -5,12 +5,13 @@ policy scaled to N GPUs on published interconnects, and where communication star
 and, for each policy, interconnect of :data:`INTERCONNECTS` and number of GPUs N, estimates
 
 * **communication** per step from the bytes each rank sent, by collective op (``bytes_by_op``,
-  measured on ``n`` ranks): the buffer of each op is recovered from the ring cost on ``n`` ranks
-  and priced again on N, with the ring-collective costs of one GPU's busiest link::
+  measured on ``n`` ranks and counted, as the lab counts them, by the ring algorithm's traffic
+  per rank): the buffer of each op is recovered from the ring cost on ``n`` ranks and priced
+  again on N, with the ring-collective costs of one GPU's link::
 
-      all_reduce                     2 (N-1)/N * buffer / bandwidth + 2 (N-1) * hop latency
-      all_gather, reduce_scatter       (N-1)/N * buffer / bandwidth +   (N-1) * hop latency
-      broadcast                                  buffer / bandwidth +   (N-1) * hop latency
+      all_reduce                   2 (N-1)/N * buffer / bandwidth + 2 (N-1) * hop latency
+      any other op (all_gather,      (N-1)/N * buffer / bandwidth +   (N-1) * hop latency
+        reduce_scatter, broadcast, ...)
 
   plus :data:`BASE_LATENCY_US` per collective call (``calls_by_op`` when the rows have it, one
   call per op and step otherwise: a lower bound on the latency);
@@ -101,29 +102,23 @@ UTILIZATION = 0.4
 #: the largest N the crossover search looks at (beyond: "not within" this many GPUs)
 MAX_GPUS = 1 << 20
 
-# ring cost of each op, as multiples of its buffer: bytes one GPU sends, and latency hops
-_RING = {
-    "all_reduce": (lambda n: 2.0 * (n - 1) / n, lambda n: 2 * (n - 1)),
-    "all_gather": (lambda n: (n - 1) / n, lambda n: n - 1),
-    "reduce_scatter": (lambda n: (n - 1) / n, lambda n: n - 1),
-    "broadcast": (lambda n: 1.0 if n > 1 else 0.0, lambda n: n - 1),
-}
+# ring cost of an op, as multiples of its buffer: bytes one GPU sends, and latency hops; an
+# all-reduce is a reduce-scatter then an all-gather, every other op one pass round the ring
+# (a broadcast's bytes are the mean over ranks, as the lab's counter counts them)
+_RING = {"all_reduce": (lambda n: 2.0 * (n - 1) / n, lambda n: 2 * (n - 1))}
+_ONE_PASS = (lambda n: (n - 1) / n, lambda n: n - 1)
 
 
 def ring_bytes(op: str, buffer_bytes: float, n: int) -> float:
-    """The bytes one GPU sends for one ring ``op`` over ``buffer_bytes`` on ``n`` GPUs.
+    """The bytes one GPU sends for one ring ``op`` over ``buffer_bytes`` on ``n`` GPUs
+    (``2 (n-1)/n`` of the buffer for an all-reduce, ``(n-1)/n`` for every other op).
 
     Example::
 
         >>> ring_bytes("all_reduce", 1000, 4)  # 2 (4-1)/4 * 1000
         1500.0
     """
-    if op not in _RING:
-        raise ValueError(
-            f"collective {op!r} has no ring cost here: the estimate knows {sorted(_RING)}; "
-            "count it as one of them in the rows' bytes_by_op."
-        )
-    return _RING[op][0](n) * float(buffer_bytes)
+    return _RING.get(op, _ONE_PASS)[0](n) * float(buffer_bytes)
 
 
 def _rows(df_or_rows) -> list[dict]:
@@ -156,7 +151,7 @@ def _comm_s(buffers: dict, calls: Mapping, n: int, link: dict) -> tuple[float, f
     sent = seconds = 0.0
     for op, buf in buffers.items():
         b = ring_bytes(op, buf, n)
-        hops = _RING[op][1](n)
+        hops = _RING.get(op, _ONE_PASS)[1](n)
         k = float(calls.get(op, 1)) if n > 1 else 0.0
         sent += b
         latency = k * (BASE_LATENCY_US + hops * link["hop_us"]) * 1e-6
