@@ -117,7 +117,7 @@ def test_nvlink_stops_at_one_node_and_says_so():
     est = scale_estimate([_ddp("ddp-fp32", 4 * MB, 1e12)], gpus=(8, 64), interconnects=[NVL])
     assert list(est["gpus"]) == [8]  # NVLink 4 joins the 8 GPUs of one node
     assert est["crossover_gpus"].isna().all()  # compute stays larger up to 8 GPUs
-    assert "compute stays larger" in estimate_text(est)
+    assert "NVLink 4 (H100 SXM, in a node) -" in estimate_text(est)
     assert INTERCONNECTS[NVL]["gbytes_s"] == 450.0 and INTERCONNECTS[IB]["gbytes_s"] == 50.0
 
 

@@ -312,14 +312,14 @@ def crossovers(est: pd.DataFrame) -> pd.DataFrame:
 
 
 def estimate_text(est: pd.DataFrame) -> str:
-    """The estimate in words, one line per policy and interconnect, headed by its label."""
+    """The estimate in words, headed by its label: per policy, the number of GPUs from which
+    communication exceeds compute on each interconnect."""
     lines = [est.attrs.get("label", LABEL)]
-    for (policy, link), grp in est.groupby(["policy", "interconnect"], sort=False):
-        cross = grp["crossover_gpus"].iloc[0]
-        when = (
-            f"communication exceeds compute from {int(cross)} GPUs"
-            if not pd.isna(cross)
-            else "compute stays larger within the link's reach"
-        )
-        lines.append(f"  {policy} on {link}: {when}")
+    for policy, grp in est.groupby("policy", sort=False):
+        parts = []
+        for link, g in grp.groupby("interconnect", sort=False):
+            cross = g["crossover_gpus"].iloc[0]
+            parts.append(f"{link} {'-' if pd.isna(cross) else int(cross)}")
+        lines.append(f"  {policy}: communication exceeds compute from N GPUs = {', '.join(parts)}")
+    lines.append("  (-: compute stays larger within the link's reach)")
     return "\n".join(lines)
