@@ -193,3 +193,26 @@ def test_status_and_exports_of_a_distributed_run(calls, tmp_path):
     page = (tmp_path / "dist.html").read_text()
     assert "ESTIMATE, not measured" in page and "Memory per rank by role" in page
     assert all(p in page for p in cw.df["policy"])
+
+
+@pytest.mark.dist
+@pytest.mark.slow  # two ranks spawned for three policies: about 20 s on a loaded 2-core CPU
+def test_real_two_rank_run():
+    """The widget over the real compare(ranks=2): FSDP2's policies on the small MLP."""
+    cw = CompareWidget("mlp", ranks=2, strategy="fsdp2", steps=2, size="small", threaded=False)
+    cw.run_button.click()
+    assert cw.errors.last_error is None, cw.errors.last_error
+    df = cw.df
+    assert df.attrs["distributed"]["ranks"] == 2 and (df["strategy"] == "fsdp2").all()
+    assert (df["status"] == "ok").all(), df[["policy", "error"]]
+    by = df.set_index("policy")
+    assert list(cw.dist_views.memory.data[0].x) == list(df["policy"])
+    rs = {tr.name: list(tr.y) for tr in cw.dist_views.wire.data}["reduce_scatter"]
+    assert rs == [float(d["reduce_scatter"]) for d in df["bytes_by_op"]]
+    ratio = (
+        by.loc["fsdp2-bf16-reduce", "bytes_by_op"]["reduce_scatter"]
+        / (by.loc["fsdp2-fp32", "bytes_by_op"]["reduce_scatter"])
+    )
+    assert ratio == pytest.approx(0.5, abs=0.01)  # a bf16 reduction halves the bytes
+    assert "ESTIMATE, not measured" in cw.estimate.value
+    assert cw.status.value == f"done: {len(df)} policies on 2 ranks"
