@@ -21,7 +21,7 @@ import traitlets as t
 
 from mpnb.lab.config import configs_argument
 from mpnb.widgets._common import ErrorBox, hardware_html
-from mpnb.widgets._compare_controls import LEVELS, ControlsMixin, parse_sizes
+from mpnb.widgets._compare_controls import DEFAULT_LEVELS, LEVELS, ControlsMixin, parse_sizes
 from mpnb.widgets._compare_views import ResultViews, errors_html, table_html, verdict_html
 from mpnb.widgets._distributed_views import (
     DistributedViews,
@@ -61,7 +61,9 @@ class CompareWidget(ControlsMixin, w.VBox):
         opt_levels: the former name of ``configs`` (give one of the two).
         ranks: local processes (1: one process, the opt levels as before; 2 or more: the
             distributed precision policies of ``strategy``, one row each).
-        strategy: ``"ddp"``, ``"fsdp2"`` or None/``"both"``, with ``ranks`` >= 2.
+        strategy: ``"ddp"``, ``"fsdp2"`` or None/``"both"``, with ``ranks`` >= 2 (then
+            ``configs`` names policies of
+            :data:`mpnb.core.precision_configs.DISTRIBUTED_CONFIGS`; None: the strategy's).
 
     Attributes:
         df: the results (a :func:`mpnb.lab.compare` DataFrame with ``attrs``).
@@ -127,8 +129,12 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.views = ResultViews()
         self.dist_views = DistributedViews()
         default = workloads.get(workload, size)
+        named = configs_argument(configs, opt_levels)  # refuses both names at once
+        # with several ranks, the configurations named are distributed policies (None: all)
+        many = int(ranks or 1) > 1
+        policies = (configs if configs is not None else opt_levels) if many else None
         self._build_controls(
-            configs_argument(configs, opt_levels),
+            DEFAULT_LEVELS if policies is not None else named,
             half_dtype,
             batch_sizes or (default.batch_size,),
             steps or default.steps,
@@ -139,6 +145,7 @@ class CompareWidget(ControlsMixin, w.VBox):
             size,
             ranks,
             strategy,
+            policies,
         )
         self.table = w.HTML(table_html(None))
         self.verdict = w.HTML(verdict_html(None))
@@ -200,7 +207,9 @@ class CompareWidget(ControlsMixin, w.VBox):
         named = self.workload.value
         own = getattr(self._workload, "name", self._workload)
         ranks = int(self.ranks.value)
-        many = dict(ranks=ranks, strategy=self.strategy.value, configs=None) if ranks > 1 else {}
+        many = {}
+        if ranks > 1:
+            many = dict(ranks=ranks, strategy=self.strategy.value, configs=self.policy_names())
         return (
             dict(
                 workload=self._workload if named == own else named,

@@ -216,3 +216,24 @@ def test_real_two_rank_run():
     assert ratio == pytest.approx(0.5, abs=0.01)  # a bf16 reduction halves the bytes
     assert "ESTIMATE, not measured" in cw.estimate.value
     assert cw.status.value == f"done: {len(df)} policies on 2 ranks"
+
+
+def test_policies_follow_the_strategy_and_are_passed_by_name(calls):
+    from mpnb.core.precision_configs import distributed_names
+
+    cw = CompareWidget("mlp", ranks=2, strategy="ddp", threaded=False)
+    assert cw.policies.options == distributed_names("ddp") == cw.policies.value
+    assert cw.request()["configs"] is None  # all chosen: compare's default (what is offered)
+    cw.policies.value = ("ddp-fp32", "ddp-bf16-compress")
+    cw.run_button.click()
+    assert calls[-1]["configs"] == ("ddp-fp32", "ddp-bf16-compress")
+    cw.strategy.value = "fsdp2"
+    assert cw.policies.value == distributed_names("fsdp2")
+    cw.policies.value = ()
+    assert cw.run_button.disabled and "at least one policy" in cw.control_errors["policies"].value
+    cw.ranks.value = 1  # one process: the policies do not count
+    assert not cw.run_button.disabled and cw.policies.disabled
+    named = CompareWidget("mlp", ranks=2, configs=("fsdp2-fp32",), threaded=False)
+    assert named.policies.value == ("fsdp2-fp32",) and named.strategy.value == "both"
+    with pytest.raises(ValueError, match="not 'ddp' policies"):
+        CompareWidget("mlp", ranks=2, strategy="ddp", configs=("fsdp2-fp32",), threaded=False)
