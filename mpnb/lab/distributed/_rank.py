@@ -120,7 +120,8 @@ def run_rank(w, names: list, job: dict, folder: str | None) -> list[dict]:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = job["device"]
-    if device == "cuda":
+    if device == "cuda":  # one GPU per local rank (torchrun's LOCAL_RANK, or launch's)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}"
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
