@@ -143,9 +143,8 @@ def torchrun_rows(args):
         seed=args.seed,
         threads=None,
     )
-    names = [c.name for c in policies]
     records = launch(
-        launched, world, args=((w.name, w.size), names, job, None), timeout=args.timeout
+        launched, world, args=((w.name, w.size), policies, job, None), timeout=args.timeout
     )[0]
     if int(os.environ["RANK"]) != 0:
         return None

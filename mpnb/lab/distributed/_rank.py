@@ -111,11 +111,10 @@ def _metric(p: _Policy, w, device) -> float:
     return float(w.metric_fn(out, to_device(y, device)))
 
 
-def run_rank(w, names: list, job: dict, folder: str | None) -> list[dict]:
-    """Train every policy of ``names`` on this rank (the process group is up); return the
-    records of every rank (gathered, so that one rank holds them all under torchrun) or of
-    this rank alone when ``folder`` holds the files."""
-    from mpnb.core.precision_configs import get_distributed_config
+def run_rank(w, configs: list, job: dict, folder: str | None) -> list[dict]:
+    """Train every policy of ``configs`` (distributed configuration objects) on this rank
+    (the process group is up); return the records of every rank (gathered, so that one rank
+    holds them all under torchrun) or of this rank alone when ``folder`` holds the files."""
     from mpnb.lab._train import to_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -140,12 +139,12 @@ def run_rank(w, names: list, job: dict, folder: str | None) -> list[dict]:
         )
 
     policies = []
-    for name in names:
-        note(name, -1)
+    for cfg in configs:
+        note(cfg.name, -1)
         try:
-            policies.append(_Policy(get_distributed_config(name), w, job, device))
+            policies.append(_Policy(cfg, w, job, device))
         except Exception as e:
-            raise fail(name, -1, e) from e
+            raise fail(cfg.name, -1, e) from e
     batches = w.batches(job["global_batch"], job["seed"])
     try:
         for i in range(job["steps"]):
