@@ -36,7 +36,8 @@ DIST_COLUMNS: dict[str, str] = {
     "mem_activations_mib": "MiB per rank (max over ranks): tensors saved for backward during "
     "the forward (torch.autograd.graph.saved_tensors_hooks, unique storages).",
     "mem_peak_mib": "MiB per rank (max over ranks): the largest sum of the roles above seen "
-    "during a step (on CUDA: torch.cuda.max_memory_allocated).",
+    "at the sampling points of a measured step (every module's forward, the end of backward, "
+    "after the optimizer step).",
     "bytes_sent_per_step": "int: bytes a rank sends per step (mean over ranks), counted at the "
     "collectives (every c10d collective the process group runs, those issued from C++ by DDP's "
     "reducer and FSDP2 included), by the ring algorithm's per-rank traffic.",
@@ -44,7 +45,8 @@ DIST_COLUMNS: dict[str, str] = {
     "like bytes_sent_per_step.",
     "bytes_by_op": 'dict: collective name ("all_reduce", "all_gather", "reduce_scatter", '
     '"broadcast", ...) -> bytes sent per rank per step.',
-    "comm_s": "seconds per step spent inside collectives (median over timed steps, rank 0).",
+    "comm_s": "seconds per step with at least one collective in flight (issue to completion "
+    "of its Work), median over the measured (untimed) steps, rank 0.",
     "step_ms": "ms per step: median over the timed rounds (policies timed round-robin, one "
     "step of each per round, as the single-process lab does); max over ranks per step.",
     "step_ms_lo": "lower end of a 95% bootstrap interval of step_ms's median.",
