@@ -23,16 +23,17 @@ DIST_COLUMNS: dict[str, str] = {
     "reduce_dtype": 'dtype name the gradients travel in across ranks ("bfloat16" for bf16 '
     "compression or bf16 reduction).",
     "mem_sharded_params_mib": "MiB per rank (max over ranks) of the parameter storage a rank "
-    "keeps between steps: its 1/N shard under FSDP2, the whole model under DDP (counted from "
-    "the storages of model.parameters(), local shards for DTensors).",
+    "keeps between steps: its 1/N shard under FSDP2 (padded), the whole model under DDP "
+    "(mpnb amp O2: the bf16 model copy; its fp32 masters count as optimizer state); the "
+    "storages of model.parameters(), local shards for DTensors.",
     "mem_unsharded_params_mib": "MiB per rank (max over ranks) of the unsharded parameter "
-    "buffers FSDP2 all-gathers for forward/backward (peak seen by the pre-forward/pre-backward "
-    "hooks), or the half-precision model copy a cast policy keeps; 0 for plain fp32 DDP.",
+    "parameters FSDP2 all-gathers for compute (in param_dtype): the peak, sampled in a forward "
+    "pre-hook on every module and after backward; 0 under DDP.",
     "mem_grads_mib": "MiB per rank (max over ranks) of gradient storage after backward "
-    "(sharded under FSDP2; DDP's bucket views share the grads' storage and are not counted "
-    "twice).",
+    "(sharded under FSDP2); DDP's bucket buffers are not counted.",
     "mem_optimizer_mib": "MiB per rank (max over ranks) of optimizer state storages (e.g. "
-    "Adam's exp_avg/exp_avg_sq, fp32 master weights), found through optimizer.state.",
+    "Adam's exp_avg/exp_avg_sq, local shards under FSDP2) found through optimizer.state, and "
+    "the fp32 master weights the optimizer updates in place of the model's (mpnb amp O2).",
     "mem_activations_mib": "MiB per rank (max over ranks): tensors saved for backward during "
     "the forward (torch.autograd.graph.saved_tensors_hooks, unique storages).",
     "mem_peak_mib": "MiB per rank (max over ranks): the largest sum of the roles above seen "
