@@ -23,6 +23,12 @@ run's half dtype; ``stores``: the extra state the memory tracker counts), whethe
 emulates it (:meth:`~PrecisionConfig.status`, from doctor's facts), its label and its row's
 precision text. The FP8 configurations keep every other op in float32.
 
+The distributed policies (DDP with fp32 or compressed gradients, mpnb amp O2 with mpnb's DDP,
+FSDP2 with a ``MixedPrecisionPolicy``) are :class:`DistributedConfig` objects in
+:data:`DISTRIBUTED_CONFIGS`, asked the same way (:meth:`~DistributedConfig.wrap`,
+:meth:`~DistributedConfig.backward`, :meth:`~DistributedConfig.unavailable`, their dtypes,
+label and tolerance); :func:`mpnb.lab.compare` with ``ranks=N`` compares them.
+
 Adding a configuration is one entry in :data:`PRECISION_CONFIGS` (and one class when no
 existing one fits); the lab, the CLI and the widgets offer it from the table.
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DistributedConfig", "STRATEGIES", "compress_hook"]
+__all__ = ["DistributedConfig", "STRATEGIES", "compress_hook", "shard_units"]
 
 #: the strategies a policy may have, in table order
 STRATEGIES = ("ddp", "fsdp2")
@@ -57,6 +57,19 @@ def compress_hook(dtype_name: str) -> Callable:
     # DDP checks the annotation object itself (this module's annotations are strings)
     compress.__annotations__["return"] = torch.futures.Future[torch.Tensor]
     return compress
+
+
+def shard_units(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The modules FSDP2 shards one by one (each all-gathered just before its forward): every
+    element of a container child (``Sequential``, ``ModuleList``, ``ModuleDict``: the
+    transformer's blocks) and every other child, each when it holds parameters. The root is
+    sharded after them and keeps what is left (parameters of its own)."""
+    containers = (torch.nn.Sequential, torch.nn.ModuleList, torch.nn.ModuleDict)
+    units = []
+    for child in model.children():
+        parts = list(child.children()) if isinstance(child, containers) else [child]
+        units += [m for m in parts if any(True for _ in m.parameters())]
+    return units
 
 
 @dataclass(frozen=True)
@@ -143,8 +156,9 @@ class DistributedConfig:
           registered when ``compress`` is set.
         * mpnb amp O2: ``mpnb.amp.initialize(model, opt, opt_level="O2")`` (half model copy,
           fp32 master weights in the optimizer), then ``mpnb.parallel.DistributedDataParallel``.
-        * FSDP2: ``torch.distributed.fsdp.fully_shard`` on every direct child that holds
-          parameters, then on the root, each with ``MixedPrecisionPolicy(param_dtype,
+        * FSDP2: ``torch.distributed.fsdp.fully_shard`` on every unit of
+          :func:`shard_units` (each block of a Sequential/ModuleList, each other child that
+          holds parameters), then on the root, each with ``MixedPrecisionPolicy(param_dtype,
           reduce_dtype)``; the optimizer is built on the sharded (DTensor) parameters.
 
         Args:
@@ -158,9 +172,8 @@ class DistributedConfig:
 
             d = self.dtypes()
             mp = MixedPrecisionPolicy(param_dtype=d["param"], reduce_dtype=d["reduce"])
-            for child in model.children():
-                if any(True for _ in child.parameters()):
-                    fully_shard(child, mp_policy=mp)
+            for unit in shard_units(model):
+                fully_shard(unit, mp_policy=mp)
             fully_shard(model, mp_policy=mp)
             return model, make_optimizer(model.parameters())
         if self.amp_level:

@@ -23,20 +23,22 @@ DIST_COLUMNS: dict[str, str] = {
     "reduce_dtype": 'dtype name the gradients travel in across ranks ("bfloat16" for bf16 '
     "compression or bf16 reduction).",
     "mem_sharded_params_mib": "MiB per rank (max over ranks) of the parameter storage a rank "
-    "keeps between steps: its 1/N shard under FSDP2, the whole model under DDP (counted from "
-    "the storages of model.parameters(), local shards for DTensors).",
+    "keeps between steps: its 1/N shard under FSDP2 (padded), the whole model under DDP "
+    "(mpnb amp O2: the bf16 model copy; its fp32 masters count as optimizer state); the "
+    "storages of model.parameters(), local shards for DTensors.",
     "mem_unsharded_params_mib": "MiB per rank (max over ranks) of the unsharded parameter "
-    "buffers FSDP2 all-gathers for forward/backward (peak seen by the pre-forward/pre-backward "
-    "hooks), or the half-precision model copy a cast policy keeps; 0 for plain fp32 DDP.",
+    "parameters FSDP2 all-gathers for compute (in param_dtype): the peak, sampled in a forward "
+    "pre-hook on every module and after backward; 0 under DDP.",
     "mem_grads_mib": "MiB per rank (max over ranks) of gradient storage after backward "
-    "(sharded under FSDP2; DDP's bucket views share the grads' storage and are not counted "
-    "twice).",
+    "(sharded under FSDP2); DDP's bucket buffers are not counted.",
     "mem_optimizer_mib": "MiB per rank (max over ranks) of optimizer state storages (e.g. "
-    "Adam's exp_avg/exp_avg_sq, fp32 master weights), found through optimizer.state.",
+    "Adam's exp_avg/exp_avg_sq, local shards under FSDP2) found through optimizer.state, and "
+    "the fp32 master weights the optimizer updates in place of the model's (mpnb amp O2).",
     "mem_activations_mib": "MiB per rank (max over ranks): tensors saved for backward during "
     "the forward (torch.autograd.graph.saved_tensors_hooks, unique storages).",
     "mem_peak_mib": "MiB per rank (max over ranks): the largest sum of the roles above seen "
-    "during a step (on CUDA: torch.cuda.max_memory_allocated).",
+    "at the sampling points of a measured step (every module's forward, the end of backward, "
+    "after the optimizer step).",
     "bytes_sent_per_step": "int: bytes a rank sends per step (mean over ranks), counted at the "
     "collectives (every c10d collective the process group runs, those issued from C++ by DDP's "
     "reducer and FSDP2 included), by the ring algorithm's per-rank traffic.",
@@ -44,7 +46,8 @@ DIST_COLUMNS: dict[str, str] = {
     "like bytes_sent_per_step.",
     "bytes_by_op": 'dict: collective name ("all_reduce", "all_gather", "reduce_scatter", '
     '"broadcast", ...) -> bytes sent per rank per step.',
-    "comm_s": "seconds per step spent inside collectives (median over timed steps, rank 0).",
+    "comm_s": "seconds per step with at least one collective in flight (issue to completion "
+    "of its Work), median over the measured (untimed) steps, rank 0.",
     "step_ms": "ms per step: median over the timed rounds (policies timed round-robin, one "
     "step of each per round, as the single-process lab does); max over ranks per step.",
     "step_ms_lo": "lower end of a 95% bootstrap interval of step_ms's median.",

@@ -18,8 +18,10 @@ others              every tensor argument       ``(N-1)/N * S``
 ==================  ==========================  ===============================================
 
 So on 2 ranks a DDP fp32 all-reduce of P parameters sends ``4 P`` bytes per step, bf16
-compression half that. The time each collective is in flight (issue to completion of its
-``Work``) is recorded too; ``comm_s`` is the union of those intervals in a step.
+compression half that. The payload is what the collective really carries: FSDP2 pads each
+parameter's first dimension to a multiple of N, and the padding travels too. The time each
+collective is in flight (issue to completion of its ``Work``) is recorded too; ``comm_s`` is
+the union of those intervals in a step.
 """
 
 from __future__ import annotations

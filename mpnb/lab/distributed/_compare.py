@@ -84,12 +84,12 @@ def reference_run(w, job: dict) -> dict:
     return dict(losses=losses, metric=metric, flops_per_step=flops)
 
 
-def launched(spec, names: list, job: dict, folder: str | None) -> list[dict]:
+def launched(spec, configs: list, job: dict, folder: str | None) -> list[dict]:
     """A rank's entry under :func:`mpnb.core.parallel.launch` (importable, so ranks spawn)."""
     from mpnb.lab import workloads
 
     w = workloads.get(spec[0], spec[1]) if isinstance(spec, tuple) else spec
-    return run_rank(w, names, job, folder)
+    return run_rank(w, configs, job, folder)
 
 
 def _read_records(folder: str) -> list[dict]:
@@ -132,13 +132,12 @@ def _failure(e: BaseException, folder: str, ranks: int) -> tuple[str, str, str]:
 def _launch(w, spec, policies, job, ranks, timeout, start_method):
     from mpnb.core.parallel import RankError, launch
 
-    names = [c.name for c in policies]
     with tempfile.TemporaryDirectory(prefix="mpnb-dist-") as folder:
         try:
             launch(
                 launched,
                 ranks,
-                args=(spec, names, job, folder),
+                args=(spec, list(policies), job, folder),
                 timeout=timeout,
                 start_method=start_method,
                 threads=job.get("threads"),

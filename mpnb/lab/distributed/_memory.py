@@ -17,7 +17,9 @@ role and sums their storages (unique by data pointer, so views and shared storag
 * **activations**: tensors autograd saves for backward during the forward
   (``torch.autograd.graph.saved_tensors_hooks``), excluding parameter storages.
 * **peak**: the largest sum of the roles at the sampling points (every module's forward, the
-  end of backward, after the optimizer step); on CUDA, ``torch.cuda.max_memory_allocated``.
+  end of backward, after the optimizer step). Not the allocator's peak: every policy shares
+  the rank's process, so ``torch.cuda.max_memory_allocated`` would mix them; and workspace
+  buffers (DDP's buckets, the collectives' staging) are not counted.
 """
 
 from __future__ import annotations
@@ -140,9 +142,9 @@ class RoleMeter:
 
     def mib(self) -> dict:
         """The roles in MiB, as the rows' ``mem_*_mib`` columns."""
+        # the policies share each rank's process (round-robin), so the allocator's own peak
+        # (torch.cuda.max_memory_allocated) would mix them: the tensors are counted instead
         peak = self.peak
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            peak = max(peak, torch.cuda.max_memory_allocated())
         return dict(
             mem_sharded_params_mib=self.params_bytes / MIB,
             mem_unsharded_params_mib=self.unsharded / MIB,

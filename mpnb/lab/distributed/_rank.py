@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import json
 import os
-import time
 
 import torch
 import torch.distributed as dist
+import torch.utils.benchmark as benchmark
 
 from mpnb.lab.distributed._comm import CollectiveCounter
 from mpnb.lab.distributed._memory import RoleMeter
@@ -75,7 +75,7 @@ def _step(p: _Policy, w, x, y, measure: bool, world: int) -> dict:
 
     p.opt.zero_grad(set_to_none=True)
     counter = CollectiveCounter(world) if measure else None
-    t0 = time.perf_counter()
+    t0 = benchmark.timer()  # as the single-process lab: it synchronizes CUDA
     if measure:
         with counter:
             with p.meter.forward():
@@ -89,9 +89,7 @@ def _step(p: _Policy, w, x, y, measure: bool, world: int) -> dict:
         loss = w.loss_fn(forward(p.model, x), y)
         p.cfg.backward(loss, p.opt)
         p.opt.step()
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.synchronize()
-    rec = dict(ms=(time.perf_counter() - t0) * 1e3, loss=float(loss.detach().float()))
+    rec = dict(ms=(benchmark.timer() - t0) * 1e3, loss=float(loss.detach().float()))
     if measure:
         rec.update(by_op=dict(counter.by_op), comm_s=counter.comm_seconds(), **p.meter.mib())
     return rec
@@ -111,16 +109,16 @@ def _metric(p: _Policy, w, device) -> float:
     return float(w.metric_fn(out, to_device(y, device)))
 
 
-def run_rank(w, names: list, job: dict, folder: str | None) -> list[dict]:
-    """Train every policy of ``names`` on this rank (the process group is up); return the
-    records of every rank (gathered, so that one rank holds them all under torchrun) or of
-    this rank alone when ``folder`` holds the files."""
-    from mpnb.core.precision_configs import get_distributed_config
+def run_rank(w, configs: list, job: dict, folder: str | None) -> list[dict]:
+    """Train every policy of ``configs`` (distributed configuration objects) on this rank
+    (the process group is up); return the records of every rank (gathered, so that one rank
+    holds them all under torchrun) or of this rank alone when ``folder`` holds the files."""
     from mpnb.lab._train import to_device
 
     rank, world = dist.get_rank(), dist.get_world_size()
     device = job["device"]
-    if device == "cuda":
+    if device == "cuda":  # one GPU per local rank (torchrun's LOCAL_RANK, or launch's)
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", rank)) % torch.cuda.device_count())
         device = f"cuda:{torch.cuda.current_device()}"
     if job.get("threads"):
         torch.set_num_threads(job["threads"])
@@ -139,12 +137,12 @@ def run_rank(w, names: list, job: dict, folder: str | None) -> list[dict]:
         )
 
     policies = []
-    for name in names:
-        note(name, -1)
+    for cfg in configs:
+        note(cfg.name, -1)
         try:
-            policies.append(_Policy(get_distributed_config(name), w, job, device))
+            policies.append(_Policy(cfg, w, job, device))
         except Exception as e:
-            raise fail(name, -1, e) from e
+            raise fail(cfg.name, -1, e) from e
     batches = w.batches(job["global_batch"], job["seed"])
     try:
         for i in range(job["steps"]):
