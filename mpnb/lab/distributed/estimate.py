@@ -26,7 +26,9 @@ which it is (both times are non-decreasing in N, so the search is exact).
 **Weak scaling**: every GPU keeps the rank's batch, so compute per GPU does not change with N.
 The buffers do not either: DDP all-reduces the whole gradient; FSDP2's shard per rank shrinks
 as 1/N, but each rank still all-gathers every full parameter and reduce-scatters every full
-gradient, so its bytes per rank approach the same limit as a ring all-reduce's.
+gradient, so its bytes per rank approach the same limit as a ring all-reduce's. (The measured
+buffers include FSDP2's padding of each parameter to a multiple of ``n`` rows; the estimate
+keeps them as measured, a few rows per parameter at most.)
 
 Example::
 
