@@ -130,6 +130,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="print only JSON on stdout (hardware, load, verdict, rows); messages go to stderr",
     )
     p.add_argument("--no-progress", action="store_true")
+    from mpnb.lab.distributed._cli import add_arguments
+
+    add_arguments(p, standalone=False)  # --ranks, --strategy, --timeout
     p.set_defaults(func=run)
     return p
 
@@ -179,6 +182,11 @@ def run(args: argparse.Namespace) -> int:
     from mpnb.lab.runner import emulation_note, resolve_device
     from mpnb.lab.workloads import get
 
+    if getattr(args, "ranks", None) and args.ranks > 1:
+        return _run_distributed(args)
+    if getattr(args, "strategy", None):
+        print("mpnb compare: --strategy needs --ranks N (N >= 2).", file=sys.stderr)
+        return 2
     dtype = args.dtype[0] if len(args.dtype) == 1 else args.dtype
     msg = sys.stderr if args.json else sys.stdout
     why = unwritable_reason(args.out) if args.out else ""
@@ -247,6 +255,33 @@ def run(args: argparse.Namespace) -> int:
         )
         return 130 if by == "Ctrl-C" else 143  # 128 + the signal's number, as a shell says
     return code
+
+
+def _run_distributed(args: argparse.Namespace) -> int:
+    """``mpnb compare --ranks N``: the distributed comparison's table (no HTML report)."""
+    import mpnb.lab
+    from mpnb.core.precision_configs import DEFAULT_CONFIGS
+    from mpnb.lab.distributed._cli import show
+
+    try:
+        df = mpnb.lab.compare(
+            args.workload,
+            size=args.size,
+            configs=None if tuple(args.configs) == tuple(DEFAULT_CONFIGS) else args.configs,
+            batch_sizes=args.batch_sizes,
+            steps=args.steps,
+            optimizer=args.optimizer,
+            lr=args.lr,
+            device=args.device,
+            threads=args.threads,
+            ranks=args.ranks,
+            strategy=args.strategy,
+            timeout=args.timeout,
+        )
+    except (ValueError, TypeError) as e:
+        print(f"mpnb compare: {e}", file=sys.stderr)
+        return 2
+    return show(df, args.json)
 
 
 def _stopped(what) -> str:

@@ -303,6 +303,9 @@ def compare(
     should_stop: Callable[[], bool] | None = None,
     tolerance: float = TOLERANCE,
     opt_levels: Sequence[str] | None = None,
+    ranks: int | None = None,
+    strategy: str | None = None,
+    timeout: float = 600.0,
 ) -> pd.DataFrame:
     """Train a workload under each configuration (and half dtype, batch size); one row each.
 
@@ -348,6 +351,19 @@ def compare(
             Ctrl-C under ``isolate`` ends the subprocess at once.
         tolerance: the accuracy tolerance of the verdict.
         opt_levels: the former name of ``configs`` (give one of the two).
+        ranks: None or 1: one process (the above). N >= 2: the distributed comparison on N
+            local ranks (:func:`mpnb.core.parallel.launch`, gloo on CPU, nccl on CUDA), each
+            rank training on its contiguous 1/N shard of every global batch (``batch_sizes``
+            gives the global batch, which N must divide); ``configs`` then names policies of
+            :data:`mpnb.core.precision_configs.DISTRIBUTED_CONFIGS` (default: every policy of
+            ``strategy`` this device offers) and the frame has
+            :data:`mpnb.lab.distributed.DIST_COLUMNS` besides today's columns (see
+            :mod:`mpnb.lab.distributed`). ``half_dtype``, ``loss_scale``, ``isolate``,
+            ``should_stop`` and ``on_progress`` do not apply there.
+        strategy: with ``ranks``: ``"ddp"``, ``"fsdp2"`` or None/``"both"``.
+        timeout: with ``ranks``: seconds for the whole distributed run; a rank that fails or
+            hangs ends it (within this bound for a hang) with the rank and policy named in
+            that policy's row, and the steps measured before are kept.
 
     Returns:
         A DataFrame with :data:`COLUMNS`. ``attrs``: ``history`` (per-step loss, loss scale,
@@ -363,6 +379,31 @@ def compare(
         >>> print(df.attrs["verdict"]["text"])
         >>> df = mpnb.lab.compare(lambda: MyNet(), (x, y), metric_fn=mpnb.lab.accuracy)
     """
+    if ranks is not None and ranks > 1:
+        return _distributed(
+            workload,
+            data,
+            loss_fn,
+            metric_fn,
+            eval_data,
+            configs,
+            strategy,
+            ranks,
+            batch_sizes,
+            steps,
+            size,
+            optimizer,
+            lr,
+            device,
+            seed,
+            timeout,
+            threads,
+        )
+    if strategy is not None:
+        raise ValueError(
+            f"compare: strategy={strategy!r} needs ranks >= 2 (the distributed comparison); "
+            "pass ranks=2 or leave strategy out."
+        )
     configs = configs_argument(configs, opt_levels)
     dev = resolve_device(device)
     if steps is not None:  # refused before the workload is built (None: the workload's)
@@ -419,3 +460,52 @@ def compare(
     df.attrs["stopped_by"] = stopped
     df.attrs["verdict"] = verdict(df, tolerance)
     return df
+
+
+def _distributed(
+    workload,
+    data,
+    loss_fn,
+    metric_fn,
+    eval_data,
+    configs,
+    strategy,
+    ranks,
+    batch_sizes,
+    steps,
+    size,
+    optimizer,
+    lr,
+    device,
+    seed,
+    timeout,
+    threads,
+) -> pd.DataFrame:
+    """compare(ranks=N): the workload built as today, then the distributed comparison."""
+    from mpnb.lab.distributed._compare import compare_distributed
+
+    dev = resolve_device(device)
+    if steps is not None:
+        check_steps(steps)
+    w = _workload(workload, data, loss_fn, metric_fn, eval_data, size, dev)
+    if batch_sizes is not None and len(tuple(batch_sizes)) != 1:
+        raise ValueError(
+            f"compare(ranks={ranks}): one global batch size at a time, got "
+            f"batch_sizes={tuple(batch_sizes)!r}; run one compare per batch size."
+        )
+    batch = tuple(batch_sizes)[0] if batch_sizes is not None else w.batch_size
+    return compare_distributed(
+        workload,
+        w,
+        ranks=ranks,
+        strategy=strategy,
+        configs=configs,
+        steps=w.steps if steps is None else steps,
+        global_batch=batch,
+        optimizer=optimizer,
+        lr=lr,
+        device=dev,
+        seed=seed,
+        timeout=timeout,
+        threads=threads,
+    )

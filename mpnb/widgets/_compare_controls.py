@@ -18,7 +18,13 @@ import torch
 from mpnb.core.amp import LossScaleRule
 from mpnb.core.dtype_names import HALF_NAMES, short_name
 from mpnb.core.hardware import default_half_dtype
-from mpnb.core.precision_configs import DEFAULT_CONFIGS, OPTIMIZERS, config_names
+from mpnb.core.precision_configs import (
+    DEFAULT_CONFIGS,
+    OPTIMIZERS,
+    STRATEGIES,
+    config_names,
+    distributed_names,
+)
 from mpnb.widgets._common import half_status_label, hardware_html
 
 __all__ = ["ControlsMixin", "LEVELS", "DEFAULT_LEVELS", "OPTIMIZERS", "parse_sizes"]
@@ -29,6 +35,8 @@ __all__ = ["ControlsMixin", "LEVELS", "DEFAULT_LEVELS", "OPTIMIZERS", "parse_siz
 LEVELS = config_names()
 DEFAULT_LEVELS = DEFAULT_CONFIGS
 SIZES = ("auto", "small", "medium", "large")
+#: the strategy control's choices ("both": every DDP and FSDP2 policy)
+STRATEGY_CHOICES = ("both", *STRATEGIES)
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -71,7 +79,19 @@ class ControlsMixin:
     """Builds the control widgets as attributes of the widget, validates and reads them."""
 
     def _build_controls(
-        self, configs, half_dtype, batch_sizes, steps, optimizer, device, loss_scale, threads, size
+        self,
+        configs,
+        half_dtype,
+        batch_sizes,
+        steps,
+        optimizer,
+        device,
+        loss_scale,
+        threads,
+        size,
+        ranks=1,
+        strategy=None,
+        policies=None,
     ):
         from mpnb.lab import workloads
 
@@ -101,6 +121,7 @@ class ControlsMixin:
         self.threads = w.IntText(threads or 0, description="threads")
         self.threads.tooltip = "torch threads for the runs (0: torch's default)"
         self._scaler_controls(loss_scale)
+        self._distributed_controls(ranks, strategy, policies)
         self.control_errors = {
             k: _err()
             for k in (
@@ -111,6 +132,8 @@ class ControlsMixin:
                 "growth_factor",
                 "backoff_factor",
                 "growth_interval",
+                "ranks",
+                "policies",
             )
         }
         e = self.control_errors
@@ -127,6 +150,9 @@ class ControlsMixin:
                 _row(self.steps, e["steps"]),
                 self.optimizer,
                 _row(self.threads, e["threads"]),
+                _row(self.ranks, e["ranks"]),
+                self.strategy,
+                _row(self.policies, e["policies"]),
             ],
             [
                 self.scale_mode,
@@ -158,6 +184,8 @@ class ControlsMixin:
             self.growth_factor,
             self.backoff_factor,
             self.growth_interval,
+            self.ranks,
+            self.policies,
         ):
             c.observe(lambda _: self.validate(), names="value")
 
@@ -189,6 +217,52 @@ class ControlsMixin:
                 self.export_errors,
             ]
         )
+
+    def _distributed_controls(self, ranks, strategy, policies) -> None:
+        """``ranks`` (1: one process, as before), ``strategy`` (DDP, FSDP2 or both) and the
+        strategy's ``policies`` (None: all): with 2 or more ranks the run compares distributed
+        policies, not opt levels."""
+        if strategy not in (None, *STRATEGY_CHOICES):
+            raise ValueError(
+                f"strategy {strategy!r}: use one of {STRATEGY_CHOICES} (or None for both)."
+            )
+        self.ranks = w.IntText(int(ranks or 1), description="ranks")
+        self.ranks.tooltip = "local processes (2 or more: DDP and FSDP2 policies per rank)"
+        self.strategy = w.Dropdown(
+            options=STRATEGY_CHOICES, value=strategy or "both", description="strategy"
+        )
+        offered = distributed_names(strategy)
+        chosen = offered if policies is None else tuple(policies)
+        wrong = [p for p in chosen if p not in offered]
+        if wrong:
+            raise ValueError(
+                f"policies {wrong} are not {self.strategy.value!r} policies: choose from "
+                f"{list(offered)} (or change the strategy)."
+            )
+        self.policies = w.SelectMultiple(
+            options=offered, value=chosen, rows=len(distributed_names()), description="policies"
+        )
+        self.ranks.observe(lambda _: self._ranks_enabled(), names="value")
+        self.strategy.observe(lambda _: self._strategy_changed(), names="value")
+        self._ranks_enabled()
+
+    def _strategy_changed(self) -> None:
+        """The policies offered are the strategy's, all chosen."""
+        offered = distributed_names(self.strategy.value)
+        self.policies.options = offered
+        self.policies.value = offered
+
+    def _ranks_enabled(self) -> None:
+        """Strategy and policies count only on several ranks; the opt levels only on one."""
+        many = self.ranks.value > 1
+        self.strategy.disabled = self.policies.disabled = not many
+        self.opt_levels.disabled = many
+
+    def policy_names(self) -> tuple[str, ...] | None:
+        """The policies to compare on several ranks: None when every policy of the strategy is
+        chosen (compare's default: those this device offers), else the chosen names."""
+        chosen = tuple(self.policies.value)
+        return None if set(chosen) == set(self.policies.options) else chosen
 
     def _scaler_controls(self, loss_scale):
         # the widget's argument is parsed once, as amp.initialize parses it
@@ -224,8 +298,14 @@ class ControlsMixin:
     def input_errors(self) -> dict[str, str]:
         """``{control: message}`` for every control whose value is invalid now."""
         errs = {}
-        if not self.opt_levels.value:
+        if not self.opt_levels.value and self.ranks.value <= 1:
             errs["opt_levels"] = "choose at least one opt level"
+        if self.ranks.value > 1 and not self.policies.value:
+            errs["policies"] = "choose at least one policy"
+        if self.ranks.value < 1:
+            errs["ranks"] = (
+                f"ranks {self.ranks.value}: use 1 (one process) or more; refused, not clamped"
+            )
         try:
             parse_sizes(self.batch_sizes.value)
         except ValueError as e:

@@ -2,7 +2,10 @@
 
 The widget turns its controls into **one** :func:`mpnb.lab.compare` call (every configuration
 round-robin in one process, so the speed figure is the one ``compare`` computes) and draws
-the DataFrame it returns; it measures nothing itself. Progress (configuration, step, ETA)
+the DataFrame it returns; it measures nothing itself. With ``ranks`` of 2 or more the call is
+``compare(..., ranks=, strategy=)``: the DDP and FSDP2 precision policies on that many local
+ranks, drawn as memory per rank by role, bytes on the wire and loss against one fp32 process,
+with the scale-out estimate beside them. Progress (configuration, step, ETA)
 comes from ``compare``'s ``on_progress``; Stop is its ``should_stop``: the run ends after the
 step in progress and the rows keep what was measured, marked ``interrupted``.
 """
@@ -18,8 +21,16 @@ import traitlets as t
 
 from mpnb.lab.config import configs_argument
 from mpnb.widgets._common import ErrorBox, hardware_html
-from mpnb.widgets._compare_controls import LEVELS, ControlsMixin, parse_sizes
+from mpnb.widgets._compare_controls import DEFAULT_LEVELS, LEVELS, ControlsMixin, parse_sizes
 from mpnb.widgets._compare_views import ResultViews, errors_html, table_html, verdict_html
+from mpnb.widgets._distributed_views import (
+    DistributedViews,
+    dist_errors_html,
+    dist_page_html,
+    dist_table_html,
+    dist_verdict_html,
+    estimate_html,
+)
 
 __all__ = ["CompareWidget", "compare", "run_status"]
 
@@ -48,6 +59,11 @@ class CompareWidget(ControlsMixin, w.VBox):
         threaded: run in a background thread when Run is clicked (tests pass False).
         threads: ``torch.set_num_threads`` for the runs (None: torch's default).
         opt_levels: the former name of ``configs`` (give one of the two).
+        ranks: local processes (1: one process, the opt levels as before; 2 or more: the
+            distributed precision policies of ``strategy``, one row each).
+        strategy: ``"ddp"``, ``"fsdp2"`` or None/``"both"``, with ``ranks`` >= 2 (then
+            ``configs`` names policies of
+            :data:`mpnb.core.precision_configs.DISTRIBUTED_CONFIGS`; None: the strategy's).
 
     Attributes:
         df: the results (a :func:`mpnb.lab.compare` DataFrame with ``attrs``).
@@ -58,6 +74,9 @@ class CompareWidget(ControlsMixin, w.VBox):
         >>> cw = CompareWidget("transformer", configs=("O0", "O2"), threaded=False)
         >>> cw.run_button.click()
         >>> cw.df[["configuration", "speed_label", "metric"]]
+        >>> cw = CompareWidget("transformer", ranks=2, strategy="fsdp2", threaded=False)
+        >>> cw.run_button.click()
+        >>> cw.df[["policy", "mem_sharded_params_mib", "bytes_sent_per_step", "loss_vs_fp32"]]
     """
 
     #: bumped whenever :attr:`df` changes (a DataFrame cannot be a traitlet), observed to redraw
@@ -92,6 +111,8 @@ class CompareWidget(ControlsMixin, w.VBox):
         threads: int | None = None,
         size: str = "auto",
         opt_levels=None,
+        ranks: int = 1,
+        strategy: str | None = None,
     ):
         from mpnb.lab import workloads
 
@@ -106,9 +127,14 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.errors, self.export_errors = ErrorBox(), ErrorBox()
         self.config_errors = w.HTML()  # the configurations that failed in the last run
         self.views = ResultViews()
+        self.dist_views = DistributedViews()
         default = workloads.get(workload, size)
+        named = configs_argument(configs, opt_levels)  # refuses both names at once
+        # with several ranks, the configurations named are distributed policies (None: all)
+        many = int(ranks or 1) > 1
+        policies = (configs if configs is not None else opt_levels) if many else None
         self._build_controls(
-            configs_argument(configs, opt_levels),
+            DEFAULT_LEVELS if policies is not None else named,
             half_dtype,
             batch_sizes or (default.batch_size,),
             steps or default.steps,
@@ -117,24 +143,16 @@ class CompareWidget(ControlsMixin, w.VBox):
             loss_scale,
             threads,
             size,
+            ranks,
+            strategy,
+            policies,
         )
         self.table = w.HTML(table_html(None))
         self.verdict = w.HTML(verdict_html(None))
         self.hardware = w.HTML(hardware_html(self._device()))
-        v = self.views
-        o = v.outputs
-        tabs = [
-            ("Speed", o["speed"]),
-            ("Memory", o["memory"]),
-            ("Accuracy", o["accuracy"]),
-            ("Loss", o["loss_curves"]),
-            ("Loss scale", o["loss_scale"]),
-            ("Table", self.table),
-            ("Hardware", self.hardware),
-        ]
-        self.tabs = w.Tab(children=[c for _, c in tabs])
-        for i, (title, _) in enumerate(tabs):
-            self.tabs.set_title(i, title)
+        self.estimate = w.HTML("<i>The scale-out estimate appears after a run on 2+ ranks.</i>")
+        self.tabs = w.Tab()
+        self._show_tabs(distributed=self.ranks.value > 1)
         super().__init__([self.verdict, self.controls, self.actions, self.tabs])
         self.observe(self.errors.guard(self._draw), names=["version"])
         self.observe(self._toggle_buttons, names=["running"])
@@ -142,6 +160,31 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.workload.observe(self.errors.guard(self._workload_changed), names="value")
         self.size.observe(self.errors.guard(self._workload_changed), names="value")
         self.validate()
+
+    def _show_tabs(self, distributed: bool) -> None:
+        """The one-process tabs, or those of a run on several ranks (same Table, Hardware)."""
+        o, d = self.views.outputs, self.dist_views.outputs
+        if distributed:
+            tabs = [
+                ("Memory per rank", d["memory"]),
+                ("Bytes on the wire", d["wire"]),
+                ("Loss vs fp32", d["loss"]),
+                ("Table", self.table),
+                ("Scale-out estimate", self.estimate),
+                ("Hardware", self.hardware),
+            ]
+        else:
+            tabs = [
+                ("Speed", o["speed"]),
+                ("Memory", o["memory"]),
+                ("Accuracy", o["accuracy"]),
+                ("Loss", o["loss_curves"]),
+                ("Loss scale", o["loss_scale"]),
+                ("Table", self.table),
+                ("Hardware", self.hardware),
+            ]
+        self.tabs.children = [c for _, c in tabs]
+        self.tabs.titles = tuple(title for title, _ in tabs)
 
     def _workload_changed(self, change=None):
         from mpnb.lab import workloads
@@ -163,17 +206,24 @@ class CompareWidget(ControlsMixin, w.VBox):
             raise ValueError("; ".join(errs.values()))
         named = self.workload.value
         own = getattr(self._workload, "name", self._workload)
-        return dict(
-            workload=self._workload if named == own else named,
-            size=self.size.value,
-            configs=tuple(name for name in LEVELS if name in self.opt_levels.value),
-            half_dtype=self.half_dtype.value,
-            batch_sizes=parse_sizes(self.batch_sizes.value) or None,
-            steps=int(self.steps.value),
-            optimizer=self.optimizer.value,
-            device=self._device(),
-            loss_scale=self.loss_scale(),
-            threads=self.threads.value or None,
+        ranks = int(self.ranks.value)
+        many = {}
+        if ranks > 1:
+            many = dict(ranks=ranks, strategy=self.strategy.value, configs=self.policy_names())
+        return (
+            dict(
+                workload=self._workload if named == own else named,
+                size=self.size.value,
+                configs=tuple(name for name in LEVELS if name in self.opt_levels.value),
+                half_dtype=self.half_dtype.value,
+                batch_sizes=parse_sizes(self.batch_sizes.value) or None,
+                steps=int(self.steps.value),
+                optimizer=self.optimizer.value,
+                device=self._device(),
+                loss_scale=self.loss_scale(),
+                threads=self.threads.value or None,
+            )
+            | many
         )
 
     def run(self, _keep_stop: bool = False) -> pd.DataFrame:
@@ -183,6 +233,7 @@ class CompareWidget(ControlsMixin, w.VBox):
             self._stop.clear()
         self.running = True
         self.views.clear()
+        self.dist_views.clear()
         self.config_errors.value = ""
         self.errors.clear()
         self.export_errors.clear()  # "nothing to export yet" and the like no longer hold
@@ -202,8 +253,10 @@ class CompareWidget(ControlsMixin, w.VBox):
 
     def _on_progress(self, p: dict) -> None:
         self.progress.max, self.progress.value = p["total"], p["done"]
+        # a run on several ranks names its rows by policy
+        name = p.get("configuration") or p.get("policy", "")
         self.status.value = (
-            f"{p['configuration']}: step {p['step']}/{p['steps']} - "
+            f"{name}: step {p['step']}/{p['steps']} - "
             f"{p['done']}/{p['total']} steps, ETA {p['eta_s']:.0f} s"
         )
 
@@ -251,6 +304,10 @@ class CompareWidget(ControlsMixin, w.VBox):
 
     def _draw(self, change=None):
         df = self.df
+        if df is not None and "distributed" in df.attrs:
+            self._draw_distributed(df)
+            return
+        self._show_tabs(distributed=False)
         self.table.value = table_html(df)
         self.config_errors.value = errors_html(df)
         self.verdict.value = verdict_html(df)
@@ -262,6 +319,19 @@ class CompareWidget(ControlsMixin, w.VBox):
             f"<p><b>Measured on:</b> {hw.get('summary', '')}; method: "
             f"{df.attrs.get('method', '')}; load average {load.get('start')} at the start, "
             f"{load.get('end')} at the end.</p>"
+        )
+
+    def _draw_distributed(self, df: pd.DataFrame) -> None:
+        self._show_tabs(distributed=True)
+        self.table.value = dist_table_html(df)
+        self.config_errors.value = dist_errors_html(df)
+        self.verdict.value = dist_verdict_html(df)
+        self.dist_views.update(df)
+        self.estimate.value = estimate_html(df)
+        meta = df.attrs["distributed"]
+        self.hardware.value = hardware_html(self._device()) + (
+            f"<p><b>Ranks:</b> {meta.get('ranks')} local processes, strategy "
+            f"{meta.get('strategy')}, global batch {meta.get('global_batch')}.</p>"
         )
 
     def _require_df(self) -> pd.DataFrame:
@@ -292,9 +362,18 @@ class CompareWidget(ControlsMixin, w.VBox):
         return self._export(path, lambda df, p: df.to_csv(p, index=False))
 
     def export_html(self, path: str | None = None) -> str:
-        """Write the HTML report of :func:`mpnb.lab.report` (default ``<file stem>.html``)."""
+        """Write the HTML report of :func:`mpnb.lab.report` (default ``<file stem>.html``); a
+        run on several ranks writes its own figures, table and estimate."""
         path = path or f"{self.export_path.value}.html"
-        return self._export(path, lambda df, p: _lab().report(df, p))
+        return self._export(path, self._write_html)
+
+    def _write_html(self, df: pd.DataFrame, path: str) -> None:
+        if "distributed" not in df.attrs:
+            _lab().report(df, path)
+            return
+        page = dist_page_html(df, self.dist_views, "mpnb compare on several ranks")
+        with open(path, "w", encoding="utf-8") as f:
+            f.write(page)
 
 
 def run_status(df: pd.DataFrame) -> str:
@@ -310,6 +389,9 @@ def run_status(df: pd.DataFrame) -> str:
     bad = int((df["status"] == "error").sum())
     failed = f", {bad} failed" if bad else ""
     if not df.attrs.get("stopped"):
+        if "distributed" in df.attrs:
+            ranks = df.attrs["distributed"].get("ranks")
+            return f"done: {n} polic{'ies' if n != 1 else 'y'} on {ranks} ranks{failed}"
         return f"done: {n} configuration{'s' if n != 1 else ''}{failed}"
     cut = df[(df["status"] == "interrupted") & (df["steps_done"] > 0)]
     never = int(((df["status"] == "interrupted") & (df["steps_done"] == 0)).sum())

@@ -6,7 +6,14 @@ import warnings
 
 import torch
 
-from mpnb.core.amp._model import AutocastForward, CastForward, cast_model, check_model, model_device
+from mpnb.core.amp._model import (
+    AutocastForward,
+    CastForward,
+    cast_model,
+    check_model,
+    check_not_sharded,
+    model_device,
+)
 from mpnb.core.amp._properties import Properties, format_properties, resolve_properties
 from mpnb.core.amp._rule import LossScaleRule
 from mpnb.core.amp._state import AmpOptimizerState, AmpStash
@@ -168,6 +175,9 @@ def initialize(
             raise ValueError(
                 "amp.initialize: this optimizer was already initialized; pass it once."
             )
+    if enabled:  # up front: before anything is cast or bound
+        for m in model_list:
+            check_not_sharded(m, str(opt_level))
     device = model_device(model_list[0]) if model_list else torch.device("cpu")
     if half_dtype is None and (cast_model_type is False or cast_model_type == "False"):
         half_dtype = _models_half_dtype(model_list)  # the half dtype the model already has

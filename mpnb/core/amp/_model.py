@@ -14,7 +14,14 @@ from torch.nn.modules.batchnorm import _BatchNorm
 
 from mpnb.core.amp.casts import CastRegistry, _cast
 
-__all__ = ["cast_model", "check_model", "CastForward", "AutocastForward", "model_device"]
+__all__ = [
+    "cast_model",
+    "check_model",
+    "check_not_sharded",
+    "CastForward",
+    "AutocastForward",
+    "model_device",
+]
 
 
 def model_device(model: torch.nn.Module) -> torch.device:
@@ -40,6 +47,37 @@ def check_model(model: torch.nn.Module) -> None:
                 "scaling are for real parameters. Store it as a real tensor (torch.view_as_real) "
                 "or keep this model out of amp.initialize."
             )
+
+
+def check_not_sharded(model: torch.nn.Module, opt_level: str) -> None:
+    """Refuse O1-O3 on a model sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+    FSDP2 keeps each parameter as a 1/N shard (a ``DTensor``) and all-gathers it for compute:
+    O2/O3 cast parameters in place, under FSDP2's bookkeeping of the shards, and O1 casts per
+    op after an fp32 all-gather, so the wire carries fp32 either way. FSDP2's own
+    ``MixedPrecisionPolicy`` does what the opt level means on a sharded model (bf16
+    all-gather and compute, fp32 reduction); the message names the policy. O0 passes.
+    """
+    if opt_level == "O0":
+        return
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 has no sharded models
+        return
+    if not any(isinstance(m, FSDPModule) for m in model.modules()):
+        return
+    from mpnb.core.precision_configs import fsdp2_instead_of
+
+    policy = fsdp2_instead_of(opt_level)
+    d = policy.dtypes()
+    raise ValueError(
+        f"amp.initialize: opt_level {opt_level} on a model sharded by FSDP2 (fully_shard); "
+        "amp casts whole parameters, FSDP2 holds 1/N shards. Use FSDP2's mixed precision "
+        f"instead: the policy {policy.name!r} (compare(..., ranks=N, configs=["
+        f"{policy.name!r}])), i.e. fully_shard(module, mp_policy=MixedPrecisionPolicy("
+        f"param_dtype=torch.{d['param']}, reduce_dtype=torch.{d['reduce']})) on each block "
+        "and the root, with no amp.initialize (or opt_level='O0')."
+    )
 
 
 def cast_model(

@@ -23,6 +23,12 @@ run's half dtype; ``stores``: the extra state the memory tracker counts), whethe
 emulates it (:meth:`~PrecisionConfig.status`, from doctor's facts), its label and its row's
 precision text. The FP8 configurations keep every other op in float32.
 
+The distributed policies (DDP with fp32 or compressed gradients, mpnb amp O2 with mpnb's DDP,
+FSDP2 with a ``MixedPrecisionPolicy``) are :class:`DistributedConfig` objects in
+:data:`DISTRIBUTED_CONFIGS`, asked the same way (:meth:`~DistributedConfig.wrap`,
+:meth:`~DistributedConfig.backward`, :meth:`~DistributedConfig.unavailable`, their dtypes,
+label and tolerance); :func:`mpnb.lab.compare` with ``ranks=N`` compares them.
+
 Adding a configuration is one entry in :data:`PRECISION_CONFIGS` (and one class when no
 existing one fits); the lab, the CLI and the widgets offer it from the table.
 
@@ -41,6 +47,7 @@ import types
 from mpnb.core.opt_levels import OPT_LEVEL_DESCRIPTIONS, OPT_LEVEL_NAMES, check_names
 from mpnb.core.precision_configs._amp import AmpConfig
 from mpnb.core.precision_configs._base import PrecisionConfig, StoredRole
+from mpnb.core.precision_configs._distributed import STRATEGIES, DistributedConfig
 from mpnb.core.precision_configs._float8 import FP8_SCALES, Float8Config
 from mpnb.core.precision_configs._optimizers import OPTIMIZERS, make_optimizer
 from mpnb.core.precision_configs._pure_half import KAHAN_BUFFERS, PureHalfConfig
@@ -51,6 +58,12 @@ __all__ = [
     "Float8Config",
     "PureHalfConfig",
     "StoredRole",
+    "DistributedConfig",
+    "DISTRIBUTED_CONFIGS",
+    "STRATEGIES",
+    "distributed_names",
+    "get_distributed_config",
+    "fsdp2_instead_of",
     "PRECISION_CONFIGS",
     "BASELINE",
     "DEFAULT_CONFIGS",
@@ -175,3 +188,130 @@ def get_config(name: str | PrecisionConfig) -> PrecisionConfig:
         return name
     check_names([name], config_names(), "unknown precision config")
     return PRECISION_CONFIGS[name]
+
+
+# ---- distributed policies (mpnb.lab.compare(..., ranks=N)) ---------------------------------
+
+_BF16_TOL = 2e-2  # a bf16 rounding of grads or params: see DistributedConfig.tolerance
+
+
+def _dist(name, description, strategy, param, reduce, tol=1e-4, **kw) -> DistributedConfig:
+    return DistributedConfig(name, description, strategy, param, reduce, tolerance=tol, **kw)
+
+
+#: The distributed precision policies, by name: DDP (PyTorch's, its compression hooks; mpnb
+#: amp O2 with mpnb's DDP, Apex's way) and FSDP2 (``fully_shard`` with a
+#: ``MixedPrecisionPolicy``). :func:`mpnb.lab.compare` with ``ranks=N`` offers them as rows.
+DISTRIBUTED_CONFIGS = types.MappingProxyType(
+    {
+        c.name: c
+        for c in (
+            _dist(
+                "ddp-fp32",
+                "PyTorch DDP: fp32 parameters, fp32 gradient all-reduce.",
+                "ddp",
+                "float32",
+                "float32",
+            ),
+            _dist(
+                "ddp-bf16-compress",
+                "PyTorch DDP with bf16_compress_hook: fp32 parameters, gradients all-reduced "
+                "in bf16.",
+                "ddp",
+                "float32",
+                "bfloat16",
+                _BF16_TOL,
+                compress="bfloat16",
+            ),
+            _dist(
+                "ddp-fp16-compress",
+                "PyTorch DDP with fp16_compress_hook: fp32 parameters, gradients all-reduced "
+                "in fp16.",
+                "ddp",
+                "float32",
+                "float16",
+                _BF16_TOL,
+                compress="float16",
+            ),
+            _dist(
+                "ddp-mpnb-O2",
+                "mpnb amp O2 (bf16 model, fp32 master weights) with mpnb's DDP (Apex's way): "
+                "bf16 gradients all-reduced.",
+                "ddp",
+                "bfloat16",
+                "bfloat16",
+                _BF16_TOL,
+                amp_level="O2",
+            ),
+            _dist(
+                "fsdp2-fp32",
+                "PyTorch FSDP2 (fully_shard): fp32 parameters and reduce-scatter, 1/N per rank.",
+                "fsdp2",
+                "float32",
+                "float32",
+            ),
+            _dist(
+                "fsdp2-bf16-param-fp32-reduce",
+                "FSDP2, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): bf16 "
+                "all-gather and compute, fp32 gradient reduce-scatter.",
+                "fsdp2",
+                "bfloat16",
+                "float32",
+                _BF16_TOL,
+            ),
+            _dist(
+                "fsdp2-bf16-reduce",
+                "FSDP2, MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=bf16): bf16 "
+                "all-gather, compute and reduce-scatter.",
+                "fsdp2",
+                "bfloat16",
+                "bfloat16",
+                _BF16_TOL,
+            ),
+        )
+    }
+)
+
+
+def distributed_names(strategy: str | None = None) -> tuple[str, ...]:
+    """The distributed policies' names of ``strategy`` (``"ddp"``, ``"fsdp2"``; None or
+    ``"both"``: all), in table order.
+
+    Raises:
+        ValueError: an unknown strategy, naming the valid ones.
+    """
+    if strategy in (None, "both"):
+        return tuple(DISTRIBUTED_CONFIGS)
+    if strategy not in STRATEGIES:
+        raise ValueError(
+            f"strategy={strategy!r} is unknown; use one of {', '.join(STRATEGIES)} or 'both'."
+        )
+    return tuple(n for n, c in DISTRIBUTED_CONFIGS.items() if c.strategy == strategy)
+
+
+def get_distributed_config(name: str | DistributedConfig) -> DistributedConfig:
+    """The distributed policy called ``name`` (a :class:`DistributedConfig` is returned as is).
+
+    Raises:
+        ValueError: naming the valid choices.
+    """
+    if isinstance(name, DistributedConfig):
+        return name
+    if name not in DISTRIBUTED_CONFIGS:
+        raise ValueError(
+            f"unknown distributed policy {name!r}; choose from {', '.join(DISTRIBUTED_CONFIGS)}"
+            + (
+                " (the single-process configurations run with ranks=None)"
+                if name in PRECISION_CONFIGS
+                else ""
+            )
+            + "."
+        )
+    return DISTRIBUTED_CONFIGS[name]
+
+
+def fsdp2_instead_of(opt_level: str) -> DistributedConfig:
+    """The FSDP2 policy that does on a sharded model what amp ``opt_level`` (O1-O3) does on a
+    whole one: bf16 compute, fp32 gradient reduction (O3's pure half: bf16 reduction)."""
+    name = "fsdp2-bf16-reduce" if opt_level == "O3" else "fsdp2-bf16-param-fp32-reduce"
+    return DISTRIBUTED_CONFIGS[name]

@@ -1,0 +1,359 @@
+"""The distributed comparison: launch the ranks, build one row per policy.
+
+Called by :func:`mpnb.lab.compare` with ``ranks >= 2`` and by ``python -m
+mpnb.lab.distributed`` (under torchrun too).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import pickle
+import tempfile
+
+import pandas as pd
+import torch
+
+from mpnb.lab.distributed import DIST_COLUMNS
+from mpnb.lab.distributed._rank import MEASURE_STEPS, progress_path, run_rank
+
+__all__ = ["compare_distributed", "reference_run", "rows_of", "resolve_policies", "launched"]
+
+
+def resolve_policies(configs, strategy: str | None, device: str) -> tuple[list, dict]:
+    """The policies to run and the ones this device does not offer (name -> reason)."""
+    from mpnb.core.precision_configs import distributed_names, get_distributed_config
+
+    names = distributed_names(strategy)
+    if configs is not None:
+        picked = [get_distributed_config(c) for c in configs]
+        if strategy not in (None, "both"):
+            wrong = [c.name for c in picked if c.strategy != strategy]
+            if wrong:
+                raise ValueError(
+                    f"compare: policies {', '.join(wrong)} are not {strategy!r} policies; "
+                    f"name {strategy} policies ({', '.join(names)}) or leave strategy out."
+                )
+    else:
+        picked = [get_distributed_config(n) for n in names]
+    run, skipped = [], {}
+    for c in picked:
+        why = c.unavailable(device)
+        if why:
+            skipped[c.name] = (c, why)
+        else:
+            run.append(c)
+    return run, skipped
+
+
+def reference_run(w, job: dict) -> dict:
+    """The single-process fp32 run on the same global batches: losses, metric, FLOPs/step."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from mpnb.core.precision_configs import make_optimizer
+    from mpnb.lab._train import forward, to_device
+
+    dev = job["device"]
+    torch.manual_seed(job["seed"])
+    model = w.model_fn().to(dev)
+    opt = make_optimizer(job["optimizer"], model.parameters(), job["lr"] or w.lr)
+    batches, losses, flops = w.batches(job["global_batch"], job["seed"]), [], math.nan
+    for i in range(job["steps"]):
+        x, y = next(batches)
+        x, y = to_device(x, dev), to_device(y, dev)
+        opt.zero_grad(set_to_none=True)
+        counter = FlopCounterMode(display=False) if i == 0 else None
+        if counter is not None:
+            with counter:
+                loss = w.loss_fn(forward(model, x), y)
+                loss.backward()
+            flops = float(counter.get_total_flops())
+        else:
+            loss = w.loss_fn(forward(model, x), y)
+            loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    metric = math.nan
+    if w.metric_fn is not None:
+        x, y = w.fixed_batch(64)
+        model.eval()
+        with torch.no_grad():
+            metric = float(w.metric_fn(forward(model, to_device(x, dev)), to_device(y, dev)))
+    return dict(losses=losses, metric=metric, flops_per_step=flops)
+
+
+def launched(spec, configs: list, job: dict, folder: str | None) -> list[dict]:
+    """A rank's entry under :func:`mpnb.core.parallel.launch` (importable, so ranks spawn)."""
+    from mpnb.lab import workloads
+
+    w = workloads.get(spec[0], spec[1]) if isinstance(spec, tuple) else spec
+    return run_rank(w, configs, job, folder)
+
+
+def _read_records(folder: str) -> list[dict]:
+    out = []
+    for path in sorted(glob.glob(os.path.join(folder, "rank*.jsonl"))):
+        with open(path) as f:
+            out += [json.loads(line) for line in f if line.strip()]
+    return out
+
+
+def _where(folder: str, ranks: int) -> dict[int, tuple[str, int]]:
+    """rank -> (policy, step) it was in when the comparison ended (from its progress file)."""
+    out = {}
+    for r in range(ranks):
+        try:
+            with open(progress_path(folder, r)) as f:
+                policy, step = f.read().split("\t")
+            out[r] = (policy, int(step))
+        except (OSError, ValueError):
+            continue
+    return out
+
+
+def _failure(e: BaseException, folder: str, ranks: int) -> tuple[str, str, str]:
+    """(policy, status, message) of a failed launch, naming the rank and the policy."""
+    from mpnb.core.parallel import RankError
+
+    where = _where(folder, ranks)
+    if isinstance(e, RankError):
+        policy, step = where.get(e.rank, ("", -1))
+        first = str(e).split("\n--- traceback")[0]
+        return policy, "error", f"rank {e.rank} failed in policy {policy!r}: {first}"
+    if isinstance(e, TimeoutError):
+        busy = [f"rank {r} in policy {p!r} step {s + 1}" for r, (p, s) in where.items() if p]
+        policy = next((p for p, _ in where.values() if p), "")
+        return policy, "hung", f"{'; '.join(busy) or 'no rank had started'}: {e}"
+    raise e
+
+
+def _launch(w, spec, policies, job, ranks, timeout, start_method):
+    from mpnb.core.parallel import RankError, launch
+
+    with tempfile.TemporaryDirectory(prefix="mpnb-dist-") as folder:
+        try:
+            launch(
+                launched,
+                ranks,
+                args=(spec, list(policies), job, folder),
+                timeout=timeout,
+                start_method=start_method,
+                threads=job.get("threads"),
+            )
+            return _read_records(folder), None
+        except (RankError, TimeoutError) as e:
+            return _read_records(folder), _failure(e, folder, ranks)
+
+
+def _interval(ms: list[float]) -> tuple[float, float, float]:
+    from mpnb.lab.stats import median, median_ci
+
+    if not ms:
+        return math.nan, math.nan, math.nan
+    lo, hi = median_ci(ms) if len(ms) >= 3 else (math.nan, math.nan)
+    return median(ms), lo, hi
+
+
+def rows_of(records, policies, skipped, failure, ref, job, w, ranks, hw_summary="") -> pd.DataFrame:
+    """One row per policy from the ranks' records (see :data:`DIST_COLUMNS`)."""
+    from mpnb.lab._rows import COLUMNS
+    from mpnb.lab.stats import iqr, median
+
+    fail_policy, fail_status, fail_msg = failure or ("", "", "")
+    rows = []
+    for c in policies:
+        mine = [r for r in records if r["policy"] == c.name]
+        steps = sorted({r["step"] for r in mine})
+        done = [s for s in steps if len([r for r in mine if r["step"] == s]) == ranks]
+        losses = [
+            sum(r["loss"] for r in mine if r["step"] == s) / ranks for s in done
+        ]  # each rank's shard loss: their mean is the global batch's
+        ms_by_step = [max(r["ms"] for r in mine if r["step"] == s) for s in done]
+        timed = [m for s, m in zip(done, ms_by_step, strict=True) if s >= MEASURE_STEPS]
+        measured = [r for r in mine if "by_op" in r]
+        last_measured = max((r["step"] for r in measured), default=None)
+        meas = [r for r in measured if r["step"] == last_measured]
+        by_op: dict[str, int] = {}
+        for r in meas:
+            for op, b in r["by_op"].items():
+                by_op[op] = by_op.get(op, 0) + b
+        by_op = {op: int(round(b / max(1, len(meas)))) for op, b in by_op.items()}
+        sent = sum(by_op.values())
+        ref_l = ref["losses"][: len(losses)]
+        diff = max((abs(a - b) for a, b in zip(losses, ref_l, strict=True)), default=math.nan)
+        med, lo, hi = _interval(timed)
+        metric = [r["metric"] for r in mine if "metric" in r]
+        status, error = "ok", ""
+        if failure:
+            if c.name == fail_policy:
+                status, error = fail_status, fail_msg
+            elif len(done) < job["steps"]:
+                status = "interrupted"
+                error = f"the comparison ended early ({fail_msg.split(':')[0]})"
+        mem = {
+            k: max((r[k] for r in meas), default=math.nan)
+            for k in DIST_COLUMNS
+            if k.startswith("mem_")
+        }
+        row = dict(
+            configuration=c.label(),
+            workload=w.name,
+            precision=c.precision_text(),
+            batch_size=job["global_batch"],
+            samples_per_step=job["global_batch"],
+            steps=job["steps"],
+            steps_done=len(done),
+            optimizer=job["optimizer"],
+            device=job["device"],
+            hardware=hw_summary,
+            step_time_ms=med,
+            step_time_iqr_ms=iqr(timed) if timed else math.nan,
+            timed_steps=len(timed),
+            rounds=len(timed),
+            samples_per_s=job["global_batch"] / (med / 1e3) if timed else math.nan,
+            peak_mem_mib=mem["mem_peak_mib"],
+            flops_per_step=ref["flops_per_step"] / ranks,
+            final_loss=losses[-1] if losses else math.nan,
+            metric_name=w.metric_name,
+            metric=metric[0] if metric else math.nan,
+            metric_vs_O0=(metric[0] - ref["metric"]) if metric else math.nan,
+            warnings="",
+            error=error,
+            status=status,
+            ranks=ranks,
+            strategy=c.strategy,
+            policy=c.name,
+            param_dtype=c.param_dtype,
+            reduce_dtype=c.reduce_dtype,
+            **mem,
+            bytes_sent_per_step=sent if meas else math.nan,
+            bytes_recv_per_step=sent if meas else math.nan,  # ring: a rank receives what it sends
+            bytes_by_op=by_op,
+            comm_s=median([r["comm_s"] for r in measured if r["rank"] == 0])
+            if measured
+            else math.nan,
+            step_ms=med,
+            step_ms_lo=lo,
+            step_ms_hi=hi,
+            loss_final=losses[-1] if losses else math.nan,
+            loss_vs_fp32=diff,
+            tolerance=c.tolerance,
+            within_tolerance=bool(diff <= c.tolerance) if losses else False,
+        )
+        rows.append(row)
+    for name, (c, why) in skipped.items():
+        rows.append(
+            dict(
+                configuration=c.label(),
+                workload=w.name,
+                ranks=ranks,
+                strategy=c.strategy,
+                policy=name,
+                param_dtype=c.param_dtype,
+                reduce_dtype=c.reduce_dtype,
+                tolerance=c.tolerance,
+                within_tolerance=False,
+                bytes_by_op={},
+                status="skipped",
+                error=why,
+            )
+        )
+    cols = list(COLUMNS) + [k for k in DIST_COLUMNS if k not in COLUMNS]
+    return pd.DataFrame([{k: r.get(k, math.nan) for k in cols} for r in rows], columns=cols)
+
+
+def _spec(workload, w):
+    """What the ranks rebuild the workload from: (name, size) for a built-in, else itself."""
+    return (w.name, w.size) if isinstance(workload, str) else w
+
+
+def _start_method(spec) -> str | None:
+    """spawn when the workload pickles; fork (CPU) when it does not (a lambda factory)."""
+    try:
+        pickle.dumps(spec)
+        return None
+    except (pickle.PicklingError, AttributeError, TypeError):
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            raise TypeError(
+                "compare(ranks=N): the model factory or data do not pickle, so the ranks "
+                "must be forked, and CUDA is already initialised here; define the factory "
+                "with def at module level (not a lambda), or restart before any CUDA call."
+            ) from None
+        return "fork"
+
+
+def compare_distributed(
+    workload,
+    w,
+    *,
+    ranks: int,
+    strategy: str | None,
+    configs,
+    steps: int,
+    global_batch: int,
+    optimizer: str,
+    lr,
+    device: str,
+    seed: int,
+    timeout: float,
+    threads: int | None = None,
+) -> pd.DataFrame:
+    """The distributed comparison (see :func:`mpnb.lab.compare`, ``ranks``)."""
+    from mpnb.lab.runner import hardware_summary
+
+    if ranks < 2:
+        raise ValueError(f"compare: ranks={ranks} runs in one process; ranks must be >= 2 here.")
+    if global_batch % ranks:
+        raise ValueError(
+            f"compare(ranks={ranks}): the global batch {global_batch} does not split into "
+            f"{ranks} equal shards; pass batch_sizes=({global_batch - global_batch % ranks},) "
+            "or a rank count that divides it."
+        )
+    policies, skipped = resolve_policies(configs, strategy, device)
+    job = dict(
+        steps=steps,
+        global_batch=global_batch,
+        optimizer=optimizer,
+        lr=lr,
+        device=device,
+        seed=seed,
+        threads=threads,
+    )
+    ref = reference_run(w, job)
+    spec = _spec(workload, w)
+    records, failure = [], None
+    if policies:
+        records, failure = _launch(w, spec, policies, job, ranks, timeout, _start_method(spec))
+    hw = hardware_summary(device)
+    df = rows_of(records, policies, skipped, failure, ref, job, w, ranks, hw["summary"])
+    df.attrs["distributed"] = dict(
+        ranks=ranks,
+        strategy=strategy or "both",
+        global_batch=global_batch,
+        reference=ref["losses"],
+        reference_metric=ref["metric"],
+        steps=steps,
+        backend="nccl" if device.startswith("cuda") else "gloo",
+        failure=failure[2] if failure else "",
+        method=(
+            "policies round-robin on every rank (step k of each before step k+1 of any); "
+            "the first 2 steps measured (memory by role, bytes at the collectives), the rest "
+            "timed; step time = max over ranks"
+        ),
+    )
+    df.attrs["hardware"] = hw
+    df.attrs["workload"] = dict(name=w.name, size=w.size, description=w.description)
+    hist = [
+        dict(
+            configuration=r["policy"],
+            step=r["step"],
+            rank=r["rank"],
+            loss=r["loss"],
+            step_time_ms=r["ms"],
+        )
+        for r in records
+    ]
+    df.attrs["history"] = pd.DataFrame(hist)
+    return df
