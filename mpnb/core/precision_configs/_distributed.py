@@ -18,12 +18,12 @@ from dataclasses import dataclass
 
 import torch
 
+from mpnb.core.dtype_names import short_name
+
 __all__ = ["DistributedConfig", "STRATEGIES", "compress_hook", "shard_units"]
 
 #: the strategies a policy may have, in table order
 STRATEGIES = ("ddp", "fsdp2")
-
-_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16"}
 
 
 def compress_hook(dtype_name: str) -> Callable:
@@ -122,7 +122,7 @@ class DistributedConfig:
 
     def precision_text(self) -> str:
         """``"bf16 params, fp32 reduce"``: the row's precision cell."""
-        p, r = _SHORT[self.param_dtype], _SHORT[self.reduce_dtype]
+        p, r = short_name(self.param_dtype), short_name(self.reduce_dtype)
         return f"{p} params, {r} reduce"
 
     def unavailable(self, device="cpu", facts=None) -> str:
@@ -132,13 +132,12 @@ class DistributedConfig:
         (:func:`mpnb.core.hardware.dtype_support`): elsewhere its all-reduce would be emulated
         arithmetic teaching nothing about the wire. ``facts``: doctor's facts, to skip measuring.
         """
-        half = {"bfloat16": "bf16", "float16": "fp16"}
         needs = {d for d in (self.param_dtype, self.reduce_dtype) if d == "float16"}
         if not needs:
             return ""
         from mpnb.core.hardware import dtype_support, status_of
 
-        status = status_of(dtype_support(device) if facts is None else facts, half["float16"])
+        status = status_of(dtype_support(device) if facts is None else facts, short_name("float16"))
         if status == "native":
             return ""
         return (
