@@ -21,13 +21,17 @@ namespace mpnb::cpu::opt {
 // computes the same bits (tests/core/ops/test_optimizer_kernels.py) and streams one large
 // tensor at least as fast as the chunk walk; smaller tensors stay on the multi-tensor walk,
 // which pays one parallel region for all of them where PyTorch's op pays one per tensor.
-// The crossover, measured side by side in one process (one list of equal tensors, 8M elements
-// in all, 1 thread, time of PyTorch's op / time of ours): 2^14 elements 1.14, 2^16 1.02,
-// 2^18 1.01, 2^20 1.05, 2^22 0.93; with the GPT workload of `mpnb bench optimizers` (76
-// tensors, the largest 8.9M elements) ours was 0.89 at 1 thread. Mirrored in Python as
-// mpnb.core.ops.adam.TORCH_ROUTE_ELEMS (tests/core/ops/test_adam_route.py checks that both
-// agree; `mpnb doctor` shows the path it observes on each side of it).
-constexpr int64_t kTorchRouteElems = int64_t{1} << 21;
+// Measured side by side in one process (one list of equal tensors, 8M elements in all, 1
+// thread, time of PyTorch's op / time of ours, on a shared machine: +-10% noise): 2^12 1.14,
+// 2^14 1.01, 2^16 0.84, 2^17 1.01, 2^18 1.01, 2^19 0.98, 2^20 0.90 (three runs: 0.89, 0.90,
+// 0.99); the GPT workload of `mpnb bench optimizers` (76 tensors, the largest 8.9M elements)
+// was 0.89 at 1 thread before this route. From 2^20 elements (28 MiB of traffic a step)
+// ours shows no gain at 1 thread, and PyTorch's one parallel region per tensor (microseconds)
+// is under 1% of the tensor's time at 2 threads, where our single region won on the GPT
+// workload (1.05x). Mirrored in Python as mpnb.core.ops.adam.TORCH_ROUTE_ELEMS
+// (tests/core/ops/test_adam_route.py checks that both agree; `mpnb doctor` shows the path it
+// observes on each side of it).
+constexpr int64_t kTorchRouteElems = int64_t{1} << 20;
 
 // Flags the tensors that PyTorch's fused op takes (none unless the call is one its op computes
 // bit for bit: fp32 params and grads, no masters, bias correction, no grad scale).
