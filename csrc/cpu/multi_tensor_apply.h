@@ -40,15 +40,21 @@ struct ChunkTable {
   int64_t numel = 0;
 };
 
+// `skip` (optional, one flag per tensor): tensors flagged nonzero get no chunks (an op that
+// hands them to another kernel); their first_chunk entry equals the next tensor's.
 template <class L>
-inline ChunkTable make_chunks(const L& tensors, int64_t chunk = kChunkElems) {
+inline ChunkTable make_chunks(const L& tensors, int64_t chunk = kChunkElems,
+                              const std::vector<char>* skip = nullptr) {
   ChunkTable t;
   t.first_chunk.reserve(tensors.size() + 1);
+  auto skipped = [&](size_t i) { return skip != nullptr && (*skip)[i] != 0; };
   int64_t count = 0;
-  for (size_t i = 0; i < tensors.size(); ++i) count += (tensors[i].numel() + chunk - 1) / chunk;
+  for (size_t i = 0; i < tensors.size(); ++i)
+    if (!skipped(i)) count += (tensors[i].numel() + chunk - 1) / chunk;
   t.chunks.reserve(count);
   for (int64_t i = 0; i < static_cast<int64_t>(tensors.size()); ++i) {
     t.first_chunk.push_back(static_cast<int64_t>(t.chunks.size()));
+    if (skipped(static_cast<size_t>(i))) continue;
     const int64_t n = tensors[i].numel();
     t.numel += n;
     for (int64_t off = 0; off < n; off += chunk) t.chunks.push_back({i, off, std::min(chunk, n - off)});

@@ -262,11 +262,13 @@ C10_ALWAYS_INLINE void update_chunk(const Chunk& ch, const TensorRefs& params,
 }
 
 // Update every chunk of the lists (see update_chunk), in parallel. `states` points at the
-// state lists (one per state of the update), stored as s_t.
+// state lists (one per state of the update), stored as s_t. Tensors flagged in `skip` (when
+// given) are left alone: the op updates them with another kernel.
 template <typename p_t, typename g_t, size_t NS, typename s_t = float, typename Body>
 void apply_update(const TensorRefs& params, const TensorRefs& grads, const TensorRefs& masters,
-                  const std::array<const TensorRefs*, NS>& states, float inv, const Body& body) {
-  auto table = make_chunks(params);
+                  const std::array<const TensorRefs*, NS>& states, float inv, const Body& body,
+                  const std::vector<char>* skip = nullptr) {
+  auto table = make_chunks(params, kChunkElems, skip);
   for_each_chunk(table, [&](int64_t, const Chunk& ch) {
     update_chunk<p_t, g_t, NS, s_t>(ch, params, grads, masters, states, inv, body);
   });

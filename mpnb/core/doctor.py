@@ -107,6 +107,26 @@ def _triton_lines() -> list[str]:
     return lines
 
 
+def _adam_route_lines() -> list[str]:
+    """Which path ``fused_adam_`` takes on the CPU for fp32 params without masters, by tensor
+    size: observed on each side of the threshold, with the measurement the threshold is from."""
+    from mpnb.core.ops.adam import TORCH_ROUTE_ELEMS, TORCH_ROUTE_MEASURED, cpu_route
+
+    if not op_path("fused_adam_", "cpu").startswith("C++ kernel"):
+        return []
+    n = TORCH_ROUTE_ELEMS
+    below, above = cpu_route(n - 1), cpu_route(n)
+    sweep = ", ".join(f"2^{k.bit_length() - 1}: {r:.2f}" for k, r in TORCH_ROUTE_MEASURED.items())
+    return [
+        f"  fused_adam_ on cpu, fp32 params without masters (bias correction, no loss scale), "
+        f"per tensor: {n - 1:,} elements -> {below}, {n:,} -> {above} (observed now). Why: "
+        "PyTorch's op computes the same bits and streams one large tensor at least as fast; "
+        "ours pays one parallel region for all small tensors where PyTorch's pays one per "
+        "tensor. Threshold from PyTorch's time / ours (above 1: ours faster) by tensor size, "
+        f"1 thread, side by side (reasoning in csrc/cpu/adam.cpp): {sweep}"
+    ]
+
+
 def report(build: bool = True) -> str:
     """The doctor's report as text.
 
@@ -153,4 +173,5 @@ def report(build: bool = True) -> str:
             f"  {info.family}: {info.name} -> {op_path(info.name, 'cpu')}"
             f" | {op_path(info.name, 'cuda')}"
         )
+    lines += _adam_route_lines()
     return "\n".join(lines)

@@ -3,8 +3,10 @@
 Conventions (``masters``, ``steps``, ``inv_scale``, ``found_inf``): :mod:`mpnb.core.ops._optim`.
 
 Kernels: ``csrc/cpu/adam.cpp`` (CPU; an fp32 step equals ``torch.optim.AdamW(fused=True)``
-and ``Adam(fused=True)`` bit for bit); on CUDA PyTorch's ``torch._fused_adamw_`` /
-``_fused_adam_`` (the reference without bias correction, which PyTorch's ops always apply).
+and ``Adam(fused=True)`` bit for bit; in such a step it hands each tensor of at least
+:data:`TORCH_ROUTE_ELEMS` elements to PyTorch's own fused op, see :func:`cpu_route`); on
+CUDA PyTorch's ``torch._fused_adamw_`` / ``_fused_adam_`` (the reference without bias
+correction, which PyTorch's ops always apply).
 """
 
 from __future__ import annotations
@@ -31,7 +33,9 @@ from mpnb.core.ops._optim import (
 from mpnb.core.ops._rounding import ROUNDINGS, check_rounding, sqrt_rn, store_rounded
 
 __all__ = [
+    "TORCH_ROUTE_ELEMS",
     "adam_constants",
+    "cpu_route",
     "fused_adam_",
     "fused_adam_bf16_",
     "reference_fused_adam_",
@@ -39,6 +43,51 @@ __all__ = [
 ]
 
 _WRITES = ("params", "exp_avgs", "exp_avg_sqs", "steps")
+
+#: The CPU kernel's per-tensor path of an fp32 step without masters (with bias correction and
+#: no loss scale): a tensor of at least this many elements goes to PyTorch's own fused op
+#: (``torch._fused_adamw_`` / ``_fused_adam_``, the same bits), a smaller one to mpnb's
+#: multi-tensor walk. The C++ constant is ``kTorchRouteElems`` in ``csrc/cpu/adam.cpp``;
+#: :func:`cpu_route` observes which side of it a call takes.
+TORCH_ROUTE_ELEMS = 1 << 20
+#: Where :data:`TORCH_ROUTE_ELEMS` comes from: PyTorch's op time / ours, side by side in one
+#: process, 1 thread, one list of equal fp32 tensors (8M elements in all), by tensor size (on a
+#: shared machine, +-10%; the reasoning is in ``csrc/cpu/adam.cpp``).
+TORCH_ROUTE_MEASURED = {
+    1 << 12: 1.14,
+    1 << 14: 1.01,
+    1 << 16: 0.84,
+    1 << 17: 1.01,
+    1 << 18: 1.01,
+    1 << 19: 0.98,
+    1 << 20: 0.90,
+}
+
+
+def cpu_route(numel: int, adam_w_mode: bool = True) -> str:
+    """The path one fp32 tensor of ``numel`` elements takes through the CPU kernel, observed:
+    the op runs once under :mod:`torch.profiler` and PyTorch's fused op is looked for.
+
+    Returns ``"PyTorch's fused op"`` or ``"mpnb's multi-tensor walk"`` (the reference when the
+    C++ kernels are not in use, which has no routing).
+
+    Example::
+
+        >>> cpu_route(TORCH_ROUTE_ELEMS)
+        "PyTorch's fused op"
+    """
+    from torch.profiler import ProfilerActivity, profile
+
+    w, g = torch.zeros(numel), torch.zeros(numel)
+    m, v, st = torch.zeros(numel), torch.zeros(numel), torch.tensor(0.0)
+    torch_op = "aten::_fused_adamw_" if adam_w_mode else "aten::_fused_adam_"
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fused_adam_(
+            [w], [g], [m], [v], [], [st], lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
+            weight_decay=0.0, adam_w_mode=adam_w_mode, bias_correction=True,
+        )  # fmt: skip
+    names = {e.name for e in prof.events()}
+    return "PyTorch's fused op" if torch_op in names else "mpnb's multi-tensor walk"
 
 
 def reference_fused_adam_(

@@ -18,6 +18,10 @@ Not counted: read-for-ownership of written lines, and LAMB's second pass over it
 least traffic assumes pass 2 reads from cache, which holds for groups of tensors of up to 2^20
 elements, not for a larger one such as the GPT's 8.9M-element embedding).
 
+fp32 steps without masters: AdamW against ``AdamW(fused=True)`` and ``foreach=True`` (28
+B/param), SGD momentum, Adagrad, LAMB and NovoGrad against PyTorch's fused optimizer or
+mpnb's references (bytes: :data:`_FP32`).
+
 Pure bf16 (no masters, no loss scale): ``FusedAdam(stochastic_rounding=True)`` and
 ``FusedAdam(kahan_summation=True)`` against PyTorch's ``AdamW(fused=True)`` on the same bf16
 params (which keeps its moments in bf16: 14 B/param) and against our round-to-nearest bf16
@@ -178,6 +182,17 @@ _O2 = {  # name -> (torch optimizer on masters, ours with master weights, update
     ),
 }
 _TARGETS = {("AdamW", _A): 1.6, ("AdamW", _D): 5.0}
+#: fp32 steps without masters: name -> (ours, bytes/param). The update pass's least traffic
+#: (SGD, Adagrad, NovoGrad: param r/w 8 + grad 4 + one fp32 state r/w 8 = 20; LAMB: two
+#: states, 28) plus, for LAMB and NovoGrad, the read of the fp32 grads their norms need
+#: before the update (+4). The baseline is PyTorch's fused optimizer (``_O2``'s, on the
+#: params themselves) or, for LAMB and NovoGrad, mpnb's references.
+_FP32 = {
+    "SGD momentum": (lambda p: FusedSGD(p, lr=_LR, momentum=0.9), 20),
+    "Adagrad": (lambda p: FusedAdagrad(p, lr=_LR), 20),
+    "LAMB": (lambda p: FusedLAMB(p, lr=_LR), 28 + 4),
+    "NovoGrad": (lambda p: FusedNovoGrad(p, lr=_LR), 20 + 4),
+}
 #: The optimizers ``torch.compile`` is given: PyTorch's own without ``fused`` (the compiled
 #: recipe's); none for LAMB and NovoGrad, which PyTorch lacks.
 _COMPILED = {
@@ -215,6 +230,20 @@ def _o2_case(name, work, numels, quick) -> Case:
         o2 = _TorchO2(_params(numels, torch.bfloat16), _COMPILED[name])
         cands.append(_compiled_step(o2, bpp * n, f"O2 {name}: copy, unscale, step, copy"))
     return Case(f"O2 {name} step", work, cands, bandwidth_numel=n)
+
+
+def _fp32_case(name, work, numels) -> Case:
+    """An fp32 step without master weights (bytes: :data:`_FP32`), against PyTorch's."""
+    make_ours, bpp = _FP32[name]
+    n = sum(numels)
+    theirs = _O2[name][0](_params(numels, torch.float32))
+    ours = make_ours(_params(numels, torch.float32))
+    bw = 0.7 if work == _A else None  # the memory-wall target holds for >= 64 MiB of params
+    cands = [
+        Candidate(f"torch {name} (fp32)", theirs.step, bpp * n, RMW),
+        Candidate(f"mpnb Fused{name.split()[0]} fp32", ours.step, bpp * n, RMW, None, bw),
+    ]
+    return Case(f"fp32 {name} step", work, cands, bandwidth_numel=n)
 
 
 def _adam_cases(work, numels, quick) -> Iterator[Case]:
@@ -331,4 +360,6 @@ def cases(opts: Options) -> Iterator[Case]:
         yield from _adam_cases(work, numels, opts.quick)
         for name in _O2:
             yield _o2_case(name, work, numels, opts.quick)
+            if name in _FP32:
+                yield _fp32_case(name, work, numels)
         yield _pure_bf16_case(work, numels)
