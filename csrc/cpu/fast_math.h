@@ -100,23 +100,30 @@ C10_ALWAYS_INLINE at::vec::Vectorized<float> softmax_exp(const at::vec::Vectoriz
 #endif
 }
 
-// A contiguous output like x. Outputs of 16 MiB or more ask the kernel for transparent huge
-// pages (madvise MADV_HUGEPAGE on the whole 2 MiB pages inside the buffer, what c10's
-// THP_MEM_ALLOC_ENABLE=1 does for every large CPU allocation): a fresh buffer from mmap is then
-// faulted in 2 MiB at a time instead of 4 KiB (128 MiB: 64 faults instead of 32768, ~10x less
-// time in the kernel). Memory the allocator reuses is already backed; the advice changes nothing
-// there. No effect where THP is "never"; only a hint, never an error.
-inline at::Tensor empty_output_like(const at::Tensor& x) {
-  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+// Ask the kernel for transparent huge pages for a fresh output y of 16 MiB or more: madvise
+// MADV_HUGEPAGE on the whole 2 MiB pages inside its memory (what c10's THP_MEM_ALLOC_ENABLE=1
+// does for every large CPU allocation). A fresh buffer from mmap is then faulted in 2 MiB at a
+// time instead of 4 KiB (128 MiB: 64 faults instead of 32768, ~10x less time in the kernel).
+// Memory the allocator reuses is already backed; the advice changes nothing there. No effect
+// where THP is "never"; only a hint, never an error. y must be dense (its bytes contiguous).
+inline void advise_huge_pages(const at::Tensor& y) {
 #if defined(__linux__) && defined(MADV_HUGEPAGE)
   constexpr uintptr_t kHuge = uintptr_t(2) << 20;
   const uintptr_t bytes = static_cast<uintptr_t>(y.nbytes());
   if (bytes >= (uintptr_t(16) << 20)) {
-    const uintptr_t p = reinterpret_cast<uintptr_t>(y.data_ptr());
+    const uintptr_t p = reinterpret_cast<uintptr_t>(y.const_data_ptr());
     const uintptr_t a = (p + kHuge - 1) & ~(kHuge - 1), e = (p + bytes) & ~(kHuge - 1);
     if (e > a) (void)madvise(reinterpret_cast<void*>(a), e - a, MADV_HUGEPAGE);
   }
+#else
+  (void)y;
 #endif
+}
+
+// A contiguous output like x, with huge pages advised (advise_huge_pages).
+inline at::Tensor empty_output_like(const at::Tensor& x) {
+  auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
+  advise_huge_pages(y);
   return y;
 }
 
