@@ -379,36 +379,41 @@ def compare(
         >>> print(df.attrs["verdict"]["text"])
         >>> df = mpnb.lab.compare(lambda: MyNet(), (x, y), metric_fn=mpnb.lab.accuracy)
     """
-    if ranks is not None and ranks > 1:
-        return _distributed(
-            workload,
-            data,
-            loss_fn,
-            metric_fn,
-            eval_data,
-            configs,
-            strategy,
-            ranks,
-            batch_sizes,
-            steps,
-            size,
-            optimizer,
-            lr,
-            device,
-            seed,
-            timeout,
-            threads,
-        )
-    if strategy is not None:
+    distributed = ranks is not None and ranks > 1
+    if strategy is not None and not distributed:
         raise ValueError(
             f"compare: strategy={strategy!r} needs ranks >= 2 (the distributed comparison); "
             "pass ranks=2 or leave strategy out."
         )
+    asked = configs if configs is not None else opt_levels  # None: the default policies
     configs = configs_argument(configs, opt_levels)
     dev = resolve_device(device)
     if steps is not None:  # refused before the workload is built (None: the workload's)
         check_steps(steps)
     w = _workload(workload, data, loss_fn, metric_fn, eval_data, size, dev)
+    if distributed:
+        from mpnb.lab.distributed._compare import compare_distributed
+
+        if batch_sizes is not None and len(tuple(batch_sizes)) != 1:
+            raise ValueError(
+                f"compare(ranks={ranks}): one global batch size at a time, got "
+                f"batch_sizes={tuple(batch_sizes)!r}; run one compare per batch size."
+            )
+        return compare_distributed(
+            workload,
+            w,
+            ranks=ranks,
+            strategy=strategy,
+            configs=asked,
+            steps=w.steps if steps is None else steps,
+            global_batch=tuple(batch_sizes)[0] if batch_sizes is not None else w.batch_size,
+            optimizer=optimizer,
+            lr=lr,
+            device=dev,
+            seed=seed,
+            timeout=timeout,
+            threads=threads,
+        )
     if batch_sizes is None:
         batch_sizes = (w.batch_size,)
     elif w.data_batch_size is not None and tuple(batch_sizes) != (w.data_batch_size,):
@@ -460,52 +465,3 @@ def compare(
     df.attrs["stopped_by"] = stopped
     df.attrs["verdict"] = verdict(df, tolerance)
     return df
-
-
-def _distributed(
-    workload,
-    data,
-    loss_fn,
-    metric_fn,
-    eval_data,
-    configs,
-    strategy,
-    ranks,
-    batch_sizes,
-    steps,
-    size,
-    optimizer,
-    lr,
-    device,
-    seed,
-    timeout,
-    threads,
-) -> pd.DataFrame:
-    """compare(ranks=N): the workload built as today, then the distributed comparison."""
-    from mpnb.lab.distributed._compare import compare_distributed
-
-    dev = resolve_device(device)
-    if steps is not None:
-        check_steps(steps)
-    w = _workload(workload, data, loss_fn, metric_fn, eval_data, size, dev)
-    if batch_sizes is not None and len(tuple(batch_sizes)) != 1:
-        raise ValueError(
-            f"compare(ranks={ranks}): one global batch size at a time, got "
-            f"batch_sizes={tuple(batch_sizes)!r}; run one compare per batch size."
-        )
-    batch = tuple(batch_sizes)[0] if batch_sizes is not None else w.batch_size
-    return compare_distributed(
-        workload,
-        w,
-        ranks=ranks,
-        strategy=strategy,
-        configs=configs,
-        steps=w.steps if steps is None else steps,
-        global_batch=batch,
-        optimizer=optimizer,
-        lr=lr,
-        device=dev,
-        seed=seed,
-        timeout=timeout,
-        threads=threads,
-    )
