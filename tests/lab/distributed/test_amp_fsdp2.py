@@ -53,4 +53,7 @@ def test_amp_on_an_fsdp2_model_is_refused_naming_the_policy(one_rank_group, leve
 
 def test_o0_on_an_fsdp2_model_is_accepted(one_rank_group):
     model, opt = _sharded()
-    amp.initialize(model, opt, opt_level="O0", verbosity=0)
+    model, opt = amp.initialize(model, opt, opt_level="O0", verbosity=0)
+    model(torch.randn(4, 8)).sum().backward()
+    opt.step()  # the sharded model trains, in fp32, through amp's O0
+    assert all(p.dtype == torch.float32 and p.grad is not None for p in model.parameters())
