@@ -38,9 +38,10 @@ _MX_REASON = (
 def scaled_mm_blocker(a: Float8Operand, b: Float8Operand, out_dtype: torch.dtype):
     """Why ``torch._scaled_mm`` cannot compute ``a @ b.T`` here: ``(category, reason)`` or None.
 
-    The category (``"recipe"``, ``"device"``, ``"shape"``, ``"out_dtype"``) is what a layer
-    warns about once; ``"speed"`` (a CPU whose ``torch._scaled_mm`` measured slower than its
-    float32 GEMM: :func:`mpnb.core.hardware.dtype_support`) is not warned about.
+    The category (``"recipe"``, ``"device"``, ``"shape"``, ``"out_dtype"``, or
+    ``"out_dtype+shape"`` with both reasons when both hold) is what a layer warns about
+    once; ``"speed"`` (a CPU whose ``torch._scaled_mm`` measured slower than its float32
+    GEMM: :func:`mpnb.core.hardware.dtype_support`) is not warned about.
 
     Example::
 
@@ -84,16 +85,26 @@ def scaled_mm_rule(device_type: str, capability, granularity: str, k: int, n: in
             f"{granularity} FP8 GEMMs need CUDA capability {need[0]}.{need[1]}+, this GPU "
             f"has {capability[0]}.{capability[1]}"
         )
+    # Every cause at once, so that fixing the one named does not reveal another later.
+    causes = []
     if granularity == "rowwise" and out_dtype != torch.bfloat16:
-        return "out_dtype", (
-            f"rowwise torch._scaled_mm on CUDA only writes bfloat16, this GEMM's output is "
-            f"{out_dtype}"
+        causes.append(
+            (
+                "out_dtype",
+                f"rowwise torch._scaled_mm on CUDA only writes bfloat16, this GEMM's output is "
+                f"{out_dtype}",
+            )
         )
     if k % 16 or n % 16:
-        return "shape", (
-            f"torch._scaled_mm on CUDA needs K and N multiples of 16, this GEMM has K={k}, N={n}"
+        causes.append(
+            (
+                "shape",
+                f"torch._scaled_mm on CUDA needs K and N multiples of 16, this GEMM has K={k}, N={n}",
+            )
         )
-    return None
+    if not causes:
+        return None
+    return "+".join(c for c, _ in causes), "; and ".join(r for _, r in causes)
 
 
 def emulated_mm(a: Float8Operand, b: Float8Operand, out_dtype: torch.dtype) -> torch.Tensor:

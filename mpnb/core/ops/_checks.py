@@ -174,8 +174,10 @@ def check_param(op: str, x: torch.Tensor, p: torch.Tensor | None, cols: int, wha
 
 
 def raise_flag_if(flag: torch.Tensor, bad: torch.Tensor) -> None:
-    """``flag = max(flag, bad)`` on the device (no host sync); flags are never cleared."""
-    flag.copy_(torch.maximum(flag, bad.to(flag.dtype).reshape(flag.shape)))
+    """``flag = max(flag, bad)`` on the flag's device (no host sync where both share one);
+    flags are never cleared."""
+    bad = bad.to(device=flag.device, dtype=flag.dtype).reshape(flag.shape)
+    flag.copy_(torch.maximum(flag, bad))
 
 
 def any_nonfinite(tensors: Tensors, device: torch.device) -> torch.Tensor:

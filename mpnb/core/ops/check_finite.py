@@ -4,7 +4,8 @@ Read-only, one pass, no copy: what a loss scaler needs before a fused optimizer 
 unscales on the fly. Sets ``noop_flag`` to 1 on inf/NaN and never clears it.
 
 Kernels: ``csrc/cpu/check_finite.cpp`` (CPU, over the raw bits); on CUDA PyTorch's
-``_amp_foreach_non_finite_check_and_unscale_`` with a scale of exactly 1.0 (bit-preserving).
+``_amp_foreach_non_finite_check_and_unscale_`` with a scale of exactly 1.0 (bit-preserving)
+for the dtypes it takes (fp32, fp16), the reference for the others (bf16, fp64).
 """
 
 from __future__ import annotations
@@ -37,10 +38,16 @@ def _check(args, per_tensor: bool) -> None:
     check_lists(args.op_name, per_tensor, tensors=args.tensors)
 
 
+#: The dtypes PyTorch's CUDA ``_amp_foreach_non_finite_check_and_unscale_`` takes (it
+#: refuses bf16 with "not implemented for 'BFloat16'").
+TORCH_CHECK_DTYPES = (torch.float32, torch.float16)
+
+
 def _torch_multi_tensor_check_finite(args) -> None:
-    """PyTorch's fused check (CUDA): unscale by exactly 1.0 into a found-inf flag."""
+    """PyTorch's fused check (CUDA): unscale by exactly 1.0 into a found-inf flag; the
+    reference for a dtype that op does not take (bf16, fp64)."""
     tensors = args.tensors
-    if not tensors or tensors[0].dtype == torch.float64:
+    if not tensors or tensors[0].dtype not in TORCH_CHECK_DTYPES:
         call(reference_multi_tensor_check_finite, args)
         return
     dev = tensors[0].device

@@ -101,12 +101,14 @@ class FusedLAMB(FusedOptimizerBase):
 
     def _prepare(self, work, inv_scale, found_inf) -> None:
         # One global norm over every group and dtype bucket (Apex clips by the global norm).
-        flag = found_inf if found_inf is not None else torch.zeros(1)
-        total = torch.zeros((), dtype=torch.float64)
+        # On the grads' device: no host sync per bucket, and a CUDA step's flag on CUDA.
+        dev = next((b.grads[0].device for _, bs in work for b in bs if b.grads), None)
+        flag = found_inf if found_inf is not None else torch.zeros(1, device=dev)
+        total = torch.zeros((), dtype=torch.float64, device=dev)
         for _, buckets in work:
             for b in buckets:
                 norm, _ = multi_tensor_l2norm(flag, b.grads, False, inv_scale)
-                total = total + norm.double().cpu().reshape(()).square()
+                total = total + norm.to(device=dev, dtype=torch.float64).reshape(()).square()
         self._global_norm = total.sqrt().float().reshape(1)
 
     def _update(self, group, bucket, inv_scale, found_inf) -> None:

@@ -273,14 +273,26 @@ def test_disabled_amp_is_a_no_op():
     assert m[0].weight.dtype == torch.float32
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+_CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, _CUDA])])
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_cuda_training_step(level):
-    m = _mlp().cuda()
+def test_fp16_training_skips_overflowing_steps_then_steps(level, device):
+    m = _mlp().to(device)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)
     m, opt = _init(m, opt, level, torch.float16)
-    with amp.scale_loss(m(torch.randn(2, 4, device="cuda")).float().sum(), opt) as sl:
-        sl.backward()
-    opt.step()
+    # fp16 at the initial dynamic scale of 2**16 can overflow (Apex's behaviour): each such
+    # step is skipped and halves the scale, until one step is taken.
+    scales, before = [], [p.detach().clone() for p in m.parameters()]
+    for _ in range(20):
+        scales.append(amp.state_dict()["loss_scaler0"]["loss_scale"])
+        opt.zero_grad()
+        with amp.scale_loss(m(torch.randn(2, 4, device=device)).float().sum(), opt) as sl:
+            sl.backward()
+        opt.step()
+        if amp.state_dict()["loss_scaler0"]["unskipped"] == 1:
+            break
     assert amp.state_dict()["loss_scaler0"]["unskipped"] == 1
+    assert scales == [2.0**16 / 2**i for i in range(len(scales))]
+    assert not all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))

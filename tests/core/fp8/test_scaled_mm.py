@@ -71,3 +71,8 @@ def test_where_mpnb_calls_scaled_mm():
     assert shape[0] == "shape" and "K=40, N=64" in shape[1]
     assert rule("cuda", (9, 0), "tensorwise", 64, 24, torch.float32)[0] == "shape"
     assert rule("mps", None, "tensorwise", 64, 64, torch.float32)[0] == "device"
+    # Both CUDA causes at once (a float32 rowwise layer of odd width): named together, so
+    # that fixing one does not reveal the other on the next run.
+    both = rule("cuda", (9, 0), "rowwise", 40, 24, torch.float32)
+    assert both[0] == "out_dtype+shape"
+    assert "only writes bfloat16" in both[1] and "K=40, N=24" in both[1]

@@ -437,3 +437,29 @@ def test_cuda_scale_and_check_match_cpu(din):
     fg2 = flag().cuda()
     ops.multi_tensor_check_finite(fg2, gsrc)
     assert fg2.item() == 1
+
+
+@pytest.mark.parametrize("din", [torch.float32, torch.float16, torch.bfloat16], ids=ids)
+@pytest.mark.parametrize("plant", [None, math.inf, math.nan])
+def test_check_finite_cuda_path_takes_torch_op_only_for_its_dtypes(din, plant, monkeypatch):
+    """The CUDA kernel of check_finite, run on CPU tensors against a stand-in for PyTorch's
+    CUDA op that refuses bf16 as that op does (seen on an H100, torch 2.11): bf16 goes to the
+    reference, fp32/fp16 to the op, and the flag is right either way."""
+    from mpnb.core.ops import check_finite
+
+    real, seen = torch._amp_foreach_non_finite_check_and_unscale_, []
+
+    def cuda_like(tensors, found, inv):
+        seen.append(tensors[0].dtype)
+        if tensors[0].dtype == torch.bfloat16:
+            raise NotImplementedError("not implemented for 'BFloat16'")
+        real(tensors, found, inv)
+
+    monkeypatch.setattr(torch, "_amp_foreach_non_finite_check_and_unscale_", cuda_like)
+    src = make([5, 70000], din, seed=11)
+    if plant is not None:
+        src[1][9] = plant
+    f = flag()
+    check_finite._torch_multi_tensor_check_finite(check_finite.OP.Args(f, src))
+    assert f.item() == (plant is not None)
+    assert seen == ([] if din == torch.bfloat16 else [din])
