@@ -99,7 +99,8 @@ def scaled_mm_rule(device_type: str, capability, granularity: str, k: int, n: in
         causes.append(
             (
                 "shape",
-                f"torch._scaled_mm on CUDA needs K and N multiples of 16, this GEMM has K={k}, N={n}",
+                "torch._scaled_mm on CUDA needs K and N multiples of 16, "
+                f"this GEMM has K={k}, N={n}",
             )
         )
     if not causes:
