@@ -14,7 +14,8 @@
 // fp64 uses ATen's exp (Sleef, 1 ulp).
 //
 // Also here: empty_output_like, the output allocation of the layer kernels (norm_common.h,
-// softmax.cpp), and stream_into, their choice of stores for it.
+// softmax.cpp; large outputs come from the output cache, output_cache.h), and stream_into,
+// their choice of stores for it.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -22,6 +23,7 @@
 
 #include <cstdint>
 
+#include "cpu/output_cache.h"
 #include "cpu/vec_io.h"
 
 #if defined(__linux__)
@@ -120,8 +122,10 @@ inline void advise_huge_pages(const at::Tensor& y) {
 #endif
 }
 
-// A contiguous output like x, with huge pages advised (advise_huge_pages).
+// A contiguous output like x: from the output cache when large (output_cache.h: memory an
+// earlier output gave back, already backed), else fresh with huge pages advised.
 inline at::Tensor empty_output_like(const at::Tensor& x) {
+  if (static_cast<size_t>(x.numel()) * x.element_size() >= kCacheMinBytes) return cached_empty(x.sizes(), x.options());
   auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
   advise_huge_pages(y);
   return y;

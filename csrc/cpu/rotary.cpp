@@ -171,14 +171,22 @@ at::Tensor rope_cpu(const at::Tensor& t_in, const at::Tensor& cos, const at::Ten
   // The result: laid out as t (empty_like keeps a dense t's strides) unless that puts a stride
   // other than 1 on d (the kernel writes rows of d contiguous channels; then contiguous), or as
   // [B, S, H, D] (mpnb/core/ops/rotary.py's _output is the same rule).
+  // Large results come from the output cache (output_cache.h), smaller ones are fresh with huge
+  // pages advised (dense in every branch: a fresh 64 MiB output faults 2 MiB at a time).
+  const bool cached = static_cast<size_t>(t.numel()) * t.element_size() >= kCacheMinBytes;
   at::Tensor result;
   if (transpose_output) {
-    result = at::empty({t.size(1), t.size(0), t.size(2), t.size(3)}, t.options()).transpose(0, 1);
-  } else {
+    const std::vector<int64_t> sbhd{t.size(1), t.size(0), t.size(2), t.size(3)};
+    result = (cached ? cached_empty(sbhd, t.options()) : at::empty(sbhd, t.options())).transpose(0, 1);
+  } else if (!cached) {
     result = at::empty_like(t_in);
     if (result.stride(3) != 1) result = at::empty(t_in.sizes(), t_in.options());
+  } else {  // empty_like's strides, read off a meta tensor (no memory), then from the cache
+    const auto like = at::empty_like(t_in, t_in.options().device(at::kMeta));
+    result = like.stride(3) == 1 ? cached_empty_strided(like.sizes(), like.strides(), t_in.options())
+                                 : cached_empty(t_in.sizes(), t_in.options());
   }
-  advise_huge_pages(result);  // dense in every branch above: a fresh 64 MiB output faults 2 MiB at a time
+  if (!cached) advise_huge_pages(result);
   at::Tensor out = transpose_output ? result : result.permute(perm);
   if (t.numel() == 0) return result;
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kHalf, at::kBFloat16, t.scalar_type(), "mpnb", [&] {

@@ -16,7 +16,7 @@ from mpnb.core.hardware import (
     default_half_dtype,
     dtype_support,
 )
-from mpnb.core.ops import all_ops, cache_root, cpu_extension, op_path
+from mpnb.core.ops import all_ops, cache_root, cpu_extension, kernels_loaded, op_path
 
 __all__ = ["kernel_fallbacks", "report"]
 
@@ -127,6 +127,26 @@ def _adam_route_lines() -> list[str]:
     ]
 
 
+def _output_cache_lines() -> list[str]:
+    """The C++ layer kernels' output cache: its limit, what it holds, and a bad setting."""
+    from mpnb.core.ops._output_cache import CACHE_MIN_BYTES, ENV, env_problem, output_cache
+
+    if not kernels_loaded():
+        return []
+    c = output_cache()
+    state = (
+        f"holds up to {c['limit_mib']:.0f} MiB of freed outputs of {CACHE_MIN_BYTES >> 20} MiB "
+        f"or more for reuse (now {c['held_mib']:.0f} MiB in {c['held_blocks']} block(s)); "
+        f"{ENV}=0 turns it off"
+        if c["limit_mib"] > 0
+        else f"off ({ENV}=0): every large output is fresh memory"
+    )
+    lines = [f"  output cache of the C++ layer kernels (norms, softmax, RoPE): {state}"]
+    if env_problem():
+        lines.append(f"    Warning: {env_problem()}")
+    return lines
+
+
 def report(build: bool = True) -> str:
     """The doctor's report as text.
 
@@ -174,4 +194,5 @@ def report(build: bool = True) -> str:
             f" | {op_path(info.name, 'cuda')}"
         )
     lines += _adam_route_lines()
+    lines += _output_cache_lines()
     return "\n".join(lines)

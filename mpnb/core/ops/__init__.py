@@ -42,6 +42,7 @@ from mpnb.core.ops._library import (
     op_path,
     use_reference,
 )
+from mpnb.core.ops._output_cache import output_cache
 from mpnb.core.ops.adagrad import fused_adagrad_, reference_fused_adagrad_
 from mpnb.core.ops.adam import (
     fused_adam_,
@@ -123,6 +124,7 @@ __all__ = [
     "loss_scale",
     "op_info",
     "op_path",
+    "output_cache",
     "scale",
     "use_reference",
     "multi_tensor_axpby",

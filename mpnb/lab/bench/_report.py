@@ -24,7 +24,13 @@ __all__ = [
 ]
 
 #: Environment variables that change how outputs are allocated (and so what a kernel costs).
-ALLOCATOR_ENV = ("MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "PYTORCH_CUDA_ALLOC_CONF")
+ALLOCATOR_ENV = (
+    "MALLOC_MMAP_MAX_",
+    "MALLOC_TRIM_THRESHOLD_",
+    "MPNB_CPU_OUTPUT_CACHE_MB",
+    "THP_MEM_ALLOC_ENABLE",
+    "PYTORCH_CUDA_ALLOC_CONF",
+)
 
 
 def _kernel_paths(device: str) -> str:

@@ -33,14 +33,17 @@ OS zeroing each page of the new buffer on its first touch.
 Every case also times ``torch.compile`` of mpnb's pure-PyTorch reference of the op (the
 forward compiled, the backward through it), its compile time apart (``--no-compile`` skips it).
 
-Outputs are allocated fresh on every call by both sides. With glibc's default allocator a
-fresh output of 32 MiB or more is page-faulted on every call; run the suite twice, plain and
-with ``MALLOC_MMAP_MAX_=0`` (the header reports it), to see the difference. mpnb's layer
-kernels advise transparent huge pages (``madvise(MADV_HUGEPAGE)``) on outputs of 16 MiB or
-more, so in the plain run their fresh outputs fault 2 MiB at a time; PyTorch's outputs do the
-same only with ``THP_MEM_ALLOC_ENABLE=1`` (c10's switch for the same advice), which a fair
-plain-allocator comparison should also set. With ``MALLOC_MMAP_MAX_=0`` the heap reuses
-memory that is already backed and the advice changes nothing.
+PyTorch's ops allocate each output through PyTorch's CPU allocator (glibc's malloc). mpnb's
+layer kernels take an output of 16 MiB or more from their output cache
+(``mpnb.core.ops.output_cache``): memory an earlier output of the same size gave back,
+already backed, where glibc hands a fresh ``mmap`` to every allocation of 32 MiB or more and
+the OS zeroes each page on the first write. That is part of what a user gets, so the plain run
+keeps it. To compare the kernels alone, on the same memory, run the suite with
+``MALLOC_MMAP_MAX_=0`` (glibc then reuses freed memory for PyTorch's outputs too) or with
+``MPNB_CPU_OUTPUT_CACHE_MB=0`` (mpnb's outputs fresh too); the header reports both settings.
+Fresh outputs of 16 MiB or more that mpnb does not cache get transparent huge pages advised
+(``madvise(MADV_HUGEPAGE)``) so that they fault 2 MiB at a time; PyTorch's do the same only
+with ``THP_MEM_ALLOC_ENABLE=1``.
 """
 
 from __future__ import annotations

@@ -366,9 +366,11 @@ def test_doctor_lists_every_op_and_the_hardware(kernels):
         line = lines[f"{info.family}: {info.name}"]
         cpu, cuda = line.split(" -> ")[1].split(" | ")  # the path on each device
         assert cpu and cuda, line
-        if "MPNB_TRITON" not in os.environ:  # opt-in: PyTorch's path, the kernel unmeasured
-            unmeasured = "opt-in (MPNB_TRITON=1), unmeasured on a GPU" in cuda
-            assert unmeasured == (info.name in _triton.LAUNCHERS)
+        if "MPNB_TRITON" not in os.environ:  # the Triton kernel's measured decision, if any
+            if info.name in _triton.LAUNCHERS:
+                assert _triton.decision(info.name).label in cuda, line
+            else:
+                assert "Triton" not in cuda, line
             expected = "PyTorch's fused CUDA ops" if info.torch_path else "reference"
             assert cuda.startswith(expected), line
     assert "bf16 on CPU: " in text and "fp16 on CPU: " in text and "vector ISA" in text
