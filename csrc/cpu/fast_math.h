@@ -125,7 +125,7 @@ inline void advise_huge_pages(const at::Tensor& y) {
 // A contiguous output like x: from the output cache when large (output_cache.h: memory an
 // earlier output gave back, already backed), else fresh with huge pages advised.
 inline at::Tensor empty_output_like(const at::Tensor& x) {
-  if (static_cast<size_t>(x.numel()) * x.element_size() >= kCacheMinBytes) return cached_empty(x.sizes(), x.options());
+  if (cacheable(x.nbytes())) return cached_empty(x.sizes(), x.options());
   auto y = at::empty_like(x, at::MemoryFormat::Contiguous);
   advise_huge_pages(y);
   return y;

@@ -24,7 +24,8 @@ OutputCache& OutputCache::get() {
 
 extern "C" {
 
-// Writes {limit, held, blocks held, in use, hits, misses} (bytes and counts) to out[0..5].
+// Writes {limit, held, blocks held, in use, hits, misses, smallest cached output} (bytes and
+// counts) to out[0..6].
 __attribute__((visibility("default"))) void mpnb_output_cache_stats(int64_t* out) {
   const auto s = mpnb::cpu::OutputCache::get().stats();
   for (size_t i = 0; i < s.size(); ++i) out[i] = s[i];

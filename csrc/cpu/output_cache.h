@@ -29,6 +29,7 @@
 #include <atomic>
 #include <cstdint>
 #include <cstdlib>
+#include <cstring>
 #include <new>
 #include <mutex>
 #include <unordered_map>
@@ -42,6 +43,10 @@ namespace mpnb::cpu {
 
 constexpr size_t kCacheMinBytes = size_t(16) << 20;  // smaller outputs: malloc reuses them already
 constexpr size_t kCacheGrain = size_t(2) << 20;      // block sizes and alignment: one huge page
+constexpr size_t kCacheDefaultMiB = 1024;            // the limit unless MPNB_CPU_OUTPUT_CACHE_MB
+
+// Whether an output of nbytes comes from the cache (the layer kernels ask before allocating).
+inline bool cacheable(size_t nbytes) { return nbytes >= kCacheMinBytes; }
 
 class OutputCache final : public c10::Allocator {
  public:
@@ -51,7 +56,7 @@ class OutputCache final : public c10::Allocator {
 
   c10::DataPtr allocate(size_t n) override {
     void* p = nullptr;
-    if (n >= kCacheMinBytes && limit_.load(std::memory_order_relaxed) > 0) {
+    if (cacheable(n) && limit_.load(std::memory_order_relaxed) > 0) {
       const size_t size = (n + kCacheGrain - 1) / kCacheGrain * kCacheGrain;
       {
         std::lock_guard<std::mutex> g(mu_);
@@ -93,13 +98,14 @@ class OutputCache final : public c10::Allocator {
     default_copy_data(dest, src, count);
   }
 
-  // {limit, held, blocks held, in use (bytes of live cached-size outputs), hits, misses}
+  // {limit, held, blocks held, in use (bytes of live cached-size outputs), hits, misses,
+  //  smallest cached output}
   std::vector<int64_t> stats() {
     std::lock_guard<std::mutex> g(mu_);
     int64_t live = 0;
     for (const auto& kv : live_) live += static_cast<int64_t>(kv.second);
     return {static_cast<int64_t>(limit_.load()), static_cast<int64_t>(held_), static_cast<int64_t>(free_.size()),
-            live, hits_, misses_};
+            live, hits_, misses_, static_cast<int64_t>(kCacheMinBytes)};
   }
 
   // A new limit (bytes; < 0 keeps it); empty: give every free block back to the OS.
@@ -119,15 +125,15 @@ class OutputCache final : public c10::Allocator {
     size_t size;
   };
 
+  // The limit from MPNB_CPU_OUTPUT_CACHE_MB: digits only (what env_problem in
+  // _output_cache.py accepts), anything else keeps the default.
   OutputCache() {
     const char* env = std::getenv("MPNB_CPU_OUTPUT_CACHE_MB");
-    long long mb = 1024;
-    if (env && *env) {
-      char* end = nullptr;
-      const long long v = std::strtoll(env, &end, 10);
-      if (end && *end == '\0' && v >= 0) mb = v;
+    size_t mb = kCacheDefaultMiB;
+    if (env && *env && std::strspn(env, "0123456789") == std::strlen(env) && std::strlen(env) < 12) {
+      mb = static_cast<size_t>(std::strtoull(env, nullptr, 10));
     }
-    limit_ = static_cast<size_t>(mb) << 20;
+    limit_ = mb << 20;
   }
 
   // Free the oldest blocks until at most `keep` bytes are held (mu_ held; freed by the caller).
@@ -165,7 +171,6 @@ class OutputCache final : public c10::Allocator {
     if (!ours) c10::free_cpu(p);
     else if (!cached) std::free(p);
   }
-
 
   std::mutex mu_;
   std::vector<Block> free_;                    // most recently freed last

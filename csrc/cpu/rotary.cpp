@@ -173,7 +173,7 @@ at::Tensor rope_cpu(const at::Tensor& t_in, const at::Tensor& cos, const at::Ten
   // [B, S, H, D] (mpnb/core/ops/rotary.py's _output is the same rule).
   // Large results come from the output cache (output_cache.h), smaller ones are fresh with huge
   // pages advised (dense in every branch: a fresh 64 MiB output faults 2 MiB at a time).
-  const bool cached = static_cast<size_t>(t.numel()) * t.element_size() >= kCacheMinBytes;
+  const bool cached = cacheable(t.nbytes());
   at::Tensor result;
   if (transpose_output) {
     const std::vector<int64_t> sbhd{t.size(1), t.size(0), t.size(2), t.size(3)};

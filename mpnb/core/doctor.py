@@ -129,21 +129,22 @@ def _adam_route_lines() -> list[str]:
 
 def _output_cache_lines() -> list[str]:
     """The C++ layer kernels' output cache: its limit, what it holds, and a bad setting."""
-    from mpnb.core.ops._output_cache import CACHE_MIN_BYTES, ENV, env_problem, output_cache
+    from mpnb.core.ops._output_cache import ENV, env_problem, output_cache
 
     if not kernels_loaded():
         return []
     c = output_cache()
     state = (
-        f"holds up to {c['limit_mib']:.0f} MiB of freed outputs of {CACHE_MIN_BYTES >> 20} MiB "
+        f"holds up to {c['limit_mib']:.0f} MiB of freed outputs of {c['min_mib']:.0f} MiB "
         f"or more for reuse (now {c['held_mib']:.0f} MiB in {c['held_blocks']} block(s)); "
         f"{ENV}=0 turns it off"
         if c["limit_mib"] > 0
         else f"off ({ENV}=0): every large output is fresh memory"
     )
     lines = [f"  output cache of the C++ layer kernels (norms, softmax, RoPE): {state}"]
-    if env_problem():
-        lines.append(f"    Warning: {env_problem()}")
+    problem = env_problem()
+    if problem:
+        lines.append(f"    Warning: {problem}")
     return lines
 
 

@@ -27,7 +27,7 @@ __all__ = ["CACHE_MIN_BYTES", "ENV", "env_problem", "output_cache"]
 CACHE_MIN_BYTES = 16 << 20
 #: The variable the C++ cache reads its limit from, once, when first used.
 ENV = "MPNB_CPU_OUTPUT_CACHE_MB"
-_FIELDS = ("limit_mib", "held_mib", "held_blocks", "in_use_mib", "hits", "misses")
+_FIELDS = ("limit_mib", "held_mib", "held_blocks", "in_use_mib", "hits", "misses", "min_mib")
 _lib: list = []
 
 
@@ -66,9 +66,11 @@ def output_cache(limit_mib: float | None = None, *, empty: bool = False) -> dict
 
     Returns:
         ``{"available", "limit_mib", "held_mib", "held_blocks", "in_use_mib", "hits",
-        "misses"}``: ``available`` is False (and the rest 0) when the C++ kernels are not
-        loaded; ``in_use_mib`` counts live outputs the cache handed out; ``hits`` / ``misses``
-        count large outputs served from a free block / from new memory.
+        "misses", "min_mib"}``: ``available`` is False (and the rest 0) when the C++ kernels
+        are not loaded; ``in_use_mib`` counts live outputs the cache handed out; ``hits`` /
+        ``misses`` count large outputs served from a free block / from new memory;
+        ``min_mib`` is the smallest output the kernels take from the cache (the C++ value;
+        :data:`CACHE_MIN_BYTES` states it for Python).
 
     Example::
 
@@ -88,7 +90,7 @@ def output_cache(limit_mib: float | None = None, *, empty: bool = False) -> dict
         lib.mpnb_output_cache_configure(limit, int(empty))
     raw = (ctypes.c_int64 * len(_FIELDS))()
     lib.mpnb_output_cache_stats(raw)
-    mib = {"limit_mib", "held_mib", "in_use_mib"}
+    mib = {"limit_mib", "held_mib", "in_use_mib", "min_mib"}
     return {"available": True} | {
         k: (v / (1 << 20) if k in mib else int(v)) for k, v in zip(_FIELDS, raw, strict=True)
     }

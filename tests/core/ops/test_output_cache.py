@@ -79,6 +79,10 @@ def test_a_reused_block_never_shows_its_old_contents(case):
     assert torch.equal(again, expected)
 
 
+def test_python_states_the_kernels_threshold():
+    assert output_cache()["min_mib"] * (1 << 20) == CACHE_MIN_BYTES
+
+
 def test_small_outputs_are_not_cached():
     before = output_cache()
     y = ops.rms_norm_fwd(_x(rows=ROWS // 2), (COLS,))[0]  # 8 MiB
@@ -191,6 +195,17 @@ def test_a_bad_environment_value_is_named(monkeypatch):
     assert "'1GB' is not a whole number of MiB" in env_problem()
     monkeypatch.setenv("MPNB_CPU_OUTPUT_CACHE_MB", "256")
     assert env_problem() == ""
+
+
+@pytest.mark.parametrize("value", ["1GB", " 512", "+64", "-1"])
+def test_the_kernels_ignore_what_env_problem_names(value, monkeypatch):
+    """C++ and Python read the variable by one rule: a value env_problem names is ignored."""
+    monkeypatch.setenv("MPNB_CPU_OUTPUT_CACHE_MB", value)
+    assert env_problem()
+    code = "from mpnb.core.ops import output_cache; print(output_cache()['limit_mib'])"
+    env = os.environ | {"MPNB_CPU_OUTPUT_CACHE_MB": value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert out.stdout.strip().splitlines()[-1] == "1024.0", out.stderr
 
 
 @pytest.mark.parametrize("layout", ["sbhd", "bshd", "bhsd"])

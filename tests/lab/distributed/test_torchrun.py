@@ -15,6 +15,14 @@ from mpnb.lab import workloads
 pytestmark = pytest.mark.dist
 
 
+def _run(cmd: list[str]) -> subprocess.CompletedProcess:
+    """The script's command run to completion (one thread per rank); it must succeed."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
+    assert p.returncode == 0, p.stderr[-3000:]
+    return p
+
+
 def test_the_script_runs_under_torchrun_and_prints_the_rows(tmp_path):
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
     assert torchrun, "torchrun comes with torch, next to this python"
@@ -38,9 +46,7 @@ def test_the_script_runs_under_torchrun_and_prints_the_rows(tmp_path):
         "--out",
         str(out),
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = _run(cmd)
     doc = json.loads(p.stdout)  # rank 0 alone prints the rows
     assert doc["distributed"]["ranks"] == 2 and doc["distributed"]["launcher"] == "torchrun"
     rows = {r["policy"]: r for r in doc["rows"]}
@@ -69,7 +75,5 @@ def test_the_script_launches_its_own_ranks_without_torchrun():
         "--configs",
         "fsdp2-fp32",
     ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=env)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p = _run(cmd)
     assert "fsdp2-fp32" in p.stdout and "all_gather" in p.stdout
