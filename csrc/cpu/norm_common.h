@@ -101,8 +101,8 @@ C10_ALWAYS_INLINE void load_acc(const Acc* p, int64_t j, int64_t n, Vectorized<A
 // ---- forward -----------------------------------------------------------------------------
 
 // Sum of a row: two blocks per step into four accumulators (an add's latency is 3-4 cycles).
-template <typename T>
-inline acc_t<T> row_sum(const T* __restrict x, int64_t N) {
+template <typename T, typename PF>
+C10_ALWAYS_INLINE acc_t<T> row_sum(const T* __restrict x, int64_t N, PF& pf) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
@@ -110,10 +110,12 @@ inline acc_t<T> row_sum(const T* __restrict x, int64_t N) {
   V s0(Acc(0)), s1(Acc(0)), s2(Acc(0)), s3(Acc(0)), a, b, c, d;
   int64_t i = 0;
   for (; i + 2 * K <= N; i += 2 * K) {
+    pf.step();
     IOT::load(x + i, a, b); IOT::load(x + i + K, c, d);
     s0 = s0 + a; s1 = s1 + b; s2 = s2 + c; s3 = s3 + d;
   }
   for (; i < N; i += K) {
+    pf.step();
     if (i + K <= N) IOT::load(x + i, a, b); else IOT::load(x + i, N - i, a, b);  // zero padded
     s0 = s0 + a; s1 = s1 + b;
   }
@@ -121,8 +123,8 @@ inline acc_t<T> row_sum(const T* __restrict x, int64_t N) {
 }
 
 // Sum of (x - mu)^2 over a row, four accumulators (kCentre false: mu is 0, no subtraction).
-template <typename T, bool kCentre>
-inline acc_t<T> row_centred_squares(const T* __restrict x, int64_t N, acc_t<T> mu) {
+template <typename T, bool kCentre, typename PF>
+C10_ALWAYS_INLINE acc_t<T> row_centred_squares(const T* __restrict x, int64_t N, acc_t<T> mu, PF& pf) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
@@ -131,12 +133,14 @@ inline acc_t<T> row_centred_squares(const T* __restrict x, int64_t N, acc_t<T> m
   V q0(Acc(0)), q1(Acc(0)), q2(Acc(0)), q3(Acc(0)), a, b, c, d;
   int64_t i = 0;
   for (; i + 2 * K <= N; i += 2 * K) {
+    pf.step();
     IOT::load(x + i, a, b); IOT::load(x + i + K, c, d);
     if constexpr (kCentre) { a = a - vm; b = b - vm; c = c - vm; d = d - vm; }
     q0 = at::vec::fmadd(a, a, q0); q1 = at::vec::fmadd(b, b, q1);
     q2 = at::vec::fmadd(c, c, q2); q3 = at::vec::fmadd(d, d, q3);
   }
   for (; i < N; i += K) {
+    pf.step();
     const int64_t n = std::min<int64_t>(K, N - i);
     if (n == K) IOT::load(x + i, a, b); else IOT::load(x + i, n, a, b);
     if constexpr (kCentre) { a = a - vm; b = b - vm; }
@@ -148,10 +152,10 @@ inline acc_t<T> row_centred_squares(const T* __restrict x, int64_t N, acc_t<T> m
 
 // y = (x - mu) * rs * w + b over a row (w, b widened; either may be null). x - mu first: the
 // shorter x * rs - mu * rs would cancel digits for rows with a large mean.
-template <typename T, bool kCentre>
-inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, acc_t<T> mu, acc_t<T> rs,
-                           const acc_t<T>* __restrict w, const acc_t<T>* __restrict b, const T* xn,
-                           bool stream) {
+template <typename T, bool kCentre, typename PF>
+C10_ALWAYS_INLINE void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, acc_t<T> mu,
+                                      acc_t<T> rs, const acc_t<T>* __restrict w,
+                                      const acc_t<T>* __restrict b, PF& pf, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = LayerIO<T, Acc>;
@@ -184,13 +188,13 @@ inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, ac
       j += n;
     }
     for (; j + K <= N; j += K) {
-      if (xn) prefetch_next(xn + j);
+      pf.step();
       block(j, K, a, c);
       IOT::stream(y + j, a, c);
     }
   } else {
     for (; j + K <= N; j += K) {
-      if (xn) prefetch_next(xn + j);
+      pf.step();
       block(j, K, a, c);
       IOT::store(y + j, a, c);
     }
@@ -212,13 +216,17 @@ void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, a
   at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = X + r * N;
+      // the next row, a block per step: over the statistics pass(es), which step per two blocks
+      RowPrefetch<1, kBlockLines<T>> pf(r + 1 < M ? x + N : nullptr, nullptr,
+                                        N * static_cast<int64_t>(sizeof(T)));
       Acc mu = 0;
-      if constexpr (!kRms) mu = static_cast<Acc>(row_sum<T>(x, N) / static_cast<double>(N));
-      const Acc var = static_cast<Acc>(row_centred_squares<T, !kRms>(x, N, mu) / static_cast<double>(N));
+      if constexpr (!kRms) mu = static_cast<Acc>(row_sum<T>(x, N, pf) / static_cast<double>(N));
+      const Acc var = static_cast<Acc>(row_centred_squares<T, !kRms>(x, N, mu, pf) / static_cast<double>(N));
       const Acc rs = Acc(1) / std::sqrt(var + static_cast<Acc>(eps));
       if constexpr (!kRms) MEAN[r] = mu;
       RSTD[r] = rs;
-      norm_write_row<T, !kRms>(x, Y + r * N, N, mu, rs, wf, bf, r + 1 < M ? x + N : nullptr, stream);
+      norm_write_row<T, !kRms>(x, Y + r * N, N, mu, rs, wf, bf, pf, stream);
+      pf.finish();
     }
     if (stream) stream_fence();
   });
@@ -266,9 +274,9 @@ C10_ALWAYS_INLINE void bwd_load(const T* __restrict dy, const T* __restrict s, i
 }
 
 // Row statistics of the backward: c1 = mean(g*w*xhat), c2 = mean(g*w) (0 for RMS).
-template <typename T, bool kRms>
+template <typename T, bool kRms, typename PF>
 C10_ALWAYS_INLINE void bwd_stats(NormBwdRow<T>& row, int64_t N, const acc_t<T>* __restrict w,
-                      const acc_t<T>* __restrict b, bool from_y) {
+                      const acc_t<T>* __restrict b, bool from_y, PF& pf) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   constexpr int64_t K = IO<T, Acc>::kWidth;
@@ -276,6 +284,7 @@ C10_ALWAYS_INLINE void bwd_stats(NormBwdRow<T>& row, int64_t N, const acc_t<T>* 
   const T* __restrict s = row.s;
   V s1a(Acc(0)), s1b(Acc(0)), s2a(Acc(0)), s2b(Acc(0)), g0, g1, h0, h1, w0, w1;
   for (int64_t j = 0; j < N; j += K) {
+    pf.step();
     const int64_t n = std::min<int64_t>(K, N - j);
     bwd_load<T, !kRms>(dy, s, j, n, row.vr, row.vm, w, b, from_y, g0, g1, h0, h1, w0, w1);
     const V ga = g0 * w0, gb = g1 * w1;
@@ -297,12 +306,13 @@ C10_ALWAYS_INLINE void store_block(T* p, int64_t n, bool nt, const Vectorized<ac
 }
 
 // The write pass of one row: dx, and the weight/bias gradient partials (dw += g*xhat, db += g).
-// dyn, sn: the next row, prefetched meanwhile. (Two rows per pass, halving the partials'
-// traffic, measured slower: four input streams and two prefetch streams per block.)
-template <typename T, bool kRms>
+// pf: the next row's prefetch (RowPrefetch, vec_io.h), stepped once per block. (Two rows per
+// pass, halving the partials' traffic, measured slower: four input streams and two prefetch
+// streams per block.)
+template <typename T, bool kRms, typename PF>
 C10_ALWAYS_INLINE void bwd_write(const NormBwdRow<T>& row, int64_t N, const acc_t<T>* __restrict w,
                       const acc_t<T>* __restrict b, bool from_y, acc_t<T>* __restrict dw,
-                      acc_t<T>* __restrict db, const T* dyn, const T* sn, bool stream) {
+                      acc_t<T>* __restrict db, PF& pf, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOA = IO<Acc, Acc>;
@@ -310,7 +320,7 @@ C10_ALWAYS_INLINE void bwd_write(const NormBwdRow<T>& row, int64_t N, const acc_
   const bool nt = stream && align_head(row.dx, N) == 0;
   for (int64_t j = 0; j < N; j += K) {
     const int64_t n = std::min<int64_t>(K, N - j);
-    if (dyn) { prefetch_next(dyn + j); prefetch_next(sn + j); }
+    pf.step();
     V g0, g1, h0, h1, w0, w1;
     bwd_load<T, !kRms>(row.dy, row.s, j, n, row.vr, row.vm, w, b, from_y, g0, g1, h0, h1, w0, w1);
     V d0 = at::vec::fnmadd(h0, row.c1, g0 * w0), d1 = at::vec::fnmadd(h1, row.c1, g1 * w1);
@@ -337,6 +347,7 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
                      int64_t N, bool from_y, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
+  constexpr int64_t K = IO<T, Acc>::kWidth;
   std::vector<Acc> wbuf, bbuf;
   const Acc* wf = widen_param<W, Acc>(w, N, wbuf);
   const Acc* bf = widen_param<W, Acc>(b, N, bbuf);
@@ -346,19 +357,17 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
       Acc* dw = DW ? DW + p * N : nullptr;
       Acc* db = DB ? DB + p * N : nullptr;
       const int64_t end = (p + 1) * M / P;
-      auto make = [&](int64_t r) {
+      for (int64_t r = p * M / P; r < end; ++r) {
         NormBwdRow<T> row;
         row.dy = DY + r * N; row.s = S + r * N; row.dx = DX + r * N;
         const Acc rs = RSTD[r], mu = kRms || from_y ? Acc(0) : MEAN[r];
         row.vr = V(rs); row.vm = V(mu);
-        bwd_stats<T, kRms>(row, N, wf, bf, from_y);
-        return row;
-      };
-      for (int64_t r = p * M / P; r < end; ++r) {
-        const NormBwdRow<T> row = make(r);
         const bool next = r + 1 < M;
-        bwd_write<T, kRms>(row, N, wf, bf, from_y, dw, db, next ? DY + (r + 1) * N : nullptr,
-                     next ? S + (r + 1) * N : nullptr, stream);
+        RowPrefetch<2, kBlockLines<T>> pf(next ? row.dy + N : nullptr, next ? row.s + N : nullptr,
+                                          N * static_cast<int64_t>(sizeof(T)));
+        bwd_stats<T, kRms>(row, N, wf, bf, from_y, pf);
+        bwd_write<T, kRms>(row, N, wf, bf, from_y, dw, db, pf, stream);
+        pf.finish();
       }
     }
     if (stream) stream_fence();

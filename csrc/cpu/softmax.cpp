@@ -138,8 +138,8 @@ inline void pad_lanes(V& a, V& b, int64_t k, const V& v) {
 
 // max(x[0:L)) (kNeg: max(-x[0:L)) = -min), four accumulators; the block holding L is loaded
 // whole when the row (n) has it.
-template <typename T, bool kNeg>
-inline acc_t<T> row_max(const T* __restrict x, int64_t L, int64_t n) {
+template <typename T, bool kNeg, typename PF>
+inline acc_t<T> row_max(const T* __restrict x, int64_t L, int64_t n, PF& pf) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
@@ -148,6 +148,7 @@ inline acc_t<T> row_max(const T* __restrict x, int64_t L, int64_t n) {
   V h0 = ninf, h1 = ninf, h2 = ninf, h3 = ninf, a, b, c, d;
   int64_t i = 0;
   for (; i + 2 * K <= L; i += 2 * K) {
+    pf.step();
     IOT::load(x + i, a, b);
     IOT::load(x + i + K, c, d);
     if constexpr (kNeg) { a = zero - a; b = zero - b; c = zero - c; d = zero - d; }
@@ -199,15 +200,15 @@ inline void finish_row(const PendingRow<T>& p, bool stream) {
 
 // Pass 2 of a row: buf = exp(x * scale - shift) over [0, L), masked lanes exp(-10000 - shift),
 // lanes past L (to the end of L's block) zero; returns the sum. The block holding L is loaded
-// whole when the row (n) has it: no partial (memcpy) load in causal rows. Prefetches the next
-// row (xn, mn), and writes the pending row's full blocks as it goes (pend, may be null): the
-// streaming stores of one row drain while the exp of the next keeps the arithmetic busy.
+// whole when the row (n) has it: no partial (memcpy) load in causal rows. Steps the next row's
+// prefetch (pf; its mask row mn here), and writes the pending row's full blocks as it goes
+// (pend, may be null): the streaming stores of one row drain while the exp of the next keeps the arithmetic busy.
 // kZero: masked lanes are zeroed after the exp instead of set to -10000 - shift before it, the
 // same values whenever exp(-10000 - shift) underflows to 0 (the caller checks).
-template <typename T, bool kZero>
+template <typename T, bool kZero, typename PF>
 inline acc_t<T> softmax_exp_pass(const T* __restrict x, const uint8_t* __restrict mask,
                                  acc_t<T>* __restrict buf, int64_t L, int64_t n, acc_t<T> scale,
-                                 acc_t<T> shift, const T* xn, const uint8_t* mn,
+                                 acc_t<T> shift, PF& pf, const uint8_t* mn,
                                  PendingRow<T>* pend, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
@@ -220,7 +221,7 @@ inline acc_t<T> softmax_exp_pass(const T* __restrict x, const uint8_t* __restric
   V s0(Acc(0)), s1(Acc(0)), a, b, c, d;
   int64_t j = 0;
   for (; j + K <= L; j += K) {
-    if (xn) prefetch_next(xn + j);
+    pf.step();
     if (mn && j % 64 == 0) prefetch_next(mn + j);
     IOT::load(x + j, a, b);
     a = at::vec::fmadd(a, vs, vm); b = at::vec::fmadd(b, vs, vm);
@@ -260,9 +261,9 @@ inline acc_t<T> softmax_exp_pass(const T* __restrict x, const uint8_t* __restric
 // entries underflow): when the sum is below 2^-20 (m' more than 13.9 above it, e.g. a fully
 // masked row, or +inf at a masked position) or NaN (a masked NaN) pass 2 runs again with the
 // exact masked max.
-template <typename T>
+template <typename T, typename PF>
 inline acc_t<T> softmax_row(const T* x, const uint8_t* mask, int64_t L, int64_t n, acc_t<T> scale,
-                            acc_t<T>* buf, const T* xn, const uint8_t* mn, PendingRow<T>* pend,
+                            acc_t<T>* buf, PF& pf, const uint8_t* mn, PendingRow<T>* pend,
                             bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
@@ -273,12 +274,13 @@ inline acc_t<T> softmax_row(const T* x, const uint8_t* mask, int64_t L, int64_t 
   auto vmax_all = [](const V& v) {
     return at::vec::vec_reduce_all<Acc>([](V& p, V& q) { return at::vec::maximum(p, q); }, v);
   };
-  Acc shift = scale >= Acc(0) ? row_max<T, false>(x, L, n) * scale : -row_max<T, true>(x, L, n) * scale;
+  Acc shift = scale >= Acc(0) ? row_max<T, false>(x, L, n, pf) * scale : -row_max<T, true>(x, L, n, pf) * scale;
   if (mask) shift = std::max(shift, static_cast<Acc>(kMaskedValue));
   // exp(-10000 - shift) is exactly 0 (fp32 and fp64) when -10000 - shift < -800
   const bool zero = mask && static_cast<Acc>(kMaskedValue) - shift < Acc(-800);
-  Acc sum = zero ? softmax_exp_pass<T, true>(x, mask, buf, L, n, scale, shift, xn, mn, pend, stream)
-                 : softmax_exp_pass<T, false>(x, mask, buf, L, n, scale, shift, xn, mn, pend, stream);
+  Acc sum = zero ? softmax_exp_pass<T, true>(x, mask, buf, L, n, scale, shift, pf, mn, pend, stream)
+                 : softmax_exp_pass<T, false>(x, mask, buf, L, n, scale, shift, pf, mn, pend, stream);
+  pf.finish();
   if (pend) finish_row(*pend, stream);
   // rare: the exact masked max. Also when the sum is NaN: the unmasked bound saw a NaN or
   // +inf score at a masked position, which the mask ignores (Apex selects -10000 there).
@@ -293,8 +295,9 @@ inline acc_t<T> softmax_row(const T* x, const uint8_t* mask, int64_t L, int64_t 
       if (k < K) pad_lanes(a, b, k, ninf);
       m0 = at::vec::maximum(m0, a); m1 = at::vec::maximum(m1, b);
     }
+    PF none(nullptr, nullptr, 0);
     sum = softmax_exp_pass<T, false>(x, mask, buf, L, n, scale,
-                                     vmax_all(at::vec::maximum(m0, m1)), nullptr, nullptr, nullptr,
+                                     vmax_all(at::vec::maximum(m0, m1)), none, nullptr, nullptr,
                                      stream);
   }
   return sum;
@@ -338,9 +341,12 @@ void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale
         std::fill(cur, cur + width, Acc(0));
         sum = Acc(1);
       } else {
-        sum = softmax_row<T>(X + r * sk, mrow, L, sk, static_cast<Acc>(scale), cur,
-                             next ? X + (r + 1) * sk : nullptr, next ? mv.row(r + 1) : nullptr,
-                             pending ? &pend : nullptr, stream);
+        // the next row's reads (its first L + 1 when causal), prefetched over this row's passes
+        const int64_t Ln = causal ? std::min<int64_t>((r + 1) % sq + 1, sk) : sk;
+        RowPrefetch<1, kBlockLines<T>> pf(next ? X + (r + 1) * sk : nullptr, nullptr,
+                                          Ln * static_cast<int64_t>(sizeof(T)));
+        sum = softmax_row<T>(X + r * sk, mrow, L, sk, static_cast<Acc>(scale), cur, pf,
+                             next ? mv.row(r + 1) : nullptr, pending ? &pend : nullptr, stream);
       }
       T* y = Y + r * sk;
       pend = {y, cur, static_cast<Acc>(1.0 / static_cast<double>(sum)),
@@ -369,9 +375,16 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
       const T* y = Y + r * sk;
       T* dx = DX + r * sk;
       const int64_t L = causal ? std::min<int64_t>(r % sq + 1, sk) : sk;
+      const bool next = r + 1 < rows;
+      const int64_t Ln = causal ? std::min<int64_t>((r + 1) % sq + 1, sk) : sk;
+      const int64_t Lp = std::min<int64_t>(sk, (L + K - 1) / K * K);
+      // the next row's dy and y, prefetched over this row's two passes
+      RowPrefetch<2, kBlockLines<T>> pf(next ? dy + sk : nullptr, next ? y + sk : nullptr,
+                                        Ln * static_cast<int64_t>(sizeof(T)));
       V d0(Acc(0)), d1(Acc(0));
       int64_t i = 0;
       for (; i + K <= L; i += K) {
+        pf.step();
         IOT::load(dy + i, g0, g1); IOT::load(y + i, y0, y1);
         d0 = at::vec::fmadd(g0, y0, d0); d1 = at::vec::fmadd(g1, y1, d1);
       }
@@ -384,10 +397,8 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
         d0 = at::vec::fmadd(g0, y0, d0); d1 = at::vec::fmadd(g1, y1, d1);
       }
       const V dot(static_cast<Acc>(hsum(d0 + d1))), vs(static_cast<Acc>(scale));
-      const bool next = r + 1 < rows;
-      const int64_t Lp = std::min<int64_t>(sk, (L + K - 1) / K * K);
       write_blocks<T, Acc, LayerIO<T, Acc>>(dx, Lp, stream, [&](int64_t j, int64_t n, V& p, V& q) {
-        if (next) { prefetch_next(dy + sk + j); prefetch_next(y + sk + j); }
+        pf.step();
         if (n == K) { IOT::load(dy + j, g0, g1); IOT::load(y + j, y0, y1); }
         else { IOT::load(dy + j, n, g0, g1); IOT::load(y + j, n, y0, y1); }
         if (j + K > L) {  // lanes from L on (a block past L only after an unaligned head)
@@ -397,6 +408,7 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
         p = vs * (y0 * (g0 - dot)); q = vs * (y1 * (g1 - dot));
       });
       write_zeros<T, Acc, LayerIO<T, Acc>>(dx + Lp, sk - Lp, stream);
+      pf.finish();
     }
     if (stream) stream_fence();
   });

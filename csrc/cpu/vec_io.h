@@ -317,4 +317,68 @@ C10_ALWAYS_INLINE void prefetch_next(const T* p) {
   __builtin_prefetch(p, 0, 2);
 }
 
+// prefetch_next for every cache line of a block of K elements at p.
+template <int64_t K, typename T>
+C10_ALWAYS_INLINE void prefetch_block(const T* p) {
+  constexpr int64_t kBytes = K * static_cast<int64_t>(sizeof(T));
+  for (int64_t off = 0; off < kBytes; off += 64) prefetch_next(reinterpret_cast<const char*>(p) + off);
+}
+
+// The next row's prefetch, issued over every pass a row kernel makes over the current row: each
+// pass calls step() once per block (or pair of blocks) it visits, and each step prefetches the
+// next `kLines` lines of the next row's arrays (one or two, at the same offsets) until the row is
+// covered; finish() issues what is left. The first passes (in cache, arithmetic only) then keep
+// the memory bus busy with the next row's reads, and the write pass with the output's streaming
+// stores. (Prefetching only during the write pass, with the stores, left the bus idle in the
+// earlier passes: 8192 x 4096 fp32 at 1 thread, layer norm forward 20.8 -> 15.8 ms, layer norm
+// backward 38.5 -> 26.7 ms.) A step is four instructions and no branch: past the end it
+// prefetches the row's last line again. Without a next row it prefetches one idle line.
+template <int kArrays, int kLines>
+class RowPrefetch {
+  static_assert(kArrays == 1 || kArrays == 2, "one or two arrays");
+
+ public:
+  // a, b: the next row's arrays (`bytes` each; b only with kArrays == 2); a null: no next row.
+  RowPrefetch(const void* a, const void* b, int64_t bytes) {
+    if (a == nullptr || bytes <= 0) {
+      p_ = last_ = idle_line();
+      delta_ = 0;
+    } else {
+      p_ = static_cast<const char*>(a);
+      last_ = p_ + ((bytes - 1) & ~(kLine - 1));
+      delta_ = kArrays == 2 ? static_cast<const char*>(b) - p_ : 0;
+    }
+  }
+  C10_ALWAYS_INLINE void step() {
+    for (int l = 0; l < kLines; ++l) {
+      __builtin_prefetch(p_, 0, 2);
+      if constexpr (kArrays == 2) __builtin_prefetch(p_ + delta_, 0, 2);
+      const char* n = p_ + kLine;
+      p_ = n <= last_ ? n : p_;
+    }
+  }
+  C10_ALWAYS_INLINE void finish() {
+    for (; p_ < last_; p_ += kLine) {
+      __builtin_prefetch(p_ + kLine, 0, 2);
+      if constexpr (kArrays == 2) __builtin_prefetch(p_ + kLine + delta_, 0, 2);
+    }
+  }
+
+ private:
+  static constexpr int64_t kLine = 64;
+  static const char* idle_line() {
+    alignas(64) static const char line[kLine] = {};
+    return line;
+  }
+  const char* p_;
+  const char* last_;
+  std::ptrdiff_t delta_;
+};
+
+// Lines of one block of IO<T, Acc> (32 fp32 values: two; 32 bf16: one): the kLines of a
+// RowPrefetch stepped once per block keeps pace with the row.
+template <typename T, typename Acc = acc_t<T>>
+inline constexpr int kBlockLines =
+    static_cast<int>(std::max<int64_t>(1, IO<T, Acc>::kWidth * static_cast<int64_t>(sizeof(T)) / 64));
+
 }  // namespace mpnb::cpu
