@@ -110,12 +110,12 @@ C10_ALWAYS_INLINE acc_t<T> row_sum(const T* __restrict x, int64_t N, PF& pf) {
   V s0(Acc(0)), s1(Acc(0)), s2(Acc(0)), s3(Acc(0)), a, b, c, d;
   int64_t i = 0;
   for (; i + 2 * K <= N; i += 2 * K) {
-    pf.step();
+    if constexpr (kEarlyPrefetch<T>) pf.step();
     IOT::load(x + i, a, b); IOT::load(x + i + K, c, d);
     s0 = s0 + a; s1 = s1 + b; s2 = s2 + c; s3 = s3 + d;
   }
   for (; i < N; i += K) {
-    pf.step();
+    if constexpr (kEarlyPrefetch<T>) pf.step();
     if (i + K <= N) IOT::load(x + i, a, b); else IOT::load(x + i, N - i, a, b);  // zero padded
     s0 = s0 + a; s1 = s1 + b;
   }
@@ -133,14 +133,14 @@ C10_ALWAYS_INLINE acc_t<T> row_centred_squares(const T* __restrict x, int64_t N,
   V q0(Acc(0)), q1(Acc(0)), q2(Acc(0)), q3(Acc(0)), a, b, c, d;
   int64_t i = 0;
   for (; i + 2 * K <= N; i += 2 * K) {
-    pf.step();
+    if constexpr (kEarlyPrefetch<T>) pf.step();
     IOT::load(x + i, a, b); IOT::load(x + i + K, c, d);
     if constexpr (kCentre) { a = a - vm; b = b - vm; c = c - vm; d = d - vm; }
     q0 = at::vec::fmadd(a, a, q0); q1 = at::vec::fmadd(b, b, q1);
     q2 = at::vec::fmadd(c, c, q2); q3 = at::vec::fmadd(d, d, q3);
   }
   for (; i < N; i += K) {
-    pf.step();
+    if constexpr (kEarlyPrefetch<T>) pf.step();
     const int64_t n = std::min<int64_t>(K, N - i);
     if (n == K) IOT::load(x + i, a, b); else IOT::load(x + i, n, a, b);
     if constexpr (kCentre) { a = a - vm; b = b - vm; }
@@ -284,7 +284,7 @@ C10_ALWAYS_INLINE void bwd_stats(NormBwdRow<T>& row, int64_t N, const acc_t<T>* 
   const T* __restrict s = row.s;
   V s1a(Acc(0)), s1b(Acc(0)), s2a(Acc(0)), s2b(Acc(0)), g0, g1, h0, h1, w0, w1;
   for (int64_t j = 0; j < N; j += K) {
-    pf.step();
+    if constexpr (kEarlyPrefetch<T>) pf.step();
     const int64_t n = std::min<int64_t>(K, N - j);
     bwd_load<T, !kRms>(dy, s, j, n, row.vr, row.vm, w, b, from_y, g0, g1, h0, h1, w0, w1);
     const V ga = g0 * w0, gb = g1 * w1;

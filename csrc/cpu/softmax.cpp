@@ -148,7 +148,7 @@ inline acc_t<T> row_max(const T* __restrict x, int64_t L, int64_t n, PF& pf) {
   V h0 = ninf, h1 = ninf, h2 = ninf, h3 = ninf, a, b, c, d;
   int64_t i = 0;
   for (; i + 2 * K <= L; i += 2 * K) {
-    pf.step();
+    if constexpr (kEarlyPrefetch<T>) pf.step();
     IOT::load(x + i, a, b);
     IOT::load(x + i + K, c, d);
     if constexpr (kNeg) { a = zero - a; b = zero - b; c = zero - c; d = zero - d; }
@@ -384,7 +384,7 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
       V d0(Acc(0)), d1(Acc(0));
       int64_t i = 0;
       for (; i + K <= L; i += K) {
-        pf.step();
+        if constexpr (kEarlyPrefetch<T>) pf.step();
         IOT::load(dy + i, g0, g1); IOT::load(y + i, y0, y1);
         d0 = at::vec::fmadd(g0, y0, d0); d1 = at::vec::fmadd(g1, y1, d1);
       }

@@ -375,6 +375,13 @@ class RowPrefetch {
   std::ptrdiff_t delta_;
 };
 
+// Whether the passes before a row kernel's write pass step its RowPrefetch: for fp32/fp64 rows,
+// not for 16-bit rows, whose earlier passes are bound by widening the data (measured with the
+// early steps, 8192 x 4096 bf16 at 1 thread: layer norm forward 69% -> 54% of the in-place add,
+// softmax backward 75% -> 61%); their write pass alone covers the next row.
+template <typename T>
+inline constexpr bool kEarlyPrefetch = sizeof(T) >= 4;
+
 // Lines of one block of IO<T, Acc> (32 fp32 values: two; 32 bf16: one): the kLines of a
 // RowPrefetch stepped once per block keeps pace with the row.
 template <typename T, typename Acc = acc_t<T>>
