@@ -329,10 +329,11 @@ C10_ALWAYS_INLINE void prefetch_block(const T* p) {
 // next `kLines` lines of the next row's arrays (one or two, at the same offsets) until the row is
 // covered; finish() issues what is left. The first passes (in cache, arithmetic only) then keep
 // the memory bus busy with the next row's reads, and the write pass with the output's streaming
-// stores. (Prefetching only during the write pass, with the stores, left the bus idle in the
-// earlier passes: 8192 x 4096 fp32 at 1 thread, layer norm forward 20.8 -> 15.8 ms, layer norm
-// backward 38.5 -> 26.7 ms.) A step is four instructions and no branch: past the end it
-// prefetches the row's last line again. Without a next row it prefetches one idle line.
+// stores. (The earlier prefetch ran in the write pass only and fetched one line per block, half
+// of an fp32 row: 8192 x 4096 fp32 at 1 thread, layer norm forward 21.3 -> 17.1 ms, layer norm
+// backward 38.4 -> 28.6 ms, `mpnb bench layers`.) 16-bit rows step only in the write pass
+// (kEarlyPrefetch). A step is four instructions and no branch: past the end it prefetches the
+// row's last line again. Without a next row it prefetches one idle line.
 template <int kArrays, int kLines>
 class RowPrefetch {
   static_assert(kArrays == 1 || kArrays == 2, "one or two arrays");
