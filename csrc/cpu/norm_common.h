@@ -102,7 +102,7 @@ C10_ALWAYS_INLINE void load_acc(const Acc* p, int64_t j, int64_t n, Vectorized<A
 
 // Sum of a row: two blocks per step into four accumulators (an add's latency is 3-4 cycles).
 template <typename T, typename PF>
-C10_ALWAYS_INLINE acc_t<T> row_sum(const T* __restrict x, int64_t N, PF& pf) {
+inline acc_t<T> row_sum(const T* __restrict x, int64_t N, PF& pf) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
@@ -124,7 +124,7 @@ C10_ALWAYS_INLINE acc_t<T> row_sum(const T* __restrict x, int64_t N, PF& pf) {
 
 // Sum of (x - mu)^2 over a row, four accumulators (kCentre false: mu is 0, no subtraction).
 template <typename T, bool kCentre, typename PF>
-C10_ALWAYS_INLINE acc_t<T> row_centred_squares(const T* __restrict x, int64_t N, acc_t<T> mu, PF& pf) {
+inline acc_t<T> row_centred_squares(const T* __restrict x, int64_t N, acc_t<T> mu, PF& pf) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
@@ -153,7 +153,7 @@ C10_ALWAYS_INLINE acc_t<T> row_centred_squares(const T* __restrict x, int64_t N,
 // y = (x - mu) * rs * w + b over a row (w, b widened; either may be null). x - mu first: the
 // shorter x * rs - mu * rs would cancel digits for rows with a large mean.
 template <typename T, bool kCentre, typename PF>
-C10_ALWAYS_INLINE void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, acc_t<T> mu,
+inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, acc_t<T> mu,
                                       acc_t<T> rs, const acc_t<T>* __restrict w,
                                       const acc_t<T>* __restrict b, PF& pf, bool stream) {
   using Acc = acc_t<T>;
