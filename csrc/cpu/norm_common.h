@@ -98,6 +98,14 @@ C10_ALWAYS_INLINE void load_acc(const Acc* p, int64_t j, int64_t n, Vectorized<A
   else IO<Acc, Acc>::load(p + j, n, a, b);
 }
 
+// Lines of the next row each RowPrefetch step of the norm kernels issues: half a block's (one
+// line per fp32 block), so that the next row's reads spread over all of a row's passes, the
+// write pass included. Measured against a whole block per step (the next row read during the
+// statistics passes only), 8192 x 4096 fp32 at 1 thread: layer norm forward 74% -> 81% of the
+// in-place add, backward 67% -> 74%, RMS norm backward 70% -> 78%.
+template <typename T>
+inline constexpr int kNormLines = std::max(1, kBlockLines<T> / 2);
+
 // ---- forward -----------------------------------------------------------------------------
 
 // Sum of a row: two blocks per step into four accumulators (an add's latency is 3-4 cycles).
@@ -216,8 +224,7 @@ void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, a
   at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = X + r * N;
-      // the next row, a block per step: over the statistics pass(es), which step per two blocks
-      RowPrefetch<1, kBlockLines<T>> pf(r + 1 < M ? x + N : nullptr, nullptr,
+      RowPrefetch<1, kNormLines<T>> pf(r + 1 < M ? x + N : nullptr, nullptr,
                                         N * static_cast<int64_t>(sizeof(T)));
       Acc mu = 0;
       if constexpr (!kRms) mu = static_cast<Acc>(row_sum<T>(x, N, pf) / static_cast<double>(N));
@@ -363,7 +370,7 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
         const Acc rs = RSTD[r], mu = kRms || from_y ? Acc(0) : MEAN[r];
         row.vr = V(rs); row.vm = V(mu);
         const bool next = r + 1 < M;
-        RowPrefetch<2, kBlockLines<T>> pf(next ? row.dy + N : nullptr, next ? row.s + N : nullptr,
+        RowPrefetch<2, kNormLines<T>> pf(next ? row.dy + N : nullptr, next ? row.s + N : nullptr,
                                           N * static_cast<int64_t>(sizeof(T)));
         bwd_stats<T, kRms>(row, N, wf, bf, from_y, pf);
         bwd_write<T, kRms>(row, N, wf, bf, from_y, dw, db, pf, stream);
