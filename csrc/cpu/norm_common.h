@@ -162,8 +162,8 @@ inline acc_t<T> row_centred_squares(const T* __restrict x, int64_t N, acc_t<T> m
 // shorter x * rs - mu * rs would cancel digits for rows with a large mean.
 template <typename T, bool kCentre, typename PF>
 inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, acc_t<T> mu,
-                                      acc_t<T> rs, const acc_t<T>* __restrict w,
-                                      const acc_t<T>* __restrict b, PF& pf, bool stream) {
+                           acc_t<T> rs, const acc_t<T>* __restrict w, const acc_t<T>* __restrict b,
+                           PF& pf, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = LayerIO<T, Acc>;
@@ -354,7 +354,6 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
                      int64_t N, bool from_y, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
-  constexpr int64_t K = IO<T, Acc>::kWidth;
   std::vector<Acc> wbuf, bbuf;
   const Acc* wf = widen_param<W, Acc>(w, N, wbuf);
   const Acc* bf = widen_param<W, Acc>(b, N, bbuf);

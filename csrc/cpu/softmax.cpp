@@ -202,7 +202,8 @@ inline void finish_row(const PendingRow<T>& p, bool stream) {
 // lanes past L (to the end of L's block) zero; returns the sum. The block holding L is loaded
 // whole when the row (n) has it: no partial (memcpy) load in causal rows. Steps the next row's
 // prefetch (pf; its mask row mn here), and writes the pending row's full blocks as it goes
-// (pend, may be null): the streaming stores of one row drain while the exp of the next keeps the arithmetic busy.
+// (pend, may be null): the streaming stores of one row drain while the exp of the next keeps
+// the arithmetic busy.
 // kZero: masked lanes are zeroed after the exp instead of set to -10000 - shift before it, the
 // same values whenever exp(-10000 - shift) underflows to 0 (the caller checks).
 template <typename T, bool kZero, typename PF>

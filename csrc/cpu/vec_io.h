@@ -336,11 +336,15 @@ C10_ALWAYS_INLINE void prefetch_next(const T* p) {
   __builtin_prefetch(p, 0, 2);
 }
 
+// The cache line the prefetches below count in.
+constexpr int64_t kCacheLine = 64;
+
 // prefetch_next for every cache line of a block of K elements at p.
 template <int64_t K, typename T>
 C10_ALWAYS_INLINE void prefetch_block(const T* p) {
   constexpr int64_t kBytes = K * static_cast<int64_t>(sizeof(T));
-  for (int64_t off = 0; off < kBytes; off += 64) prefetch_next(reinterpret_cast<const char*>(p) + off);
+  for (int64_t off = 0; off < kBytes; off += kCacheLine)
+    prefetch_next(reinterpret_cast<const char*>(p) + off);
 }
 
 // The next row's prefetch, issued over every pass a row kernel makes over the current row: each
@@ -365,29 +369,28 @@ class RowPrefetch {
       delta_ = 0;
     } else {
       p_ = static_cast<const char*>(a);
-      last_ = p_ + ((bytes - 1) & ~(kLine - 1));
+      last_ = p_ + ((bytes - 1) & ~(kCacheLine - 1));
       delta_ = kArrays == 2 ? static_cast<const char*>(b) - p_ : 0;
     }
   }
   C10_ALWAYS_INLINE void step() {
     for (int l = 0; l < kLines; ++l) {
-      __builtin_prefetch(p_, 0, 2);
-      if constexpr (kArrays == 2) __builtin_prefetch(p_ + delta_, 0, 2);
-      const char* n = p_ + kLine;
+      prefetch_next(p_);
+      if constexpr (kArrays == 2) prefetch_next(p_ + delta_);
+      const char* n = p_ + kCacheLine;
       p_ = n <= last_ ? n : p_;
     }
   }
   C10_ALWAYS_INLINE void finish() {
-    for (; p_ < last_; p_ += kLine) {
-      __builtin_prefetch(p_ + kLine, 0, 2);
-      if constexpr (kArrays == 2) __builtin_prefetch(p_ + kLine + delta_, 0, 2);
+    for (; p_ < last_; p_ += kCacheLine) {
+      prefetch_next(p_ + kCacheLine);
+      if constexpr (kArrays == 2) prefetch_next(p_ + kCacheLine + delta_);
     }
   }
 
  private:
-  static constexpr int64_t kLine = 64;
   static const char* idle_line() {
-    alignas(64) static const char line[kLine] = {};
+    alignas(kCacheLine) static const char line[kCacheLine] = {};
     return line;
   }
   const char* p_;
@@ -397,15 +400,15 @@ class RowPrefetch {
 
 // Whether the passes before a row kernel's write pass step its RowPrefetch: for fp32/fp64 rows,
 // not for 16-bit rows, whose earlier passes are bound by widening the data (measured with the
-// early steps, 8192 x 4096 bf16 at 1 thread: layer norm forward 69% -> 54% of the in-place add,
-// softmax backward 75% -> 61%); their write pass alone covers the next row.
+// early steps, 8192 x 4096 bf16 softmax backward at 1 thread: 75% -> 61% of the in-place add);
+// their write pass alone covers the next row.
 template <typename T>
 inline constexpr bool kEarlyPrefetch = sizeof(T) >= 4;
 
 // Lines of one block of IO<T, Acc> (32 fp32 values: two; 32 bf16: one): the kLines of a
 // RowPrefetch stepped once per block keeps pace with the row.
 template <typename T, typename Acc = acc_t<T>>
-inline constexpr int kBlockLines =
-    static_cast<int>(std::max<int64_t>(1, IO<T, Acc>::kWidth * static_cast<int64_t>(sizeof(T)) / 64));
+inline constexpr int kBlockLines = static_cast<int>(
+    std::max<int64_t>(1, IO<T, Acc>::kWidth * static_cast<int64_t>(sizeof(T)) / kCacheLine));
 
 }  // namespace mpnb::cpu
