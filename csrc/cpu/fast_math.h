@@ -42,27 +42,29 @@ namespace exp_detail {
 
 using fV = at::vec::Vectorized<float>;
 
-// 2^(j/8), j = 0..7, each rounded to nearest fp32 (built from constants, so the compiler keeps
-// the register out of the row loops)
+// 2^(j/8), j = 0..7, each rounded to nearest fp32, as bits less j << 20: scale_of adds n << 20
+// to an entry, whose bits 20-22 (j) the table takes back, leaving k = n >> 3 in the exponent
+// field. (Built from constants, so the compiler keeps the register out of the row loops.)
 C10_ALWAYS_INLINE __m256 two_to_eighths() {
-  return _mm256_setr_ps(1.0f, 1.0905077326652577f, 1.1892071150027210f, 1.2968395546510096f,
-                        1.4142135623730951f, 1.5422108254079407f, 1.6817928305074290f,
-                        1.8340080864093424f);
+  return _mm256_castsi256_ps(_mm256_setr_epi32(0x3f800000, 0x3f7b95c2, 0x3f7837f0, 0x3f75fed7,
+                                               0x3f7504f3, 0x3f75672a, 0x3f7744fd, 0x3f7ac0c7));
 }
 
-// t's low mantissa bits hold n = 8k + j (two's complement): its low 3 bits pick 2^(j/8) from
-// the table (one permute), the rest, shifted into the exponent field, multiplies it by 2^k.
+// t's low mantissa bits hold n = 8k + j (two's complement): its low 3 bits pick an entry from
+// the table (one permute), and t << 20 (n << 20 mod 2^32) added to it gives the bits of
+// 2^(j/8) * 2^k: the j << 20 the sum adds cancels the entry's, the rest is k in the exponent
+// field. Exactly the bits of 2^(j/8) with k added to its exponent, one integer op fewer than
+// masking k out of t << 20 first.
 C10_ALWAYS_INLINE fV scale_of(const fV& t) {
 #if defined(CPU_CAPABILITY_AVX512)
   const __m512 table = _mm512_broadcast_f32x8(two_to_eighths());  // index bit 3 ignored
   const __m512i ti = _mm512_castps_si512(t);
-  const __m512i k = _mm512_and_si512(_mm512_slli_epi32(ti, 20), _mm512_set1_epi32(int(0xFF800000u)));
-  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(_mm512_permutexvar_ps(ti, table)), k));
+  return _mm512_castsi512_ps(_mm512_add_epi32(_mm512_castps_si512(_mm512_permutexvar_ps(ti, table)),
+                                              _mm512_slli_epi32(ti, 20)));
 #else
   const __m256i ti = _mm256_castps_si256(t);
-  const __m256i k = _mm256_and_si256(_mm256_slli_epi32(ti, 20), _mm256_set1_epi32(int(0xFF800000u)));
   const __m256 entry = _mm256_permutevar8x32_ps(two_to_eighths(), ti);
-  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(entry), k));
+  return _mm256_castsi256_ps(_mm256_add_epi32(_mm256_castps_si256(entry), _mm256_slli_epi32(ti, 20)));
 #endif
 }
 
@@ -76,6 +78,25 @@ C10_ALWAYS_INLINE fV zero_below(const fV& y, const fV& x, float lo) {
 #endif
 }
 
+// Below ln(FLT_MIN) the result is 0.
+constexpr float kLow = -87.33654475f;
+
+// The exp before the underflow to 0.
+C10_ALWAYS_INLINE fV unclamped(const fV& x) {
+  using at::vec::fmadd;
+  using at::vec::fnmadd;
+  const fV magic(12582912.0f);                            // 1.5 * 2^23: round to integer
+  const fV t = fmadd(x, fV(11.541560327111707f), magic);  // 8 / ln 2
+  const fV n = t - magic;
+  fV r = fnmadd(n, fV(0.693359375f / 8), x);  // ln2/8, high part exact
+  r = fnmadd(n, fV(-2.12194440e-4f / 8), r);
+  const fV scale = scale_of(t);
+  fV p = fmadd(fV(0.16666874f), r, fV(0.50006455f));
+  p = fmadd(p, r, fV(1.0f));
+  p = p * r;  // e^r - 1
+  return fmadd(p, scale, scale);
+}
+
 }  // namespace exp_detail
 #endif
 
@@ -84,23 +105,21 @@ C10_ALWAYS_INLINE fV zero_below(const fV& y, const fV& x, float lo) {
 // Forced inline: left out of line, the masked softmax forward ran 15% slower.
 C10_ALWAYS_INLINE at::vec::Vectorized<float> softmax_exp(const at::vec::Vectorized<float>& x) {
 #if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
-  using exp_detail::fV;
-  using at::vec::fmadd;
-  using at::vec::fnmadd;
-  const fV magic(12582912.0f);                            // 1.5 * 2^23: round to integer
-  const fV t = fmadd(x, fV(11.541560327111707f), magic);  // 8 / ln 2
-  const fV n = t - magic;
-  fV r = fnmadd(n, fV(0.693359375f / 8), x);  // ln2/8, high part exact
-  r = fnmadd(n, fV(-2.12194440e-4f / 8), r);
-  const fV scale = exp_detail::scale_of(t);
-  fV p = fmadd(fV(0.16666874f), r, fV(0.50006455f));
-  p = fmadd(p, r, fV(1.0f));
-  p = p * r;  // e^r - 1
-  return exp_detail::zero_below(fmadd(p, scale, scale), x, -87.33654475f);
+  return exp_detail::zero_below(exp_detail::unclamped(x), x, exp_detail::kLow);
 #else
   return x.exp_u20();
 #endif
 }
+
+#if defined(CPU_CAPABILITY_AVX512)
+// softmax_exp(x) in the lanes of `keep` and 0 in the others (the masked softmax's masked
+// lanes): the zeroing rides on the underflow mask's compare, no op of its own.
+C10_ALWAYS_INLINE at::vec::Vectorized<float> softmax_exp(const at::vec::Vectorized<float>& x,
+                                                         __mmask16 keep) {
+  const __mmask16 k = _mm512_mask_cmp_ps_mask(keep, x, _mm512_set1_ps(exp_detail::kLow), _CMP_NLT_UQ);
+  return _mm512_maskz_mov_ps(k, exp_detail::unclamped(x));
+}
+#endif
 
 // Ask the kernel for transparent huge pages for a fresh output y of 16 MiB or more: madvise
 // MADV_HUGEPAGE on the whole 2 MiB pages inside its memory (what c10's THP_MEM_ALLOC_ENABLE=1

@@ -63,3 +63,32 @@ def test_norm_and_softmax_bf16_outputs_keep_their_bits(compiled):
     # softmax computes the same fp32 values from bf16 and from fp32 input (one code path)
     for scale in (0.7, 20.0):  # 20: many probabilities far below 1, some exactly 0
         _same_bits(M.scaled_softmax_fwd(x, scale), M.scaled_softmax_fwd(xf, scale).bfloat16())
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16), ids=str)
+def test_softmax_16bit_row_max_on_bits(compiled, dtype):
+    # 16-bit rows find their max on the bits as int16 (softmax.cpp, row_max_bits): rows of
+    # mixed signs, rows all negative (the max is then the smallest integer), a negative scale
+    # (the max of -x), causal rows ending mid-block, a row holding -0.0 and +inf, a mask
+    # shared by the heads. The values must be those of the fp32 row, whose max is a float max.
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 3, 37, 100, generator=g).to(dtype)
+    x[0, 0] = -(x[0, 0].abs() + 0.5)  # every row negative
+    x[0, 0, 0] = torch.linspace(-120.0, -1.0, 100)[torch.randperm(100, generator=g)]  # wide
+    x[0, 1, :, :] = -x[0, 1].abs()
+    x[0, 1, :, 7] = -0.0  # the largest of negative rows
+    x[1, 2, 3, 50] = float("inf")
+    xf = x.float()
+    mask = torch.rand(2, 1, 37, 100, generator=g) < 0.3
+    for scale in (0.7, -1.3, 20.0):
+        _same_bits(M.scaled_softmax_fwd(x, scale), M.scaled_softmax_fwd(xf, scale).to(dtype))
+        sq = x[:, :, :, :37].contiguous()
+        _same_bits(
+            M.scaled_upper_triang_masked_softmax_fwd(sq.view(-1, 37, 37), scale),
+            M.scaled_upper_triang_masked_softmax_fwd(sq.float().view(-1, 37, 37), scale).to(dtype),
+        )
+        for zero_all in (False, True):
+            _same_bits(
+                M.scaled_masked_softmax_fwd(x, mask, scale, zero_all),
+                M.scaled_masked_softmax_fwd(xf, mask, scale, zero_all).to(dtype),
+            )
