@@ -221,10 +221,11 @@ void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, a
   const Acc* wf = widen_param<W, Acc>(w, N, wbuf);
   const Acc* bf = widen_param<W, Acc>(b, N, bbuf);
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
+  const int64_t skip = rows_ahead(N * static_cast<int64_t>(sizeof(T)));
   at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = X + r * N;
-      RowPrefetch<1, kNormLines<T>> pf(r + 1 < M ? x + N : nullptr, nullptr,
+      RowPrefetch<1, kNormLines<T>> pf(r + skip < M ? x + skip * N : nullptr, nullptr,
                                         N * static_cast<int64_t>(sizeof(T)));
       Acc mu = 0;
       if constexpr (!kRms) mu = static_cast<Acc>(row_sum<T>(x, N, pf) / static_cast<double>(N));
@@ -358,6 +359,7 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
   const Acc* wf = widen_param<W, Acc>(w, N, wbuf);
   const Acc* bf = widen_param<W, Acc>(b, N, bbuf);
   const int64_t P = std::max<int64_t>(1, std::min<int64_t>(M, at::get_num_threads()));
+  const int64_t skip = rows_ahead(2 * N * static_cast<int64_t>(sizeof(T)));  // dy and saved
   at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
     for (int64_t p = p0; p < p1; ++p) {
       Acc* dw = DW ? DW + p * N : nullptr;
@@ -368,8 +370,9 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
         row.dy = DY + r * N; row.s = S + r * N; row.dx = DX + r * N;
         const Acc rs = RSTD[r], mu = kRms || from_y ? Acc(0) : MEAN[r];
         row.vr = V(rs); row.vm = V(mu);
-        const bool next = r + 1 < M;
-        RowPrefetch<2, kNormLines<T>> pf(next ? row.dy + N : nullptr, next ? row.s + N : nullptr,
+        const bool ahead = r + skip < M;
+        RowPrefetch<2, kNormLines<T>> pf(ahead ? row.dy + skip * N : nullptr,
+                                          ahead ? row.s + skip * N : nullptr,
                                           N * static_cast<int64_t>(sizeof(T)));
         bwd_stats<T, kRms>(row, N, wf, bf, from_y, pf);
         bwd_write<T, kRms>(row, N, wf, bf, from_y, dw, db, pf, stream);

@@ -407,13 +407,6 @@ struct MaskView {
   }
 };
 
-// How many rows ahead the forward prefetches: 16-bit rows two, since their first pass (the max,
-// on the bits, two ops a block) reads faster than memory delivers, and the row prefetched during
-// the previous row alone was still arriving when it started (8192 x 4096 bf16, 1 thread: 9.3 ->
-// 7.7 ms).
-template <typename T>
-inline constexpr int64_t kAhead = sizeof(T) == 2 ? 2 : 1;
-
 // Each thread keeps two scratch rows: row r's exponentials are normalized and written while row
 // r + 1's are computed (software pipelining), so the output's streaming stores overlap the exp
 // arithmetic instead of following it.
@@ -430,6 +423,7 @@ void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale
     Acc* prev = cur + width;
     PendingRow<T> pend;
     bool pending = false;
+    const int64_t skip = rows_ahead(sk * static_cast<int64_t>(sizeof(T)));
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t r = mv.order(k);
       const int64_t L = causal ? std::min<int64_t>(r % sq + 1, sk) : sk;
@@ -442,8 +436,8 @@ void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale
         sum = Acc(1);
       } else {
         // a later row's reads (its first L + 1 when causal), prefetched over this row's passes
-        const bool ahead = k + kAhead<T> < k1;
-        const int64_t ra = ahead ? mv.order(k + kAhead<T>) : 0;
+        const bool ahead = k + skip < k1;
+        const int64_t ra = ahead ? mv.order(k + skip) : 0;
         const int64_t La = causal ? std::min<int64_t>(ra % sq + 1, sk) : sk;
         RowPrefetch<1, kBlockLines<T>> pf(ahead ? X + ra * sk : nullptr, nullptr,
                                           La * static_cast<int64_t>(sizeof(T)));
@@ -471,6 +465,7 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
   using IOT = IO<T, Acc>;
   constexpr int64_t K = IOT::kWidth;
   const int64_t grain = std::max<int64_t>(1, 32768 / std::max<int64_t>(sk, 1));
+  const int64_t skip = rows_ahead(2 * sk * static_cast<int64_t>(sizeof(T)));  // dy and y
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
     V g0, g1, y0, y1;
     for (int64_t r = r0; r < r1; ++r) {
@@ -478,12 +473,13 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
       const T* y = Y + r * sk;
       T* dx = DX + r * sk;
       const int64_t L = causal ? std::min<int64_t>(r % sq + 1, sk) : sk;
-      const bool next = r + 1 < rows;
-      const int64_t Ln = causal ? std::min<int64_t>((r + 1) % sq + 1, sk) : sk;
+      const int64_t ra = r + skip;
+      const bool ahead = ra < rows;
+      const int64_t La = causal ? std::min<int64_t>(ra % sq + 1, sk) : sk;
       const int64_t Lp = std::min<int64_t>(sk, (L + K - 1) / K * K);
-      // the next row's dy and y, prefetched over this row's two passes
-      RowPrefetch<2, kBlockLines<T>> pf(next ? dy + sk : nullptr, next ? y + sk : nullptr,
-                                        Ln * static_cast<int64_t>(sizeof(T)));
+      // a later row's dy and y, prefetched over this row's two passes
+      RowPrefetch<2, kBlockLines<T>> pf(ahead ? DY + ra * sk : nullptr, ahead ? Y + ra * sk : nullptr,
+                                        La * static_cast<int64_t>(sizeof(T)));
       V d0(Acc(0)), d1(Acc(0));
       int64_t i = 0;
       for (; i + K <= L; i += K) {
