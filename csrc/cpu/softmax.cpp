@@ -186,8 +186,8 @@ inline int16_t reduce_i16(const Vectorized<int16_t>& v) {
 // and magnitude). So the largest integer is the largest float when it is >= 0 (some element is
 // non-negative), and when every element is negative, the largest float (the smallest magnitude)
 // is the smallest integer. A max and a min per block, where widening took four ops and the float
-// max two more; the same max (a positive NaN wins, as in the float max; a negative NaN does not,
-// and makes the row's sum NaN anyway). kNeg flips the sign bits first: the max of -x.
+// max two more; the same max for every row without NaN (a row with one has a NaN sum either way).
+// kNeg flips the sign bits first: the max of -x.
 template <typename T, bool kNeg>
 inline float row_max_bits(const T* __restrict x, int64_t L, int64_t n) {
   using IV = Vectorized<int16_t>;
@@ -223,7 +223,7 @@ inline float row_max_bits(const T* __restrict x, int64_t L, int64_t n) {
 // whole when the row (n) has it. 16-bit rows: row_max_bits.
 template <typename T, bool kNeg, typename PF>
 inline acc_t<T> row_max(const T* __restrict x, int64_t L, int64_t n, PF& pf) {
-  if constexpr (sizeof(T) == 2) return row_max_bits<T, kNeg>(x, L, n);  // 16-bit: no early prefetch steps
+  if constexpr (sizeof(T) == 2) return row_max_bits<T, kNeg>(x, L, n);  // steps no pf: kEarlyPrefetch
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
