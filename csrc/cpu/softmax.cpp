@@ -148,11 +148,25 @@ inline void exp_block(const uint8_t* m, int64_t n, V& a, V& b) {
   if (kZero && m) zero_masked(m, n, a, b);
 }
 
+// The first k lanes of a (0 <= k <= size), the rest from v. ATen's Vectorized::set switches on
+// k (a jump that mispredicts when k changes from row to row, as in causal rows); AVX-512
+// blends under a mask instead.
+template <typename V>
+inline V first_lanes(const V& a, const V& v, int64_t k) {
+#if defined(CPU_CAPABILITY_AVX512)
+  using E = typename V::value_type;
+  const uint64_t keep = k >= V::size() ? ~uint64_t(0) : (uint64_t(1) << k) - 1;
+  if constexpr (std::is_same_v<E, float>) return _mm512_mask_blend_ps(static_cast<__mmask16>(keep), v, a);
+  if constexpr (std::is_same_v<E, int16_t>) return _mm512_mask_blend_epi16(static_cast<__mmask32>(keep), v, a);
+#endif
+  return k >= V::size() ? a : V::set(v, a, k);
+}
+
 // Lanes k.. of a block (a, b) set to v.
 template <typename V>
 inline void pad_lanes(V& a, V& b, int64_t k, const V& v) {
-  a = k >= V::size() ? a : V::set(v, a, k);
-  b = k >= 2 * V::size() ? b : (k > V::size() ? V::set(v, b, k - V::size()) : v);
+  a = first_lanes(a, v, k);
+  b = first_lanes(b, v, std::max<int64_t>(k - V::size(), 0));
 }
 
 // The largest (kMax) or smallest lane of an int16 register, in log-step shuffles (a loop over
@@ -208,8 +222,8 @@ inline float row_max_bits(const T* __restrict x, int64_t L, int64_t n) {
     const int64_t k = std::min<int64_t>(K, L - i), kl = std::min<int64_t>(K, n - i);
     IV a = kl == K ? IV::loadu(p + i) : IV::loadu(p + i, kl);
     if constexpr (kNeg) a = a ^ flip;
-    hi0 = at::vec::maximum(hi0, k < K ? IV::set(IV(kLow), a, k) : a);
-    lo0 = at::vec::minimum(lo0, k < K ? IV::set(IV(kHigh), a, k) : a);
+    hi0 = at::vec::maximum(hi0, first_lanes(a, IV(kLow), k));
+    lo0 = at::vec::minimum(lo0, first_lanes(a, IV(kHigh), k));
   }
   const int16_t top = reduce_i16<true>(at::vec::maximum(hi0, hi1));
   const int16_t bottom = reduce_i16<false>(at::vec::minimum(lo0, lo1));
