@@ -73,8 +73,8 @@ void rope_kernel(const at::Tensor& t, const at::Tensor& cos, const at::Tensor& s
   // The input rows are prefetched about 4 KiB ahead of the walk (see `advance` below): the
   // hardware prefetcher alone kept too few reads in flight (64 MiB bf16 RoPE at 1 thread,
   // [S, B, H, D]: 11.5 -> 8.8 ms, `mpnb bench layers`).
-  const int64_t row_bytes = D * static_cast<int64_t>(sizeof(T));
-  const int64_t ahead = std::max<int64_t>(1, 4096 / std::max<int64_t>(row_bytes, 1));
+  const int64_t ahead = rows_covering(4096, D * static_cast<int64_t>(sizeof(T)),
+                                      std::numeric_limits<int64_t>::max());
   const int64_t blocks = (n2 + TS - 1) / TS;
   const int64_t units = n0 * n1 * blocks;
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(D, 1) / TS);

@@ -52,6 +52,18 @@ inline const uint8_t* mask_block(const uint8_t* m, int64_t n, uint8_t* buf) {
   return buf;
 }
 
+#if defined(CPU_CAPABILITY_AVX512)
+// The lanes of a block whose mask byte (kMaskBlock bytes at src) is set (kSet) or clear, as
+// masks for a and b: one byte test per 16 lanes.
+template <bool kSet>
+C10_ALWAYS_INLINE void mask_lanes(const uint8_t* src, __mmask16& lo, __mmask16& hi) {
+  const __m128i l = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
+  lo = kSet ? _mm_test_epi8_mask(l, l) : _mm_testn_epi8_mask(l, l);
+  hi = kSet ? _mm_test_epi8_mask(h, h) : _mm_testn_epi8_mask(h, h);
+}
+#endif
+
 // Replace lanes whose mask byte is nonzero by `fill` (kMaskBlock mask bytes for a, b). The
 // per-block helpers of the row passes are `inline`: a hint GCC's inliner weighs, which keeps
 // them inside the hot loops (as they were when these kernels were one translation unit).
@@ -59,9 +71,8 @@ inline void apply_mask(const uint8_t* m, int64_t n, fVec& a, fVec& b, const fVec
   alignas(64) uint8_t buf[kMaskBlock];
   const uint8_t* src = mask_block(m, n, buf);
 #if defined(CPU_CAPABILITY_AVX512)
-  const __m128i mlo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  const __m128i mhi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
-  const __mmask16 lo = _mm_test_epi8_mask(mlo, mlo), hi = _mm_test_epi8_mask(mhi, mhi);
+  __mmask16 lo, hi;
+  mask_lanes<true>(src, lo, hi);
   a = _mm512_mask_blend_ps(lo, a, fill);
   b = _mm512_mask_blend_ps(hi, b, fill);
 #elif defined(CPU_CAPABILITY_AVX2)
@@ -100,16 +111,9 @@ inline void apply_mask(const uint8_t* m, int64_t n, dVec& a, dVec& b, const dVec
 // Lanes whose mask byte is nonzero set to 0: the exp of a masked score, when that underflows
 // (see softmax_exp_pass). Bitwise and-ing after the exp takes no multiply-add port, which the
 // blend before it (apply_mask) does on AVX2, where the exp alone keeps those ports busy.
+// (AVX-512 folds this into the exp itself: exp_block.)
 inline void zero_masked(const uint8_t* m, int64_t n, fVec& a, fVec& b) {
-#if defined(CPU_CAPABILITY_AVX512)
-  alignas(64) uint8_t buf[kMaskBlock];
-  const uint8_t* src = mask_block(m, n, buf);
-  const __m128i mlo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-  const __m128i mhi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
-  const __mmask16 keep_lo = _mm_testn_epi8_mask(mlo, mlo), keep_hi = _mm_testn_epi8_mask(mhi, mhi);
-  a = _mm512_maskz_mov_ps(keep_lo, a);
-  b = _mm512_maskz_mov_ps(keep_hi, b);
-#elif defined(CPU_CAPABILITY_AVX2)
+#if defined(CPU_CAPABILITY_AVX2) && !defined(CPU_CAPABILITY_AVX512)
   alignas(16) uint8_t buf[kMaskBlock];
   const uint8_t* src = mask_block(m, n, buf);
   const __m128i keep = _mm_cmpeq_epi8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)),
@@ -134,11 +138,10 @@ inline void exp_block(const uint8_t* m, int64_t n, V& a, V& b) {
   if constexpr (kZero && std::is_same_v<V, fVec>) {
     if (m) {
       alignas(64) uint8_t buf[kMaskBlock];
-      const uint8_t* src = mask_block(m, n, buf);
-      const __m128i mlo = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src));
-      const __m128i mhi = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + 16));
-      a = softmax_exp(a, _mm_testn_epi8_mask(mlo, mlo));
-      b = softmax_exp(b, _mm_testn_epi8_mask(mhi, mhi));
+      __mmask16 keep_lo, keep_hi;
+      mask_lanes<false>(mask_block(m, n, buf), keep_lo, keep_hi);
+      a = softmax_exp(a, keep_lo);
+      b = softmax_exp(b, keep_hi);
       return;
     }
   }
@@ -438,10 +441,14 @@ void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale
     PendingRow<T> pend;
     bool pending = false;
     const int64_t skip = rows_ahead(sk * static_cast<int64_t>(sizeof(T)));
+    // this row and its mask row, found as the next one during the previous row
+    int64_t r = mv.order(k0);
+    const uint8_t* mrow = mv.row(r);
     for (int64_t k = k0; k < k1; ++k) {
-      const int64_t r = mv.order(k);
+      const bool next = k + 1 < k1;
+      const int64_t rn = next ? mv.order(k + 1) : 0;
+      const uint8_t* mnext = next ? mv.row(rn) : nullptr;
       const int64_t L = causal ? std::min<int64_t>(r % sq + 1, sk) : sk;
-      const uint8_t* mrow = mv.row(r);
       Acc sum;
       if (zero_all_masked && mrow && std::memchr(mrow, 0, sk) == nullptr) {
         // every position masked: the row attends to nothing (Apex's generic kernel)
@@ -455,8 +462,7 @@ void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale
         const int64_t La = causal ? std::min<int64_t>(ra % sq + 1, sk) : sk;
         RowPrefetch<1, kBlockLines<T>> pf(ahead ? X + ra * sk : nullptr, nullptr,
                                           La * static_cast<int64_t>(sizeof(T)));
-        sum = softmax_row<T>(X + r * sk, mrow, L, sk, static_cast<Acc>(scale), cur, pf,
-                             k + 1 < k1 ? mv.row(mv.order(k + 1)) : nullptr,
+        sum = softmax_row<T>(X + r * sk, mrow, L, sk, static_cast<Acc>(scale), cur, pf, mnext,
                              pending ? &pend : nullptr, stream);
       }
       T* y = Y + r * sk;
@@ -465,6 +471,8 @@ void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale
               !stream || align_head(y, sk) == 0};
       pending = true;
       std::swap(cur, prev);
+      r = rn;
+      mrow = mnext;
     }
     if (pending) finish_row(pend, stream);
     if (stream) stream_fence();

@@ -349,22 +349,22 @@ C10_ALWAYS_INLINE void prefetch_block(const T* p) {
     prefetch_next(reinterpret_cast<const char*>(p) + off);
 }
 
-// The next row's prefetch, issued over every pass a row kernel makes over the current row: each
-// pass calls step() once per block (or pair of blocks) it visits, and each step prefetches the
-// next `kLines` lines of the next row's arrays (one or two, at the same offsets) until the row is
+// A later row's prefetch (rows_ahead below), issued over every pass a row kernel makes over the
+// current row: each pass calls step() once per block (or pair of blocks) it visits, and each step
+// prefetches the next `kLines` lines of that row's arrays (one or two, at the same offsets) until the row is
 // covered; finish() issues what is left. The first passes (in cache, arithmetic only) then keep
-// the memory bus busy with the next row's reads, and the write pass with the output's streaming
+// the memory bus busy with that row's reads, and the write pass with the output's streaming
 // stores. (The earlier prefetch ran in the write pass only and fetched one line per block, half
 // of an fp32 row: 8192 x 4096 fp32 at 1 thread, layer norm forward 21.3 -> 17.1 ms, layer norm
 // backward 38.4 -> 28.6 ms, `mpnb bench layers`.) 16-bit rows step only in the write pass
 // (kEarlyPrefetch). A step is four instructions and no branch: past the end it prefetches the
-// row's last line again. Without a next row it prefetches one idle line.
+// row's last line again. Without such a row it prefetches one idle line.
 template <int kArrays, int kLines>
 class RowPrefetch {
   static_assert(kArrays == 1 || kArrays == 2, "one or two arrays");
 
  public:
-  // a, b: the next row's arrays (`bytes` each; b only with kArrays == 2); a null: no next row.
+  // a, b: the arrays of the row to prefetch (`bytes` each; b only with kArrays == 2); a null: none.
   RowPrefetch(const void* a, const void* b, int64_t bytes) {
     if (a == nullptr || bytes <= 0) {
       p_ = last_ = idle_line();
@@ -413,9 +413,14 @@ inline constexpr bool kEarlyPrefetch = sizeof(T) >= 4;
 // started: 8192 x 4096 bf16 softmax forward at 1 thread 9.3 -> 7.7 ms two rows ahead, the
 // 32768 x 1024 bf16 softmax backward 55% -> 63% of the in-place add.
 constexpr int64_t kPrefetchAhead = int64_t(16) << 10;
-inline int64_t rows_ahead(int64_t row_bytes) {
-  return std::clamp<int64_t>(kPrefetchAhead / std::max<int64_t>(row_bytes, 1), 1, 4);
+
+// Rows of row_bytes that cover `bytes`, at least 1 and at most `most`: a prefetch distance in
+// rows (rows_ahead; RoPE's walk, rotary.cpp).
+inline int64_t rows_covering(int64_t bytes, int64_t row_bytes, int64_t most) {
+  return std::clamp<int64_t>(bytes / std::max<int64_t>(row_bytes, 1), 1, most);
 }
+
+inline int64_t rows_ahead(int64_t row_bytes) { return rows_covering(kPrefetchAhead, row_bytes, 4); }
 
 // Lines of one block of IO<T, Acc> (32 fp32 values: two; 32 bf16: one): the kLines of a
 // RowPrefetch stepped once per block keeps pace with the row.
