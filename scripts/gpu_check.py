@@ -15,7 +15,8 @@ check goes on:
    speed measured on it (the error of our own estimate, per configuration);
 5. notebooks 01, 03 and 09 under nbval on CUDA.
 
-It prints a summary table and writes it to ``docs/gpu/<date>-<card>.md``; the logs, the JSON
+It prints a summary table and writes it to ``docs/gpu/<date>-<card>-<rev>.md`` (two runs of a
+day on one card keep both); the logs, the JSON
 of each run and a copy of the summary go to ``OUT`` (default ``$OUT``, else a new temporary
 directory). ``--dry-run`` (on any machine) lists the steps with their budgets and checks that
 every command exists and parses: the CLI arguments through mpnb's own parsers, the pytest
@@ -47,6 +48,9 @@ _PYTEST = ("-m", "pytest", "-q", "-p", "no:cacheprovider")
 # The Triton tests compile ~300 kernels, on the CPU: 121 s in one process on an H100 machine
 # (16 cores, 2026-11-27), past their budget; six workers where pytest-xdist is installed.
 _XDIST = ("-n", "6") if importlib.util.find_spec("xdist") else ()
+# The notebooks took past their 80 s budget in one process there (2026-11-27, 19 of 23 cells):
+# one worker per notebook (each notebook's cells in order on its own kernel).
+_XDIST_NB = ("-n", str(len(NOTEBOOKS)), "--dist", "loadfile") if _XDIST else ()
 
 
 @dataclass(frozen=True)
@@ -102,20 +106,20 @@ def steps() -> list[Step]:
         ),
         Step(
             "bench cuda",
-            25,
+            20,
             _mpnb("bench", "--device", "cuda", "--quick", "--json", "{out}/bench-cuda.json"),
             "Triton vs PyTorch's fused CUDA ops, same-run bandwidth",
         ),
         Step(
             "compare cuda",
-            60,
+            50,
             _compare("cuda", f"{HALF},{FP8}", 20, (*both, "--out", "{out}/compare-cuda.html")),
             "O0-O3 fp16/bf16 and the FP8 recipes, measured on this GPU",
             "compare-cuda.json",
         ),
         Step(
             "estimate: cpu bf16",
-            35,
+            25,
             _compare("cpu", HALF, 2, ("--dtype", "bf16", "--out", "")),
             "the same workload on the CPU (bf16, its default): the verdict's estimate",
             "compare-cpu-half.json",
@@ -129,10 +133,11 @@ def steps() -> list[Step]:
         ),
         Step(
             "notebooks",
-            80,
+            105,
             (
                 sys.executable,
                 *_PYTEST,
+                *_XDIST_NB,
                 "--nbval-lax",
                 "--nbval-current-env",
                 "--nbval-sanitize-with",
@@ -382,7 +387,7 @@ def summary(results: list[Result], out: Path, card: str, about: str, triton: dic
     return "\n".join(lines) + "\n"
 
 
-def _card_and_about() -> tuple[str, str]:
+def _card_and_about() -> tuple[str, str, str]:
     import torch
 
     import mpnb
@@ -401,7 +406,7 @@ def _card_and_about() -> tuple[str, str]:
         f"{_dt.date.today()}: mpnb {mpnb.__version__} ({rev or 'no git'}), torch "
         f"{torch.__version__} (CUDA {torch.version.cuda}), triton {tv}."
     )
-    return card, about
+    return card, about, rev
 
 
 def _record_triton(out: Path, card: str) -> dict:
@@ -440,10 +445,11 @@ def check(out: Path) -> int:
             f"gpu-check: {step.name}: {r.status} in {r.seconds:.0f} s (budget {step.budget_s} s)",
             flush=True,
         )
-    card, about = _card_and_about()
+    card, about, rev = _card_and_about()
     text = summary(results, out, card, about, _record_triton(out, card))
     slug = re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")
-    doc = ROOT / "docs" / "gpu" / f"{_dt.date.today()}-{slug}.md"
+    name = "-".join(filter(None, [str(_dt.date.today()), slug, rev]))
+    doc = ROOT / "docs" / "gpu" / f"{name}.md"
     doc.parent.mkdir(parents=True, exist_ok=True)
     doc.write_text(text)
     (out / doc.name).write_text(text)

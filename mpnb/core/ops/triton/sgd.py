@@ -174,9 +174,9 @@ def fused_sgd_(args) -> None:
         return float(torch.tensor(x).to(params[0].dtype)) if stepwise else f32(x)
 
     b_list = list(args.momentum_buffers) if momentum != 0 else params
-    tab = ChunkTable.build(
-        [params, grads, b_list, w_list], cols=[[int(bool(f)) for f in args.first_run]]
-    )
+    # without momentum ``first_run`` may be empty (the optimizer passes none): a zero column
+    first = [int(bool(f)) for f in args.first_run] if momentum != 0 else [0] * len(params)
+    tab = ChunkTable.build([params, grads, b_list, w_list], cols=[first])
     if not tab.n_chunks:
         return
     launch(

@@ -55,7 +55,8 @@ def _args(name, st, opts, inv, found):
         )
     if name == "fused_sgd_":
         momentum, nesterov, wd_after = opts
-        first = [k % 2 == 0 for k in range(len(params))]
+        # without momentum the optimizer passes no buffers and no first_run flags
+        first = [k % 2 == 0 for k in range(len(params))] if momentum else []
         bufs = m if momentum else []
         return (
             params,
