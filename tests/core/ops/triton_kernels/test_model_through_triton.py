@@ -13,14 +13,11 @@ references without them).
 
 from __future__ import annotations
 
-import contextlib
-import warnings
-
 import pytest
 import torch
 from torch import nn
 
-from mpnb.core.ops import op_info
+from .triton_cases import triton_as_kernels
 
 F32, BF16 = torch.float32, torch.bfloat16
 S, B, H, D = 8, 2, 2, 16  # sequence, batch, heads, head size
@@ -35,36 +32,6 @@ LAYER_OPS = {
     "scaled_upper_triang_masked_softmax_fwd",
     "scaled_softmax_bwd",
 }
-
-
-@contextlib.contextmanager
-def triton_as_kernels(device: str):
-    """Every Triton launcher registered as its op's kernel for ``device`` while the block runs
-    (the kernels before, again after it); yields the set of the launchers called."""
-    from mpnb.core.ops import ensure_kernels
-    from mpnb.core.ops.triton import LAUNCHERS
-
-    ensure_kernels()  # the C++ kernels first, so that these registrations override them
-    called: set[str] = set()
-    lib = torch.library.Library("mpnb", "IMPL")
-
-    def spy(name):
-        launch = op_info(name).triton_kernel()
-
-        def kernel(*args, **kwargs):
-            called.add(name)
-            return launch(*args, **kwargs)
-
-        return kernel
-
-    try:
-        with warnings.catch_warnings():  # PyTorch warns, once, that a kernel is overridden
-            warnings.filterwarnings("ignore", "(?s).*Overriding a previously registered kernel")
-            for name in LAUNCHERS:
-                lib.impl(name, spy(name), "CUDA" if device == "cuda" else "CPU")
-        yield called
-    finally:
-        lib._destroy()
 
 
 class Block(nn.Module):

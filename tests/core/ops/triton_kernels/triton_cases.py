@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+
 import torch
 
 HALF = (torch.float16, torch.bfloat16)
@@ -89,3 +92,33 @@ def bitwise(actual, expected) -> None:
             bitwise(a, e)
         return
     torch.testing.assert_close(actual.cpu(), expected, rtol=0, atol=0, equal_nan=True)
+
+
+@contextlib.contextmanager
+def triton_as_kernels(device: str):
+    """Every Triton launcher registered as its op's kernel for ``device`` while the block runs
+    (the kernels before, again after it); yields the set of the launchers called."""
+    from mpnb.core.ops import ensure_kernels, op_info
+    from mpnb.core.ops.triton import LAUNCHERS
+
+    ensure_kernels()  # the C++ kernels first, so that these registrations override them
+    called: set[str] = set()
+    lib = torch.library.Library("mpnb", "IMPL")
+
+    def spy(name):
+        launch = op_info(name).triton_kernel()
+
+        def kernel(*args, **kwargs):
+            called.add(name)
+            return launch(*args, **kwargs)
+
+        return kernel
+
+    try:
+        with warnings.catch_warnings():  # PyTorch warns, once, that a kernel is overridden
+            warnings.filterwarnings("ignore", "(?s).*Overriding a previously registered kernel")
+            for name in LAUNCHERS:
+                lib.impl(name, spy(name), "CUDA" if device == "cuda" else "CPU")
+        yield called
+    finally:
+        lib._destroy()
