@@ -93,3 +93,42 @@ def test_softmax_16bit_row_max_on_bits(compiled, dtype):
                 M.scaled_masked_softmax_fwd(x, mask, scale, zero_all),
                 M.scaled_masked_softmax_fwd(xf, mask, scale, zero_all).to(dtype),
             )
+
+
+@pytest.mark.parametrize("rows", (64, 8192), ids=("cached", "streamed"))
+@pytest.mark.parametrize("op", ("layer_norm", "rms_norm"))
+def test_norm_bf16_rows_with_subnormals_or_nan_keep_their_bits(compiled, op, rows):
+    """Rows whose outputs hold a subnormal or a NaN are written again with ATen's rounding.
+
+    The kernels convert whole rows with the CPU's instruction and only note such lanes; a noted
+    row is converted again. The fp32 kernels compute the same fp32 values from the same
+    (widened) inputs, so rounding their outputs gives the bits the bf16 kernels must write.
+    8192 rows of 1024 are 16 MiB: streamed outputs.
+    """
+    g = torch.Generator().manual_seed(2)
+    cols = 1024
+    x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+    dy = torch.randn(rows, cols, generator=g)
+    dy[1::7] *= 1e-36  # these rows' grads (and so their dx) are fp32 subnormals
+    dy = dy.to(torch.bfloat16)
+    dy[3, 100] = float("nan")  # one row all NaN
+    w = torch.randn(cols, generator=g).to(torch.bfloat16)
+    w[::9] = 1e-39  # subnormal weights: subnormal outputs in every row of the forward
+    x[5, 7] = float("nan")
+    xf, dyf, wf = x.float(), dy.float(), w.float()
+    if op == "layer_norm":
+        b = torch.randn(cols, generator=g).to(torch.bfloat16)
+        y, mean, rstd = M.layer_norm_fwd(x, [cols], w, None, 1e-5, False)
+        yf, *_ = M.layer_norm_fwd(xf, [cols], wf, None, 1e-5, False)
+        dx, *_ = M.layer_norm_bwd(dy, x, mean, rstd, [cols], w, b, False)
+        dxf, *_ = M.layer_norm_bwd(dyf, xf, mean, rstd, [cols], wf, b.float(), False)
+    else:
+        y, rstd = M.rms_norm_fwd(x, [cols], w, 1e-5, False)
+        yf, _ = M.rms_norm_fwd(xf, [cols], wf, 1e-5, False)
+        dx, _ = M.rms_norm_bwd(dy, x, rstd, [cols], w, False)
+        dxf, _ = M.rms_norm_bwd(dyf, xf, rstd, [cols], wf, False)
+    sub = torch.finfo(torch.float32).tiny
+    assert ((dxf.abs() < sub) & (dxf != 0))[1::7].any()  # the case the instruction gets wrong
+    assert dx[3].isnan().all() and y[5].isnan().all()
+    _same_bits(y, yf.to(torch.bfloat16))
+    _same_bits(dx, dxf.to(torch.bfloat16))
