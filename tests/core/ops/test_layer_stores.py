@@ -132,3 +132,28 @@ def test_norm_bf16_rows_with_subnormals_or_nan_keep_their_bits(compiled, op, row
     assert dx[3].isnan().all() and y[5].isnan().all()
     _same_bits(y, yf.to(torch.bfloat16))
     _same_bits(dx, dxf.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("causal", (False, True), ids=("plain", "causal"))
+@pytest.mark.parametrize("heads", (2, 8), ids=("cached", "streamed"))
+def test_softmax_bwd_bf16_rows_with_subnormals_or_nan_keep_their_bits(compiled, causal, heads):
+    """The softmax backward's rows with a subnormal or NaN gradient keep ATen's rounding.
+
+    As the norms' backward: the fp32 kernel computes the same fp32 values from the same widened
+    inputs. 8 heads of 1024 x 1024 are 16 MiB: streamed outputs.
+    """
+    g = torch.Generator().manual_seed(3)
+    sq = 1024
+    x = torch.randn(heads, sq, sq, generator=g)
+    fwd = M.scaled_upper_triang_masked_softmax_fwd if causal else M.scaled_softmax_fwd
+    y = fwd(x.to(torch.bfloat16), 1.0)
+    dy = torch.randn(heads, sq, sq, generator=g)
+    dy[:, 1::5] *= 1e-33  # these rows' dx are fp32 subnormals
+    dy = dy.to(torch.bfloat16)
+    dy[0, 600, 3] = float("nan")
+    dx = M.scaled_softmax_bwd(dy, y, 0.5, causal)
+    dxf = M.scaled_softmax_bwd(dy.float(), y.float(), 0.5, causal)
+    sub = torch.finfo(torch.float32).tiny
+    assert ((dxf.abs() < sub) & (dxf != 0))[:, 1::5].any()  # the case the instruction gets wrong
+    assert dx[0, 600, :601].isnan().all()
+    _same_bits(dx, dxf.to(torch.bfloat16))
