@@ -242,33 +242,6 @@ void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, a
 
 // ---- backward ----------------------------------------------------------------------------
 
-// Which optional arrays a backward call has, fixed per call: the weight (and its gradient
-// partials), the bias (its partials; with kFromY also read to recover xhat from the output),
-// and whether xhat comes from the output (memory_efficient). The block loops then test none of
-// them, nor the tail's width or the streaming choice (each was tested in every block, and GCC
-// kept block registers on the stack across those branches); with RowIO's deferred check
-// (vec_io.h) a full block has no branch at all. The fixed arrays alone did not change the bf16
-// backward's time on cache-resident rows; the deferred check with them did (vec_io.h).
-template <bool kW, bool kBias, bool kFromY>
-struct BwdArrays {
-  static constexpr bool w = kW, bias = kBias, from_y = kFromY;
-};
-
-// Calls f(BwdArrays<...>{}) for the call's arrays (RMS norm has no bias: those are not built).
-template <bool kRms, typename F>
-inline void dispatch_bwd_arrays(bool w, bool bias, bool from_y, const F& f) {
-  auto with_w = [&]<bool kW>() {
-    if constexpr (kRms) {
-      if (from_y) f(BwdArrays<kW, false, true>{}); else f(BwdArrays<kW, false, false>{});
-    } else if (bias) {
-      if (from_y) f(BwdArrays<kW, true, true>{}); else f(BwdArrays<kW, true, false>{});
-    } else {
-      if (from_y) f(BwdArrays<kW, false, true>{}); else f(BwdArrays<kW, false, false>{});
-    }
-  };
-  if (w) with_w.template operator()<true>(); else with_w.template operator()<false>();
-}
-
 // xhat of one block: from the input (x - mean) * rstd, or from the output (y - b) / w.
 template <typename T>
 struct NormBwdRow {
@@ -281,144 +254,98 @@ struct NormBwdRow {
   V c1, c2;   // the row's mean of g*w*xhat and of g*w
 };
 
-// One block's g, g*w and xhat (kFull: a whole block; else the first n lanes, the rest zero).
-// Without a weight g*w is g itself: the same bits as multiplying by 1.
-template <typename T, bool kCentre, typename C, bool kFull>
+template <typename T, bool kCentre>
 C10_ALWAYS_INLINE void bwd_load(const T* __restrict dy, const T* __restrict s, int64_t j, int64_t n,
                      const Vectorized<acc_t<T>>& vr, const Vectorized<acc_t<T>>& vm,
-                     const acc_t<T>* __restrict w, const acc_t<T>* __restrict b,
-                     Vectorized<acc_t<T>>& g0, Vectorized<acc_t<T>>& g1, Vectorized<acc_t<T>>& gw0,
-                     Vectorized<acc_t<T>>& gw1, Vectorized<acc_t<T>>& h0, Vectorized<acc_t<T>>& h1) {
+                     const acc_t<T>* __restrict w, const acc_t<T>* __restrict b, bool from_y,
+                     Vectorized<acc_t<T>>& g0, Vectorized<acc_t<T>>& g1, Vectorized<acc_t<T>>& h0,
+                     Vectorized<acc_t<T>>& h1, Vectorized<acc_t<T>>& w0, Vectorized<acc_t<T>>& w1) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOT = IO<T, Acc>;
-  using IOA = IO<Acc, Acc>;
-  if constexpr (kFull) { IOT::load(dy + j, g0, g1); IOT::load(s + j, h0, h1); }
+  const bool full = n == IOT::kWidth;
+  if (full) { IOT::load(dy + j, g0, g1); IOT::load(s + j, h0, h1); }
   else { IOT::load(dy + j, n, g0, g1); IOT::load(s + j, n, h0, h1); }
-  V w0, w1;
-  if constexpr (C::w) {
-    if constexpr (kFull) IOA::load(w + j, w0, w1); else IOA::load(w + j, n, w0, w1);
-    gw0 = g0 * w0; gw1 = g1 * w1;
-  } else {
-    gw0 = g0; gw1 = g1;
-  }
-  if constexpr (C::from_y) {
-    if constexpr (C::bias) {
+  if (w) load_acc(w, j, n, w0, w1); else { w0 = V(Acc(1)); w1 = w0; }
+  if (from_y) {
+    if (b) {
       V b0, b1;
-      if constexpr (kFull) IOA::load(b + j, b0, b1); else IOA::load(b + j, n, b0, b1);
+      load_acc(b, j, n, b0, b1);
       h0 = h0 - b0; h1 = h1 - b1;
     }
-    if constexpr (C::w) { h0 = h0 / w0; h1 = h1 / w1; }
+    if (w) { h0 = h0 / w0; h1 = h1 / w1; }
   } else {
     if constexpr (kCentre) { h0 = h0 - vm; h1 = h1 - vm; }
     h0 = h0 * vr; h1 = h1 * vr;
   }
-  if constexpr (!kFull) keep_first(h0, h1, n);
-}
-
-// One block of the statistics pass: s1 += g*w, s2 += g*w*xhat.
-template <typename T, bool kRms, typename C, bool kFull>
-C10_ALWAYS_INLINE void bwd_stats_block(const NormBwdRow<T>& row, int64_t j, int64_t n,
-                            const acc_t<T>* __restrict w, const acc_t<T>* __restrict b,
-                            Vectorized<acc_t<T>>& s1a, Vectorized<acc_t<T>>& s1b,
-                            Vectorized<acc_t<T>>& s2a, Vectorized<acc_t<T>>& s2b) {
-  Vectorized<acc_t<T>> g0, g1, ga, gb, h0, h1;
-  bwd_load<T, !kRms, C, kFull>(row.dy, row.s, j, n, row.vr, row.vm, w, b, g0, g1, ga, gb, h0, h1);
-  if constexpr (!kRms) { s1a = s1a + ga; s1b = s1b + gb; }
-  s2a = at::vec::fmadd(ga, h0, s2a); s2b = at::vec::fmadd(gb, h1, s2b);
+  if (!full) keep_first(h0, h1, n);
 }
 
 // Row statistics of the backward: c1 = mean(g*w*xhat), c2 = mean(g*w) (0 for RMS).
-template <typename T, bool kRms, typename C, typename PF>
+template <typename T, bool kRms, typename PF>
 C10_ALWAYS_INLINE void bwd_stats(NormBwdRow<T>& row, int64_t N, const acc_t<T>* __restrict w,
-                      const acc_t<T>* __restrict b, PF& pf) {
+                      const acc_t<T>* __restrict b, bool from_y, PF& pf) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   constexpr int64_t K = IO<T, Acc>::kWidth;
-  V s1a(Acc(0)), s1b(Acc(0)), s2a(Acc(0)), s2b(Acc(0));
-  int64_t j = 0;
-  for (; j + K <= N; j += K) {
+  const T* __restrict dy = row.dy;
+  const T* __restrict s = row.s;
+  V s1a(Acc(0)), s1b(Acc(0)), s2a(Acc(0)), s2b(Acc(0)), g0, g1, h0, h1, w0, w1;
+  for (int64_t j = 0; j < N; j += K) {
     if constexpr (kEarlyPrefetch<T>) pf.step();
-    bwd_stats_block<T, kRms, C, true>(row, j, K, w, b, s1a, s1b, s2a, s2b);
-  }
-  if (j < N) {
-    if constexpr (kEarlyPrefetch<T>) pf.step();
-    bwd_stats_block<T, kRms, C, false>(row, j, N - j, w, b, s1a, s1b, s2a, s2b);
+    const int64_t n = std::min<int64_t>(K, N - j);
+    bwd_load<T, !kRms>(dy, s, j, n, row.vr, row.vm, w, b, from_y, g0, g1, h0, h1, w0, w1);
+    const V ga = g0 * w0, gb = g1 * w1;
+    if constexpr (!kRms) { s1a = s1a + ga; s1b = s1b + gb; }
+    s2a = at::vec::fmadd(ga, h0, s2a); s2b = at::vec::fmadd(gb, h1, s2b);
   }
   const Acc inv_n = Acc(1) / static_cast<Acc>(N);
   row.c1 = V(static_cast<Acc>(hsum(s2a + s2b)) * inv_n);
   row.c2 = V(kRms ? Acc(0) : static_cast<Acc>(hsum(s1a + s1b)) * inv_n);
 }
 
-// One block of the write pass: dx (streamed with kNT), and the weight/bias gradient partials
-// (dw += g*xhat, db += g). kExact: dx alone, through IO's conversion (the row written again).
-template <typename T, bool kRms, typename C, bool kFull, bool kNT, bool kExact = false>
-C10_ALWAYS_INLINE void bwd_write_block(const NormBwdRow<T>& row, int64_t j, int64_t n,
-                            const acc_t<T>* __restrict w, const acc_t<T>* __restrict b,
-                            acc_t<T>* __restrict dw, acc_t<T>* __restrict db, PackCheck& check) {
+template <typename T>
+C10_ALWAYS_INLINE void store_block(T* p, int64_t n, bool nt, const Vectorized<acc_t<T>>& a,
+                        const Vectorized<acc_t<T>>& b) {
+  using IOT = LayerIO<T, acc_t<T>>;
+  if (n < IOT::kWidth) IOT::store(p, n, a, b);
+  else if (nt) IOT::stream(p, a, b);
+  else IOT::store(p, a, b);
+}
+
+// The write pass of one row: dx, and the weight/bias gradient partials (dw += g*xhat, db += g).
+// pf: the next row's prefetch (RowPrefetch, vec_io.h), stepped once per block. (Two rows per
+// pass, halving the partials' traffic, measured slower: four input streams and two prefetch
+// streams per block.)
+template <typename T, bool kRms, typename PF>
+C10_ALWAYS_INLINE void bwd_write(const NormBwdRow<T>& row, int64_t N, const acc_t<T>* __restrict w,
+                      const acc_t<T>* __restrict b, bool from_y, acc_t<T>* __restrict dw,
+                      acc_t<T>* __restrict db, PF& pf, bool stream) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOA = IO<Acc, Acc>;
-  using OUT = RowIO<T, Acc>;
-  V g0, g1, gw0, gw1, h0, h1;
-  bwd_load<T, !kRms, C, kFull>(row.dy, row.s, j, n, row.vr, row.vm, w, b, g0, g1, gw0, gw1, h0, h1);
-  V d0 = at::vec::fnmadd(h0, row.c1, gw0), d1 = at::vec::fnmadd(h1, row.c1, gw1);
-  if constexpr (!kRms) { d0 = d0 - row.c2; d1 = d1 - row.c2; }
-  d0 = d0 * row.vr; d1 = d1 * row.vr;
-  if constexpr (kExact) {
-    if constexpr (kFull) IO<T, Acc>::store(row.dx + j, d0, d1); else IO<T, Acc>::store(row.dx + j, n, d0, d1);
-    return;
-  } else if constexpr (!kFull) {
-    OUT::store(row.dx + j, n, d0, d1);
-  } else if constexpr (kNT) {
-    OUT::stream(row.dx + j, d0, d1, check);
-  } else {
-    OUT::store(row.dx + j, d0, d1, check);
-  }
-  if constexpr (C::w) {
-    V a0, a1;
-    if constexpr (kFull) IOA::load(dw + j, a0, a1); else IOA::load(dw + j, n, a0, a1);
-    a0 = at::vec::fmadd(g0, h0, a0); a1 = at::vec::fmadd(g1, h1, a1);
-    if constexpr (kFull) IOA::store(dw + j, a0, a1); else IOA::store(dw + j, n, a0, a1);
-  }
-  if constexpr (C::bias) {
-    V a0, a1;
-    if constexpr (kFull) IOA::load(db + j, a0, a1); else IOA::load(db + j, n, a0, a1);
-    a0 = a0 + g0; a1 = a1 + g1;
-    if constexpr (kFull) IOA::store(db + j, a0, a1); else IOA::store(db + j, n, a0, a1);
-  }
-}
-
-// The write pass of one row. pf: the next row's prefetch (RowPrefetch, vec_io.h), stepped once
-// per block. dx is written again with IO's conversion when RowIO's check found a NaN or a
-// subnormal. (Two rows per pass, halving the partials' traffic, measured slower: four input
-// streams and two prefetch streams per block.)
-template <typename T, bool kRms, typename C, typename PF>
-C10_ALWAYS_INLINE void bwd_write(const NormBwdRow<T>& row, int64_t N, const acc_t<T>* __restrict w,
-                      const acc_t<T>* __restrict b, acc_t<T>* __restrict dw,
-                      acc_t<T>* __restrict db, PF& pf, bool stream) {
-  constexpr int64_t K = IO<T, acc_t<T>>::kWidth;
-  PackCheck check;
-  int64_t j = 0;
-  if (stream && align_head(row.dx, N) == 0) {
-    for (; j + K <= N; j += K) {
-      pf.step();
-      bwd_write_block<T, kRms, C, true, true>(row, j, K, w, b, dw, db, check);
-    }
-  } else {
-    for (; j + K <= N; j += K) {
-      pf.step();
-      bwd_write_block<T, kRms, C, true, false>(row, j, K, w, b, dw, db, check);
-    }
-  }
-  if (j < N) {
+  constexpr int64_t K = IO<T, Acc>::kWidth;
+  const bool nt = stream && align_head(row.dx, N) == 0;
+  for (int64_t j = 0; j < N; j += K) {
+    const int64_t n = std::min<int64_t>(K, N - j);
     pf.step();
-    bwd_write_block<T, kRms, C, false, false>(row, j, N - j, w, b, dw, db, check);
-  }
-  if (C10_UNLIKELY(check.any())) {
-    for (j = 0; j + K <= N; j += K)
-      bwd_write_block<T, kRms, C, true, false, true>(row, j, K, w, b, dw, db, check);
-    if (j < N) bwd_write_block<T, kRms, C, false, false, true>(row, j, N - j, w, b, dw, db, check);
+    V g0, g1, h0, h1, w0, w1;
+    bwd_load<T, !kRms>(row.dy, row.s, j, n, row.vr, row.vm, w, b, from_y, g0, g1, h0, h1, w0, w1);
+    V d0 = at::vec::fnmadd(h0, row.c1, g0 * w0), d1 = at::vec::fnmadd(h1, row.c1, g1 * w1);
+    if constexpr (!kRms) { d0 = d0 - row.c2; d1 = d1 - row.c2; }
+    store_block<T>(row.dx + j, n, nt, d0 * row.vr, d1 * row.vr);
+    if (dw) {
+      V a0, a1;
+      load_acc(dw, j, n, a0, a1);
+      a0 = at::vec::fmadd(g0, h0, a0); a1 = at::vec::fmadd(g1, h1, a1);
+      if (n == K) IOA::store(dw + j, a0, a1); else IOA::store(dw + j, n, a0, a1);
+    }
+    if (db) {
+      V a0, a1;
+      load_acc(db, j, n, a0, a1);
+      a0 = a0 + g0; a1 = a1 + g1;
+      if (n == K) IOA::store(db + j, a0, a1); else IOA::store(db + j, n, a0, a1);
+    }
   }
 }
 
@@ -433,30 +360,26 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
   const Acc* bf = widen_param<W, Acc>(b, N, bbuf);
   const int64_t P = std::max<int64_t>(1, std::min<int64_t>(M, at::get_num_threads()));
   const int64_t skip = rows_ahead(2 * N * static_cast<int64_t>(sizeof(T)));  // dy and saved
-  TORCH_INTERNAL_ASSERT((wf != nullptr) == (DW != nullptr) && (!bf || (DB && from_y)));
-  dispatch_bwd_arrays<kRms>(wf != nullptr, DB != nullptr, from_y, [&](auto arrays) {
-    using C = decltype(arrays);
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) {
-        Acc* dw = DW ? DW + p * N : nullptr;
-        Acc* db = DB ? DB + p * N : nullptr;
-        const int64_t end = (p + 1) * M / P;
-        for (int64_t r = p * M / P; r < end; ++r) {
-          NormBwdRow<T> row;
-          row.dy = DY + r * N; row.s = S + r * N; row.dx = DX + r * N;
-          const Acc rs = RSTD[r], mu = kRms || from_y ? Acc(0) : MEAN[r];
-          row.vr = V(rs); row.vm = V(mu);
-          const bool ahead = r + skip < M;
-          RowPrefetch<2, kNormLines<T>> pf(ahead ? row.dy + skip * N : nullptr,
-                                            ahead ? row.s + skip * N : nullptr,
-                                            N * static_cast<int64_t>(sizeof(T)));
-          bwd_stats<T, kRms, C>(row, N, wf, bf, pf);
-          bwd_write<T, kRms, C>(row, N, wf, bf, dw, db, pf, stream);
-          pf.finish();
-        }
+  at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      Acc* dw = DW ? DW + p * N : nullptr;
+      Acc* db = DB ? DB + p * N : nullptr;
+      const int64_t end = (p + 1) * M / P;
+      for (int64_t r = p * M / P; r < end; ++r) {
+        NormBwdRow<T> row;
+        row.dy = DY + r * N; row.s = S + r * N; row.dx = DX + r * N;
+        const Acc rs = RSTD[r], mu = kRms || from_y ? Acc(0) : MEAN[r];
+        row.vr = V(rs); row.vm = V(mu);
+        const bool ahead = r + skip < M;
+        RowPrefetch<2, kNormLines<T>> pf(ahead ? row.dy + skip * N : nullptr,
+                                          ahead ? row.s + skip * N : nullptr,
+                                          N * static_cast<int64_t>(sizeof(T)));
+        bwd_stats<T, kRms>(row, N, wf, bf, from_y, pf);
+        bwd_write<T, kRms>(row, N, wf, bf, from_y, dw, db, pf, stream);
+        pf.finish();
       }
-      if (stream) stream_fence();
-    });
+    }
+    if (stream) stream_fence();
   });
 }
 

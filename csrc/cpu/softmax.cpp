@@ -518,10 +518,7 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
         d0 = at::vec::fmadd(g0, y0, d0); d1 = at::vec::fmadd(g1, y1, d1);
       }
       const V dot(static_cast<Acc>(hsum(d0 + d1))), vs(static_cast<Acc>(scale));
-      // forced inline: GCC kept this block function out of line (write_blocks calls it from three
-      // loops), one call per block; inlined, 32768 x 1024 bf16 at 1 thread, the backward 13.1 ->
-      // 12.2 ms and its causal form 10.7 -> 10.0 ms (AVX-512 Xeon)
-      write_blocks<T, Acc, LayerIO<T, Acc>>(dx, Lp, stream, [&](int64_t j, int64_t n, V& p, V& q) __attribute__((always_inline)) {
+      write_blocks<T, Acc, LayerIO<T, Acc>>(dx, Lp, stream, [&](int64_t j, int64_t n, V& p, V& q) {
         pf.step();
         if (n == K) { IOT::load(dy + j, g0, g1); IOT::load(y + j, y0, y1); }
         else { IOT::load(dy + j, n, g0, g1); IOT::load(y + j, n, y0, y1); }

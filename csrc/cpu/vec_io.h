@@ -174,65 +174,6 @@ struct LayerIO<c10::BFloat16, float> : IO<c10::BFloat16, float> {
 };
 #endif
 
-// A row's record of the lanes that the CPU's bf16 conversion writes differently from ATen's
-// (NaN, subnormal), for RowIO's stores.
-struct PackCheck {
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-  __mmask16 bad = 0;
-  bool any() const { return bad != 0; }
-#else
-  static constexpr bool any() { return false; }
-#endif
-};
-
-// LayerIO's stores with the test deferred to the end of a row: each full block is converted by
-// the instruction and its NaN or subnormal lanes only recorded in a PackCheck (two fpclass and
-// two kor per block, no branch); a row kernel whose check is set then writes that row again
-// with IO's conversion (ATen's bits). Head and tail blocks use LayerIO's own stores, whose
-// padded lanes could set the check for nothing. The per-block test and branch of LayerIO kept
-// the block's registers live for the rare path: the bf16 layer-norm backward on cache-resident
-// rows at 1 thread (Xeon with AVX-512 BF16) took 454 ns a 1024-wide row with the per-block test
-// and 348 ns with the deferred one (4096-wide: 1928 -> 1811 ns).
-// Other types and ISAs: LayerIO's stores, and the check is never set.
-template <typename T, typename Acc = acc_t<T>>
-struct RowIO : LayerIO<T, Acc> {
-  using B = LayerIO<T, Acc>;
-  using V = Vectorized<Acc>;
-  using B::store;
-  using B::stream;
-  static inline void store(T* p, const V& a, const V& b, PackCheck&) { B::store(p, a, b); }
-  static inline void stream(T* p, const V& a, const V& b, PackCheck&) { B::stream(p, a, b); }
-};
-
-#if defined(CPU_CAPABILITY_AVX512) && defined(__AVX512BF16__)
-C10_ALWAYS_INLINE __m512i bf16_pack_noted(const fVec& a, const fVec& b, PackCheck& check) {
-  constexpr int kNanOrSubnormal = 0x01 | 0x20 | 0x80;
-  check.bad = _kor_mask16(check.bad, _kor_mask16(_mm512_fpclass_ps_mask(a, kNanOrSubnormal),
-                                                 _mm512_fpclass_ps_mask(b, kNanOrSubnormal)));
-  return reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a));
-}
-
-template <>
-struct RowIO<c10::BFloat16, float> : LayerIO<c10::BFloat16, float> {
-  using H = c10::BFloat16;
-  using B = LayerIO<H, float>;
-  using B::store;
-  using B::stream;
-  static inline void store(H* p, const fVec& a, const fVec& b, PackCheck& check) {
-    _mm512_storeu_si512(reinterpret_cast<void*>(p), bf16_pack_noted(a, b, check));
-  }
-  static inline void stream(H* p, const fVec& a, const fVec& b, PackCheck& check) {
-    _mm512_stream_si512(reinterpret_cast<__m512i*>(p), bf16_pack_noted(a, b, check));
-  }
-};
-#endif
-
-// A RowPrefetch that fetches nothing: for a pass that writes a row again.
-struct NoPrefetch {
-  C10_ALWAYS_INLINE void step() {}
-  C10_ALWAYS_INLINE void finish() {}
-};
-
 // Block width shared by two types computed in the same Acc (fp16/bf16/fp32 all use 16 on AVX2).
 template <typename A, typename B, typename Acc>
 inline constexpr int64_t kBlock = IO<A, Acc>::kWidth;
