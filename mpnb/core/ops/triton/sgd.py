@@ -151,6 +151,15 @@ def _sgd_kernel(
         store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
 
+def _momentum_columns(args, params: list) -> tuple[list, list[int]]:
+    """The momentum buffers' list and the ``first_run`` column of the chunk table. Without
+    momentum there are no buffers (the params stand in, unread) and the optimizer passes no
+    ``first_run`` flags: a zero column."""
+    if args.momentum == 0:
+        return params, [0] * len(params)
+    return list(args.momentum_buffers), [int(bool(f)) for f in args.first_run]
+
+
 def fused_sgd_(args) -> None:
     """One SGD step over lists, in place: the semantics of
     :func:`mpnb.core.ops.sgd.reference_fused_sgd_`, whose arguments ``args`` holds by name
@@ -173,9 +182,7 @@ def fused_sgd_(args) -> None:
         # ATen's add(..., alpha) on half tensors rounds alpha to their dtype (stepwise rule)
         return float(torch.tensor(x).to(params[0].dtype)) if stepwise else f32(x)
 
-    b_list = list(args.momentum_buffers) if momentum != 0 else params
-    # without momentum ``first_run`` may be empty (the optimizer passes none): a zero column
-    first = [int(bool(f)) for f in args.first_run] if momentum != 0 else [0] * len(params)
+    b_list, first = _momentum_columns(args, params)
     tab = ChunkTable.build([params, grads, b_list, w_list], cols=[first])
     if not tab.n_chunks:
         return
@@ -294,9 +301,8 @@ def fused_sgd_bf16_(args) -> None:
     if not params:
         return
     kahan = args.rounding == "kahan"
-    b_list = list(args.momentum_buffers) if momentum != 0 else params
+    b_list, first = _momentum_columns(args, params)
     c_list = comps if kahan else params
-    first = [int(bool(f)) for f in args.first_run] if momentum != 0 else [0] * len(params)
     keys = keys_of(len(params), args.seed, args.rng_step, kahan)
     tab = ChunkTable.build([params, grads, b_list, c_list], cols=[first, keys])
     if not tab.n_chunks:
