@@ -8,8 +8,9 @@ check goes on:
 2. the ``gpu``-marked tests, and every Triton kernel against its reference on CUDA in
    fp32/fp16/bf16 (``tests/core/ops/triton_kernels``, compiled, not interpreted);
 3. ``mpnb bench --device cuda --quick``: the Triton kernels vs PyTorch's fused CUDA ops, with
-   the same-run bandwidth; its ratios are written to ``mpnb/core/ops/triton/measured.json``,
-   the table that decides which kernels are on by default;
+   the same-run bandwidth; its ratios are pooled into ``mpnb/core/ops/triton/measured.json``
+   (each case's worst over the runs of the same card, torch, triton and kernel source), the
+   table that decides which kernels are on by default;
 4. ``mpnb compare --device cuda`` over O0-O3 in fp16 and bf16 and the four FP8 recipes, and
    the same workload on the CPU, whose verdict's GPU estimate for this card is set beside the
    speed measured on it (the error of our own estimate, per configuration);
@@ -350,15 +351,16 @@ def summary(results: list[Result], out: Path, card: str, about: str, triton: dic
         "",
         "## Triton kernels vs PyTorch's CUDA path (`mpnb bench --device cuda --quick`)",
         "",
-        "| kernel | worst case: PyTorch time / Triton time | decision |",
-        "|---|---|---|",
+        "| kernel | worst case: PyTorch time / Triton time | runs pooled | decision |",
+        "|---|---|---|---|",
     ]
     from mpnb.core.ops.triton import LAUNCHERS
     from mpnb.core.ops.triton._decision import decide
 
     for name in LAUNCHERS:
         d = decide(name, triton)
-        lines.append(f"| {name} | {_f(d.speed_vs_torch)} | {d.label.split(':')[0]} |")
+        runs = triton.get("kernels", {}).get(name, {}).get("runs", "-")
+        lines.append(f"| {name} | {_f(d.speed_vs_torch)} | {runs} | {d.label.split(':')[0]} |")
     rows = estimate_vs_measured(
         _rows(out / "compare-cuda.json"),
         [_rows(out / "compare-cpu-half.json"), _rows(out / "compare-cpu-fp8.json")],
@@ -410,16 +412,30 @@ def _card_and_about() -> tuple[str, str, str]:
 
 
 def _record_triton(out: Path, card: str) -> dict:
-    from mpnb.core.ops.triton._decision import load_table, record, write_table
+    """The committed table with this run's bench pooled in (:func:`record`), written to the
+    package and to ``out``."""
+    import torch
+
+    from mpnb.core.ops.triton import LAUNCHERS
+    from mpnb.core.ops.triton._decision import kernel_source, load_table, record, write_table
 
     bench = out / "bench-cuda.json"
     if not bench.is_file():
         return load_table()
+    about = dict(source="mpnb bench --device cuda --quick", torch=torch.__version__)
+    try:
+        import triton
+
+        about["triton"] = triton.__version__
+    except ImportError:
+        pass
     table = record(
         json.loads(bench.read_text())["rows"],
         card,
         str(_dt.date.today()),
-        source="mpnb bench --device cuda --quick",
+        previous=load_table(),
+        sources={op: kernel_source(where.split(":")[0]) for op, where in LAUNCHERS.items()},
+        **about,
     )
     write_table(table)
     write_table(table, out / "measured.json")

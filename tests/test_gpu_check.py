@@ -116,10 +116,11 @@ def test_summary_sets_the_estimate_beside_the_measured_speed(tmp_path):
     log = tmp_path / "c.log"
     log.write_text("Traceback\nRuntimeError: CUDA out of memory")
     results = [gc.Result(step, "FAIL (exit 1)", 12.0, log, ["RuntimeError: CUDA out of memory"])]
-    table = {"kernels": {"rope": {"speed_vs_torch": 1.2, "card": "H100", "date": "d"}}}
+    rope = {"speed_vs_torch": 1.2, "card": "H100", "date": "d", "runs": 3}
+    table = {"kernels": {"rope": rope}}
     text = gc.summary(results, tmp_path, "NVIDIA H100 80GB HBM3", "about", table)
     assert "| compare cuda | 60 | 12 | FAIL (exit 1) (`c.log`: RuntimeError: CUDA out" in text
-    assert "| rope | 1.20 | default |" in text and "| rope_" not in text
+    assert "| rope | 1.20 | 3 | default |" in text and "| rope_" not in text
     assert "| O3 bf16 b32 | bf16 (native) | 4.00 | " in text
     assert ("off by more than 1.5x" in text) == (not 1 / 1.5 <= o3["error"] <= 1.5)
 

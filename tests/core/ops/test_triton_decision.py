@@ -113,3 +113,84 @@ def test_doctor_shows_each_kernels_decision_and_ratio(monkeypatch):
     assert "default: 1.31x PyTorch's speed (NVIDIA H100 80GB HBM3, 2026-05-01): rope" in text
     assert "opt-in (MPNB_TRITON=1): 0.80x PyTorch's speed" in text
     assert "unmeasured on a GPU: " in text and "rms_norm_fwd" in text
+
+
+def _rows(**ratios: float) -> list[dict]:
+    """Bench rows: one candidate row per ``op=ratio`` (one case each)."""
+    return [
+        dict(case=f"{op} bf16", workload="(a)", candidate=f"triton {op}", role="candidate", ratio=r)
+        for op, r in ratios.items()
+    ]
+
+
+def test_runs_of_the_same_code_pool_each_cases_worst_ratio():
+    src = {"layer_norm_fwd": "aaaa", "rope": "bbbb"}
+    first = dec.record(
+        _rows(layer_norm_fwd=0.64, rope=12.5), "H100", "2026-11-26", sources=src, torch="2.11"
+    )
+    second = dec.record(
+        _rows(layer_norm_fwd=1.04, rope=13.4),
+        "H100",
+        "2026-11-27",
+        previous=first,
+        sources=src,
+        torch="2.11",
+    )
+    ln = second["kernels"]["layer_norm_fwd"]
+    assert ln["speed_vs_torch"] == 0.64 and ln["runs"] == 2  # a fast run does not outvote
+    assert ln["first_date"] == "2026-11-26" and ln["date"] == "2026-11-27"
+    assert not dec.decide("layer_norm_fwd", second).default
+    assert second["kernels"]["rope"]["speed_vs_torch"] == 12.5
+    third = dec.record(
+        _rows(layer_norm_fwd=0.9), "H100", "2026-11-28", previous=second, sources=src, torch="2.11"
+    )
+    assert third["kernels"]["layer_norm_fwd"]["runs"] == 3
+    assert third["kernels"]["rope"] == second["kernels"]["rope"]  # unmeasured, same code: kept
+
+
+@pytest.mark.parametrize(
+    ("card", "torch_version", "source"),
+    [("H200", "2.11", "aaaa"), ("H100", "2.12", "aaaa"), ("H100", "2.11", "cccc")],
+    ids=["other card", "other torch", "changed kernel"],
+)
+def test_a_run_of_other_code_or_hardware_starts_the_record_afresh(card, torch_version, source):
+    src = {"layer_norm_fwd": "aaaa", "rope": "bbbb"}
+    before = dec.record(
+        _rows(layer_norm_fwd=0.64, rope=12.5), "H100", "2026-11-26", sources=src, torch="2.11"
+    )
+    after = dec.record(
+        _rows(layer_norm_fwd=1.04),
+        card,
+        "2026-11-27",
+        previous=before,
+        sources={**src, "layer_norm_fwd": source},
+        torch=torch_version,
+    )
+    ln = after["kernels"]["layer_norm_fwd"]
+    assert ln["speed_vs_torch"] == 1.04 and ln["runs"] == 1 and "first_date" not in ln
+    assert dec.decide("layer_norm_fwd", after).default
+    assert "rope" in after["kernels"]  # its code did not change: its record stays
+
+
+def test_a_kernel_whose_code_changed_loses_its_unrepeated_record():
+    before = dec.record(_rows(rope=12.5), "H100", "2026-11-26", sources={"rope": "bbbb"})
+    after = dec.record([], "H100", "2026-11-27", previous=before, sources={"rope": "dddd"})
+    assert after == {"kernels": {}}
+    assert not dec.decide("rope", after).default
+
+
+def test_kernel_source_follows_the_module_and_the_shared_helpers(tmp_path, monkeypatch):
+    real = {dec.kernel_source(m) for m in ("adam", "sgd", "layer_norm", "softmax")}
+    assert len(real) == 4 and all(len(d) == 16 for d in real)
+    assert dec.kernel_source("adam") == dec.kernel_source("adam")
+    here = tk.__file__.rsplit("/", 1)[0]
+    for name in ("adam.py", "sgd.py", "_common.py", "_decision.py"):
+        (tmp_path / name).write_text(open(f"{here}/{name}").read())
+    monkeypatch.setattr(dec, "__file__", str(tmp_path / "_decision.py"))
+    adam, sgd = dec.kernel_source("adam"), dec.kernel_source("sgd")
+    (tmp_path / "_decision.py").write_text("# the table's own code is not the kernel's\n")
+    assert (dec.kernel_source("adam"), dec.kernel_source("sgd")) == (adam, sgd)
+    (tmp_path / "sgd.py").write_text(open(f"{here}/sgd.py").read() + "\n# edited\n")
+    assert dec.kernel_source("adam") == adam and dec.kernel_source("sgd") != sgd
+    (tmp_path / "_common.py").write_text(open(f"{here}/_common.py").read() + "\n# edited\n")
+    assert dec.kernel_source("adam") != adam

@@ -108,7 +108,12 @@ def _train(cls_name: str, dtype, options: dict, device: str = "cpu", grads_of=No
     return losses, grads, [p.detach().to("cpu", copy=True) for p in model.parameters()]
 
 
-@pytest.mark.parametrize(("cls_name", "dtype", "options", "optimizer_ops"), CASES, ids=str)
+def _case_id(value: object) -> str:
+    """A test id that is the same in every process: a set's names sorted (xdist compares ids)."""
+    return "+".join(sorted(value)) if isinstance(value, set) else str(value)
+
+
+@pytest.mark.parametrize(("cls_name", "dtype", "options", "optimizer_ops"), CASES, ids=_case_id)
 def test_training_through_triton_matches(cls_name, dtype, options, optimizer_ops, device):
     want = _train(cls_name, dtype, options)
     with triton_as_kernels(device) as called:
