@@ -262,3 +262,38 @@ def test_empty_input(op_impl):
     y = N.FusedLayerNorm(8)(x)
     y.sum().backward()
     assert y.shape == (0, 8) and x.grad.shape == (0, 8)
+
+
+@pytest.mark.parametrize("layer", ["layer_norm", "rms_norm"])
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16), ids=ids)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_backward_rows_taken_in_groups_match_rows_one_at_a_time(kernels, layer, dtype, threads):
+    """Wide rows with a weight go through the backward's write pass four at a time (the
+    partials kept across the group, csrc/cpu/norm_common.h): 4100 wide, 13 rows (three groups
+    and a row alone per thread). dx must be the bits of each row's own call, the weight's and
+    bias's gradients the reference's sums."""
+    rows, cols = 13, 4100
+    x, w, b, dy = data(rows, cols, dtype, seed=3)
+    bias = (b,) if layer == "layer_norm" else ()
+    fwd, bwd = getattr(ops, f"{layer}_fwd"), getattr(ops, f"{layer}_bwd")
+
+    def backward(xs, dys):
+        out = fwd(xs, [cols], w, *bias)
+        return bwd(dys, xs, *out[1:], [cols], w, *bias)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = backward(x, dy)
+        alone = [backward(x[r : r + 1], dy[r : r + 1])[0] for r in range(rows)]
+    finally:
+        torch.set_num_threads(before)
+
+    def bits(t):
+        return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+    assert torch.equal(bits(got[0]), bits(torch.cat(alone)))
+    with ops.use_reference():
+        want = backward(x, dy)
+    assert all(g.numel() == cols for g in got[1 : 2 + len(bias)])
+    close(got[1 : 2 + len(bias)], want[1 : 2 + len(bias)], dtype)
