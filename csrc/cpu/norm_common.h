@@ -316,20 +316,20 @@ C10_ALWAYS_INLINE void store_block(T* p, int64_t n, bool nt, const Vectorized<ac
 }
 
 // Rows the backward's write pass takes together (norm_bwd_kernel): per block, the weight/bias
-// gradient partials are loaded and stored once for the group instead of once per row. A 4096-wide
-// row's partials (two fp32 arrays, 32 KiB) and weight did not stay in a 48 KiB L1 beside the
-// row; with the weight they were 62% (fp32) and 77% (bf16) of the write pass's bytes. (Two rows per pass, each row's blocks in step
-// with the other's, measured slower on an AMD EPYC: four input streams and two prefetch streams
-// per block. Here each row's blocks are visited in turn, a column block at a time.)
+// gradient partials are loaded and stored once for the group instead of once per row. A
+// 4096-wide row's partials (two fp32 arrays, 32 KiB) and weight did not stay in a 48 KiB L1
+// beside the row; with the weight they were 62% (fp32) and 77% (bf16) of the write pass's bytes.
+// (Two rows per pass, each row's blocks in step with the other's, measured slower on an AMD
+// EPYC: four input streams and two prefetch streams per block. Here each row's blocks are
+// visited in turn, a column block at a time.)
 // 8192 x 4096, `mpnb bench layers` side by side on an AVX-512 Xeon (% of the same-run add, one
 // row at a time -> four): layer norm fp32 65-70% -> 70-77% at 1 thread, 65-66% -> 74-79% at 2;
 // RMS norm fp32 66-67% -> 71-79%, 65-67% -> 76-81%; layer norm bf16 60-63% -> 64-71% at 1
 // thread. Groups of two measured the same for fp32 and 61-64% for bf16; of eight, 63-65% and
-// fp32 76-77%. Narrow rows stay one at a time: 1024
-// wide, their partials (8 KiB) stay in L1 and the grouped pass measured slower (32768 x 1024
-// bf16 at 1 thread, 71-72% -> 63-64%). The rule: group when the weight and the two partials,
-// in the accumulation type, take 24 KiB or more (N >= 2048 for fp32 accumulation), and only
-// when there are partials to keep.
+// fp32 76-77%. Narrow rows stay one at a time: 1024 wide, their partials (8 KiB) stay in L1 and
+// the grouped pass measured slower (32768 x 1024 bf16 at 1 thread, 71-72% -> 63-64%). The rule:
+// group when the weight and the two partials, in the accumulation type, take 24 KiB or more
+// (N >= 2048 for fp32 accumulation), and only when there are partials to keep.
 inline constexpr int kBwdGroup = 4;
 
 inline int bwd_group_rows(int64_t N, int64_t acc_bytes, bool partials) {
@@ -355,20 +355,15 @@ struct NormBwdArgs {
 // db += g), accumulated in row order as one row at a time would (the same bits). pfs[i]: row i's
 // later-row prefetch (RowPrefetch, vec_io.h), stepped once per block.
 template <typename T, bool kRms, int kG, typename PF>
-C10_ALWAYS_INLINE void bwd_write(const NormBwdRow<T>* rows, PF* pfs, const NormBwdArgs<T>& a,
-                      acc_t<T>* __restrict dw, acc_t<T>* __restrict db) {
+C10_ALWAYS_INLINE void bwd_write(const NormBwdRow<T>* rows, PF* pfs, int64_t N,
+                      const acc_t<T>* __restrict w, const acc_t<T>* __restrict b, bool from_y,
+                      bool stream, acc_t<T>* __restrict dw, acc_t<T>* __restrict db) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using IOA = IO<Acc, Acc>;
   constexpr int64_t K = IO<T, Acc>::kWidth;
-  // a's fields as locals: the vector stores may alias any memory, so fields read in the loop
-  // would be read again after every store
-  const int64_t N = a.N;
-  const Acc* __restrict w = a.w;
-  const Acc* __restrict b = a.b;
-  const bool from_y = a.from_y;
   bool nt[kG];
-  for (int i = 0; i < kG; ++i) nt[i] = a.stream && align_head(rows[i].dx, N) == 0;
+  for (int i = 0; i < kG; ++i) nt[i] = stream && align_head(rows[i].dx, N) == 0;
   for (int64_t j = 0; j < N; j += K) {
     const int64_t n = std::min<int64_t>(K, N - j);
     V a0, a1, e0, e1;
@@ -405,6 +400,8 @@ C10_ALWAYS_INLINE void bwd_rows(const NormBwdArgs<T>& a, int64_t r0, acc_t<T>* d
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
   using PF = RowPrefetch<2, kNormLines<T>>;
+  // a's fields as locals, read once: the vector stores may alias any memory, so fields read in
+  // the block loop would be read again after every store
   const int64_t N = a.N;
   const Acc* __restrict w = a.w;
   const Acc* __restrict b = a.b;
@@ -424,7 +421,7 @@ C10_ALWAYS_INLINE void bwd_rows(const NormBwdArgs<T>& a, int64_t r0, acc_t<T>* d
     row[i].vr = V(rs); row[i].vm = V(mu);
     bwd_stats<T, kRms>(row[i], N, w, b, from_y, pf[i]);
   }
-  bwd_write<T, kRms, kG>(row, pf.data(), a, dw, db);
+  bwd_write<T, kRms, kG>(row, pf.data(), N, w, b, from_y, a.stream, dw, db);
   for (int i = 0; i < kG; ++i) pf[i].finish();
 }
 
