@@ -49,6 +49,7 @@ __all__ = [
     "InCache",
     "cache_resident",
     "l2_bytes",
+    "llc_bytes",
     "RMW",
     "READ",
     "Candidate",
@@ -82,6 +83,12 @@ class InCache:
         small_fn: the kernel on a smaller slice of the same shape (a quarter, say), also
             parallel as ``fn`` is; its time is subtracted so that the per-call cost cancels.
         small_bytes: the bytes ``small_fn`` moves.
+        one_thread: both slices run on one thread whatever the run's thread count (an op
+            that keeps calls below a size on one thread, as the multi-tensor ops do under
+            ``kSerialElems``, with slices that must stay in one core's L2). Their throughput
+            is then one core's, and the row's is it times the run's threads: each thread owns
+            whole chunks, so the threads' arithmetic adds up (the run's bandwidth baseline,
+            on all threads, is what it is compared with).
 
     The in-cache throughput is the median over rounds of
     ``(bytes - small_bytes) / (t(fn) - t(small_fn))``, over the rounds where ``fn`` took longer
@@ -92,6 +99,29 @@ class InCache:
     bytes: int
     small_fn: Callable[[], object]
     small_bytes: int
+    one_thread: bool = False
+
+
+def _cache_sizes() -> dict[int, int]:
+    """Data or unified cache sizes of cpu0 by level, in bytes, from Linux's sysfs ({} where
+    it is not readable)."""
+    import glob
+
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    out = {}
+    for path in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
+        try:
+            with open(f"{path}/level") as f:
+                level = int(f.read().strip())
+            with open(f"{path}/type") as f:
+                kind = f.read().strip()
+            with open(f"{path}/size") as f:
+                size = f.read().strip()
+        except (OSError, ValueError):
+            continue
+        if kind in ("Unified", "Data") and size:
+            out[level] = int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
+    return out
 
 
 def l2_bytes() -> int | None:
@@ -102,22 +132,20 @@ def l2_bytes() -> int | None:
         >>> l2_bytes()  # doctest: +SKIP
         2097152
     """
-    import glob
+    return _cache_sizes().get(2)
 
-    for path in sorted(glob.glob("/sys/devices/system/cpu/cpu0/cache/index*")):
-        try:
-            with open(f"{path}/level") as f:
-                level = f.read().strip()
-            with open(f"{path}/type") as f:
-                kind = f.read().strip()
-            with open(f"{path}/size") as f:
-                size = f.read().strip()
-        except OSError:
-            continue
-        if level == "2" and kind in ("Unified", "Data"):
-            units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
-            return int(size[:-1]) * units[size[-1]] if size[-1] in units else int(size)
-    return None
+
+def llc_bytes() -> int | None:
+    """The last-level cache (the highest level sysfs lists for cpu0, L3 on most x86 CPUs) in
+    bytes; None where it is not known.
+
+    Example::
+
+        >>> llc_bytes()  # doctest: +SKIP
+        8388608
+    """
+    sizes = _cache_sizes()
+    return sizes[max(sizes)] if sizes else None
 
 
 def cache_resident(
@@ -498,7 +526,8 @@ def _roofline(row: Row, c: Candidate, pair: list[list[float]], bw, bw_t) -> None
     extra = ic.bytes - ic.small_bytes
     ref_t = bw_t.get(c.access, [float("nan")] * len(pair[0]))
     # rounds where the larger slice did not take longer (a preempted small call) say nothing
-    kept = [(extra / (t - s), r) for t, s, r in zip(*pair, ref_t, strict=True) if t > s]
+    cores = torch.get_num_threads() if ic.one_thread else 1
+    kept = [(cores * extra / (t - s), r) for t, s, r in zip(*pair, ref_t, strict=True) if t > s]
     if 2 * len(kept) < len(pair[0]):  # most rounds: no figure rather than a noisy one
         return
     per_round = [g for g, _ in kept]

@@ -29,6 +29,15 @@ step. Ours move :data:`PURE_BF16_BYTES` per param: bf16 param read + write 4, bf
 fp32 m and v read + write 16 (22 B); Kahan adds its bf16 compensation read + write (26 B).
 The target is the share of the same-run in-place bandwidth (``bw_target``), not a speed-up.
 
+Every mpnb candidate with a bandwidth target also has its in-cache roofline (``InCache``): the
+same optimizer's step over 4 fresh tensors that together fit in half of the last-level cache,
+and over a sixteenth of that, so that the Python and dispatch cost of a step (~0.1 ms, more
+than an L2-sized step's arithmetic) cancels. Steps below the multi-tensor ops'
+``kSerialElems`` stay on one thread, so the slices are one core's and so is their throughput,
+times the run's threads (:class:`InCache` ``one_thread``). Below 70% of the same-run bandwidth
+the step cannot reach 70% from memory either: it is compute-bound at its arithmetic on this
+CPU.
+
 Every case also times PyTorch's compiled-optimizer recipe: ``torch.compile`` of a function
 that calls ``step()`` of a ``torch.optim`` optimizer made without ``fused``/``foreach`` (so the
 compiler generates the update), on its own copy of the params; in the O2 cases the whole copy,
@@ -47,7 +56,7 @@ import torch
 from mpnb.core.ops.lamb import reference_fused_lamb_
 from mpnb.core.ops.novograd import reference_fused_novograd_
 from mpnb.core.optimizers import FusedAdagrad, FusedAdam, FusedLAMB, FusedNovoGrad, FusedSGD
-from mpnb.lab.bench._harness import RMW, Candidate, Case, Options, compiled
+from mpnb.lab.bench._harness import RMW, Candidate, Case, InCache, Options, compiled, llc_bytes
 from mpnb.lab.bench.multi_tensor import gpt_numels
 
 __all__ = ["cases", "WORKLOADS"]
@@ -60,6 +69,24 @@ PREPASS = 2  # B/param: the O2 step's read-only pass over the bf16 grads before 
 #: bf16 compensation r/w 2+2). PyTorch's bf16 AdamW keeps bf16 moments: 2+2+2+4*2 = 14.
 PURE_BF16_BYTES = {"nearest": 22, "stochastic": 22, "kahan": 26, "torch": 14}
 PURE_BF16_BW_TARGET = 0.8
+
+
+#: Below this many elements a multi-tensor op runs on one thread (``kSerialElems`` in
+#: csrc/cpu/multi_tensor_apply.h): the in-cache slices stay below it.
+SERIAL_ELEMS = 1 << 17
+
+
+def _in_cache(make, bpp: int) -> InCache | None:
+    """The roofline of a step: ``make(numels)`` (a zero-argument step over fresh params of
+    those sizes) on 4 tensors that fit in half of the last-level cache (one thread's, below
+    :data:`SERIAL_ELEMS`) and on a sixteenth of that (see :class:`InCache` ``one_thread``);
+    None where the cache size is not known."""
+    llc = llc_bytes()
+    if llc is None:
+        return None
+    k = min(SERIAL_ELEMS - 1, llc // 2 // bpp)
+    big, small = [max(1, k // 4)] * 4, [max(1, k // 64)] * 4
+    return InCache(make(big), bpp * sum(big), make(small), bpp * sum(small), one_thread=True)
 
 
 def _params(numels, dtype, seed=0):
@@ -207,6 +234,11 @@ def _compiled_step(opt, bytes: int, what: str = "AdamW.step") -> Candidate:
     return compiled(f"torch.compile({what})", lambda: opt(), bytes=bytes, access=RMW)
 
 
+def _o2_step(make_ours):
+    """A factory: numels -> mpnb's one-pass O2 step over fresh bf16 params of those sizes."""
+    return lambda numels: _OursO2(_params(numels, torch.bfloat16), make_ours)
+
+
 def _o2_case(name, work, numels, quick) -> Case:
     make_torch, make_ours, bpp = _O2[name]
     bpp += PREPASS
@@ -224,6 +256,7 @@ def _o2_case(name, work, numels, quick) -> Case:
             RMW,
             target,
             0.85 if work == _A else None,
+            in_cache=_in_cache(_o2_step(make_ours), bpp) if work == _A else None,
         ),
     ]
     if name in _COMPILED:
@@ -239,9 +272,20 @@ def _fp32_case(name, work, numels) -> Case:
     theirs = _O2[name][0](_params(numels, torch.float32))
     ours = make_ours(_params(numels, torch.float32))
     bw = 0.7 if work == _A else None  # the memory-wall target holds for >= 64 MiB of params
+    roofline = None
+    if bw is not None:
+        roofline = _in_cache(lambda ns: make_ours(_params(ns, torch.float32)).step, bpp)
     cands = [
         Candidate(f"torch {name} (fp32)", theirs.step, bpp * n, RMW),
-        Candidate(f"mpnb Fused{name.split()[0]} fp32", ours.step, bpp * n, RMW, None, bw),
+        Candidate(
+            f"mpnb Fused{name.split()[0]} fp32",
+            ours.step,
+            bpp * n,
+            RMW,
+            None,
+            bw,
+            in_cache=roofline,
+        ),
     ]
     return Case(f"fp32 {name} step", work, cands, bandwidth_numel=n)
 
@@ -251,13 +295,25 @@ def _adam_cases(work, numels, quick) -> Iterator[Case]:
     a, b, c = (_params(numels, torch.float32) for _ in range(3))
     ta = torch.optim.AdamW(a, lr=_LR, weight_decay=0.01, fused=True)
     ours = FusedAdam(b, lr=_LR, weight_decay=0.01)
+
+    def adamw(ns):
+        return FusedAdam(_params(ns, torch.float32), lr=_LR, weight_decay=0.01).step
+
     step = _COMPILED["AdamW"](_params(numels, torch.float32)).step
     yield Case(
         "fp32 AdamW step",
         work,
         [
             Candidate("torch AdamW(fused=True)", ta.step, 28 * n, RMW),
-            Candidate("mpnb FusedAdam", ours.step, 28 * n, RMW, 0.95, 0.85 if work == _A else None),
+            Candidate(
+                "mpnb FusedAdam",
+                ours.step,
+                28 * n,
+                RMW,
+                0.95,
+                0.85 if work == _A else None,
+                in_cache=_in_cache(adamw, 28) if work == _A else None,
+            ),
             _compiled_step(step, 28 * n),
         ],
         bandwidth_numel=n,
@@ -316,10 +372,15 @@ def _pure_bf16_case(work, numels) -> Case:
     }
     params = {k: _params(numels, torch.bfloat16, seed=1) for k in ("torch", "compiled", *opts)}
     ta = torch.optim.AdamW(params["torch"], lr=_LR, weight_decay=0.01, fused=True)
-    ours = {
-        k: FusedAdam(params[k], lr=_LR, weight_decay=0.01, generator=torch.Generator(), **o)
-        for k, o in opts.items()
-    }
+
+    def make(k, ps):
+        return FusedAdam(ps, lr=_LR, weight_decay=0.01, generator=torch.Generator(), **opts[k])
+
+    ours = {k: make(k, params[k]) for k in opts}
+
+    def roofline(k, bpp):
+        return _in_cache(lambda ns: make(k, _params(ns, torch.bfloat16, seed=1)).step, bpp)
+
     bw = PURE_BF16_BW_TARGET
     return Case(
         "pure-bf16 AdamW step",
@@ -338,6 +399,7 @@ def _pure_bf16_case(work, numels) -> Case:
                 RMW,
                 None,
                 bw,
+                in_cache=roofline("stochastic_rounding=True", b["stochastic"]),
             ),
             Candidate(
                 "mpnb FusedAdam(kahan_summation=True)",
@@ -346,6 +408,7 @@ def _pure_bf16_case(work, numels) -> Case:
                 RMW,
                 None,
                 bw,
+                in_cache=roofline("kahan_summation=True", b["kahan"]),
             ),
             _compiled_step(_COMPILED["AdamW"](params["compiled"]).step, b["torch"] * n),
         ],

@@ -401,6 +401,35 @@ def test_cache_resident_slices_fit_half_the_l2_of_each_thread(monkeypatch):
     assert _harness.cache_resident(16 << 10, threads=1) is None  # no guessed cache
 
 
+def test_a_one_thread_roofline_counts_every_thread_of_the_run(monkeypatch):
+    # The slices ran on one thread (1000 B/s marginal each): at 2 threads the row's in-cache
+    # throughput is both cores' (2x), compared with the add on both.
+    from mpnb.lab.bench._harness import InCache
+
+    one = InCache(lambda: None, 3000, lambda: None, 1000, one_thread=True)
+    case = _roofline_case()
+    case.candidates[1] = Candidate("kernel", lambda: None, 6000, RMW, bw_target=0.7, in_cache=one)
+    times = {
+        "torch": [5e-6],
+        "kernel": [6e-6],
+        "bw: a += s*b (fp32)": [3e-6],
+        "kernel [in cache]": [2.5e-6],
+        "kernel [in cache, small]": [0.5e-6],
+    }
+    _fixed_times(monkeypatch, times)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    kernel = run_case(case, Options.make(quick=True, rounds=1))[1]
+    assert kernel.cache_gbps == pytest.approx(2 * 2000 / 2e-6 / 1e9)
+    assert kernel.cache_frac == pytest.approx(1.0) and kernel.bound == "memory"
+
+
+def test_cache_sizes_are_read_from_the_system():
+    from mpnb.lab.bench._harness import l2_bytes, llc_bytes
+
+    l2, llc = l2_bytes(), llc_bytes()
+    assert llc is None or l2 is None or llc >= l2  # the last level is the highest one listed
+
+
 def test_l2_size_is_read_from_the_system():
     from mpnb.lab.bench._harness import l2_bytes
 
