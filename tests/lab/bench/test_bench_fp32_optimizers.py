@@ -57,6 +57,6 @@ def test_every_bandwidth_target_has_a_one_thread_roofline_below_the_serial_size(
 def test_the_serial_size_is_the_kernels_own():
     from pathlib import Path
 
-    header = Path(__file__).parents[3] / "csrc" / "cpu" / "multi_tensor_apply.h"
+    header = Path(__file__).resolve().parents[3] / "csrc" / "cpu" / "multi_tensor_apply.h"
     assert "constexpr int64_t kSerialElems = 1 << 17;" in header.read_text()
     assert optimizers.SERIAL_ELEMS == 1 << 17
