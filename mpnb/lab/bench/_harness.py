@@ -85,10 +85,9 @@ class InCache:
         small_bytes: the bytes ``small_fn`` moves.
         one_thread: both slices run on one thread whatever the run's thread count (an op
             that keeps calls below a size on one thread, as the multi-tensor ops do under
-            ``kSerialElems``, with slices that must stay in one core's L2). Their throughput
-            is then one core's, and the row's is it times the run's threads: each thread owns
-            whole chunks, so the threads' arithmetic adds up (the run's bandwidth baseline,
-            on all threads, is what it is compared with).
+            ``kSerialElems``). Their throughput is then one core's, and the row's is it times
+            the run's threads: each thread owns whole chunks, so the threads' arithmetic adds
+            up (the run's bandwidth baseline, on all threads, is what it is compared with).
 
     The in-cache throughput is the median over rounds of
     ``(bytes - small_bytes) / (t(fn) - t(small_fn))``, over the rounds where ``fn`` took longer

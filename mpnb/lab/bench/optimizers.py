@@ -272,9 +272,11 @@ def _fp32_case(name, work, numels) -> Case:
     theirs = _O2[name][0](_params(numels, torch.float32))
     ours = make_ours(_params(numels, torch.float32))
     bw = 0.7 if work == _A else None  # the memory-wall target holds for >= 64 MiB of params
-    roofline = None
-    if bw is not None:
-        roofline = _in_cache(lambda ns: make_ours(_params(ns, torch.float32)).step, bpp)
+
+    def fresh(ns):
+        return make_ours(_params(ns, torch.float32)).step
+
+    roofline = _in_cache(fresh, bpp) if work == _A else None
     cands = [
         Candidate(f"torch {name} (fp32)", theirs.step, bpp * n, RMW),
         Candidate(
