@@ -60,3 +60,34 @@ def test_the_serial_size_is_the_kernels_own():
     header = Path(__file__).resolve().parents[3] / "csrc" / "cpu" / "multi_tensor_apply.h"
     assert "constexpr int64_t kSerialElems = 1 << 17;" in header.read_text()
     assert optimizers.SERIAL_ELEMS == 1 << 17
+
+
+def test_lamb_counts_its_second_pass_over_tensors_beyond_the_cache(monkeypatch):
+    # LAMB's trust ratio needs a tensor's whole update norm before any weight is written: the
+    # params of a tensor beyond what the last-level cache holds of w and u (8 B each) are
+    # streamed twice, +12 B each; the GPT's embedding alone with an 8 MiB L3.
+    monkeypatch.setattr(optimizers, "llc_bytes", lambda: 8 << 20)
+    gpt = optimizers.WORKLOADS["(a) GPT 20M/76"]()
+    emb = max(gpt)
+    assert optimizers.lamb_second_pass(gpt) == 12 * (emb - (1 << 20))
+    assert optimizers.lamb_second_pass([1 << 20, 1000]) == 0
+    monkeypatch.setattr(optimizers, "llc_bytes", lambda: None)
+    assert optimizers.lamb_second_pass(gpt) == 0  # unknown cache: the one-pass count
+
+    # In the rows: a 16 KiB cache holds w and u of 2048 params; LAMB's rows (fp32 and O2,
+    # every candidate) add the second pass of the larger tensors, the other optimizers do not.
+    monkeypatch.setattr(optimizers, "llc_bytes", lambda: 16 << 10)
+    opts = Options.make(quick=True, scale=0.0005)
+    per_param = {"fp32 LAMB step": 32, "O2 LAMB step": 28 + optimizers.PREPASS}
+    seen = set()
+    for case in optimizers.cases(opts):
+        n = case.bandwidth_numel
+        if case.name in per_param:
+            numels = [max(1, round(k * opts.scale)) for k in optimizers.WORKLOADS[case.workload]()]
+            second = 12 * sum(max(0, k - 2048) for k in numels)
+            assert second > 0 or case.workload.startswith("(d)")
+            assert all(c.bytes == per_param[case.name] * n + second for c in case.candidates)
+            seen.add((case.name, case.workload))
+        elif case.name.endswith(" step") and "pure-bf16" not in case.name:
+            assert all(c.bytes % n == 0 for c in case.candidates), case.name
+    assert len(seen) == 2 * len(optimizers.WORKLOADS)
