@@ -4,10 +4,12 @@ loss-scale seam, LARC."""
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
 
+from mpnb.core.ops import multi_tensor_l2norm
 from mpnb.optimizers import (
     FusedAdagrad,
     FusedAdam,
@@ -345,3 +347,34 @@ def test_novograd_seam_norms_before_any_write(kernels, monkeypatch):
         ours = [opt.state[p]["master_param"] for p in p16] + [p32[0].detach()]
         for a, b in zip(ours, ref_w, strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("magnitude", [1e-30, 1e-3, 1.0, 1e5, 1e18])
+def test_lamb_global_norm_of_one_bucket_is_the_fp64_sum_of_its_square(kernels, magnitude):
+    # One dtype bucket skips the fp64 sum of squares: an fp32 norm's square is exact in fp64,
+    # so its root gives the same bits back. Checked against the sum over several buckets.
+    g = torch.Generator().manual_seed(int(math.log10(magnitude)) + 40)
+    ps = [torch.nn.Parameter(torch.randn(n, generator=g)) for n in (37, 1000, 5)]
+    for p in ps:
+        p.grad = torch.randn(p.shape, generator=g) * magnitude
+    opt = FusedLAMB(ps, lr=1e-3)
+    opt.step()
+    norms = [torch.linalg.vector_norm(p.grad.double()).reshape(()) for p in ps]
+    one = multi_tensor_l2norm(torch.zeros(1), [p.grad for p in ps], False, None)[0]
+    assert torch.equal(opt._global_norm, one.reshape(1))
+    fp64 = one.reshape(()).double().square().sqrt().float().reshape(1)
+    assert torch.equal(opt._global_norm, fp64)
+    assert torch.allclose(
+        opt._global_norm.double(), torch.stack(norms).norm().reshape(1), rtol=1e-6
+    )
+
+    # Two buckets (fp32 and bf16 params): the fp64 sum of their squares.
+    ps2 = [torch.nn.Parameter(torch.randn(64, generator=g)) for _ in range(2)]
+    ps2[1] = torch.nn.Parameter(ps2[1].detach().bfloat16())
+    for p in ps2:
+        p.grad = (torch.randn(64, generator=g) * magnitude).to(p.dtype)
+    opt2 = FusedLAMB(ps2, lr=1e-3)
+    opt2.step()
+    per = [multi_tensor_l2norm(torch.zeros(1), [p.grad], False, None)[0] for p in ps2]
+    total = sum(n.reshape(()).double().square() for n in per).sqrt().float().reshape(1)
+    assert torch.equal(opt2._global_norm, total)
