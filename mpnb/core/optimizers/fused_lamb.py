@@ -112,7 +112,7 @@ class FusedLAMB(FusedOptimizerBase):
         if len(norms) == 1 and norms[0].dtype == torch.float32:
             # The fp64 sum of one square is the square itself, and its root the fp32 norm
             # exactly (an fp32's square is exact in fp64): the same bits, five ops fewer.
-            self._global_norm = norms[0].float().reshape(1)
+            self._global_norm = norms[0].reshape(1)
             return
         total = torch.zeros((), dtype=torch.float64, device=dev)
         for norm in norms:

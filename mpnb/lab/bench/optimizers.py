@@ -91,6 +91,12 @@ def lamb_second_pass(numels) -> int:
     return 12 * sum(max(0, n - llc // 8) for n in numels)
 
 
+def _step_bytes(name: str, bpp: int, numels) -> int:
+    """The least bytes of one ``name`` step over tensors of ``numels`` elements at ``bpp``
+    B/param: one pass, plus LAMB's second pass (:func:`lamb_second_pass`)."""
+    return bpp * sum(numels) + (lamb_second_pass(numels) if name == "LAMB" else 0)
+
+
 def _in_cache(make, bpp: int) -> InCache | None:
     """The roofline of a step: ``make(numels)`` (a zero-argument step over fresh params of
     those sizes) on 4 tensors that fit in half of the last-level cache (one thread's, below
@@ -258,7 +264,7 @@ def _o2_case(name, work, numels, quick) -> Case:
     make_torch, make_ours, bpp = _O2[name]
     bpp += PREPASS
     n = sum(numels)
-    nbytes = bpp * n + (lamb_second_pass(numels) if name == "LAMB" else 0)
+    nbytes = _step_bytes(name, bpp, numels)
     a, b = _params(numels, torch.bfloat16), _params(numels, torch.bfloat16)
     target = _TARGETS.get((name, work), 1.5)
     cands = [
@@ -285,7 +291,7 @@ def _fp32_case(name, work, numels) -> Case:
     """An fp32 step without master weights (bytes: :data:`_FP32`), against PyTorch's."""
     make_ours, bpp = _FP32[name]
     n = sum(numels)
-    nbytes = bpp * n + (lamb_second_pass(numels) if name == "LAMB" else 0)
+    nbytes = _step_bytes(name, bpp, numels)
     theirs = _O2[name][0](_params(numels, torch.float32))
     ours = make_ours(_params(numels, torch.float32))
     bw = 0.7 if work == _A else None  # the memory-wall target holds for >= 64 MiB of params
