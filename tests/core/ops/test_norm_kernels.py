@@ -1,0 +1,99 @@
+"""The norm kernels' backward without a weight or bias gives the bits of ones and zeros.
+
+The C++ backward (``csrc/cpu/norm_common.h``) has no branch on what a call passes: a missing
+weight is read as ones, a missing bias (``memory_efficient``) as zeros, and the weight/bias
+gradients a call does not return are summed into scratch rows. These tests hold it to the
+promise that this changes nothing: every output equals, bit for bit, the call that passes the
+ones and zeros itself, on narrow rows (one at a time) and wide rows (the grouped write pass),
+at 1 and 2 threads.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+M = torch.ops.mpnb
+
+DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
+SHAPES = [(37, 1000), (9, 4096)]  # one row at a time; groups of four rows (and a tail)
+
+
+@pytest.fixture
+def compiled(kernels):
+    if not kernels:
+        pytest.skip("the branch-free loops are the compiled kernels'")
+
+
+@pytest.fixture(params=[1, 2])
+def threads(request):
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+def _data(dtype, rows, cols):
+    g = torch.Generator().manual_seed(rows * cols)
+    x = (torch.randn(rows, cols, generator=g) * 3 + 1).to(dtype)
+    dy = torch.randn(rows, cols, generator=g).to(dtype)
+    return x, dy
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8)
+
+
+def _same(got, want):
+    for g, w in zip(got, want, strict=True):
+        assert g.dtype == w.dtype and g.shape == w.shape
+        assert torch.equal(_bits(g), _bits(w))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_layer_norm_backward_without_weight_or_bias_is_that_of_ones_and_zeros(
+    compiled, threads, dtype, shape, memory_efficient
+):
+    rows, cols = shape
+    x, dy = _data(dtype, rows, cols)
+    ones, zeros = torch.ones(cols, dtype=dtype), torch.zeros(cols, dtype=dtype)
+    y, mean, rstd = M.layer_norm_fwd(x, [cols], None, None, 1e-5)
+    s = y if memory_efficient else x
+    dx, dw, db = M.layer_norm_bwd(dy, s, mean, rstd, [cols], None, None, memory_efficient)
+    assert dw.numel() == 0 and db.numel() == 0
+    dx1, _, db1 = M.layer_norm_bwd(dy, s, mean, rstd, [cols], ones, zeros, memory_efficient)
+    _same([dx], [dx1])
+    # a weight without a bias: db is not returned, dw is that of the call with both
+    w = torch.rand(cols, generator=torch.Generator().manual_seed(1)).to(dtype) + 0.5
+    yw, mw, rw = M.layer_norm_fwd(x, [cols], w, None, 1e-5)
+    sw = yw if memory_efficient else x
+    got = M.layer_norm_bwd(dy, sw, mw, rw, [cols], w, None, memory_efficient)
+    want = M.layer_norm_bwd(dy, sw, mw, rw, [cols], w, zeros, memory_efficient)
+    assert got[2].numel() == 0
+    _same(got[:2], want[:2])
+    # a bias without a weight: dw is not returned, db is that of the call with both
+    yb, mb, rb = M.layer_norm_fwd(x, [cols], None, zeros + 0.25, 1e-5)
+    sb = yb if memory_efficient else x
+    got = M.layer_norm_bwd(dy, sb, mb, rb, [cols], None, zeros + 0.25, memory_efficient)
+    want = M.layer_norm_bwd(dy, sb, mb, rb, [cols], ones, zeros + 0.25, memory_efficient)
+    assert got[1].numel() == 0
+    _same([got[0], got[2]], [want[0], want[2]])
+    _same([db1], [want[2]])  # db is the column sum of dy, whatever the bias
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_rms_norm_backward_without_weight_is_that_of_ones(
+    compiled, threads, dtype, shape, memory_efficient
+):
+    rows, cols = shape
+    x, dy = _data(dtype, rows, cols)
+    y, rstd = M.rms_norm_fwd(x, [cols], None, 1e-5)
+    s = y if memory_efficient else x
+    dx, dw = M.rms_norm_bwd(dy, s, rstd, [cols], None, memory_efficient)
+    assert dw.numel() == 0
+    dx1, _ = M.rms_norm_bwd(dy, s, rstd, [cols], torch.ones(cols, dtype=dtype), memory_efficient)
+    _same([dx], [dx1])
