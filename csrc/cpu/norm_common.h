@@ -167,8 +167,13 @@ inline acc_t<T> row_centred_squares(const T* __restrict x, int64_t N, acc_t<T> m
   return static_cast<Acc>(hsum((q0 + q1) + (q2 + q3)));
 }
 
-// y = (x - mu) * rs * w + b over a row (w, b widened; either may be null). x - mu first: the
-// shorter x * rs - mu * rs would cancel digits for rows with a large mean.
+// y = (x - mu) * rs * w + b over a row (w, b widened; kCentre: layer norm, with b; else RMS
+// norm, without). x - mu first: the shorter x * rs - mu * rs would cancel digits for rows with
+// a large mean. norm_fwd_kernel passes ones for a missing weight and -0 for a missing bias:
+// fma(a, w, -0) rounds a * w once as the product alone does (p + -0 is p, signed zeros too),
+// fma(a, 1, b) is a + b and fma(a, 1, -0) is a, so the loop has no branch on them (32768 x
+// 1024 fp32 at 1 thread on an AMD EPYC Zen 1, one process per build, % of the same-run add:
+// layer norm forward 62-67% -> 70-78%, RMS norm forward 71-74% -> 83-93%; the same bits).
 template <typename T, bool kCentre, typename PF>
 inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, acc_t<T> mu,
                            acc_t<T> rs, const acc_t<T>* __restrict w, const acc_t<T>* __restrict b,
@@ -182,16 +187,14 @@ inline void norm_write_row(const T* __restrict x, T* __restrict y, int64_t N, ac
     if (n == K) IOT::load(x + j, a, c); else IOT::load(x + j, n, a, c);
     if constexpr (kCentre) { a = a - vm; c = c - vm; }
     a = a * vr; c = c * vr;
-    V w0, w1, b0, b1;
-    if (w && b) {
-      load_acc(w, j, n, w0, w1); load_acc(b, j, n, b0, b1);
-      a = at::vec::fmadd(a, w0, b0); c = at::vec::fmadd(c, w1, b1);
-    } else if (w) {
-      load_acc(w, j, n, w0, w1);
-      a = a * w0; c = c * w1;
-    } else if (b) {
+    V w0, w1;
+    load_acc(w, j, n, w0, w1);
+    if constexpr (kCentre) {
+      V b0, b1;
       load_acc(b, j, n, b0, b1);
-      a = a + b0; c = c + b1;
+      a = at::vec::fmadd(a, w0, b0); c = at::vec::fmadd(c, w1, b1);
+    } else {
+      a = a * w0; c = c * w1;
     }
   };
   V a, c;
@@ -228,7 +231,9 @@ void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, a
   using Acc = acc_t<T>;
   std::vector<Acc> wbuf, bbuf;
   const Acc* wf = widen_param<W, Acc>(w, N, wbuf);
+  if (!wf) wf = filled(wbuf, N, Acc(1));
   const Acc* bf = widen_param<W, Acc>(b, N, bbuf);
+  if (!kRms && !bf) bf = filled(bbuf, N, -Acc(0));
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
   const int64_t skip = rows_ahead(N * static_cast<int64_t>(sizeof(T)));
   at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {

@@ -97,3 +97,38 @@ def test_rms_norm_backward_without_weight_is_that_of_ones(
     assert dw.numel() == 0
     dx1, _ = M.rms_norm_bwd(dy, s, rstd, [cols], torch.ones(cols, dtype=dtype), memory_efficient)
     _same([dx], [dx1])
+
+
+def _signed_zero_rows(dtype, rows, cols):
+    # rows of +-1.5 around an exact mean of 0, a quarter of them exactly 0: x - mean is +0
+    # there, and the weight's sign alone decides the sign of the zero written
+    g = torch.Generator().manual_seed(cols)
+    x = torch.where(torch.rand(rows, cols, generator=g) < 0.5, -1.5, 1.5)
+    x[:, : cols // 2] = x[:, cols // 2 :].neg()  # each row sums to exactly 0
+    x[:, ::4] = 0.0
+    x[:, cols // 2 :: 4] = 0.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("layer", ["layer", "rms"])
+def test_forward_without_bias_writes_the_product_and_its_signed_zeros(
+    compiled, threads, dtype, shape, layer
+):
+    rows, cols = shape
+    x = _signed_zero_rows(dtype, rows, cols)
+    w = torch.linspace(-2, 2, cols).to(dtype)  # negative and positive weights
+    for weight in (w, None):
+        if layer == "layer":
+            y, mean, rstd = M.layer_norm_fwd(x, [cols], weight, None, 1e-5)
+            a = (x.float() - mean[:, None]) * rstd[:, None]
+        else:
+            y, rstd = M.rms_norm_fwd(x, [cols], weight, 1e-5)
+            a = x.float() * rstd[:, None]
+        want = (a if weight is None else a * weight.float()).to(dtype)
+        _same([y], [want])
+        zero = want == 0
+        assert zero.any() and (want[zero].view(-1).view(torch.uint8) != 0).any() == (
+            weight is not None
+        )
