@@ -16,13 +16,24 @@ import torch
 M = torch.ops.mpnb
 
 DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
-SHAPES = [(37, 1000), (9, 4096)]  # one row at a time; groups of four rows (and a tail)
+SHAPES = [(37, 1000), (9, 4096)]  # narrow and wide rows; 9 rows: groups of four and a tail
 
 
 @pytest.fixture
 def compiled(kernels):
     if not kernels:
         pytest.skip("the branch-free loops are the compiled kernels'")
+
+
+@pytest.fixture(params=["auto", "1", "4"])
+def rows_per_pass(request, monkeypatch):
+    """The backward's rows per write pass: the kernel's own rule, or one of the two passes
+    forced (``MPNB_CPU_NORM_BWD_ROWS``), so that both run on any CPU."""
+    if request.param == "auto":
+        monkeypatch.delenv("MPNB_CPU_NORM_BWD_ROWS", raising=False)
+    else:
+        monkeypatch.setenv("MPNB_CPU_NORM_BWD_ROWS", request.param)
+    return request.param
 
 
 @pytest.fixture(params=[1, 2])
@@ -54,7 +65,7 @@ def _same(got, want):
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("memory_efficient", [False, True])
 def test_layer_norm_backward_without_weight_or_bias_is_that_of_ones_and_zeros(
-    compiled, threads, dtype, shape, memory_efficient
+    compiled, rows_per_pass, threads, dtype, shape, memory_efficient
 ):
     rows, cols = shape
     x, dy = _data(dtype, rows, cols)
@@ -87,7 +98,7 @@ def test_layer_norm_backward_without_weight_or_bias_is_that_of_ones_and_zeros(
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("memory_efficient", [False, True])
 def test_rms_norm_backward_without_weight_is_that_of_ones(
-    compiled, threads, dtype, shape, memory_efficient
+    compiled, rows_per_pass, threads, dtype, shape, memory_efficient
 ):
     rows, cols = shape
     x, dy = _data(dtype, rows, cols)
@@ -132,3 +143,28 @@ def test_forward_without_bias_writes_the_product_and_its_signed_zeros(
         assert zero.any() and (want[zero].view(-1).view(torch.uint8) != 0).any() == (
             weight is not None
         )
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(37, 1000), (9, 4096), (6, 2048), (3, 64)])
+@pytest.mark.parametrize("memory_efficient", [False, True])
+def test_backward_rows_four_at_a_time_give_the_bits_of_one_at_a_time(
+    compiled, threads, monkeypatch, dtype, shape, memory_efficient
+):
+    # the grouped write pass adds the weight/bias partials in row order, as one row at a time
+    rows, cols = shape
+    x, dy = _data(dtype, rows, cols)
+    g = torch.Generator().manual_seed(2)
+    w = (torch.rand(cols, generator=g) + 0.5).to(dtype)
+    b = torch.randn(cols, generator=g).to(dtype)
+    y, mean, rstd = M.layer_norm_fwd(x, [cols], w, b, 1e-5)
+    yr, rr = M.rms_norm_fwd(x, [cols], w, 1e-5)
+    s, sr = (y, yr) if memory_efficient else (x, x)
+    out = {}
+    for n in ("1", "4"):
+        monkeypatch.setenv("MPNB_CPU_NORM_BWD_ROWS", n)
+        out[n] = [
+            *M.layer_norm_bwd(dy, s, mean, rstd, [cols], w, b, memory_efficient),
+            *M.rms_norm_bwd(dy, sr, rr, [cols], w, memory_efficient),
+        ]
+    _same(out["4"], out["1"])
