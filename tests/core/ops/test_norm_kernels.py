@@ -55,15 +55,24 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8)
 
 
+def _cases(test):
+    """Every dtype and shape, with and without ``memory_efficient``."""
+    for mark in (
+        pytest.mark.parametrize("dtype", DTYPES),
+        pytest.mark.parametrize("shape", SHAPES),
+        pytest.mark.parametrize("memory_efficient", [False, True]),
+    ):
+        test = mark(test)
+    return test
+
+
 def _same(got, want):
     for g, w in zip(got, want, strict=True):
         assert g.dtype == w.dtype and g.shape == w.shape
         assert torch.equal(_bits(g), _bits(w))
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("memory_efficient", [False, True])
+@_cases
 def test_layer_norm_backward_without_weight_or_bias_is_that_of_ones_and_zeros(
     compiled, rows_per_pass, threads, dtype, shape, memory_efficient
 ):
@@ -94,9 +103,7 @@ def test_layer_norm_backward_without_weight_or_bias_is_that_of_ones_and_zeros(
     _same([db1], [want[2]])  # db is the column sum of dy, whatever the bias
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("memory_efficient", [False, True])
+@_cases
 def test_rms_norm_backward_without_weight_is_that_of_ones(
     compiled, rows_per_pass, threads, dtype, shape, memory_efficient
 ):
