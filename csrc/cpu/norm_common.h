@@ -86,11 +86,19 @@ inline void check_params(const std::optional<at::Tensor>& weight, const std::opt
                    op, ": dtypes of weight and bias");
 }
 
+// buf holding n copies of v (a missing weight or bias, a scratch row of partials): its data.
+template <typename Acc>
+inline Acc* filled(std::vector<Acc>& buf, int64_t n, Acc v) {
+  buf.assign(n, v);
+  return buf.data();
+}
+
 // Weights (and biases) widened to Acc once per call: the row passes load them without
-// conversion (16-bit weights cost four extra ops per block otherwise). Returns nullptr for none.
+// conversion (16-bit weights cost four extra ops per block otherwise). A missing one is n
+// copies of `missing` (ones for a weight; a bias's zero), so the row passes never test for it.
 template <typename W, typename Acc>
-inline const Acc* widen_param(const W* p, int64_t n, std::vector<Acc>& buf) {
-  if (!p) return nullptr;
+inline const Acc* widen_param(const W* p, int64_t n, std::vector<Acc>& buf, Acc missing) {
+  if (!p) return filled(buf, n, missing);
   if constexpr (std::is_same_v<W, Acc>) {
     return p;
   } else {
@@ -98,13 +106,6 @@ inline const Acc* widen_param(const W* p, int64_t n, std::vector<Acc>& buf) {
     for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<Acc>(p[i]);
     return buf.data();
   }
-}
-
-// buf holding n copies of v (a weight of ones, a scratch row of partials): its data.
-template <typename Acc>
-inline Acc* filled(std::vector<Acc>& buf, int64_t n, Acc v) {
-  buf.assign(n, v);
-  return buf.data();
 }
 
 template <typename Acc>
@@ -236,10 +237,8 @@ void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, a
                      int64_t M, int64_t N, double eps, bool stream) {
   using Acc = acc_t<T>;
   std::vector<Acc> wbuf, bbuf;
-  const Acc* wf = widen_param<W, Acc>(w, N, wbuf);
-  if (!wf) wf = filled(wbuf, N, Acc(1));
-  const Acc* bf = widen_param<W, Acc>(b, N, bbuf);
-  if (!kRms && !bf) bf = filled(bbuf, N, -Acc(0));
+  const Acc* wf = widen_param<W, Acc>(w, N, wbuf, Acc(1));
+  const Acc* bf = kRms ? nullptr : widen_param<W, Acc>(b, N, bbuf, -Acc(0));
   const int64_t grain = std::max<int64_t>(1, 16384 / std::max<int64_t>(N, 1));
   const int64_t skip = rows_ahead(N * static_cast<int64_t>(sizeof(T)));
   at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
@@ -345,7 +344,8 @@ C10_ALWAYS_INLINE void store_block(T* p, int64_t n, bool nt, const Vectorized<ac
 // the grouped pass measured slower (32768 x 1024 bf16 at 1 thread, 71-72% -> 63-64%). The rule:
 // group when the weight and the two partials, in the accumulation type, take 24 KiB or more
 // (N >= 2048 for fp32 accumulation), on a CPU whose L1 data cache holds 48 KiB or more.
-// With 32 KiB (AMD EPYC Zen 1, as Zen 2 to 4), one 4096-wide fp32 row's dy and x fill it alone, and four rows at a time measured slower than one, with the branch-free loops below
+// With 32 KiB (AMD EPYC Zen 1, as Zen 2 to 4), one 4096-wide fp32 row's dy and x fill it
+// alone, and four rows at a time measured slower than one, with the branch-free loops below
 // (8192 x 4096 fp32, isolated, % of the same-run add, one row -> four): 1 thread, layer norm
 // backward 60% -> 52%, RMS 68% -> 58%; 2 threads 70% -> 61%, 77% -> 69%; bf16 the same (24-29%).
 // 1024 wide, two rows at a time measured slower still (RMS 66% -> 52% at 1 thread).
@@ -498,10 +498,8 @@ void norm_bwd_kernel(const T* DY, const T* S, const acc_t<T>* MEAN, const acc_t<
                      int64_t N, bool from_y, bool stream) {
   using Acc = acc_t<T>;
   std::vector<Acc> wbuf, bbuf;
-  const Acc* wf = widen_param<W, Acc>(w, N, wbuf);
-  if (!wf) wf = filled(wbuf, N, Acc(1));
-  const Acc* bf = from_y ? widen_param<W, Acc>(b, N, bbuf) : nullptr;
-  if (from_y && !bf) bf = filled(bbuf, N, Acc(0));
+  const Acc* wf = widen_param<W, Acc>(w, N, wbuf, Acc(1));
+  const Acc* bf = from_y ? widen_param<W, Acc>(b, N, bbuf, Acc(0)) : nullptr;
   const int64_t P = std::max<int64_t>(1, std::min<int64_t>(M, at::get_num_threads()));
   std::vector<Acc> dw_scratch, db_scratch;
   if (!DW) DW = filled(dw_scratch, P * N, Acc(0));
