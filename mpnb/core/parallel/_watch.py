@@ -157,21 +157,27 @@ class _Waiting:
             return
         try:
             failed = failed_ranks(store, [r for r in o.ranks if r != o.rank])
-            if failed:
-                r, text = next(iter(failed.items()))
-                raise RuntimeError(
-                    f"rank {r} raised in fn ({text}) while rank {o.rank} waited for it in "
-                    f"{self.what}: see rank {r}'s error."
-                )
+        except (RuntimeError, OSError):
+            return
+        if failed:  # raised outside the try: it must not read as a store error and vanish
+            r, text = next(iter(failed.items()))
+            raise RuntimeError(
+                f"rank {r} raised in fn ({text}) while rank {o.rank} waited for it in "
+                f"{self.what}: see rank {r}'s error."
+            )
+        try:
             if not self.published:
                 store.set(o.key(o.rank), f"{self.seq}\t{self.what}")
                 self.published = True
             peers = [r for r in o.ranks if r != o.rank and store.check([o.key(r)])]
-            entries = {r: store.get(o.key(r)).decode().split("\t", 1) for r in peers}
+            entries = {r: store.get(o.key(r)).decode() for r in peers}
         except (RuntimeError, OSError):
             return
-        for r, (seq, what) in entries.items():
-            if int(seq) == self.seq and what != self.what:
+        for r, entry in entries.items():
+            # A peer whose wait ended between the check and the get took its entry back, and
+            # the store answers an empty value: that peer is not waiting, nothing to compare.
+            seq, tab, what = entry.partition("\t")
+            if tab and int(seq) == self.seq and what != self.what:
                 raise mismatch_error(o.rank, self.what, r, what, self.seq)
 
     def done(self) -> None:

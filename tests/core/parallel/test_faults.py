@@ -156,3 +156,66 @@ def test_uneven_inputs_under_torchrun_are_named_at_once(tmp_path):
     assert "rank(s) 1 already returned" in out and "with model.join():" in out
     assert "Timed out waiting" not in out
     assert took < TIMEOUT - 10, out[-3000:]
+
+
+class _StoreOfAnEndedWait:
+    """A store in which rank 1's entry is there at ``check`` and gone at ``get``: its wait
+    ended in between and it took its entry back (a TCP store then answers b"")."""
+
+    def __init__(self) -> None:
+        self.data: dict[str, str] = {}
+        self.vanishing = "mpnb/launch/waiting/1"
+
+    def check(self, keys) -> bool:
+        return all(k in self.data or k == self.vanishing for k in keys)
+
+    def set(self, key, value) -> None:
+        self.data[key] = value
+
+    def get(self, key) -> bytes:
+        return self.data.get(key, "").encode()
+
+
+class _Returned:
+    def __init__(self, store) -> None:
+        self._store = store
+
+    def __call__(self) -> list[int]:
+        return []
+
+    def store(self):
+        return self._store
+
+
+class _Owner:
+    def __init__(self, store) -> None:
+        self.ranks, self.rank, self.returned = [0, 1], 0, _Returned(store)
+
+    def key(self, rank: int) -> str:
+        return f"mpnb/launch/waiting/{rank}"
+
+
+def test_a_peer_entry_that_vanishes_between_check_and_get_is_no_mismatch_and_no_crash():
+    """Before: the empty answer failed to unpack ('not enough values to unpack') inside the
+    watch, and the launch reported that ValueError instead of the real cause."""
+    from mpnb.core.parallel._watch import _Waiting
+
+    store = _StoreOfAnEndedWait()
+    waiting = _Waiting(_Owner(store), 3, "DistributedDataParallel's all-reduce", RuntimeError)
+    waiting()  # rank 1's entry reads empty: nothing to compare
+    assert store.data == {"mpnb/launch/waiting/0": "3\tDistributedDataParallel's all-reduce"}
+    store.data[store.vanishing] = "3\tSyncBatchNorm's all-gather"  # a peer that waits on
+    with pytest.raises(RuntimeError, match="collective mismatch: rank 0"):
+        waiting()
+
+
+def test_a_peer_that_raised_stops_the_wait_with_its_error():
+    """Before: the watch raised this inside its store try-block, which swallowed it as a
+    store error; only the launch's own failure handling ended the wait."""
+    from mpnb.core.parallel._watch import _Waiting
+
+    store = _StoreOfAnEndedWait()
+    store.data["mpnb/launch/failed/1"] = "ValueError: bad batch"
+    waiting = _Waiting(_Owner(store), 1, "SyncBatchNorm's all-gather", RuntimeError)
+    with pytest.raises(RuntimeError, match=r"rank 1 raised in fn \(ValueError: bad batch\)"):
+        waiting()
