@@ -539,15 +539,8 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
         }
         p = vs * (y0 * (g0 - dot)); q = vs * (y1 * (g1 - dot));
       });
-      if (zero_steps) {
-        write_blocks<T, Acc, LayerIO<T, Acc>>(dx + Lp, sk - Lp, stream, [&](int64_t, int64_t, V& p, V& q) {
-          pf.step();
-          p = zero;
-          q = zero;
-        });
-      } else {
-        write_zeros<T, Acc, LayerIO<T, Acc>>(dx + Lp, sk - Lp, stream);
-      }
+      if (zero_steps) write_zeros<T, Acc, LayerIO<T, Acc>>(dx + Lp, sk - Lp, stream, [&] { pf.step(); });
+      else write_zeros<T, Acc, LayerIO<T, Acc>>(dx + Lp, sk - Lp, stream);
       pf.finish();
     }
     if (stream) stream_fence();

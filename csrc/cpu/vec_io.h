@@ -311,13 +311,20 @@ inline void write_blocks(T* y, int64_t n, bool stream, const F& f) {
   }
 }
 
-// y[0, n) = 0, streamed like write_blocks (the masked-out tail of a causal softmax row).
-template <typename T, typename Acc, typename IOT = IO<T, Acc>>
-inline void write_zeros(T* y, int64_t n, bool stream) {
-  write_blocks<T, Acc, IOT>(y, n, stream, [](int64_t, int64_t, Vectorized<Acc>& a, Vectorized<Acc>& b) {
+// y[0, n) = 0, streamed like write_blocks (the masked-out tail of a causal softmax row); each()
+// runs once per block (a kernel's RowPrefetch step, so that reads run beside these stores).
+template <typename T, typename Acc, typename IOT = IO<T, Acc>, typename F>
+inline void write_zeros(T* y, int64_t n, bool stream, const F& each) {
+  write_blocks<T, Acc, IOT>(y, n, stream, [&](int64_t, int64_t, Vectorized<Acc>& a, Vectorized<Acc>& b) {
+    each();
     a = Vectorized<Acc>(Acc(0));
     b = a;
   });
+}
+
+template <typename T, typename Acc, typename IOT = IO<T, Acc>>
+inline void write_zeros(T* y, int64_t n, bool stream) {
+  write_zeros<T, Acc, IOT>(y, n, stream, [] {});
 }
 
 // True when an output of `numel` elements of T is large enough to be streamed.
