@@ -16,12 +16,6 @@ from mpnb.core.ops.rotary import reference_rope
 M = torch.ops.mpnb
 
 
-@pytest.fixture
-def compiled(kernels):
-    if not kernels:
-        pytest.skip("the stores are a property of the compiled kernels")
-
-
 def _same_bits(got: torch.Tensor, want: torch.Tensor) -> None:
     nan = want.isnan()
     assert torch.equal(got.isnan(), nan)

@@ -19,12 +19,6 @@ DTYPES = [torch.float32, torch.float64, torch.bfloat16, torch.float16]
 SHAPES = [(37, 1000), (9, 4096)]  # narrow and wide rows; 9 rows: groups of four and a tail
 
 
-@pytest.fixture
-def compiled(kernels):
-    if not kernels:
-        pytest.skip("the branch-free loops are the compiled kernels'")
-
-
 @pytest.fixture(params=["auto", "1", "4"])
 def rows_per_pass(request, monkeypatch):
     """The backward's rows per write pass: the kernel's own rule, or one of the two passes

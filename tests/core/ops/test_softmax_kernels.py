@@ -15,12 +15,6 @@ M = torch.ops.mpnb
 SQ = 70  # every lane count of a 16- and a 32-lane block, and rows longer than two blocks
 
 
-@pytest.fixture
-def compiled(kernels):
-    if not kernels:
-        pytest.skip("a property of the compiled kernels")
-
-
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()])
 
