@@ -114,14 +114,6 @@ C10_ALWAYS_INLINE void load_acc(const Acc* p, int64_t j, int64_t n, Vectorized<A
   else IO<Acc, Acc>::load(p + j, n, a, b);
 }
 
-// Lines of the next row each RowPrefetch step of the norm kernels issues: half a block's (one
-// line per fp32 block), so that the next row's reads spread over all of a row's passes, the
-// write pass included. Measured against a whole block per step (the next row read during the
-// statistics passes only), 8192 x 4096 fp32 at 1 thread: layer norm forward 74% -> 81% of the
-// in-place add, backward 67% -> 74%, RMS norm backward 70% -> 78%.
-template <typename T>
-inline constexpr int kNormLines = std::max(1, kBlockLines<T> / 2);
-
 // ---- forward -----------------------------------------------------------------------------
 
 // Sum of a row: two blocks per step into four accumulators (an add's latency is 3-4 cycles).
@@ -244,7 +236,7 @@ void norm_fwd_kernel(const T* X, const W* w, const W* b, T* Y, acc_t<T>* MEAN, a
   at::parallel_for(0, M, grain, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* x = X + r * N;
-      RowPrefetch<1, kNormLines<T>> pf(r + skip < M ? x + skip * N : nullptr, nullptr,
+      RowPrefetch<1, kSpreadStep<T>> pf(r + skip < M ? x + skip * N : nullptr, nullptr,
                                         N * static_cast<int64_t>(sizeof(T)));
       Acc mu = 0;
       if constexpr (!kRms) mu = static_cast<Acc>(row_sum<T>(x, N, pf) / static_cast<double>(N));
@@ -451,7 +443,7 @@ template <typename T, bool kRms, bool kFromY, int kG>
 C10_ALWAYS_INLINE void bwd_rows(const NormBwdArgs<T>& a, int64_t r0, acc_t<T>* dw, acc_t<T>* db) {
   using Acc = acc_t<T>;
   using V = Vectorized<Acc>;
-  using PF = RowPrefetch<2, kNormLines<T>>;
+  using PF = RowPrefetch<2, kSpreadStep<T>>;
   constexpr bool kDbInStats = !kRms && kG == 1 && sizeof(T) >= 4;
   // a's fields as locals, read once: the vector stores may alias any memory, so fields read in
   // the block loop would be read again after every store

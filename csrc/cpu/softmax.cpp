@@ -460,7 +460,7 @@ void softmax_fwd_kernel(const T* X, T* Y, int64_t rows, int64_t sk, double scale
         const bool ahead = k + skip < k1;
         const int64_t ra = ahead ? mv.order(k + skip) : 0;
         const int64_t La = causal ? std::min<int64_t>(ra % sq + 1, sk) : sk;
-        RowPrefetch<1, kBlockLines<T>> pf(ahead ? X + ra * sk : nullptr, nullptr,
+        RowPrefetch<1, kBlockStep<T>> pf(ahead ? X + ra * sk : nullptr, nullptr,
                                           La * static_cast<int64_t>(sizeof(T)));
         sum = softmax_row<T>(X + r * sk, mrow, L, sk, static_cast<Acc>(scale), cur, pf, mnext,
                              pending ? &pend : nullptr, stream);
@@ -497,6 +497,8 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
   // 75-78%; at 2 threads 80-84% -> 83-86% (`mpnb bench layers`, five and two runs each).
   // 16-bit rows step in the write pass only (kEarlyPrefetch); over their zeros too they
   // measured slower (27-28% -> 24-26%).
+  // The step is half a block (kSpreadStep): a plain fp32 row steps once per block in both of
+  // its passes, a causal one two steps at once per block in its write pass and its zeros.
   const bool dot_steps = kEarlyPrefetch<T> && !causal;
   const bool zero_steps = kEarlyPrefetch<T> && causal;
   at::parallel_for(0, rows, grain, [&](int64_t r0, int64_t r1) {
@@ -511,8 +513,16 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
       const int64_t La = causal ? std::min<int64_t>(ra % sq + 1, sk) : sk;
       const int64_t Lp = std::min<int64_t>(sk, (L + K - 1) / K * K);
       // a later row's dy and y, prefetched over this row's two passes
-      RowPrefetch<2, kBlockLines<T>> pf(ahead ? DY + ra * sk : nullptr, ahead ? Y + ra * sk : nullptr,
-                                        La * static_cast<int64_t>(sizeof(T)));
+      RowPrefetch<2, kSpreadStep<T>> pf(ahead ? DY + ra * sk : nullptr, ahead ? Y + ra * sk : nullptr,
+                                         La * static_cast<int64_t>(sizeof(T)));
+      auto write_step = [&]() C10_ALWAYS_INLINE_ATTRIBUTE {
+        if constexpr (kEarlyPrefetch<T>) {
+          if (causal) pf.template step<2>();
+          else pf.step();
+        } else {
+          pf.step();
+        }
+      };
       V d0(Acc(0)), d1(Acc(0));
       int64_t i = 0;
       for (; i + K <= L; i += K) {
@@ -530,7 +540,7 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
       }
       const V dot(static_cast<Acc>(hsum(d0 + d1))), vs(static_cast<Acc>(scale));
       write_blocks<T, Acc, LayerIO<T, Acc>>(dx, Lp, stream, [&](int64_t j, int64_t n, V& p, V& q) {
-        pf.step();
+        write_step();
         if (n == K) { IOT::load(dy + j, g0, g1); IOT::load(y + j, y0, y1); }
         else { IOT::load(dy + j, n, g0, g1); IOT::load(y + j, n, y0, y1); }
         if (j + K > L) {  // lanes from L on (a block past L only after an unaligned head)
@@ -539,7 +549,7 @@ void softmax_bwd_kernel(const T* DY, const T* Y, T* DX, int64_t rows, int64_t sk
         }
         p = vs * (y0 * (g0 - dot)); q = vs * (y1 * (g1 - dot));
       });
-      if (zero_steps) write_zeros<T, Acc, LayerIO<T, Acc>>(dx + Lp, sk - Lp, stream, [&] { pf.step(); });
+      if (zero_steps) write_zeros<T, Acc, LayerIO<T, Acc>>(dx + Lp, sk - Lp, stream, write_step);
       else write_zeros<T, Acc, LayerIO<T, Acc>>(dx + Lp, sk - Lp, stream);
       pf.finish();
     }
