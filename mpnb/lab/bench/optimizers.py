@@ -31,7 +31,8 @@ Pure bf16 (no masters, no loss scale): ``FusedAdam(stochastic_rounding=True)`` a
 params (which keeps its moments in bf16: 14 B/param) and against our round-to-nearest bf16
 step. Ours move :data:`PURE_BF16_BYTES` per param: bf16 param read + write 4, bf16 grad 2,
 fp32 m and v read + write 16 (22 B); Kahan adds its bf16 compensation read + write (26 B).
-The target is the share of the same-run in-place bandwidth (``bw_target``), not a speed-up.
+Each of our three steps has a target: the share of the same-run in-place bandwidth
+(``bw_target``), not a speed-up.
 
 Every mpnb candidate with a bandwidth target also has its in-cache roofline (``InCache``): the
 same optimizer's step over 4 fresh tensors that together fit in half of the last-level cache,
@@ -416,6 +417,10 @@ def _pure_bf16_case(work, numels) -> Case:
                 "mpnb FusedAdam bf16, round to nearest",
                 ours["round to nearest"].step,
                 b["nearest"] * n,
+                RMW,
+                None,
+                bw,
+                in_cache=roofline("round to nearest", b["nearest"]),
             ),
             Candidate(
                 "mpnb FusedAdam(stochastic_rounding=True)",
