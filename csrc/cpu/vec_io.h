@@ -359,9 +359,9 @@ C10_ALWAYS_INLINE void prefetch_block(const T* p) {
 // A later row's prefetch (rows_ahead below), issued over every pass a row kernel makes over the
 // current row: each pass calls step() once per block (or pair of blocks) it visits, and each step
 // prefetches the next `kBytes` of that row's arrays (one or two, at the same offsets; whole
-// lines, or half a line) until the row is covered; finish() issues what is left. The first passes (in cache, arithmetic only) then keep
-// the memory bus busy with that row's reads, and the write pass with the output's streaming
-// stores. (The earlier prefetch ran in the write pass only and fetched one line per block, half
+// lines, or half a line) until the row is covered; finish() issues what is left. The first
+// passes (in cache, arithmetic only) then keep the memory bus busy with that row's reads, and
+// the write pass with the output's streaming stores. (The earlier prefetch ran in the write pass only and fetched one line per block, half
 // of an fp32 row: 8192 x 4096 fp32 at 1 thread, layer norm forward 21.3 -> 17.1 ms, layer norm
 // backward 38.4 -> 28.6 ms, `mpnb bench layers`.) 16-bit rows step only in the write pass
 // (kEarlyPrefetch). A step is four instructions and no branch: past the end it prefetches the
@@ -442,19 +442,14 @@ inline int64_t rows_covering(int64_t bytes, int64_t row_bytes, int64_t most) {
 
 inline int64_t rows_ahead(int64_t row_bytes) { return rows_covering(kPrefetchAhead, row_bytes, 4); }
 
-// Lines of one block of IO<T, Acc> (32 fp32 values: two; 32 bf16: one): the kLines of a
-// RowPrefetch stepped once per block keeps pace with the row.
-template <typename T, typename Acc = acc_t<T>>
-inline constexpr int kBlockLines = static_cast<int>(
-    std::max<int64_t>(1, IO<T, Acc>::kWidth * static_cast<int64_t>(sizeof(T)) / kCacheLine));
-
 // Bytes of one block of IO<T, Acc> (32 fp32 values with AVX-512: 128; 16 with AVX2: 64).
 template <typename T, typename Acc = acc_t<T>>
 inline constexpr int kBlockBytes = static_cast<int>(IO<T, Acc>::kWidth * static_cast<int64_t>(sizeof(T)));
 
-// The RowPrefetch step (bytes) of a pass that keeps pace with the row: a block's whole lines.
+// The RowPrefetch step (bytes) of a pass that keeps pace with the row: a block's whole lines
+// (at least one: a 16-bit AVX2 block is half a line).
 template <typename T, typename Acc = acc_t<T>>
-inline constexpr int kBlockStep = kBlockLines<T, Acc> * static_cast<int>(kCacheLine);
+inline constexpr int kBlockStep = std::max(static_cast<int>(kCacheLine), kBlockBytes<T, Acc>);
 
 // The RowPrefetch step (bytes) of a row kernel that steps once per block in two or more passes
 // over the row (the norms; the plain softmax backward): half a block, so that the next row's
