@@ -79,7 +79,7 @@ struct AdamBody {
   fVec lerp_coeff, lerp_mask, beta2, c2, eps, wd, decay_mul;
   bool adam_w, has_wd;
   const std::vector<float>* neg_step_size;  // per tensor: -lr / bias_correction1
-  const std::vector<float>* bc2_sqrt;       // per tensor: sqrt(bias_correction2)
+  const std::vector<ScalarDivisor>* bc2_sqrt;  // per tensor: sqrt(bias_correction2)
 
   template <bool kScalarTail>
   C10_ALWAYS_INLINE void update(int64_t t, fVec& w, fVec g, fVec* s) const {
@@ -94,7 +94,7 @@ struct AdamBody {
     // in its vector loop, over the first in its scalar tail. Mirrored for parity.
     if constexpr (kScalarTail) s[1] = at::vec::fmadd(s[1], beta2, c2 * g * g);
     else s[1] = at::vec::fmadd(c2 * g, g, s[1] * beta2);
-    const fVec denom = s[1].sqrt() / fVec((*bc2_sqrt)[t]) + eps;
+    const fVec denom = divide(s[1].sqrt(), (*bc2_sqrt)[t]) + eps;
     w = w + fVec((*neg_step_size)[t]) * s[0] / denom;
   }
   C10_ALWAYS_INLINE void operator()(int64_t t, fVec& w, fVec g, fVec* s) const {
@@ -128,8 +128,9 @@ inline void fused_adam_cpu(const Tensors& params_, const Tensors& grads_,
   const auto nss = per_step<float>(step, [&](double s) {
     return static_cast<float>(-(lr / (bias_correction ? 1 - std::pow(beta1, s) : 1.0)));
   });
-  const auto bc2s = per_step<float>(step, [&](double s) {
-    return static_cast<float>(std::sqrt(bias_correction ? 1 - std::pow(beta2, s) : 1.0));
+  const auto bc2s = per_step<ScalarDivisor>(step, [&](double s) {
+    return ScalarDivisor(
+        static_cast<float>(std::sqrt(bias_correction ? 1 - std::pow(beta2, s) : 1.0)));
   });
   const float w = static_cast<float>(1 - beta1);
   const fVec weight(w);
@@ -160,7 +161,7 @@ struct AdamPlainBody {
   fVec decay, wd, beta1, c1, beta2, c2, eps;
   bool adam_w, has_wd;
   const std::vector<float>* neg_step;  // per tensor: -lr / bias_correction1
-  const std::vector<float>* bc2_sqrt;  // per tensor: sqrt(bias_correction2)
+  const std::vector<ScalarDivisor>* bc2_sqrt;  // per tensor: sqrt(bias_correction2)
 
   C10_ALWAYS_INLINE void operator()(int64_t t, fVec& w, fVec g, fVec* s) const {
     if (has_wd) {
@@ -169,7 +170,7 @@ struct AdamPlainBody {
     }
     s[0] = s[0] * beta1 + c1 * g;
     s[1] = s[1] * beta2 + (c2 * g) * g;
-    const fVec denom = s[1].sqrt() / fVec((*bc2_sqrt)[t]) + eps;
+    const fVec denom = divide(s[1].sqrt(), (*bc2_sqrt)[t]) + eps;
     w = w + (fVec((*neg_step)[t]) * s[0]) / denom;
   }
 };
@@ -196,8 +197,9 @@ inline void fused_adam_bf16_cpu(const Tensors& params_, const Tensors& grads_,
   const auto nss = per_step<float>(step, [&](double s) {
     return static_cast<float>(-(lr / (bias_correction ? 1 - std::pow(beta1, s) : 1.0)));
   });
-  const auto bc2s = per_step<float>(step, [&](double s) {
-    return static_cast<float>(std::sqrt(bias_correction ? 1 - std::pow(beta2, s) : 1.0));
+  const auto bc2s = per_step<ScalarDivisor>(step, [&](double s) {
+    return ScalarDivisor(
+        static_cast<float>(std::sqrt(bias_correction ? 1 - std::pow(beta2, s) : 1.0)));
   });
   AdamPlainBody body{fVec(static_cast<float>(1 - lr * weight_decay)),
                      fVec(static_cast<float>(weight_decay)),

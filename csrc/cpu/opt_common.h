@@ -22,6 +22,7 @@
 #include <torch/library.h>
 
 #include <array>
+#include <cfloat>
 #include <cmath>
 #include <optional>
 #include <vector>
@@ -145,6 +146,60 @@ inline std::vector<T> per_step(const std::vector<double>& steps, const F& factor
   for (size_t i = 0; i < steps.size(); ++i)
     out[i] = (i > 0 && steps[i] == steps[i - 1]) ? out[i - 1] : factor(steps[i]);
   return out;
+}
+
+// ---- division by a per-tensor scalar, bit for bit, without the divider ------------------
+//
+// Adam divides sqrt(exp_avg_sq) by sqrt(bias_correction2), a number fixed for a tensor, and
+// then divides by the denominator. Both are IEEE divisions in PyTorch's fused kernel, so both
+// must round as a division does; on the CPUs here the divider (shared with the square root)
+// is what an Adam step waits on once its data is in cache. The scalar division becomes one
+// multiply and two fmas with the same result (Markstein's theorem: if y is within half an
+// ulp of 1/d and q within one ulp of x/d, then r = x - q d is exact and RN(q + r y) is
+// RN(x/d); P. Markstein, IBM J. Res. Dev. 34(1), 1990; Handbook of Floating-Point
+// Arithmetic, ch. 4): y = RN(1/d) once per tensor, q = RN(x y), r = fma(-q, d, x), and the
+// quotient is fma(r, y, q).
+//
+// The theorem needs no overflow or underflow on the way. The kernels pass x = sqrt(v) for an
+// fp32 v >= 0, so x is 0, +inf, NaN or in [2^-75, 2^64], and the divisor route is taken only
+// for d in [2^-60, 2] (every valid beta2 gives d in [2^-27, 1]); then q <= 2^124 and a
+// nonzero r >= 2^-102, both normal. x = 0 gives q = r = 0 and the quotient 0. x = +inf gives
+// q = +inf and r = inf - inf = NaN: r is clamped with a min whose NaN operand yields the
+// other one (minps returns its second operand when either is NaN), so r = FLT_MAX and the
+// quotient is +inf, as inf / d is. A NaN x gives a NaN quotient (q is NaN). Any other d
+// (beta2 outside [0, 1) reaching the op directly: 0, NaN, huge) divides as before.
+// Checked against vdivps at every fp32 significand of x for 21,000 significands of d (the
+// 3,000 lowest and highest and the 3,000 from 1.5 up, 12,000 at random): no difference;
+// tests/core/ops/test_optimizer_kernels.py holds the step to PyTorch's bit for bit over
+// thousands of step counts.
+struct ScalarDivisor {
+  float d = 1.0f;      // the divisor
+  float recip = 1.0f;  // RN(1/d)
+  bool by_recip = false;
+
+  ScalarDivisor() = default;
+  explicit ScalarDivisor(float d_)
+      : d(d_), recip(1.0f / d_), by_recip(d_ >= 0x1p-60f && d_ <= 2.0f) {}
+};
+
+// x / div.d, rounded as IEEE division (see ScalarDivisor for the range of x it is exact on).
+C10_ALWAYS_INLINE fVec divide(const fVec& x, const ScalarDivisor& div) {
+#if defined(CPU_CAPABILITY_AVX512)
+  if (div.by_recip) {
+    const __m512 d = _mm512_set1_ps(div.d), y = _mm512_set1_ps(div.recip);
+    const __m512 q = _mm512_mul_ps(x, y);
+    const __m512 r = _mm512_min_ps(_mm512_fnmadd_ps(q, d, x), _mm512_set1_ps(FLT_MAX));
+    return _mm512_fmadd_ps(r, y, q);
+  }
+#elif defined(CPU_CAPABILITY_AVX2)
+  if (div.by_recip) {
+    const __m256 d = _mm256_set1_ps(div.d), y = _mm256_set1_ps(div.recip);
+    const __m256 q = _mm256_mul_ps(x, y);
+    const __m256 r = _mm256_min_ps(_mm256_fnmadd_ps(q, d, x), _mm256_set1_ps(FLT_MAX));
+    return _mm256_fmadd_ps(r, y, q);
+  }
+#endif
+  return x / fVec(div.d);
 }
 
 // Call fn(c) for each chunk index c in [begin, end) (`numel` elements in all), in parallel when

@@ -149,6 +149,66 @@ def test_fp32_adam_equals_torch_fused_adam_bitwise(kernels, adam_w_mode, n):
     assert torch.equal(w, p)
 
 
+@pytest.mark.parametrize("beta2", [0.999, 0.95, 0.0, 1.0, 1.5])
+def test_fp32_adam_divides_like_torch_at_every_step_count(kernels, beta2):
+    """The kernel divides sqrt(exp_avg_sq) by sqrt(bias_correction2) with a multiply and two
+    fmas (opt_common.h's ScalarDivisor): bit for bit PyTorch's division at 1200 step counts
+    (1200 divisors), exp_avg_sq over 2^-149..2^127 with 0 and inf among them, and for betas
+    no optimizer accepts (beta2 1.0 divides by 0, 1.5 by NaN: the plain division)."""
+    if not kernels:
+        pytest.skip("the bitwise claim is the kernel's (MPNB_DISABLE_EXT=1 runs the references)")
+    gen = torch.Generator().manual_seed(5)
+    n, count = 1500, 1200  # per tensor: under the route to PyTorch's op, one scalar tail
+    steps = torch.unique(torch.logspace(0, 6, 4000).round())[:count]
+    exps = torch.randint(-149, 128, (count, n), generator=gen).float()
+    v = torch.rand(count, n, generator=gen).add(1).mul(torch.exp2(exps)).clamp(max=3e38)
+    v[:, :3] = torch.tensor([0.0, float("inf"), 2.0**-149])
+    lists = [
+        [torch.randn(n, generator=gen) for _ in range(count)],  # params
+        [torch.randn(n, generator=gen) * 1e3 for _ in range(count)],  # grads
+        [torch.randn(n, generator=gen) for _ in range(count)],  # exp_avg
+        [row.clone() for row in v],  # exp_avg_sq
+        [s.reshape(()) - 1 for s in steps.float()],  # the kernels advance the counts first
+    ]
+    ref = [[t.clone() for t in ts] for ts in lists]
+    p, g, m, v_, st = lists
+    ops.fused_adam_(
+        p,
+        g,
+        m,
+        v_,
+        [],
+        st,
+        lr=1e-3,
+        beta1=0.9,
+        beta2=beta2,
+        eps=1e-8,
+        weight_decay=0.0,
+        adam_w_mode=True,
+        bias_correction=True,
+    )
+    p, g, m, v_, st = ref
+    for s in st:
+        s.add_(1)
+    torch._fused_adamw_(
+        p,
+        g,
+        m,
+        v_,
+        [],
+        st,
+        lr=1e-3,
+        beta1=0.9,
+        beta2=beta2,
+        weight_decay=0.0,
+        eps=1e-8,
+        amsgrad=False,
+        maximize=False,
+    )
+    for ours, theirs in zip(lists[0] + lists[2] + lists[3], ref[0] + ref[2] + ref[3], strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0, equal_nan=True)
+
+
 @pytest.mark.parametrize("nesterov", [False, True])
 @pytest.mark.parametrize("n", TORCH_SIZES)
 def test_fp32_sgd_equals_torch_sgd_bitwise(kernels, nesterov, n):
