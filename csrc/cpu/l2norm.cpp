@@ -32,6 +32,10 @@ inline double sumsq_fp64(const T* x, int64_t n, Acc inv) {
 // widened into fp64. A block error stays near 1e-7 relative; a chunk that overflows fp32
 // (|x| > 1.8e19) or underflows it (tiny values) is summed again in fp64.
 constexpr int64_t kL2Block = 1024;
+// The read prefetch distance of the fast path (vec_io.h prefetch_stream). Zen 1, bf16 grads of
+// the GPT workload (20M elements in 76 tensors): 5.1 -> 4.2-4.4 ms at 1 thread, 3.2 -> 2.5 ms
+// at 2 (1024 B: 4.6 and 2.7; 512 B: 4.6 and 2.8).
+constexpr int64_t kL2PrefetchBytes = 2048;
 
 template <typename T, typename Acc, bool kScaled>
 inline double sumsq_range(const T* x, int64_t n, Acc inv) {
@@ -50,6 +54,8 @@ inline double sumsq_range(const T* x, int64_t n, Acc inv) {
       fVec c, e;
       int64_t i = blk;
       for (; i + 2 * W <= end; i += 2 * W) {
+        prefetch_stream<kL2PrefetchBytes>(x + i);  // one line a step for 16-bit x, two for fp32
+        if constexpr (sizeof(T) == 4) prefetch_stream<kL2PrefetchBytes + kCacheLine>(x + i);
         IO<T, float>::load(x + i, a, b);
         IO<T, float>::load(x + i + W, c, e);
         if constexpr (kScaled) { a = a * vi; b = b * vi; c = c * vi; e = e * vi; }

@@ -208,6 +208,19 @@ struct Bits<c10::BFloat16> { using I = int16_t; static constexpr I kExp = 0x7f80
 template <>
 struct Bits<c10::Half> { using I = int16_t; static constexpr I kExp = 0x7c00; };
 
+// A read prefetch kBytes past p into every cache level, for a loop that streams an array once
+// and reads one cache line per iteration. The hardware prefetcher alone keeps too few lines in
+// flight for a read-only stream on AMD EPYC 7001 (Zen 1): one core read bf16 at 8-9 GB/s, where
+// PyTorch's fp32 sum reads 11.5 (see all_finite_bits and l2norm.cpp's sumsq_range).
+template <int64_t kBytes, typename T>
+C10_ALWAYS_INLINE void prefetch_stream(const T* p) {
+  __builtin_prefetch(reinterpret_cast<const char*>(p) + kBytes, 0, 3);
+}
+
+// all_finite_bits' prefetch distance. Zen 1, bf16 grads of the GPT workload (40 MB): 4.0 ->
+// 3.6-3.9 ms at 1 thread, 2.9 -> 2.35-2.4 ms at 2 (2048 B: 4.25 and 2.6; 512 B: 3.6 and 2.4).
+constexpr int64_t kFinitePrefetchBytes = 1024;
+
 template <typename T>
 inline bool all_finite_bits(const T* x, int64_t n) {
   using I = typename Bits<T>::I;
@@ -217,6 +230,7 @@ inline bool all_finite_bits(const T* x, int64_t n) {
   IV bad0(I(0)), bad1(I(0));
   int64_t i = 0;
   for (; i + 2 * IV::size() <= n; i += 2 * IV::size()) {
+    prefetch_stream<kFinitePrefetchBytes>(p + i);
     bad0 = bad0 | ((IV::loadu(p + i) & exp) == exp);
     bad1 = bad1 | ((IV::loadu(p + i + IV::size()) & exp) == exp);
   }
