@@ -62,6 +62,10 @@ struct LambWeight {
       else IO<p_t, float>::load(p + i, k, a, b);
     }
   }
+  C10_ALWAYS_INLINE void prefetch(int64_t i) const {
+    if (w) prefetch_ahead(w + i);
+    else prefetch_ahead(p + i);
+  }
   C10_ALWAYS_INLINE void store(int64_t i, int64_t k, const fVec& a, const fVec& b) const {
     if (k == kW) {
       if (w) IO<float, float>::store(w + i, a, b);
@@ -106,6 +110,10 @@ C10_ALWAYS_INLINE void lamb_pass1(const Chunk& ch, const TensorRefs& params,
   fVec w0, w1, g0, g1, m0, m1, v0, v1;
   for (int64_t i = 0; i < n; i += kW) {
     const int64_t k = std::min(kW, n - i);
+    prefetch_ahead(g + i);
+    wt.prefetch(i);
+    prefetch_ahead(m + i);
+    prefetch_ahead(v + i);
     load_f32(g, i, k, g0, g1);
     wt.load(i, k, w0, w1);
     load_f32(m, i, k, m0, m1);
@@ -143,6 +151,13 @@ C10_ALWAYS_INLINE void lamb_pass2(const Chunk& ch, const TensorRefs& params,
   fVec w0, w1, u0, u1, m0, m1, v0, v1;
   for (int64_t i = 0; i < n; i += kW) {
     const int64_t k = std::min(kW, n - i);
+    wt.prefetch(i);
+    if (u_in) {
+      prefetch_ahead(u_in + i);
+    } else {
+      prefetch_ahead(m + i);
+      prefetch_ahead(v + i);
+    }
     wt.load(i, k, w0, w1);
     if (u_in) {
       load_f32(u_in, i, k, u0, u1);
