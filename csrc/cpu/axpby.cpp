@@ -21,6 +21,8 @@ inline bool axpby_range(const x_t* x, const y_t* y, o_t* o, int64_t n, Acc a, Ac
   V bad(Acc(0)), x0, x1, y0, y1;
   auto load = [&](int64_t i, int64_t len) {
     if (len == W) {
+      prefetch_ahead(x + i);
+      prefetch_ahead(y + i);
       IO<x_t, Acc>::load(x + i, x0, x1);
       IO<y_t, Acc>::load(y + i, y0, y1);
     } else {

@@ -202,20 +202,6 @@ C10_ALWAYS_INLINE fVec divide(const fVec& x, const ScalarDivisor& div) {
   return x / fVec(div.d);
 }
 
-// How far ahead (in elements) the update passes prefetch each array they read (vec_io.h
-// prefetch_stream; 1 KiB of fp32): on Zen 1 the hardware prefetcher alone left the memory bus
-// idle while a block's arithmetic ran. O2 LAMB on the GPT workload (20M params), % of the
-// same-run add, prefetching its passes only: 2 threads 67-68% -> 72% (512 elements: 71-72%), 1
-// thread 56% -> 61% (512: 59%; 128: 56%); with the Adam/SGD/Adagrad/NovoGrad walk as well:
-// 71-74% and 62-65%.
-constexpr int64_t kOptAheadElems = 256;
-
-// The read prefetch of x + kOptAheadElems (an array an update pass streams once).
-template <typename T>
-C10_ALWAYS_INLINE void prefetch_ahead(const T* x) {
-  prefetch_stream<kOptAheadElems * static_cast<int64_t>(sizeof(T))>(x);
-}
-
 // Call fn(c) for each chunk index c in [begin, end) (`numel` elements in all), in parallel when
 // the work is worth it (the rule of for_each_chunk). Each thread gets one contiguous range of
 // chunks; with `backward` it walks its range from the last chunk to the first (a second pass

@@ -35,6 +35,7 @@ bool scale_range(const in_t* x, out_t* y, int64_t n, Acc s, bool stream) {
     const int64_t head = align_head(y, n);
     for (; i < head; i += W) part(i, std::min(W, head - i));
     for (; i + W <= n; i += W) {
+      prefetch_ahead(x + i);
       I::load(x + i, a, b);
       a = a * vs;
       b = b * vs;
@@ -44,6 +45,7 @@ bool scale_range(const in_t* x, out_t* y, int64_t n, Acc s, bool stream) {
     }
   } else {
     for (; i + W <= n; i += W) {
+      prefetch_ahead(x + i);
       I::load(x + i, a, b);
       a = a * vs;
       b = b * vs;
