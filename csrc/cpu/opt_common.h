@@ -182,21 +182,34 @@ struct ScalarDivisor {
       : d(d_), recip(1.0f / d_), by_recip(d_ >= 0x1p-60f && d_ <= 2.0f) {}
 };
 
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
+// c - a b with one rounding (at::vec's generic fnmadd rounds the product first).
+C10_ALWAYS_INLINE fVec fnmadd_fused(const fVec& a, const fVec& b, const fVec& c) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_fnmadd_ps(a, b, c);
+#else
+  return _mm256_fnmadd_ps(a, b, c);
+#endif
+}
+
+// min(a, b), b where either is NaN (minps; at::vec's minimum propagates the NaN).
+C10_ALWAYS_INLINE fVec min_or_second(const fVec& a, const fVec& b) {
+#if defined(CPU_CAPABILITY_AVX512)
+  return _mm512_min_ps(a, b);
+#else
+  return _mm256_min_ps(a, b);
+#endif
+}
+#endif
+
 // x / div.d, rounded as IEEE division (see ScalarDivisor for the range of x it is exact on).
 C10_ALWAYS_INLINE fVec divide(const fVec& x, const ScalarDivisor& div) {
-#if defined(CPU_CAPABILITY_AVX512)
+#if defined(CPU_CAPABILITY_AVX512) || defined(CPU_CAPABILITY_AVX2)
   if (div.by_recip) {
-    const __m512 d = _mm512_set1_ps(div.d), y = _mm512_set1_ps(div.recip);
-    const __m512 q = _mm512_mul_ps(x, y);
-    const __m512 r = _mm512_min_ps(_mm512_fnmadd_ps(q, d, x), _mm512_set1_ps(FLT_MAX));
-    return _mm512_fmadd_ps(r, y, q);
-  }
-#elif defined(CPU_CAPABILITY_AVX2)
-  if (div.by_recip) {
-    const __m256 d = _mm256_set1_ps(div.d), y = _mm256_set1_ps(div.recip);
-    const __m256 q = _mm256_mul_ps(x, y);
-    const __m256 r = _mm256_min_ps(_mm256_fnmadd_ps(q, d, x), _mm256_set1_ps(FLT_MAX));
-    return _mm256_fmadd_ps(r, y, q);
+    const fVec y(div.recip);
+    const fVec q = x * y;
+    const fVec r = min_or_second(fnmadd_fused(q, fVec(div.d), x), fVec(FLT_MAX));
+    return at::vec::fmadd(r, y, q);
   }
 #endif
   return x / fVec(div.d);
