@@ -387,14 +387,14 @@ C10_ALWAYS_INLINE void prefetch_block(const T* p) {
 
 // A later row's prefetch (rows_ahead below), issued over every pass a row kernel makes over the
 // current row: each pass calls step() once per block (or pair of blocks) it visits, and each step
-// prefetches the next `kBytes` of that row's arrays (one or two, at the same offsets; whole
-// lines, or half a line) until the row is covered; finish() issues what is left. The first
-// passes (in cache, arithmetic only) then keep the memory bus busy with that row's reads, and
-// the write pass with the output's streaming stores. (The earlier prefetch ran in the write pass only and fetched one line per block, half
-// of an fp32 row: 8192 x 4096 fp32 at 1 thread, layer norm forward 21.3 -> 17.1 ms, layer norm
-// backward 38.4 -> 28.6 ms, `mpnb bench layers`.) 16-bit rows step only in the write pass
-// (kEarlyPrefetch). A step is four instructions and no branch: past the end it prefetches the
-// row's last line again. Without such a row it prefetches one idle line.
+// prefetches the next `kBytes` of that row's arrays (one or two, at the same offsets; whole lines,
+// or half a line) until the row is covered; finish() issues what is left. The first passes (in
+// cache, arithmetic only) then keep the memory bus busy with that row's reads, and the write pass
+// with the output's streaming stores. (The earlier prefetch ran in the write pass only and fetched
+// one line per block, half of an fp32 row: 8192 x 4096 fp32 at 1 thread, layer norm forward 21.3 ->
+// 17.1 ms, layer norm backward 38.4 -> 28.6 ms, `mpnb bench layers`.) 16-bit rows step only in the
+// write pass (kEarlyPrefetch). A step is four instructions and no branch: past the end it
+// prefetches the row's last line again. Without such a row it prefetches one idle line.
 template <int kArrays, int kBytes>
 class RowPrefetch {
   static_assert(kArrays == 1 || kArrays == 2, "one or two arrays");

@@ -152,9 +152,10 @@ def test_fp32_adam_equals_torch_fused_adam_bitwise(kernels, adam_w_mode, n):
 @pytest.mark.parametrize("beta2", [0.999, 0.95, 0.0, 1.0, 1.5])
 def test_fp32_adam_divides_like_torch_at_every_step_count(kernels, beta2):
     """The kernel divides sqrt(exp_avg_sq) by sqrt(bias_correction2) with a multiply and two
-    fmas (opt_common.h's ScalarDivisor): bit for bit PyTorch's division at 1200 step counts
-    (1200 divisors), exp_avg_sq over 2^-149..2^127 with 0 and inf among them, and for betas
-    no optimizer accepts (beta2 1.0 divides by 0, 1.5 by NaN: the plain division)."""
+    fmas (opt_common.h's ScalarDivisor): bit for bit PyTorch's division at 1200 step counts (as
+    many divisors where bias_correction2 still rounds apart), exp_avg_sq over 2^-149..2^127 with
+    0 and inf among them, and for betas no optimizer accepts (beta2 1.0 divides by 0, 1.5 by
+    NaN: the plain division)."""
     if not kernels:
         pytest.skip("the bitwise claim is the kernel's (MPNB_DISABLE_EXT=1 runs the references)")
     gen = torch.Generator().manual_seed(5)
