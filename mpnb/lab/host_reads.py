@@ -1,0 +1,154 @@
+"""Count the host reads of device values in a block of code: each one makes a CUDA host wait.
+
+A training step that reads a device value on the host (``loss.item()``, ``bool(found_inf)``,
+``scale.tolist()``, a blocking copy to the CPU) waits there until the GPU has computed it; while
+it waits it queues nothing, so the GPU idles once the queue drains. :class:`HostReads` counts
+those reads while code runs, on any device, so a CPU run (and a test) can say how often the same
+code would wait on a GPU:
+
+* ``Tensor.item()`` and ``Tensor.tolist()`` called from Python anywhere, also inside an op's
+  Python kernel (seen through :func:`sys.setprofile`, for the calling thread only:
+  ``tolist`` reads a CPU tensor without dispatching an op);
+* ``aten::_local_scalar_dense``, the op behind ``bool()``, ``int()``, ``float()`` and
+  ``if tensor:`` (seen through a :class:`~torch.utils._python_dispatch.TorchDispatchMode`,
+  also when PyTorch's own code calls it); the mode does not see inside an op whose kernel is
+  Python (a mode is off while it handles an op), where only ``item`` and ``tolist`` count;
+* a copy from a CUDA tensor to the CPU that is not ``non_blocking`` (``aten::_to_copy`` and
+  ``aten::copy_``).
+
+``Tensor.numpy()`` is not counted: it works on host memory only (a pinned host buffer filled by
+an asynchronous copy, read once its event has completed, which never waits).
+
+On CUDA, ``torch.cuda.set_sync_debug_mode("warn")`` reports the synchronizations themselves; the
+GPU check uses both and compares them.
+
+Example::
+
+    >>> with HostReads() as reads:
+    ...     train_step()
+    >>> reads.count, reads.where[:1]
+    (0, [])
+"""
+
+from __future__ import annotations
+
+import sys
+import traceback
+from collections import Counter
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["HostReads"]
+
+_SCALAR = torch.ops.aten._local_scalar_dense.default
+_COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.copy_.default)
+_HERE = __file__
+
+
+def _device_of(x) -> torch.device | None:
+    return x.device if isinstance(x, torch.Tensor) else None
+
+
+def _blocking_d2h(func, args, kwargs) -> bool:
+    """True for a copy from a CUDA tensor into host memory that waits for it."""
+    if kwargs.get("non_blocking") or (len(args) > 2 and args[2] is True):
+        return False
+    if func is _COPIES[0]:
+        src, dst = _device_of(args[0]), kwargs.get("device")
+        return src is not None and src.type == "cuda" and dst is not None and dst.type == "cpu"
+    dst, src = _device_of(args[0]), _device_of(args[1]) if len(args) > 1 else None
+    return src is not None and dst is not None and src.type == "cuda" and dst.type == "cpu"
+
+
+class _Mode(TorchDispatchMode):
+    def __init__(self, note):
+        super().__init__()
+        self._note = note
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SCALAR:
+            self._note("item", seen_by_mode=True)
+        elif func in _COPIES and _blocking_d2h(func, args, kwargs):
+            self._note("copy to host")
+        return func(*args, **kwargs)
+
+
+class HostReads:
+    """A context manager that counts host reads of tensor values (see the module docstring).
+
+    Attributes:
+        count: reads so far.
+        kinds: a :class:`collections.Counter` of ``"item"``, ``"tolist"``, ``"copy to host"``.
+        where: one ``"file:line in function"`` per read: the innermost frame outside torch and
+            this module, so a test failure names the line that reads.
+
+    Nesting is allowed (each counts what runs inside it). The profile hook and the dispatch mode
+    are removed on exit, also when the body raises; a profile function set before entering is
+    put back.
+
+    Example::
+
+        >>> with HostReads() as r:
+        ...     torch.ones(2).sum().item()
+        >>> r.count, dict(r.kinds)
+        (1, {'item': 1})
+    """
+
+    def __init__(self) -> None:
+        self.count = 0
+        self.kinds: Counter = Counter()
+        self.where: list[str] = []
+        self._mode: _Mode | None = None
+        self._previous = None
+        self._in_item = 0  # inside a Tensor.item() the profile hook counted already
+
+    def _note(self, kind: str, seen_by_mode: bool = False) -> None:
+        if seen_by_mode and self._in_item:
+            return
+        self.count += 1
+        self.kinds[kind] += 1
+        self.where.append(_caller())
+
+    def _profile(self, frame, event, arg) -> None:
+        name = getattr(arg, "__qualname__", "") if event.startswith("c_") else ""
+        if name == "Tensor.item":
+            if event == "c_call":
+                self._note("item")
+                self._in_item += 1
+            else:  # c_return, c_exception
+                self._in_item = max(0, self._in_item - 1)
+        elif name == "Tensor.tolist" and event == "c_call":
+            self._note("tolist")
+        if self._previous is not None:
+            self._previous(frame, event, arg)
+
+    def __enter__(self) -> HostReads:
+        self._previous = sys.getprofile()
+        self._mode = _Mode(self._note)
+        self._mode.__enter__()
+        sys.setprofile(self._profile)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        sys.setprofile(self._previous)
+        self._previous = None
+        mode, self._mode = self._mode, None
+        mode.__exit__(*exc)
+
+    def reset(self) -> None:
+        """Start counting from zero (what was seen so far is forgotten)."""
+        self.count = 0
+        self.kinds.clear()
+        self.where.clear()
+
+
+def _caller() -> str:
+    """The innermost frame of the stack that is neither torch's nor this module's."""
+    torch_dir = torch.__file__.rsplit("/", 1)[0]
+    for fs in reversed(traceback.extract_stack()[:-3]):
+        if fs.filename == _HERE or fs.filename.startswith(torch_dir):
+            continue
+        return f"{fs.filename}:{fs.lineno} in {fs.name}"
+    return "?"
