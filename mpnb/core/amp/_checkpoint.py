@@ -176,11 +176,13 @@ def resolve_scaler_state(scaler, state, key: str = "state") -> tuple[tuple, str 
     saved_scale = float(state["loss_scale"])
     if saved_dynamic == scaler.dynamic and (scaler.dynamic or saved_scale == own_scale):
         return checked, None
+    skipped, run, _ = scaler.counters.read()
     own = (
         own_scale,
         int(scaler.growth_tracker.item()),
         int(scaler.hysteresis_tracker.item()),
-        scaler.skips_at_min,
+        run,
+        skipped,
     )
     if scaler.dynamic:
         note = (

@@ -49,37 +49,44 @@ class CollapseCheck:
             self.count = 0
             return
         self.count += 1
-        if self.limit is not None and self.count >= self.limit:
-            advice = {
-                torch.float16: "lower the learning rate, or use half_dtype=torch.bfloat16 "
-                "(fp32's range)",
-                torch.bfloat16: "lower the learning rate, or run the failing part in fp32",
-            }.get(self.half_dtype, "lower the learning rate")
-            head = (
-                f"{self.count} consecutive optimizer steps were skipped for inf/NaN gradients "
-                f"with the loss scale at or below {self.floor:g} ({self.floor_name})"
-            )
-            if self.floor > 1.0:  # the scale still multiplies: the floor may be the overflow
-                raise LossScaleCollapseError(
-                    f"{head}: the scale cannot back off below this floor, and a scale above 1 "
-                    "still multiplies the gradients, so the floor itself may make them overflow "
-                    "(fp16's largest number is 65504). Lower min_loss_scale (or remove it: the "
-                    "scale then backs off as far as the gradients need); if steps still "
-                    f"overflow near a scale of 1, check the loss and the inputs for inf/NaN, "
-                    f"{advice}; {self.disable}."
-                )
+        self.raise_if(self.count)
+
+    def raise_if(self, count: int) -> None:
+        """Raise :class:`LossScaleCollapseError` when ``count`` consecutive skipped steps at the
+        floor reach the limit (a loss scaler counts them on the device and passes the count)."""
+        if self.limit is None or count < self.limit:
+            return
+        advice = {
+            torch.float16: "lower the learning rate, or use half_dtype=torch.bfloat16 "
+            "(fp32's range)",
+            torch.bfloat16: "lower the learning rate, or run the failing part in fp32",
+        }.get(self.half_dtype, "lower the learning rate")
+        head = (
+            f"{count} consecutive optimizer steps were skipped for inf/NaN gradients "
+            f"with the loss scale at or below {self.floor:g} ({self.floor_name})"
+        )
+        if self.floor > 1.0:  # the scale still multiplies: the floor may be the overflow
             raise LossScaleCollapseError(
-                f"{head}: the gradients are non-finite even unscaled, so training would never "
-                f"progress. Check the loss and the inputs for inf/NaN, {advice}; {self.disable}."
+                f"{head}: the scale cannot back off below this floor, and a scale above 1 "
+                "still multiplies the gradients, so the floor itself may make them overflow "
+                "(fp16's largest number is 65504). Lower min_loss_scale (or remove it: the "
+                "scale then backs off as far as the gradients need); if steps still "
+                f"overflow near a scale of 1, check the loss and the inputs for inf/NaN, "
+                f"{advice}; {self.disable}."
             )
+        raise LossScaleCollapseError(
+            f"{head}: the gradients are non-finite even unscaled, so training would never "
+            f"progress. Check the loss and the inputs for inf/NaN, {advice}; {self.disable}."
+        )
 
 
-def warn_static_overflow(scale: float) -> None:
-    """Say that a static scale met inf/NaN gradients and the step ran anyway (Apex's rule)."""
+def warn_static_overflow(scale: float, stacklevel: int = 4) -> None:
+    """Say that a static scale met inf/NaN gradients and the step ran anyway (Apex's rule);
+    ``stacklevel`` as :func:`warnings.warn`'s, counted from this function."""
     warnings.warn(
         f"amp: inf/NaN gradients with a static loss scale ({scale:g}): as in Apex, the step was "
         "not skipped, so the weights may now hold inf/NaN. Use loss_scale='dynamic' (steps "
         "with inf/NaN gradients are skipped), or find the overflow's source.",
         StaticScaleOverflowWarning,
-        stacklevel=4,
+        stacklevel=stacklevel,
     )

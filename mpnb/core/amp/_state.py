@@ -6,9 +6,11 @@ through :class:`OptState` on ``scale_loss`` blocks and ``optimizer.step()`` (see
 checks each transition and raises an error that names the fix on misuse. The work itself is
 done by the optimizer's strategy (:mod:`mpnb.core.amp._strategies`).
 
-Host syncs: one per optimizer step, in the strategy's ``pre_step`` (in place, masters) or
-``post_step`` (fused seam), where every overflow flag and scale of the step is read together.
-The first step also compares each fp32 master with its model param once (see
+Host syncs: none in a steady-state step with a fused optimizer (mpnb's, through the seam, or
+``torch.optim``'s ``fused=True``, through GradScaler's ``found_inf`` door): the step is skipped
+on the device and counted there. A ``torch.optim`` optimizer whose step is a Python loop needs
+the overflow flag on the host: one read per step, in the strategy's ``pre_step``, as in
+torch.amp. The first step also compares each fp32 master with its model param once (see
 :meth:`~mpnb.core.amp._strategies.Strategy.follow_model`).
 """
 
@@ -76,7 +78,8 @@ class AmpOptimizerState:
             fused optimizer's ``step()`` to unscale them (:class:`~mpnb.core.amp._strategies.
             FusedSeam`); None otherwise. Anything that needs those grads first calls
             :meth:`unscale_deferred`.
-        host_syncs: device-to-host reads so far (one per step that amp took part in).
+        host_syncs: device-to-host reads amp's steps made so far (one per step of an optimizer
+            that cannot skip on the device, none otherwise).
     """
 
     def __init__(self, optimizer: torch.optim.Optimizer, strategy: Strategy, handle):
@@ -164,6 +167,8 @@ class AmpOptimizerState:
 
     def _pre_step(self, optimizer, args, kwargs):
         state = self.state
+        if self.strategy._handed:  # a flag left behind by a step that raised
+            self.strategy.end_handoff(optimizer)
         if state is OptState.UNSCALED:
             if not self.followed:
                 # Until the first step the model is the truth: DDP's broadcast of rank 0's

@@ -22,7 +22,7 @@ import torch
 
 from mpnb.core.amp._grads import Grads, Masters
 from mpnb.core.amp._skip import drop_grads, is_torch_optim, snapshot
-from mpnb.core.amp.scaler import LossScaler, warn_static_overflow
+from mpnb.core.amp.scaler import LossScaler
 from mpnb.core.amp.seam import Binding, bind
 
 __all__ = ["Strategy", "InPlaceUnscale", "MasterWeights", "FusedSeam", "choose_strategy"]
@@ -46,6 +46,7 @@ class Strategy:
         self.masters: Masters | None = Masters() if master_weights else None
         self._n_groups = 0
         self._skip: tuple | None = None
+        self._handed = False  # found_inf handed to the optimizer for this step
         self.adopt(optimizer)
 
     def adopt(self, optimizer) -> None:
@@ -91,20 +92,38 @@ class Strategy:
         if self.masters is not None:
             self.masters.discard()
 
-    # ---- the step: the one host read happens in pre_step ----------------------------------
+    # ---- the step: skipped on the device, or after one host read --------------------------
 
     def pre_step(self, st, optimizer) -> None:
-        """Read every flag and scale of the step in one sync; skip the step on overflow."""
-        n = len(st.flags)
-        vals = torch.cat([*st.flags, *(s.scale for s in st.scalers)]).tolist()
-        st.host_syncs += 1
+        """Decide how an overflowing step is skipped, and count the step.
+
+        A static scale (every scaler of the step static) takes the step whatever the flag
+        (Apex's rule). Otherwise an optimizer that takes ``found_inf`` (``torch.optim``'s fused
+        optimizers: ``_step_supports_amp_scaling``) is handed the step's flag through
+        GradScaler's door and skips on the device; any other optimizer (``torch.optim``'s
+        Python loops) needs the flag on the host: the step's one host read, as in torch.amp.
+        """
+        flag, skip = _step_flag(st), _skips(st)
         self._skip = None
-        if _verdict(st, any(v > 0 for v in vals[:n]), vals[n:]):
-            self._skip = drop_grads(optimizer) if is_torch_optim(optimizer) else snapshot(optimizer)
+        if skip and getattr(optimizer, "_step_supports_amp_scaling", False):  # takes_found_inf
+            optimizer.found_inf = flag.reshape(())
+            self._handed = True
+        elif skip:
+            st.host_syncs += 1
+            if bool(flag.item() > 0):
+                restore = drop_grads if is_torch_optim(optimizer) else snapshot
+                self._skip = restore(optimizer)
+        _count_step(st, flag, skip)
 
     def post_step(self, st, optimizer) -> None:
-        """Undo a skipped step's bookkeeping, or copy the new masters into the model."""
+        """Undo a skipped step's bookkeeping, or copy the new masters into the model.
+
+        After a step skipped on the device the masters hold what they held, so the copy writes
+        the model's own values again (each model param is its master rounded, from the first
+        step on)."""
         skip, self._skip = self._skip, None
+        if self._handed:
+            self.end_handoff(optimizer)
         if skip is not None:
             skip[0](skip[1])
         elif self.masters is not None:
@@ -112,15 +131,37 @@ class Strategy:
         if self.masters is not None:
             self.masters.release_grads()
 
+    def end_handoff(self, optimizer) -> None:
+        """Take back the flag handed to the optimizer (also after a step that raised)."""
+        if self._handed:
+            self._handed = False
+            optimizer.__dict__.pop("found_inf", None)
 
-def _verdict(st, found: bool, scales: list[float]) -> bool:
-    """Skip on overflow with a dynamic scale; a static one steps anyway, with a warning."""
-    skip = found and any(s.dynamic for s in st.scalers)
-    if found and not skip:
-        warn_static_overflow(scales[0])
-    for s, scale in zip(st.scalers, scales, strict=True):
-        s.note_step(skip, scale)
-    return skip
+
+def takes_found_inf(optimizer) -> bool:
+    """True when ``optimizer.step()`` skips on a ``found_inf`` attribute set before it, as
+    ``torch.amp.GradScaler`` hands it (``_step_supports_amp_scaling``: ``torch.optim``'s fused
+    optimizers), so that amp's step needs no host read."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False))
+
+
+def _step_flag(st) -> torch.Tensor:
+    """The step's overflow flag: its blocks' flags together (a one-element device tensor)."""
+    return st.flags[0] if len(st.flags) == 1 else torch.cat(st.flags).amax(0, True)
+
+
+def _skips(st) -> bool:
+    """An overflowing step is skipped when some scaler of the step is dynamic (host-known)."""
+    return any([s.rule.dynamic for s in st.scalers])
+
+
+def _count_step(st, flag: torch.Tensor, skip: bool) -> None:
+    """Count the step in every scaler's device counters, then let each look at them without
+    waiting (a static scale's warning, the collapse error)."""
+    for i, s in enumerate(st.scalers):
+        s.note_step(flag, skip, first=i == 0)
+    for s in st.scalers:
+        s.watch()
 
 
 class InPlaceUnscale(Strategy):
@@ -205,24 +246,21 @@ class FusedSeam(Strategy):
         if st.deferred is not None:
             inv, flag = st.deferred.inv_scale, st.deferred.found_inf
         else:
-            inv = self._one
-            flag = st.flags[0] if len(st.flags) == 1 else torch.cat(st.flags).amax(0, True)
+            inv, flag = self._one, _step_flag(st)
         self._flag = flag
         # a static scale: the optimizer flags inf/NaN but steps anyway (Apex)
-        optimizer._mpnb_set_scale(inv, flag, skip=any(s.dynamic for s in st.scalers))
+        optimizer._mpnb_set_scale(inv, flag, skip=_skips(st))
 
     def post_step(self, st, optimizer) -> None:
-        """The deferred scale update, then the step's one host read."""
+        """The deferred scale update, then the step counted on the device: no host read (the
+        optimizer skipped an overflowing step itself, on the device)."""
         if st.deferred is not None:
             s, st.deferred = st.deferred, None
             s.update()
-        vals = torch.cat([self._flag, *(s.scale for s in st.scalers)]).tolist()
-        st.host_syncs += 1
-        self._flag = None
-        skipped = _verdict(st, vals[0] > 0, vals[1:])
+        flag, self._flag = self._flag, None
+        _count_step(st, flag, _skips(st))
         if self.masters is not None:
-            if not skipped:
-                self.masters.copy_to_model()
+            self.masters.copy_to_model()  # a skipped step left the masters as they were
             self.masters.release_grads()
 
 

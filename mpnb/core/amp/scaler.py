@@ -5,9 +5,14 @@
 path of amp (O0-O3, masters or not, the fused-optimizer seam, kernel or reference) calls that
 method, so every path follows the same rule.
 
-Host syncs: none here except :meth:`LossScaler.loss_scale` and :meth:`LossScaler.state_dict`
-(for logging and checkpoints). The optimizer's step reads the overflow flags and the scales it
-needs in one go and hands them to :meth:`LossScaler.note_step`.
+Host syncs: none in a step. The scale, its inverse, the growth and hysteresis trackers and the
+step counters (skipped steps, consecutive skips at the floor, overflowing steps a static scale
+took: :class:`~mpnb.core.amp._counters.StepCounters`) live on the device; each optimizer step
+counts itself there (:meth:`LossScaler.note_step`) and the host looks at the counts without
+waiting (:meth:`LossScaler.watch`: at once on a CPU, a step or so late on a GPU) to warn and to
+raise the collapse error. Only :meth:`LossScaler.loss_scale`, :meth:`LossScaler.state_dict` and
+the properties ``skips_at_min`` and ``skipped_steps`` read device values, and wait for them
+(for logging and checkpoints).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from mpnb.core.amp._collapse import (
     StaticScaleOverflowWarning,
     warn_static_overflow,
 )
+from mpnb.core.amp._counters import StepCounters
 from mpnb.core.amp._rule import LossScaleRule
 from mpnb.core.ops import multi_tensor_scale, update_loss_scale_
 
@@ -149,6 +155,9 @@ class LossScaler:
             (1,), self.rule.hysteresis, dtype=torch.int32, device=dev
         )
         self.found_inf = torch.zeros(1, dtype=torch.float32, device=dev)
+        self.counters = StepCounters(dev)
+        self._static_scale = first  # a static scale's value, for its warning (host)
+        self._warned = 0  # overflowing steps taken (static scale) that were warned about
         self.updates = 0  # how many times update() applied the rule (for profilers and tests)
 
     @property
@@ -200,8 +209,14 @@ class LossScaler:
 
     @property
     def skips_at_min(self) -> int:
-        """Consecutive skipped steps at the floor so far."""
-        return self._collapse.count
+        """Consecutive skipped steps at the floor so far (reads the device: a host sync)."""
+        return self.counters.read()[StepCounters.FLOOR_RUN]
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped for inf/NaN gradients so far (reads the device: a host sync;
+        counted on the device by every step, restored from checkpoints)."""
+        return self.counters.read()[StepCounters.SKIPPED]
 
     def loss_scale(self) -> float:
         """The current scale as a Python float (host sync: for logging only)."""
@@ -271,22 +286,46 @@ class LossScaler:
         )
         self.updates += 1
 
-    def note_step(self, skipped: bool, scale: float) -> None:
-        """Count skipped steps at the floor; raise once there are ``max_skips_at_min`` in a row.
+    def note_step(self, found_inf: torch.Tensor, skip: bool, first: bool = True) -> None:
+        """Count one optimizer step in :attr:`counters`, on the device (no host read).
 
-        ``skipped`` and ``scale`` are host values the caller read in its one sync of the step.
+        Args:
+            found_inf: the step's overflow flag (all its ``scale_loss`` blocks together).
+            skip: the step skips on overflow (some scaler of the step is dynamic).
+            first: this is the step's first scaler (an overflowing step a static scale took
+                is counted, and later warned about, once).
         """
-        if self.dynamic:
-            self._collapse.note(skipped, scale)
+        dynamic = self._rule.dynamic
+        self.counters.note(
+            found_inf, self.scale, self._rule.collapse_floor, skip and dynamic, first and not skip
+        )
+
+    def watch(self) -> None:
+        """Look at :attr:`counters` without waiting (see :class:`~mpnb.core.amp._counters.
+        HostView`): warn once per overflowing step a static scale took
+        (:class:`StaticScaleOverflowWarning`), and raise :class:`LossScaleCollapseError` once
+        ``max_skips_at_min`` steps in a row were skipped at the floor. On a CPU this sees the
+        step just counted; on a GPU a step or so later."""
+        counts = self.counters.view.latest()
+        if counts is None:
+            return
+        _, run, taken = counts
+        while self._warned < taken:
+            self._warned += 1
+            warn_static_overflow(self._static_scale, stacklevel=5)
+        if run:
+            self._collapse.raise_if(run)
 
     def state_dict(self) -> dict:
         """Apex-compatible state (``loss_scale``, ``unskipped``) plus ours (host sync)."""
+        skipped, run, _ = self.counters.read()
         return {
             "loss_scale": float(self.scale.item()),
             "unskipped": int(self.growth_tracker.item()),
             "dynamic": self.dynamic,
             "hysteresis_tracker": int(self.hysteresis_tracker.item()),
-            "skips_at_min": self.skips_at_min,
+            "skips_at_min": run,
+            "skipped_steps": skipped,
         }
 
     def check_state_dict(self, state, key: str = "state") -> tuple:
@@ -316,11 +355,12 @@ class LossScaler:
         counts = [_count(state, key, "unskipped", 0)]
         counts.append(_count(state, key, "hysteresis_tracker", self.rule.hysteresis, low=None))
         counts.append(_count(state, key, "skips_at_min", 0))
-        unskipped, hyst, skips = counts
+        counts.append(_count(state, key, "skipped_steps", 0))
+        unskipped, hyst, skips, skipped = counts
         scale = self.rule.clamp(scale)
         # A count past the window (an Apex static scaler counts without bound) grows next time.
         unskipped = min(unskipped, self.rule.growth_interval - 1)
-        return scale, unskipped, hyst, skips
+        return scale, unskipped, hyst, skips, skipped
 
     def load_state_dict(self, state) -> None:
         """Restore :meth:`state_dict` output (or an Apex ``loss_scalerN`` entry); validated
@@ -329,12 +369,13 @@ class LossScaler:
 
     def apply_state(self, checked: tuple) -> None:
         """Set the state from :meth:`check_state_dict`'s result."""
-        scale, unskipped, hyst, skips = checked
+        scale, unskipped, hyst, skips, skipped = checked
         self.scale.fill_(scale)
         torch.reciprocal(self.scale, out=self.inv_scale)
         self.growth_tracker.fill_(unskipped)
         self.hysteresis_tracker.fill_(hyst)
-        self._collapse.count = skips
+        self.counters.set(skipped, skips)
+        self._static_scale = float(scale)
         self.clear_overflow()
 
 

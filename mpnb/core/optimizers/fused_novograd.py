@@ -107,8 +107,7 @@ class FusedNovoGrad(FusedOptimizerBase):
         }
 
     def _update(self, group, bucket, inv_scale, found_inf) -> None:
-        if found_inf is not None and found_inf.item() != 0:
-            return  # the step is skipped
+        # A set found_inf skips the step inside the op, on the device.
         beta1, beta2 = group["betas"]
         fused_novograd_(
             bucket.params,

@@ -98,15 +98,20 @@ def test_kernel_calls_per_step_do_not_grow_with_the_params(level):
     assert small == big
     # amp's kernels of a step (SGD's own foreach op and record_function markers aside): the
     # block's new overflow flag, scale the loss, one unscale (O2: grads into masters), the
-    # scale update (rule, clamp and inverse in one op), flag and scale joined for the one host
-    # read (a .tolist(), no .item()), and under O2 one master -> model copy.
+    # scale update (rule, clamp and inverse in one op), the flag read once on the host (SGD's
+    # Python loop cannot skip on the device), the step counted on the device (skipped, and
+    # the run of skips at the floor), and under O2 one master -> model copy.
     amp_ops = {k: v for k, v in big.items() if not k.startswith(("_record_function", "_foreach"))}
+    counted = {"gt": 1, "le": 1, "logical_and_": 1, "slice": 2, "add_": 2, "mul_": 1}
     assert amp_ops == {
         "zeros": 1,
         "mul": 1,
         "multi_tensor_scale": 2 if level == "O2" else 1,
         "update_loss_scale_": 1,
-        "cat": 1,
+        "_local_scalar_dense": 1,
+        "view": 2,
+        "detach": 1,
+        **counted,
     }
 
 
@@ -116,7 +121,9 @@ def test_python_calls_per_step_do_not_grow_with_the_params(level):
     if level == "O2":
         assert big.pop(("c_call", "empty_like")) == 80 and small.pop(("c_call", "empty_like")) == 10
     assert small == big
-    assert sum(big.values()) < 80  # amp's whole step, independent of the model
+    # amp's whole step, independent of the model (about 20 of the calls count the step on the
+    # device and look at the counts: the static-scale warning and the collapse error)
+    assert sum(big.values()) < 90
 
 
 def test_one_host_read_per_step_and_none_in_the_block():

@@ -85,6 +85,9 @@ def test_the_collapse_at_a_min_loss_scale_floor_says_to_lower_the_floor():
 
 def test_without_a_floor_the_collapse_message_is_unchanged():
     s = LossScaler("dynamic", max_skips_at_min=2)
-    s.note_step(True, 1.0)
+    s.scale.fill_(1.0)  # at the floor: skipped steps count
+    s.note_step(torch.ones(1), skip=True)
+    s.watch()
+    s.note_step(torch.ones(1), skip=True)
     with pytest.raises(LossScaleCollapseError, match="non-finite even unscaled"):
-        s.note_step(True, 1.0)
+        s.watch()

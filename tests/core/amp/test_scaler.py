@@ -189,14 +189,16 @@ class _Syncs(TorchDispatchMode):
 
 
 @pytest.mark.parametrize("level", ["O1", "O2"])
-def test_one_host_sync_per_step(level):
+def test_a_python_loop_optimizer_reads_the_flag_once_per_step(level):
+    """torch.optim's SGD steps in Python: amp reads the step's flag once to skip it, as torch.amp
+    does (a fused optimizer reads nothing: tests/core/amp/test_host_reads.py)."""
     m, opt = _setup(level, torch.bfloat16, opt_cls=torch.optim.SGD)  # Adam .item()s on CPU
     state = amp.current_handle().opt_states[0]
     _step(m, opt)
     with _Syncs() as mode:
         for _ in range(3):
             _step(m, opt)
-    assert mode.n == 0  # no .item(): the only read is the step pre-hook's single .tolist()
+    assert mode.n == 3  # one .item() of the flag per step, in the step pre-hook
     assert state.host_syncs == 4
 
 

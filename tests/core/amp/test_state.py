@@ -6,6 +6,7 @@ import ast
 import gc
 import pathlib
 import warnings
+from functools import partial
 
 import pytest
 import torch
@@ -104,17 +105,20 @@ def test_a_plain_step_without_scale_loss_still_runs():
 
 
 @pytest.mark.parametrize(
-    "level, opt_cls, strategy",
+    "level, opt_cls, strategy, reads",
     [
-        ("O0", torch.optim.SGD, "in-place"),
-        ("O1", torch.optim.Adam, "in-place"),
-        ("O3", torch.optim.SGD, "in-place"),
-        ("O2", torch.optim.SGD, "master-weights"),
-        ("O2", FusedAdam, "fused-seam"),
-        ("O1", FusedSGD, "fused-seam"),
+        ("O0", torch.optim.SGD, "in-place", 0),  # a static scale: nothing to skip
+        ("O1", torch.optim.Adam, "in-place", 1),  # a Python loop: the flag read to skip
+        ("O3", torch.optim.SGD, "in-place", 0),
+        ("O2", torch.optim.SGD, "master-weights", 1),
+        ("O2", partial(torch.optim.AdamW, fused=True), "master-weights", 0),  # found_inf
+        ("O2", FusedAdam, "fused-seam", 0),  # skips on the device
+        ("O1", FusedSGD, "fused-seam", 0),
     ],
 )
-def test_the_strategy_is_chosen_once_and_syncs_once_per_step(level, opt_cls, strategy):
+def test_the_strategy_is_chosen_once_and_reads_the_host_only_to_skip_a_loop(
+    level, opt_cls, strategy, reads
+):
     m, opt = _init(level, opt_cls)
     st = opt._amp_stash.amp_state
     assert st.strategy.name == strategy
@@ -123,7 +127,7 @@ def test_the_strategy_is_chosen_once_and_syncs_once_per_step(level, opt_cls, str
         with amp.scale_loss(_loss(m), opt) as s:
             s.backward()
         opt.step()
-    assert st.host_syncs == 3
+    assert st.host_syncs == 3 * reads
 
 
 def test_amp_stash_is_a_read_only_view_of_the_real_state():
