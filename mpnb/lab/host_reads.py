@@ -13,8 +13,9 @@ code would wait on a GPU:
   ``if tensor:`` (seen through a :class:`~torch.utils._python_dispatch.TorchDispatchMode`,
   also when PyTorch's own code calls it); the mode does not see inside an op whose kernel is
   Python (a mode is off while it handles an op), where only ``item`` and ``tolist`` count;
-* a copy from a CUDA tensor to the CPU that is not ``non_blocking`` (``aten::_to_copy`` and
-  ``aten::copy_``).
+* a copy between a CUDA tensor and host memory that is not ``non_blocking`` (``aten::_to_copy``
+  and ``aten::copy_``): to the host it waits for the value; to the device, from pageable
+  memory, PyTorch synchronizes the stream after it, so the host waits there too.
 
 ``Tensor.numpy()`` is not counted: it works on host memory only (a pinned host buffer filled by
 an asynchronous copy, read once its event has completed, which never waits).
@@ -50,15 +51,22 @@ def _device_of(x) -> torch.device | None:
     return x.device if isinstance(x, torch.Tensor) else None
 
 
-def _blocking_d2h(func, args, kwargs) -> bool:
-    """True for a copy from a CUDA tensor into host memory that waits for it."""
+def _blocking_copy(func, args, kwargs) -> bool:
+    """True for a copy between a CUDA tensor and host memory that makes the host wait: to the
+    host always, to the device from pageable memory (a 0-dim CPU tensor used in a CUDA op is
+    read as a scalar, with no copy: that one is not seen here)."""
     if kwargs.get("non_blocking") or (len(args) > 2 and args[2] is True):
         return False
     if func is _COPIES[0]:
-        src, dst = _device_of(args[0]), kwargs.get("device")
-        return src is not None and src.type == "cuda" and dst is not None and dst.type == "cpu"
-    dst, src = _device_of(args[0]), _device_of(args[1]) if len(args) > 1 else None
-    return src is not None and dst is not None and src.type == "cuda" and dst.type == "cpu"
+        src, dst = args[0], kwargs.get("device")
+    else:
+        dst, src = args[0], args[1] if len(args) > 1 else None
+    s, d = _device_of(src), dst.device if isinstance(dst, torch.Tensor) else dst
+    if s is None or d is None or torch.device(d).type == s.type:
+        return False
+    if s.type == "cuda":
+        return True  # to the host
+    return torch.device(d).type == "cuda" and not src.is_pinned()
 
 
 class _Mode(TorchDispatchMode):
@@ -70,8 +78,8 @@ class _Mode(TorchDispatchMode):
         kwargs = kwargs or {}
         if func is _SCALAR:
             self._note("item", seen_by_mode=True)
-        elif func in _COPIES and _blocking_d2h(func, args, kwargs):
-            self._note("copy to host")
+        elif func in _COPIES and _blocking_copy(func, args, kwargs):
+            self._note("blocking copy")
         return func(*args, **kwargs)
 
 
@@ -80,7 +88,7 @@ class HostReads:
 
     Attributes:
         count: reads so far.
-        kinds: a :class:`collections.Counter` of ``"item"``, ``"tolist"``, ``"copy to host"``.
+        kinds: a :class:`collections.Counter` of ``"item"``, ``"tolist"``, ``"blocking copy"``.
         where: one ``"file:line in function"`` per read: the innermost frame outside torch and
             this module, so a test failure names the line that reads.
 

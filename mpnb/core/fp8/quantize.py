@@ -27,6 +27,8 @@ no inf, and torch's cast would saturate one to 448).
 
 from __future__ import annotations
 
+import struct
+
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +150,11 @@ def check_mx_rounding(rounding: str) -> str:
     return rounding
 
 
+def _f32_bits(x: float) -> int:
+    """The float32 bit pattern of ``x`` as an int (host arithmetic, no tensor)."""
+    return struct.unpack("<i", struct.pack("<f", x))[0]
+
+
 def quantize_mx(x: torch.Tensor, dtype: torch.dtype, rounding: str = "rceil") -> Float8Operand:
     """MXFP8: blocks of 32 along the last dim, E8M0 shared scales, elements in ``dtype``.
 
@@ -172,7 +179,7 @@ def quantize_mx(x: torch.Tensor, dtype: torch.dtype, rounding: str = "rceil") ->
     bits = amax.view(torch.int32)
     shared = ((bits >> 23) & 0xFF) - 127 - MX_ELEMENT_EMAX[dtype]
     if rounding == "rceil":
-        top = torch.tensor(fp8_max(dtype), dtype=torch.float32).view(torch.int32).item()
+        top = _f32_bits(fp8_max(dtype))
         shared = shared + ((bits & _MANTISSA_BITS) > (top & _MANTISSA_BITS)).int()
     shared = shared.clamp(-E8M0_BIAS, E8M0_BIAS)
     biased = torch.where(torch.isfinite(amax), shared + E8M0_BIAS, 255).to(torch.uint8)

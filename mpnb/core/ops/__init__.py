@@ -41,6 +41,7 @@ from mpnb.core.ops._library import (
     op_info,
     op_path,
     use_reference,
+    use_torch_path,
 )
 from mpnb.core.ops._output_cache import output_cache
 from mpnb.core.ops.adagrad import fused_adagrad_, reference_fused_adagrad_
@@ -127,6 +128,7 @@ __all__ = [
     "output_cache",
     "scale",
     "use_reference",
+    "use_torch_path",
     "multi_tensor_axpby",
     "multi_tensor_check_finite",
     "multi_tensor_l2norm",

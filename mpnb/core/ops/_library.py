@@ -84,6 +84,7 @@ __all__ = [
     "ensure_kernels",
     "kernels_loaded",
     "use_reference",
+    "use_torch_path",
     "op_path",
 ]
 
@@ -555,6 +556,35 @@ def use_reference(names: Iterable[str] | None = None) -> Iterator[None]:
     finally:
         lib._destroy()
         _REFERENCE_ON_CPU.difference_update(switched)
+
+
+@contextlib.contextmanager
+def use_torch_path(names: Iterable[str] | None = None) -> Iterator[None]:
+    """Run, on the CPU inside the block, what CUDA runs when no Triton kernel is on: each op's
+    PyTorch-ops path (``cuda=``), else its reference.
+
+    Tests use it to check, without a GPU, what a CUDA step does that the C++ kernels do not
+    (its host reads, its numerics); PyTorch's fused ops it calls have CPU kernels too.
+
+    Args:
+        names: the ops to switch (default: every op).
+
+    Example::
+
+        >>> with use_torch_path():
+        ...     amp_step()          # torch._fused_adamw_ where CUDA would call it
+    """
+    ensure_kernels()
+    ops = all_ops() if names is None else [op_info(n) for n in names]
+    lib = torch.library.Library("mpnb", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered")
+            for op in ops:
+                lib.impl(op.name, op.torch_path or op.reference_kernel, "CPU")
+        yield
+    finally:
+        lib._destroy()
 
 
 def op_path(name: str, device: str = "cpu") -> str:

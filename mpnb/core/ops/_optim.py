@@ -11,6 +11,12 @@ Every optimizer op updates lists of params in place, with these conventions:
   The ops never set it: the caller runs :func:`mpnb.core.ops.multi_tensor_check_finite`
   over all grads first (``csrc/cpu/opt_common.h`` says why).
 
+The references read no device value on the host (on CUDA they are what several ops run): a step
+is computed whatever ``found_inf`` holds and written through :func:`commit`, which keeps the old
+values where the flag is set (:func:`keep_of`); the step counts advance on the device
+(:func:`advance`) and the bias corrections are computed there from them, in fp64 as the kernels
+compute them.
+
 This module holds the optimizer ops' argument check (:func:`check_step`), the references'
 per-tensor helpers, the recipe that runs PyTorch's own fused optimizer ops on CUDA
 (:func:`via_torch`), and the sample builders of the op-table test.
@@ -18,6 +24,8 @@ per-tensor helpers, the recipe that runs PyTorch's own fused optimizer ops on CU
 
 from __future__ import annotations
 
+import math
+import struct
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -33,11 +41,14 @@ __all__ = [
     "bf16_samples",
     "check_step",
     "check_steps",
+    "commit",
+    "correction",
     "f32",
+    "f32_value",
+    "keep_of",
     "lists_for",
     "opt_samples",
     "opt_tolerance",
-    "skipped",
     "store",
     "unscaled",
     "via_torch",
@@ -124,9 +135,21 @@ def check_steps(op: str, steps: Tensors, params: Tensors, per_tensor: bool) -> N
 # ---- the references' per-tensor steps -------------------------------------------------------
 
 
-def skipped(found_inf: torch.Tensor | None) -> bool:
-    """True when ``found_inf`` is set: the step writes nothing (one host read, as the kernel)."""
-    return found_inf is not None and bool(found_inf.reshape(()).item() != 0)
+def keep_of(found_inf: torch.Tensor | None, device) -> torch.Tensor | None:
+    """The step's write mask: a 0-dim bool tensor on ``device``, True when ``found_inf`` is
+    zero (the step writes), or None without a flag (every write happens). No host read."""
+    if found_inf is None:
+        return None
+    return found_inf.reshape(()).to(device) == 0
+
+
+def commit(keep: torch.Tensor | None, target: torch.Tensor, new: torch.Tensor) -> None:
+    """``target = new`` (rounded to ``target``'s dtype), or unchanged where ``keep`` is False
+    (a skipped step), on the device."""
+    if keep is None:
+        target.copy_(new)
+    else:
+        target.copy_(torch.where(keep, new, target))
 
 
 def unscaled(g: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
@@ -142,22 +165,42 @@ def f32(x: float) -> torch.Tensor:
     return torch.tensor(x, dtype=torch.float32)
 
 
+def f32_value(x: float) -> float:
+    """``x`` rounded to fp32, as a Python float (host arithmetic: no tensor is read)."""
+    try:
+        return struct.unpack("<f", struct.pack("<f", x))[0]
+    except OverflowError:  # beyond fp32's range
+        return math.copysign(math.inf, x)
+
+
 def weight(params: Tensors, masters: Tensors, i: int) -> torch.Tensor:
     """A fresh fp32 copy of weight ``i``: its master, or the param widened."""
     return masters[i].clone() if masters else params[i].to(torch.float32, copy=True)
 
 
-def store(params: Tensors, masters: Tensors, i: int, w: torch.Tensor) -> None:
-    """Write the new fp32 weight ``i`` into its master and (rounded) into its param."""
+def store(
+    params: Tensors, masters: Tensors, i: int, w: torch.Tensor, keep: torch.Tensor | None = None
+) -> None:
+    """Write the new fp32 weight ``i`` into its master and (rounded) into its param, through
+    :func:`commit` (nothing where ``keep`` is False)."""
     if masters:
-        masters[i].copy_(w)
-    params[i].copy_(w)
+        commit(keep, masters[i], w)
+    commit(keep, params[i], w)
 
 
-def advance(step: torch.Tensor) -> float:
-    """``step += 1`` in fp32, as the kernel; returns the new count."""
-    step.add_(1)
-    return float(step.item())
+def advance(step: torch.Tensor, keep: torch.Tensor | None = None) -> torch.Tensor:
+    """``step += 1`` in fp32 on the device, as the kernel (not where ``keep`` is False);
+    returns the new count as a 0-dim fp64 tensor, for the bias corrections."""
+    step.add_(1 if keep is None else keep.to(step.dtype))
+    return step.reshape(()).double()
+
+
+def correction(beta: float, step: torch.Tensor, on: bool = True) -> torch.Tensor:
+    """``1 - beta^t`` in fp64 on ``step``'s device (1 when ``on`` is False), as the kernels
+    compute it (``std::pow`` in fp64)."""
+    if not on:
+        return torch.ones((), dtype=torch.float64, device=step.device)
+    return 1 - torch.pow(beta, step)
 
 
 # ---- PyTorch's fused ops (CUDA) ---------------------------------------------------------------

@@ -178,15 +178,22 @@ def store_rounded(
     seed: int,
     step: int,
     t: int,
+    keep: torch.Tensor | None = None,
 ) -> None:
-    """Round the new fp32 weight ``x`` of param ``t`` into ``param`` (and its compensation)."""
+    """Round the new fp32 weight ``x`` of param ``t`` into ``param`` (and its compensation);
+    nothing changes where ``keep`` (a 0-dim bool tensor, :func:`~mpnb.core.ops._optim.
+    keep_of`) is False: a skipped step, decided on the device."""
     x = x.reshape(param.shape)
     if rounding == "stochastic":
         r = element_bits(x.numel(), tensor_key(seed, step, t), x.device)
-        param.copy_(round_stochastic(x, r))
+        _write(param, round_stochastic(x, r), keep)
         return
     p = param.float()
     y = (x - p) + comp.float()
     new = round_nearest(p + y)
-    comp.copy_(round_nearest(y - (new.float() - p)))
-    param.copy_(new)
+    _write(comp, round_nearest(y - (new.float() - p)), keep)
+    _write(param, new, keep)
+
+
+def _write(target: torch.Tensor, new: torch.Tensor, keep: torch.Tensor | None) -> None:
+    target.copy_(new if keep is None else torch.where(keep, new, target))

@@ -16,9 +16,10 @@ from mpnb.core.ops._optim import (
     OPT_DTYPES,
     advance,
     check_step,
+    commit,
+    keep_of,
     opt_samples,
     opt_tolerance,
-    skipped,
     store,
     unscaled,
     via_torch,
@@ -71,20 +72,22 @@ def reference_fused_adagrad_(
         >>> fused_adagrad_(p, g, h, [], [torch.tensor(0.0)], lr=1e-2, eps=1e-10,
         ...                weight_decay=0.0)
     """
-    if not params or skipped(found_inf):
+    if not params:
         return
+    keep = keep_of(found_inf, params[0].device)
     for i in range(len(params)):
         g, w = unscaled(grads[i], inv_scale), weight(params, masters, i)
-        step = advance(steps[i])
+        step = advance(steps[i], keep)
         if weight_decay != 0 and not adagrad_w_mode:
             g = g + w * weight_decay
-        sums[i].add_(g * g)
-        std = sums[i].sqrt() + eps
+        h = sums[i] + g * g
+        std = h.sqrt() + eps
         if adagrad_w_mode:
             w = w - lr * (g / std + weight_decay * w)
         else:
-            w = w + (-lr / (1 + (step - 1) * lr_decay)) * g / std
-        store(params, masters, i, w)
+            w = w + (-lr / (1 + (step - 1) * lr_decay)).float() * g / std
+        commit(keep, sums[i], h)
+        store(params, masters, i, w, keep)
 
 
 def _check(args, per_tensor: bool) -> None:

@@ -11,8 +11,6 @@ correction, which PyTorch's ops always apply).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mpnb.core.ops._library import Tensor, Tensors, call, define
@@ -21,10 +19,12 @@ from mpnb.core.ops._optim import (
     advance,
     bf16_samples,
     check_step,
+    commit,
+    correction,
     f32,
+    keep_of,
     opt_samples,
     opt_tolerance,
-    skipped,
     store,
     unscaled,
     via_torch,
@@ -142,24 +142,26 @@ def reference_fused_adam_(
         >>> fused_adam_(p, g, m, v, [], step, lr=1e-3, beta1=0.9, beta2=0.999, eps=1e-8,
         ...             weight_decay=0.01, adam_w_mode=True, bias_correction=True)
     """
-    if not params or skipped(found_inf):
+    if not params:
         return
+    keep = keep_of(found_inf, params[0].device)
     for i in range(len(params)):
         g, w = unscaled(grads[i], inv_scale), weight(params, masters, i)
-        m, v = exp_avgs[i], exp_avg_sqs[i]
-        step = advance(steps[i])
+        step = advance(steps[i], keep)
         if weight_decay != 0:
             if adam_w_mode:
                 w.mul_(1 - lr * weight_decay)
             else:
                 g = g.add(w, alpha=weight_decay)
-        m.lerp_(g, 1 - beta1)
-        v.mul_(beta2).addcmul_(g, g, value=1 - beta2)
-        bc1 = 1 - beta1**step if bias_correction else 1.0
-        bc2 = 1 - beta2**step if bias_correction else 1.0
-        denom = (v.sqrt() / math.sqrt(bc2)).add_(eps)
-        w.addcdiv_(m, denom, value=-lr / bc1)
-        store(params, masters, i, w)
+        m = exp_avgs[i].lerp(g, 1 - beta1)
+        v = exp_avg_sqs[i].mul(beta2).addcmul_(g, g, value=1 - beta2)
+        bc1 = correction(beta1, step, bias_correction)
+        bc2 = correction(beta2, step, bias_correction)
+        denom = (v.sqrt() / bc2.sqrt()).add_(eps)
+        w.addcdiv_(m * (-lr / bc1).float(), denom)  # addcdiv's value * m / denom, rounded alike
+        commit(keep, exp_avgs[i], m)
+        commit(keep, exp_avg_sqs[i], v)
+        store(params, masters, i, w, keep)
 
 
 def _check(args, per_tensor: bool) -> None:
@@ -227,22 +229,24 @@ fused_adam_ = OP.wrapper
 
 def _adam_plain(w, g, m, v, k: dict, t: int, adam_w_mode: bool, has_wd: bool):
     """The fp32 Adam step of ``fused_adam_bf16_``: one rounding per operation, no fma (the
-    kernels compute exactly these operations, in this order). Updates ``m``, ``v``; returns
-    the new weight."""
+    kernels compute exactly these operations, in this order). Returns the new weight and the
+    new moments ``m``, ``v`` (the caller commits them)."""
     if has_wd:
         if adam_w_mode:
             w = w * k["decay"]
         else:
             g = g + k["wd"] * w
-    m.copy_(m * k["beta1"] + k["c1"] * g)
-    v.copy_(v * k["beta2"] + (k["c2"] * g) * g)
+    m = m * k["beta1"] + k["c1"] * g
+    v = v * k["beta2"] + (k["c2"] * g) * g
     denom = sqrt_rn(v) / k["bc2_sqrt"][t] + k["eps"]
-    return w + (k["neg_step"][t] * m) / denom
+    return w + (k["neg_step"][t] * m) / denom, m, v
 
 
 def adam_constants(lr, beta1, beta2, eps, weight_decay, bias_correction, steps) -> dict:
     """The fp32 constants of the pure-bf16 Adam step, each rounded once from fp64 (as the
-    kernels): per tensor ``neg_step = -lr / (1 - beta1^t)`` and ``bc2_sqrt``."""
+    kernels): per tensor ``neg_step = -lr / (1 - beta1^t)`` and ``bc2_sqrt``, from the step
+    counts ``steps`` (0-dim fp64 tensors, on the device: :func:`~mpnb.core.ops._optim.
+    advance`)."""
     bc = bias_correction
     return dict(
         decay=f32(1 - lr * weight_decay),
@@ -252,8 +256,8 @@ def adam_constants(lr, beta1, beta2, eps, weight_decay, bias_correction, steps) 
         beta2=f32(beta2),
         c2=f32(1 - beta2),
         eps=f32(eps),
-        neg_step=[f32(-(lr / (1 - beta1**s if bc else 1.0))) for s in steps],
-        bc2_sqrt=[f32(math.sqrt(1 - beta2**s if bc else 1.0)) for s in steps],
+        neg_step=[(-lr / correction(beta1, s, bc)).float() for s in steps],
+        bc2_sqrt=[correction(beta2, s, bc).sqrt().float() for s in steps],
     )
 
 
@@ -309,15 +313,20 @@ def reference_fused_adam_bf16_(
         ...                  weight_decay=0.01, adam_w_mode=True, bias_correction=True,
         ...                  rounding="stochastic", seed=1, rng_step=1)
     """
-    if not params or skipped(found_inf):
+    if not params:
         return
-    counts = [advance(s) for s in steps]
+    keep = keep_of(found_inf, params[0].device)
+    counts = [advance(s, keep) for s in steps]
     k = adam_constants(lr, beta1, beta2, eps, weight_decay, bias_correction, counts)
     for i in range(len(params)):
         g, w = unscaled(grads[i], inv_scale), params[i].float()
-        x = _adam_plain(w, g, exp_avgs[i], exp_avg_sqs[i], k, i, adam_w_mode, weight_decay != 0)
+        x, m, v = _adam_plain(
+            w, g, exp_avgs[i], exp_avg_sqs[i], k, i, adam_w_mode, weight_decay != 0
+        )
+        commit(keep, exp_avgs[i], m)
+        commit(keep, exp_avg_sqs[i], v)
         comp = compensations[i] if rounding == "kahan" else None
-        store_rounded(params[i], comp, x, rounding, seed, rng_step, i)
+        store_rounded(params[i], comp, x, rounding, seed, rng_step, i, keep)
 
 
 def _check_bf16(args, per_tensor: bool) -> None:

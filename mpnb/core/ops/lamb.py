@@ -9,8 +9,6 @@ Kernels: ``csrc/cpu/lamb.cpp`` (CPU); the reference elsewhere (PyTorch has no fu
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mpnb.core.ops._library import Tensor, Tensors, define
@@ -19,10 +17,13 @@ from mpnb.core.ops._optim import (
     advance,
     bf16_samples,
     check_step,
+    commit,
+    correction,
     f32,
+    f32_value,
+    keep_of,
     opt_samples,
     opt_tolerance,
-    skipped,
     store,
     unscaled,
     weight,
@@ -100,33 +101,38 @@ def reference_fused_lamb_(
         >>> fused_lamb_(p, g, m, v, [], step, norm, lr=1e-2, beta1=0.9, beta2=0.999,
         ...             eps=1e-6, weight_decay=0.01)
     """
-    if not params or skipped(found_inf):
+    if not params:
         return
-    gnorm = global_grad_norm.reshape(()).to("cpu", _F32)
-    clip = gnorm / f32(max_grad_norm) if 0 < max_grad_norm < gnorm.item() else f32(1.0)
+    dev = params[0].device
+    keep = keep_of(found_inf, dev)
+    gnorm = global_grad_norm.reshape(()).to(dev, _F32)
+    clip = torch.ones((), dtype=_F32, device=dev)
+    if max_grad_norm > 0:
+        clip = torch.where(gnorm.double() > max_grad_norm, gnorm / f32(max_grad_norm), clip)
+    # f32(...) constants stay 0-dim CPU tensors: a CUDA op reads them as scalars, where a
+    # copy to the device (.to(dev)) would make the host wait for the stream.
     beta3 = 1 - beta1 if grad_averaging else 1.0
     for i in range(len(params)):
         g, w = unscaled(grads[i], inv_scale), weight(params, masters, i)
-        step = advance(steps[i])
-        bc1 = 1 - beta1**step if bias_correction else 1.0
-        bc2 = 1 - beta2**step if bias_correction else 1.0
-        g = g / clip.to(w.device)
+        step = advance(steps[i], keep)
+        bc1 = correction(beta1, step, bias_correction).float()
+        bc2 = correction(beta2, step, bias_correction).float()
+        g = g / clip
         if weight_decay != 0 and not adam_w_mode:
             g = g + f32(weight_decay) * w
         m = exp_avgs[i] * f32(beta1) + f32(beta3) * g
         v = exp_avg_sqs[i] * f32(beta2) + f32(1 - beta2) * g * g
-        u = (m / f32(bc1)) / ((v / f32(bc2)).sqrt() + f32(eps))
+        u = (m / bc1) / ((v / bc2).sqrt() + f32(eps))
         if weight_decay != 0 and adam_w_mode:
             u = u + f32(weight_decay) * w
         ratio = f32(lr)
         if use_nvlamb or weight_decay != 0:
-            pn = f32(w.double().square().sum().sqrt().item())
-            un = f32(u.double().square().sum().sqrt().item())
-            if pn.item() != 0 and un.item() != 0:
-                ratio = f32(lr) * (pn / un)
-        exp_avgs[i].copy_(m)
-        exp_avg_sqs[i].copy_(v)
-        store(params, masters, i, w - ratio.to(w.device) * u)
+            pn = w.double().square().sum().sqrt().float()
+            un = u.double().square().sum().sqrt().float()
+            ratio = torch.where((pn != 0) & (un != 0), ratio * (pn / un), ratio)
+        commit(keep, exp_avgs[i], m)
+        commit(keep, exp_avg_sqs[i], v)
+        store(params, masters, i, w - ratio * u, keep)
 
 
 def _check_norm(args) -> None:
@@ -187,30 +193,31 @@ fused_lamb_ = OP.wrapper
 NORM_BLOCK = 4096
 
 
-def block_norm(x: torch.Tensor) -> float:
-    """``sqrt(sum(x^2))`` in fp64, summed in :data:`NORM_BLOCK` order (``cumsum`` adds one
-    element after the other)."""
+def block_norm(x: torch.Tensor) -> torch.Tensor:
+    """``sqrt(sum(x^2))`` in fp64 (a 0-dim tensor on ``x``'s device), summed in
+    :data:`NORM_BLOCK` order (``cumsum`` adds one element after the other)."""
     sq = x.reshape(-1).double().square()
+    if not sq.numel():
+        return torch.zeros((), dtype=torch.float64, device=x.device)
     pad = (-sq.numel()) % NORM_BLOCK
     blocks = torch.nn.functional.pad(sq, (0, pad)).reshape(-1, NORM_BLOCK)
     sums = blocks.cumsum(1)[:, -1]
-    return math.sqrt(float(sums.cumsum(0)[-1])) if sums.numel() else 0.0
+    return sums.cumsum(0)[-1].sqrt()
 
 
 def _lamb_plain(w, g, m, v, k: dict, t: int, adam_w_mode: bool):
     """The fp32 LAMB direction of ``fused_lamb_bf16_``: one rounding per operation, no fma,
-    reciprocals for the clipping and the bias corrections (as the kernels). Updates ``m``,
-    ``v``; returns the direction ``u``."""
-    if k["clipped"]:
-        g = g * k["rclip"]
+    reciprocals for the clipping and the bias corrections (as the kernels). Returns the
+    direction ``u`` and the new moments ``m``, ``v`` (the caller commits them)."""
+    g = g * k["rclip"]  # 1 when the norm is not clipped: g unchanged
     if k["has_wd"] and not adam_w_mode:
         g = g + k["wd"] * w
-    m.copy_(m * k["beta1"] + k["beta3"] * g)
-    v.copy_(v * k["beta2"] + (k["c2"] * g) * g)
+    m = m * k["beta1"] + k["beta3"] * g
+    v = v * k["beta2"] + (k["c2"] * g) * g
     u = (m * k["rbc1"][t]) / (sqrt_rn(v * k["rbc2"][t]) + k["eps"])
     if k["has_wd"] and adam_w_mode:
         u = u + k["wd"] * w
-    return u
+    return u, m, v
 
 
 def reference_fused_lamb_bf16_(
@@ -267,30 +274,34 @@ def reference_fused_lamb_bf16_(
         ...                  beta2=0.999, eps=1e-6, weight_decay=0.01,
         ...                  rounding="stochastic", seed=1, rng_step=1)
     """
-    if not params or skipped(found_inf):
+    if not params:
         return
-    gnorm, mx = f32(float(global_grad_norm.reshape(()))), f32(max_grad_norm)
-    clipped = bool(mx > 0) and bool(gnorm > mx)
-    clip = gnorm / mx if clipped else f32(1.0)
-    counts = [advance(s) for s in steps]
+    dev = params[0].device
+    keep = keep_of(found_inf, dev)
+    gnorm, mx = global_grad_norm.reshape(()).to(dev, _F32), f32(max_grad_norm)
+    rclip = f32(1.0)  # not clipped: g * 1 is g
+    if f32_value(max_grad_norm) > 0:
+        rclip = torch.where(gnorm > mx, (1.0 / (gnorm / mx).double()).float(), rclip)
+    counts = [advance(s, keep) for s in steps]
 
     def rbc(beta):
-        return [f32(1 / (1 - beta**s)) if bias_correction else f32(1.0) for s in counts]
+        return [(1 / correction(beta, s, bias_correction)).float() for s in counts]
 
-    k = dict(clipped=clipped, rclip=f32(1.0 / float(clip)), wd=f32(weight_decay))
+    k = dict(rclip=rclip, wd=f32(weight_decay))
     k |= dict(has_wd=weight_decay != 0, beta1=f32(beta1), beta2=f32(beta2), eps=f32(eps))
     k |= dict(beta3=f32(1 - beta1) if grad_averaging else f32(1.0), c2=f32(1 - beta2))
     k |= dict(rbc1=rbc(beta1), rbc2=rbc(beta2))
     for i in range(len(params)):
         g, w = unscaled(grads[i], inv_scale), params[i].float()
-        u = _lamb_plain(w, g, exp_avgs[i], exp_avg_sqs[i], k, i, adam_w_mode)
+        u, m, v = _lamb_plain(w, g, exp_avgs[i], exp_avg_sqs[i], k, i, adam_w_mode)
         ratio = f32(lr)
         if use_nvlamb or weight_decay != 0:
-            pn, un = f32(block_norm(w)), f32(block_norm(u))
-            if pn.item() != 0 and un.item() != 0:
-                ratio = f32(lr) * (pn / un)
+            pn, un = block_norm(w).float(), block_norm(u).float()
+            ratio = torch.where((pn != 0) & (un != 0), ratio * (pn / un), ratio)
+        commit(keep, exp_avgs[i], m)
+        commit(keep, exp_avg_sqs[i], v)
         comp = compensations[i] if rounding == "kahan" else None
-        store_rounded(params[i], comp, w - ratio * u, rounding, seed, rng_step, i)
+        store_rounded(params[i], comp, w - ratio * u, rounding, seed, rng_step, i, keep)
 
 
 def _check_bf16(args, per_tensor: bool) -> None:

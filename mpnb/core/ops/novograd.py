@@ -11,8 +11,6 @@ NovoGrad).
 
 from __future__ import annotations
 
-import math
-
 import torch
 
 from mpnb.core.ops._library import Tensor, Tensors, define
@@ -20,10 +18,12 @@ from mpnb.core.ops._optim import (
     OPT_DTYPES,
     advance,
     check_step,
+    commit,
+    correction,
     f32,
+    keep_of,
     opt_samples,
     opt_tolerance,
-    skipped,
     store,
     unscaled,
     weight,
@@ -94,32 +94,34 @@ def reference_fused_novograd_(
         >>> fused_novograd_(p, g, m, v, [], step, torch.stack([g[0].norm()]), lr=1e-2,
         ...                 beta1=0.95, beta2=0.98, eps=1e-8, weight_decay=0.0)
     """
-    if not params or skipped(found_inf):
+    if not params:
         return
+    keep = keep_of(found_inf, params[0].device)
     beta3 = 1 - beta1 if grad_averaging else 1.0
-    norms = grad_norms.to("cpu", _F32)
+    norms = grad_norms.to(_F32)
     for i in range(len(params)):
         g, w = unscaled(grads[i], inv_scale), weight(params, masters, i)
-        step = advance(steps[i])
-        v, gn = exp_avg_sqs[i].reshape(()), norms[i]
-        if step == 1 and not init_zero:
-            v.copy_(gn)
-        elif norm_type == 2:
-            v.copy_((f32(beta2) * (v * v) + f32(1 - beta2) * (gn * gn)).sqrt())
+        step = advance(steps[i], keep)
+        v, gn = exp_avg_sqs[i].reshape(()), norms[i].to(w.device)
+        if norm_type == 2:
+            v_new = (f32(beta2) * (v * v) + f32(1 - beta2) * (gn * gn)).sqrt()
         else:
-            v.copy_(f32(beta2) * v + f32(1 - beta2) * gn)
-        bc1 = f32(1 - beta1**step if bias_correction else 1.0)
-        bc2 = f32(math.sqrt(1 - beta2**step) if bias_correction else 1.0)
-        denom = (v.cpu() / bc2 + f32(eps)).to(w.device)
-        m = exp_avgs[i]
+            v_new = f32(beta2) * v + f32(1 - beta2) * gn
+        if not init_zero:  # the first step takes the norm itself
+            v_new = torch.where(step == 1, gn, v_new)
+        bc1 = correction(beta1, step, bias_correction).float()
+        bc2 = correction(beta2, step, bias_correction).sqrt().float()
+        denom = v_new / bc2 + f32(eps)
         if reg_inside_moment:
             g = g / denom + f32(weight_decay) * w
-            m.copy_(f32(beta1) * m + f32(beta3) * g)
+            m = f32(beta1) * exp_avgs[i] + f32(beta3) * g
             w = w - f32(lr) * (m / bc1)
         else:
-            m.copy_(f32(beta1) * m + f32(beta3) * g)
+            m = f32(beta1) * exp_avgs[i] + f32(beta3) * g
             w = w - f32(lr) * ((m / bc1) / denom + f32(weight_decay) * w)
-        store(params, masters, i, w)
+        commit(keep, v, v_new)
+        commit(keep, exp_avgs[i], m)
+        store(params, masters, i, w, keep)
 
 
 def _check(args, per_tensor: bool) -> None:

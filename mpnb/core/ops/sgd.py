@@ -29,9 +29,10 @@ from mpnb.core.ops._optim import (
     OPT_DTYPES,
     bf16_samples,
     check_step,
+    commit,
     f32,
+    keep_of,
     opt_samples,
-    skipped,
     store,
     unscaled,
     via_torch,
@@ -95,31 +96,34 @@ def reference_fused_sgd_(
         >>> p, g, buf = [torch.randn(10)], [torch.randn(10)], [torch.zeros(10)]
         >>> fused_sgd_(p, g, buf, [], [True], lr=0.1, momentum=0.9)
     """
-    if not params or skipped(found_inf):
+    if not params:
         return
+    keep = keep_of(found_inf, params[0].device)
     for i in range(len(params)):
         g = unscaled(grads[i], inv_scale)
         if stepwise:  # torch.optim.SGD's single-tensor step on the params' own dtype
-            w = params[i]
+            w = params[i].clone()
             g = g.to(w.dtype)  # the grad torch would hold
         else:
             w = weight(params, masters, i)
         if weight_decay != 0 and not wd_after_momentum:
             g = g.add(w, alpha=weight_decay)
         if momentum != 0:
-            buf = momentum_buffers[i] if stepwise else momentum_buffers[i].float()
+            dtype = momentum_buffers[i].dtype if stepwise else torch.float32
+            buf = momentum_buffers[i].to(dtype, copy=True)
             if first_run[i]:
                 buf.copy_(g)
             else:
                 buf.mul_(momentum).add_(g, alpha=1 - dampening)
-            if not stepwise:
-                momentum_buffers[i].copy_(buf)  # rounded when the buffer is half
+            commit(keep, momentum_buffers[i], buf)  # rounded when the buffer is half
             g = g.add(buf, alpha=momentum) if nesterov else buf
         if weight_decay != 0 and wd_after_momentum:
             g = g.add(w, alpha=weight_decay)
         w.add_(g, alpha=-lr)
-        if not stepwise:
-            store(params, masters, i, w)
+        if stepwise:
+            commit(keep, params[i], w)
+        else:
+            store(params, masters, i, w, keep)
 
 
 def _check_momentum(args, per_tensor: bool, buffers_fp32_only: bool) -> None:
@@ -257,7 +261,8 @@ fused_sgd_ = OP.wrapper
 
 def _sgd_plain(w, g, buf, first: bool, k: dict, momentum, nesterov, wd_after_momentum):
     """The fp32 SGD step of ``fused_sgd_bf16_``: one rounding per operation, no fma (the
-    kernels compute exactly these operations). Updates ``buf``; returns the new weight."""
+    kernels compute exactly these operations). Updates ``buf`` (a copy: the caller commits
+    it); returns the new weight."""
     has_wd = k["has_wd"]
     if has_wd and not wd_after_momentum:
         g = g + k["wd"] * w
@@ -315,17 +320,20 @@ def reference_fused_sgd_bf16_(
         >>> fused_sgd_bf16_(p, g, [], [], [], lr=1e-3, rounding="stochastic", seed=1,
         ...                 rng_step=1)
     """
-    if not params or skipped(found_inf):
+    if not params:
         return
+    keep = keep_of(found_inf, params[0].device)
     k = dict(lr=f32(lr), momentum=f32(momentum), damp=f32(1 - dampening), wd=f32(weight_decay))
     k["has_wd"] = weight_decay != 0
     for i in range(len(params)):
         g, w = unscaled(grads[i], inv_scale), params[i].float()
-        buf = momentum_buffers[i] if momentum != 0 else None
+        buf = momentum_buffers[i].clone() if momentum != 0 else None
         first = bool(first_run[i]) if momentum != 0 else False
         x = _sgd_plain(w, g, buf, first, k, momentum, nesterov, wd_after_momentum)
+        if buf is not None:
+            commit(keep, momentum_buffers[i], buf)
         comp = compensations[i] if rounding == "kahan" else None
-        store_rounded(params[i], comp, x, rounding, seed, rng_step, i)
+        store_rounded(params[i], comp, x, rounding, seed, rng_step, i, keep)
 
 
 def _check_bf16(args, per_tensor: bool) -> None:
