@@ -28,7 +28,6 @@ no inf, and torch's cast would saturate one to 448).
 from __future__ import annotations
 
 import struct
-
 from dataclasses import dataclass
 
 import torch
