@@ -44,8 +44,9 @@ def reference_multi_tensor_axpby(
     if not x:
         return
     acc = acc_dtype(x[0])
-    sa = torch.tensor(a, dtype=acc, device=x[0].device)
-    sb = torch.tensor(b, dtype=acc, device=x[0].device)
+    # 0-dim host scalars: a CUDA op reads them as arguments (a tensor made on the device from
+    # a host value would be a copy that makes the host wait for the stream)
+    sa, sb = torch.tensor(a, dtype=acc), torch.tensor(b, dtype=acc)
     for xi, yi, oi in zip(x, y, out, strict=True):
         oi.copy_(sa * xi.to(acc) + sb * yi.to(acc))
     checked = {-1: [*x, *y], 0: list(x), 1: list(y)}[arg_to_check]

@@ -53,9 +53,11 @@ def reference_multi_tensor_scale(
     if not src:
         return
     acc = acc_dtype(src[0])
-    s = torch.tensor(scale, dtype=acc, device=src[0].device)  # rounded to fp32, as the kernel
+    # rounded to fp32, as the kernel; a 0-dim host scalar, which a CUDA op reads as an argument
+    # (made on the device from a host value it would be a copy the host waits for)
+    s = torch.tensor(scale, dtype=acc)
     if scale_tensor is not None:
-        s = s * scale_tensor.to(device=s.device, dtype=acc).reshape(())
+        s = s * scale_tensor.to(device=src[0].device, dtype=acc).reshape(())
     scaled = [a.to(acc) * s for a in src]
     for b, v in zip(dst, scaled, strict=True):
         b.copy_(v)
@@ -81,7 +83,7 @@ def _torch_multi_tensor_scale(args) -> None:
     if not fp32_dst or src[0].dtype == torch.float64 or (aliased and src[0].dtype != torch.float32):
         call(reference_multi_tensor_scale, args)
         return
-    s = torch.tensor([args.scale], dtype=torch.float32, device=dst[0].device)
+    s = torch.full((1,), args.scale, dtype=torch.float32, device=dst[0].device)  # no copy
     if args.scale_tensor is not None:
         s = s * args.scale_tensor.to(device=s.device, dtype=torch.float32).reshape(1)
     found = torch.zeros(1, dtype=torch.float32, device=dst[0].device)
