@@ -236,10 +236,20 @@ def _flags_unused(dtype: str, device: torch.device) -> bool:
     return device.type == "cpu" and any(f in cpu_info().flags for f in _CPU_FLAGS[dtype])
 
 
+def _matmul_precision() -> str:
+    """The fp32 matmul precision setting, whichever API set it: PyTorch 2.9+ refuses the
+    legacy getter once the per-backend ``fp32_precision`` settings were used (e.g. for TF32)."""
+    try:
+        return torch.get_float32_matmul_precision()
+    except RuntimeError:
+        b = torch.backends
+        return f"cuda {b.cuda.matmul.fp32_precision}, mkldnn {b.mkldnn.matmul.fp32_precision}"
+
+
 def _probe_key(device: torch.device) -> tuple:
     env = tuple(os.environ.get(k) for k in PROBE_ENV)
     mkldnn = torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled
-    return (str(device), env, mkldnn, torch.get_float32_matmul_precision())
+    return (str(device), env, mkldnn, _matmul_precision())
 
 
 @functools.cache

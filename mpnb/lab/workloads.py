@@ -1,17 +1,21 @@
 """Workloads: a model, data, a loss and a quality metric, all available offline.
 
-Built in (``mpnb.lab.workloads.get(name, size)``), each in three sizes
-(``"small"``, ``"medium"``, ``"large"``; see :data:`SIZES`):
+Built in (``mpnb.lab.workloads.get(name, size)``), each in three fixed sizes
+(``"small"``, ``"medium"``, ``"large"``; see :data:`SIZES`) and one sized for the CUDA device
+at hand (``"gpu"``, :data:`GPU_SIZE`; see :mod:`mpnb.lab.gpu_sizing`):
 
 * ``"transformer"`` (the default): a small GPT (fused layer norm, causal attention, fused
   softmax) on deterministically generated English-like text; held-out next-token accuracy
   (``eval_loss`` is the mean cross-entropy, so perplexity is ``exp(eval_loss)``).
 * ``"cnn"``: a CNN with batch norm on scikit-learn's bundled digits, upsampled to
   16x16 / 32x32 / 64x64; held-out accuracy.
-* ``"mlp"``: a 2-layer MLP on the 8x8 digits; held-out accuracy.
+* ``"mlp"``: a 2-layer MLP on the 8x8 digits (upsampled to 64x64 at the ``"gpu"`` size);
+  held-out accuracy.
 
 ``size="auto"`` is ``"small"`` on a CPU (where half precision is usually emulated and slow)
-and ``"medium"`` on a GPU. Your own: :func:`custom` (model factory, data in any form,
+and ``"gpu"`` on CUDA: sized from the card's memory and fp32 peak so that the fp32 step keeps
+the GPU busy instead of waiting on kernel launches (an H100 gets a GPT of width 1024,
+12 layers, 1024 tokens, batch 4). Your own: :func:`custom` (model factory, data in any form,
 loss and metric), or :func:`mpnb.lab.hf.transformers_workload` for Hugging Face models.
 
 Example::
@@ -33,9 +37,23 @@ from torch import nn
 
 from mpnb.lab._data import Batch, DataSource, first_batches
 
-__all__ = ["Workload", "custom", "get", "names", "accuracy", "logits_of", "SIZES", "resolve_size"]
+__all__ = [
+    "Workload",
+    "custom",
+    "get",
+    "names",
+    "accuracy",
+    "logits_of",
+    "SIZES",
+    "GPU_SIZE",
+    "resolve_size",
+    "size_spec",
+]
 
+#: the fixed sizes, the same on every device
 SIZES = ("small", "medium", "large")
+#: the size computed from a CUDA device's properties (:func:`mpnb.lab.gpu_sizing.gpu_plans`)
+GPU_SIZE = "gpu"
 
 
 def logits_of(output):
@@ -91,7 +109,8 @@ class Workload:
         metric_name: the metric's name in the table (``"accuracy"``).
         chance: the metric of a random guess (shown and used by the tests).
         lr, batch_size, steps: defaults for ``compare``.
-        size: ``"small"``/``"medium"``/``"large"`` for built-ins, ``""`` for custom ones.
+        size: ``"small"``/``"medium"``/``"large"``/``"gpu"`` for built-ins, ``""`` for
+            custom ones.
         description: one line for the report: the model and the data (not the batch size
             or the steps: a run may change them, and the report prints the run's own).
     """
@@ -229,12 +248,56 @@ _BUILTIN = tuple(SIZES_SPEC)
 
 
 def resolve_size(size: str | None, device: str = "cpu") -> str:
-    """``"auto"`` (or None) -> ``"small"`` on CPU, ``"medium"`` on CUDA; checks the rest."""
+    """The size ``size`` names on ``device``: ``"auto"`` (or None) is ``"small"`` on a CPU and
+    :data:`GPU_SIZE` on CUDA; the others are checked and returned.
+
+    Args:
+        size: ``"auto"``, None, one of :data:`SIZES` or :data:`GPU_SIZE`.
+        device: where the workload will run.
+
+    Example::
+
+        >>> resolve_size("auto", "cpu"), resolve_size("auto", "cuda:0"), resolve_size("large")
+        ('small', 'gpu', 'large')
+    """
     if size in (None, "auto"):
-        return "medium" if str(device).startswith("cuda") else "small"
-    if size not in SIZES:
-        raise ValueError(f"size={size!r} is invalid; use 'small', 'medium', 'large' or 'auto'.")
+        return GPU_SIZE if str(device).startswith("cuda") else "small"
+    if size not in (*SIZES, GPU_SIZE):
+        raise ValueError(
+            f"size={size!r} is invalid; use 'small', 'medium', 'large', 'gpu' (sized for the "
+            "CUDA device) or 'auto' (small on CPU, gpu on CUDA)."
+        )
     return size
+
+
+def size_spec(name: str, size: str, device: str = "cpu") -> dict:
+    """The dimensions, batch, steps and learning rate of built-in ``name`` at ``size``.
+
+    :data:`GPU_SIZE` reads the CUDA device's properties: ``device`` when it is a CUDA device,
+    else the current one (so a process that rebuilds a workload from its name and size, as the
+    distributed ranks do, gets the same sizes on the same card).
+
+    Args:
+        name: a built-in workload (:func:`names`).
+        size: one of :data:`SIZES` or :data:`GPU_SIZE` (resolve ``"auto"`` first).
+        device: the device the workload runs on.
+
+    Example::
+
+        >>> size_spec("transformer", "small")["d"]
+        64
+    """
+    if size != GPU_SIZE:
+        return SIZES_SPEC[name][size]
+    from mpnb.lab.gpu_sizing import GpuSpec, gpu_plans
+
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"size={GPU_SIZE!r} sizes the workload from a CUDA device's properties, and torch "
+            "sees no CUDA device here; pass size='small', 'medium' or 'large' (or 'auto')."
+        )
+    cuda = str(device) if str(device).startswith("cuda") else "cuda"
+    return gpu_plans(GpuSpec.of(cuda))[name].spec
 
 
 def _digits(scale: int, seed: int = 0):
@@ -295,8 +358,8 @@ class DigitsCNN(nn.Module):
         return self.body(x)
 
 
-def _image_workload(name: str, size: str) -> Workload:
-    s = SIZES_SPEC[name][size]
+def _image_workload(name: str, size: str, device: str) -> Workload:
+    s = size_spec(name, size, device)
     scale = s.get("scale", 1)
     train, ev = _digits(scale)
     side = 8 * scale
@@ -304,8 +367,8 @@ def _image_workload(name: str, size: str) -> Workload:
         make = functools.partial(DigitsCNN, s["width"], side)
         what = f"3-block CNN (width {s['width']}) on {side}x{side} digits"
     else:
-        make = functools.partial(DigitsMLP, 64, s["hidden"])
-        what = f"MLP (hidden {s['hidden']}) on 8x8 digits"
+        make = functools.partial(DigitsMLP, side * side, s["hidden"])
+        what = f"MLP (hidden {s['hidden']}) on {side}x{side} digits"
     return Workload(
         name,
         make,
@@ -323,14 +386,14 @@ def _image_workload(name: str, size: str) -> Workload:
     )
 
 
-def _lm_workload(size: str) -> Workload:
+def _lm_workload(size: str, device: str) -> Workload:
     from mpnb.lab._text import VOCAB, TinyLM, generate_tokens, lm_sequences
 
-    s = SIZES_SPEC["transformer"][size]
+    s = size_spec("transformer", size, device)
     seq, b = s["seq"], s["batch"]
     train = lm_sequences(generate_tokens(min(b * seq * s["steps"], 400_000) + 1, seed=0), seq)
     ev = lm_sequences(generate_tokens(max(4096, 8 * seq) + 1, seed=1), seq)
-    heads = max(1, s["d"] // 32)
+    heads = s.get("heads", max(1, s["d"] // 32))
     make = functools.partial(TinyLM, len(VOCAB), seq, s["d"], heads, s["layers"])
     return Workload(
         "transformer",
@@ -362,8 +425,14 @@ def get(workload: str | Workload, size: str | None = "auto", device: str = "cpu"
 
     Args:
         workload: ``"transformer"``, ``"cnn"``, ``"mlp"`` or a :class:`Workload`.
-        size: ``"small"``, ``"medium"``, ``"large"`` or ``"auto"`` (:func:`resolve_size`).
-        device: for ``size="auto"``.
+        size: ``"small"``, ``"medium"``, ``"large"``, ``"gpu"`` or ``"auto"``
+            (:func:`resolve_size`).
+        device: for ``size="auto"`` and ``"gpu"`` (:func:`size_spec`).
+
+    Example::
+
+        >>> get("cnn", "small").description
+        '3-block CNN (width 16) on 16x16 digits'
     """
     if isinstance(workload, Workload):
         return workload
@@ -374,5 +443,5 @@ def get(workload: str | Workload, size: str | None = "auto", device: str = "cpu"
         )
     size = resolve_size(size, device)
     if workload == "transformer":
-        return _lm_workload(size)
-    return _image_workload(workload, size)
+        return _lm_workload(size, device)
+    return _image_workload(workload, size, device)

@@ -24,7 +24,7 @@ def test_sizes_scale_the_workloads():
         ]
         assert params == sorted(params) and params[0] < params[-1], name
     assert workloads.get("transformer", "auto", "cpu").size == "small"
-    assert workloads.get("transformer", "auto", "cuda").size == "medium"
+    assert workloads.resolve_size("auto", "cuda") == workloads.GPU_SIZE  # sized for the card
     with pytest.raises(ValueError, match="size"):
         workloads.get("cnn", "huge")
     assert workloads.names()[0] == "transformer"  # the default of compare, the CLI and widget
