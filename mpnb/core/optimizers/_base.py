@@ -23,6 +23,13 @@ one op of :mod:`mpnb.core.ops` (``adam``, ``sgd``, ...). Everything else lives h
   (:mod:`mpnb.core.ops._rounding` has the math): :class:`_Rounding` holds the seed (drawn once
   from ``generator``) and the step counter of the random bits, saved by ``state_dict`` under
   ``"rounding"``; Kahan's bf16 buffer is ``state[p]["compensation"]``.
+* **No host read, and CUDA graphs.** A step reads no device value on the host: an overflowing
+  step is skipped inside the op (``found_inf``), step counts live in tensors and the bias
+  corrections are computed from them on the device. So a whole step can be captured in a CUDA
+  graph (``torch.cuda.graph``); the hyper-parameters (``lr``, betas, weight decay) are host
+  numbers, fixed in a captured graph (capture again after changing them: an LR schedule does
+  not reach a captured step), and stochastic rounding refuses capture (its random bits follow
+  a host counter).
 * **Apex's attributes.** ``_dummy_overflow_buf`` and, per class, Apex's ``multi_tensor_*``
   ops (:mod:`mpnb.core.amp_C`, callable through ``multi_tensor_applier`` with Apex's
   positional signatures), for code that subclasses Apex's optimizers (fairseq's
@@ -108,6 +115,18 @@ class _Rounding:
 def _draw_seed(generator: torch.Generator | None) -> int:
     """A 62-bit seed from ``generator`` (torch's default generator when None)."""
     return int(torch.randint(0, 1 << 62, (1,), generator=generator).item())
+
+
+def _refuse_capture(owner: str) -> None:
+    """Stochastic rounding's bits come from a host step counter, which a CUDA graph would
+    freeze: every replay would round with the same bits (biased, not stochastic)."""
+    if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+        raise RuntimeError(
+            f"{owner}(stochastic_rounding=True) cannot be captured in a CUDA graph: its random "
+            "bits follow a step counter kept on the host, so every replay would round with the "
+            "same bits. Train it without CUDA graphs, or use kahan_summation=True (no random "
+            "bits) or fp32 master weights (O2)."
+        )
 
 
 class FusedOptimizerBase(torch.optim.Optimizer):
@@ -374,6 +393,7 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         self._prepare(work, inv_scale, found_inf)
         flag = found_inf if skip else None  # a static scale: flagged, but the step is taken
         if any(self.rounding(g) == "stochastic" for g in self.param_groups):
+            _refuse_capture(type(self).__name__)
             self._rounding.step += 1  # also on a skipped step: the bits stay a pure counter
         ordinal = 0
         for group, buckets in work:

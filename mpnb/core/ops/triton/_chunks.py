@@ -10,7 +10,9 @@ The table is one int64 tensor on the device, built on the host and copied once p
 * then one value per chunk: the index of its tensor (chunks of one tensor are consecutive).
 
 On CUDA the table goes up from pinned memory without blocking (a plain copy from pageable
-memory would synchronize the host with the stream on every call).
+memory would synchronize the host with the stream on every call: :func:`upload`). A table
+built while a CUDA graph is captured keeps its pinned buffer for the life of the process: each
+replay copies from it again.
 
 Empty tensors get no chunk. Per-tensor reductions write one partial per chunk and
 :func:`segment_sum_kernel` adds each tensor's partials in a fixed order (deterministic, no
@@ -37,12 +39,29 @@ __all__ = [
     "tensor_ptr",
     "tensor_col",
     "segment_sums",
+    "upload",
 ]
 
 BLOCK = 1024  #: elements per vector step of a program
 CHUNK = 8 * BLOCK  #: elements per program (a tensor of 20,000 elements takes 3 programs)
 WARPS = 8  #: warps of a chunk program: 4 values per thread per step (Adam: 73 registers on sm_90)
 SEG_BLOCK = 128  #: chunk partials a segment-sum program adds per step
+
+
+#: pinned host buffers that CUDA graphs captured copies from (their replays read them again)
+_CAPTURED: list[torch.Tensor] = []
+
+
+def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` (a small CPU tensor) on ``device`` without making the host wait: on CUDA from
+    pinned memory, asynchronously; while a CUDA graph is captured the pinned buffer is kept,
+    since each replay of the graph copies from it."""
+    if device.type != "cuda":
+        return host.to(device)
+    pinned = host.pin_memory()
+    if torch.cuda.is_current_stream_capturing():
+        _CAPTURED.append(pinned)
+    return pinned.to(device, non_blocking=True)
 
 
 @dataclass(frozen=True)
@@ -90,11 +109,7 @@ class ChunkTable:
         meta = torch.cat(parts, 1).reshape(-1)
         owner = torch.repeat_interleave(torch.arange(n, dtype=torch.int64), counts)
         table = torch.cat([meta, owner])
-        device = first[0].device
-        if device.type == "cuda":  # pinned and asynchronous: no host sync on the stream
-            table = table.pin_memory().to(device, non_blocking=True)
-        else:
-            table = table.to(device)
+        table = upload(table, first[0].device)
         return cls(table, n, int(owner.numel()), 2 + len(cols) + len(lists), chunk)
 
 

@@ -22,6 +22,7 @@ from mpnb.core.ops.triton._chunks import (
     chunk_info,
     segment_sums,
     tensor_ptr,
+    upload,
 )
 from mpnb.core.ops.triton._common import f32, flag_view, join64, launch, split64, to_acc
 from mpnb.core.ops.triton._optim import (
@@ -361,7 +362,7 @@ def fused_lamb_bf16_(args) -> None:
     c_list = comps if kahan else params
     dev = params[0].device
     keys = keys_of(len(params), args.seed, args.rng_step, kahan)
-    keys = torch.tensor(keys, dtype=torch.int64).to(dev)
+    keys = upload(torch.tensor(keys, dtype=torch.int64), dev)  # no host wait
     tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, params, steps, c_list])
     found = tab.table if found_inf is None else flag_view(found_inf)
     decoupled = weight_decay != 0 and bool(args.adam_w_mode)
