@@ -9,6 +9,12 @@ A suite is a module ``mpnb/lab/bench/<name>.py`` (suite ``multi-tensor`` is modu
 A suite that cannot run everywhere also defines ``unavailable(opts) -> str | None``: the
 reason it cannot run with ``opts`` here, which ``mpnb bench`` prints instead of running it
 (suite ``cuda``, the Triton kernels, needs a GPU; ``mpnb bench --device cuda`` runs it).
+Every suite runs on the device ``--device`` names (``mpnb bench fp8 --device cuda``).
+
+A suite may also name its table's columns (``COLUMNS``: titles from
+``_report.COLUMN_TITLES``, such as ``"TFLOP/s"`` and ``"95% CI"``) and define
+``summary(rows) -> list[str]``: sentences drawn from all its rows, printed after the table
+and saved as the JSON's ``"summary"`` (suite ``fp8``: where each recipe starts to pay).
 
 Suites are found on disk and imported only when run, so ``mpnb bench --list`` is fast. The
 method (round-robin rounds, median of per-round ratios, same-run bandwidth baselines) is in
@@ -154,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mpnb bench: no case matched --filter {args.filter!r}.", file=sys.stderr)
     if args.json:
         try:
-            write_json(args.json, result.header, result.rows)
+            write_json(args.json, result.header, result.rows, result.summary)
         except OSError as e:
             print(f"mpnb bench: --json: {e.strerror or e}", file=sys.stderr)
             return 1

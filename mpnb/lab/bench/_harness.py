@@ -42,7 +42,7 @@ import torch
 from mpnb.core._numbers import is_positive_finite
 from mpnb.lab.bench import _compile
 from mpnb.lab.bench._timing import time_rounds
-from mpnb.lab.stats import iqr, median, per_round_ratios, quantile, ratio_summary
+from mpnb.lab.stats import iqr, median, median_ci, per_round_ratios, quantile, ratio_summary
 
 __all__ = [
     "COMPUTE_BOUND",
@@ -201,6 +201,9 @@ class Candidate:
             out when ``Options.compile`` is False.
         in_cache: the kernel on cache-resident slices (see :class:`InCache`): the row then
             also has its in-cache throughput and says whether it is compute-bound.
+        flops: floating-point operations one call does (``6 * M * N * K`` for a Linear's
+            training step); the row then has its achieved TFLOP/s. 0 when not meaningful.
+        note: how the candidate runs here, shown beside it (``"fp8 (emulated)"``), or ``""``.
     """
 
     name: str
@@ -214,6 +217,8 @@ class Candidate:
     max_extra_ratio: float | None = None
     compiled: bool = False
     in_cache: InCache | None = None
+    flops: int = 0
+    note: str = ""
 
 
 def compiled(
@@ -349,7 +354,8 @@ class Row:
 
     ``role`` is ``"baseline"``, ``"candidate"`` or ``"bandwidth"``. Times are seconds per
     call; ``ratio`` is the median of per-round ``baseline / this`` (above 1: faster than
-    PyTorch) and ``ratio_iqr`` its spread; ``bw_frac`` is the median per-round fraction of
+    PyTorch), ``ratio_iqr`` its spread and ``ratio_lo``/``ratio_hi`` the 95% bootstrap interval
+    of that median (None with fewer than 3 rounds); ``bw_frac`` is the median per-round fraction of
     the ``bw_ref`` bandwidth; ``extra_s`` is the median per-round time above the baseline's;
     ``extra_ratio`` is the median per-round ``(this - baseline) / (extra_vs - baseline)``;
     ``status`` is ``"PASS"``/``"MISS"`` against the targets, or ``""``;
@@ -363,6 +369,8 @@ class Row:
     ``cache_frac`` (the median per-round fraction of the same-run bandwidth baseline's GB/s)
     and ``bound``: ``"compute"`` when ``cache_frac`` is below :data:`COMPUTE_BOUND` (the kernel
     cannot reach that share of the bandwidth even from cache), else ``"memory"``.
+    A candidate that declares its ``flops`` has ``tflops``, its achieved TFLOP/s at the median
+    time; ``note`` is the candidate's own (how it runs here).
     """
 
     suite: str
@@ -397,6 +405,11 @@ class Row:
     cache_gbps: float | None = None
     cache_frac: float | None = None
     bound: str = ""
+    ratio_lo: float | None = None
+    ratio_hi: float | None = None
+    flops: int = 0
+    tflops: float | None = None
+    note: str = ""
 
     def to_dict(self) -> dict:
         """The row as plain JSON-ready data (NaN times of an ``ERROR`` row as None)."""
@@ -489,7 +502,9 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
         role = "baseline" if i == 0 else "candidate" if i < len(listed) else "bandwidth"
         t = times[j]
         row = Row(suite, case.name, case.workload, c.name, role, median(t), iqr(t), opts.rounds)
-        row.calls_per_round, row.bytes = numbers[j], c.bytes
+        row.calls_per_round, row.bytes, row.note = numbers[j], c.bytes, c.note
+        if c.flops:
+            row.flops, row.tflops = c.flops, c.flops / row.median_s / 1e12
         row.preempt_per_call, row.times_s = preempted[j], tuple(t)
         if role == "candidate":
             _compare(row, c, t, times[0], by_name)
@@ -540,13 +555,16 @@ def _roofline(row: Row, c: Candidate, pair: list[list[float]], bw, bw_t) -> None
 def _error_row(suite: str, case: Case, c: Candidate, reason: str) -> Row:
     nan = float("nan")
     row = Row(suite, case.name, case.workload, c.name, "candidate", nan, nan, 0)
-    row.bytes, row.status, row.error = c.bytes, "ERROR", reason
+    row.bytes, row.status, row.error, row.note = c.bytes, "ERROR", reason, c.note
     return row
 
 
 def _compare(row: Row, c: Candidate, t: list[float], base_t: list[float], by_name) -> None:
     """Fill the row's speed-up, its time above the baseline's and the extra-cost ratio."""
     row.ratio, row.ratio_iqr = ratio_summary(base_t, t)
+    lo, hi = median_ci(per_round_ratios(base_t, t))
+    if lo == lo:  # nan with fewer than 3 rounds: no interval
+        row.ratio_lo, row.ratio_hi = lo, hi
     row.target = c.target
     row.extra_s = median([x - b for x, b in zip(t, base_t, strict=True)])
     row.extra_target_s = c.max_extra_s

@@ -16,6 +16,7 @@ from mpnb.lab.stats import loadavg
 
 __all__ = [
     "ALLOCATOR_ENV",
+    "COLUMN_TITLES",
     "collect_header",
     "format_header",
     "format_rows",
@@ -154,8 +155,41 @@ _COLUMNS = (  # title, width, cell
 )
 
 
-def format_rows(rows: Sequence[Row], title: bool = True) -> str:
+def _fmt_interval(row: Row) -> str:
+    return f"{row.ratio_lo:.2f}-{row.ratio_hi:.2f}" if row.ratio_lo is not None else ""
+
+
+#: Columns a suite may name in its ``COLUMNS`` besides the default ones above.
+_MORE_COLUMNS = (
+    ("95% CI", 11, _fmt_interval),
+    ("TFLOP/s", 8, lambda r: f"{r.tflops:.3g}" if r.tflops is not None else ""),
+    ("note", 22, lambda r: r.note),
+)
+_CATALOG = {c[0]: c for c in (*_COLUMNS, *_MORE_COLUMNS)}
+#: The titles of every column a suite's ``COLUMNS`` may name, in no particular order.
+COLUMN_TITLES = tuple(_CATALOG)
+
+
+def _columns(titles: Sequence[str] | None) -> tuple:
+    if titles is None:
+        return _COLUMNS
+    unknown = [t for t in titles if t not in _CATALOG]
+    if unknown:
+        raise ValueError(
+            f"unknown table column(s) {', '.join(map(repr, unknown))}; a suite's COLUMNS "
+            f"names some of: {', '.join(COLUMN_TITLES)}."
+        )
+    return tuple(_CATALOG[t] for t in titles)
+
+
+def format_rows(
+    rows: Sequence[Row], title: bool = True, columns: Sequence[str] | None = None
+) -> str:
     """The rows as a fixed-width table (``spread`` is the IQR as a % of the median).
+
+    ``columns`` names the columns to show, by title (a suite's ``COLUMNS``; None: the default
+    set below). Beyond those, ``95% CI`` is the 95% interval of a candidate's ratio,
+    ``TFLOP/s`` its achieved rate (candidates that declare ``flops``) and ``note`` how it runs.
 
     ``preempt`` is the OS's involuntary context switches of the process per call: near 0 on a
     quiet machine; above ~0.5 the timings include waits for a preempted thread.
@@ -172,19 +206,25 @@ def format_rows(rows: Sequence[Row], title: bool = True) -> str:
 
     ``title=False`` leaves out the column titles, so a run can print case after case.
     """
+    cols = _columns(columns)
     lines = []
     if title:
-        lines.append("  ".join(t.ljust(w) for t, w, _ in _COLUMNS).rstrip())
-        lines.append("  ".join("-" * w for _, w, _ in _COLUMNS))
+        lines.append("  ".join(t.ljust(w) for t, w, _ in cols).rstrip())
+        lines.append("  ".join("-" * w for _, w, _ in cols))
     for r in rows:
-        lines.append("  ".join(str(cell(r)).ljust(w) for _, w, cell in _COLUMNS).rstrip())
+        lines.append("  ".join(str(cell(r)).ljust(w) for _, w, cell in cols).rstrip())
         if r.error:
             lines.append(f"    {r.candidate}: {r.error}")
     return "\n".join(lines)
 
 
-def write_json(path: str | os.PathLike, header: dict, rows: Sequence[Row]) -> None:
-    """Save ``{"header": ..., "rows": [row dicts]}`` to ``path`` (whole, or the previous file
-    stays: see :func:`mpnb.lab._files.write_atomic`)."""
+def write_json(
+    path: str | os.PathLike, header: dict, rows: Sequence[Row], summary: Sequence[str] = ()
+) -> None:
+    """Save ``{"header": ..., "rows": [row dicts]}`` to ``path``, plus ``"summary"`` (the
+    suite's closing sentences) when there is one (whole, or the previous file stays: see
+    :func:`mpnb.lab._files.write_atomic`)."""
     data = {"header": header, "rows": [r.to_dict() for r in rows]}
+    if summary:
+        data["summary"] = list(summary)
     write_atomic(path, json.dumps(data, indent=1) + "\n")

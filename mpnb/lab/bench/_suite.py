@@ -15,19 +15,30 @@ __all__ = ["Result", "run_suite"]
 
 @dataclass
 class Result:
-    """A suite run: the conditions (``header``) and one :class:`Row` per timed callable."""
+    """A suite run: the conditions (``header``), one :class:`Row` per timed callable, the
+    suite's table columns (None: the default ones) and its closing sentences (``summary``)."""
 
     suite: str
     header: dict
     rows: list[Row] = field(default_factory=list)
+    columns: tuple[str, ...] | None = None
+    summary: list[str] = field(default_factory=list)
 
     def table(self) -> str:
-        """The rows as the printed table."""
-        return format_rows(self.rows)
+        """The rows as the printed table, then the summary lines (``# ...``)."""
+        return "\n".join([format_rows(self.rows, columns=self.columns), *_footer(self.summary)])
+
+
+def _footer(summary: list[str]) -> list[str]:
+    return [f"# {line}" for line in summary]
 
 
 def run_suite(name: str, opts: Options | None = None, echo: bool = False) -> Result:
     """Run suite ``name`` and return its :class:`Result` (``echo`` prints rows as they come).
+
+    A suite may name its table's columns (``COLUMNS``, titles of
+    :data:`~mpnb.lab.bench._report.COLUMN_TITLES`) and close the run with sentences drawn
+    from all its rows (``summary(rows) -> list[str]``), printed after the table.
 
     The kernels are built (if needed) before anything is timed. ``opts.threads`` applies to
     the run only: the previous ``torch.get_num_threads()`` is restored, also on errors.
@@ -46,15 +57,19 @@ def run_suite(name: str, opts: Options | None = None, echo: bool = False) -> Res
             header["inductor"] = inductor_settings()
         if opts.scale != 1.0:
             header["scale"] = opts.scale
-        result = Result(name, header)
+        cols = getattr(module, "COLUMNS", None)
+        result = Result(name, header, columns=None if cols is None else tuple(cols))
         if echo:
             print(format_header(header))
-            print(format_rows([]), flush=True)
+            print(format_rows([], columns=result.columns), flush=True)
 
         def printer(rows: list[Row]) -> None:
-            print(format_rows(rows, title=False), flush=True)
+            print(format_rows(rows, title=False, columns=result.columns), flush=True)
 
         on_rows = printer if echo else None
         result.rows = run_cases(module.cases(opts), opts, suite=name, on_rows=on_rows)
+        result.summary = list(getattr(module, "summary", lambda rows: [])(result.rows))
+        if echo and result.summary:
+            print("\n".join(_footer(result.summary)), flush=True)
     header["loadavg_end"] = loadavg()
     return result
