@@ -65,22 +65,24 @@ def test_one_description_per_level_for_amp_and_the_configurations():
 def test_the_default_list_is_one_constant():
     import mpnb.lab
     import mpnb.widgets
+    from mpnb.core.precision_configs import default_configs
     from mpnb.lab.config import expand
     from mpnb.lab.profiling import profile
     from mpnb.widgets._compare_controls import DEFAULT_LEVELS
 
-    assert DEFAULT_CONFIGS is OPT_LEVEL_NAMES == ("O0", "O1", "O2", "O3")
+    # compare's default: Apex's levels and torch.amp beside them (tf32 too on CUDA)
+    assert DEFAULT_CONFIGS == (*OPT_LEVEL_NAMES, "torch-amp") == default_configs("cpu")
+    assert default_configs("cuda:1") == (*DEFAULT_CONFIGS, "tf32")
     assert DEFAULT_LEVELS is DEFAULT_CONFIGS
-    for fn, arg in (
-        (expand, "configs"),
-        (profile, "opt_levels"),
-        (mpnb.widgets.profile, "opt_levels"),
-    ):
-        assert inspect.signature(fn).parameters[arg].default is DEFAULT_CONFIGS
+    assert inspect.signature(expand).parameters["configs"].default is DEFAULT_CONFIGS
+    # the profiler times amp's phases: Apex's levels only
+    for fn in (profile, mpnb.widgets.profile):
+        assert inspect.signature(fn).parameters["opt_levels"].default is OPT_LEVEL_NAMES
     # compare and the widget take None for "the default", resolved to the same constant
     from mpnb.lab.config import configs_argument
 
     assert configs_argument(None) is DEFAULT_CONFIGS
+    assert configs_argument(None, device="cpu") == DEFAULT_CONFIGS
     assert inspect.signature(mpnb.lab.compare).parameters["configs"].default is None
     levels = re.compile(r"""["']O0["'],\s*["']O1["'],\s*["']O2["'],\s*["']O3["']""")
     spelled = [f.name for f in (ROOT / "mpnb").rglob("*.py") if levels.search(f.read_text())]

@@ -16,9 +16,10 @@ from mpnb.core.precision_configs import (
 )
 
 NAMES = (
-    "O0 O1 O2 O3 fp8-tensorwise fp8-delayed fp8-rowwise mxfp8 bf16-pure bf16-pure+sr "
-    "bf16-pure+kahan"
+    "O0 O1 O2 O3 torch-amp tf32 torch-amp+compile fp8-tensorwise fp8-delayed fp8-rowwise mxfp8 "
+    "bf16-pure bf16-pure+sr bf16-pure+kahan"
 ).split()
+PEERS = ("torch-amp", "tf32", "torch-amp+compile")
 FP8 = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8")
 PURE = ("bf16-pure", "bf16-pure+sr", "bf16-pure+kahan")
 #: facts keyed as a compare DataFrame keys them: bf16 emulated, fp16 and fp8 native
@@ -40,15 +41,23 @@ def test_the_old_module_is_the_same_table():
 def test_runs_labels_and_precision_text(name):
     cfg = get_config(name)
     runs = cfg.halves(("bf16", "fp16"))
-    want = {"O0": ("fp32",), **dict.fromkeys(FP8, ("fp8",)), **dict.fromkeys(PURE, ("bf16",))}
+    want = {
+        "O0": ("fp32",),
+        "tf32": ("tf32",),
+        **dict.fromkeys(FP8, ("fp8",)),
+        **dict.fromkeys(PURE, ("bf16",)),
+    }
     assert runs == want.get(name, ("bf16", "fp16"))
     texts = [cfg.precision_text(h, cfg.status(h, FACTS)) for h in runs]
     labels = [cfg.label(h) for h in runs]
     if name == "O0":
         assert texts == ["fp32"] and labels == ["O0 fp32"]
-    elif name in ("O1", "O2", "O3"):
+    elif name in ("O1", "O2", "O3", "torch-amp", "torch-amp+compile"):
         assert texts == ["bf16 (emulated)", "fp16 (native)"]
         assert labels == [f"{name} bf16", f"{name} fp16"]
+    elif name == "tf32":  # a CUDA mode: these facts name no device, so the CPU's
+        assert texts == ["tf32 (unsupported)"] and labels == ["tf32"]
+        assert cfg.status("tf32", {"device": "cpu"}) == "unsupported"
     elif name == "mxfp8":  # its GEMM is emulated on every device, native FP8 or not
         assert texts == ["fp8 (emulated)"] and cfg.gemm_dtype("fp8") == "fp32"
     elif name in FP8:
@@ -60,12 +69,16 @@ def test_runs_labels_and_precision_text(name):
 
 def test_what_each_configuration_says_of_itself():
     by = {n: get_config(n) for n in config_names()}
-    assert [n for n, c in by.items() if c.loss_scaling] == ["O1", "O2", "O3"]
-    assert [n for n, c in by.items() if c.autocast] == ["O1"]
-    assert [n for n, c in by.items() if not c.uses_amp] == list(FP8)
+    amp_peers = ["torch-amp", "torch-amp+compile"]
+    assert [n for n, c in by.items() if c.loss_scaling] == ["O1", "O2", "O3", *amp_peers]
+    assert [n for n, c in by.items() if c.autocast] == ["O1", *amp_peers]
+    assert [n for n, c in by.items() if not c.uses_amp] == [*PEERS, *FP8]
+    assert [n for n, c in by.items() if c.peer] == list(PEERS)
+    assert [n for n, c in by.items() if c.verdict_reference] == ["torch-amp"]
+    assert [n for n, c in by.items() if c.unavailable("cpu")] == ["tf32"]
     assert [n for n, c in by.items() if not c.low_precision] == ["O0"]
     assert [n for n, c in by.items() if c.divergence_note()] == ["O3", "bf16-pure"]
-    assert [n for n, c in by.items() if c.half_dtype("fp16") is None] == ["O0", *FP8]
+    assert [n for n, c in by.items() if c.half_dtype("fp16") is None] == ["O0", "tf32", *FP8]
     assert by["O2"].half_dtype("fp16") is torch.float16 and by["O2"].half_dtype() is torch.bfloat16
     assert by["bf16-pure+sr"].half_dtype("fp16") is torch.bfloat16
     assert [r.role for r in STORED_ROLES] == ["fp8_scales", "kahan_buffers"]
@@ -107,7 +120,7 @@ def test_a_configuration_builds_the_optimizer_it_needs(name, cls, option):
         assert cfg.optimizer_note("adam") == ""
 
 
-@pytest.mark.parametrize("name", config_names())
+@pytest.mark.parametrize("name", [n for n in config_names() if not get_config(n).peer])
 def test_setup_leaves_every_configuration_under_one_training_loop(name):
     cfg = get_config(name)
     model, params = _pair()

@@ -4,6 +4,9 @@
 name                  what it is
 ====================  ========================================================================
 ``O0``..``O3``        Apex's opt levels through :func:`mpnb.amp.initialize`
+``torch-amp``         peer: ``torch.autocast`` + ``torch.amp.GradScaler`` + fused ``AdamW``
+``tf32``              peer: fp32 with TF32 matmuls and convolutions (CUDA, Ampere and newer)
+``torch-amp+compile`` peer: ``torch-amp`` through ``torch.compile`` (compile time apart)
 ``fp8-tensorwise``    FP8 linear layers, per-tensor current scaling (:mod:`mpnb.fp8`)
 ``fp8-delayed``       FP8 linear layers, per-tensor scales from an amax history
 ``fp8-rowwise``       FP8 linear layers, one scale per row
@@ -14,9 +17,13 @@ name                  what it is
 ====================  ========================================================================
 
 Each is a :class:`PrecisionConfig` (:class:`AmpConfig`, :class:`Float8Config`,
-:class:`PureHalfConfig`). Callers ask it, never test its class or name: how to set a model and
+:class:`PureHalfConfig`; the peers, what a user would pick instead of mpnb, are
+:class:`TorchAmpConfig`, :class:`TF32Config`, :class:`TorchAmpCompileConfig`, with ``peer``
+True). Callers ask it, never test its class or name: how to set a model and
 optimizer up (:meth:`~PrecisionConfig.apply`, :meth:`~PrecisionConfig.setup`,
-:meth:`~PrecisionConfig.make_optimizer`), which dtypes its runs use
+:meth:`~PrecisionConfig.make_optimizer`) and train them (:meth:`~PrecisionConfig.train_step`,
+a :class:`TrainStep`: one loop trains every configuration), the lines a user writes to train
+that way (:meth:`~PrecisionConfig.snippet`), which dtypes its runs use
 (:meth:`~PrecisionConfig.halves`, :meth:`~PrecisionConfig.half_dtype`), where each tensor is
 stored (``weights``, ``grads``, ``optimizer_state``: dtype names, ``"half"`` meaning the
 run's half dtype; ``stores``: the extra state the memory tracker counts), whether a device
@@ -44,19 +51,35 @@ from __future__ import annotations
 
 import types
 
-from mpnb.core.opt_levels import OPT_LEVEL_DESCRIPTIONS, OPT_LEVEL_NAMES, check_names
+from mpnb.core.opt_levels import OPT_LEVEL_DESCRIPTIONS, check_names
 from mpnb.core.precision_configs._amp import AmpConfig
 from mpnb.core.precision_configs._base import PrecisionConfig, StoredRole
 from mpnb.core.precision_configs._distributed import STRATEGIES, DistributedConfig
 from mpnb.core.precision_configs._float8 import FP8_SCALES, Float8Config
 from mpnb.core.precision_configs._optimizers import OPTIMIZERS, make_optimizer
+from mpnb.core.precision_configs._peer_steps import tf32_enabled
+from mpnb.core.precision_configs._peers import (
+    COMPILE_BUDGET_S,
+    TF32Config,
+    TorchAmpCompileConfig,
+    TorchAmpConfig,
+)
 from mpnb.core.precision_configs._pure_half import KAHAN_BUFFERS, PureHalfConfig
+from mpnb.core.precision_configs._step import AmpStep, TrainStep
 
 __all__ = [
     "PrecisionConfig",
     "AmpConfig",
     "Float8Config",
     "PureHalfConfig",
+    "TorchAmpConfig",
+    "TF32Config",
+    "TorchAmpCompileConfig",
+    "TrainStep",
+    "AmpStep",
+    "COMPILE_BUDGET_S",
+    "tf32_enabled",
+    "default_configs",
     "StoredRole",
     "DistributedConfig",
     "DISTRIBUTED_CONFIGS",
@@ -75,6 +98,7 @@ __all__ = [
 ]
 
 _F32 = ("float32",)
+_AUTOCAST = "half (autocast's lower-precision list), float32 (its fp32 list)"
 _FP8 = "float8_e4m3fn / float8_e5m2 GEMMs in nn.Linear, float32 elsewhere"
 
 
@@ -98,15 +122,35 @@ PRECISION_CONFIGS = types.MappingProxyType(
         c.name: c
         for c in (
             _amp("O0", _F32, _F32, _F32, "float32"),
-            _amp(
-                "O1",
-                _F32,
-                _F32,
-                _F32,
-                "half (autocast's lower-precision list), float32 (its fp32 list)",
-            ),
+            _amp("O1", _F32, _F32, _F32, _AUTOCAST),
             _amp("O2", ("half", "float32"), ("half", "float32"), _F32, "half"),
             _amp("O3", ("half",), ("half",), ("half",), "half"),
+            TorchAmpConfig(
+                "torch-amp",
+                "PyTorch's AMP: torch.autocast, torch.amp.GradScaler (fp16; off for bf16), "
+                "torch.optim.AdamW(fused=True); fp32 weights.",
+                _F32,
+                _F32,
+                _F32,
+                _AUTOCAST,
+            ),
+            TF32Config(
+                "tf32",
+                "fp32 with TF32 matmuls and convolutions (10-bit mantissa on tensor cores; "
+                "CUDA, compute capability 8.0+).",
+                _F32,
+                _F32,
+                _F32,
+                "tf32 (fp32 GEMMs on tensor cores)",
+            ),
+            TorchAmpCompileConfig(
+                "torch-amp+compile",
+                "torch-amp with torch.compile(model); the compile time is its own column.",
+                _F32,
+                _F32,
+                _F32,
+                _AUTOCAST,
+            ),
             _fp8(
                 "fp8-tensorwise",
                 "FP8 linear layers, per-tensor current scaling (scale from each tensor's amax).",
@@ -158,8 +202,24 @@ PRECISION_CONFIGS = types.MappingProxyType(
 #: the configuration every row is compared with (``speedup_vs_O0``, ``mem_saving_vs_O0``)
 BASELINE = "O0"
 
-#: what compare and the widgets run when no configuration is named: Apex's four opt levels
-DEFAULT_CONFIGS = OPT_LEVEL_NAMES
+
+def default_configs(device: str = "cpu") -> tuple[str, ...]:
+    """What a comparison on ``device`` runs when no configuration is named: the
+    configurations that say they run by default there (Apex's four levels and ``torch-amp``
+    everywhere, ``tf32`` on CUDA), in table order.
+
+    Example::
+
+        >>> default_configs("cuda")[-2:]
+        ('torch-amp', 'tf32')
+    """
+    kind = str(device).split(":")[0]
+    return tuple(n for n, c in PRECISION_CONFIGS.items() if c.runs_by_default(kind))
+
+
+#: what compare and the widgets run on a CPU when no configuration is named (on CUDA:
+#: :func:`default_configs`, which adds ``tf32``)
+DEFAULT_CONFIGS = default_configs("cpu")
 
 #: the extra state every configuration stores, once each, in table order (the memory roles
 #: beyond params, grads, master weights and optimizer state)

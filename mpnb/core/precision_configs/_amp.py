@@ -68,3 +68,14 @@ class AmpConfig(PrecisionConfig):
     def label(self, half: str) -> str:
         """``"O2 bf16"``: the level and its half dtype (``"O0 fp32"``)."""
         return f"{self.name} {half}"
+
+    def runs_by_default(self, device_type: str) -> bool:
+        """True: Apex's four levels are what a comparison runs when none is named."""
+        return True
+
+    def snippet(self, half: str, device: str = "cpu", optimizer: str = "adam", lr=1e-3) -> str:
+        """``amp.initialize`` at this level (in ``half``), the backward in ``amp.scale_loss``."""
+        from mpnb.core.precision_configs._snippets import amp_loop
+
+        half_kw = half if self.low_precision else None
+        return amp_loop(self.name, half_kw, self._optimizer_code(optimizer, lr), device)

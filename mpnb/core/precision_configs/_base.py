@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from mpnb.core.precision_configs._optimizers import make_optimizer
+from mpnb.core.precision_configs._step import AmpStep, TrainStep
 
 __all__ = ["PrecisionConfig", "StoredRole", "require_option"]
 
@@ -96,6 +97,32 @@ class PrecisionConfig(abc.ABC):
         """True when the forward runs under ``torch.autocast`` (O1)."""
         return False
 
+    @property
+    def peer(self) -> bool:
+        """True for what a user would pick instead of mpnb (torch.amp, TF32, torch.compile),
+        measured beside mpnb's configurations; False for mpnb's own."""
+        return False
+
+    @property
+    def verdict_reference(self) -> bool:
+        """True for the peer the verdict holds mpnb's best row against (eager torch.amp)."""
+        return False
+
+    def runs_by_default(self, device_type: str) -> bool:
+        """True when a comparison that names no configuration runs this one on a
+        ``device_type`` (``"cpu"``, ``"cuda"``) device."""
+        return False
+
+    def unavailable(self, device="cpu") -> str:
+        """Why ``device`` cannot run this configuration at all (``""``: it can); the lab then
+        shows an ``unsupported`` row with this reason instead of training."""
+        return ""
+
+    def with_options(self, compile_budget_s: float | None = None) -> PrecisionConfig:
+        """This configuration with a run's options applied (only a compiling configuration has
+        any: its compile budget); the same object when none applies."""
+        return self
+
     @abc.abstractmethod
     def apply(self, model, optimizer=None, half_dtype=None):
         """Set ``model`` (and ``optimizer``) up for this configuration; returns both.
@@ -126,6 +153,52 @@ class PrecisionConfig(abc.ABC):
 
             model, optimizer = amp.initialize(model, optimizer, opt_level="O0", verbosity=0)
         return self.apply(model, optimizer, half_dtype)
+
+    def train_step(self, model, optimizer, half_dtype=None, loss_scale=None) -> TrainStep:
+        """Set ``model`` and ``optimizer`` up (:meth:`setup`) and return the step that trains
+        them: an :class:`~mpnb.core.precision_configs._step.AmpStep` (``amp.scale_loss``)
+        for every configuration under amp; a peer builds its own.
+
+        Args:
+            model, optimizer, half_dtype, loss_scale: as for :meth:`setup`.
+
+        Example::
+
+            >>> step = PRECISION_CONFIGS["O2"].train_step(model, opt, torch.bfloat16)
+            >>> step.zero_grad()
+            >>> with step.forward_context():
+            ...     loss = loss_fn(step.model(x), y)
+            >>> step.backward(loss)
+            >>> step.step()
+        """
+        from mpnb.core import amp
+
+        model, optimizer = self.setup(model, optimizer, half_dtype, loss_scale)
+        return AmpStep(model, optimizer, amp.current_handle())  # the one setup just made
+
+    def snippet(self, half: str, device: str = "cpu", optimizer: str = "adam", lr=1e-3) -> str:
+        """The lines a user writes to train this way in their own loop
+        (:mod:`~mpnb.core.precision_configs._snippets`), for a run in ``half`` (one of
+        :meth:`halves`) on ``device`` with the optimizer called ``optimizer`` and ``lr``; the
+        default is plain fp32 training.
+
+        Example::
+
+            >>> print(PRECISION_CONFIGS["O2"].snippet("bf16", "cpu", "fused_adam"))
+            # model: your fp32 model on cpu; batches: (inputs, targets) on it; loss_fn
+            import torch
+            from mpnb import amp
+            ...
+        """
+        from mpnb.core.precision_configs._snippets import loop
+
+        imp, make = self._optimizer_code(optimizer, lr)
+        return loop([make], [imp], device=torch.device(device).type)
+
+    def _optimizer_code(self, name: str, lr) -> tuple[str, str]:
+        from mpnb.core.precision_configs._optimizers import optimizer_code
+
+        return optimizer_code(name, lr)
 
     def make_optimizer(self, name: str, params, lr: float):
         """The optimizer called ``name`` (:data:`~mpnb.core.precision_configs.OPTIMIZERS`) on

@@ -70,6 +70,15 @@ class Float8Config(PrecisionConfig):
         """The recipe: recipes are emulated for different reasons (MXFP8 on every device)."""
         return self.name
 
+    def snippet(self, half: str, device: str = "cpu", optimizer: str = "adam", lr=1e-3) -> str:
+        """The linear layers converted to this recipe, then plain fp32 training."""
+        from mpnb.core.precision_configs._snippets import loop
+
+        imp, make = self._optimizer_code(optimizer, lr)
+        convert = f'model = convert_to_float8_training(model, "{self.recipe}")'
+        imports = ["from mpnb.fp8 import convert_to_float8_training", imp]
+        return loop([convert, make], imports, device=device)
+
     def gemm_dtype(self, half: str) -> str:
         """``"fp8"``, or ``"fp32"`` for a GEMM emulated everywhere (it gets fp32's rate)."""
         return "fp32" if self.gemm_emulated else half

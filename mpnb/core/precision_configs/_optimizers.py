@@ -9,7 +9,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["OPTIMIZERS", "FUSED_FOR", "make_optimizer", "substitute_note"]
+__all__ = [
+    "OPTIMIZERS",
+    "FUSED_FOR",
+    "ADAMW_DECAY",
+    "make_optimizer",
+    "optimizer_code",
+    "substitute_note",
+]
 
 #: the optimizer names the lab, the CLI and the widgets offer
 OPTIMIZERS = ("adam", "adamw", "sgd", "fused_adam", "fused_sgd")
@@ -22,6 +29,9 @@ FUSED_FOR = {
     "sgd": "fused_sgd",
     "fused_sgd": "fused_sgd",
 }
+
+#: torch.optim.AdamW's default decoupled weight decay ("adamw" and its fused stand-in use it)
+ADAMW_DECAY = 1e-2
 
 
 def make_optimizer(name: str, params, lr: float, option: str | None = None):
@@ -50,11 +60,34 @@ def make_optimizer(name: str, params, lr: float, option: str | None = None):
         "adamw": lambda: torch.optim.AdamW(params, lr=lr),
         "sgd": lambda: torch.optim.SGD(params, lr=lr, momentum=0.9),
         "fused_adam": lambda: FusedAdam(params, lr=lr, **kw),
-        # torch.optim.AdamW's default decoupled weight decay
-        "fused_adamw": lambda: FusedAdam(params, lr=lr, weight_decay=1e-2, **kw),
+        "fused_adamw": lambda: FusedAdam(params, lr=lr, weight_decay=ADAMW_DECAY, **kw),
         "fused_sgd": lambda: FusedSGD(params, lr=lr, momentum=0.9, **kw),
     }
     return makers[name]()
+
+
+def optimizer_code(name: str, lr: float, option: str | None = None) -> tuple[str, str]:
+    """The code that builds what :func:`make_optimizer` builds: ``(import line, statement)``
+    (the import ``""`` for ``torch.optim``'s), for a configuration's snippet.
+
+    Example::
+
+        >>> optimizer_code("sgd", 1e-3)[1]
+        'optimizer = torch.optim.SGD(model.parameters(), lr=0.001, momentum=0.9)'
+    """
+    if option:
+        name = FUSED_FOR[name]
+    extra = f", {option}=True" if option else ""
+    cls, args = {
+        "adam": ("torch.optim.Adam", ""),
+        "adamw": ("torch.optim.AdamW", ""),
+        "sgd": ("torch.optim.SGD", ", momentum=0.9"),
+        "fused_adam": ("FusedAdam", ""),
+        "fused_adamw": ("FusedAdam", f", weight_decay={ADAMW_DECAY:g}"),
+        "fused_sgd": ("FusedSGD", ", momentum=0.9"),
+    }[name]
+    imp = "" if cls.startswith("torch.") else f"from mpnb.optimizers import {cls}"
+    return imp, f"optimizer = {cls}(model.parameters(), lr={lr!r}{args}{extra})"
 
 
 def substitute_note(config: str, name: str, option: str) -> str:

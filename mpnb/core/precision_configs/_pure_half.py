@@ -73,6 +73,14 @@ class PureHalfConfig(PrecisionConfig):
             return ""
         return substitute_note(self.name, name, self.optimizer_option)
 
+    def snippet(self, half: str, device: str = "cpu", optimizer: str = "adam", lr=1e-3) -> str:
+        """``amp.initialize`` at O3 in its half dtype, with the optimizer its option needs."""
+        from mpnb.core.precision_configs._optimizers import optimizer_code
+        from mpnb.core.precision_configs._snippets import amp_loop
+
+        code = optimizer_code(optimizer, lr, self.optimizer_option)
+        return amp_loop("O3", short_name(self.half), code, device)
+
     def halves(self, asked: Sequence[str]) -> tuple[str, ...]:
         """Once, in its own half dtype."""
         return (short_name(self.half),)
