@@ -2,9 +2,10 @@
 
 * :func:`compare`: train a workload (a built-in one, or your model factory and data) under
   O0/O1/O2/O3 or any configuration of :data:`mpnb.core.precision_configs.PRECISION_CONFIGS` (FP8
-  recipes, pure bf16 with stochastic rounding or Kahan summation) and return a DataFrame,
-  one row per configuration (one speed figure with its interval, memory by role, accuracy,
-  loss-scale history) and a :func:`verdict`.
+  recipes, pure bf16 with stochastic rounding or Kahan summation, and the peers torch-amp,
+  tf32 and torch-amp+compile in the same round-robin) and return a DataFrame, one row per
+  configuration (one speed figure with its interval, memory by role, accuracy, loss-scale
+  history, host syncs per step, the code to train that way) and a :func:`verdict`.
 * :mod:`workloads`: built-in workloads (a small GPT on generated text, a CNN and an MLP on
   digits, each small/medium/large) and :func:`workloads.custom` for your own;
   :func:`transformers_workload` adapts a Hugging Face model in one call.

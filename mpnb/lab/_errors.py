@@ -7,11 +7,49 @@ import traceback
 
 import torch
 
-__all__ = ["DivergenceError", "describe_error", "user_frame"]
+__all__ = [
+    "CompileError",
+    "DivergenceError",
+    "describe_error",
+    "divergence_message",
+    "user_frame",
+]
 
 
 class DivergenceError(RuntimeError):
     """The loss became inf/NaN on a step that was not skipped: training diverged."""
+
+
+class CompileError(RuntimeError):
+    """A compiling configuration could not compile (failed, overran its budget, kept
+    recompiling); the message names the cause and the fix."""
+
+
+def divergence_message(cfg, loss: float, step: int, dynamic: bool, scale: float) -> str:
+    """The error of a run (``cfg``: its :class:`~mpnb.lab.config.RunConfig`) whose loss became
+    inf/NaN without the step being skipped, with advice that fits its precision: loss scaling
+    only for fp16, bf16 only where it would help."""
+    head = f"NaN divergence: the loss became {loss} at step {step} and the step was not skipped"
+    if cfg.half_dtype == "fp16":
+        kind = "dynamic" if dynamic else "static"
+        advice = (
+            f" (fp16, {kind} loss scale {scale:g}); lower the learning rate"
+            + ("" if dynamic else ", use dynamic loss scaling")
+            + ", or bf16 (fp32's range)."
+        )
+    elif cfg.half_dtype == "bf16":
+        advice = (
+            " (bf16, which has fp32's range: loss scaling would not help); lower the learning "
+            "rate or clip the gradients."
+        )
+    elif cfg.half_dtype == "fp8":
+        advice = (
+            " (FP8 matmuls, scaled per tensor or block); lower the learning rate or clip the "
+            "gradients, and compare with O0 to see whether FP8 is the cause."
+        )
+    else:
+        advice = " (fp32: not a precision problem); lower the learning rate or clip the gradients."
+    return head + advice + cfg.config.divergence_note()
 
 
 def _library_dirs() -> tuple[str, ...]:
@@ -47,7 +85,7 @@ def describe_error(e: BaseException, configuration: str = "") -> str:
         return f"{head}out of memory: {str(e).splitlines()[0][:200]}; try a smaller batch size."
     from mpnb.core.amp import LossScaleCollapseError
 
-    if isinstance(e, (DivergenceError, LossScaleCollapseError)):
+    if isinstance(e, (DivergenceError, LossScaleCollapseError, CompileError)):
         return f"{head}{e}"
     where = user_frame(e)
     loc = ""

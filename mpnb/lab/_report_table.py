@@ -1,5 +1,6 @@
-"""The results tables of the report and the widget: which columns, how each value reads, and
-how the step times relate to the speed figure. Nothing is measured here."""
+"""The results tables of the report and the widget: which columns, how each value reads, how
+the step times relate to the speed figure, and each row's snippet as copyable code. Nothing is
+measured here."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ __all__ = [
     "results_table",
     "speed_note",
     "drawn_rows",
+    "snippets_html",
 ]
 
 
@@ -34,6 +36,8 @@ TABLE_COLUMNS = {
     "speedup_lo": "95% low (x)",
     "speedup_hi": "95% high (x)",
     "step_time_ms": "step time (ms)",
+    "compile_s": "compile time (s, apart from the steps)",
+    "host_syncs_per_step": "host syncs per step",
     "samples_per_step": "samples per step",
     "samples_per_s": "throughput (samples/s)",
     "peak_mem_mib": "peak memory (MiB)",
@@ -47,6 +51,9 @@ TABLE_COLUMNS = {
     "error": "error",
 }
 
+#: columns a table shows only when some row has a value (only a compiling row has a compile time)
+WHEN_SET = ("compile_s",)
+
 #: the results as two tables that each fit a page (or a notebook) without sideways scrolling:
 #: what it cost (speed, memory) and what it did (loss, metric, numerics). The 95% interval is
 #: shown beside the speed-up, in its cell.
@@ -58,6 +65,8 @@ TABLE_GROUPS = {
         "speed_label",
         "speedup_vs_O0",
         "step_time_ms",
+        "compile_s",
+        "host_syncs_per_step",
         "samples_per_s",
         "peak_mem_mib",
         "mem_saving_vs_O0",
@@ -93,10 +102,12 @@ def format_value(col: str, v) -> str:
         return f"{pct:+d}%" if pct else "0%"
     if col in ("speedup_vs_O0", "speedup_lo", "speedup_hi"):
         return f"{v:.2f}"
-    if col in ("samples_per_s", "samples_per_step", "skipped_steps"):
+    if col in ("samples_per_s", "samples_per_step", "skipped_steps", "host_syncs_per_step"):
         return f"{v:,.0f}"
     if col == "final_loss_scale":
         return f"{v:,.0f}" if v >= 1 and v == int(v) else f"{v:g}"
+    if col == "compile_s":
+        return f"{v:.1f}"
     if col == "metric_vs_O0":
         return f"{v:+.3f}"
     if col == "output_diff_vs_O0":
@@ -160,7 +171,7 @@ def results_table(df: pd.DataFrame, classes: str = "rows") -> str:
     """
     out = []
     for title, group in TABLE_GROUPS.items():
-        cols = [c for c in group if c in df.columns]
+        cols = [c for c in group if c in df.columns and (c not in WHEN_SET or df[c].notna().any())]
         head = "".join(f"<th>{html.escape(_header(c))}</th>" for c in cols)
         rows = "".join(
             "<tr>" + "".join(f"<td>{html.escape(_cell(c, r))}</td>" for c in cols) + "</tr>"
@@ -227,3 +238,24 @@ def drawn_rows(df: pd.DataFrame) -> pd.DataFrame:
     if "steps_done" in ok:
         ok = ok[ok["steps_done"].fillna(1) > 0]
     return ok
+
+
+def snippets_html(df: pd.DataFrame, classes: str = "snippet") -> str:
+    """Each row's ``snippet`` (the lines to train its way in your own loop) as a ``<pre>``
+    block under the rows it serves (rows that differ only in batch size share one), so the
+    comparison ends in code to copy; ``""`` when the frame has none."""
+    if "snippet" not in df.columns:
+        return ""
+    shared: dict[str, list[str]] = {}
+    for r in df.itertuples():
+        if isinstance(r.snippet, str) and r.snippet:
+            shared.setdefault(r.snippet, []).append(str(r.configuration))
+    blocks = "".join(
+        f"<div class='{classes}'><b>{html.escape(', '.join(names))}</b>"
+        f"<pre><code>{html.escape(code)}</code></pre></div>"
+        for code, names in shared.items()
+    )
+    return blocks and (
+        "<p class='note'>The lines each row trains with, to copy into your own loop ("
+        "<code>model</code>, <code>batches</code> and <code>loss_fn</code> are yours).</p>" + blocks
+    )

@@ -5,7 +5,25 @@ report, the CLI) reads the same three columns: ``speedup_vs_O0`` (the median of 
 per-round ratios ``t_O0[k] / t_config[k]`` over the rounds where both were timed),
 ``speedup_lo``/``speedup_hi`` (a 95% bootstrap interval of that median) and ``speed_label``
 (the text shown: ``"2.00x slower than O0"``, or ``"no measurable difference"`` when the
-interval contains 1.0).
+interval contains 1.0). :func:`relative_speed` compares any two rows the same way, from the
+same per-round step times (the verdict's mpnb-vs-torch.amp sentence).
+
+Columns beyond the names' plain meaning:
+
+* ``status``: ``"ok"``, ``"error"`` (``error`` says what failed and the fix),
+  ``"interrupted"`` (Stop, Ctrl-C, SIGTERM) or ``"unsupported"`` (the device cannot run the
+  configuration, e.g. ``tf32`` off CUDA: ``error`` says why and where it runs; nothing trained).
+* ``compile_s``: the seconds a compiling configuration (``torch-amp+compile``) spent compiling
+  (the warm-up calls until one compiled nothing, plus any later step that compiled again),
+  never part of ``step_time_ms`` or the speed figure; NaN for the configurations that compile
+  nothing.
+* ``host_syncs_per_step``: the host reads of device values (``item``, ``tolist``, ``bool`` and
+  the like, blocking copies to the host) in the memory-tracked training step (forward,
+  backward, optimizer step; not the lab's bookkeeping), counted by
+  :class:`~mpnb.lab.host_reads.HostReads`: each one makes a CUDA host wait for the GPU.
+* ``snippet``: the few lines a user writes to train this row's way in their own loop
+  (:meth:`~mpnb.core.precision_configs.PrecisionConfig.snippet`), for its half dtype, device,
+  optimizer and learning rate.
 """
 
 from __future__ import annotations
@@ -21,7 +39,15 @@ from mpnb.lab.memory import ROLES
 from mpnb.lab.stats import median, median_ci
 from mpnb.lab.story import row_note
 
-__all__ = ["COLUMNS", "HISTORY_COLUMNS", "frames", "speed_label", "paired_ratios"]
+__all__ = [
+    "COLUMNS",
+    "HISTORY_COLUMNS",
+    "frames",
+    "speed_label",
+    "paired_ratios",
+    "round_ratios",
+    "relative_speed",
+]
 
 COLUMNS = (
     "configuration",
@@ -42,6 +68,7 @@ COLUMNS = (
     "timed_steps",
     "rounds",
     "samples_per_s",
+    "compile_s",
     "speedup_vs_O0",
     "speedup_lo",
     "speedup_hi",
@@ -52,6 +79,7 @@ COLUMNS = (
     "mem_saving_vs_O0",
     "flops_per_step",
     "ops_per_step",
+    "host_syncs_per_step",
     "final_loss",
     "eval_loss",
     "metric_name",
@@ -62,6 +90,7 @@ COLUMNS = (
     "final_loss_scale",
     "warnings",
     "error",
+    "snippet",
 )
 
 HISTORY_COLUMNS = [
@@ -100,14 +129,40 @@ def speed_label(speedup: float, lo: float, hi: float, baseline: bool = False) ->
     return f"{1.0 / speedup:.2f}x slower than O0"
 
 
-def paired_ratios(base: RunResult, res: RunResult) -> list[float]:
-    """``t_O0[k] / t_config[k]`` for every round ``k`` where both steps were timed."""
-    t0 = {h["step"]: h["step_time_ms"] for h in base.history if h["phase"] == "timed"}
+def round_ratios(base_history, history) -> list[float]:
+    """``t_base[k] / t[k]`` for every round ``k`` where both steps were timed (the histories:
+    entries with ``step``, ``step_time_ms`` and ``phase``)."""
+    t0 = {h["step"]: h["step_time_ms"] for h in base_history if h["phase"] == "timed"}
     return [
         t0[h["step"]] / h["step_time_ms"]
-        for h in res.history
+        for h in history
         if h["phase"] == "timed" and h["step"] in t0 and h["step_time_ms"] > 0
     ]
+
+
+def paired_ratios(base: RunResult, res: RunResult) -> list[float]:
+    """``t_O0[k] / t_config[k]`` for every round ``k`` where both steps were timed."""
+    return round_ratios(base.history, res.history)
+
+
+def relative_speed(history: pd.DataFrame, label: str, reference: str) -> dict:
+    """How fast the row ``label`` ran relative to the row ``reference``, measured as the speed
+    figure is: the median of the per-round ratios ``t_reference[k] / t_label[k]`` (> 1: faster)
+    with its 95% bootstrap interval, from a frame's ``attrs["history"]``.
+
+    Returns:
+        ``dict(ratio=, lo=, hi=, rounds=)`` (NaN without 3 paired rounds).
+
+    Example::
+
+        >>> relative_speed(df.attrs["history"], "O2 bf16 b16", "torch-amp bf16 b16")
+        {'ratio': 1.02, 'lo': 0.98, 'hi': 1.05, 'rounds': 40}
+    """
+    by = {k: g.to_dict("records") for k, g in history.groupby("configuration", sort=False)}
+    ratios = round_ratios(by.get(reference, []), by.get(label, []))
+    lo, hi = median_ci(ratios)
+    ok = math.isfinite(lo) and math.isfinite(hi)
+    return dict(ratio=median(ratios) if ok else math.nan, lo=lo, hi=hi, rounds=len(ratios))
 
 
 #: a row's warnings are one string, one warning per line (a warning may hold "; " itself)
@@ -180,6 +235,12 @@ def _clamp_note(batch_size: int, samples: float) -> str:
     )
 
 
+def _status(res: RunResult) -> str:
+    if res.unsupported:
+        return "unsupported"
+    return "error" if res.error else "interrupted" if res.interrupted else "ok"
+
+
 def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
     cfg, nan = res.config, math.nan
     precision, notes = _precision(cfg, hw)
@@ -200,7 +261,9 @@ def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
     row.update(res.row)
     row.update(_speed(res, base))
     baseline = res is base and bool(res.history)  # an O0 that never started has no figure
-    if res.error:
+    if res.unsupported:
+        row["speed_label"] = "not run (unsupported here)"
+    elif res.error:
         row["speed_label"] = "failed"
     elif res is not base and row["rounds"] and not math.isfinite(row["speedup_vs_O0"]):
         row["speed_label"] = too_few_rounds(row["rounds"])
@@ -216,7 +279,8 @@ def _row(res: RunResult, base: RunResult | None, w, hw: dict) -> dict:
         output_diff_vs_O0=_rel_diff(res.output, base.output) if ok else nan,
         warnings=join_warnings(dict.fromkeys([*notes, *res.warnings, res.interrupted])),
         error=res.error or "",
-        status="error" if res.error else "interrupted" if res.interrupted else "ok",
+        status=_status(res),
+        snippet=cfg.config.snippet(cfg.half_dtype, cfg.device, cfg.optimizer, cfg.lr or w.lr),
     )
     biggest = max((h["samples"] for h in res.history), default=nan)
     clamped = _clamp_note(cfg.batch_size, biggest)

@@ -1,10 +1,20 @@
 """One configuration, trained for real: the measurements behind one row of ``compare``.
 
-Per step, one host sync reads the loss, the overflow flag and the loss scale together (the
-step was skipped when the flag is set under dynamic scaling). Step times come from
-``torch.utils.benchmark.timer`` (it synchronizes CUDA); the first ``warmup`` steps and the
-memory-tracked step (:attr:`~mpnb.lab.config.RunConfig.memory_step`, which also counts the
-step's FLOPs and dispatched ops) are recorded in the history but not timed.
+Every configuration trains through one loop: its configuration builds the step
+(:meth:`~mpnb.core.precision_configs.PrecisionConfig.train_step`, a
+:class:`~mpnb.core.precision_configs.TrainStep`: mpnb's through ``amp.scale_loss``, torch.amp's
+through ``torch.autocast`` and ``GradScaler``), and the trainer only calls its hooks. The lab
+reads nothing on the host inside a step: the loss, the overflow flag and the loss scale stay on
+the device (:class:`~mpnb.lab._step_log.StepLog`) and are read together every
+:data:`~mpnb.lab._step_log.READ_EVERY` steps and at the end (a step was skipped when its flag is
+set under dynamic scaling; a NaN divergence is found at those reads and named by its first
+step). Step times come from ``torch.utils.benchmark.timer`` (it synchronizes CUDA); the first
+``warmup`` steps and the memory-tracked step (:attr:`~mpnb.lab.config.RunConfig.memory_step`,
+which also counts the step's FLOPs, dispatched ops and host reads,
+:class:`~mpnb.lab.host_reads.HostReads`) are recorded in the history but not timed. A
+compiling configuration is compiled before its first step (:mod:`mpnb.lab._warm_compile`);
+its compile time is the row's ``compile_s``, and a later step that compiled again is recorded
+with phase ``"compile"``, never timed.
 
 The model's output is never assumed to be a tensor: ``loss_fn`` and ``metric_fn`` receive
 exactly what the model returned (a tensor, tuple, dict, dataclass or ``ModelOutput``).
@@ -14,7 +24,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import dataclass, field
 
 import torch
 from torch.utils import benchmark
@@ -22,11 +31,22 @@ from torch.utils.flop_counter import FlopCounterMode
 
 from mpnb.core.amp import EmulatedHalfWarning
 from mpnb.lab._data import batch_len
-from mpnb.lab._errors import DivergenceError, describe_error
+from mpnb.lab._errors import DivergenceError, describe_error, divergence_message
+from mpnb.lab._run_result import (
+    RunResult,
+    evaluate,
+    fixed_output,
+    forward,
+    memory_row,
+    timing_row,
+    to_device,
+)
+from mpnb.lab._step_log import StepLog
+from mpnb.lab._warm_compile import CompileWatch, warm_up_step
 from mpnb.lab.config import RunConfig
+from mpnb.lab.host_reads import HostReads
 from mpnb.lab.memory import MemoryTracker
-from mpnb.lab.stats import iqr, median
-from mpnb.lab.workloads import Workload, logits_of
+from mpnb.lab.workloads import Workload
 
 __all__ = [
     "RunResult",
@@ -36,132 +56,63 @@ __all__ = [
     "forward",
     "DivergenceError",
     "describe_error",
+    "divergence_message",
 ]
 
-_MIB = 2.0**20
 
-
-@dataclass
-class RunResult:
-    """What one configuration produced; the runner turns it into a row."""
-
-    config: RunConfig
-    row: dict = field(default_factory=dict)
-    history: list[dict] = field(default_factory=list)
-    output: torch.Tensor | None = None  # the fixed batch's logits at initialization (fp32, CPU)
-    error: str | None = None
-    warnings: list[str] = field(default_factory=list)
-    interrupted: str = ""  # "interrupted at step k of N" when Stop ended the run early
-
-
-def to_device(x, device):
-    """``x`` (a tensor, or a tuple/list/dict of them) moved to ``device``."""
-    if isinstance(x, torch.Tensor):
-        return x.to(device, non_blocking=True)
-    if isinstance(x, (tuple, list)):
-        return type(x)(to_device(v, device) for v in x)
-    if isinstance(x, dict):
-        return type(x)({k: to_device(v, device) for k, v in x.items()})
-    return x
-
-
-def forward(model, x):
-    """Call ``model`` on a batch's inputs: ``model(*x)`` for a tuple, ``model(**x)`` for a dict."""
-    if isinstance(x, tuple):
-        return model(*x)
-    if isinstance(x, dict):
-        return model(**x)
-    return model(x)
-
-
-def _setup(cfg: RunConfig, w: Workload):
-    """Model, optimizer and amp handle of ``cfg``, set up by its precision configuration:
-    the optimizer it needs (:meth:`PrecisionConfig.make_optimizer`) and
-    :meth:`PrecisionConfig.setup` with the run's half dtype and loss scale, which leaves every
-    configuration under amp so that the training step is the same for every row."""
-    from mpnb import amp
-
+def _train_step(cfg: RunConfig, w: Workload):
+    """The training step of ``cfg``, set up by its precision configuration: the optimizer it
+    needs (:meth:`PrecisionConfig.make_optimizer`) and
+    :meth:`PrecisionConfig.train_step` with the run's half dtype and loss scale."""
     pc = cfg.config
     torch.manual_seed(cfg.seed)
     model = w.model_fn().to(cfg.device)
     opt = pc.make_optimizer(cfg.optimizer, model.parameters(), cfg.lr or w.lr)
-    model, opt = pc.setup(model, opt, half_dtype=cfg.dtype, loss_scale=cfg.loss_scale)
-    return model, opt, amp.current_handle()
+    return pc.train_step(model, opt, half_dtype=cfg.dtype, loss_scale=cfg.loss_scale)
 
 
-def _logits_cpu(out) -> torch.Tensor | None:
-    try:
-        return logits_of(out).detach().float().cpu()
-    except (TypeError, StopIteration):
-        return None
-
-
-def _fixed_output(model, w: Workload, device) -> torch.Tensor | None:
-    x, _ = w.fixed_batch(64)
-    model.eval()
-    with torch.no_grad():
-        out = _logits_cpu(forward(model, to_device(x, device)))
-    model.train()
-    return out
-
-
-def _train_step(model, opt, x, y, loss_fn) -> torch.Tensor:
-    from mpnb import amp
-
-    opt.zero_grad(set_to_none=True)
-    loss = loss_fn(forward(model, x), y)
+def _checked(loss):
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         raise TypeError(
             f"loss_fn returned {type(loss).__name__}"
             f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; it must return "
             "a scalar tensor (reduce it with .mean() or .sum())."
         )
-    with amp.scale_loss(loss, opt) as scaled:
-        scaled.backward()
-    opt.step()
+    return loss
+
+
+def train_once(step, x, y, loss_fn) -> torch.Tensor:
+    """One training step through ``step``'s hooks; returns the loss (on the device, unread)."""
+    step.zero_grad()
+    with step.forward_context():
+        loss = _checked(loss_fn(forward(step.model, x), y))
+    step.backward(loss)
+    step.step()
     return loss.detach()
 
 
-def divergence_message(cfg: RunConfig, loss: float, step: int, dynamic: bool, scale: float) -> str:
-    """The error of a run whose loss became inf/NaN without the step being skipped, with advice
-    that fits its precision: loss scaling only for fp16, bf16 only where it would help."""
-    head = f"NaN divergence: the loss became {loss} at step {step} and the step was not skipped"
-    if cfg.half_dtype == "fp16":
-        kind = "dynamic" if dynamic else "static"
-        advice = (
-            f" (fp16, {kind} loss scale {scale:g}); lower the learning rate"
-            + ("" if dynamic else ", use dynamic loss scaling")
-            + ", or bf16 (fp32's range)."
-        )
-    elif cfg.half_dtype == "bf16":
-        advice = (
-            " (bf16, which has fp32's range: loss scaling would not help); lower the learning "
-            "rate or clip the gradients."
-        )
-    elif cfg.half_dtype == "fp8":
-        advice = (
-            " (FP8 matmuls, scaled per tensor or block); lower the learning rate or clip the "
-            "gradients, and compare with O0 to see whether FP8 is the cause."
-        )
-    else:
-        advice = " (fp32: not a precision problem); lower the learning rate or clip the gradients."
-    return head + advice + cfg.config.divergence_note()
-
-
 class Trainer:
-    """One configuration's model, optimizer, data and history, advanced one step at a time.
+    """One configuration's training step, data and history, advanced one step at a time.
 
     The runner steps several trainers round-robin (step ``k`` of every configuration before
     step ``k + 1`` of any) so that a shared machine's drift slows every configuration alike;
     :func:`run_config` steps one alone. Step :attr:`RunConfig.memory_step` runs under the
-    :class:`MemoryTracker` (and a FLOP counter) and is not timed.
+    :class:`MemoryTracker` (and a FLOP counter and :class:`HostReads`) and is not timed. A
+    configuration the device cannot run (:meth:`PrecisionConfig.unavailable`) is an
+    ``unsupported`` row that never trains.
     """
 
     def __init__(self, cfg: RunConfig, w: Workload):
         self.cfg, self.w, self.res = cfg, w, RunResult(cfg)
         self.cuda = torch.device(cfg.device).type == "cuda"
-        self.model = self.opt = self.scaler = self.tracker = self.batches = self.handle = None
+        self.st = self.tracker = self.batches = None
+        self.log = StepLog()
+        self.watch = CompileWatch()
         self.peak = 0
+        why = cfg.config.unavailable(cfg.device)
+        if why:
+            self.res.error, self.res.unsupported = f"{cfg.label}: {why}", True
+            return
         self._guard(self._setup)
 
     @property
@@ -181,14 +132,22 @@ class Trainer:
         self.res.warnings += [str(c.message).split(". ")[0] for c in caught]
 
     def _setup(self) -> None:
-        self.model, self.opt, self.handle = _setup(self.cfg, self.w)
-        self.scaler = self.handle.scalers[0]
-        note = self.cfg.config.optimizer_note(self.cfg.optimizer)
+        cfg, w = self.cfg, self.w
+        self.st = _train_step(cfg, w)
+        note = cfg.config.optimizer_note(cfg.optimizer)
         if note:
             self.res.warnings.append(note)
-        self.res.output = _fixed_output(self.model, self.w, self.cfg.device)
-        self.tracker = MemoryTracker(self.model, self.opt)
-        self.batches = self.w.batches(self.cfg.batch_size, self.cfg.seed)
+        self.res.output = fixed_output(self.st, w, cfg.device)
+        self.tracker = MemoryTracker(self.st.module, self.st.optimizer)
+        self.batches = w.batches(cfg.batch_size, cfg.seed)
+        if self.st.compile_budget_s is not None:
+            # a batch of the run's shape from a second iterator: training's data is untouched
+            x, y = next(w.batches(cfg.batch_size, cfg.seed))
+            x, y = to_device(x, cfg.device), to_device(y, cfg.device)
+            secs, note = warm_up_step(self.st, x, y, w.loss_fn, forward, cfg.device)
+            self.res.row["compile_s"] = secs
+            if note:
+                self.res.warnings.append(note)
 
     def step(self, i: int) -> None:
         """Run training step ``i`` (a failure is recorded, never raised)."""
@@ -200,24 +159,43 @@ class Trainer:
         x, y = next(self.batches)
         x, y = to_device(x, cfg.device), to_device(y, cfg.device)
         phase = "warmup" if i < cfg.warmup else "memory" if i == cfg.memory_step else "timed"
+        compiles = self.st.compile_budget_s is not None
+        if compiles:
+            self.watch.start()
         if phase == "memory":
-            base = self._cuda_base()
-            flops = FlopCounterMode(display=False)
-            with self.tracker, flops:
-                t0 = benchmark.timer()
-                loss = _train_step(self.model, self.opt, x, y, w.loss_fn)
-                dt = benchmark.timer() - t0
-            self.peak = self._cuda_peak(base) if self.cuda else self.tracker.peak_bytes
-            self.res.row.update(
-                flops_per_step=float(flops.get_total_flops()),
-                ops_per_step=float(self.tracker.ops),
-                samples_per_step=float(batch_len(x)),
-            )
+            loss, dt = self._memory_step(x, y)
         else:
             t0 = benchmark.timer()
-            loss = _train_step(self.model, self.opt, x, y, w.loss_fn)
+            loss = train_once(self.st, x, y, w.loss_fn)
             dt = benchmark.timer() - t0
-        self._record(i, phase, loss, dt, batch_len(x))
+        if compiles and self.watch.compiled():  # a new shape compiled again: not a step time
+            phase = "compile"
+            self.res.row["compile_s"] = self.res.row.get("compile_s", 0.0) + dt
+        self.log.add(i, phase, loss, self.st.found_inf, self.st.scale, dt, batch_len(x))
+        if self.log.due:
+            self._read_log()
+
+    def _memory_step(self, x, y):
+        """The step under the memory tracker, the FLOP counter and the host-read counter
+        (which sees the training step alone, not the lab's bookkeeping around it)."""
+        base = self._cuda_base()
+        flops = FlopCounterMode(display=False)
+        with self.tracker, flops, warnings.catch_warnings():
+            # the tracker's global module hooks also fire for a compiled model's wrapper, which
+            # torch.compile warns about; they count nothing twice (the wrapper holds no tensor)
+            warnings.filterwarnings("ignore", message=r".*global hooks on modules")
+            t0 = benchmark.timer()
+            with HostReads() as reads:
+                loss = train_once(self.st, x, y, self.w.loss_fn)
+            dt = benchmark.timer() - t0
+        self.peak = self._cuda_peak(base) if self.cuda else self.tracker.peak_bytes
+        self.res.row.update(
+            flops_per_step=float(flops.get_total_flops()),
+            ops_per_step=float(self.tracker.ops),
+            host_syncs_per_step=float(reads.count),
+            samples_per_step=float(batch_len(x)),
+        )
+        return loss, dt
 
     def _cuda_base(self) -> int:
         if not self.cuda:
@@ -230,32 +208,17 @@ class Trainer:
         # its start, plus this configuration's own resident tensors (known to the tracker).
         return torch.cuda.max_memory_allocated(self.cfg.device) - base + self.tracker.entry_bytes
 
-    def _record(self, i: int, phase: str, loss: torch.Tensor, dt: float, n: int) -> None:
-        scaler = self.scaler
-        # The one host sync of the step: loss, overflow flag and scale, read together.
-        lv, found, scale = torch.cat(
-            [loss.float().view(1), scaler.found_inf.float().view(1), scaler.scale.view(1)]
-        ).tolist()
-        skipped = found > 0 and scaler.dynamic
-        why = (
-            ""
-            if not skipped
-            else ("loss is inf/NaN" if not math.isfinite(lv) else "inf/NaN in the gradients")
-        )
-        self.res.history.append(
-            dict(
-                step=i,
-                loss=lv,
-                loss_scale=scale,
-                step_time_ms=dt * 1e3,
-                skipped=skipped,
-                skip_reason=why,
-                phase=phase,
-                samples=n,
-            )
-        )
-        if not skipped and not math.isfinite(lv):
-            raise DivergenceError(divergence_message(self.cfg, lv, i, scaler.dynamic, scale))
+    def _read_log(self) -> None:
+        """Read the pending steps into the history; a NaN divergence ends the run there (the
+        steps after its first one are dropped: they trained on NaN)."""
+        skips = self.st.skips
+        for h in self.log.read(skips):
+            self.res.history.append(h)
+            if not h["skipped"] and not math.isfinite(h["loss"]):
+                self.log.clear()
+                raise DivergenceError(
+                    divergence_message(self.cfg, h["loss"], h["step"], skips, h["loss_scale"])
+                )
 
     def _all_skipped_note(self) -> str:
         """The warning for a row whose every step was skipped (the weights never moved)."""
@@ -270,17 +233,19 @@ class Trainer:
         )
 
     def finish(self, interrupted: str = "") -> RunResult:
-        """Evaluate (unless ``interrupted``: what ended the run, "Stop" or "Ctrl-C"), fill the
-        row and free the model."""
+        """Read the steps still on the device, evaluate (unless ``interrupted``: what ended the
+        run, "Stop" or "Ctrl-C"), fill the row and free the model."""
+        if self.alive and len(self.log):
+            self._guard(self._read_log)
         done = len(self.res.history)  # a step cut short by Ctrl-C recorded nothing
-        if interrupted and done < self.cfg.steps:
+        if interrupted and done < self.cfg.steps and not self.res.unsupported:
             self.res.interrupted = (
                 f"interrupted at step {done} of {self.cfg.steps} ({interrupted}): speed from "
                 "the rounds finished before it, no held-out metric"
             )
         if self.alive:
             self._guard(self._finish, bool(self.res.interrupted))
-        self.res.row.update(_timing_row(self.res.history))
+        self.res.row.update(timing_row(self.res.history))
         note = self._all_skipped_note()
         if note:
             self.res.warnings.append(note)
@@ -290,9 +255,9 @@ class Trainer:
 
     def _finish(self, interrupted: bool) -> None:
         if self.tracker is not None and len(self.res.history) > self.cfg.memory_step:
-            self.res.row.update(_memory_row(self.tracker, self.peak, self.cuda))
+            self.res.row.update(memory_row(self.tracker, self.peak, self.cuda))
         if not interrupted:
-            eval_loss, metric = _evaluate(self.model, self.w, self.cfg.device)
+            eval_loss, metric = evaluate(self.st, self.w, self.cfg.device)
             self.res.row.update(eval_loss=eval_loss, metric=metric)
             if self.w.eval is None and self.w.metric_fn is not None:
                 self.res.warnings.append(
@@ -300,58 +265,15 @@ class Trainer:
                 )
 
     def release(self) -> None:
-        """Drop the model, optimizer and data (and the CUDA cache). Removing amp's hooks also
-        closes an autocast region that a Ctrl-C in the middle of forward left open."""
-        if self.handle is not None:
-            self.handle.remove_hooks()
-        self.model = self.opt = self.scaler = self.batches = self.handle = None
+        """Drop the step, its model and optimizer, the data and the pending log (and the CUDA
+        cache). Closing mpnb's step removes amp's hooks, which also closes an autocast region
+        that a Ctrl-C in the middle of forward left open."""
+        if self.st is not None:
+            self.st.close()
+        self.st = self.batches = None
+        self.log.clear()
         if self.cuda:
             torch.cuda.empty_cache()
-
-
-def _evaluate(model, w: Workload, device) -> tuple[float, float]:
-    model.eval()
-    n = loss_sum = metric_sum = 0.0
-    with torch.no_grad():
-        for x, y in w.eval_batches():
-            x, y = to_device(x, device), to_device(y, device)
-            out = forward(model, x)
-            k = batch_len(x)
-            loss_sum += float(w.loss_fn(out, y)) * k
-            if w.metric_fn is not None:
-                metric_sum += float(w.metric_fn(out, y)) * k
-            n += k
-    model.train()
-    if n == 0:
-        return math.nan, math.nan
-    return loss_sum / n, (metric_sum / n if w.metric_fn is not None else math.nan)
-
-
-def _timing_row(history: list[dict]) -> dict:
-    timed = [h for h in history if h["phase"] == "timed"]
-    ms = [h["step_time_ms"] for h in timed]
-    med = median(ms)
-    losses = [h["loss"] for h in history[-10:] if math.isfinite(h["loss"])]
-    samples = median([h["samples"] for h in timed]) if timed else math.nan
-    return dict(
-        step_time_ms=med,
-        step_time_iqr_ms=iqr(ms),
-        timed_steps=len(ms),
-        samples_per_s=samples / (med / 1e3) if timed else math.nan,
-        final_loss=sum(losses) / len(losses) if losses else math.nan,
-        skipped_steps=sum(h["skipped"] for h in history),
-        final_loss_scale=history[-1]["loss_scale"] if history else math.nan,
-    )
-
-
-def _memory_row(tracker: MemoryTracker, peak: int, cuda: bool) -> dict:
-    row = {
-        "peak_mem_mib": peak / _MIB,
-        "mem_method": "torch.cuda.max_memory_allocated" if cuda else "dispatch tracker",
-    }
-    for role, nbytes in tracker.breakdown().items():
-        row[f"mem_{role}_mib"] = nbytes / _MIB
-    return row
 
 
 def run_config(cfg: RunConfig, w: Workload, on_step=None, should_stop=None) -> RunResult:

@@ -31,7 +31,11 @@ _SHOW = (
     ("output_diff_vs_O0", "out diff", "{:.1e}"),
     ("skipped_steps", "skipped", "{:.0f}"),
     ("final_loss_scale", "scale", "{:g}"),
+    ("host_syncs_per_step", "syncs", "{:.0f}"),
+    ("compile_s", "compile s", "{:.1f}"),
 )
+#: columns shown only when some row has a value (only a compiling configuration has one)
+_WHEN_SET = ("compile_s",)
 
 
 def _csv(kind):
@@ -64,7 +68,7 @@ def _checked(parse, check):
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``compare`` subcommand to ``sub`` (an argparse subparsers object)."""
-    from mpnb.core.precision_configs import DEFAULT_CONFIGS, config_names
+    from mpnb.core.precision_configs import COMPILE_BUDGET_S, DEFAULT_CONFIGS, config_names
     from mpnb.lab.config import OPTIMIZERS, check_batch_sizes, check_steps
     from mpnb.lab.workloads import names
 
@@ -85,9 +89,18 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "--opt-levels",  # the flag's former name, still accepted
         dest="configs",
         type=_csv(str),
-        default=DEFAULT_CONFIGS,
-        help=f"comma-separated precision configurations, default {','.join(DEFAULT_CONFIGS)}; "
-        f"any of {','.join(config_names())} (--opt-levels is the former name)",
+        default=None,
+        help=f"comma-separated precision configurations, default {','.join(DEFAULT_CONFIGS)} "
+        f"(and tf32 on CUDA); any of {','.join(config_names())} (--opt-levels is the former "
+        "name; torch-amp, tf32 and torch-amp+compile are PyTorch's own ways, as peers)",
+    )
+    p.add_argument(
+        "--compile-budget",
+        type=float,
+        default=None,
+        metavar="S",
+        help=f"seconds torch-amp+compile may take to compile (default {COMPILE_BUDGET_S:g}); "
+        "its compile time is its own column, never in a step time",
     )
     p.add_argument(
         "--dtype",
@@ -144,15 +157,20 @@ def _cell(value, fmt: str) -> str:
 
 
 def format_table(df) -> str:
-    """The rows of ``df`` as a fixed-width text table, then errors, then one note per warning."""
-    head = [h for _, h, _ in _SHOW]
-    rows = [[_cell(r[c], f) for c, _, f in _SHOW] for _, r in df.iterrows()]
+    """The rows of ``df`` as a fixed-width text table, then errors (and the configurations this
+    device cannot run), then one note per warning."""
+    show = [
+        (c, h, f) for c, h, f in _SHOW if c in df and (c not in _WHEN_SET or df[c].notna().any())
+    ]
+    head = [h for _, h, _ in show]
+    rows = [[_cell(r[c], f) for c, _, f in show] for _, r in df.iterrows()]
     widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=False)]
     line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
     out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
     for _, r in df.iterrows():
         if r["error"]:
-            out.append(f"ERROR {r['error']}")
+            kind = "NOT RUN" if r.get("status") == "unsupported" else "ERROR"
+            out.append(f"{kind} {r['error']}")
     notes = {w for ws in df["warnings"] for w in split_warnings(ws)}
     out += [f"note: {w}" for w in sorted(notes)]
     return "\n".join(out)
@@ -220,6 +238,7 @@ def run(args: argparse.Namespace) -> int:
             progress=not args.no_progress,
             isolate=args.isolate,
             threads=args.threads,
+            compile_budget=args.compile_budget,
         )
     except (ValueError, TypeError) as e:
         print(f"mpnb compare: {e}", file=sys.stderr)
@@ -239,7 +258,7 @@ def run(args: argparse.Namespace) -> int:
         )
         print(format_table(df))
         print("\n" + df.attrs["verdict"]["text"])
-    code = 1 if (df["status"] == "error").all() else 0
+    code = 1 if df["status"].isin(("error", "unsupported")).all() else 0
     if args.out:
         try:
             path = mpnb.lab.report(df, args.out)
@@ -260,14 +279,13 @@ def run(args: argparse.Namespace) -> int:
 def _run_distributed(args: argparse.Namespace) -> int:
     """``mpnb compare --ranks N``: the distributed comparison's table (no HTML report)."""
     import mpnb.lab
-    from mpnb.core.precision_configs import DEFAULT_CONFIGS
     from mpnb.lab.distributed._cli import show
 
     try:
         df = mpnb.lab.compare(
             args.workload,
             size=args.size,
-            configs=None if tuple(args.configs) == tuple(DEFAULT_CONFIGS) else args.configs,
+            configs=args.configs,  # None: the strategy's policies
             batch_sizes=args.batch_sizes,
             steps=args.steps,
             optimizer=args.optimizer,

@@ -30,6 +30,7 @@ from mpnb.core.precision_configs import (
     OPTIMIZERS,
     PrecisionConfig,
     config_names,
+    default_configs,
     get_config,
 )
 
@@ -46,8 +47,9 @@ class RunConfig:
             (a name of :data:`~mpnb.core.precision_configs.PRECISION_CONFIGS` is looked up:
             ``"O0"`` .. ``"O3"``, ``"fp8-delayed"``, ``"bf16-pure+sr"``...).
         half_dtype: the short name of the dtype this run computes in, one of
-            ``config.halves(...)``: ``"bf16"`` or ``"fp16"`` for O1-O3, ``"fp32"`` for O0,
-            ``"fp8"`` for the FP8 recipes, ``"bf16"`` for the pure-bf16 family.
+            ``config.halves(...)``: ``"bf16"`` or ``"fp16"`` for O1-O3 and ``torch-amp``,
+            ``"fp32"`` for O0, ``"fp8"`` for the FP8 recipes, ``"bf16"`` for the pure-bf16
+            family, ``"tf32"`` for ``tf32``.
         batch_size: samples per step.
         steps: optimizer steps (the first ``warmup`` steps and the memory-tracked step
             :attr:`memory_step` are not timed).
@@ -169,15 +171,19 @@ def check_configs(configs) -> None:
         )
 
 
-def configs_argument(configs, opt_levels=None) -> Sequence:
+def configs_argument(configs, opt_levels=None, device: str | None = None) -> Sequence:
     """The configurations asked for by ``configs`` or by its former name ``opt_levels`` (at
-    most one of the two; neither: :data:`~mpnb.core.precision_configs.DEFAULT_CONFIGS`)."""
+    most one of the two; neither: :data:`~mpnb.core.precision_configs.DEFAULT_CONFIGS`, or
+    with ``device`` given that device's :func:`~mpnb.core.precision_configs.default_configs`,
+    which adds ``tf32`` on CUDA)."""
     if configs is not None and opt_levels is not None:
         raise TypeError(
             "give configs= or its former name opt_levels=, not both (they are one argument)."
         )
     chosen = configs if configs is not None else opt_levels
-    return DEFAULT_CONFIGS if chosen is None else chosen
+    if chosen is not None:
+        return chosen
+    return DEFAULT_CONFIGS if device is None else default_configs(resolve_device(device))
 
 
 def _check(configs, batch_sizes, steps, optimizer) -> None:
@@ -200,18 +206,22 @@ def expand(
     device="auto",
     seed: int = 0,
     warmup: int | None = None,
+    compile_budget: float | None = None,
 ) -> list[RunConfig]:
     """Validate a request and expand it into one :class:`RunConfig` per configuration.
 
     ``configs`` are configuration names or :class:`~mpnb.core.precision_configs.PrecisionConfig`
     objects. ``half_dtype`` may be one dtype or a sequence (``("bf16", "fp16")``): each
-    configuration runs once per dtype its ``halves`` gives (each half opt level once per dtype;
-    O0 and the configurations that fix their precision, FP8 and pure bf16, once) and batch
-    size. Raises ValueError naming the bad value and the valid choices before anything runs.
+    configuration runs once per dtype its ``halves`` gives (each half opt level and
+    ``torch-amp`` once per dtype; O0 and the configurations that fix their precision, FP8, pure
+    bf16 and ``tf32``, once) and batch size. ``compile_budget``: the seconds a compiling
+    configuration (``torch-amp+compile``) may compile (None: its
+    :data:`~mpnb.core.precision_configs.COMPILE_BUDGET_S`). Raises ValueError naming the bad
+    value and the valid choices before anything runs.
     """
     given = tuple(configs)
     _check(given, tuple(batch_sizes), steps, optimizer)
-    cfgs = [get_config(c) for c in given]
+    cfgs = [get_config(c).with_options(compile_budget_s=compile_budget) for c in given]
     dev = resolve_device(device)
     halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)
     names = list(dict.fromkeys(half_name(h, dev) for h in halves))

@@ -3,7 +3,8 @@
 The page inlines plotly.js once (``plotly.offline.get_plotlyjs()``) and draws only what the
 DataFrame holds: the verdict, speed (the ``speedup_vs_O0`` figure, its interval and its
 ``speed_label``), memory breakdown, quality metric, loss curves and loss scale per step
-(from ``df.attrs["history"]``), the hardware summary and the table. Nothing is measured here.
+(from ``df.attrs["history"]``), the hardware summary, the table and each row's ``snippet``
+(the lines to train that way in your own loop, as copyable code). Nothing is measured here.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from mpnb.lab._report_table import (
     drawn_rows,
     format_value,
     results_table,
+    snippets_html,
     speed_note,
     status_text,
     warnings_banner,
@@ -38,6 +40,7 @@ __all__ = [
     "status_text",
     "drawn_rows",
     "warnings_banner",
+    "snippets_html",
     "glossary_html",
     "missing_metric",
     "format_value",
@@ -370,6 +373,9 @@ def report(df: pd.DataFrame, path: str | Path, title: str = "mpnb compare") -> P
         for r in bad.itertuples()
     )
     failures = f"<h2>Failures</h2><ul>{failures}</ul>" if failures else ""
+    code = snippets_html(df)
+    if code:
+        code = f"<section id='snippets'><h2>Train this way in your own loop</h2>{code}</section>"
     names = list(df["opt_level"]) if "opt_level" in df.columns else []
     page = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
@@ -378,6 +384,7 @@ table.rows{{border-collapse:collapse;font-size:12px}}
 table.rows td,table.rows th{{padding:3px 6px;border-bottom:1px solid #ddd;white-space:nowrap}}
 table.rows th{{white-space:normal;vertical-align:bottom}} p.note{{font-size:13px;color:#444}}
 .warnings{{border-left:4px solid #a05a00;background:#fff8ec;padding:4px 12px;margin:1em 0}}
+div.snippet pre{{background:#f6f8fa;padding:8px;border:1px solid #ddd;overflow-x:auto}}
 dl.glossary dt{{float:left;clear:left;width:9em}} dl.glossary dd{{margin:0 0 4px 9.5em}}</style>
 <script type="text/javascript">{get_plotlyjs()}</script></head>
 <body><h1>{html.escape(title)}: {html.escape(str(df.workload.iloc[0]) if len(df) else "")}</h1>
@@ -385,6 +392,7 @@ dl.glossary dt{{float:left;clear:left;width:9em}} dl.glossary dd{{margin:0 0 4px
 <h2>Verdict</h2>{_verdict_html(df)}
 <h2>Hardware</h2>{_hardware_html(df)}
 <section id="results"><h2>Results</h2>{banner}{table}{failures}</section>
+{code}
 <h2>Charts</h2>{charts}
 <h2>Glossary: the configurations</h2>{glossary_html(names)}
 </body></html>"""

@@ -35,6 +35,7 @@ Example::
 from __future__ import annotations
 
 import copy
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -396,14 +397,17 @@ def _trace(model, inputs, cfg, loss_fn, half, device):
     # stochastic rounding), as compare builds it
     opt = cfg.make_optimizer("sgd", work.parameters(), 0.0)
     work, opt = cfg.apply(work, opt, half_dtype=half)
+    # a peer's precision lives in its step (torch.amp's autocast): trace its forward in it
+    context = cfg.train_step(work, opt, half).forward_context() if cfg.peer else nullcontext()
     tracker = ModuleTracker(work)
     api = ApiMode(device.type)
     mode = OpMode(tracker, api, (Float8Linear,))
     try:
         with mode, api:
-            out = forward(work, inputs)  # model(x), model(*tuple) or model(**dict)
-            mode.phase = "loss"
-            loss = loss_fn(out)
+            with context:
+                out = forward(work, inputs)  # model(x), model(*tuple) or model(**dict)
+                mode.phase = "loss"
+                loss = loss_fn(out)
             if cfg.uses_amp:
                 mode.phase = "loss-scaling"
                 with amp.scale_loss(loss, opt) as scaled:

@@ -43,8 +43,8 @@ from torch.utils import benchmark
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpnb.core.dtype_names import parse_half_dtype
-from mpnb.core.opt_levels import parse_opt_level
-from mpnb.core.precision_configs import DEFAULT_CONFIGS, get_config
+from mpnb.core.opt_levels import OPT_LEVEL_NAMES, parse_opt_level
+from mpnb.core.precision_configs import get_config
 from mpnb.lab._errors import describe_error
 from mpnb.lab._profile_extras import Extras
 from mpnb.lab._train import forward, to_device
@@ -253,7 +253,7 @@ def profile(
     model: torch.nn.Module,
     example_inputs,
     loss_fn=None,
-    opt_levels=DEFAULT_CONFIGS,
+    opt_levels=OPT_LEVEL_NAMES,  # amp's phases are timed: Apex's levels (no peers)
     half_dtype="auto",
     optimizer: str = "adam",
     lr: float = 1e-3,

@@ -28,7 +28,7 @@ import torch
 from mpnb.core.doctor import kernel_fallbacks
 from mpnb.core.dtype_names import HALF_NAMES, torch_name
 from mpnb.core.hardware import cpu_info, cuda_info, dtype_support, half_support
-from mpnb.core.precision_configs import DEFAULT_CONFIGS, get_config
+from mpnb.core.precision_configs import default_configs, get_config
 from mpnb.lab import workloads as _workloads
 from mpnb.lab._data import is_data
 from mpnb.lab._isolate import StopSignals, run_isolated, sigterm_interrupts, stop_label
@@ -95,7 +95,7 @@ def hardware_summary(device: str = "cpu") -> dict:
     return out
 
 
-def emulation_note(w, half_dtype="auto", device="auto", configs=DEFAULT_CONFIGS) -> str:
+def emulation_note(w, half_dtype="auto", device="auto", configs=None) -> str:
     """One line when a dtype the ``configs`` run in (``half_dtype`` for the O levels, the
     configurations' own otherwise) is emulated on ``device``: what that costs, and the size.
 
@@ -110,7 +110,8 @@ def emulation_note(w, half_dtype="auto", device="auto", configs=DEFAULT_CONFIGS)
     halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)
     names = list(dict.fromkeys(half_name(h, dev) for h in halves))
     facts = dtype_support(dev)
-    runs = [(pc, d) for pc in map(get_config, configs or DEFAULT_CONFIGS) for d in pc.halves(names)]
+    picked = configs or default_configs(dev)
+    runs = [(pc, d) for pc in map(get_config, picked) for d in pc.halves(names)]
     found = dict.fromkeys(d for pc, d in runs if pc.status(d, facts) == "emulated")
     emulated = [d for d in found if d in HALF_NAMES] + [d for d in found if d not in HALF_NAMES]
     from mpnb.lab.story import run_note
@@ -306,6 +307,7 @@ def compare(
     ranks: int | None = None,
     strategy: str | None = None,
     timeout: float = 600.0,
+    compile_budget: float | None = None,
 ) -> pd.DataFrame:
     """Train a workload under each configuration (and half dtype, batch size); one row each.
 
@@ -323,10 +325,15 @@ def compare(
         eval_data: held-out data for the metric (default: the first training batches).
         configs: names (or objects) of
             :data:`mpnb.core.precision_configs.PRECISION_CONFIGS`, whose module lists them
-            (default: ``"O0"`` .. ``"O3"``; also the FP8 recipes and pure bf16 with its
-            update roundings). A configuration that needs an optimizer option trains with
-            mpnb's fused optimizer of the ``optimizer``'s rule, the option set (the row's
-            warnings say which); a row says when its precision is emulated here.
+            (default: :func:`~mpnb.core.precision_configs.default_configs`: ``"O0"`` ..
+            ``"O3"`` and ``"torch-amp"``, with ``"tf32"`` on CUDA; also the FP8 recipes, pure
+            bf16 with its update roundings and ``"torch-amp+compile"``). The peers
+            (``torch-amp``, ``tf32``, ``torch-amp+compile``) train the same model, data and
+            seed in the same round-robin; ``torch-amp`` trains with
+            ``torch.optim.AdamW(fused=True)`` whatever ``optimizer`` says, and ``tf32`` is an
+            ``unsupported`` row off CUDA. A configuration that needs an optimizer option
+            trains with mpnb's fused optimizer of the ``optimizer``'s rule, the option set (the
+            row's warnings say which); a row says when its precision is emulated here.
         half_dtype: ``"bf16"``, ``"fp16"``, ``"auto"`` (bf16 on CPU, fp16 on CUDA) or a list.
         batch_sizes: default: the workload's (a DataLoader's own batch size).
         steps: optimizer steps per configuration (default: the workload's).
@@ -364,6 +371,9 @@ def compare(
         timeout: with ``ranks``: seconds for the whole distributed run; a rank that fails or
             hangs ends it (within this bound for a hang) with the rank and policy named in
             that policy's row, and the steps measured before are kept.
+        compile_budget: seconds ``torch-amp+compile`` may take to compile before its row
+            becomes an error (None: :data:`~mpnb.core.precision_configs.COMPILE_BUDGET_S`);
+            its compile time is the row's ``compile_s``, never part of a step time.
 
     Returns:
         A DataFrame with :data:`COLUMNS`. ``attrs``: ``history`` (per-step loss, loss scale,
@@ -386,8 +396,8 @@ def compare(
             "pass ranks=2 or leave strategy out."
         )
     asked = configs if configs is not None else opt_levels  # None: the default policies
-    configs = configs_argument(configs, opt_levels)
     dev = resolve_device(device)
+    configs = configs_argument(configs, opt_levels, dev)
     if steps is not None:  # refused before the workload is built (None: the workload's)
         check_steps(steps)
     w = _workload(workload, data, loss_fn, metric_fn, eval_data, size, dev)
@@ -433,6 +443,7 @@ def compare(
         loss_scale,
         dev,
         seed,
+        compile_budget=compile_budget,
     )
     with torch_threads(threads):
         load_start = loadavg()

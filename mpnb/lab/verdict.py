@@ -1,9 +1,12 @@
 """The verdict: a short recommendation computed from the measured rows and the hardware.
 
 :func:`verdict` reads a :func:`mpnb.lab.compare` DataFrame and says which configuration is
-fastest within an accuracy tolerance (only if it is *measurably* faster than O0), which
-saves most memory, which formats (half dtypes, FP8) were emulated, and, clearly labelled as
-an estimate, what a GPU with native half precision would likely show.
+fastest within an accuracy tolerance (only if it is *measurably* faster than O0), how mpnb's
+best row compares with torch.amp's on this model and device (:func:`versus_reference`: the
+median of the per-round step-time ratios of the two rows, with its 95% interval, as every
+speed figure is measured), which saves most memory, which formats (half dtypes, FP8) were
+emulated, and, clearly labelled as an estimate, what a GPU with native half precision would
+likely show.
 
 The estimate is a roofline from what the run measured: the FLOPs of one training step
 (``torch.utils.flop_counter``), the bytes it touches (the memory breakdown by role, each
@@ -31,6 +34,7 @@ import pandas as pd
 
 from mpnb.core.dtype_names import HALF_NAMES
 from mpnb.core.precision_configs import BASELINE, get_config
+from mpnb.lab._versus import versus_reference
 from mpnb.lab.memory import ROLES as _ROLES
 from mpnb.lab.story import emulated_clause, emulation_lines
 
@@ -43,6 +47,7 @@ __all__ = [
     "gpu_estimate",
     "measured_rows",
     "verdict",
+    "versus_reference",
 ]
 
 #: Published dense peaks (vendor data sheets, no sparsity): TFLOP/s for fp32 (CUDA cores),
@@ -161,9 +166,10 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
 
     Returns:
         ``dict(text=..., recommendation=..., fastest=..., smallest=..., emulated=[...],
-        tolerance=..., gpu_estimate=[...])``: ``text`` is the lines every view prints;
-        ``emulated`` names the emulated formats among the measured rows (``"bf16"``,
-        ``"fp16"``, ``"fp8"``).
+        tolerance=..., gpu_estimate=[...], versus_reference=...)``: ``text`` is the lines
+        every view prints; ``emulated`` names the emulated formats among the measured rows
+        (``"bf16"``, ``"fp16"``, ``"fp8"``); ``versus_reference`` is
+        :func:`versus_reference`'s dict (None without both rows).
     """
     hw = df.attrs.get("hardware", {})
     ok = measured_rows(df)
@@ -203,8 +209,13 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
             f"{r['configuration']} loses {-r['metric_vs_O0']:.3f} {r['metric_name']} vs O0 "
             f"(beyond the {tolerance:g} tolerance): {_fmt_metric(r['metric'])}."
         )
+    versus = versus_reference(df, ok)  # mpnb's best against torch.amp
+    if versus:
+        lines.append(versus["text"])
     for _, r in df[df["status"] == "error"].iterrows():
         lines.append(f"{r['configuration']} failed: see its error.")
+    for _, r in df[df["status"] == "unsupported"].iterrows():
+        lines.append(f"Not run: {r['error']}.")
     lines += _interrupted_lines(df)
     lines += emulation_lines(emulated, str(hw.get("device", "cpu")))
     est = gpu_estimate(df) if "flops_per_step" in df else pd.DataFrame()
@@ -221,6 +232,7 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
         emulated=emulated,
         tolerance=tolerance,
         gpu_estimate=est.to_dict(orient="records"),
+        versus_reference=versus,
     )
 
 

@@ -29,9 +29,10 @@ from mpnb.widgets._common import half_status_label, hardware_html
 
 __all__ = ["ControlsMixin", "LEVELS", "DEFAULT_LEVELS", "OPTIMIZERS", "parse_sizes"]
 
-# Every configuration mpnb compares (O0-O3, the FP8 recipes, pure bf16 and its optimizer
-# options), from the one list in mpnb.core.precision_configs; the widget starts with the O
-# levels (compare's default).
+# Every configuration mpnb compares (O0-O3, the peers torch-amp, tf32 and torch-amp+compile,
+# the FP8 recipes, pure bf16 and its optimizer options), from the one list in
+# mpnb.core.precision_configs; the widget starts with compare's default (the O levels and
+# torch-amp on a CPU; tf32 too on CUDA).
 LEVELS = config_names()
 DEFAULT_LEVELS = DEFAULT_CONFIGS
 SIZES = ("auto", "small", "medium", "large")

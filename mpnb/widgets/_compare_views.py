@@ -29,6 +29,7 @@ from mpnb.lab.html_report import (
     drawn_rows,
     missing_metric,
     results_table,
+    snippets_html,
     speed_bar,
     speed_labels,
     speed_note,
@@ -36,7 +37,14 @@ from mpnb.lab.html_report import (
 )
 from mpnb.lab.memory import ROLES
 
-__all__ = ["ResultViews", "MEMORY_ROLES", "table_html", "errors_html", "verdict_html"]
+__all__ = [
+    "ResultViews",
+    "MEMORY_ROLES",
+    "table_html",
+    "errors_html",
+    "verdict_html",
+    "code_html",
+]
 
 # The widget draws the memory tracker's own roles (FP8 scales and Kahan buffers included).
 MEMORY_ROLES = ROLES
@@ -252,16 +260,34 @@ def table_html(df: pd.DataFrame | None) -> str:
     return style + banner + note + results_table(df, classes="mpnb-table")
 
 
+def code_html(df: pd.DataFrame | None) -> str:
+    """Each row's snippet (:func:`mpnb.lab.html_report.snippets_html`): the lines to train that
+    way in your own loop, as ``<pre>`` blocks to copy."""
+    code = "" if df is None or df.empty else snippets_html(df, classes="mpnb-snippet")
+    if not code:
+        return "<i>After a run, each row's code to train that way in your own loop shows here.</i>"
+    style = (
+        "<style>.mpnb-snippet pre{background:#f6f8fa;padding:6px;border:1px solid #ddd;"
+        "font-size:12px;white-space:pre;overflow-x:auto;user-select:text}</style>"
+    )
+    return style + code
+
+
 def errors_html(df: pd.DataFrame | None) -> str:
-    """One red line per configuration that failed, with its error; empty when none did."""
+    """One red line per configuration that failed, with its error (and one grey line per
+    configuration this device cannot run, with the reason); empty when none did."""
     if df is None or df.empty:
         return ""
     bad = df[df["error"].fillna("") != ""]
-    return "".join(
-        f"<div style='color:#b00020'><b>{html.escape(r.configuration)}</b> failed: "
-        f"{html.escape(str(r.error).removeprefix(f'{r.configuration}: '))}</div>"
-        for r in bad.itertuples()
-    )
+    out = []
+    for r in bad.itertuples():
+        name = html.escape(r.configuration)
+        text = html.escape(str(r.error).removeprefix(f"{r.configuration}: "))
+        if getattr(r, "status", "") == "unsupported":  # not a failure: this device lacks it
+            out.append(f"<div style='color:#555'><b>{name}</b> not run: {text}</div>")
+        else:
+            out.append(f"<div style='color:#b00020'><b>{name}</b> failed: {text}</div>")
+    return "".join(out)
 
 
 def verdict_html(df: pd.DataFrame | None) -> str:

@@ -1,8 +1,10 @@
 """``CompareWidget``: the opt levels compared on your hardware, as an interactive view.
 
 The widget turns its controls into **one** :func:`mpnb.lab.compare` call (every configuration
-round-robin in one process, so the speed figure is the one ``compare`` computes) and draws
-the DataFrame it returns; it measures nothing itself. With ``ranks`` of 2 or more the call is
+round-robin in one process, so the speed figure is the one ``compare`` computes; the peers,
+``torch-amp``, ``tf32`` and ``torch-amp+compile``, are offered beside mpnb's) and draws
+the DataFrame it returns, each row's code to train that way in its Code tab; it measures
+nothing itself. With ``ranks`` of 2 or more the call is
 ``compare(..., ranks=, strategy=)``: the DDP and FSDP2 precision policies on that many local
 ranks, drawn as memory per rank by role, bytes on the wire and loss against one fp32 process,
 with the scale-out estimate beside them. Progress (configuration, step, ETA)
@@ -22,7 +24,13 @@ import traitlets as t
 from mpnb.lab.config import configs_argument
 from mpnb.widgets._common import ErrorBox, hardware_html
 from mpnb.widgets._compare_controls import DEFAULT_LEVELS, LEVELS, ControlsMixin, parse_sizes
-from mpnb.widgets._compare_views import ResultViews, errors_html, table_html, verdict_html
+from mpnb.widgets._compare_views import (
+    ResultViews,
+    code_html,
+    errors_html,
+    table_html,
+    verdict_html,
+)
 from mpnb.widgets._distributed_views import (
     DistributedViews,
     dist_errors_html,
@@ -129,7 +137,8 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.views = ResultViews()
         self.dist_views = DistributedViews()
         default = workloads.get(workload, size)
-        named = configs_argument(configs, opt_levels)  # refuses both names at once
+        # refuses both names at once; none named: the device's defaults (tf32 on CUDA too)
+        named = configs_argument(configs, opt_levels, device)
         # with several ranks, the configurations named are distributed policies (None: all)
         many = int(ranks or 1) > 1
         policies = (configs if configs is not None else opt_levels) if many else None
@@ -148,6 +157,7 @@ class CompareWidget(ControlsMixin, w.VBox):
             policies,
         )
         self.table = w.HTML(table_html(None))
+        self.code = w.HTML(code_html(None))  # each row's lines to train that way, to copy
         self.verdict = w.HTML(verdict_html(None))
         self.hardware = w.HTML(hardware_html(self._device()))
         self.estimate = w.HTML("<i>The scale-out estimate appears after a run on 2+ ranks.</i>")
@@ -181,6 +191,7 @@ class CompareWidget(ControlsMixin, w.VBox):
                 ("Loss", o["loss_curves"]),
                 ("Loss scale", o["loss_scale"]),
                 ("Table", self.table),
+                ("Code", self.code),
                 ("Hardware", self.hardware),
             ]
         self.tabs.children = [c for _, c in tabs]
@@ -309,6 +320,7 @@ class CompareWidget(ControlsMixin, w.VBox):
             return
         self._show_tabs(distributed=False)
         self.table.value = table_html(df)
+        self.code.value = code_html(df)
         self.config_errors.value = errors_html(df)
         self.verdict.value = verdict_html(df)
         if df is None:

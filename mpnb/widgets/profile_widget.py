@@ -21,7 +21,8 @@ import plotly.graph_objects as go
 import torch
 
 from mpnb.core.dtype_names import short_name
-from mpnb.core.precision_configs import DEFAULT_CONFIGS, PRECISION_CONFIGS, get_config
+from mpnb.core.opt_levels import OPT_LEVEL_NAMES
+from mpnb.core.precision_configs import PRECISION_CONFIGS, get_config
 from mpnb.widgets._common import ErrorBox, FigureOutput, hardware_html
 from mpnb.widgets._compare_views import MEMORY_ROLES
 
@@ -468,7 +469,7 @@ def profile(
     model: torch.nn.Module,
     example_inputs,
     loss_fn=None,
-    opt_levels=DEFAULT_CONFIGS,
+    opt_levels=OPT_LEVEL_NAMES,  # as mpnb.lab.profile: Apex's levels
     half_dtype="auto",
     optimizer: str = "adam",
     lr: float = 1e-3,

@@ -21,7 +21,9 @@ from mpnb.lab.config import expand
 from mpnb.lab.memory import ROLES, MemoryTracker
 from mpnb.lab.runner import emulation_note, fp8_support, half_support
 
-NEW = [n for n in config_names() if n not in ("O0", "O1", "O2", "O3")]
+#: mpnb's configurations beyond O0-O3 (the peers, PyTorch's own ways, are tested in test_peers)
+NEW = [n for n in config_names() if n not in ("O0", "O1", "O2", "O3") and not get_config(n).peer]
+PEERS = ("torch-amp", "tf32", "torch-amp+compile")
 FP8 = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8")
 MIB = 2.0**20
 
@@ -30,14 +32,22 @@ def test_the_lab_offers_exactly_the_core_list():
     from mpnb.widgets._compare_controls import DEFAULT_LEVELS, LEVELS
 
     assert set(FP8) | {"bf16-pure", "bf16-pure+sr", "bf16-pure+kahan"} == set(NEW)
-    assert LEVELS == config_names() and DEFAULT_LEVELS == ("O0", "O1", "O2", "O3")
+    assert [n for n in config_names() if get_config(n).peer] == list(PEERS)
+    assert LEVELS == config_names() and DEFAULT_LEVELS == ("O0", "O1", "O2", "O3", "torch-amp")
     cfgs = expand("mlp", config_names(), ("bf16", "fp16"), (32,), steps=4, device="cpu")
     labels = [c.label for c in cfgs]
-    # O1-O3 once per half dtype; every other configuration fixes its precision: once
+    # O1-O3 and torch-amp once per half dtype; every other configuration fixes its precision
     assert labels[:7] == ["O0 fp32 b32"] + [
         f"O{i} {h} b32" for i in (1, 2, 3) for h in ("bf16", "fp16")
     ]
-    assert labels[7:] == [f"{n} b32" for n in NEW]
+    assert labels[7:12] == [
+        "torch-amp bf16 b32",
+        "torch-amp fp16 b32",
+        "tf32 b32",
+        "torch-amp+compile bf16 b32",
+        "torch-amp+compile fp16 b32",
+    ]
+    assert labels[12:] == [f"{n} b32" for n in NEW]
     assert {c.half_dtype for c in cfgs if isinstance(c.config, Float8Config)} == {"fp8"}
     assert all(c.config is PRECISION_CONFIGS[c.config.name] for c in cfgs)
 
@@ -218,7 +228,16 @@ def test_a_new_configuration_runs_through_the_lab_by_its_table_entry_alone(monke
     assert df.attrs["verdict"]["text"]
     # the lab and the widgets hold no test of a configuration's kind
     root = Path(mpnb.lab.__file__).parents[1]
-    kinds = ("AmpConfig", "Float8Config", "PureHalfConfig", "optimizer_option", "is_fp8")
+    kinds = (
+        "AmpConfig",
+        "Float8Config",
+        "PureHalfConfig",
+        "TorchAmpConfig",
+        "TF32Config",
+        "TorchAmpCompileConfig",
+        "optimizer_option",
+        "is_fp8",
+    )
     found = [
         f"{f.relative_to(root)}: {k}"
         for f in [*(root / "lab").rglob("*.py"), *(root / "widgets").rglob("*.py")]

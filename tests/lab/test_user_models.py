@@ -11,7 +11,7 @@ import mpnb.lab
 from mpnb.lab import workloads
 from mpnb.lab.hf import hf_accuracy, hf_loss, transformers_workload
 
-LEVELS = ("O0", "O1", "O2", "O3")
+LEVELS = ("O0", "O1", "O2", "O3", "torch-amp")  # compare's default on a CPU
 
 
 def _ids(n=64, t=16, seed=0):

@@ -382,3 +382,23 @@ def test_every_error_sits_under_its_cause():
         )
         assert holder.children.index(box) == 1, key
     assert cw.controls.children[0].layout.flex_flow == "row wrap"
+
+
+def test_the_peers_are_offered_and_each_row_shows_its_code_to_copy():
+    cw = compare(_tiny(), steps=4, threaded=False, threads=1)
+    assert {"torch-amp", "tf32", "torch-amp+compile"} <= set(cw.opt_levels.options)
+    assert cw.opt_levels.value == ("O0", "O1", "O2", "O3", "torch-amp")  # compare's default
+    assert "Code" in cw.tabs.titles and "After a run" in cw.code.value
+    cw.opt_levels.value = ("O0", "O2", "torch-amp", "tf32")
+    cw.run_button.click()
+    assert cw.errors.last_error is None, cw.errors.last_error
+    df = cw.df.set_index("opt_level")
+    assert list(df.index) == ["O0", "O2", "torch-amp", "tf32"]
+    assert df.loc["torch-amp", "status"] == "ok" and df.loc["tf32", "status"] == "unsupported"
+    code = cw.code.value
+    assert code.count("<pre><code>") == 4 and "torch-amp bf16 b16" in code
+    assert "torch.autocast(&quot;cpu&quot;, dtype=torch.bfloat16)" in code
+    assert "opt_level=&quot;O2&quot;" in code
+    # tf32 is not a failure here: the device lacks it, and the line says where it runs
+    assert "tf32 b16</b> not run: unsupported on cpu" in cw.config_errors.value
+    assert "mpnb&#x27;s best" in cw.verdict.value  # the sentence against torch.amp

@@ -77,13 +77,32 @@ def compile_events() -> dict[str, int]:
     return _counts()
 
 
-def warm_up(fn: Callable[[], object], max_calls: int = MAX_WARM_CALLS) -> Warm:
+def warm_up(
+    fn: Callable[[], object],
+    max_calls: int = MAX_WARM_CALLS,
+    budget_s: float | None = None,
+    way_out: str = "run with --no-compile",
+    allow_cached: bool = False,
+    larger: str = "give it a larger budget",
+) -> Warm:
     """Call the compiled ``fn`` until one call compiles nothing; time the calls that did.
 
+    Args:
+        fn: the compiled callable (one call: the work to time later).
+        max_calls: calls allowed before it must stop recompiling.
+        budget_s: seconds the compiling calls may take together (None: no limit); checked
+            after each call (a compile in progress is not interrupted).
+        way_out: how to skip compiling, for the errors' last words.
+        allow_cached: return ``Warm(0.0, 0)`` when the first call compiles nothing (the caller
+            knows the graphs were compiled earlier in this process, which dynamo reuses)
+            instead of raising.
+        larger: how to give the compile more time, for the over-budget error.
+
     Raises:
-        RuntimeError: the first call compiled nothing (``fn`` ran eagerly), or ``fn`` still
-            recompiled after ``max_calls`` calls. An error of ``torch.compile`` itself (no C++
-            compiler, a failed lowering, dynamo's recompile limit hit) propagates as raised.
+        RuntimeError: the first call compiled nothing (``fn`` ran eagerly), ``fn`` still
+            recompiled after ``max_calls`` calls, or the compile overran ``budget_s``. An error
+            of ``torch.compile`` itself (no C++ compiler, a failed lowering, dynamo's recompile
+            limit hit) propagates as raised.
     """
     start = compile_events()
     seconds, calls = 0.0, 0
@@ -98,35 +117,40 @@ def warm_up(fn: Callable[[], object], max_calls: int = MAX_WARM_CALLS) -> Warm:
             if compile_events() == before:
                 break
             seconds, calls = seconds + dt, calls + 1
+            if budget_s is not None and seconds > budget_s:
+                raise RuntimeError(
+                    f"torch.compile took {seconds:.1f} s over {calls} call(s), more than its "
+                    f"budget of {budget_s:g} s; {larger}, or {way_out}."
+                )
         else:
             raise RuntimeError(
                 f"still recompiling after {max_calls} calls (each call changed what dynamo "
-                "guards on); make the timed callable repeat the same work, or run with "
-                "--no-compile."
+                f"guards on); make the timed callable repeat the same work, or {way_out}."
             )
-    if calls == 0:
+    if calls == 0 and not allow_cached:
         raise RuntimeError(
             "torch.compile compiled nothing (dynamo ran the function eagerly); see "
-            "TORCH_LOGS=graph_breaks for why, or run with --no-compile."
+            f"TORCH_LOGS=graph_breaks for why, or {way_out}."
         )
     end = compile_events()
     return Warm(seconds, calls, end["hits"] - start["hits"], end["misses"] - start["misses"])
 
 
-def failure(err: BaseException) -> str:
-    """One line for a compiled candidate that could not run: the error and the way out."""
+def failure(err: BaseException, way_out: str = "run with --no-compile") -> str:
+    """One line for a compiled candidate that could not run: the error and the way out
+    (``way_out``: how to skip compiling; the bench's flag by default)."""
     if type(err).__name__ == "FailOnRecompileLimitHit":
         return (
             "torch.compile hit dynamo's recompile limit (the code recompiles per call or per "
             "tensor, e.g. at a graph break inside a loop, so it would run mostly eagerly); see "
-            "TORCH_LOGS=recompiles,graph_breaks, or run with --no-compile"
+            f"TORCH_LOGS=recompiles,graph_breaks, or {way_out}"
         )
     first = (str(err).strip().splitlines() or [""])[0]
     if len(first) > 200:
         first = first[:197] + "..."
     return (
         f"torch.compile failed: {type(err).__name__}: {first} (inductor on CPU needs a C++ "
-        "compiler and Python's headers; run with --no-compile to skip compiled candidates)"
+        f"compiler and Python's headers; {way_out} to skip compiled candidates)"
     )
 
 
