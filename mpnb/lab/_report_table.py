@@ -38,6 +38,7 @@ TABLE_COLUMNS = {
     "step_time_ms": "step time (ms)",
     "compile_s": "compile time (s, apart from the steps)",
     "host_syncs_per_step": "host syncs per step",
+    "gpu_busy": "GPU busy (share of the step)",
     "samples_per_step": "samples per step",
     "samples_per_s": "throughput (samples/s)",
     "peak_mem_mib": "peak memory (MiB)",
@@ -52,7 +53,7 @@ TABLE_COLUMNS = {
 }
 
 #: columns a table shows only when some row has a value (only a compiling row has a compile time)
-WHEN_SET = ("compile_s",)
+WHEN_SET = ("compile_s", "gpu_busy")
 
 #: the results as two tables that each fit a page (or a notebook) without sideways scrolling:
 #: what it cost (speed, memory) and what it did (loss, metric, numerics). The 95% interval is
@@ -67,6 +68,7 @@ TABLE_GROUPS = {
         "step_time_ms",
         "compile_s",
         "host_syncs_per_step",
+        "gpu_busy",
         "samples_per_s",
         "peak_mem_mib",
         "mem_saving_vs_O0",
@@ -108,6 +110,8 @@ def format_value(col: str, v) -> str:
         return f"{v:,.0f}" if v >= 1 and v == int(v) else f"{v:g}"
     if col == "compile_s":
         return f"{v:.1f}"
+    if col == "gpu_busy":
+        return f"{v:.0%}"
     if col == "metric_vs_O0":
         return f"{v:+.3f}"
     if col == "output_diff_vs_O0":

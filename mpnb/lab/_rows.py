@@ -21,6 +21,10 @@ Columns beyond the names' plain meaning:
   the like, blocking copies to the host) in the memory-tracked training step (forward,
   backward, optimizer step; not the lab's bookkeeping), counted by
   :class:`~mpnb.lab.host_reads.HostReads`: each one makes a CUDA host wait for the GPU.
+* ``gpu_busy``, ``gpu_kernel_ms``: on CUDA, the share of one sampled step's wall time (the step
+  after the memory-tracked one, run under ``torch.profiler`` and not timed) that the GPU spent
+  in kernels, and those kernels' time (:func:`mpnb.lab.gpu_busy.measure_busy`): a low share
+  says the row measured the host's launches, not the precision's arithmetic. NaN on a CPU.
 * ``snippet``: the few lines a user writes to train this row's way in their own loop
   (:meth:`~mpnb.core.precision_configs.PrecisionConfig.snippet`), for its half dtype, device,
   optimizer and learning rate.
@@ -80,6 +84,8 @@ COLUMNS = (
     "flops_per_step",
     "ops_per_step",
     "host_syncs_per_step",
+    "gpu_busy",
+    "gpu_kernel_ms",
     "final_loss",
     "eval_loss",
     "metric_name",

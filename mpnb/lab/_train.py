@@ -44,6 +44,7 @@ from mpnb.lab._run_result import (
 from mpnb.lab._step_log import StepLog
 from mpnb.lab._warm_compile import CompileWatch, warm_up_step
 from mpnb.lab.config import RunConfig
+from mpnb.lab.gpu_busy import measure_busy
 from mpnb.lab.host_reads import HostReads
 from mpnb.lab.memory import MemoryTracker
 from mpnb.lab.workloads import Workload
@@ -82,13 +83,9 @@ def _checked(loss):
 
 
 def train_once(step, x, y, loss_fn) -> torch.Tensor:
-    """One training step through ``step``'s hooks; returns the loss (on the device, unread)."""
-    step.zero_grad()
-    with step.forward_context():
-        loss = _checked(loss_fn(forward(step.model, x), y))
-    step.backward(loss)
-    step.step()
-    return loss.detach()
+    """One training step through ``step`` (its :meth:`~mpnb.core.precision_configs.TrainStep.
+    run`: the hooks, or a captured graph's replay); returns the loss (on the device, unread)."""
+    return step.run(x, y, lambda model, x, y: _checked(loss_fn(forward(model, x), y)))
 
 
 class Trainer:
@@ -164,6 +161,9 @@ class Trainer:
             self.watch.start()
         if phase == "memory":
             loss, dt = self._memory_step(x, y)
+        elif phase == "timed" and self.cuda and i == cfg.memory_step + 1:
+            phase = "busy"  # under the profiler: its time is not a step time
+            loss, dt = self._busy_step(x, y)
         else:
             t0 = benchmark.timer()
             loss = train_once(self.st, x, y, w.loss_fn)
@@ -196,6 +196,17 @@ class Trainer:
             samples_per_step=float(batch_len(x)),
         )
         return loss, dt
+
+    def _busy_step(self, x, y):
+        """The step after the memory-tracked one, on CUDA, under the profiler: the share of its
+        wall time the GPU spent in kernels (``gpu_busy``, :func:`mpnb.lab.gpu_busy.measure_busy`),
+        which says whether the row measured the GPU or the host's launches."""
+        out = []
+        t0 = benchmark.timer()
+        res = measure_busy(lambda: out.append(train_once(self.st, x, y, self.w.loss_fn)))
+        dt = benchmark.timer() - t0
+        self.res.row.update(gpu_busy=res.busy, gpu_kernel_ms=res.kernel_ms)
+        return out[0], dt
 
     def _cuda_base(self) -> int:
         if not self.cuda:

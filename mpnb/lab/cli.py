@@ -33,9 +33,10 @@ _SHOW = (
     ("final_loss_scale", "scale", "{:g}"),
     ("host_syncs_per_step", "syncs", "{:.0f}"),
     ("compile_s", "compile s", "{:.1f}"),
+    ("gpu_busy", "GPU busy", "{:.0%}"),
 )
-#: columns shown only when some row has a value (only a compiling configuration has one)
-_WHEN_SET = ("compile_s",)
+#: columns shown only when some row has a value (a compiling configuration; a CUDA run)
+_WHEN_SET = ("compile_s", "gpu_busy")
 
 
 def _csv(kind):
@@ -69,8 +70,8 @@ def _checked(parse, check):
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``compare`` subcommand to ``sub`` (an argparse subparsers object)."""
     from mpnb.core.precision_configs import COMPILE_BUDGET_S, DEFAULT_CONFIGS, config_names
-    from mpnb.lab.config import OPTIMIZERS, check_batch_sizes, check_steps
-    from mpnb.lab.workloads import names
+    from mpnb.lab.config import DEFAULT_OPTIMIZER, OPTIMIZERS, check_batch_sizes, check_steps
+    from mpnb.lab.workloads import GPU_SIZE, SIZES, names
 
     p = sub.add_parser(
         "compare",
@@ -81,8 +82,9 @@ def add_parser(sub) -> argparse.ArgumentParser:
     p.add_argument(
         "--size",
         default="auto",
-        choices=("auto", "small", "medium", "large"),
-        help="workload size (default auto: small on CPU, medium on CUDA)",
+        choices=("auto", *SIZES, GPU_SIZE),
+        help=f"workload size (default auto: small on CPU; on CUDA {GPU_SIZE}, sized from the "
+        "card so that the fp32 step keeps the GPU computing)",
     )
     p.add_argument(
         "--configs",
@@ -93,6 +95,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help=f"comma-separated precision configurations, default {','.join(DEFAULT_CONFIGS)} "
         f"(and tf32 on CUDA); any of {','.join(config_names())} (--opt-levels is the former "
         "name; torch-amp, tf32 and torch-amp+compile are PyTorch's own ways, as peers)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action="store_true",
+        help="also run each opt level asked for with its whole step captured in a CUDA graph "
+        "and replayed (O2 -> O2+graph; CUDA only)",
     )
     p.add_argument(
         "--compile-budget",
@@ -122,10 +130,11 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--optimizer",
-        default="adam",
+        default=DEFAULT_OPTIMIZER,
         choices=OPTIMIZERS,
-        help="a configuration that needs an optimizer option (bf16-pure+sr, bf16-pure+kahan) "
-        "runs mpnb's fused optimizer of the same rule",
+        help=f"default {DEFAULT_OPTIMIZER} (mpnb's FusedAdam: a fused step, as torch-amp's "
+        "AdamW(fused=True)); a configuration that needs an optimizer option (bf16-pure+sr, "
+        "bf16-pure+kahan) runs mpnb's fused optimizer of the same rule",
     )
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -190,6 +199,20 @@ def _json(df) -> str:
     )
 
 
+def _with_graphs(args: argparse.Namespace, device: str):
+    """The configurations asked for, with their CUDA-graph twins under ``--cuda-graphs``."""
+    if not getattr(args, "cuda_graphs", False):
+        return args.configs
+    if not device.startswith("cuda"):
+        raise ValueError(
+            f"--cuda-graphs captures each step in a CUDA graph, which needs a CUDA GPU (the run "
+            f"is on {device}); pass --device cuda, or drop --cuda-graphs."
+        )
+    from mpnb.core.precision_configs import default_configs, with_cuda_graphs
+
+    return with_cuda_graphs(args.configs or default_configs(device))
+
+
 def run(args: argparse.Namespace) -> int:
     """Run ``mpnb compare`` with parsed ``args``; returns the exit code.
 
@@ -215,7 +238,9 @@ def run(args: argparse.Namespace) -> int:
         )
         return 2
     try:
-        w = get(args.workload, args.size, resolve_device(args.device))
+        device = resolve_device(args.device)
+        configs = _with_graphs(args, device)
+        w = get(args.workload, args.size, device)
         sizes = ", ".join(map(str, args.batch_sizes or (w.batch_size,)))
         print(
             f"mpnb compare: {w.description} ({w.size}); batch {sizes}, "
@@ -223,12 +248,12 @@ def run(args: argparse.Namespace) -> int:
             file=msg,
             flush=True,
         )
-        note = emulation_note(w, dtype, args.device, args.configs)
+        note = emulation_note(w, dtype, args.device, configs)
         if note:
             print(note, file=msg, flush=True)
         df = mpnb.lab.compare(
             w,
-            configs=args.configs,
+            configs=configs,
             half_dtype=dtype,
             batch_sizes=args.batch_sizes,
             steps=args.steps,

@@ -27,6 +27,7 @@ from mpnb.core.dtype_names import HALF_DTYPES, half_dtype_name, parse_half_dtype
 from mpnb.core.opt_levels import check_names
 from mpnb.core.precision_configs import (
     DEFAULT_CONFIGS,
+    DEFAULT_OPTIMIZER,
     OPTIMIZERS,
     PrecisionConfig,
     config_names,
@@ -34,7 +35,15 @@ from mpnb.core.precision_configs import (
     get_config,
 )
 
-__all__ = ["RunConfig", "expand", "resolve_device", "half_name", "LossScaleRule", "OPTIMIZERS"]
+__all__ = [
+    "RunConfig",
+    "expand",
+    "resolve_device",
+    "half_name",
+    "LossScaleRule",
+    "OPTIMIZERS",
+    "DEFAULT_OPTIMIZER",
+]
 
 
 @dataclass(frozen=True)
@@ -69,7 +78,7 @@ class RunConfig:
     half_dtype: str
     batch_size: int
     steps: int
-    optimizer: str = "adam"
+    optimizer: str = DEFAULT_OPTIMIZER
     lr: float | None = None
     loss_scale: LossScaleRule | None = None
     device: str = "cpu"
@@ -200,7 +209,7 @@ def expand(
     half_dtype="auto",
     batch_sizes: Sequence[int] = (64,),
     steps: int = 100,
-    optimizer: str = "adam",
+    optimizer: str = DEFAULT_OPTIMIZER,
     lr: float | None = None,
     loss_scale=None,
     device="auto",

@@ -121,7 +121,7 @@ def peak_tflops(gpu: GpuSpec) -> dict[str, float | str]:
     """Dense peaks, TFLOP/s: ``fp32`` (CUDA cores), ``conv`` (fp32 convolutions: TF32 where
     cuDNN uses it) and ``half`` (fp16/bf16 tensor cores), and ``source``.
 
-    Published (:data:`mpnb.lab.verdict.GPU_PEAKS`) for a known card; otherwise estimated:
+    Published (:data:`mpnb.lab.gpu_estimate.GPU_PEAKS`) for a known card; otherwise estimated:
     ``SMs * fp32 lanes (64 or 128) * 2 * 1.5 GHz``, half at 8x that from capability 7.0.
 
     Args:
@@ -132,7 +132,7 @@ def peak_tflops(gpu: GpuSpec) -> dict[str, float | str]:
         >>> peak_tflops(GpuSpec("NVIDIA H100 80GB HBM3", 85_000_000_000))["fp32"]
         67.0
     """
-    from mpnb.lab.verdict import CARD_NAMES, GPU_PEAKS  # the one table of published peaks
+    from mpnb.lab.gpu_estimate import CARD_NAMES, GPU_PEAKS  # the one table of published peaks
 
     key = next((k for pattern, k in CARD_NAMES if re.search(pattern, gpu.name)), None)
     if key is not None:

@@ -28,7 +28,7 @@ import torch
 from mpnb.core.doctor import kernel_fallbacks
 from mpnb.core.dtype_names import HALF_NAMES, torch_name
 from mpnb.core.hardware import cpu_info, cuda_info, dtype_support, half_support
-from mpnb.core.precision_configs import default_configs, get_config
+from mpnb.core.precision_configs import DEFAULT_OPTIMIZER, default_configs, get_config
 from mpnb.lab import workloads as _workloads
 from mpnb.lab._data import is_data
 from mpnb.lab._isolate import StopSignals, run_isolated, sigterm_interrupts, stop_label
@@ -47,6 +47,11 @@ __all__ = [
     "not_started",
     "COLUMNS",
 ]
+
+
+#: the distributed comparison's optimizer when none is named: ``torch.optim.Adam``, which steps
+#: FSDP2's sharded (DTensor) params; mpnb's fused ops have no DTensor sharding rule
+DISTRIBUTED_OPTIMIZER = "adam"
 
 
 def fp8_support(device: str = "cpu") -> str:
@@ -292,7 +297,7 @@ def compare(
     batch_sizes: Sequence[int] | None = None,
     steps: int | None = None,
     size: str = "auto",
-    optimizer: str = "adam",
+    optimizer: str | None = None,
     lr: float | None = None,
     loss_scale=None,
     device="auto",
@@ -337,10 +342,13 @@ def compare(
         half_dtype: ``"bf16"``, ``"fp16"``, ``"auto"`` (bf16 on CPU, fp16 on CUDA) or a list.
         batch_sizes: default: the workload's (a DataLoader's own batch size).
         steps: optimizer steps per configuration (default: the workload's).
-        size: a built-in workload's size: ``"small"``, ``"medium"``, ``"large"`` or
-            ``"auto"`` (small on CPU, medium on CUDA).
-        optimizer, lr, loss_scale: ``"adam"``, ``"adamw"``, ``"sgd"``, ``"fused_adam"``,
-            ``"fused_sgd"``; the learning rate; for O1-O3 None (the level's default), a
+        size: a built-in workload's size: ``"small"``, ``"medium"``, ``"large"``, ``"gpu"``
+            (sized for the CUDA card: :mod:`mpnb.lab.gpu_sizing`) or ``"auto"`` (small on CPU,
+            gpu on CUDA).
+        optimizer, lr, loss_scale: ``"fused_adam"`` (None: mpnb's FusedAdam, a fused step as
+            torch-amp's; with ``ranks``, ``"adam"``: FSDP2's sharded DTensor params need
+            ``torch.optim``'s), ``"adam"``, ``"adamw"``, ``"sgd"``, ``"fused_sgd"``; the
+            learning rate; for O1-O3 None (the level's default), a
             static number or ``dict(init_scale=, growth_factor=, backoff_factor=,
             growth_interval=)``.
         device: ``"auto"``, ``"cpu"`` or ``"cuda"``. seed: weights and data order.
@@ -417,13 +425,14 @@ def compare(
             configs=asked,
             steps=w.steps if steps is None else steps,
             global_batch=tuple(batch_sizes)[0] if batch_sizes is not None else w.batch_size,
-            optimizer=optimizer,
+            optimizer=DISTRIBUTED_OPTIMIZER if optimizer is None else optimizer,
             lr=lr,
             device=dev,
             seed=seed,
             timeout=timeout,
             threads=threads,
         )
+    optimizer = DEFAULT_OPTIMIZER if optimizer is None else optimizer
     if batch_sizes is None:
         batch_sizes = (w.batch_size,)
     elif w.data_batch_size is not None and tuple(batch_sizes) != (w.data_batch_size,):

@@ -34,7 +34,7 @@ import torch
 
 from mpnb.lab.host_reads import HostReads
 
-__all__ = ["STEPS", "WARMUP", "count_syncs", "cuda_sync_warnings", "main"]
+__all__ = ["STEPS", "WARMUP", "count_syncs", "cuda_sync_warnings", "main", "parser"]
 
 WARMUP = 5  #: steps before the counted ones (lazy state, the first masters' check)
 
@@ -167,12 +167,18 @@ def count_syncs(device="cpu", steps: int = 6, names=None) -> list[dict]:
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    """``python -m mpnb.lab.sync_count [--device D] [--steps N] [--json]``."""
+def parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m mpnb.lab.sync_count``."""
     p = argparse.ArgumentParser(prog="python -m mpnb.lab.sync_count", description=__doc__)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=6, help="steady-state steps counted (default 6)")
     p.add_argument("--json", action="store_true", help="print the rows as one JSON document")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m mpnb.lab.sync_count [--device D] [--steps N] [--json]``."""
+    p = parser()
     args = p.parse_args(argv)
     if args.steps < 1:
         p.error(f"--steps {args.steps}: count at least one step.")

@@ -1,23 +1,12 @@
 """The verdict: a short recommendation computed from the measured rows and the hardware.
 
 :func:`verdict` reads a :func:`mpnb.lab.compare` DataFrame and says which configuration is
-fastest within an accuracy tolerance (only if it is *measurably* faster than O0), how mpnb's
-best row compares with torch.amp's on this model and device (:func:`versus_reference`: the
-median of the per-round step-time ratios of the two rows, with its 95% interval, as every
-speed figure is measured), which saves most memory, which formats (half dtypes, FP8) were
-emulated, and, clearly labelled as an estimate, what a GPU with native half precision would
-likely show.
-
-The estimate is a roofline from what the run measured: the FLOPs of one training step
-(``torch.utils.flop_counter``), the bytes it touches (the memory breakdown by role, each
-read and written about twice per step) and the ops it dispatches (one kernel launch each,
-about :data:`LAUNCH_US` microseconds of overhead on a GPU), against the published dense
-peak throughputs and memory bandwidths in :data:`GPU_PEAKS`::
-
-    t(config) = max(flops / peak[dtype], bytes / bandwidth) + ops * LAUNCH_US
-
-Real GPUs reach a fraction of their peaks; the estimate assumes the same fraction for every
-configuration, so only the ratio to O0 is reported.
+fastest within an accuracy tolerance (only if it is *measurably* faster than O0), which
+saves most memory, how mpnb's best row compares with torch.amp's (the peer rows), which
+formats (half dtypes, FP8) were emulated, whether the GPU was busy or waited on the host
+(:func:`mpnb.lab.gpu_busy.busy_note`), and, clearly labelled as an estimate, what a GPU with
+native half precision would likely show (:mod:`mpnb.lab.gpu_estimate`: host dispatch, host
+syncs, kernel time from FLOPs and bytes, and their overlap, per measured row).
 
 Example::
 
@@ -28,124 +17,34 @@ Example::
 from __future__ import annotations
 
 import math
-import re
 
 import pandas as pd
 
 from mpnb.core.dtype_names import HALF_NAMES
-from mpnb.core.precision_configs import BASELINE, get_config
+from mpnb.core.precision_configs import BASELINE
 from mpnb.lab._versus import versus_reference
-from mpnb.lab.memory import ROLES as _ROLES
+from mpnb.lab.gpu_busy import busy_note
+from mpnb.lab.gpu_estimate import (
+    CARD_NAMES,
+    GPU_PEAKS,
+    REFERENCE_GPU,
+    estimate_for_card,
+    gpu_estimate,
+)
 from mpnb.lab.story import emulated_clause, emulation_lines
 
 __all__ = [
     "CARD_NAMES",
     "GPU_PEAKS",
-    "LAUNCH_US",
     "REFERENCE_GPU",
     "estimate_for_card",
     "gpu_estimate",
     "measured_rows",
     "verdict",
-    "versus_reference",
 ]
 
-#: Published dense peaks (vendor data sheets, no sparsity): TFLOP/s for fp32 (CUDA cores),
-#: fp16, bf16 and fp8 (tensor cores, fp32 accumulate), and memory bandwidth in GB/s.
-#: ``None``: the dtype has no tensor-core support there (the fp32 rate is used).
-GPU_PEAKS = {
-    "NVIDIA T4": dict(fp32=8.1, fp16=65.0, bf16=None, fp8=None, gbps=320.0),
-    "NVIDIA V100 SXM2": dict(fp32=15.7, fp16=125.0, bf16=None, fp8=None, gbps=900.0),
-    "NVIDIA A100 SXM 80GB": dict(fp32=19.5, fp16=312.0, bf16=312.0, fp8=None, gbps=2039.0),
-    "NVIDIA L4": dict(fp32=30.3, fp16=121.0, bf16=121.0, fp8=242.5, gbps=300.0),
-    "NVIDIA RTX 4090": dict(fp32=82.6, fp16=165.2, bf16=165.2, fp8=330.3, gbps=1008.0),
-    "NVIDIA H100 SXM": dict(fp32=67.0, fp16=989.0, bf16=989.0, fp8=1979.0, gbps=3350.0),
-    "NVIDIA H200 SXM": dict(fp32=67.0, fp16=989.0, bf16=989.0, fp8=1979.0, gbps=4800.0),
-}
-#: a GPU's name as torch reports it -> its :data:`GPU_PEAKS` entry (the first match wins)
-CARD_NAMES = (
-    (r"H200", "NVIDIA H200 SXM"),
-    (r"H100(?!.*(PCIe|NVL))", "NVIDIA H100 SXM"),
-    (r"A100(?!.*PCIe)", "NVIDIA A100 SXM 80GB"),
-    (r"\bL4\b", "NVIDIA L4"),
-    (r"RTX 4090", "NVIDIA RTX 4090"),
-    (r"V100", "NVIDIA V100 SXM2"),
-    (r"\bT4\b", "NVIDIA T4"),
-)
-REFERENCE_GPU = "NVIDIA A100 SXM 80GB"
-#: typical eager-mode cost of one op (Python dispatch + kernel launch) on a GPU, microseconds
-LAUNCH_US = 5.0
 #: default accuracy tolerance: a configuration is "as accurate" as O0 within this much metric
 TOLERANCE = 0.02
-
-
-def _bytes(row) -> float:
-    total = sum(float(row.get(f"mem_{r}_mib", 0.0) or 0.0) for r in _ROLES)
-    return 2.0 * total * 2**20  # each tensor is written and read about once per step
-
-
-def _gemm_dtype(row) -> str:
-    """The dtype a row's GEMMs would run in on a GPU, as its configuration says (a GEMM
-    emulated on every device, as MXFP8's, runs in fp32 and gets the fp32 rate)."""
-    return get_config(row["opt_level"]).gemm_dtype(row["half_dtype"])
-
-
-def _step_time(row, gpu: dict) -> float:
-    dtype = _gemm_dtype(row)
-    peak = gpu.get(dtype) or gpu["fp32"]  # no tensor cores for it: fp32 rate
-    flops = float(row.get("flops_per_step", math.nan))
-    ops = float(row.get("ops_per_step", 0.0) or 0.0)
-    compute = flops / (peak * 1e12)
-    memory = _bytes(row) / (gpu["gbps"] * 1e9)
-    return max(compute, memory) + ops * LAUNCH_US * 1e-6
-
-
-def gpu_estimate(df: pd.DataFrame) -> pd.DataFrame:
-    """Estimated speed-up vs O0 per GPU of :data:`GPU_PEAKS` and configuration (not measured).
-
-    Columns: ``gpu``, ``configuration``, ``est_step_ms``, ``est_speedup_vs_O0``,
-    ``bound`` (``"compute"``, ``"memory"`` or ``"launch overhead"``).
-    """
-    ok = df[(df["status"] != "error") & df["flops_per_step"].notna()]
-    rows = []
-    for gpu, peaks in GPU_PEAKS.items():
-        for _, grp in ok.groupby("batch_size", sort=False):
-            base = grp[grp["opt_level"] == BASELINE]
-            if base.empty:
-                continue
-            t0 = _step_time(base.iloc[0], peaks)
-            for _, r in grp.iterrows():
-                t = _step_time(r, peaks)
-                dtype = _gemm_dtype(r)
-                parts = {
-                    "compute": r["flops_per_step"] / ((peaks.get(dtype) or peaks["fp32"]) * 1e12),
-                    "memory": _bytes(r) / (peaks["gbps"] * 1e9),
-                    "launch overhead": (r["ops_per_step"] or 0.0) * LAUNCH_US * 1e-6,
-                }
-                rows.append(
-                    dict(
-                        gpu=gpu,
-                        configuration=r["configuration"],
-                        est_step_ms=t * 1e3,
-                        est_speedup_vs_O0=t0 / t if t > 0 else math.nan,
-                        bound=max(parts, key=parts.get),
-                    )
-                )
-    cols = ["gpu", "configuration", "est_step_ms", "est_speedup_vs_O0", "bound"]
-    return pd.DataFrame(rows, columns=cols)
-
-
-def estimate_for_card(df: pd.DataFrame, card: str) -> pd.DataFrame:
-    """:func:`gpu_estimate`'s rows for the GPU named ``card`` as torch reports it
-    (``"NVIDIA H100 80GB HBM3"``); empty when :data:`GPU_PEAKS` has no entry for it.
-
-    Example::
-
-        >>> estimate_for_card(cpu_df, torch.cuda.get_device_name())["est_speedup_vs_O0"]
-    """
-    key = next((k for pattern, k in CARD_NAMES if re.search(pattern, card)), None)
-    est = gpu_estimate(df) if key is not None else pd.DataFrame()
-    return est[est["gpu"] == key].reset_index(drop=True) if len(est) else est
 
 
 def _fmt_metric(v: float) -> str:
@@ -217,6 +116,9 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
     for _, r in df[df["status"] == "unsupported"].iterrows():
         lines.append(f"Not run: {r['error']}.")
     lines += _interrupted_lines(df)
+    busy = busy_note(ok)
+    if busy:
+        lines.append(busy)
     lines += emulation_lines(emulated, str(hw.get("device", "cpu")))
     est = gpu_estimate(df) if "flops_per_step" in df else pd.DataFrame()
     lines += _estimate_lines(est, hw)

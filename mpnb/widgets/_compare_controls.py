@@ -35,7 +35,7 @@ __all__ = ["ControlsMixin", "LEVELS", "DEFAULT_LEVELS", "OPTIMIZERS", "parse_siz
 # torch-amp on a CPU; tf32 too on CUDA).
 LEVELS = config_names()
 DEFAULT_LEVELS = DEFAULT_CONFIGS
-SIZES = ("auto", "small", "medium", "large")
+SIZES = ("auto", "small", "medium", "large", "gpu")  # gpu: sized for the CUDA card
 #: the strategy control's choices ("both": every DDP and FSDP2 policy)
 STRATEGY_CHOICES = ("both", *STRATEGIES)
 

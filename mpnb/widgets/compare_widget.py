@@ -21,7 +21,8 @@ import ipywidgets as w
 import pandas as pd
 import traitlets as t
 
-from mpnb.lab.config import configs_argument
+from mpnb.lab.config import DEFAULT_OPTIMIZER, configs_argument, resolve_device
+from mpnb.lab.runner import DISTRIBUTED_OPTIMIZER
 from mpnb.widgets._common import ErrorBox, hardware_html
 from mpnb.widgets._compare_controls import DEFAULT_LEVELS, LEVELS, ControlsMixin, parse_sizes
 from mpnb.widgets._compare_views import (
@@ -59,7 +60,8 @@ class CompareWidget(ControlsMixin, w.VBox):
             :func:`mpnb.lab.compare`.
         configs, half_dtype, batch_sizes, steps, optimizer, device, size: the initial
             controls (``batch_sizes`` and ``steps`` None: the workload's own, shown in their
-            boxes; choosing another workload puts its own batch size and steps there).
+            boxes; choosing another workload puts its own batch size and steps there;
+            ``optimizer`` None: ``fused_adam``, or ``adam`` with ``ranks``).
         loss_scale: None (each opt level's default), or what ``amp.initialize`` takes: a
             number (static), ``"dynamic"``, a :class:`~mpnb.amp.LossScaleRule` or a dict of its
             fields (the controls show ``init_scale``, ``growth_factor``, ``backoff_factor``,
@@ -112,7 +114,7 @@ class CompareWidget(ControlsMixin, w.VBox):
         half_dtype="auto",
         batch_sizes=None,
         steps: int | None = None,
-        optimizer: str = "adam",
+        optimizer: str | None = None,
         device: str = "auto",
         loss_scale=None,
         threaded: bool = True,
@@ -136,7 +138,7 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.config_errors = w.HTML()  # the configurations that failed in the last run
         self.views = ResultViews()
         self.dist_views = DistributedViews()
-        default = workloads.get(workload, size)
+        default = workloads.get(workload, size, resolve_device(device))  # the device's sizes
         # refuses both names at once; none named: the device's defaults (tf32 on CUDA too)
         named = configs_argument(configs, opt_levels, device)
         # with several ranks, the configurations named are distributed policies (None: all)
@@ -147,7 +149,7 @@ class CompareWidget(ControlsMixin, w.VBox):
             half_dtype,
             batch_sizes or (default.batch_size,),
             steps or default.steps,
-            optimizer,
+            optimizer or (DISTRIBUTED_OPTIMIZER if many else DEFAULT_OPTIMIZER),
             device,
             loss_scale,
             threads,

@@ -16,10 +16,11 @@ from mpnb.core.precision_configs import (
 )
 
 NAMES = (
-    "O0 O1 O2 O3 torch-amp tf32 torch-amp+compile fp8-tensorwise fp8-delayed fp8-rowwise mxfp8 "
-    "bf16-pure bf16-pure+sr bf16-pure+kahan"
+    "O0 O1 O2 O3 O0+graph O1+graph O2+graph O3+graph torch-amp tf32 torch-amp+compile "
+    "fp8-tensorwise fp8-delayed fp8-rowwise mxfp8 bf16-pure bf16-pure+sr bf16-pure+kahan"
 ).split()
 PEERS = ("torch-amp", "tf32", "torch-amp+compile")
+GRAPHED = ("O0+graph", "O1+graph", "O2+graph", "O3+graph")
 FP8 = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8")
 PURE = ("bf16-pure", "bf16-pure+sr", "bf16-pure+kahan")
 #: facts keyed as a compare DataFrame keys them: bf16 emulated, fp16 and fp8 native
@@ -41,6 +42,8 @@ def test_the_old_module_is_the_same_table():
 def test_runs_labels_and_precision_text(name):
     cfg = get_config(name)
     runs = cfg.halves(("bf16", "fp16"))
+    graphed = name in GRAPHED
+    name = name.removesuffix("+graph")  # a captured level runs as its level, labelled so
     want = {
         "O0": ("fp32",),
         "tf32": ("tf32",),
@@ -49,7 +52,8 @@ def test_runs_labels_and_precision_text(name):
     }
     assert runs == want.get(name, ("bf16", "fp16"))
     texts = [cfg.precision_text(h, cfg.status(h, FACTS)) for h in runs]
-    labels = [cfg.label(h) for h in runs]
+    labels = [cfg.label(h).removesuffix(" graph") if graphed else cfg.label(h) for h in runs]
+    assert all(cfg.label(h).endswith(" graph") for h in runs) == graphed
     if name == "O0":
         assert texts == ["fp32"] and labels == ["O0 fp32"]
     elif name in ("O1", "O2", "O3", "torch-amp", "torch-amp+compile"):
@@ -70,15 +74,17 @@ def test_runs_labels_and_precision_text(name):
 def test_what_each_configuration_says_of_itself():
     by = {n: get_config(n) for n in config_names()}
     amp_peers = ["torch-amp", "torch-amp+compile"]
-    assert [n for n, c in by.items() if c.loss_scaling] == ["O1", "O2", "O3", *amp_peers]
-    assert [n for n, c in by.items() if c.autocast] == ["O1", *amp_peers]
+    half_levels = ["O1", "O2", "O3", "O1+graph", "O2+graph", "O3+graph"]
+    assert [n for n, c in by.items() if c.loss_scaling] == [*half_levels, *amp_peers]
+    assert [n for n, c in by.items() if c.autocast] == ["O1", "O1+graph", *amp_peers]
     assert [n for n, c in by.items() if not c.uses_amp] == [*PEERS, *FP8]
     assert [n for n, c in by.items() if c.peer] == list(PEERS)
     assert [n for n, c in by.items() if c.verdict_reference] == ["torch-amp"]
-    assert [n for n, c in by.items() if c.unavailable("cpu")] == ["tf32"]
-    assert [n for n, c in by.items() if not c.low_precision] == ["O0"]
-    assert [n for n, c in by.items() if c.divergence_note()] == ["O3", "bf16-pure"]
-    assert [n for n, c in by.items() if c.half_dtype("fp16") is None] == ["O0", "tf32", *FP8]
+    assert [n for n, c in by.items() if c.unavailable("cpu")] == [*GRAPHED, "tf32"]
+    assert [n for n, c in by.items() if not c.low_precision] == ["O0", "O0+graph"]
+    assert [n for n, c in by.items() if c.divergence_note()] == ["O3", "O3+graph", "bf16-pure"]
+    no_fp16 = ["O0", "O0+graph", "tf32", *FP8]
+    assert [n for n, c in by.items() if c.half_dtype("fp16") is None] == no_fp16
     assert by["O2"].half_dtype("fp16") is torch.float16 and by["O2"].half_dtype() is torch.bfloat16
     assert by["bf16-pure+sr"].half_dtype("fp16") is torch.bfloat16
     assert [r.role for r in STORED_ROLES] == ["fp8_scales", "kahan_buffers"]

@@ -163,3 +163,33 @@ def test_a_compute_bound_step_is_busy_and_a_host_bound_one_is_not():
     idle = measure_busy(host_bound, "cuda")
     assert idle.applicable and idle.kernels >= 20 and idle.busy < 0.2, idle
     assert isinstance(idle, BusyResult)
+
+
+def test_the_verdict_says_when_cuda_rows_waited_on_the_host():
+    import pandas as pd
+
+    from mpnb.lab.verdict import verdict
+
+    rows = [
+        dict(configuration="O0 fp32 b4", opt_level="O0", half_dtype="fp32", status="ok",
+             error="", device="cuda", gpu_busy=0.35, batch_size=4, speedup_vs_O0=1.0,
+             speedup_lo=1.0, speedup_hi=1.0, speed_label="baseline", peak_mem_mib=10.0,
+             mem_saving_vs_O0=0.0, metric=0.5, metric_vs_O0=0.0, metric_name="accuracy"),
+    ]  # fmt: skip
+    df = pd.DataFrame(rows)
+    df.attrs["hardware"] = dict(device="cuda", bf16="native", fp16="native")
+    text = verdict(df)["text"]
+    assert "O0 fp32 b4 35%" in text and "--cuda-graphs" in text
+    df.loc[0, "gpu_busy"] = 0.95
+    assert "GPU busy" not in verdict(df)["text"]
+
+
+@pytest.mark.gpu
+def test_a_cuda_compare_fills_gpu_busy():
+    import mpnb.lab
+    from mpnb.lab import workloads
+
+    df = mpnb.lab.compare(
+        workloads.get("mlp", "small"), configs=("O0", "O2"), steps=8, device="cuda"
+    )
+    assert ((df.gpu_busy > 0) & (df.gpu_busy <= 1)).all(), df.gpu_busy.tolist()

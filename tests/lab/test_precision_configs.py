@@ -22,7 +22,12 @@ from mpnb.lab.memory import ROLES, MemoryTracker
 from mpnb.lab.runner import emulation_note, fp8_support, half_support
 
 #: mpnb's configurations beyond O0-O3 (the peers, PyTorch's own ways, are tested in test_peers)
-NEW = [n for n in config_names() if n not in ("O0", "O1", "O2", "O3") and not get_config(n).peer]
+NEW = [
+    n
+    for n in config_names()
+    if n not in ("O0", "O1", "O2", "O3") and not get_config(n).peer and "+graph" not in n
+]
+GRAPHED = ("O0+graph", "O1+graph", "O2+graph", "O3+graph")  # CUDA only: test_graphed_step
 PEERS = ("torch-amp", "tf32", "torch-amp+compile")
 FP8 = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8")
 MIB = 2.0**20
@@ -40,6 +45,10 @@ def test_the_lab_offers_exactly_the_core_list():
     assert labels[:7] == ["O0 fp32 b32"] + [
         f"O{i} {h} b32" for i in (1, 2, 3) for h in ("bf16", "fp16")
     ]
+    assert labels[7:14] == ["O0 fp32 graph b32"] + [
+        f"O{i} {h} graph b32" for i in (1, 2, 3) for h in ("bf16", "fp16")
+    ]
+    labels = labels[:7] + labels[14:]
     assert labels[7:12] == [
         "torch-amp bf16 b32",
         "torch-amp fp16 b32",

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from mpnb.core.precision_configs import (
+    DEFAULT_OPTIMIZER,
     OPTIMIZERS,
     PRECISION_CONFIGS,
     config_names,
@@ -23,7 +24,10 @@ RUNS = [
     for half in get_config(name).halves(("bf16", "fp16"))
     # one compile is enough (tens of seconds on a CPU): the fp16 one differs only in its scaler
     if not (name == "torch-amp+compile" and half == "fp16")
+    # a captured step needs CUDA: test_graph_snippets_train_on_cuda
+    and not get_config(name).name.endswith("+graph")
 ]
+GRAPHED = [n for n in config_names() if n.endswith("+graph")]
 
 
 class _Net(torch.nn.Module):
@@ -64,6 +68,21 @@ def test_every_snippet_trains_one_step_as_written(name, half):
     assert not all(same), "the weights did not change"
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", GRAPHED)
+def test_graph_snippets_train_on_cuda(name):
+    half = get_config(name).halves(("bf16",))[0]
+    code = PRECISION_CONFIGS[name].snippet(half, "cuda", "adam", 1e-2)
+    torch.manual_seed(0)
+    model = _Net().cuda()
+    x, y = torch.randn(12, 8, device="cuda"), torch.randint(0, 3, (12,), device="cuda")
+    before = copy.deepcopy(model.state_dict())
+    ns = dict(model=model, batches=[(x, y)] * 6, loss_fn=torch.nn.functional.cross_entropy)
+    exec(compile(code, "<snippet>", "exec"), ns)  # noqa: S102
+    after = ns["model"].state_dict()
+    assert not all(torch.equal(v.to(after[k].dtype), after[k]) for k, v in before.items())
+
+
 def test_the_snippets_say_what_each_configuration_does():
     by = {n: get_config(n) for n in config_names()}
     o2 = by["O2"].snippet("bf16", "cuda", "fused_adam", 1e-3)
@@ -76,6 +95,9 @@ def test_the_snippets_say_what_each_configuration_does():
     assert 'convert_to_float8_training(model, "delayed")' in by["fp8-delayed"].snippet("fp8")
     assert "stochastic_rounding=True" in by["bf16-pure+sr"].snippet("bf16")
     assert 'fp32_precision = "tf32"' in by["tf32"].snippet("tf32", "cuda")
+    graph = by["O2+graph"].snippet("bf16", "cuda", "adam")
+    assert "FusedAdam(" in graph and "torch.cuda.graph(graph)" in graph  # capturable: fused
+    assert "graph.replay()" in graph and 'opt_level="O2"' in graph
 
 
 @pytest.mark.parametrize("name", OPTIMIZERS)
@@ -105,7 +127,8 @@ def test_rows_the_report_and_the_widget_carry_the_snippets(df, tmp_path):
 
     rows = df.set_index("opt_level")
     lr = workloads.get("mlp", "auto", "cpu").lr  # the row's: the workload's own
-    assert rows.loc["O2", "snippet"] == get_config("O2").snippet("bf16", "cpu", "adam", lr)
+    want = get_config("O2").snippet("bf16", "cpu", DEFAULT_OPTIMIZER, lr)  # the default's
+    assert rows.loc["O2", "snippet"] == want and "FusedAdam(" in want
     assert "torch.autocast" in rows.loc["torch-amp", "snippet"]
     page = mpnb.lab.report(df, tmp_path / "r.html").read_text()
     assert "<section id='snippets'>" in page and page.count("<pre><code>") == 3

@@ -4,6 +4,7 @@
 name                  what it is
 ====================  ========================================================================
 ``O0``..``O3``        Apex's opt levels through :func:`mpnb.amp.initialize`
+``O0+graph``..        an opt level with the whole step captured in a CUDA graph (CUDA only)
 ``torch-amp``         peer: ``torch.autocast`` + ``torch.amp.GradScaler`` + fused ``AdamW``
 ``tf32``              peer: fp32 with TF32 matmuls and convolutions (CUDA, Ampere and newer)
 ``torch-amp+compile`` peer: ``torch-amp`` through ``torch.compile`` (compile time apart)
@@ -56,7 +57,8 @@ from mpnb.core.precision_configs._amp import AmpConfig
 from mpnb.core.precision_configs._base import PrecisionConfig, StoredRole
 from mpnb.core.precision_configs._distributed import STRATEGIES, DistributedConfig
 from mpnb.core.precision_configs._float8 import FP8_SCALES, Float8Config
-from mpnb.core.precision_configs._optimizers import OPTIMIZERS, make_optimizer
+from mpnb.core.precision_configs._graphed import GraphedAmpConfig
+from mpnb.core.precision_configs._optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, make_optimizer
 from mpnb.core.precision_configs._peer_steps import tf32_enabled
 from mpnb.core.precision_configs._peers import (
     COMPILE_BUDGET_S,
@@ -70,6 +72,7 @@ from mpnb.core.precision_configs._step import AmpStep, TrainStep
 __all__ = [
     "PrecisionConfig",
     "AmpConfig",
+    "GraphedAmpConfig",
     "Float8Config",
     "PureHalfConfig",
     "TorchAmpConfig",
@@ -80,6 +83,7 @@ __all__ = [
     "COMPILE_BUDGET_S",
     "tf32_enabled",
     "default_configs",
+    "with_cuda_graphs",
     "StoredRole",
     "DistributedConfig",
     "DISTRIBUTED_CONFIGS",
@@ -91,6 +95,7 @@ __all__ = [
     "BASELINE",
     "DEFAULT_CONFIGS",
     "OPTIMIZERS",
+    "DEFAULT_OPTIMIZER",
     "STORED_ROLES",
     "config_names",
     "get_config",
@@ -104,6 +109,22 @@ _FP8 = "float8_e4m3fn / float8_e5m2 GEMMs in nn.Linear, float32 elsewhere"
 
 def _amp(name: str, weights: tuple, grads: tuple, state: tuple, compute: str) -> AmpConfig:
     return AmpConfig(name, OPT_LEVEL_DESCRIPTIONS[name], weights, grads, state, compute)
+
+
+def _graphed(level: AmpConfig) -> GraphedAmpConfig:
+    description = f"{level.name} with the whole step captured in a CUDA graph and replayed (CUDA)."
+    return GraphedAmpConfig(
+        f"{level.name}+graph", description, level.weights, level.grads, level.optimizer_state,
+        level.compute, level=level.name,
+    )  # fmt: skip
+
+
+_LEVELS = (
+    _amp("O0", _F32, _F32, _F32, "float32"),
+    _amp("O1", _F32, _F32, _F32, _AUTOCAST),
+    _amp("O2", ("half", "float32"), ("half", "float32"), _F32, "half"),
+    _amp("O3", ("half",), ("half",), ("half",), "half"),
+)
 
 
 def _fp8(name: str, description: str, recipe: str, extra: str = "", **kw) -> Float8Config:
@@ -121,10 +142,8 @@ PRECISION_CONFIGS = types.MappingProxyType(
     {
         c.name: c
         for c in (
-            _amp("O0", _F32, _F32, _F32, "float32"),
-            _amp("O1", _F32, _F32, _F32, _AUTOCAST),
-            _amp("O2", ("half", "float32"), ("half", "float32"), _F32, "half"),
-            _amp("O3", ("half",), ("half",), ("half",), "half"),
+            *_LEVELS,
+            *map(_graphed, _LEVELS),
             TorchAmpConfig(
                 "torch-amp",
                 "PyTorch's AMP: torch.autocast, torch.amp.GradScaler (fp16; off for bf16), "
@@ -201,6 +220,20 @@ PRECISION_CONFIGS = types.MappingProxyType(
 
 #: the configuration every row is compared with (``speedup_vs_O0``, ``mem_saving_vs_O0``)
 BASELINE = "O0"
+
+
+def with_cuda_graphs(names) -> tuple[str, ...]:
+    """``names`` followed by the CUDA-graph twin of each one that has one (``O2`` ->
+    ``O2+graph``), as ``mpnb compare --cuda-graphs`` runs them.
+
+    Example::
+
+        >>> with_cuda_graphs(("O0", "O2", "torch-amp"))
+        ('O0', 'O2', 'torch-amp', 'O0+graph', 'O2+graph')
+    """
+    names = tuple(c.name if isinstance(c, PrecisionConfig) else c for c in names)
+    twins = {c.captures: n for n, c in PRECISION_CONFIGS.items() if c.captures}
+    return names + tuple(twins[n] for n in names if n in twins and twins[n] not in names)
 
 
 def default_configs(device: str = "cpu") -> tuple[str, ...]:

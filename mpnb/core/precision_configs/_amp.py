@@ -22,6 +22,11 @@ class AmpConfig(PrecisionConfig):
     """
 
     @property
+    def opt_level(self) -> str:
+        """The opt level ``amp.initialize`` runs (the configuration's name)."""
+        return self.name
+
+    @property
     def loss_scaling(self) -> bool:
         """True for O1-O3 (O0 trains in fp32: nothing to scale)."""
         return self.low_precision
@@ -32,7 +37,7 @@ class AmpConfig(PrecisionConfig):
         for the level say."""
         from mpnb.core.amp import resolve_properties
 
-        return resolve_properties(self.name).patch_torch_functions
+        return resolve_properties(self.opt_level).patch_torch_functions
 
     def apply(self, model, optimizer=None, half_dtype=None):
         """``amp.initialize(model, optimizer, opt_level=name, half_dtype=...)``."""
@@ -50,7 +55,7 @@ class AmpConfig(PrecisionConfig):
         out = amp.initialize(
             model,
             optimizer,
-            opt_level=self.name,
+            opt_level=self.opt_level,
             half_dtype=half_dtype,
             loss_scale=loss_scale,
             verbosity=0,

@@ -104,6 +104,12 @@ class PrecisionConfig(abc.ABC):
         return False
 
     @property
+    def captures(self) -> str:
+        """The configuration whose whole step this one captures in a CUDA graph and replays
+        (``"O2"`` for ``O2+graph``); ``""`` for one that runs eagerly."""
+        return ""
+
+    @property
     def verdict_reference(self) -> bool:
         """True for the peer the verdict holds mpnb's best row against (eager torch.amp)."""
         return False

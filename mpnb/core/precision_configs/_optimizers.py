@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "DEFAULT_OPTIMIZER",
     "OPTIMIZERS",
     "FUSED_FOR",
     "ADAMW_DECAY",
@@ -20,6 +21,12 @@ __all__ = [
 
 #: the optimizer names the lab, the CLI and the widgets offer
 OPTIMIZERS = ("adam", "adamw", "sgd", "fused_adam", "fused_sgd")
+
+#: what a comparison trains with when no optimizer is named: mpnb's FusedAdam, so that mpnb's
+#: rows and torch-amp's (``torch.optim.AdamW(fused=True)``) both take fused steps that read
+#: nothing on the host (``torch.optim.Adam``'s Python loop reads each step count: on a GPU,
+#: one wait per parameter tensor per step)
+DEFAULT_OPTIMIZER = "fused_adam"
 
 #: the fused optimizer that stands in for each name when an option is needed
 FUSED_FOR = {

@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 from mpnb.core.dtype_names import torch_name
 
-__all__ = ["ASSUMES", "loop", "dtype_code", "amp_loop"]
+__all__ = ["ASSUMES", "loop", "dtype_code", "amp_loop", "graph_loop"]
 
 #: what every snippet expects to exist, said in its first line
 ASSUMES = "# model: your fp32 model on {device}; batches: (inputs, targets) on it; loss_fn"
@@ -81,3 +81,47 @@ def amp_loop(opt_level: str, half: str | None, optimizer: tuple[str, str], devic
     half_kw = f", half_dtype={dtype_code(half)}" if half else ""
     init = f'model, optimizer = amp.initialize(model, optimizer, opt_level="{opt_level}"{half_kw})'
     return loop([make, init], ["from mpnb import amp", imp], backward=_AMP_BACKWARD, device=device)
+
+
+def graph_loop(opt_level: str, half: str | None, optimizer: tuple[str, str], warmup: int) -> str:
+    """mpnb's amp with the whole step captured in a CUDA graph (PyTorch's whole-network recipe:
+    warm up on a side stream, capture once on static tensors, then copy each batch in and
+    replay); ``optimizer`` must be a fused one (its step reads nothing on the host)."""
+    imp, make = optimizer
+    half_kw = f", half_dtype={dtype_code(half)}" if half else ""
+    init = f'model, optimizer = amp.initialize(model, optimizer, opt_level="{opt_level}"{half_kw})'
+    lines = [
+        ASSUMES.format(device="cuda") + "; every batch the same shape",
+        "import torch",
+        "from mpnb import amp",
+        *([imp] if imp else []),
+        "",
+        make,
+        init,
+        "",
+        "def train_step(x, y):",
+        "    loss = loss_fn(model(x), y)",
+        *("    " + line for line in _AMP_BACKWARD),
+        "    optimizer.step()",
+        "    return loss.detach()",
+        "",
+        "batches = iter(batches)",
+        "x, y = next(batches)",
+        "static_x, static_y = x.clone(), y.clone()",
+        "side = torch.cuda.Stream()",
+        "side.wait_stream(torch.cuda.current_stream())",
+        "with torch.cuda.stream(side):",
+        f"    for _ in range({warmup}):  # eager steps first: lazy state",
+        "        optimizer.zero_grad(set_to_none=True)",
+        "        train_step(static_x, static_y)",
+        "torch.cuda.current_stream().wait_stream(side)",
+        "optimizer.zero_grad(set_to_none=True)",
+        "graph = torch.cuda.CUDAGraph()",
+        "with torch.cuda.graph(graph):",
+        "    static_loss = train_step(static_x, static_y)",
+        "for x, y in batches:",
+        "    static_x.copy_(x)",
+        "    static_y.copy_(y)",
+        "    graph.replay()  # the whole step: forward, scaled backward, fused optimizer",
+    ]
+    return "\n".join(lines) + "\n"

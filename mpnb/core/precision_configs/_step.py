@@ -61,6 +61,17 @@ class TrainStep:
         self.module = model if module is None else module
         self._zero = None
 
+    def run(self, x, y, compute_loss) -> torch.Tensor:
+        """One whole step on batch ``(x, y)`` through the hooks; returns the loss (detached,
+        on the device, unread). ``compute_loss(model, x, y)`` is the forward and the loss.
+        A step that must own the whole sequence (a captured CUDA graph) overrides this."""
+        self.zero_grad()
+        with self.forward_context():
+            loss = compute_loss(self.model, x, y)
+        self.backward(loss)
+        self.step()
+        return loss.detach()
+
     def zero_grad(self) -> None:
         """Drop the gradients (``set_to_none``)."""
         self.optimizer.zero_grad(set_to_none=True)

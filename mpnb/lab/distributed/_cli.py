@@ -66,7 +66,9 @@ def add_arguments(p: argparse.ArgumentParser, standalone: bool) -> None:
         from mpnb.lab.workloads import names
 
         p.add_argument("--workload", default=names()[0], choices=names())
-        p.add_argument("--size", default="auto", choices=("auto", "small", "medium", "large"))
+        p.add_argument(
+            "--size", default="auto", choices=("auto", "small", "medium", "large", "gpu")
+        )
         p.add_argument("--steps", type=int, default=None, help="default: the workload's")
         p.add_argument("--batch-size", type=int, default=None, help="the global batch")
         p.add_argument("--optimizer", default="adam")
