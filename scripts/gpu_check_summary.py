@@ -1,0 +1,288 @@
+"""The GPU check's summary (``scripts/gpu_check.py``): Markdown tables from the runs' JSON files.
+
+Everything here reads files the check's steps wrote under its output directory and measures
+nothing; a file that is missing (its step failed or overran) gives a line that says so, never a
+number. Tables:
+
+* the steps (budget, time taken, result, the last log line of a failure);
+* the Triton kernels' decisions (``measured.json`` with this run pooled in);
+* the GPU-sized workload: every row's speed vs O0 and vs torch-amp in its half dtype, step time,
+  GPU busy, host syncs per step, and the estimate of :mod:`mpnb.lab.gpu_estimate` from the row's
+  own counts (measured / estimated), then the targets (O2 bf16 at least 1.5x O0 and 0.97x
+  torch-amp; every estimate within 1.5x) and the run's verdict;
+* host reads and CUDA synchronizations per step (``python -m mpnb.lab.sync_count``);
+* the FP8 recipes against bf16 by Linear size (``mpnb bench fp8``);
+* the speed a CPU run's verdict estimates for this card beside the speed measured on it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+__all__ = ["summary", "targets", "workload_rows", "estimate_vs_measured", "read_json"]
+
+#: O2 bf16 must reach these on the GPU workload (issue: "a GPU workload the GPU computes")
+O2_VS_O0, O2_VS_TORCH_AMP, ESTIMATE_WITHIN = 1.5, 0.97, 1.5
+
+
+def read_json(path: Path) -> dict:
+    """The JSON document at ``path``, or ``{}`` when it is missing or not JSON."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def _f(v, fmt="{:.2f}") -> str:
+    return fmt.format(v) if isinstance(v, (int, float)) and math.isfinite(v) else "-"
+
+
+def _num(r: dict, key: str) -> float:
+    v = r.get(key)
+    return float(v) if isinstance(v, (int, float)) else math.nan
+
+
+def _peer_ms(rows: list[dict]) -> dict:
+    """torch-amp's median step time per (half dtype, batch size)."""
+    return {
+        (r.get("half_dtype"), r.get("batch_size")): _num(r, "step_time_ms")
+        for r in rows
+        if r.get("opt_level") == "torch-amp" and r.get("status") == "ok"
+    }
+
+
+def workload_rows(rows: list[dict], card: str) -> list[dict]:
+    """Per row of the GPU workload's compare: the measured figures beside the estimate the
+    lab's model makes from the row's own counts (FLOPs, bytes, ops, host syncs)."""
+    import pandas as pd
+
+    from mpnb.lab.gpu_estimate import estimate_for_card
+
+    ok = [r for r in rows if r.get("status") == "ok"]
+    est = {}
+    if ok:
+        for _, e in estimate_for_card(pd.DataFrame(ok), card).iterrows():
+            est[e["configuration"]] = e
+    peer = _peer_ms(rows)
+    out = []
+    for r in rows:
+        e = est.get(r.get("configuration"))
+        measured = _num(r, "speedup_vs_O0")
+        guess = float(e["est_speedup_vs_O0"]) if e is not None else math.nan
+        ref = peer.get((r.get("half_dtype"), r.get("batch_size")), math.nan)
+        out.append(
+            dict(
+                configuration=r.get("configuration", "?"),
+                precision=r.get("precision", ""),
+                status=r.get("status", ""),
+                measured=measured,
+                lo=_num(r, "speedup_lo"),
+                hi=_num(r, "speedup_hi"),
+                vs_torch_amp=ref / _num(r, "step_time_ms"),
+                step_ms=_num(r, "step_time_ms"),
+                busy=_num(r, "gpu_busy"),
+                syncs=_num(r, "host_syncs_per_step"),
+                estimated=guess,
+                error=measured / guess if guess > 0 else math.nan,
+                bound=e["bound"] if e is not None else "",
+            )
+        )
+    return out
+
+
+def targets(table: list[dict]) -> list[str]:
+    """The issue's targets on the GPU workload, each PASS, MISS or "not measured"."""
+    o2 = next((r for r in table if r["configuration"].startswith("O2 bf16 b")), None)
+    lines = []
+    if o2 is None or not math.isfinite(o2["measured"]):
+        return ["- O2 bf16 on the GPU workload: not measured (see the compare step)."]
+    ok = o2["lo"] >= O2_VS_O0
+    lines.append(
+        f"- O2 bf16 >= {O2_VS_O0}x O0: {'PASS' if ok else 'MISS'} ({_f(o2['measured'])}x, "
+        f"95% {_f(o2['lo'])}-{_f(o2['hi'])})"
+    )
+    v = o2["vs_torch_amp"]
+    verdict = "not measured" if not math.isfinite(v) else "PASS" if v >= O2_VS_TORCH_AMP else "MISS"
+    lines.append(f"- O2 bf16 >= {O2_VS_TORCH_AMP}x torch-amp bf16: {verdict} ({_f(v)}x, medians)")
+    errs = [r["error"] for r in table if math.isfinite(r["error"])]
+    within = [1 / ESTIMATE_WITHIN <= e <= ESTIMATE_WITHIN for e in errs]
+    lines.append(
+        f"- estimate within {ESTIMATE_WITHIN}x on every row: "
+        + (
+            f"{'PASS' if all(within) else 'MISS'} ({sum(within)} of {len(errs)} rows)"
+            if errs
+            else "no rows"
+        )
+    )
+    return lines
+
+
+def _bf16_twin(configuration: str, card: str) -> str:
+    """An fp16 configuration takes its bf16 twin's estimate where the card's fp16 and bf16 peaks
+    are equal (the CPU runs bf16, its default)."""
+    from mpnb.lab.gpu_estimate import GPU_PEAKS, card_key
+
+    key = card_key(card)
+    same = key is not None and GPU_PEAKS[key]["fp16"] == GPU_PEAKS[key]["bf16"]
+    return configuration.replace(" fp16 ", " bf16 ") if same else ""
+
+
+def estimate_vs_measured(cuda_rows: list[dict], cpu_runs: list[list[dict]], card: str):
+    """Per configuration: the speed vs O0 measured on ``card`` and the one a CPU run's verdict
+    estimates for it (:func:`mpnb.lab.gpu_estimate.estimate_for_card`), and their ratio."""
+    import pandas as pd
+
+    from mpnb.lab.gpu_estimate import estimate_for_card
+
+    est = {}
+    for rows in cpu_runs:
+        if rows:
+            for _, e in estimate_for_card(pd.DataFrame(rows), card).iterrows():
+                est.setdefault(e["configuration"], e)
+    out = []
+    for r in cuda_rows:
+        e = est.get(r["configuration"], est.get(_bf16_twin(r["configuration"], card)))
+        measured = r.get("speedup_vs_O0")
+        guess = float(e["est_speedup_vs_O0"]) if e is not None else math.nan
+        ok = measured is not None and math.isfinite(measured) and math.isfinite(guess)
+        out.append(
+            dict(
+                configuration=r["configuration"],
+                precision=r.get("precision", ""),
+                measured=measured,
+                estimated=guess,
+                error=measured / guess if ok and guess > 0 else math.nan,
+                bound=e["bound"] if e is not None else "",
+            )
+        )
+    return out
+
+
+def _off(error: float) -> str:
+    bad = math.isfinite(error) and not 1 / ESTIMATE_WITHIN <= error <= ESTIMATE_WITHIN
+    return f" (off by more than {ESTIMATE_WITHIN}x)" if bad else ""
+
+
+def _steps_table(results, limit_s: int) -> list[str]:
+    total = sum(r.seconds for r in results)
+    lines = [f"Total {total:.0f} s (limit {limit_s} s).", ""]
+    lines += ["| step | budget s | took s | result | checks |", "|---|---|---|---|---|"]
+    for r in results:
+        note = f" (`{r.log.name}`: {r.tail[-1][:120]})" if r.status != "pass" and r.tail else ""
+        lines.append(
+            f"| {r.step.name} | {r.step.budget_s} | {r.seconds:.0f} | {r.status}{note} "
+            f"| {r.step.what} |"
+        )
+    return lines
+
+
+def _triton_table(triton: dict) -> list[str]:
+    from mpnb.core.ops.triton import LAUNCHERS
+    from mpnb.core.ops.triton._decision import decide
+
+    lines = ["", "## Triton kernels vs PyTorch's CUDA path (`mpnb bench --device cuda --quick`)"]
+    lines += ["", "| kernel | worst case: PyTorch time / Triton time | runs pooled | decision |"]
+    lines.append("|---|---|---|---|")
+    for name in LAUNCHERS:
+        d = decide(name, triton)
+        runs = triton.get("kernels", {}).get(name, {}).get("runs", "-")
+        lines.append(f"| {name} | {_f(d.speed_vs_torch)} | {runs} | {d.label.split(':')[0]} |")
+    return lines
+
+
+def _workload_table(doc: dict, card: str) -> list[str]:
+    rows = doc.get("rows", [])
+    lines = ["", f"## The GPU-sized workload on {card} (`mpnb compare --size auto`)", ""]
+    if not rows:
+        return lines + ["(no rows: see the compare step's log)"]
+    w = doc.get("workload", {})
+    lines += [f"Workload: {w.get('description', '?')} ({w.get('size', '?')}).", ""]
+    lines.append(
+        "| configuration | precision | speed vs O0 (95%) | vs torch-amp | step ms | GPU busy "
+        "| host syncs/step | estimated | measured / estimated | estimate's bound |"
+    )
+    lines.append("|---|---|---|---|---|---|---|---|---|---|")
+    table = workload_rows(rows, card)
+    for r in table:
+        if r["status"] != "ok":
+            lines.append(f"| {r['configuration']} | {r['precision']} | {r['status']} |||||||| ")
+            continue
+        speed = f"{_f(r['measured'])} ({_f(r['lo'])}-{_f(r['hi'])})"
+        lines.append(
+            f"| {r['configuration']} | {r['precision']} | {speed} | {_f(r['vs_torch_amp'])} "
+            f"| {_f(r['step_ms'], '{:.1f}')} | {_f(r['busy'], '{:.0%}')} "
+            f"| {_f(r['syncs'], '{:.0f}')} | {_f(r['estimated'])} "
+            f"| {_f(r['error'])}{_off(r['error'])} | {r['bound']} |"
+        )
+    lines += ["", "Targets:", "", *targets(table)]
+    text = doc.get("verdict", {}).get("text", "")
+    if text:
+        lines += ["", "The run's verdict:", "", "```", text, "```"]
+    return lines
+
+
+def _syncs_table(doc: dict) -> list[str]:
+    lines = ["", "## Host reads and CUDA synchronizations per step (`mpnb.lab.sync_count`)", ""]
+    rows = doc.get("rows", [])
+    if not rows:
+        return lines + ["(no rows: see the syncs step's log)"]
+    lines += ["| way to train | host reads/step | CUDA syncs/step |", "|---|---|---|"]
+    for r in rows:
+        err = f" ERROR {r['error'][:80]}" if "error" in r else ""
+        lines.append(
+            f"| {r['name']} | {_f(_num(r, 'host_reads'))} | {_f(_num(r, 'cuda_syncs'))}{err} |"
+        )
+    return lines
+
+
+def _fp8_table(doc: dict) -> list[str]:
+    lines = ["", "## FP8 recipes vs bf16 by Linear size (`mpnb bench fp8`)", ""]
+    rows = doc.get("rows", [])
+    if not rows:
+        return lines + ["(no rows: see the fp8 step's log)"]
+    lines += ["| shape | recipe | ms | bf16 time / recipe time (95%) | TFLOP/s | GEMMs |"]
+    lines.append("|---|---|---|---|---|---|")
+    for r in rows:
+        lines.append(
+            f"| {r.get('case', '?')} | {r.get('candidate', '?')} | {_f(_num(r, 'median_s') * 1e3)} "
+            f"| {_f(_num(r, 'ratio'))} ({_f(_num(r, 'ratio_lo'))}-{_f(_num(r, 'ratio_hi'))}) "
+            f"| {_f(_num(r, 'tflops'), '{:.1f}')} | {r.get('note', '')} |"
+        )
+    return lines + ["", *[f"- {s}" for s in doc.get("summary", [])]]
+
+
+def _estimate_table(out: Path, card: str) -> list[str]:
+    cuda = read_json(out / "compare-medium-cuda.json").get("rows", [])
+    cpu = read_json(out / "compare-cpu-medium.json").get("rows", [])
+    rows = estimate_vs_measured(cuda, [cpu], card)
+    lines = ["", f"## Speed vs O0 at size medium: measured on {card}, estimated by a CPU run", ""]
+    lines.append("| configuration | precision | measured | estimated | measured / estimated "
+                 "| estimate's bound |")  # fmt: skip
+    lines.append("|---|---|---|---|---|---|")
+    for r in rows:
+        lines.append(
+            f"| {r['configuration']} | {r['precision']} | {_f(r['measured'])} | "
+            f"{_f(r['estimated'])} | {_f(r['error'])}{_off(r['error'])} | {r['bound']} |"
+        )
+    if not rows:
+        lines.append("| (no CUDA rows at size medium: see its step) | | | | | |")
+    return lines
+
+
+def summary(results, out: Path, card: str, about: str, triton: dict, limit_s: int) -> str:
+    """The whole summary as Markdown (see the module docstring)."""
+    lines = [f"# GPU check: {card}", "", about, *_steps_table(results, limit_s)]
+    lines += _triton_table(triton)
+    lines += _workload_table(read_json(out / "compare-gpu.json"), card)
+    lines += _syncs_table(read_json(out / "syncs.json"))
+    lines += _fp8_table(read_json(out / "bench-fp8.json"))
+    lines += _estimate_table(out, card)
+    return "\n".join(lines) + "\n"
+
+
+def slug(card: str) -> str:
+    """A file-name form of a card's name."""
+    return re.sub(r"[^a-z0-9]+", "-", card.lower()).strip("-")
