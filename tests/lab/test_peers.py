@@ -16,20 +16,7 @@ from mpnb.lab._versus import versus_reference
 from mpnb.lab.config import expand
 from mpnb.lab.host_reads import HostReads
 from tests.lab.test_runner import _data, _tiny
-
-
-def _workload(model_fn=_tiny, **kw):
-    return workloads.custom(
-        model_fn,
-        _data(),
-        nn.functional.cross_entropy,
-        workloads.accuracy,
-        eval_data=_data(128, 1),
-        metric_name="accuracy",
-        lr=1e-2,
-        batch_size=16,
-        **kw,
-    )
+from tests.lab.test_runner import _tiny_workload as _workload
 
 
 @pytest.fixture(scope="module")

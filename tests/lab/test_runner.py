@@ -22,9 +22,9 @@ def _tiny():
     return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
-def _tiny_workload(**kw):
+def _tiny_workload(model_fn=_tiny, **kw):
     return workloads.custom(
-        _tiny,
+        model_fn,
         _data(),
         nn.functional.cross_entropy,
         workloads.accuracy,
