@@ -47,6 +47,7 @@ class Strategy:
         self._n_groups = 0
         self._skip: tuple | None = None
         self._handed = False  # found_inf handed to the optimizer for this step
+        self._device_skip = takes_found_inf(optimizer)  # decided once, as the strategy
         self.adopt(optimizer)
 
     def adopt(self, optimizer) -> None:
@@ -105,7 +106,7 @@ class Strategy:
         """
         flag, skip = _step_flag(st), _skips(st)
         self._skip = None
-        if skip and getattr(optimizer, "_step_supports_amp_scaling", False):  # takes_found_inf
+        if skip and self._device_skip:
             optimizer.found_inf = flag.reshape(())
             self._handed = True
         elif skip:
