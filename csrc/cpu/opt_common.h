@@ -44,6 +44,14 @@ inline bool step_skipped(const std::optional<at::Tensor>& found_inf, const char*
   return found_inf->item<double>() != 0.0;
 }
 
+// The step's learning rate: the host number, or the value lr_tensor holds (the learning rate on
+// the device that a captured step follows; on the CPU, reading it is a load, not a sync).
+inline double lr_of(double lr, const std::optional<at::Tensor>& lr_tensor, const char* op) {
+  if (!lr_tensor.has_value()) return lr;
+  TORCH_CHECK_VALUE(lr_tensor->numel() == 1, op, ": lr_tensor must hold one value");
+  return lr_tensor->item<double>();
+}
+
 // The grad multiplier: 1 without a scaler, else the fp32 value of inv_scale.
 inline float inv_of(const std::optional<at::Tensor>& inv_scale, const char* op) {
   if (!inv_scale.has_value()) return 1.0f;

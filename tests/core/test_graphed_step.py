@@ -22,9 +22,15 @@ def test_each_level_has_a_captured_twin_that_says_it_needs_cuda():
 def test_it_trains_with_a_fused_optimizer_whatever_was_asked():
     cfg = PRECISION_CONFIGS["O2+graph"]
     params = torch.nn.Linear(4, 4).parameters()
-    assert type(cfg.make_optimizer("adam", params, 1e-3)) is FusedAdam
+    adam = cfg.make_optimizer("adam", params, 1e-3)
+    assert type(adam) is FusedAdam and adam.capturable  # lr on the device: a schedule reaches it
+    assert isinstance(adam.param_groups[0]["lr"], torch.Tensor)
     assert type(cfg.make_optimizer("sgd", torch.nn.Linear(4, 4).parameters(), 1e-3)) is FusedSGD
-    assert "fused_adam" in cfg.optimizer_note("adam") and cfg.optimizer_note("fused_adam") == ""
+    assert "fused_adam" in cfg.optimizer_note("adam")
+    assert (
+        "capturable" in cfg.optimizer_note("fused_adam") and cfg.optimizer_note("fused_sgd") == ""
+    )
+    assert "capturable=True" in cfg.snippet("bf16", optimizer="adam")
 
 
 def test_a_batch_of_another_shape_is_refused_with_the_fix():

@@ -39,6 +39,7 @@ __all__ = [
     "advance",
     "bf16_compensations",
     "bf16_samples",
+    "check_lr",
     "check_step",
     "check_steps",
     "commit",
@@ -47,6 +48,7 @@ __all__ = [
     "f32_value",
     "keep_of",
     "lists_for",
+    "lr_value",
     "opt_samples",
     "opt_tolerance",
     "store",
@@ -105,8 +107,28 @@ def check_step(args: Any, per_tensor: bool, *states: str, masters: str | None = 
         check_steps(op, steps, params, per_tensor)
     check_one(op, "inv_scale", args.inv_scale)
     check_one(op, "found_inf", args.found_inf)
+    check_lr(op, getattr(args, "lr_tensor", None), params)
     if per_tensor:
         check_tensors(op, **lists)
+
+
+def check_lr(op: str, lr_tensor: torch.Tensor | None, params: Tensors) -> None:
+    """``lr_tensor``, when given, is one float32 value on the params' device (as torch's
+    capturable optimizers hold the learning rate); checked without reading it."""
+    if lr_tensor is None:
+        return
+    if lr_tensor.numel() != 1 or lr_tensor.dtype != torch.float32:
+        raise TypeError(
+            f"{op}: lr_tensor must be a one-element float32 tensor (the learning rate on the "
+            f"device), got {lr_tensor.dtype} with {lr_tensor.numel()} elements; create it with "
+            "torch.tensor(lr, dtype=torch.float32, device=param.device)."
+        )
+    if params and lr_tensor.device != params[0].device:
+        raise ValueError(
+            f"{op}: lr_tensor is on {lr_tensor.device} but the params are on "
+            f"{params[0].device}; keep the learning rate tensor on the params' device "
+            "(FusedAdam(capturable=True) puts it there)."
+        )
 
 
 def check_steps(op: str, steps: Tensors, params: Tensors, per_tensor: bool) -> None:
@@ -160,9 +182,19 @@ def unscaled(g: torch.Tensor, inv_scale: torch.Tensor | None) -> torch.Tensor:
     return g
 
 
-def f32(x: float) -> torch.Tensor:
-    """A hyper-parameter as a 0-dim fp32 tensor: rounded to fp32 once, as the kernels hold it."""
+def f32(x: float | torch.Tensor) -> torch.Tensor:
+    """A hyper-parameter as a 0-dim fp32 tensor: rounded to fp32 once, as the kernels hold it
+    (a tensor, such as one computed from :func:`lr_value`, is rounded on its device)."""
+    if isinstance(x, torch.Tensor):
+        return x.float()
     return torch.tensor(x, dtype=torch.float32)
+
+
+def lr_value(lr: float, lr_tensor: torch.Tensor | None) -> float | torch.Tensor:
+    """The step's learning rate: the host number ``lr``, or, when ``lr_tensor`` is given, its
+    value as a 0-dim fp64 tensor on its device (exact: fp32 widens to fp64; no host read), so
+    the references compute with it in fp64 as the kernels do with ``lr``."""
+    return lr if lr_tensor is None else lr_tensor.reshape(()).double()
 
 
 def f32_value(x: float) -> float:

@@ -23,6 +23,7 @@ from mpnb.core.ops._optim import (
     correction,
     f32,
     keep_of,
+    lr_value,
     opt_samples,
     opt_tolerance,
     store,
@@ -107,6 +108,7 @@ def reference_fused_adam_(
     bias_correction: bool,
     inv_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    lr_tensor: Tensor | None = None,
 ) -> None:
     """One Adam (L2 decay) or AdamW (decoupled decay) step over lists, in place.
 
@@ -131,6 +133,10 @@ def reference_fused_adam_(
         bias_correction: divide by :math:`1-\\beta^t`.
         inv_scale: optional one-element tensor :math:`s^{-1}` multiplied into the grads.
         found_inf: optional one-element tensor; nonzero: the step writes nothing.
+        lr_tensor: optional one-element float32 tensor on the params' device: the learning
+            rate read on the device (``lr`` is then not used), so a step captured in a CUDA
+            graph follows an LR schedule that writes into it (``group["lr"].fill_(...)``, as
+            ``torch.optim.lr_scheduler`` does for a tensor lr).
 
     See :mod:`mpnb.core.ops._optim` for the conventions of ``masters``, ``steps``,
     ``inv_scale`` and ``found_inf``.
@@ -145,6 +151,7 @@ def reference_fused_adam_(
     if not params:
         return
     keep = keep_of(found_inf, params[0].device)
+    lr = lr_value(lr, lr_tensor)
     for i in range(len(params)):
         g, w = unscaled(grads[i], inv_scale), weight(params, masters, i)
         step = advance(steps[i], keep)
@@ -184,7 +191,7 @@ def _torch_fused_adam_(args) -> None:
             list(args.exp_avg_sqs),
             [],
             list(args.steps),
-            lr=args.lr,
+            lr=args.lr if args.lr_tensor is None else args.lr_tensor,
             beta1=args.beta1,
             beta2=args.beta2,
             weight_decay=args.weight_decay,
@@ -200,12 +207,22 @@ def _torch_fused_adam_(args) -> None:
 _HYPER = dict(beta1=0.9, beta2=0.999, eps=1e-8)
 
 
+def _lr_tensor() -> torch.Tensor:
+    """A learning rate on the device for the samples (``lr_tensor``; ``lr`` is then unused)."""
+    return torch.tensor(3e-3)
+
+
 def _samples(dtype: torch.dtype):
     adamw = _HYPER | dict(lr=1e-2, weight_decay=0.1, adam_w_mode=True, bias_correction=True)
     variants = (
         ("adamw", adamw),
         ("adam, L2 decay", adamw | dict(adam_w_mode=False)),
         ("no decay, no bias correction", adamw | dict(weight_decay=0.0, bias_correction=False)),
+        ("adamw, lr on the device", adamw | dict(lr=0.0, lr_tensor=torch.tensor(1e-2))),
+        (
+            "adam, lr on the device, no bias correction",
+            adamw | dict(adam_w_mode=False, bias_correction=False, lr=0.0, lr_tensor=_lr_tensor()),
+        ),
     )
     return opt_samples(dtype, ("exp_avgs", "exp_avg_sqs"), variants)
 
@@ -244,7 +261,8 @@ def _adam_plain(w, g, m, v, k: dict, t: int, adam_w_mode: bool, has_wd: bool):
 
 def adam_constants(lr, beta1, beta2, eps, weight_decay, bias_correction, steps) -> dict:
     """The fp32 constants of the pure-bf16 Adam step, each rounded once from fp64 (as the
-    kernels): per tensor ``neg_step = -lr / (1 - beta1^t)`` and ``bc2_sqrt``, from the step
+    kernels; ``lr`` a host number or a 0-dim fp64 device tensor, :func:`~mpnb.core.ops._optim.
+    lr_value`): per tensor ``neg_step = -lr / (1 - beta1^t)`` and ``bc2_sqrt``, from the step
     counts ``steps`` (0-dim fp64 tensors, on the device: :func:`~mpnb.core.ops._optim.
     advance`)."""
     bc = bias_correction
@@ -281,6 +299,7 @@ def reference_fused_adam_bf16_(
     rng_step: int,
     inv_scale: Tensor | None = None,
     found_inf: Tensor | None = None,
+    lr_tensor: Tensor | None = None,
 ) -> None:
     """One Adam/AdamW step of bf16 params without master weights, rounded stochastically or
     with Kahan summation (the math: :mod:`mpnb.core.ops._rounding`).
@@ -304,6 +323,7 @@ def reference_fused_adam_bf16_(
             index in ``params`` and the element's index complete the counter).
         inv_scale: optional one-element tensor :math:`s^{-1}` multiplied into the grads.
         found_inf: optional one-element tensor; nonzero: the step writes nothing.
+        lr_tensor: optional learning rate on the device, as :func:`fused_adam_`'s.
 
     Example::
 
@@ -317,6 +337,7 @@ def reference_fused_adam_bf16_(
         return
     keep = keep_of(found_inf, params[0].device)
     counts = [advance(s, keep) for s in steps]
+    lr = lr_value(lr, lr_tensor)
     k = adam_constants(lr, beta1, beta2, eps, weight_decay, bias_correction, counts)
     for i in range(len(params)):
         g, w = unscaled(grads[i], inv_scale), params[i].float()
@@ -344,6 +365,7 @@ def _bf16_samples(dtype: torch.dtype):
             (f"{rounding}: adamw", base | r),
             (f"{rounding}: adam, L2 decay", base | r | dict(adam_w_mode=False)),
             (f"{rounding}: no decay, tiny lr", base | r | dict(weight_decay=0.0, lr=1e-6)),
+            (f"{rounding}: lr on the device", base | r | dict(lr=0.0, lr_tensor=_lr_tensor())),
         ]
     return bf16_samples(dtype, ("exp_avgs", "exp_avg_sqs"), variants)
 

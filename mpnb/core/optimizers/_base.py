@@ -26,10 +26,12 @@ one op of :mod:`mpnb.core.ops` (``adam``, ``sgd``, ...). Everything else lives h
 * **No host read, and CUDA graphs.** A step reads no device value on the host: an overflowing
   step is skipped inside the op (``found_inf``), step counts live in tensors and the bias
   corrections are computed from them on the device. So a whole step can be captured in a CUDA
-  graph (``torch.cuda.graph``); the hyper-parameters (``lr``, betas, weight decay) are host
-  numbers, fixed in a captured graph (capture again after changing them: an LR schedule does
-  not reach a captured step), and stochastic rounding refuses capture (its random bits follow
-  a host counter).
+  graph (``torch.cuda.graph``). FusedAdam's learning rate can live on the device too
+  (``capturable=True``, or a tensor ``lr``; :meth:`FusedOptimizerBase.lr_args`): an LR
+  schedule writes into that tensor and a captured step follows it. The other
+  hyper-parameters (betas, weight decay), and the other optimizers' lr, are host numbers,
+  fixed in a captured graph (capture again after changing them), and stochastic rounding
+  refuses capture (its random bits follow a host counter).
 * **Apex's attributes.** ``_dummy_overflow_buf`` and, per class, Apex's ``multi_tensor_*``
   ops (:mod:`mpnb.core.amp_C`, callable through ``multi_tensor_applier`` with Apex's
   positional signatures), for code that subclasses Apex's optimizers (fairseq's
@@ -350,6 +352,17 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         else:
             self._plans.pop(id(group), None)
         return out
+
+    @staticmethod
+    def lr_args(group: dict) -> dict:
+        """The ``lr`` keywords of the group's op call: ``lr=`` the host number, or, when the
+        group's lr is a tensor (``FusedAdam(capturable=True)``, or a tensor passed as ``lr``),
+        ``lr_tensor=`` that tensor, read on the device by the kernel (no host read; a CUDA graph
+        replays it with whatever an LR schedule last wrote into it)."""
+        lr = group["lr"]
+        if isinstance(lr, torch.Tensor):
+            return dict(lr=0.0, lr_tensor=lr)
+        return dict(lr=float(lr))
 
     @staticmethod
     def state_list(bucket: Bucket, key: str) -> list[torch.Tensor]:

@@ -34,10 +34,14 @@ class FusedAdam(FusedOptimizerBase):
         adam_w_mode: decoupled weight decay (AdamW, default) or L2 decay (Adam).
         amsgrad: not supported (raises, as Apex does).
         set_grad_none: ``zero_grad()`` sets grads to None (default True).
-        capturable: as in Apex, ``torch.amp.GradScaler.step`` hands this optimizer its scale
+        capturable: as in Apex, the learning rate lives on the device (each group's ``lr``
+            becomes a one-element float32 tensor on its params' device, read by the kernel:
+            a step captured in a CUDA graph follows an LR schedule, which fills that tensor
+            in place), and ``torch.amp.GradScaler.step`` hands this optimizer its scale
             (``_step_supports_amp_scaling``): the step unscales, checks and updates in one
             pass and leaves the unscaled grads in ``.grad``. Without it GradScaler unscales
-            the grads before ``step()``. (The step count always lives in a tensor.)
+            the grads before ``step()``. (The step count always lives in a tensor; a tensor
+            passed as ``lr`` is read on the device without ``capturable`` too.)
         master_weights: keep fp32 master copies of fp16/bf16 params; each step reads the half
             grad, updates the master and writes the half param in one pass.
         stochastic_rounding: pure bf16 training: bf16 params (no masters) are updated in
@@ -105,6 +109,38 @@ class FusedAdam(FusedOptimizerBase):
         # Apex: only the capturable step takes torch.amp.GradScaler's scale (and leaves the
         # unscaled grads behind); otherwise GradScaler unscales the grads before step().
         self._step_supports_amp_scaling = self.capturable
+        for group in self.param_groups:
+            self._place_lr(group)
+
+    def _place_lr(self, group: dict) -> None:
+        # Capturable (Apex's rule): the group's lr becomes a float32 tensor on its params'
+        # device, which the kernel reads there; torch's LR schedulers fill it in place.
+        if not getattr(self, "capturable", False) or not group["params"]:
+            return
+        lr, device = group["lr"], group["params"][0].device
+        if isinstance(lr, torch.Tensor) and lr.device == device and lr.dtype == torch.float32:
+            return
+        group["lr"] = torch.as_tensor(lr, dtype=torch.float32).reshape(()).to(device)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group``; a capturable optimizer's new group gets
+        its lr on the device, as the constructor's groups do."""
+        super().add_param_group(param_group)
+        self._place_lr(self.param_groups[-1])
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """As :meth:`FusedOptimizerBase.load_state_dict`; a capturable optimizer keeps each
+        group's lr tensor (the one a captured step reads) and copies the saved value into it,
+        and one that is not capturable takes a saved lr tensor as a number."""
+        kept = [g["lr"] if isinstance(g["lr"], torch.Tensor) else None for g in self.param_groups]
+        super().load_state_dict(state_dict)
+        for group, old in zip(self.param_groups, kept, strict=True):
+            saved = group["lr"]
+            if old is not None and self.capturable:
+                old.copy_(torch.as_tensor(saved, dtype=torch.float32).reshape(()))
+                group["lr"] = old
+            elif isinstance(saved, torch.Tensor) and not self.capturable:
+                group["lr"] = float(saved)
 
     def _update(self, group, bucket, inv_scale, found_inf) -> None:
         beta1, beta2 = group["betas"]
@@ -121,7 +157,7 @@ class FusedAdam(FusedOptimizerBase):
             self.state_list(bucket, "exp_avg_sq"),
             fourth,
             self.state_list(bucket, "step"),
-            lr=float(group["lr"]),
+            **self.lr_args(group),
             beta1=beta1,
             beta2=beta2,
             eps=group["eps"],

@@ -201,10 +201,10 @@ class PrecisionConfig(abc.ABC):
         imp, make = self._optimizer_code(optimizer, lr)
         return loop([make], [imp], device=torch.device(device).type)
 
-    def _optimizer_code(self, name: str, lr) -> tuple[str, str]:
+    def _optimizer_code(self, name: str, lr, option: str | None = None) -> tuple[str, str]:
         from mpnb.core.precision_configs._optimizers import optimizer_code
 
-        return optimizer_code(name, lr)
+        return optimizer_code(name, lr, option)
 
     def make_optimizer(self, name: str, params, lr: float):
         """The optimizer called ``name`` (:data:`~mpnb.core.precision_configs.OPTIMIZERS`) on

@@ -9,10 +9,13 @@ computes. :class:`GraphedAmpConfig` is that configuration (``O0+graph`` .. ``O3+
 :class:`GraphedStep` the step; ``mpnb compare --cuda-graphs`` adds the twin of each opt level
 asked for.
 
-What a captured step fixes: the shapes (every batch the same size), the hyper-parameters (an LR
-schedule does not reach it) and the set of tensors. Stochastic rounding refuses capture (its
-bits follow a host counter), and the host learns of skipped steps and the collapse of the loss
-scale when it reads the counters (``amp.state_dict()``), not during the replays.
+What a captured step fixes: the shapes (every batch the same size), the set of tensors, and the
+hyper-parameters held as host numbers: Adam's rules train ``FusedAdam(capturable=True)``, whose
+learning rate lives in a device tensor that an LR schedule fills (the replays follow it);
+FusedSGD's lr, and every optimizer's betas and weight decay, stay fixed in the capture.
+Stochastic rounding refuses capture (its bits follow a host counter), and the host learns of
+skipped steps and the collapse of the loss scale when it reads the counters
+(``amp.state_dict()``), not during the replays.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ __all__ = ["GraphedAmpConfig", "GraphedStep", "WARMUP_STEPS"]
 #: steps run eagerly on a side stream before the capture (lazy optimizer state, the masters'
 #: first look at the model, autocast's caches), as PyTorch's whole-network recipe does
 WARMUP_STEPS = 3
+
+
+def _capturable(fused: str) -> str | None:
+    """The option that puts the learning rate on the device, where the optimizer has one."""
+    return "capturable" if fused.startswith("fused_adam") else None
 
 
 def _static_copy(x):
@@ -182,13 +190,16 @@ class GraphedAmpConfig(AmpConfig):
 
     def make_optimizer(self, name: str, params, lr: float):
         """mpnb's fused optimizer of ``name``'s rule (capture needs a step that reads nothing
-        on the host: ``torch.optim``'s Python loops read their step counts)."""
-        return make_optimizer(FUSED_FOR.get(name, name), params, lr)
+        on the host: ``torch.optim``'s Python loops read their step counts); Adam's rules are
+        built ``capturable=True``, so the captured step reads its learning rate on the device
+        and follows an LR schedule."""
+        fused = FUSED_FOR.get(name, name)
+        return make_optimizer(fused, params, lr, _capturable(fused))
 
     def optimizer_note(self, name: str) -> str:
         """What it trains with in place of ``name``."""
         fused = FUSED_FOR.get(name, name)
-        if fused == name:
+        if fused == name and not _capturable(fused):
             return ""
         return f"{self.name} trains with mpnb's fused optimizer for {name!r} ({fused}: capturable)"
 
@@ -201,5 +212,6 @@ class GraphedAmpConfig(AmpConfig):
         from mpnb.core.precision_configs._snippets import graph_loop
 
         half_kw = half if self.low_precision else None
-        code = self._optimizer_code(FUSED_FOR.get(optimizer, optimizer), lr)
+        fused = FUSED_FOR.get(optimizer, optimizer)
+        code = self._optimizer_code(fused, lr, _capturable(fused))
         return graph_loop(self.level, half_kw, code, WARMUP_STEPS)

@@ -48,9 +48,10 @@ def make_optimizer(name: str, params, lr: float, option: str | None = None):
         name: one of :data:`OPTIMIZERS`.
         params: the parameters to optimize.
         lr: the learning rate.
-        option: ``"stochastic_rounding"`` or ``"kahan_summation"``: build mpnb's fused
-            optimizer of the same rule (:data:`FUSED_FOR`: Adam and AdamW -> ``FusedAdam``,
-            SGD -> ``FusedSGD``) with that option set to True.
+        option: ``"stochastic_rounding"`` or ``"kahan_summation"`` (or ``"capturable"``,
+            FusedAdam's only): build mpnb's fused optimizer of the same rule
+            (:data:`FUSED_FOR`: Adam and AdamW -> ``FusedAdam``, SGD -> ``FusedSGD``) with
+            that option set to True.
 
     Example::
 

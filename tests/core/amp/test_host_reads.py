@@ -32,6 +32,7 @@ from mpnb.optimizers import (
 
 FUSED = {
     "FusedAdam": lambda p: FusedAdam(p, lr=1e-3, weight_decay=0.01),
+    "FusedAdam(capturable=True)": lambda p: FusedAdam(p, lr=1e-3, capturable=True),
     "FusedSGD": lambda p: FusedSGD(p, lr=1e-3, momentum=0.9),
     "FusedLAMB": lambda p: FusedLAMB(p, lr=1e-3),
     "FusedNovoGrad": lambda p: FusedNovoGrad(p, lr=1e-3),

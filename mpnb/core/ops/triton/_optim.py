@@ -28,6 +28,7 @@ __all__ = [
     "step_of",
     "not_found",
     "load_scale",
+    "learning_rate",
     "load_grad",
     "load_weight",
     "store_weight",
@@ -42,6 +43,7 @@ def check_flags(args) -> None:
     device (the one guard the op's check cannot know: :mod:`._checks`)."""
     if args.params:
         flags = dict(inv_scale=args.inv_scale, found_inf=args.found_inf)
+        flags["lr_tensor"] = getattr(args, "lr_tensor", None)
         check_same_device(args.op_name, args.params[0], **flags)
 
 
@@ -93,6 +95,27 @@ def load_scale(inv_ptr, HAS_INV: tl.constexpr):
     else:
         inv = tl.full((), 1.0, tl.float32)
     return inv
+
+
+@triton.jit
+def learning_rate(lr_ptr, lr_hi, lr_lo, wd_hi, wd_lo, neg_lr, decay, HAS_LR_T: tl.constexpr):
+    """``(lr, -lr, 1 - lr * weight_decay)``: lr in fp64, the other two in fp32, rounded once.
+
+    From the host's numbers (``lr`` split in two fp32 halves, ``neg_lr`` and ``decay`` rounded
+    on the host), or, with ``HAS_LR_T``, from the fp32 learning rate at ``lr_ptr`` (the op's
+    ``lr_tensor``: a captured step reads whatever an LR schedule last wrote there).
+    """
+    if HAS_LR_T:
+        lr = tl.load(lr_ptr).to(tl.float64)
+        out_neg = (-lr).to(tl.float32)
+        out_decay = (1.0 - lr * (tl.cast(wd_hi, tl.float64) + tl.cast(wd_lo, tl.float64))).to(
+            tl.float32
+        )
+    else:
+        lr = tl.cast(lr_hi, tl.float64) + tl.cast(lr_lo, tl.float64)
+        out_neg = tl.cast(neg_lr, tl.float32)
+        out_decay = tl.cast(decay, tl.float32)
+    return lr, out_neg, out_decay
 
 
 @triton.jit

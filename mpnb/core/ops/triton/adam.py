@@ -24,6 +24,7 @@ from mpnb.core.ops.triton._optim import (
     advance_steps,
     bias_corrections,
     check_flags,
+    learning_rate,
     load_grad,
     load_scale,
     load_weight,
@@ -55,6 +56,7 @@ def _adam_kernel(
     n_tensors,
     inv_ptr,
     found_ptr,
+    lr_ptr,
     p0,
     g0,
     m0,
@@ -66,6 +68,8 @@ def _adam_kernel(
     b1_lo,
     b2_hi,
     b2_lo,
+    wd_hi,
+    wd_lo,
     neg_lr,
     one_m_b1,
     beta2,
@@ -80,6 +84,7 @@ def _adam_kernel(
     HAS_MASTER: tl.constexpr,
     HAS_INV: tl.constexpr,
     HAS_FOUND: tl.constexpr,
+    HAS_LR_T: tl.constexpr,
     ROW: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -90,13 +95,14 @@ def _adam_kernel(
     m_ptr = tensor_ptr(table, t, 4, m0, ROW)
     v_ptr = tensor_ptr(table, t, 5, m0, ROW)
     count = count * not_found(found_ptr, HAS_FOUND)
+    lr, neg_lr, decay = learning_rate(lr_ptr, lr_hi, lr_lo, wd_hi, wd_lo, neg_lr, decay, HAS_LR_T)
     if BIAS_CORRECTION:
         step = step_of(table, t, 7, s0, ROW)
         bc1, bc2 = bias_corrections(step, join64(b1_hi, b1_lo), join64(b2_hi, b2_lo))
-        step_size = (-join64(lr_hi, lr_lo) / bc1).to(tl.float32)
+        step_size = (-lr / bc1).to(tl.float32)
         sqrt_bc2 = tl.sqrt(bc2).to(tl.float32)
     else:
-        step_size = tl.cast(neg_lr, tl.float32)
+        step_size = neg_lr
         sqrt_bc2 = tl.full((), 1.0, tl.float32)
     w_ptr = tensor_ptr(table, t, 6, w0, ROW)
     inv = load_scale(inv_ptr, HAS_INV)
@@ -133,7 +139,7 @@ def fused_adam_(args) -> None:
     params, grads, masters = list(args.params), list(args.grads), list(args.masters)
     exp_avgs, exp_avg_sqs, steps = list(args.exp_avgs), list(args.exp_avg_sqs), list(args.steps)
     lr, beta1, beta2, weight_decay = args.lr, args.beta1, args.beta2, args.weight_decay
-    inv_scale, found_inf = args.inv_scale, args.found_inf
+    inv_scale, found_inf, lr_tensor = args.inv_scale, args.found_inf, args.lr_tensor
     check_flags(args)
     if not params:
         return
@@ -148,6 +154,7 @@ def fused_adam_(args) -> None:
             tab.n_tensors,
             tab.table if inv_scale is None else inv_scale,
             tab.table if found_inf is None else flag_view(found_inf),
+            tab.table if lr_tensor is None else lr_tensor,
             params[0],
             grads[0],
             exp_avgs[0],
@@ -156,6 +163,7 @@ def fused_adam_(args) -> None:
             *split64(lr),
             *split64(beta1),
             *split64(beta2),
+            *split64(weight_decay),
             f32(-lr),
             f32(wt),
             f32(beta2),
@@ -170,6 +178,7 @@ def fused_adam_(args) -> None:
             HAS_MASTER=bool(masters),
             HAS_INV=inv_scale is not None,
             HAS_FOUND=found_inf is not None,
+            HAS_LR_T=lr_tensor is not None,
             ROW=tab.row,
             CHUNK=tab.chunk,
             BLOCK=BLOCK,
@@ -190,6 +199,7 @@ def _adam_bf16_kernel(
     n_tensors,
     inv_ptr,
     found_ptr,
+    lr_ptr,
     p0,
     g0,
     m0,
@@ -201,6 +211,8 @@ def _adam_bf16_kernel(
     b1_lo,
     b2_hi,
     b2_lo,
+    wd_hi,
+    wd_lo,
     neg_lr,
     beta1,
     one_m_b1,
@@ -215,6 +227,7 @@ def _adam_bf16_kernel(
     KAHAN: tl.constexpr,
     HAS_INV: tl.constexpr,
     HAS_FOUND: tl.constexpr,
+    HAS_LR_T: tl.constexpr,
     ROW: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -227,13 +240,14 @@ def _adam_bf16_kernel(
     m_ptr = tensor_ptr(table, t, 5, m0, ROW)
     v_ptr = tensor_ptr(table, t, 6, m0, ROW)
     c_ptr = tensor_ptr(table, t, 7, c0, ROW)
+    lr, neg_lr, decay = learning_rate(lr_ptr, lr_hi, lr_lo, wd_hi, wd_lo, neg_lr, decay, HAS_LR_T)
     if BIAS_CORRECTION:
         step = step_of(table, t, 8, s0, ROW)
         bc1, bc2 = bias_corrections(step, join64(b1_hi, b1_lo), join64(b2_hi, b2_lo))
-        step_size = (-join64(lr_hi, lr_lo) / bc1).to(tl.float32)
+        step_size = (-lr / bc1).to(tl.float32)
         sqrt_bc2 = tl.sqrt(bc2).to(tl.float32)
     else:
-        step_size = tl.cast(neg_lr, tl.float32)
+        step_size = neg_lr
         sqrt_bc2 = tl.full((), 1.0, tl.float32)
     inv = load_scale(inv_ptr, HAS_INV)
     lanes = tl.arange(0, BLOCK)
@@ -269,7 +283,7 @@ def fused_adam_bf16_(args) -> None:
     params, grads, comps = list(args.params), list(args.grads), list(args.compensations)
     exp_avgs, exp_avg_sqs, steps = list(args.exp_avgs), list(args.exp_avg_sqs), list(args.steps)
     lr, beta1, beta2, weight_decay = args.lr, args.beta1, args.beta2, args.weight_decay
-    inv_scale, found_inf = args.inv_scale, args.found_inf
+    inv_scale, found_inf, lr_tensor = args.inv_scale, args.found_inf, args.lr_tensor
     check_flags(args)
     if not params:
         return
@@ -287,6 +301,7 @@ def fused_adam_bf16_(args) -> None:
             tab.n_tensors,
             tab.table if inv_scale is None else inv_scale,
             tab.table if found_inf is None else flag_view(found_inf),
+            tab.table if lr_tensor is None else lr_tensor,
             params[0],
             grads[0],
             exp_avgs[0],
@@ -295,6 +310,7 @@ def fused_adam_bf16_(args) -> None:
             *split64(lr),
             *split64(beta1),
             *split64(beta2),
+            *split64(weight_decay),
             f32(-lr),
             f32(beta1),
             f32(1.0 - beta1),
@@ -309,6 +325,7 @@ def fused_adam_bf16_(args) -> None:
             KAHAN=kahan,
             HAS_INV=inv_scale is not None,
             HAS_FOUND=found_inf is not None,
+            HAS_LR_T=lr_tensor is not None,
             ROW=tab.row,
             CHUNK=tab.chunk,
             BLOCK=BLOCK,
