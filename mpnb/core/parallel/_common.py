@@ -1,11 +1,27 @@
-"""Helpers shared by the data-parallel classes: group checks, model checks, broadcasts."""
+"""Helpers shared by the data-parallel classes: group checks, model checks, broadcasts, and
+the finiteness of reduced gradients."""
 
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["require_dist", "unique_params", "check_same_model", "broadcast_state"]
+from mpnb.core.ops import multi_tensor_check_finite
+
+__all__ = [
+    "require_dist",
+    "unique_params",
+    "check_same_model",
+    "broadcast_state",
+    "GradOverflowError",
+    "count_nonfinite_grads",
+    "wrapped_by",
+]
+
+
+class GradOverflowError(RuntimeError):
+    """Gradients came back inf/NaN from a reduction (an fp16 wire overflows past 65504); the
+    step was not taken, so weights and optimizer state are as they were."""
 
 
 def require_dist(who: str) -> None:
@@ -48,3 +64,73 @@ def broadcast_state(tensors: list[torch.Tensor], group, src: int = 0) -> None:
     with torch.no_grad():
         for t in tensors:
             dist.broadcast(t.data, src=src, group=group)
+
+
+def count_nonfinite_grads(params, across_ranks: bool) -> int:
+    """How many elements of the ``.grad`` of ``params`` are inf or NaN (0 when none is).
+
+    One read-only multi-tensor pass per grad dtype (mpnb's ``multi_tensor_check_finite`` op)
+    sets a device flag; FSDP2's grads are DTensors, checked on their local shard.
+
+    .. warning:: one host read per call (the flag), as a ``torch.optim`` step skipped on
+       overflow needs. Elements are counted only when the flag is set.
+
+    Args:
+        params: the parameters whose grads to check (those without a grad are left out).
+        across_ranks: True when the ranks hold different grads (FSDP2's shards): the flag and
+            the count are summed over the default process group, so that every rank decides
+            alike. False (DDP: every rank holds the same all-reduced grads): no collective.
+    """
+    grads = [_local(p.grad) for p in params if p.grad is not None]
+    if not grads:
+        return 0
+    flag = torch.zeros(1, dtype=torch.float32, device=grads[0].device)
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for g in grads:
+        by_dtype.setdefault(g.dtype, []).append(g.contiguous())
+    for same in by_dtype.values():
+        multi_tensor_check_finite(flag, same)
+    if across_ranks:
+        dist.all_reduce(flag)
+    if not bool(flag.item()):  # the one host read
+        return 0
+    bad = torch.stack([(~torch.isfinite(g)).sum() for g in grads]).sum().reshape(1)
+    if across_ranks:
+        dist.all_reduce(bad)
+    return int(bad.item())
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard (FSDP2's sharded grads); any other tensor as it is."""
+    to_local = getattr(t, "to_local", None)
+    return to_local() if callable(to_local) else t
+
+
+def wrapped_by(model: torch.nn.Module) -> str:
+    """What already replicates or shards ``model`` (``""``: nothing): torch's or mpnb's
+    ``DistributedDataParallel``, or FSDP2's ``fully_shard`` (named with the first module it
+    sharded), or DTensor parameters of another sharding."""
+    from torch.distributed.tensor import DTensor
+    from torch.nn.parallel import DistributedDataParallel as TorchDDP
+
+    # distributed.py imports this module: its DDP class is looked up here, when asked
+    from mpnb.core.parallel.distributed import DistributedDataParallel as MpnbDDP
+
+    if isinstance(model, TorchDDP):
+        return "torch.nn.parallel.DistributedDataParallel"
+    if isinstance(model, MpnbDDP):
+        return "mpnb.parallel.DistributedDataParallel"
+    for name, m in model.named_modules():
+        if _is_fsdp2(m):
+            return f"FSDP2 (fully_shard on {name or 'the root'}: {type(m).__name__})"
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return "DTensor parameters (a sharded model)"
+    return ""
+
+
+def _is_fsdp2(module: torch.nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 shards nothing with it
+        return False
+    return isinstance(module, FSDPModule)

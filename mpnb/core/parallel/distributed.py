@@ -30,6 +30,7 @@ from mpnb.core.parallel._common import (
     check_same_model,
     require_dist,
     unique_params,
+    wrapped_by,
 )
 from mpnb.core.parallel._join import JoinableDDP
 from mpnb.core.parallel._watch import collective_watch, uneven_inputs_error
@@ -95,7 +96,8 @@ class DistributedDataParallel(torch.nn.Module, JoinableDDP):
     process group's timeout, as torch's DDP does.
 
     Args:
-        module: the model (the same on every rank).
+        module: the model (the same on every rank), not already wrapped by a DDP or sharded
+            by FSDP2 (``ValueError``).
         message_size: elements per bucket (Apex's default 1e7).
         delay_allreduce: reduce everything at the end of backward (no overlap).
         shared_param: removed in Apex; passing it raises.
@@ -142,6 +144,12 @@ class DistributedDataParallel(torch.nn.Module, JoinableDDP):
         super().__init__()
         JoinableDDP.__init__(self)
         require_dist("DistributedDataParallel")
+        already = wrapped_by(module)
+        if already:
+            raise ValueError(
+                f"DistributedDataParallel: the module is already wrapped by {already}; wrap "
+                "the plain model once. Build a fresh model (or train the wrapped one as it is)."
+            )
         if shared_param is not None:
             raise ValueError(
                 "DistributedDataParallel: shared_param is no longer supported (as in Apex): "
