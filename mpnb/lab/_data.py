@@ -80,7 +80,7 @@ class DataSource:
     def __init__(self, data, name: str):
         self.name = name
         if isinstance(data, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in data):
-            data = TensorDataset(*data)
+            data = TensorDataset(*_same_length(data, name))
         if isinstance(data, (Dataset, DataLoader)):
             self.kind, self.data = "dataset", data
         elif isinstance(data, Iterator):
@@ -108,6 +108,15 @@ class DataSource:
             return None
         return None if first is None else batch_len(split_batch(first, self.name)[0])
 
+    def batch_size_for(self, batch_size: int) -> int:
+        """The batch size a run asking for ``batch_size`` trains on: the data set's size when
+        tensors or a Dataset hold fewer samples (each batch is then the whole data set), else
+        ``batch_size``. A row and its label state this one, the batch size that ran."""
+        if self.kind == "dataset" and not isinstance(self.data, DataLoader):
+            n = len(self.data)
+            return min(batch_size, n) if n else batch_size
+        return batch_size
+
     def _raw(self, batch_size: int, seed: int, train: bool) -> Iterator:
         if isinstance(self.data, DataLoader):
             return iter(self.data)
@@ -117,7 +126,7 @@ class DataSource:
             return iter(
                 DataLoader(
                     self.data,
-                    batch_size=min(batch_size, n) if n else batch_size,
+                    batch_size=self.batch_size_for(batch_size),
                     shuffle=train,
                     generator=g,
                     drop_last=train and n >= batch_size,
@@ -144,6 +153,26 @@ class DataSource:
                 )
             if not train:
                 return
+
+
+def _same_length(tensors, name: str) -> tuple[torch.Tensor, ...]:
+    """``tensors`` when they hold one entry per sample each (equal first dims), else the
+    ValueError that names their lengths (torch's TensorDataset only asserts)."""
+    lengths = [int(t.shape[0]) if t.dim() else None for t in tensors]
+    if None in lengths:
+        raise ValueError(
+            f"workload {name!r}: data tensor {lengths.index(None)} is a 0-dim tensor; every "
+            "data tensor needs a first dim of one entry per sample (inputs (N, ...), targets "
+            "(N,))."
+        )
+    if len(set(lengths)) > 1:
+        shapes = ", ".join(str(tuple(t.shape)) for t in tensors)
+        raise ValueError(
+            f"workload {name!r}: the data tensors hold {' and '.join(map(str, lengths))} "
+            f"samples (shapes {shapes}); every tensor needs one entry per sample along its "
+            "first dim: pass inputs and targets of the same length (slice the longer one)."
+        )
+    return tuple(tensors)
 
 
 def _replay(cache: _Cached) -> Iterator:

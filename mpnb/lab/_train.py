@@ -82,10 +82,21 @@ def _checked(loss):
     return loss
 
 
+def _output(out):
+    """The model's output, refused when it is None (a loss can read nothing from it)."""
+    if out is None:
+        raise TypeError(
+            "the model returned None: its forward() has no `return` (or returns nothing). "
+            "Return the model's output (the logits, or a tuple, dict or ModelOutput holding "
+            "them); a loss_fn=(output, target) -> loss receives exactly what forward returns."
+        )
+    return out
+
+
 def train_once(step, x, y, loss_fn) -> torch.Tensor:
     """One training step through ``step`` (its :meth:`~mpnb.core.precision_configs.TrainStep.
     run`: the hooks, or a captured graph's replay); returns the loss (on the device, unread)."""
-    return step.run(x, y, lambda model, x, y: _checked(loss_fn(forward(model, x), y)))
+    return step.run(x, y, lambda model, x, y: _checked(loss_fn(_output(forward(model, x)), y)))
 
 
 class Trainer:

@@ -21,6 +21,7 @@ import weakref
 
 import torch
 
+from mpnb.core._saved_groups import SavedGroups
 from mpnb.core.amp import _checkpoint
 from mpnb.core.amp._strategies import Strategy
 from mpnb.core.amp.scaler import LossScaler
@@ -94,6 +95,7 @@ class AmpOptimizerState:
         self.carried: list = []  # fp32 values a checkpoint put into fp32 params (O0/O1/O3)
         self.followed = False  # the masters re-read the model at the first step
         self._found: dict = {}
+        self._saved = None  # the checkpoint's param groups, read by the load pre-hook
         self.hooks = [
             optimizer.register_step_pre_hook(self._pre_step),
             optimizer.register_step_post_hook(self._post_step),
@@ -195,12 +197,18 @@ class AmpOptimizerState:
         return _checkpoint.save_masters(self.strategy, optimizer, state)
 
     def _load_pre(self, optimizer, state):
+        saved = SavedGroups(optimizer, state)
+        saved.check()  # another optimizer class's checkpoint: refused before any change
         state, self._found = _checkpoint.take_masters(self.strategy, optimizer, state)
+        self._saved = saved
         return state
 
     def _load_post(self, optimizer):
         found, self._found = self._found, {}
+        saved, self._saved = self._saved, None
         self.carried = _checkpoint.apply_masters(self.strategy, optimizer, found)
+        if saved is not None:
+            saved.warn()  # the hyperparameters torch.optim replaced, named once
 
 
 class AmpStash:

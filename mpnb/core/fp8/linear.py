@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from mpnb.core.fp8.gemm import fp8_mm, scaled_mm_blocker
-from mpnb.core.fp8.recipes import Float8Recipe
+from mpnb.core.fp8.recipes import RECIPES, Float8Recipe
 from mpnb.core.fp8.recipes import recipe as make_recipe
 
 __all__ = ["Float8Linear", "Float8FallbackWarning"]
@@ -190,10 +190,12 @@ class Float8Linear(nn.Linear):
         )
 
     def check_fp8_state(self, state_dict, prefix: str = "") -> None:
-        """Raise ValueError, changing nothing, if ``state_dict`` holds corrupt FP8 state for
-        this layer (under ``prefix``): a scale that is not finite and positive, or an amax
-        history with a negative, inf or NaN entry (the next forward would be all NaN, or its
-        scale frozen). A checkpoint without the entries (a plain ``nn.Linear``) passes."""
+        """Raise ValueError, changing nothing, if ``state_dict`` holds FP8 state this layer
+        cannot take (under ``prefix``): another recipe's state (a ``"delayed"`` checkpoint's
+        amax history in an ``"mxfp8"`` layer), a scale that is not finite and positive, or an
+        amax history with a negative, inf or NaN entry (the next forward would be all NaN, or
+        its scale frozen). A checkpoint without the entries (a plain ``nn.Linear``) passes."""
+        self._check_recipe_of(state_dict, prefix)
         bad = []
         for name, ok, rule in (
             ("fp8_scale", lambda t: torch.isfinite(t) & (t > 0), "finite and > 0"),
@@ -216,6 +218,23 @@ class Float8Linear(nn.Linear):
                 f"{'; '.join(bad)}. Nothing was loaded. Load a checkpoint of a healthy run, or "
                 f"drop this layer's '{prefix}fp8_amax_history' and '{prefix}fp8_scale' entries "
                 "to start its FP8 state fresh."
+            )
+
+    def _check_recipe_of(self, state_dict, prefix: str) -> None:
+        """Refuse a checkpoint holding the state of a recipe other than this layer's."""
+        own = type(self.recipe)
+        for cls in RECIPES.values():
+            found = [prefix + n for n in cls.state_names if prefix + n in state_dict]
+            if cls is own or not found or all(n in self._buffers for n in cls.state_names):
+                continue
+            where = self.fqn or prefix.rstrip(".") or "(unnamed)"
+            raise ValueError(
+                f"Float8Linear {where!r}: the checkpoint holds {', '.join(found)}, the state of "
+                f"the {cls.name!r} recipe, but this layer trains with {self.recipe.label!r}. "
+                "Nothing was loaded. To resume the checkpoint's FP8 training, build the layer "
+                f"with recipe={cls.name!r} (convert_to_float8_training(model, {cls.name!r})); "
+                f"to load its weights into this {self.recipe.name} layer, drop those entries "
+                "from the state dict first."
             )
 
     def _load_from_state_dict(

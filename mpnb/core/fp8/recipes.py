@@ -63,6 +63,8 @@ class Float8Recipe(abc.ABC):
     fp8_format: str = "hybrid"
     name: ClassVar[str] = ""
     granularity: ClassVar[str] = "tensorwise"
+    #: the buffers :meth:`init_state` registers on a layer (its entries in a state dict)
+    state_names: ClassVar[tuple[str, ...]] = ()
 
     def __post_init__(self) -> None:
         format_dtypes(self.fp8_format)
@@ -143,6 +145,7 @@ class DelayedScaling(Float8Recipe):
     amax_compute_algo: str = "max"
     margin: int = 0
     name: ClassVar[str] = "delayed"
+    state_names: ClassVar[tuple[str, ...]] = ("fp8_amax_history", "fp8_scale")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -185,14 +188,21 @@ class DelayedScaling(Float8Recipe):
             hist, scale = layer.fp8_amax_history, layer.fp8_scale
             # a non-finite amax (an overflowing step) is not recorded: no host sync, a select
             rolled = torch.roll(hist[:, i], 1)
-            rolled[0] = amax.clamp(max=torch.finfo(hist.dtype).max)
+            rolled[0] = amax.clamp(max=_largest(hist.dtype))
             hist[:, i] = torch.where(torch.isfinite(amax), rolled, hist[:, i])
             col = hist[:, i].float()  # float32 math even if the buffers were cast to half
             reduced = col.max() if self.amax_compute_algo == "max" else col[0]
             new = reduced.new_tensor(fp8_max(dtype)) / reduced / 2.0**self.margin
-            new = new.clamp(max=torch.finfo(scale.dtype).max)  # 448 / 1e-38 is inf in float32
+            new = new.clamp(max=_largest(scale.dtype))  # 448 / 1e-38 is inf in float32
             ok = (reduced > 0) & torch.isfinite(reduced)
             scale[i] = torch.where(ok, new, scale[i].float())
+
+
+def _largest(buffer_dtype: torch.dtype) -> float:
+    """The largest value the float32 amax/scale math may store in a buffer of ``buffer_dtype``:
+    float32's max, or the buffer's own when smaller (buffers cast to half by ``model.half()``;
+    a float64 buffer, after ``.to(torch.float64)``, still gets float32's)."""
+    return min(torch.finfo(torch.float32).max, torch.finfo(buffer_dtype).max)
 
 
 @dataclass(frozen=True)

@@ -4,14 +4,16 @@ Every op's ``check(args, per_tensor)`` is built from these (:mod:`mpnb.core.ops.
 says when it runs). ``per_tensor=False`` checks what costs O(1) per list: the lists' lengths,
 the first tensor's dtype, the scalars, the shapes of single tensors. ``per_tensor=True`` adds
 what needs a loop over every tensor of every list: its size against its partner's, its dtype
-against its list's, its layout, its device. Messages name the problem and the fix.
+against its list's, its layout. The devices of every op's tensors are checked in one place,
+:func:`check_devices`, which the op's definition runs (its fake, the per-tensor checks).
+Messages name the problem and the fix.
 
 Also here: the few tensor helpers the references share (``acc_dtype``, the non-finite flag).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 
 import torch
 
@@ -19,6 +21,7 @@ __all__ = [
     "SUPPORTED",
     "acc_dtype",
     "any_nonfinite",
+    "check_devices",
     "check_float",
     "check_lists",
     "check_one",
@@ -47,7 +50,7 @@ def check_lists(
 
     Always: equal lengths, each list's tensor 0 of one of ``dtypes``, and float64 lists
     only beside float64 lists. With ``per_tensor``: each tensor has its partner's number of
-    elements and its list's dtype, is contiguous, and lives on the first list's device.
+    elements and its list's dtype and is contiguous (devices: :func:`check_devices`).
 
     Example::
 
@@ -81,8 +84,8 @@ def check_lists(
 
 def check_tensors(op: str, **lists: Tensors) -> None:
     """The per-tensor half of :func:`check_lists` (lists of equal lengths): each tensor has
-    its partner's number of elements (in the first list) and its list's dtype, is contiguous,
-    and lives on the first list's device."""
+    its partner's number of elements (in the first list) and its list's dtype, and is
+    contiguous."""
     ref = next(iter(lists.values()))
     for name, lst in lists.items():
         if lst:
@@ -90,7 +93,7 @@ def check_tensors(op: str, **lists: Tensors) -> None:
 
 
 def _check_tensors(op: str, name: str, lst: Tensors, ref: Tensors) -> None:
-    dtype, device = lst[0].dtype, ref[0].device
+    dtype = lst[0].dtype
     for i, (t, partner) in enumerate(zip(lst, ref, strict=True)):
         if t.numel() != partner.numel():
             raise ValueError(
@@ -106,10 +109,46 @@ def _check_tensors(op: str, name: str, lst: Tensors, ref: Tensors) -> None:
             raise ValueError(
                 f"{op}: tensor {i} of '{name}' is not contiguous; call .contiguous() first."
             )
-        if t.device != device:
+
+
+def _tensors_of(args) -> Iterator[tuple[str, torch.Tensor, bool]]:
+    """``(where, tensor, in a list)`` for every tensor among an op's ``args``."""
+    for name, value in zip(args._fields, args, strict=True):
+        if isinstance(value, torch.Tensor):
+            yield name, value, False
+        elif isinstance(value, (list, tuple)):
+            for i, t in enumerate(value):
+                if isinstance(t, torch.Tensor):
+                    yield f"tensor {i} of '{name}'", t, True
+
+
+def check_devices(args) -> None:
+    """Every tensor of an op's lists on one device, and no meta tensor beside real ones.
+
+    The one device check of every op (:func:`~mpnb.core.ops._library.define` runs it in the
+    op's fake and wherever the per-tensor checks run). A call holding a meta tensor
+    dispatches to the fake, which writes nothing: refused unless every tensor is on meta
+    (shape propagation, as torch's own ops allow). Under ``FakeTensorMode`` the tensors
+    report their real device and pass. Single tensors (a flag, a scale) may sit on another
+    real device; each op's check says where it needs them.
+    """
+    op = getattr(args, "op_name", type(args).__name__)
+    found = list(_tensors_of(args))
+    meta = next(((w, t.device) for w, t, _ in found if t.device.type == "meta"), None)
+    real = next(((w, t.device) for w, t, _ in found if t.device.type != "meta"), None)
+    if meta is not None and real is not None:
+        raise ValueError(
+            f"{op}: {meta[0]} is on meta but {real[0]} is on {real[1]}: a meta tensor holds "
+            "no data, so the op would write nothing (and report nothing). Materialize it "
+            f"first (module.to_empty(device={str(real[1])!r}) then initialize or load the "
+            "weights), or put every tensor on one device."
+        )
+    listed = [(w, t.device) for w, t, in_list in found if in_list]
+    for where, dev in listed[1:]:
+        if dev != listed[0][1]:
             raise ValueError(
-                f"{op}: tensor {i} of '{name}' is on {t.device} but the first list is on "
-                f"{device}; put every tensor on one device."
+                f"{op}: {where} is on {dev} but {listed[0][0]} is on {listed[0][1]}; put "
+                f"every tensor of the lists on one device (.to({str(listed[0][1])!r}))."
             )
 
 

@@ -43,14 +43,18 @@ with ``per_tensor=False``: what costs O(1) per list (lengths, the first tensor's
 scalars, the shapes of single tensors). The per-tensor checks (each tensor's size, dtype,
 layout and device) would cost a Python loop over lists of thousands of tensors on every
 optimizer step, so the wrapper runs them only when a kernel refused the call, to replace the
-kernel's short refusal by the named one. Each kernel therefore guards its own memory: the C++
-kernels with cheap ``TORCH_CHECK``s of sizes, dtypes, layouts and devices (short messages,
-no second copy of the text); PyTorch's ops on the PyTorch path with their own checks; the
-reference and the Triton launchers (which read raw addresses) run the whole check,
-``per_tensor=True``, before they start. A direct ``torch.ops.mpnb.<name>`` call skips the
-wrapper: nothing is read or written out of bounds, but the O(1) checks of values that no
-kernel needs for its memory (a causal softmax on non-square scores, ``min_scale >
-max_scale``...) are the wrapper's alone, and the fakes and kernels assume them.
+kernel's short refusal by the named one. The devices of an op's tensors (every list on one
+device, no meta tensor beside real ones) are checked in one place for every op,
+:func:`~mpnb.core.ops._checks.check_devices`: with the per-tensor checks, and in the fake,
+where a call holding a meta tensor lands (the Meta key) and would otherwise write nothing.
+Each kernel therefore guards its own memory: the C++ kernels with cheap ``TORCH_CHECK``s
+of sizes, dtypes, layouts and devices (short messages, no second copy of the text); PyTorch's
+ops on the PyTorch path with their own checks; the reference and the Triton launchers (which
+read raw addresses) run the whole check, ``per_tensor=True``, before they start. A direct
+``torch.ops.mpnb.<name>`` call skips the wrapper: nothing is read or written out of bounds,
+but the O(1) checks of values that no kernel needs for its memory (a causal softmax on
+non-square scores, ``min_scale > max_scale``...) are the wrapper's alone, and the fakes and
+kernels assume them.
 """
 
 from __future__ import annotations
@@ -70,6 +74,7 @@ import torch
 
 from mpnb.core.ops import triton as _triton
 from mpnb.core.ops._build import cpu_extension
+from mpnb.core.ops._checks import check_devices
 
 __all__ = [
     "LIB",
@@ -274,6 +279,7 @@ class OpInfo:
     def validate(self, args: Any) -> None:
         """Every check of the op on ``args`` (the per-tensor ones too); raise on the first
         problem, with its message."""
+        check_devices(args)
         if self.check is not None:
             self.check(args, True)
 
@@ -284,6 +290,8 @@ class OpInfo:
 
         def kernel(*args, **kwargs):
             a = Args(*args, **kwargs)
+            if per_tensor:
+                check_devices(a)
             if check is not None:
                 check(a, per_tensor)
             try:
@@ -338,6 +346,7 @@ def _explain(check: Callable, args: Any, error: BaseException) -> None:
     kernel's short one. Returns when the check finds nothing, or finds the very message the
     refusal carries (a Python kernel's own check): the caller re-raises ``error``."""
     try:
+        check_devices(args)
         check(args, True)
     except (ValueError, TypeError) as named:
         if type(named) is type(error) and str(named) == str(error):
@@ -405,7 +414,7 @@ def define(
         _TRITON_ON_CUDA.add(name)
     if kernel is not None:
         LIB.impl(name, kernel, "CUDA")
-    torch.library.register_fake(op.qualname, _by_name(Args, fake or _no_outputs), lib=LIB)
+    torch.library.register_fake(op.qualname, _fake(Args, fake or _no_outputs), lib=LIB)
     if autograd is not None:
         backward, setup_context = autograd
         torch.library.register_autograd(
@@ -423,11 +432,17 @@ def _no_outputs(args: Any) -> None:
     return None
 
 
-def _by_name(Args: type, fn: Callable) -> Callable:
-    def by_name(*args, **kwargs):
-        return fn(Args(*args, **kwargs))
+def _fake(Args: type, fn: Callable) -> Callable:
+    """The fake as registered: the devices checked first. A call with a meta tensor beside
+    real ones dispatches here (the Meta key) and would write nothing; it is refused instead
+    (:func:`~mpnb.core.ops._checks.check_devices`)."""
 
-    return by_name
+    def fake(*args, **kwargs):
+        a = Args(*args, **kwargs)
+        check_devices(a)
+        return fn(a)
+
+    return fake
 
 
 def _grads_by_name(Args: type, backward: Callable) -> Callable:

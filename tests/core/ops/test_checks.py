@@ -1,0 +1,89 @@
+"""Every op's tensors on one device: a meta tensor among real ones is refused, not a no-op.
+
+A call whose tensors include a meta tensor dispatches to the op's fake (the Meta key), which
+writes nothing: without the check a CPU list beside one meta tensor came back unchanged and
+the step silently did nothing.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpnb.core.ops import _library
+from mpnb.core.ops._checks import check_devices
+from mpnb.core.ops.axpby import multi_tensor_axpby
+from mpnb.core.ops.l2norm import multi_tensor_l2norm
+from mpnb.core.ops.scale import multi_tensor_scale
+
+
+def _meta(n: int = 4) -> torch.Tensor:
+    return torch.ones(n, device="meta")
+
+
+def test_scale_refuses_a_meta_tensor_in_a_cpu_list():
+    dst = [torch.zeros(4), torch.zeros(4)]
+    with pytest.raises(ValueError, match="tensor 1 of 'src' is on meta"):
+        multi_tensor_scale(torch.zeros(1), [torch.ones(4), _meta()], dst, 2.0)
+    assert all((d == 0).all() for d in dst)
+
+
+def test_scale_refuses_a_meta_list_beside_a_cpu_list():
+    with pytest.raises(ValueError, match="on one device"):
+        multi_tensor_scale(torch.zeros(1), [_meta(), _meta()], [torch.zeros(4)] * 2, 2.0)
+
+
+def test_a_meta_flag_beside_cpu_lists_is_refused():
+    with pytest.raises(ValueError, match="noop_flag is on meta"):
+        multi_tensor_l2norm(torch.zeros(1, device="meta"), [torch.ones(4)])
+
+
+def test_direct_dispatcher_call_is_refused_too():
+    """``torch.ops.mpnb.*`` skips the wrapper; the fake it reaches checks the devices."""
+    with pytest.raises(ValueError, match="is on meta"):
+        torch.ops.mpnb.multi_tensor_axpby(
+            torch.zeros(1), [torch.ones(4)], [_meta()], [torch.zeros(4)], 1.0, 1.0, -1
+        )
+
+
+def test_all_meta_calls_still_run_as_shape_propagation():
+    """Every tensor on meta is consistent (as torch's own ops): the fake runs, no error."""
+    multi_tensor_scale(torch.zeros(1, device="meta"), [_meta()], [_meta()], 2.0)
+    norm, per = multi_tensor_l2norm(torch.zeros(1, device="meta"), [_meta()], True)
+    assert norm.device.type == "meta" and per.shape == (1,)
+
+
+def test_fake_mode_tracing_is_not_refused():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        src, dst = [torch.ones(4)], [torch.zeros(4)]
+        multi_tensor_axpby(torch.zeros(1), src, dst, dst, 1.0, 1.0, -1)
+
+
+def test_check_devices_covers_every_op_with_lists():
+    """The one check sits in define: every op's fake goes through it."""
+    for op in _library.all_ops():
+        lists = [n for n, h in op.reference.__annotations__.items() if "Tensors" in str(h)]
+        if not lists:
+            continue
+        with pytest.raises(ValueError, match="meta"):
+            check_devices(op.Args(**_meta_args(op, lists[0])))
+
+
+def _meta_args(op, meta_list: str) -> dict:
+    """Arguments of ``op`` whose list ``meta_list`` is on meta and every other tensor on CPU."""
+    import inspect
+
+    out = {}
+    for p in inspect.signature(op.reference).parameters.values():
+        hint = str(op.reference.__annotations__[p.name])
+        if "Tensors" in hint:
+            out[p.name] = [_meta() if p.name == meta_list else torch.zeros(4)]
+        elif hint.startswith("Tensor"):
+            out[p.name] = torch.zeros(1) if "None" not in hint else None
+        elif p.default is not inspect.Parameter.empty:
+            out[p.name] = p.default
+        else:
+            out[p.name] = {"float": 1.0, "int": 1, "bool": False, "str": ""}.get(hint, 1)
+    return out
