@@ -13,6 +13,7 @@ Also here: the few tensor helpers the references share (``acc_dtype``, the non-f
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -82,13 +83,29 @@ def check_lists(
         check_tensors(op, **lists)
 
 
+_DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
+
+
 def check_tensors(op: str, **lists: Tensors) -> None:
     """The per-tensor half of :func:`check_lists` (lists of equal lengths): each tensor has
     its partner's number of elements (in the first list) and its list's dtype, and is
-    contiguous."""
+    contiguous.
+
+    It runs before every Triton launch (the kernels read raw addresses), so the passing case
+    is a few C-level passes over each list (``map`` of the tensors' own methods); the loop
+    that finds and names the offending tensor runs only when one fails.
+    """
     ref = next(iter(lists.values()))
+    numels = list(map(torch.Tensor.numel, ref))
     for name, lst in lists.items():
-        if lst:
+        if not lst:
+            continue
+        ok = (
+            (lst is ref or list(map(torch.Tensor.numel, lst)) == numels)
+            and len(set(map(_DTYPE, lst))) == 1
+            and all(map(torch.Tensor.is_contiguous, lst))
+        )
+        if not ok:
             _check_tensors(op, name, lst, ref)
 
 
@@ -132,6 +149,20 @@ def check_devices(args) -> None:
     report their real device and pass. Single tensors (a flag, a scale) may sit on another
     real device; each op's check says where it needs them.
     """
+    singles, listed = [], []
+    for value in args:
+        if isinstance(value, torch.Tensor):
+            singles.append(value.device)
+        elif isinstance(value, (list, tuple)) and value and isinstance(value[0], torch.Tensor):
+            listed.extend(map(_DEVICE, value))
+    devices = set(listed)
+    kinds = {d.type for d in singles} | {d.type for d in devices}
+    if len(devices) <= 1 and not ("meta" in kinds and len(kinds) > 1):
+        return  # the passing case, without a name built; else find and name the culprit
+    _name_device_problem(args)
+
+
+def _name_device_problem(args) -> None:
     op = getattr(args, "op_name", type(args).__name__)
     found = list(_tensors_of(args))
     meta = next(((w, t.device) for w, t, _ in found if t.device.type == "meta"), None)

@@ -9,10 +9,18 @@ The table is one int64 tensor on the device, built on the host and copied once p
   "carrier" tensor of that list, so an address becomes a typed pointer);
 * then one value per chunk: the index of its tensor (chunks of one tensor are consecutive).
 
-On CUDA the table goes up from pinned memory without blocking (a plain copy from pageable
-memory would synchronize the host with the stream on every call: :func:`upload`). A table
-built while a CUDA graph is captured keeps its pinned buffer for the life of the process: each
-replay copies from it again.
+A table is built once per list and kept on the device: its contents are a function of the
+lists' element counts, addresses and ``cols`` alone, so those are its key (:meth:`ChunkTable.
+build`), and a training loop whose tensors stay where they are (the params, the optimizer's
+state, grads that the caching allocator hands back at the same addresses) pays for its tables
+on the first step only. A call that hits the cache allocates nothing on the host and copies
+nothing: its host work is the key, one ``data_ptr()`` per tensor. The cache keeps the
+:data:`CACHE_SIZE` tables used last.
+
+On CUDA a new table goes up from pinned memory without blocking (a plain copy from pageable
+memory would synchronize the host with the stream on every call: :func:`upload`). A table a
+CUDA graph captured (built during the capture or taken from the cache) is kept, with its pinned
+buffer, for the life of the process: each replay reads it again.
 
 Empty tensors get no chunk. Per-tensor reductions write one partial per chunk and
 :func:`segment_sum_kernel` adds each tensor's partials in a fixed order (deterministic, no
@@ -21,6 +29,7 @@ atomics).
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -32,6 +41,7 @@ from mpnb.core.ops.triton._common import launch
 
 __all__ = [
     "BLOCK",
+    "CACHE_SIZE",
     "CHUNK",
     "WARPS",
     "ChunkTable",
@@ -40,6 +50,7 @@ __all__ = [
     "tensor_col",
     "segment_sums",
     "upload",
+    "clear_cache",
 ]
 
 BLOCK = 1024  #: elements per vector step of a program
@@ -48,8 +59,21 @@ WARPS = 8  #: warps of a chunk program: 4 values per thread per step (Adam: 73 r
 SEG_BLOCK = 128  #: chunk partials a segment-sum program adds per step
 
 
-#: pinned host buffers that CUDA graphs captured copies from (their replays read them again)
+CACHE_SIZE = 64  #: chunk tables kept on the device (an optimizer step uses two or three)
+
+#: pinned host buffers and device tables that CUDA graphs captured (their replays read them)
 _CAPTURED: list[torch.Tensor] = []
+#: key (device, chunk, cols, numels, addresses per list) -> its table, the last used at the end
+_TABLES: OrderedDict[tuple, ChunkTable] = OrderedDict()
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def clear_cache() -> None:
+    """Drop the cached chunk tables (the next call of each list builds its table again)."""
+    _TABLES.clear()
 
 
 def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
@@ -59,12 +83,12 @@ def upload(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host.to(device)
     pinned = host.pin_memory()
-    if torch.cuda.is_current_stream_capturing():
+    if _capturing(device):
         _CAPTURED.append(pinned)
     return pinned.to(device, non_blocking=True)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)  # compared by identity (a table is a tensor)
 class ChunkTable:
     """One list op's launch plan; build with :meth:`build`.
 
@@ -89,13 +113,39 @@ class ChunkTable:
         cols: Sequence[Sequence[int]] = (),
         chunk: int = CHUNK,
     ) -> ChunkTable:
-        """The table of ``lists`` (sized by ``lists[0]``) with per-tensor integer ``cols``.
+        """The table of ``lists`` (sized by ``lists[0]``, not empty) with per-tensor integer
+        ``cols``: the cached one when these lists were seen with the same element counts,
+        addresses and ``cols`` (its contents would be the same), else a new one, cached.
 
         Example::
 
             >>> tab = ChunkTable.build([grads, master_grads])  # two lists of equal sizes
             >>> tab.n_chunks  # programs of one launch
         """
+        first = lists[0]
+        device = first[0].device
+        key = (
+            device,
+            chunk,
+            tuple(map(tuple, cols)),
+            tuple(map(torch.Tensor.numel, first)),
+            *(tuple(map(torch.Tensor.data_ptr, lst)) for lst in lists),
+        )
+        tab = _TABLES.get(key)
+        if tab is None:
+            tab = _TABLES[key] = cls._make(lists, cols, chunk)
+            if len(_TABLES) > CACHE_SIZE:
+                _TABLES.popitem(last=False)
+        else:
+            _TABLES.move_to_end(key)
+        if _capturing(device):  # a replay reads it: it must outlive its eviction
+            _CAPTURED.append(tab.table)
+        return tab
+
+    @classmethod
+    def _make(
+        cls, lists: Sequence[Sequence[torch.Tensor]], cols: Sequence[Sequence[int]], chunk: int
+    ) -> ChunkTable:
         first = lists[0]
         n = len(first)
         numels = torch.tensor([t.numel() for t in first], dtype=torch.int64)

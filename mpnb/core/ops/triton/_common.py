@@ -14,7 +14,9 @@ it a Python float (double). Kernels therefore receive fp32 values already rounde
 
 from __future__ import annotations
 
+import contextlib
 import struct
+from collections.abc import Iterator
 
 import torch
 import triton
@@ -26,6 +28,7 @@ __all__ = [
     "f32",
     "split64",
     "launch",
+    "counting_launches",
     "warps",
     "next_pow2",
     "to_acc",
@@ -82,6 +85,31 @@ def warps(elements: int) -> int:
     return 4 if elements <= 2048 else 8 if elements <= 8192 else 16
 
 
+#: the open :func:`counting_launches` blocks, innermost last (each a list of kernel names)
+_COUNTING: list[list[str]] = []
+
+
+@contextlib.contextmanager
+def counting_launches() -> Iterator[list[str]]:
+    """Inside the block, :func:`launch` runs nothing and records each kernel's name in the
+    yielded list: what a launcher does on the host (its checks, its chunk table, its argument
+    lists) can then be timed and its launches counted on any machine, without a GPU.
+
+    Example::
+
+        >>> with counting_launches() as names:
+        ...     launcher("multi_tensor_scale")(flag, grads, masters, 0.5)
+        >>> names
+        ['_scale_kernel']
+    """
+    names: list[str] = []
+    _COUNTING.append(names)
+    try:
+        yield names
+    finally:
+        _COUNTING.remove(names)
+
+
 def launch(kernel, grid, *args, **kwargs) -> None:
     """Launch ``kernel[grid](*args, **kwargs)``.
 
@@ -95,6 +123,10 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     tests) do; Triton 3.9 contracts by default and 3.10 will not. The traced launch leaves
     that choice to the compiler of the graph.
     """
+    if _COUNTING:
+        fn = getattr(kernel, "fn", kernel)  # a JITFunction wraps the Python function
+        _COUNTING[-1].append(getattr(fn, "__name__", repr(kernel)))
+        return
     first = next((a for a in args if isinstance(a, torch.Tensor)), None)
     traced = torch.compiler.is_compiling() or (
         first is not None and type(first) is not torch.Tensor
