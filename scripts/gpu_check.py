@@ -117,9 +117,23 @@ def steps() -> list[Step]:
         ),
         Step(
             "bench cuda",
-            25,
+            20,
             _mpnb("bench", "--device", "cuda", "--quick", "--json", "{out}/bench-cuda.json"),
             "Triton vs PyTorch's fused CUDA ops, same-run bandwidth",
+        ),
+        Step(
+            "bench host-cost",
+            10,
+            _mpnb(
+                "bench",
+                "host-cost",
+                "--device",
+                "cuda",
+                "--quick",
+                "--json",
+                "{out}/bench-host-cost.json",
+            ),  # fmt: skip
+            "the list launchers' host cost (chunk table cached) vs torch's foreach/fused",
         ),
         Step(
             "syncs",
@@ -156,7 +170,7 @@ def steps() -> list[Step]:
         ),
         Step(
             "estimate: cpu medium",
-            30,
+            25,
             _compare("cpu", "medium", medium, 2, ("--dtype", "bf16", "--out", "")),
             "the same workload on the CPU: its verdict's estimate for this card",
             "compare-cpu-medium.json",
