@@ -196,9 +196,10 @@ def _adam_capturable(
     weight_decay,
     inv_scale,
 ) -> None:
-    from mpnb.core.amp_C import _fp32, _write_back
+    from mpnb.core.amp_C import _check_step, _fp32, _write_back
 
     lists = _lists(op, tensor_lists, n_lists)
+    _check_step(op, step, bias_correction)
     g, p, m, v = lists[:4]
     if not p or _set(noop_flag):
         return
@@ -322,9 +323,10 @@ def multi_tensor_lamb_mp(
     ``inv_scale`` are tensors; ``mode`` 0 = L2 decay, 1 = decoupled. A set ``noop_flag`` or
     ``found_inf`` writes nothing. The grads are left as they are (Apex's kernel writes the
     update into them)."""
-    from mpnb.core.amp_C import _fp32, _write_back
+    from mpnb.core.amp_C import _check_step, _fp32, _write_back
 
     lists = _lists("multi_tensor_lamb_mp", tensor_lists, 4, 5)
+    _check_step("multi_tensor_lamb_mp", step, bias_correction)
     g, w, m, v = lists[:4]
     if not w or _set(noop_flag) or _set(found_inf):
         return

@@ -102,7 +102,11 @@ def update_scale_hysteresis(
     growth_interval: int,
     hysteresis: int,
 ) -> torch.Tensor:
-    """Apex's loss-scale update with hysteresis, in place; returns ``current_scale``."""
+    """Apex's loss-scale update with hysteresis, in place; returns ``current_scale``.
+
+    Apex's kernel's rule (:func:`mpnb.core.ops.reference_update_scale_hysteresis`), its
+    flush of a subnormal new scale to 0 included.
+    """
     return _mt.update_scale_hysteresis(
         current_scale,
         growth_tracker,
@@ -121,6 +125,27 @@ def update_scale_hysteresis(
 # honoured: when it is set on entry nothing is written. Apex keeps the state of half params
 # without masters in the param dtype; our ops keep fp32 state, so such state goes through an
 # fp32 copy that is written back (the same rounding as Apex's kernels: fp32 math, one store).
+
+
+def _check_step(op: str, step, bias_correction) -> None:
+    """Refuse ``step < 1`` with bias correction, before anything is written.
+
+    The bias correction ``1 - beta**step`` is 0 at step 0 (negative below it), so the update
+    would divide by zero and every param become NaN or inf; Apex's kernel does exactly that,
+    silently. Apex's optimizers count steps from 1 (they add 1 before the call); a caller that
+    passes 0 has forgotten to. Refused rather than warned: a warning would still leave every
+    weight NaN. A tensor ``step`` (the capturable forms) is read once on the host here.
+    """
+    if not bias_correction:
+        return
+    n = float(step.reshape(-1)[0]) if isinstance(step, torch.Tensor) else float(step)
+    if n < 1:
+        raise ValueError(
+            f"amp_C.{op}: step={n:g} with bias_correction=1: the bias correction "
+            "1 - beta**step is 0 at step 0 (negative below), so every param would become "
+            "NaN/inf. Count steps from 1, as Apex's optimizers do (step += 1 before the call), "
+            "or pass bias_correction=0. Nothing was written."
+        )
 
 
 def _steps(n: int, step: int, like: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -155,10 +180,14 @@ def multi_tensor_adam(
     bias_correction,
     weight_decay,
 ) -> None:
-    """``[grads, params, exp_avgs, exp_avg_sqs]``; ``mode`` 0 = Adam (L2), 1 = AdamW."""
+    """``[grads, params, exp_avgs, exp_avg_sqs]``; ``mode`` 0 = Adam (L2), 1 = AdamW.
+
+    ``step`` is the count after this step (1 at the first); with ``bias_correction`` a step
+    below 1 is refused (:func:`_check_step`), where Apex's kernel writes NaN."""
     from mpnb.core.ops.adam import fused_adam_
 
     g, p, m, v = _lists("multi_tensor_adam", tensor_lists, 4)
+    _check_step("multi_tensor_adam", step, bias_correction)
     back: list = []
     fused_adam_(
         p,
@@ -242,6 +271,7 @@ def multi_tensor_lamb(
     from mpnb.core.ops.lamb import fused_lamb_
 
     g, p, m, v = _lists("multi_tensor_lamb", tensor_lists, 4)
+    _check_step("multi_tensor_lamb", step, bias_correction)
     back: list = []
     fused_lamb_(
         p,
@@ -287,6 +317,7 @@ def multi_tensor_novograd(
     from mpnb.core.ops.novograd import fused_novograd_
 
     g, p, m = _lists("multi_tensor_novograd", tensor_lists, 3)
+    _check_step("multi_tensor_novograd", step, bias_correction)
     if norm_type == 2:
         flag = torch.zeros(1, device=grad_norms.device)
         norms = multi_tensor_l2norm(chunk_size, flag, [g], True)[1].float()

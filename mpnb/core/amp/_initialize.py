@@ -10,6 +10,7 @@ from mpnb.core.amp._model import (
     AutocastForward,
     CastForward,
     cast_model,
+    check_fp32,
     check_model,
     check_not_sharded,
     model_device,
@@ -37,7 +38,11 @@ class EmulatedHalfWarning(UserWarning):
 
 
 class PrecisionRecastWarning(UserWarning):
-    """amp cast a model that was already in another reduced precision (fp16 -> bf16, ...)."""
+    """amp cast a model that was not fp32 (float64 -> bf16, ...) to the half dtype.
+
+    (A model already in fp16/bf16 is refused instead, as Apex refuses it; see
+    :func:`~mpnb.core.amp._model.check_fp32`.)
+    """
 
 
 class HardwareCheck:
@@ -119,7 +124,9 @@ def initialize(
     """Set up mixed precision for ``models`` and ``optimizers`` (Apex's ``amp.initialize``).
 
     Args:
-        models: a ``torch.nn.Module`` or a list of them.
+        models: a ``torch.nn.Module`` or a list of them, in fp32: a model with fp16/bf16
+            params or buffers is refused at every opt level, as in Apex (amp makes the half
+            copies itself); ``cast_model_type=False`` keeps a model's dtypes on purpose.
         optimizers: a ``torch.optim.Optimizer``, a list, or None. An optimizer wrapped in
             :class:`~mpnb.parallel.LARC` is accepted as in Apex (amp serves the optimizer
             inside; the wrapper's ``step()`` rescales the unscaled grads, then steps it).
@@ -179,7 +186,8 @@ def initialize(
         for m in model_list:
             check_not_sharded(m, str(opt_level))
     device = model_device(model_list[0]) if model_list else torch.device("cpu")
-    if half_dtype is None and (cast_model_type is False or cast_model_type == "False"):
+    keep_dtypes = cast_model_type is False or cast_model_type == "False"
+    if half_dtype is None and keep_dtypes:
         half_dtype = _models_half_dtype(model_list)  # the half dtype the model already has
     # The one parse of loss_scale; the rule travels unchanged to the scalers.
     rule = LossScaleRule.parse(loss_scale, owner="amp.initialize")
@@ -201,6 +209,8 @@ def initialize(
     if props.enabled:
         for m in model_list:
             check_model(m)
+            if not keep_dtypes:  # cast_model_type=False: the caller keeps half on purpose
+                check_fp32(m, props.opt_level)
         # amp binds each optimizer (the inner one of a LARC) once, before the model changes
         bindings = [bind(inner_optimizer(o) or o, props.master_weights) for o in opt_list]
     if verbosity:
@@ -240,8 +250,8 @@ def _build(props, rule, model_list, optimizers, device, num_losses) -> AmpHandle
             names = ", ".join(sorted(str(d).split(".")[-1] for d in recast))
             warnings.warn(
                 f"amp.initialize: the model had {names} params; opt_level={props.opt_level!r} "
-                f"cast them to {props.cast_model_type} (a lossy recast, not from fp32). Pass "
-                "half_dtype matching the model, or start from an fp32 model.",
+                f"cast them to {props.cast_model_type} (a lossy recast, not from fp32). Start "
+                "from an fp32 model (model.float()).",
                 PrecisionRecastWarning,
                 stacklevel=3,
             )

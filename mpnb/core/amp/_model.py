@@ -16,6 +16,7 @@ from mpnb.core.amp.casts import CastRegistry, _cast
 
 __all__ = [
     "cast_model",
+    "check_fp32",
     "check_model",
     "check_not_sharded",
     "CastForward",
@@ -47,6 +48,32 @@ def check_model(model: torch.nn.Module) -> None:
                 "scaling are for real parameters. Store it as a real tensor (torch.view_as_real) "
                 "or keep this model out of amp.initialize."
             )
+
+
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def check_fp32(model: torch.nn.Module, opt_level: str) -> None:
+    """Refuse a model whose params or buffers are already fp16/bf16, at every opt level.
+
+    Apex's ``check_params_fp32`` rule: ``amp.initialize`` takes the fp32 model and makes the
+    half copies itself. Handed a half model, O1 would train it in half with no fp32 weights
+    (every update below half's resolution lost), and O2's fp32 masters would start from the
+    rounded weights. ``cast_model_type=False`` (the caller skips this check) keeps the
+    model's dtypes on purpose, where Apex's tests set ``allow_incoming_model_not_fp32``.
+    """
+    for kind, items in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in items:
+            if t.dtype in _HALF:
+                raise ValueError(
+                    f"amp.initialize: {kind} {name!r} is {t.dtype}; opt_level={opt_level!r} "
+                    "takes an fp32 model and makes the half copies itself (O1 keeps fp32 "
+                    "weights, O2 fp32 masters), so a model already in half would lose every "
+                    "update below half's resolution. Pass the fp32 model (drop the .half() / "
+                    ".to(torch.bfloat16) before amp.initialize; model.float() restores the "
+                    "dtype, not the digits), or pass cast_model_type=False to keep its dtypes "
+                    "on purpose."
+                )
 
 
 def check_not_sharded(model: torch.nn.Module, opt_level: str) -> None:

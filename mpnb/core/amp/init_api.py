@@ -197,15 +197,13 @@ class InitHandle:
         """Whether each cast is printed."""
         return self._verbose
 
-    def scale_loss(self, loss, optimizer):
+    def scale_loss(self, *args, **kwargs):
         """Not available: loss scaling belongs to ``amp.initialize`` (as in Apex)."""
-        raise RuntimeError(
-            "amp.init's handle does not scale losses (Apex removed its old scale_loss too); "
-            "use `model, optimizer = amp.initialize(model, optimizer, opt_level='O1')` and "
-            "`with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()`."
-        )
+        _no_loss_scaling("scale_loss")
 
-    wrap_optimizer = scale_loss
+    def wrap_optimizer(self, *args, **kwargs):
+        """Not available: optimizers are served by ``amp.initialize`` (as in Apex)."""
+        _no_loss_scaling("wrap_optimizer")
 
     # ---- casts ---------------------------------------------------------------------------
 
@@ -267,6 +265,16 @@ class InitHandle:
         return args, kwargs
 
 
+def _no_loss_scaling(method: str):
+    """The old API's loss scaling, refused whatever the arguments (Apex removed it too)."""
+    raise RuntimeError(
+        f"amp.init's handle.{method}(): the old amp API does not scale losses or wrap "
+        "optimizers (Apex removed its old scale_loss and wrap_optimizer too); use "
+        "`model, optimizer = amp.initialize(model, optimizer, opt_level='O1')` and "
+        "`with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()`."
+    )
+
+
 class _Forget:
     """Backward hook of a cached copy: once backward went through it, its graph is spent."""
 
@@ -308,6 +316,14 @@ class NoOpHandle:
 
     def _clear_cache(self) -> None:
         """No cache."""
+
+    def scale_loss(self, *args, **kwargs):
+        """Not available, as on an enabled handle: loss scaling is ``amp.initialize``'s."""
+        _no_loss_scaling("scale_loss")
+
+    def wrap_optimizer(self, *args, **kwargs):
+        """Not available, as on an enabled handle: optimizers are ``amp.initialize``'s."""
+        _no_loss_scaling("wrap_optimizer")
 
     has_cache = property(lambda self: False, doc="Always False.")
     verbose = property(lambda self: False, doc="Always False.")

@@ -31,7 +31,9 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
         dynamic_loss_scale: use :class:`DynamicLossScaler`; after ``max_skips_at_min``
             (100) consecutive skipped steps at its floor scale 1 the step raises
             :class:`~mpnb.core.amp.LossScaleCollapseError`, as amp does.
-        dynamic_loss_args: keyword arguments of :class:`DynamicLossScaler`.
+        dynamic_loss_args: a dict of :class:`DynamicLossScaler`'s keywords (``init_scale``,
+            ``scale_factor``, ``scale_window``, ``max_skips_at_min``); another key or form is
+            refused with the valid keys, before ``init_optimizer`` changes.
         verbose: print a line when a step is skipped.
 
     ``state_dict()`` holds plain tensors and numbers only: it loads with ``torch.load``'s
@@ -53,8 +55,12 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
         verbose: bool = True,
     ):
         # Deliberately no Optimizer.__init__: param_groups and state are the wrapped optimizer's.
-        if not dynamic_loss_scale:
-            LossScaler(static_loss_scale)  # refuses a scale that is not positive and finite
+        # The scaler first: its arguments are refused before init_optimizer's groups change.
+        self.loss_scaler = (
+            DynamicLossScaler.from_args(dynamic_loss_args)
+            if dynamic_loss_scale
+            else LossScaler(static_loss_scale)  # refuses a scale that is not positive and finite
+        )
         if not isinstance(init_optimizer, torch.optim.Optimizer):
             raise TypeError(
                 "FP16_Optimizer: init_optimizer must be a torch.optim.Optimizer, got "
@@ -79,11 +85,6 @@ class FP16_Optimizer(torch.optim.Optimizer):  # noqa: N801 (Apex's name)
             self.fp32_from_fp16_groups.append(masters)
             self.fp32_from_fp32_groups.append(fp32)
         self.dynamic_loss_scale = dynamic_loss_scale
-        self.loss_scaler = (
-            DynamicLossScaler(**(dynamic_loss_args or {}))
-            if dynamic_loss_scale
-            else LossScaler(static_loss_scale)
-        )
         self.overflow = False
         self.first_closure_call_this_step = True
         self._flag = torch.zeros(1, dtype=torch.float32)

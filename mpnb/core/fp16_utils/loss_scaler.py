@@ -6,6 +6,10 @@ flag once (its host sync). New code should prefer :class:`mpnb.amp.LossScaler`.
 
 from __future__ import annotations
 
+import difflib
+import inspect
+from collections.abc import Mapping
+
 import torch
 
 from mpnb.core._numbers import positive_finite
@@ -98,6 +102,35 @@ class DynamicLossScaler(LossScaler):
             )
         self.scale_window = scale_window
         self.max_skips_at_min = max_skips_at_min
+
+    @classmethod
+    def from_args(cls, args, owner: str = "FP16_Optimizer") -> DynamicLossScaler:
+        """The scaler of ``owner``'s ``dynamic_loss_args`` (a dict of this constructor's
+        keywords, or None), with a TypeError naming the valid keys for anything else.
+
+        Example::
+
+            >>> DynamicLossScaler.from_args({"init_scale": 2.0**16}).cur_scale
+            65536.0
+        """
+        valid = [k for k in inspect.signature(cls.__init__).parameters if k != "self"]
+        if args is None:
+            return cls()
+        form = "dynamic_loss_args={'init_scale': 2.0**16, 'scale_window': 1000}"
+        if not isinstance(args, Mapping):
+            raise TypeError(
+                f"{owner}: dynamic_loss_args must be a dict of DynamicLossScaler's keywords "
+                f"({', '.join(valid)}), got {type(args).__name__} {args!r}; e.g. {form}."
+            )
+        unknown = [k for k in args if k not in valid]
+        if unknown:
+            close = difflib.get_close_matches(str(unknown[0]), valid, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(
+                f"{owner}: dynamic_loss_args has no key {unknown[0]!r}{hint}; the valid keys "
+                f"are {', '.join(valid)}, e.g. {form}."
+            )
+        return cls(**args)
 
     def has_overflow(self, params) -> bool:
         """True when any grad of ``params`` holds inf or NaN (one pass, one host sync)."""

@@ -12,6 +12,7 @@ of it (:meth:`Float8Linear.check_fp8_state`).
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 
 from torch import nn
@@ -20,7 +21,45 @@ from mpnb.core.fp8.linear import Float8Linear
 from mpnb.core.fp8.recipes import Float8Recipe
 from mpnb.core.fp8.recipes import recipe as make_recipe
 
-__all__ = ["convert_to_float8_training", "convert_from_float8_training", "float8_layers"]
+__all__ = [
+    "convert_to_float8_training",
+    "convert_from_float8_training",
+    "float8_layers",
+    "NoFloat8LayerWarning",
+]
+
+
+class NoFloat8LayerWarning(UserWarning):
+    """``convert_to_float8_training`` left the model without any FP8 layer: it trains exactly
+    as before (the lab's FP8 row of such a model says so in its ``warnings``)."""
+
+
+def _why_none(model: nn.Module, filtered: bool) -> str:
+    """Why no layer of ``model`` is FP8 after the swap, and the fix (one warning's text)."""
+    linear = sum(type(m) is nn.Linear for m in model.modules())
+    subs = sorted(
+        {type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)}
+        - {"Linear", "Float8Linear"}
+    )
+    if linear and filtered:
+        why = f"module_filter_fn refused all {linear} of its nn.Linear layers"
+        fix = "Check module_filter_fn: it gets (module, fqn) and returns True to convert"
+    elif subs:
+        why = (
+            f"its Linear layers are subclasses of nn.Linear ({', '.join(subs)}), which are "
+            "never swapped (a subclass may change forward)"
+        )
+        fix = "Use plain nn.Linear layers where FP8 should run"
+    else:
+        why = "the model has no nn.Linear layer (FP8 training converts nn.Linear layers only)"
+        fix = (
+            "Convert a model with nn.Linear layers (an MLP, a transformer); convolutions, "
+            "embeddings and norms keep their precision"
+        )
+    return (
+        f"convert_to_float8_training: no layer ran in FP8: {why}, so the model trains "
+        f"exactly as before, in its own precision. {fix}."
+    )
 
 
 def _swap(model: nn.Module, make: Callable[[nn.Module, str], nn.Module | None]) -> nn.Module:
@@ -62,7 +101,9 @@ def convert_to_float8_training(
             (for example, keep the classifier head in high precision).
 
     Returns:
-        ``model`` (the same object) with its linear layers swapped.
+        ``model`` (the same object) with its linear layers swapped. When that leaves no FP8
+        layer (no ``nn.Linear``, or ``module_filter_fn`` refused them all), a
+        :class:`NoFloat8LayerWarning` says why: the model would train exactly as before.
 
     Example::
 
@@ -85,6 +126,10 @@ def convert_to_float8_training(
     out = _swap(model, make)
     if type(out) is not Float8Linear:  # a layer checks itself; a model checks all, first
         out.register_load_state_dict_pre_hook(_check_before_load)
+        if not float8_layers(out):
+            warnings.warn(
+                _why_none(out, module_filter_fn is not None), NoFloat8LayerWarning, stacklevel=2
+            )
     return out
 
 

@@ -45,11 +45,18 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mpnb.core._saved_groups import SavedGroups
 from mpnb.core.amp.seam import GradScalerAttribute, ScaleHandoff
 from mpnb.core.ops._rounding import mix64
 from mpnb.core.ops.check_finite import multi_tensor_check_finite
 from mpnb.core.optimizers import _load
-from mpnb.core.optimizers._checks import check_hyperparams, check_loadable, number
+from mpnb.core.optimizers._checks import (
+    check_hyperparams,
+    check_loadable,
+    check_param_group,
+    group_tensors,
+    number,
+)
 
 __all__ = ["FusedOptimizerBase", "check_hyperparams"]
 
@@ -178,6 +185,31 @@ class FusedOptimizerBase(torch.optim.Optimizer):
     def _new_overflow_buf(self) -> torch.Tensor:
         dev = next((p.device for g in self.param_groups for p in g["params"]), None)
         return torch.zeros(1, dtype=torch.int32, device=dev)
+
+    def add_param_group(self, param_group: dict) -> None:
+        """``torch.optim.Optimizer.add_param_group`` after
+        :func:`~mpnb.core.optimizers._checks.check_param_group` (the constructor's groups pass
+        here too): bad numbers and a parameter already in another group are refused before
+        anything is added; a parameter listed twice and ``eps=0`` get one warning each."""
+        if not isinstance(param_group, dict):  # torch's own TypeError says what it takes
+            return super().add_param_group(param_group)
+        check_param_group(self, param_group)
+        raw = param_group.get("params")  # a list now, if torch will take it
+        tensors = group_tensors(raw) if isinstance(raw, list) else []
+        if len({id(t) for t in tensors}) == len(tensors):
+            return super().add_param_group(param_group)
+        # A parameter listed twice: torch's own warning would repeat ours without the fix (and
+        # silencing it through a warnings filter would reset the filter's once-per-line record).
+        # torch is handed each parameter once; the group then keeps the list as given, so the
+        # parameter is updated twice per step, as torch and Apex do.
+        first: dict[int, object] = {}
+        for t, x in zip(tensors, raw, strict=True):
+            first.setdefault(id(t), x)
+        param_group["params"] = list(first.values())
+        super().add_param_group(param_group)
+        param_group["params"] = tensors
+        if "param_names" in param_group:
+            param_group["param_names"] = [x[0] for x in raw]
 
     def __setstate__(self, state: dict) -> None:
         super().__setstate__(state)
@@ -453,6 +485,11 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         too (:mod:`mpnb.core.optimizers._load`).
         """
         check_loadable(self, state_dict)
+        # Another optimizer class's groups are refused here, and replaced hyper-parameters named
+        # after the load (amp's load hook does both when amp loads the masters).
+        saved_groups = None if _load._amp_loads_masters(self) else SavedGroups(self, state_dict)
+        if saved_groups is not None:
+            saved_groups.check()
         rounding = state_dict.get("rounding")
         if rounding is not None and not (
             isinstance(rounding, dict)
@@ -489,3 +526,5 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         if rounding_kept.restore() and rounding is not None:
             self._rounding = _Rounding(rounding["seed"], rounding["step"])
         self._carried = masters.apply()
+        if saved_groups is not None:
+            saved_groups.warn()

@@ -1,9 +1,13 @@
-"""What the fused optimizers check before they change anything: hyper-parameters and loads."""
+"""What the fused optimizers check before they change anything: hyper-parameters, param
+groups and loads."""
 
 from __future__ import annotations
 
 import itertools
 import math
+import os
+import sys
+import warnings
 from collections.abc import Mapping
 
 import torch
@@ -11,7 +15,23 @@ from torch.optim.optimizer import required
 
 from mpnb.core._numbers import is_positive_finite, positive_finite
 
-__all__ = ["check_hyperparams", "check_loadable", "number"]
+__all__ = [
+    "check_hyperparams",
+    "check_param_group",
+    "group_tensors",
+    "check_loadable",
+    "number",
+    "DuplicateParameterWarning",
+    "ZeroEpsWarning",
+]
+
+
+class DuplicateParameterWarning(UserWarning):
+    """A parameter is listed twice in one param group: every step updates it twice."""
+
+
+class ZeroEpsWarning(UserWarning):
+    """``eps=0``: a parameter whose gradient is zero gets a NaN update (``0 / 0``)."""
 
 
 def number(value) -> float | None:
@@ -50,6 +70,84 @@ def check_hyperparams(owner: str, *, betas=None, **values) -> None:
         raise ValueError(
             f"{owner}: Invalid betas: {betas!r} (must be a pair (beta1, beta2) of numbers in "
             "[0, 1), e.g. betas=(0.9, 0.999))."
+        )
+
+
+_PACKAGES = tuple(
+    os.path.dirname(m.__file__) + os.sep for m in (torch, sys.modules["mpnb"]) if m.__file__
+)
+
+
+def _user_stacklevel() -> int:
+    """The ``stacklevel`` of the first caller outside torch and mpnb (the user's line, so the
+    default warning filter shows a warning once per line of theirs, and names that line)."""
+    level, f = 1, sys._getframe(1)
+    while f is not None and f.f_code.co_filename.startswith(_PACKAGES):
+        level, f = level + 1, f.f_back
+    return level
+
+
+def group_tensors(params: list) -> list:
+    """The tensors of a group's ``params`` list (torch also takes ``(name, tensor)`` pairs)."""
+    return [p[1] if isinstance(p, tuple) and len(p) == 2 else p for p in params]
+
+
+def check_param_group(optimizer: torch.optim.Optimizer, param_group: dict) -> None:
+    """Check one group before ``optimizer.add_param_group`` adds it (the constructor's groups
+    pass here too): refuse what would train wrongly, warn where torch stays silent.
+
+    * its numbers (``lr``, ``eps``, ``weight_decay``, ``betas``...) as
+      :func:`check_hyperparams` checks the constructor's;
+    * a parameter already in another group: ``ValueError`` naming both groups (torch's own
+      message names neither, nor the fix);
+    * a parameter listed twice in this group: a :class:`DuplicateParameterWarning` (it would
+      be updated twice per step, as torch and Apex do);
+    * ``eps`` of 0 in an optimizer that divides by ``sqrt(v) + eps``: a
+      :class:`ZeroEpsWarning` (a zero gradient makes its update ``0 / 0 = NaN``).
+
+    ``param_group["params"]`` is made a list first (as torch does), so a generator is read once.
+    """
+    owner = type(optimizer).__name__
+    params = param_group.get("params")
+    if params is not None and not isinstance(params, (torch.Tensor, set)):
+        param_group["params"] = params = list(params)
+    if not isinstance(params, list):  # a Tensor, a set, none: torch's own checks answer
+        return
+    given = {k: param_group[k] for k in _GROUP_NUMBERS if k in param_group}
+    check_hyperparams(owner, betas=param_group.get("betas"), **given)
+    ids = {id(p): i for i, g in enumerate(optimizer.param_groups) for p in g["params"]}
+    new = len(optimizer.param_groups)
+    params = group_tensors(params)
+    for j, p in enumerate(params):
+        if id(p) in ids:
+            raise ValueError(
+                f"{owner}: param group {new} holds parameter {j}, which is already in param "
+                f"group {ids[id(p)]}; a parameter can belong to one group only (torch.optim's "
+                "rule). Leave it out of one of them (e.g. build the groups from disjoint "
+                "lists of model.named_parameters())."
+            )
+    seen: dict[int, int] = {}
+    for j, p in enumerate(params):
+        first = seen.setdefault(id(p), j)
+        if first == j:
+            continue
+        warnings.warn(
+            f"{owner}: param group {new} lists a parameter twice (positions {first} and "
+            f"{j}): each step will update it twice, with twice the learning rate and its "
+            "state advanced two steps (torch and Apex do the same). List each parameter once: "
+            "model.parameters() does; dedupe a hand-built list with list(dict.fromkeys(params)).",
+            DuplicateParameterWarning,
+            stacklevel=_user_stacklevel(),
+        )
+        break
+    eps = number(param_group.get("eps", optimizer.defaults.get("eps")))
+    if eps == 0:
+        warnings.warn(
+            f"{owner}: eps=0 makes the update of a parameter whose gradient is zero (an unused "
+            "layer, a padding row, a frozen branch) 0 / 0 = NaN, which then spreads through "
+            "the model. Pass eps= a small positive number (the default, or e.g. 1e-12).",
+            ZeroEpsWarning,
+            stacklevel=_user_stacklevel(),
         )
 
 

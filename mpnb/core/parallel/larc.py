@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from mpnb.core._numbers import positive_finite
 from mpnb.core.ops import multi_tensor_l2norm
 
 __all__ = ["LARC"]
@@ -25,10 +26,12 @@ class LARC:
     foreach op: no host sync.
 
     Args:
-        optimizer: any ``torch.optim.Optimizer``.
-        trust_coefficient: :math:`c` (default 0.02).
-        clip: clip mode (True, default) or scale mode.
-        eps: :math:`\epsilon` (default 1e-8).
+        optimizer: any ``torch.optim.Optimizer`` (anything else is refused here, not at the
+            first step).
+        trust_coefficient: :math:`c` (default 0.02), a positive finite number: a negative
+            one would turn every step into gradient ascent.
+        clip: clip mode (True, default) or scale mode (False).
+        eps: :math:`\epsilon` (default 1e-8), a finite number >= 0.
 
     Example::
 
@@ -43,10 +46,27 @@ class LARC:
         clip: bool = True,
         eps: float = 1e-8,
     ) -> None:
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(
+                f"LARC: optimizer must be a torch.optim.Optimizer, got "
+                f"{type(optimizer).__name__}; build the optimizer first and wrap it: "
+                "LARC(torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9))."
+            )
+        if not isinstance(clip, bool) and clip not in (0, 1):  # Apex scripts pass 0/1 too
+            raise TypeError(
+                f"LARC: clip must be True (clip mode) or False (scale mode), got {clip!r}."
+            )
         self.optim = optimizer
-        self.trust_coefficient = trust_coefficient
-        self.clip = clip
-        self.eps = eps
+        # c < 0 flips every grad (gradient ascent), c = 0 zeroes them: neither trains.
+        self.trust_coefficient = positive_finite(
+            trust_coefficient,
+            "trust_coefficient",
+            owner="LARC",
+            fix="pass trust_coefficient= a positive number (default 0.02); a negative one "
+            "flips every gradient (gradient ascent) and 0 zeroes them",
+        )
+        self.clip = bool(clip)
+        self.eps = positive_finite(eps, "eps", owner="LARC", allow_zero=True)
 
     def __getstate__(self):
         return self.optim.__getstate__()

@@ -316,8 +316,14 @@ def test_o1_grads_right_across_train_eval_train_then_deactivate(ops, shape, dtyp
     opt = torch.optim.SGD(model.parameters(), lr=1.0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model, opt = amp.initialize(
-            model, opt, opt_level="O1", half_dtype=HALF, loss_scale=4.0, verbosity=0
+        model, opt = amp.initialize(  # a half model, as Apex's test allows it: dtypes kept
+            model,
+            opt,
+            opt_level="O1",
+            half_dtype=HALF,
+            loss_scale=4.0,
+            verbosity=0,
+            cast_model_type=False,
         )
     x = torch.ones(2, 8)
 

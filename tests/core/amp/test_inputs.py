@@ -176,7 +176,7 @@ def test_complex_parameters_are_refused_at_initialize():
         amp.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), opt_level="O1", verbosity=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.float64])
+@pytest.mark.parametrize("dtype", [torch.float64])  # a half model is refused (test_initialize)
 def test_a_model_recast_to_bf16_by_o2_warns_once(dtype):
     m = _net().to(dtype)
     opt = torch.optim.SGD(m.parameters(), lr=0.1)

@@ -206,3 +206,80 @@ def test_deepcopy_keeps_recipe_and_state(name):
     clone = copy.deepcopy(layer)
     assert clone.recipe == layer.recipe and clone.fqn == "x"
     assert clone.state_dict().keys() == layer.state_dict().keys()
+
+
+# ---- a model with no layer to convert ----
+
+
+def _no_fp8_warnings(rec):
+    from mpnb.core.fp8.convert import NoFloat8LayerWarning
+
+    return [str(r.message) for r in rec if issubclass(r.category, NoFloat8LayerWarning)]
+
+
+class _Subclassed(torch.nn.Linear):
+    pass
+
+
+def _convs():
+    return torch.nn.Sequential(torch.nn.Conv1d(1, 2, 3), torch.nn.ReLU())
+
+
+def _one_linear():
+    return torch.nn.Sequential(torch.nn.Linear(4, 4))
+
+
+def _subclassed():
+    return torch.nn.Sequential(_Subclassed(4, 4))
+
+
+def _refuse_all(module, fqn):
+    return False
+
+
+@pytest.mark.parametrize(
+    "make,keep,why",
+    [
+        (_convs, None, "no nn.Linear"),
+        (_one_linear, _refuse_all, "module_filter_fn"),
+        (_subclassed, None, "subclass"),
+    ],
+)
+def test_converting_no_layer_warns_with_the_reason(make, keep, why):
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        fp8.convert_to_float8_training(make(), "tensorwise", module_filter_fn=keep)
+    msgs = _no_fp8_warnings(rec)
+    assert len(msgs) == 1 and "no layer ran in FP8" in msgs[0] and why in msgs[0]
+
+
+def test_converting_some_layer_or_an_already_converted_model_does_not_warn():
+    model = Net()
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        fp8.convert_to_float8_training(model, "tensorwise")
+        fp8.convert_to_float8_training(model, "tensorwise")  # kept as they are: still FP8
+    assert not _no_fp8_warnings(rec)
+
+
+def test_the_lab_row_of_a_model_without_linear_says_no_layer_ran_in_fp8():
+    import mpnb.lab
+
+    def conv():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Conv1d(1, 2, 3, padding=1), torch.nn.Flatten())
+
+    x, y = torch.randn(16, 1, 4), torch.randn(16, 8)
+    df = mpnb.lab.compare(
+        conv,
+        (x, y),
+        loss_fn=lambda o, t: (o - t).pow(2).mean(),
+        configs=["O0", "fp8-tensorwise"],
+        batch_sizes=(16,),
+        steps=2,
+        progress=False,
+        threads=1,
+    )
+    fp8_row = df[df.opt_level == "fp8-tensorwise"].iloc[0]
+    assert "no layer ran in FP8" in fp8_row.warnings
+    assert "no layer ran in FP8" not in df[df.opt_level == "O0"].iloc[0].warnings

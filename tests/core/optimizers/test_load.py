@@ -90,3 +90,16 @@ def test_counterparts_without_extra_hyperparameters_pass_the_class_check():
     SavedGroups(FusedAdam(p), torch.optim.Adam(p).state_dict()).check()
     with pytest.raises(ValueError, match=r"\['lr_decay'.*\['betas'"):
         SavedGroups(torch.optim.Adagrad(p), torch.optim.Adam(p).state_dict()).check()
+
+
+def test_a_fused_optimizer_refuses_another_class_without_amp_and_names_replaced_values():
+    from mpnb.optimizers import FusedSGD
+
+    sgd = FusedSGD(nn.Linear(3, 3).parameters(), lr=0.1, momentum=0.9)
+    adam = FusedAdam(nn.Linear(3, 3).parameters(), lr=1e-3)
+    with pytest.raises(ValueError, match="momentum"):
+        adam.load_state_dict(sgd.state_dict())
+    other = FusedAdam(nn.Linear(3, 3).parameters(), lr=0.5)
+    with pytest.warns(CheckpointHyperparamsWarning, match="lr"):
+        other.load_state_dict(adam.state_dict())
+    assert other.param_groups[0]["lr"] == 1e-3
