@@ -6,11 +6,19 @@
 #include <ATen/Dispatch_v2.h>
 #include <torch/library.h>
 
+#include <cmath>
+
 #include "cpu/autograd.h"
 #include "cpu/multi_tensor_apply.h"
 
 namespace mpnb::cpu {
 namespace {
+
+// A new scale below float32's smallest normal is stored as a zero of its sign, as Apex's CUDA
+// kernel (built with --use_fast_math, which flushes subnormals) stores it.
+float flush_subnormal(float x) {
+  return std::fpclassify(x) == FP_SUBNORMAL ? std::copysign(0.0f, x) : x;
+}
 
 // One step of the rule on host-visible state (the tensors are one-element CPU tensors).
 void hysteresis_step(float* scale, int32_t* growth, int32_t* hyst, double inf,
@@ -24,12 +32,13 @@ void hysteresis_step(float* scale, int32_t* growth, int32_t* hyst, double inf,
     }
   }
   if (inf != 0) {
-    *scale = static_cast<float>(static_cast<double>(*scale) * backoff_factor);
+    *scale = flush_subnormal(static_cast<float>(static_cast<double>(*scale) * backoff_factor));
     *growth = 0;
   } else {
     const int64_t successful = static_cast<int64_t>(*growth) + 1;
     if (successful == growth_interval) {
-      const float grown = static_cast<float>(static_cast<double>(*scale) * growth_factor);
+      const float grown =
+          flush_subnormal(static_cast<float>(static_cast<double>(*scale) * growth_factor));
       if (std::isfinite(grown)) *scale = grown;  // never grow past the fp32 range
       *growth = 0;
     } else {

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from mpnb.core.amp.casts import in_autocast_dtype
+from mpnb.core.ops._norm import check_eps
 from mpnb.core.ops.layer_norm import layer_norm_fwd
 from mpnb.core.ops.rms_norm import rms_norm_fwd
 
@@ -105,7 +106,7 @@ class FusedLayerNorm(nn.Module):
 
     Args:
         normalized_shape: the trailing dims to normalize over (an int or a sequence).
-        eps: added to the variance.
+        eps: added to the variance; a finite number >= 0 (a ValueError otherwise).
         elementwise_affine: learn a ``weight`` (ones) and ``bias`` (zeros).
         memory_efficient: save the output, not the input, for the backward.
 
@@ -125,7 +126,7 @@ class FusedLayerNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.normalized_shape = torch.Size(_shape(normalized_shape))
-        self.eps = eps
+        self.eps = check_eps(eps, type(self).__name__)
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
         if elementwise_affine:
@@ -166,7 +167,7 @@ class FusedRMSNorm(nn.Module):
 
     Args:
         normalized_shape: the trailing dims to normalize over.
-        eps: added to the mean square.
+        eps: added to the mean square; a finite number >= 0 (a ValueError otherwise).
         elementwise_affine: learn a ``weight`` (ones).
         memory_efficient: save the output, not the input, for the backward.
     """
@@ -180,7 +181,7 @@ class FusedRMSNorm(nn.Module):
     ) -> None:
         super().__init__()
         self.normalized_shape = torch.Size(_shape(normalized_shape))
-        self.eps = eps
+        self.eps = check_eps(eps, type(self).__name__)
         self.elementwise_affine = elementwise_affine
         self.memory_efficient = memory_efficient
         if elementwise_affine:

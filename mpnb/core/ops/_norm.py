@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mpnb.core._numbers import positive_finite
 from mpnb.core.ops._checks import acc_dtype, check_float, check_param, norm_rows
 from mpnb.core.ops._library import Sample
 
@@ -38,9 +39,23 @@ def _check_params(op: str, x: torch.Tensor, weight, bias, cols: int) -> None:
         )
 
 
+def check_eps(eps, owner: str) -> float:
+    """``eps`` as a float, or a ValueError naming ``owner`` and the fix: a norm's ``eps`` is
+    added to the variance (mean square): a negative one gives NaN rows, an infinite one zeros.
+
+    Example::
+
+        >>> check_eps(1e-5, "FusedLayerNorm")
+        1e-05
+    """
+    fix = "pass eps= a small number >= 0 such as 1e-5"
+    return positive_finite(eps, "eps", owner=owner, fix=fix, allow_zero=True)
+
+
 def check_forward(args: Any, per_tensor: bool) -> None:
     """The check of a norm forward (``args.bias`` absent for RMS norm)."""
     op, x = args.op_name, args.input
+    check_eps(args.eps, op)
     check_float(op, x, "input")
     _, cols = norm_rows(op, x, args.normalized_shape)
     _check_params(op, x, args.weight, getattr(args, "bias", None), cols)

@@ -39,8 +39,12 @@ def reference_update_scale_hysteresis(
     multiplied by ``backoff_factor``. Without an overflow the growth counter advances and
     the scale is multiplied by ``growth_factor`` every ``growth_interval`` clean steps
     (never past the fp32 range), and the hysteresis tracker is refilled to ``hysteresis``.
-    With ``hysteresis=1`` this is exactly PyTorch's ``GradScaler`` update. The reference uses
-    tensor ops only (no host sync).
+    A NaN ``found_inf`` backs off without touching the hysteresis tracker; a negative one
+    backs off and refills it (both as in Apex's kernel). A new scale below float32's smallest
+    normal number is stored as 0, as Apex's kernel (built with ``--use_fast_math``, which
+    flushes subnormals) stores it. With ``hysteresis=1`` this is PyTorch's ``GradScaler``
+    update (which keeps subnormal scales instead). The reference uses tensor ops only (no
+    host sync).
 
     Args:
         current_scale: one-element float32 tensor.
@@ -65,10 +69,10 @@ def reference_update_scale_hysteresis(
     backoff = ~held & nonzero
     successful = growth + 1
     grow = ~held & ~nonzero & (successful == growth_interval)
-    grown = (scale * growth_factor).to(torch.float32)
+    grown = _flush_subnormal((scale * growth_factor).to(torch.float32))
     new_scale = torch.where(
         backoff,
-        (scale * backoff_factor).to(torch.float32),
+        _flush_subnormal((scale * backoff_factor).to(torch.float32)),
         torch.where(grow & torch.isfinite(grown), grown, current_scale.reshape(())),
     )
     new_growth = torch.where(
@@ -79,6 +83,11 @@ def reference_update_scale_hysteresis(
     current_scale.copy_(new_scale.reshape(current_scale.shape))
     growth_tracker.copy_(new_growth.reshape(growth_tracker.shape))
     hysteresis_tracker.copy_(new_hyst.reshape(hysteresis_tracker.shape))
+
+
+def _flush_subnormal(x: torch.Tensor) -> torch.Tensor:
+    """``x`` with a subnormal value replaced by a zero of its sign (as a CUDA fast-math store)."""
+    return torch.where(x.abs() < torch.finfo(torch.float32).tiny, x * 0.0, x)
 
 
 def _check_state(args, per_tensor: bool) -> None:
@@ -170,6 +179,10 @@ def _samples_hysteresis(dtype: torch.dtype):
             kw = _state(65536.0, 1, hyst) | rule | dict(hysteresis=2)
             kw["found_inf"] = torch.full((1,), found)
             yield Sample(kw, name=f"found={found} hyst={hyst}")
+    tiny = float(torch.finfo(torch.float32).tiny)
+    for found, scale in ((1.0, tiny), (0.0, tiny / 4)):  # backoff / growth to a subnormal
+        kw = _state(scale, 1, 1) | rule | dict(hysteresis=1, found_inf=torch.full((1,), found))
+        yield Sample(kw, name=f"found={found} scale={scale:g} (flush to zero)")
 
 
 def _samples_update(dtype: torch.dtype):
