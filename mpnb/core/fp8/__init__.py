@@ -9,6 +9,11 @@ updates; each GEMM quantizes its operands on the fly):
 * ``"rowwise"`` (:class:`RowwiseScaling`): one scale per row of each GEMM operand;
 * ``"mxfp8"`` (:class:`MXFP8BlockScaling`): 32-element blocks with E8M0 power-of-two scales.
 
+Four-bit numerics beside them (E2M1 elements with two scale levels): TransformerEngine's NVFP4
+and torchao's variant (:func:`quantize_nvfp4`, :func:`quantize_nvfp4_torchao`), MXFP4
+(:func:`quantize_mxfp4`), the 16-point randomized Hadamard transform, stochastic rounding to
+E2M1, and the emulated GEMM that accumulates per K block (:func:`fp4_mm`).
+
 The GEMMs run in ``torch._scaled_mm`` where the device supports the recipe (CPU: tensorwise
 and rowwise, any shape; CUDA sm89+/sm90+: multiples of 16), and otherwise as the same math
 emulated (dequantize, float32 matmul) with one :class:`Float8FallbackWarning` per layer. On a
@@ -30,8 +35,32 @@ from mpnb.core.fp8.convert import (
     float8_layers,
 )
 from mpnb.core.fp8.formats import E4M3, E5M2, E8M0, FP8_FORMATS, format_dtypes, fp8_max
+from mpnb.core.fp8.fp4 import (
+    E2M1_MAX,
+    e2m1_to_float,
+    pack_e2m1,
+    round_to_e2m1,
+    stochastic_round_to_e2m1,
+    unpack_e2m1,
+)
+from mpnb.core.fp8.fp4_gemm import FP4Operand, fp4_mm
 from mpnb.core.fp8.gemm import emulated_mm, fp8_mm, scaled_mm_blocker, scaled_mm_rule
+from mpnb.core.fp8.hadamard import (
+    TE_RHT_SIGNS,
+    hadamard_matrix,
+    hadamard_transform,
+    random_signs,
+    te_rht_matrix,
+)
 from mpnb.core.fp8.linear import Float8FallbackWarning, Float8Linear
+from mpnb.core.fp8.mxfp4 import mxfp4_scale, quantize_mxfp4
+from mpnb.core.fp8.nvfp4 import (
+    TE_FORMULAS,
+    global_encode_scale,
+    quantize_nvfp4,
+    quantize_nvfp4_torchao,
+    torchao_per_tensor_scale,
+)
 from mpnb.core.fp8.quantize import (
     Float8Operand,
     amax_to_scale,
@@ -97,4 +126,24 @@ __all__ = [
     "reference_dequantize",
     "reference_delayed_scales",
     "reference_float8_linear",
+    "E2M1_MAX",
+    "round_to_e2m1",
+    "stochastic_round_to_e2m1",
+    "pack_e2m1",
+    "unpack_e2m1",
+    "e2m1_to_float",
+    "FP4Operand",
+    "fp4_mm",
+    "quantize_nvfp4",
+    "quantize_nvfp4_torchao",
+    "global_encode_scale",
+    "torchao_per_tensor_scale",
+    "TE_FORMULAS",
+    "quantize_mxfp4",
+    "mxfp4_scale",
+    "te_rht_matrix",
+    "hadamard_matrix",
+    "hadamard_transform",
+    "random_signs",
+    "TE_RHT_SIGNS",
 ]
