@@ -40,12 +40,14 @@ _WHEN_SET = ("compile_s", "gpu_busy")
 
 
 def _csv(kind):
+    what = "integers" if kind is int else "values"
+
     def parse(text: str):
         try:
             return tuple(kind(v.strip()) for v in text.split(",") if v.strip())
         except ValueError:
             raise argparse.ArgumentTypeError(
-                f"expected a comma-separated list, got {text!r}"
+                f"expected comma-separated {what} (e.g. 16,32), got {text!r}"
             ) from None
 
     return parse
@@ -130,11 +132,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--optimizer",
-        default=DEFAULT_OPTIMIZER,
+        default=None,  # compare's own default: the one-process and the distributed ones differ
         choices=OPTIMIZERS,
         help=f"default {DEFAULT_OPTIMIZER} (mpnb's FusedAdam: a fused step, as torch-amp's "
-        "AdamW(fused=True)); a configuration that needs an optimizer option (bf16-pure+sr, "
-        "bf16-pure+kahan) runs mpnb's fused optimizer of the same rule",
+        "AdamW(fused=True); with --ranks, adam: FSDP2 shards into DTensors); a configuration "
+        "that needs an optimizer option (bf16-pure+sr, bf16-pure+kahan) runs mpnb's fused "
+        "optimizer of the same rule",
     )
     p.add_argument("--lr", type=float, default=None)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
@@ -145,7 +148,12 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="torch threads (default: torch's; 1 is often faster on a busy CPU)",
     )
     p.add_argument("--isolate", action="store_true", help="each configuration in a subprocess")
-    p.add_argument("--out", default="report.html", help="HTML report path ('' for none)")
+    p.add_argument(
+        "--out",
+        default=None,
+        help="HTML report path (default report.html; '' for none); with --ranks, a .csv or "
+        ".json file for the rows (default none)",
+    )
     p.add_argument(
         "--json",
         action="store_true",
@@ -223,18 +231,19 @@ def run(args: argparse.Namespace) -> int:
     from mpnb.lab.runner import emulation_note, resolve_device
     from mpnb.lab.workloads import get
 
-    if getattr(args, "ranks", None) and args.ranks > 1:
+    if getattr(args, "ranks", None) is not None:
         return _run_distributed(args)
     if getattr(args, "strategy", None):
         print("mpnb compare: --strategy needs --ranks N (N >= 2).", file=sys.stderr)
         return 2
     dtype = args.dtype[0] if len(args.dtype) == 1 else args.dtype
     msg = sys.stderr if args.json else sys.stdout
+    if args.out is None:
+        args.out = "report.html"
     why = unwritable_reason(args.out) if args.out else ""
     if why:
         print(
-            f"mpnb compare: --out {args.out}: {why}; pass another path, or --out '' for no report.",
-            file=sys.stderr,
+            f"mpnb compare: --out {args.out}: {why} (or --out '' for no report).", file=sys.stderr
         )
         return 2
     try:
@@ -288,8 +297,11 @@ def run(args: argparse.Namespace) -> int:
         try:
             path = mpnb.lab.report(df, args.out)
             print(f"\nreport: {path}", file=msg)
-        except OSError as e:
-            print(f"mpnb compare: the report was not written: {e.strerror or e}", file=sys.stderr)
+        except (OSError, ValueError) as e:  # ValueError: the path went bad during the run
+            print(
+                f"mpnb compare: the report was not written: {getattr(e, 'strerror', None) or e}",
+                file=sys.stderr,
+            )
             code = 1
     by = df.attrs.get("stopped_by")
     if by in ("Ctrl-C", "SIGTERM"):
@@ -301,12 +313,32 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-def _run_distributed(args: argparse.Namespace) -> int:
-    """``mpnb compare --ranks N``: the distributed comparison's table (no HTML report)."""
-    import mpnb.lab
-    from mpnb.lab.distributed._cli import show
+#: one-process flags the distributed comparison has no use for: (dest, flag, default)
+_NOT_WITH_RANKS = (
+    ("dtype", "--dtype", ("auto",)),
+    ("isolate", "--isolate", False),
+    ("cuda_graphs", "--cuda-graphs", False),
+    ("compile_budget", "--compile-budget", None),
+)
 
+
+def _run_distributed(args: argparse.Namespace) -> int:
+    """``mpnb compare --ranks N``: the distributed comparison's table, and its rows in ``--out``
+    (.csv or .json); the flags it cannot use are refused before anything runs."""
+    import mpnb.lab
+    from mpnb.lab.distributed._cli import check_out, show
+
+    given = [flag for dest, flag, default in _NOT_WITH_RANKS if getattr(args, dest) != default]
+    if given:
+        print(
+            f"mpnb compare: {', '.join(given)} apply to the one-process comparison, not to "
+            "--ranks (each distributed policy names its own dtypes: see --configs); drop "
+            f"{'them' if len(given) > 1 else 'it'}, or drop --ranks.",
+            file=sys.stderr,
+        )
+        return 2
     try:
+        check_out(args.out)
         df = mpnb.lab.compare(
             args.workload,
             size=args.size,
@@ -324,7 +356,10 @@ def _run_distributed(args: argparse.Namespace) -> int:
     except (ValueError, TypeError) as e:
         print(f"mpnb compare: {e}", file=sys.stderr)
         return 2
-    return show(df, args.json)
+    except KeyboardInterrupt as e:  # before the ranks started: nothing measured
+        print(f"mpnb compare: {_stopped(e)} before any step ran.", file=sys.stderr)
+        return 143 if "SIGTERM" in _stopped(e) else 130
+    return show(df, args.json, args.out or "", prog="mpnb compare")
 
 
 def _stopped(what) -> str:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from mpnb.lab._files import check_writable, write_atomic
 from mpnb.lab._report_table import (
     TABLE_COLUMNS,
     TABLE_GROUPS,
@@ -335,16 +336,23 @@ def report(df: pd.DataFrame, path: str | Path, title: str = "mpnb compare") -> P
 
     Args:
         df: the DataFrame ``compare`` returned (with its ``attrs``).
-        path: where to write (parent directories are created).
+        path: where to write: a file in an existing, writable directory (checked first,
+            before the page is built).
         title: the page title.
 
     Returns:
         The path written.
 
+    Raises:
+        ValueError: ``path`` cannot be written (a directory, a missing or read-only
+            directory), naming it; or ``df`` is not what ``compare`` returned.
+        OSError: the write failed part-way (a full disk); the previous file is kept.
+
     Example::
 
         >>> mpnb.lab.report(mpnb.lab.compare("mlp", steps=60), "report.html")
     """
+    check_writable(path, "report: path")  # before any work: the message names the path
     try:
         from plotly.offline import get_plotlyjs
     except ImportError as e:
@@ -396,6 +404,4 @@ dl.glossary dt{{float:left;clear:left;width:9em}} dl.glossary dd{{margin:0 0 4px
 <h2>Charts</h2>{charts}
 <h2>Glossary: the configurations</h2>{glossary_html(names)}
 </body></html>"""
-    from mpnb.lab._files import write_atomic  # whole or not at all: the old report survives
-
-    return write_atomic(path, page)
+    return write_atomic(path, page)  # whole or not at all: the old report survives

@@ -374,9 +374,13 @@ def compare(
             ``strategy`` this device offers) and the frame has
             :data:`mpnb.lab.distributed.DIST_COLUMNS` besides today's columns (see
             :mod:`mpnb.lab.distributed`). ``half_dtype``, ``loss_scale``, ``isolate``,
-            ``should_stop`` and ``on_progress`` do not apply there.
+            ``should_stop`` and ``on_progress`` do not apply there; Ctrl-C and SIGTERM stop
+            every rank and return the rows measured so far (``attrs["stopped_by"]``). Refused:
+            ranks below 1, and more ranks than CPUs on a CPU run (they would measure the
+            contention).
         strategy: with ``ranks``: ``"ddp"``, ``"fsdp2"`` or None/``"both"``.
-        timeout: with ``ranks``: seconds for the whole distributed run; a rank that fails or
+        timeout: with ``ranks``: seconds for the whole distributed run (positive, finite;
+            the report of where a hung rank is fits in them); a rank that fails or
             hangs ends it (within this bound for a hang) with the rank and policy named in
             that policy's row, and the steps measured before are kept.
         compile_budget: seconds ``torch-amp+compile`` may take to compile before its row
@@ -397,6 +401,11 @@ def compare(
         >>> print(df.attrs["verdict"]["text"])
         >>> df = mpnb.lab.compare(lambda: MyNet(), (x, y), metric_fn=mpnb.lab.accuracy)
     """
+    if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1):
+        raise ValueError(
+            f"compare: ranks={ranks!r} is not a number of processes; pass ranks=N (N >= 2) for "
+            "the distributed comparison, or leave ranks out (None or 1: one process)."
+        )
     distributed = ranks is not None and ranks > 1
     if strategy is not None and not distributed:
         raise ValueError(

@@ -27,7 +27,7 @@ def df():
 
 
 def test_report_is_self_contained_with_every_chart(df, tmp_path):
-    path = mpnb.lab.report(df, tmp_path / "sub" / "r.html")
+    path = mpnb.lab.report(df, tmp_path / "r.html")
     page = path.read_text()
     for name in CHARTS:
         assert f'id="chart-{name}"' in page and f'id="plot-{name}"' in page

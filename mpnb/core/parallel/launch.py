@@ -43,6 +43,7 @@ import contextlib
 import datetime
 import faulthandler
 import gc
+import math
 import multiprocessing as mp
 import os
 import pickle
@@ -80,6 +81,7 @@ __all__ = [
 ]
 
 LOOPBACK = "127.0.0.1"
+_DIAGNOSE_S = 1.0  # at most this much of the timeout goes to reading the hung ranks' stacks
 
 
 class RankError(RuntimeError):
@@ -317,22 +319,34 @@ def _stack_on_request(path: str | None) -> None:
     faulthandler.register(signal.SIGUSR1, file=f, all_threads=True)
 
 
-def _where(proc, path: str | None) -> str:
-    """Where a running rank's ``fn`` is now (its frames, outermost first), or "" when
-    unknown. The rank's faulthandler writes every thread's stack on SIGUSR1."""
-    if path is None or not hasattr(signal, "SIGUSR1") or not proc.is_alive():
-        return ""
-    try:
-        os.kill(proc.pid, signal.SIGUSR1)
-    except OSError:
-        return ""
-    text, end = "", time.monotonic() + 2.0
-    while time.monotonic() < end:  # until the dump stops growing
-        time.sleep(0.1)
-        now = _read(path)
-        if now and now == text:
-            break
-        text = now
+def _where_all(procs, paths, hung: list[int], seconds: float) -> dict[int, str]:
+    """Where each running rank of ``hung`` is now (its ``fn`` frames, outermost first; ""
+    when unknown), asked of all of them at once and answered within ``seconds``: each rank's
+    faulthandler writes every thread's stack on SIGUSR1 (a rank still starting writes none)."""
+    asked = []
+    for r in hung:
+        if paths[r] is None or not hasattr(signal, "SIGUSR1") or not procs[r].is_alive():
+            continue
+        try:
+            os.kill(procs[r].pid, signal.SIGUSR1)
+            asked.append(r)
+        except OSError:
+            pass
+    text = dict.fromkeys(asked, "")
+    end = time.monotonic() + seconds
+    waiting = set(asked)
+    while waiting and time.monotonic() < end:  # until every dump stops growing
+        time.sleep(min(0.1, max(0.0, end - time.monotonic())))
+        for r in list(waiting):
+            now = _read(paths[r])
+            if now and now == text[r]:
+                waiting.discard(r)
+            text[r] = now
+    return {r: _fn_frames(t) for r, t in text.items()}
+
+
+def _fn_frames(text: str) -> str:
+    """The frames of ``fn`` in a faulthandler dump (the thread that runs ``_worker``)."""
     for section in re.split(r"\n(?=Thread |Current thread )", text):
         frames = re.findall(r'File "([^"]+)", line (\d+) in (\S+)', section)
         names = [f[2] for f in frames]  # innermost first
@@ -350,12 +364,14 @@ def _read(path: str) -> str:
         return ""
 
 
-def _timeout_error(nprocs, results, returned, procs, stacks, timeout) -> TimeoutError:
+def _timeout_error(nprocs, results, returned, procs, stacks, timeout, seconds) -> TimeoutError:
+    """The timeout's error, with where each hung rank is (asked within ``seconds``)."""
     hung = [r for r in range(nprocs) if r not in results and r not in returned]
+    where = _where_all(procs, stacks, hung, seconds) if stacks else {}
     lines = []
     for r in hung:
-        where = _where(procs[r], stacks[r]) if stacks else ""
-        lines.append(f"rank {r} was still in fn" + (f", at: {where}" if where else ""))
+        at = where.get(r, "")
+        lines.append(f"rank {r} was still in fn" + (f", at: {at}" if at else ""))
     waited = sorted(set(returned) - set(results))
     if waited:
         lines.append(f"rank(s) {', '.join(map(str, waited))} had returned and waited for it")
@@ -367,16 +383,20 @@ def _timeout_error(nprocs, results, returned, procs, stacks, timeout) -> Timeout
     )
 
 
-def _collect(procs, conns, nprocs: int, timeout: float, stacks=None) -> list:
+def _collect(procs, conns, nprocs: int, timeout: float, stacks=None, start=None) -> list:
+    """Every rank's result, in rank order; raises at the first failure, or at the deadline
+    (``start`` + ``timeout``: the hung ranks' stacks are read inside it, not after it)."""
     results: dict[int, object] = {}
     returned: set[int] = set()
-    deadline = time.monotonic() + timeout
+    deadline = (time.monotonic() if start is None else start) + timeout
+    diagnose = min(_DIAGNOSE_S, max(0.25, 0.05 * timeout), 0.25 * timeout)  # where they hung
     open_ = dict(zip(conns, range(nprocs), strict=True))
     sentinels = {p.sentinel: r for r, p in enumerate(procs)}
     while len(results) < nprocs:
-        left = deadline - time.monotonic()
+        left = deadline - diagnose - time.monotonic()
         if left <= 0:
-            raise _timeout_error(nprocs, results, returned, procs, stacks, timeout)
+            seconds = max(0.0, deadline - time.monotonic())
+            raise _timeout_error(nprocs, results, returned, procs, stacks, timeout, seconds)
         ready = wait([*open_, *(s for s, r in sentinels.items() if r not in results)], left)
         for obj in ready:
             if obj in open_:
@@ -413,6 +433,17 @@ def _collect(procs, conns, nprocs: int, timeout: float, stacks=None) -> list:
     return [results[r] for r in range(nprocs)]
 
 
+def _check_timeout(timeout) -> None:
+    """Refuse a timeout that bounds nothing (zero, negative, NaN, infinite, not a number)."""
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not (ok and math.isfinite(timeout) and timeout > 0):
+        raise ValueError(
+            f"launch: timeout={timeout!r} bounds nothing; give the seconds the whole run may "
+            "take (the ranks' start, fn and the report of a hung rank), a positive finite "
+            "number such as timeout=300."
+        )
+
+
 def launch(
     fn: Callable,
     nprocs: int,
@@ -436,7 +467,9 @@ def launch(
         nprocs: number of ranks.
         backend: ``"gloo"`` or ``"nccl"``; default NCCL when CUDA is available, else gloo.
         args: positional arguments for ``fn`` (must pickle).
-        timeout: seconds for the whole run, also the process group's collective timeout.
+        timeout: seconds for the whole run (a positive finite number), from this call to the
+            error that names a hung rank and where it is; also the process group's
+            collective timeout.
         start_method: ``"spawn"`` or ``"fork"``; default spawn, fork for notebook functions.
         threads: torch threads per rank (default: the CPUs this process may use, its
             affinity and cgroup quota, divided by ``nprocs``; see :func:`share_cpus`).
@@ -446,6 +479,8 @@ def launch(
             in a DistributedDataParallel all-reduce for a rank that already returned from
             ``fn`` raises within about a second (uneven inputs: use ``model.join()``).
         TimeoutError: the ranks did not all finish within ``timeout``.
+        ValueError: ``nprocs`` below 1, or a ``timeout`` that bounds nothing (0, negative,
+            NaN, infinite).
         KeyboardInterrupt: passed on, after the ranks were stopped.
 
     Example::
@@ -455,8 +490,10 @@ def launch(
         >>> launch(train, nprocs=2)
         [0, 1]
     """
+    start = time.monotonic()
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be at least 1, got {nprocs}.")
+    _check_timeout(timeout)
     backend = backend or _default_backend()
     if under_torchrun():
         if dist.is_initialized():
@@ -512,7 +549,7 @@ def launch(
                 p.start()
                 send.close()
                 conns.append(recv)
-            out = _collect(procs, conns, nprocs, timeout, stacks)
+            out = _collect(procs, conns, nprocs, timeout, stacks, start)
             finished = True
             return out
         finally:

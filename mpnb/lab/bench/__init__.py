@@ -125,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     ``mpnb bench --device cuda`` without a suite runs suite ``cuda``. Returns 2, with the
     reason on stderr, when the suite cannot run here (an unknown suite, a bad option, or a
     suite's ``unavailable(opts)``, such as the GPU suite on a machine without a GPU).
+    Returns 1 when ``--json`` was not written: the write failed (the previous file is kept),
+    or no case matched ``--filter`` (nothing measured: an earlier file there is not replaced).
     """
     args = _parser().parse_args(sys.argv[1:] if argv is None else argv)
     if not args.suite and not args.list and args.device.startswith("cuda"):
@@ -156,8 +158,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mpnb bench: {why}", file=sys.stderr)
         return 2
     result = run_suite(args.suite, opts, echo=True)
-    if not result.rows:
-        print(f"mpnb bench: no case matched --filter {args.filter!r}.", file=sys.stderr)
+    if not result.rows:  # nothing measured: earlier results at --json stay as they were
+        kept = f"; --json {args.json} was not written (a previous file there is kept)"
+        print(
+            f"mpnb bench: no case matched --filter {args.filter!r}{kept if args.json else ''}; "
+            f"see the cases with `mpnb bench {args.suite} --quick`, then filter on one.",
+            file=sys.stderr,
+        )
+        return 1 if args.json else 0
     if args.json:
         try:
             write_json(args.json, result.header, result.rows, result.summary)
@@ -179,5 +187,5 @@ def _unusable(args, opts) -> str | None:
         return f"--device {opts.device} but no CUDA GPU is visible to torch here; use --device cpu."
     why = unwritable_reason(args.json, f"{args.suite}.json") if args.json else ""
     if why:
-        return f"--json {args.json}: {why}; pass another path."
+        return f"--json {args.json}: {why}."
     return None

@@ -59,6 +59,8 @@ DIST_COLUMNS: dict[str, str] = {
     "tolerance": "the policy's stated tolerance on loss_vs_fp32 (from its dtypes).",
     "within_tolerance": "bool: loss_vs_fp32 <= tolerance.",
     "flops_per_step": "model FLOPs per step per rank, as the single-process lab counts them.",
-    "status": '"ok", "error", "hung" or "skipped" (not offered on this device).',
+    "status": '"ok", "error", "hung", "interrupted" (another policy\'s failure, Ctrl-C or '
+    'SIGTERM ended the run first: the steps before are kept) or "skipped" (not offered on '
+    "this device).",
     "error": "what went wrong, naming the rank and the policy; empty when ok.",
 }

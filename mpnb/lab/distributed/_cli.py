@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser, standalone: bool) -> None:
         p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--ranks",
-        type=int,
+        type=_rank_count,
         default=None,
         help="N >= 2: the distributed comparison on N local ranks (ignored under torchrun, "
         "which sets the world)",
@@ -97,10 +97,54 @@ def add_arguments(p: argparse.ArgumentParser, standalone: bool) -> None:
     )
     p.add_argument(
         "--timeout",
-        type=float,
+        type=_seconds,
         default=600.0,
-        help="with --ranks: seconds for the whole distributed run (a hung rank ends it)",
+        help="with --ranks: seconds for the whole distributed run (a hung rank ends it, and "
+        "the report of where it hung fits in them)",
     )
+
+
+def _rank_count(text: str) -> int:
+    """argparse type of ``--ranks``: an integer N >= 2."""
+    try:
+        n = int(text)
+    except ValueError:
+        n = None
+    if n is None or n < 2:
+        raise argparse.ArgumentTypeError(
+            f"--ranks {text}: give N >= 2 ranks for the distributed comparison, or leave "
+            "--ranks out for the one-process comparison."
+        )
+    return n
+
+
+def _seconds(text: str) -> float:
+    """argparse type of ``--timeout``: a positive, finite number of seconds."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = math.nan
+    if not (math.isfinite(v) and v > 0):
+        raise argparse.ArgumentTypeError(
+            f"--timeout {text}: give the seconds the whole distributed run may take, a "
+            "positive number such as --timeout 600."
+        )
+    return v
+
+
+def check_out(path: str | None) -> None:
+    """Refuse, before the run, an ``--out`` the rows cannot be written to: not .csv or .json
+    (the HTML report draws one-process comparisons), or a path that cannot be written."""
+    from mpnb.lab._files import check_writable
+
+    if not path:
+        return
+    check_writable(path, "--out", "rows.csv")
+    if not path.endswith((".csv", ".json")):
+        raise ValueError(
+            f"--out {path}: the distributed comparison writes its rows as .csv or .json (the "
+            "HTML report draws one-process comparisons); pass e.g. --out rows.csv."
+        )
 
 
 def _json(df) -> str:
@@ -110,11 +154,10 @@ def _json(df) -> str:
 
 
 def _write(df, path: str) -> None:
-    if path.endswith(".json"):
-        with open(path, "w") as f:
-            f.write(_json(df))
-    else:
-        df.to_csv(path, index=False)
+    """The rows to ``path`` (.json or .csv), whole or not at all (the previous file stays)."""
+    from mpnb.lab._files import write_atomic
+
+    write_atomic(path, _json(df) if path.endswith(".json") else df.to_csv(index=False))
 
 
 def torchrun_rows(args):
@@ -168,8 +211,9 @@ def torchrun_rows(args):
     return df
 
 
-def show(df, as_json: bool, out: str = "") -> int:
-    """Print the rows (a table, or JSON), write them to ``out``; the exit code."""
+def show(df, as_json: bool, out: str = "", prog: str = "mpnb.lab.distributed") -> int:
+    """Print the rows (a table, or JSON), write them to ``out``; the exit code (130 or 143
+    when Ctrl-C or SIGTERM ended the run: the rows keep the steps that finished)."""
     if as_json:
         print(_json(df))
     else:
@@ -181,9 +225,19 @@ def show(df, as_json: bool, out: str = "") -> int:
             flush=True,
         )
         print(format_table(df))
+    code = 1 if (df["status"] != "ok").all() else 0
     if out:
-        _write(df, out)
-    return 1 if (df["status"] != "ok").all() else 0
+        try:
+            _write(df, out)
+        except OSError as e:
+            print(f"{prog}: --out: {e.strerror or e}", file=sys.stderr)
+            code = 1
+    by = df.attrs.get("stopped_by", "")
+    if by:
+        what = "terminated (SIGTERM)" if by == "SIGTERM" else "interrupted (Ctrl-C)"
+        print(f"{prog}: {what}; the rows above keep the steps that finished.", file=sys.stderr)
+        return 143 if by == "SIGTERM" else 130  # 128 + the signal's number, as a shell says
+    return code
 
 
 def run(args) -> int:
@@ -191,6 +245,7 @@ def run(args) -> int:
     from mpnb.core.parallel import under_torchrun
 
     try:
+        check_out(args.out)
         if under_torchrun():
             df = torchrun_rows(args)
             return 0 if df is None else show(df, args.json, args.out)
@@ -212,4 +267,10 @@ def run(args) -> int:
     except (ValueError, TypeError) as e:
         print(f"mpnb.lab.distributed: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt as e:  # before the ranks started: nothing measured
+        from mpnb.lab._isolate import stop_label
+
+        by = stop_label(e)
+        print(f"mpnb.lab.distributed: stopped ({by}) before any step ran.", file=sys.stderr)
+        return 143 if by == "SIGTERM" else 130
     return show(df, args.json, args.out)

@@ -16,10 +16,18 @@ import tempfile
 import pandas as pd
 import torch
 
+from mpnb.lab._isolate import sigterm_interrupts, stop_label
 from mpnb.lab.distributed import DIST_COLUMNS
 from mpnb.lab.distributed._rank import MEASURE_STEPS, progress_path, run_rank
 
-__all__ = ["compare_distributed", "reference_run", "rows_of", "resolve_policies", "launched"]
+__all__ = [
+    "compare_distributed",
+    "check_limits",
+    "reference_run",
+    "rows_of",
+    "resolve_policies",
+    "launched",
+]
 
 
 def resolve_policies(configs, strategy: str | None, device: str) -> tuple[list, dict]:
@@ -93,10 +101,15 @@ def launched(spec, configs: list, job: dict, folder: str | None) -> list[dict]:
 
 
 def _read_records(folder: str) -> list[dict]:
+    """Every rank's records; a line a stopped rank left half-written is not one."""
     out = []
     for path in sorted(glob.glob(os.path.join(folder, "rank*.jsonl"))):
         with open(path) as f:
-            out += [json.loads(line) for line in f if line.strip()]
+            for line in f:
+                try:
+                    out.append(json.loads(line))
+                except json.JSONDecodeError:  # the rank was stopped while writing it
+                    continue
     return out
 
 
@@ -130,6 +143,9 @@ def _failure(e: BaseException, folder: str, ranks: int) -> tuple[str, str, str]:
 
 
 def _launch(w, spec, policies, job, ranks, timeout, start_method):
+    """The ranks' records and the failure that ended them early (None when all ran): a rank
+    that raised, died or hung, or Ctrl-C / SIGTERM here, after which launch has stopped every
+    rank and all it started; the records written until then are kept either way."""
     from mpnb.core.parallel import RankError, launch
 
     with tempfile.TemporaryDirectory(prefix="mpnb-dist-") as folder:
@@ -145,6 +161,10 @@ def _launch(w, spec, policies, job, ranks, timeout, start_method):
             return _read_records(folder), None
         except (RankError, TimeoutError) as e:
             return _read_records(folder), _failure(e, folder, ranks)
+        except KeyboardInterrupt as e:  # Ctrl-C, or SIGTERM (Terminated): the ranks are gone
+            label = stop_label(e)
+            what = "terminated (SIGTERM)" if label == "SIGTERM" else "interrupted (Ctrl-C)"
+            return _read_records(folder), ("", "interrupted", what, label)
 
 
 def _interval(ms: list[float]) -> tuple[float, float, float]:
@@ -161,7 +181,7 @@ def rows_of(records, policies, skipped, failure, ref, job, w, ranks, hw_summary=
     from mpnb.lab._rows import COLUMNS
     from mpnb.lab.stats import iqr, median
 
-    fail_policy, fail_status, fail_msg = failure or ("", "", "")
+    fail_policy, fail_status, fail_msg = (failure or ("", "", ""))[:3]
     rows = []
     for c in policies:
         mine = [r for r in records if r["policy"] == c.name]
@@ -191,7 +211,10 @@ def rows_of(records, policies, skipped, failure, ref, job, w, ranks, hw_summary=
                 status, error = fail_status, fail_msg
             elif len(done) < job["steps"]:
                 status = "interrupted"
-                error = f"the comparison ended early ({fail_msg.split(':')[0]})"
+                error = (
+                    f"the comparison ended early ({fail_msg.split(':')[0]}) after "
+                    f"{len(done)} of {job['steps']} steps"
+                )
         mem = {
             k: max((r[k] for r in meas), default=math.nan)
             for k in DIST_COLUMNS
@@ -284,6 +307,28 @@ def _start_method(spec) -> str | None:
         return "fork"
 
 
+def check_limits(ranks: int, timeout, device: str) -> None:
+    """Refuse, before anything runs, a ``timeout`` that bounds nothing and more CPU ranks
+    than this process has CPUs (each rank would get a fraction of one, and the step times
+    would measure the contention, not the policies)."""
+    from mpnb.core.parallel.launch import cpus_available
+
+    ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+    if not (ok and math.isfinite(timeout) and timeout > 0):
+        raise ValueError(
+            f"compare(ranks={ranks}): timeout={timeout!r} bounds nothing; give the seconds the "
+            "whole distributed run may take, a positive finite number (--timeout 600)."
+        )
+    cpus = cpus_available()
+    if not device.startswith("cuda") and ranks > cpus:
+        raise ValueError(
+            f"compare(ranks={ranks}): {ranks} ranks on {cpus} CPU(s) available to this process "
+            "would share them (each a fraction of a CPU, their step times measuring the "
+            f"contention, not the policies); pass ranks={cpus} or fewer (--ranks {cpus}), or "
+            "run on a machine with more CPUs (or under torchrun across machines)."
+        )
+
+
 def compare_distributed(
     workload,
     w,
@@ -305,6 +350,7 @@ def compare_distributed(
 
     if ranks < 2:
         raise ValueError(f"compare: ranks={ranks} runs in one process; ranks must be >= 2 here.")
+    check_limits(ranks, timeout, device)
     if global_batch % ranks:
         raise ValueError(
             f"compare(ranks={ranks}): the global batch {global_batch} does not split into "
@@ -321,11 +367,13 @@ def compare_distributed(
         seed=seed,
         threads=threads,
     )
-    ref = reference_run(w, job)
-    spec = _spec(workload, w)
-    records, failure = [], None
-    if policies:
-        records, failure = _launch(w, spec, policies, job, ranks, timeout, _start_method(spec))
+    with sigterm_interrupts():  # SIGTERM ends the run as Ctrl-C does: rows kept, ranks stopped
+        ref = reference_run(w, job)
+        spec = _spec(workload, w)
+        records, failure = [], None
+        if policies:
+            records, failure = _launch(w, spec, policies, job, ranks, timeout, _start_method(spec))
+    stopped = failure[3] if failure and len(failure) > 3 else ""
     hw = hardware_summary(device)
     df = rows_of(records, policies, skipped, failure, ref, job, w, ranks, hw["summary"])
     df.attrs["distributed"] = dict(
@@ -345,6 +393,8 @@ def compare_distributed(
     )
     df.attrs["hardware"] = hw
     df.attrs["workload"] = dict(name=w.name, size=w.size, description=w.description)
+    df.attrs["stopped"] = bool(stopped)
+    df.attrs["stopped_by"] = stopped  # "Ctrl-C", "SIGTERM" or ""
     hist = [
         dict(
             configuration=r["policy"],

@@ -123,6 +123,9 @@ def test_a_json_path_that_cannot_be_written_is_refused_before_the_run(tmp_path, 
     assert blocker.read_text() == "x"
 
 
+_ONE = ["multi-tensor", "--quick", "--rounds", "1", "--scale", "0.0005", "--filter", "l2norm"]
+
+
 def test_the_json_is_written_whole_or_not_at_all(tmp_path, file_size_limit, capsys):
     """A write that fails half-way (a full disk) keeps the previous file, and says so (the
     file used to be truncated to the part written)."""
@@ -130,11 +133,30 @@ def test_the_json_is_written_whole_or_not_at_all(tmp_path, file_size_limit, caps
     previous = '{"previous": true}'
     path.write_text(previous)
     with file_size_limit(200):  # the header alone is larger
-        code = bench.main([*_NOTHING, "--json", str(path)])
+        code = bench.main([*_ONE, "--json", str(path)])
     assert code == 1
     assert "File too large" in capsys.readouterr().err
     assert path.read_text() == previous
     assert [p.name for p in tmp_path.iterdir()] == ["out.json"]  # no temporary file left
+
+
+def test_a_filter_that_matches_nothing_keeps_the_previous_json(tmp_path, capsys):
+    """`mpnb bench --filter xyz --json prev.json` wrote 0 rows over prev.json."""
+    path = tmp_path / "prev.json"
+    previous = '{"rows": ["the previous run"]}'
+    path.write_text(previous)
+    assert bench.main([*_NOTHING, "--json", str(path)]) == 1
+    err = capsys.readouterr().err
+    assert "no case matched --filter" in err and str(path) in err and "kept" in err
+    assert path.read_text() == previous
+
+
+def test_a_json_path_in_a_missing_directory_is_refused_before_the_run(tmp_path, capsys):
+    path = tmp_path / "missing" / "out.json"
+    assert bench.main([*_NOTHING, "--json", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "--json" in err and "create it first" in err
+    assert not path.parent.exists()
 
 
 # ---- running cases -------------------------------------------------------------------------
