@@ -449,6 +449,15 @@ def compare(
             f"batch_sizes={tuple(batch_sizes)!r}: the data fixes the batch size "
             f"({w.data_batch_size}); leave batch_sizes out, or give tensors or a Dataset."
         )
+    # A row states the batch size that ran: a data set smaller than the batch asked for is
+    # one batch of all its samples, and the first row's warnings say what was asked.
+    ran = {b: w.batch_size_for(b) for b in batch_sizes}
+    asked = [
+        f"batch size {b} asked: the data holds {r} samples, so it ran b{r}"
+        for b, r in ran.items()
+        if r != b
+    ]
+    batch_sizes = tuple(dict.fromkeys(ran.values()))
     steps = w.steps if steps is None else steps
     configs = expand(
         w.name,
@@ -480,8 +489,8 @@ def compare(
             prog.close()
         n_threads = torch.get_num_threads()
     df = frames(results, w, hw)
-    if len(df) and (fell_back := kernel_fallbacks(dev)):  # loud, once: on the first row
-        notes = [f"C++ kernels: {line}" for line in fell_back]
+    notes = asked + [f"C++ kernels: {line}" for line in kernel_fallbacks(dev)]
+    if len(df) and notes:  # loud, once: on the first row
         df.loc[df.index[:1], "warnings"] = join_warnings([*notes, df["warnings"].iat[0]])
     df.attrs["load"] = load_record(load_start, loadavg(), n_threads, hw["cpus"] or 1)
     df.attrs["method"] = (

@@ -70,8 +70,10 @@ def logits_of(output):
     if isinstance(output, (tuple, list)):
         return next(v for v in output if isinstance(v, torch.Tensor))
     raise TypeError(
-        f"cannot find logits in a {type(output).__name__}: pass a metric_fn that reads "
-        "your model's output."
+        f"cannot find logits in a {type(output).__name__}: the default loss (cross-entropy) "
+        "and metric (accuracy) read logits; pass loss_fn=(output, target) -> loss and "
+        "metric_fn=(output, target) -> float that read your model's output, or return the "
+        "logits."
     )
 
 
@@ -141,6 +143,11 @@ class Workload:
     def data_batch_size(self) -> int | None:
         """The batch size the training data imposes (a DataLoader, an iterator), or None."""
         return self._train_src.fixed_batch_size
+
+    def batch_size_for(self, batch_size: int) -> int:
+        """The batch size a run asking for ``batch_size`` trains on (the data set's size when
+        it holds fewer samples): what the row states."""
+        return self._train_src.batch_size_for(batch_size)
 
     def batches(self, batch_size: int, seed: int) -> Iterator[Batch]:
         """Training batches forever, in the same order for the same seed."""

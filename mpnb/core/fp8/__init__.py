@@ -30,6 +30,7 @@ Example::
 """
 
 from mpnb.core.fp8.convert import (
+    NoFloat8LayerWarning,
     convert_from_float8_training,
     convert_to_float8_training,
     float8_layers,
@@ -93,6 +94,7 @@ __all__ = [
     "convert_to_float8_training",
     "convert_from_float8_training",
     "float8_layers",
+    "NoFloat8LayerWarning",
     "Float8Linear",
     "Float8FallbackWarning",
     "Float8Recipe",
