@@ -51,11 +51,25 @@ def probe_sizes(device_type: str, dtype: str) -> tuple[int, ...]:
 
     128 on a CPU: large enough that a native half GEMM is not lost in call overhead (at 64 a
     native bf16 GEMM measured 3-4x slower than float32), small enough that an emulated one
-    costs a few ms. 2048 on CUDA: below that, launch overhead hides the dtype.
+    costs a few ms (each format's ``probe.cpu_sizes`` in :mod:`mpnb.core.number_formats`:
+    FP8 tries 16 first). 2048 on CUDA: below that, launch overhead hides the dtype.
     """
     if device_type == "cuda":
         return (2048,)
-    return (16, 128) if dtype.startswith("float8") else (128,)
+    return _format(dtype).probe.cpu_sizes
+
+
+def _format(dtype: str):
+    # imported here: the table imports mpnb.core.fp8, which imports mpnb.core.hardware and this
+    from mpnb.core.number_formats import format_of
+
+    return format_of(dtype)
+
+
+def _scaled(dtype: str) -> bool:
+    """True where ``dtype``'s format is probed through ``torch._scaled_mm`` (FP8)."""
+    probe = _format(dtype).probe
+    return probe is not None and probe.op == "scaled_mm"
 
 
 @contextlib.contextmanager
@@ -74,13 +88,13 @@ def _gemm(dtype: str, n: int, device: torch.device) -> Callable[[], object]:
     g = torch.Generator(device="cpu").manual_seed(0)
     a = torch.randn(n, n, generator=g).to(device)
     b = torch.randn(n, n, generator=g).to(device)
-    if dtype.startswith("float8"):
+    if _scaled(dtype):
         fp8 = getattr(torch, dtype)
         a8, one = a.to(fp8), torch.ones((), device=device)
         b8 = b.to(fp8).t().contiguous().t()  # column-major: what torch._scaled_mm needs on CUDA
         out = torch.bfloat16 if device.type == "cuda" else torch.float32
         return lambda: torch._scaled_mm(a8, b8, one, one, out_dtype=out)
-    if dtype != "float32":
+    if _format(dtype).low_precision:
         a, b = a.to(getattr(torch, dtype)), b.to(getattr(torch, dtype))
     return lambda: torch.mm(a, b)
 

@@ -10,12 +10,12 @@ import torch
 
 from mpnb.core.dtype_names import short_name
 from mpnb.core.hardware import (
-    NATIVE_MIN_SPEED,
     cpu_info,
     cuda_info,
     default_half_dtype,
     dtype_support,
 )
+from mpnb.core.number_formats import probed_formats
 from mpnb.core.ops import all_ops, cache_root, cpu_extension, kernels_loaded, op_path
 
 __all__ = ["kernel_fallbacks", "report"]
@@ -38,6 +38,15 @@ def _dtype_lines(device: str) -> list[str]:
     ]
 
 
+def _thresholds() -> str:
+    """``"0.25x fp32's speed; fp8 1x"``: the first probed format's native threshold, then
+    each one that differs from it (:mod:`mpnb.core.number_formats`)."""
+    rows = probed_formats()
+    first = rows[0].native_min_speed
+    rest = [f"{f.name} {f.native_min_speed:g}x" for f in rows if f.native_min_speed != first]
+    return "; ".join([f"{first:g}x fp32's speed", *rest])
+
+
 def _hardware() -> list[str]:
     cpu = cpu_info()
     lines = [
@@ -45,9 +54,7 @@ def _hardware() -> list[str]:
         f"torch threads: {torch.get_num_threads()}",
         f"  vector ISA for mpnb kernels: {cpu.isa}; torch's own dispatch: "
         f"{torch.backends.cpu.get_cpu_capability()}",
-        "  low precision, measured in this process (native: a GEMM at least "
-        f"{NATIVE_MIN_SPEED['bfloat16']:g}x fp32's speed; fp8 "
-        f"{NATIVE_MIN_SPEED['float8_e4m3fn']:g}x):",
+        f"  low precision, measured in this process (native: a GEMM at least {_thresholds()}):",
         *_dtype_lines("cpu"),
         f"  default half dtype on CPU: {str(default_half_dtype('cpu')).replace('torch.', '')}",
     ]

@@ -36,10 +36,9 @@ __all__ = [
     "status_of",
 ]
 
-# x86 flags of hardware half-precision arithmetic: evidence printed beside the probe, not the
-# decision (PyTorch may not use them: ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, a VM's mask).
-_BF16_NATIVE = ("avx512_bf16", "amx_bf16")
-_FP16_NATIVE = ("avx512_fp16", "amx_fp16")
+# x86 flags of hardware half-precision arithmetic (each format's ``probe.cpu_flags`` in
+# mpnb.core.number_formats) are evidence printed beside the probe, not the decision (PyTorch
+# may not use them: ATEN_CPU_CAPABILITY, ONEDNN_MAX_CPU_ISA, a VM's mask).
 _AVX512_TORCH = ("avx512f", "avx512bw", "avx512vl", "avx512dq")
 
 
@@ -120,9 +119,43 @@ class DtypeSupport:
 #: faster (fp16 on AVX512-FP16 runs near float32's speed and is native), so a half dtype is
 #: native unless it is several times slower. FP8 exists only for speed: an FP8 GEMM slower
 #: than float32 is dequantized and computed in a wider type, so FP8 must beat float32.
-NATIVE_MIN_SPEED = {"bfloat16": 0.25, "float16": 0.25, "float8_e4m3fn": 1.0}
+#: Derived, read-only, from :data:`mpnb.core.number_formats.FORMATS` (each row's
+#: ``native_min_speed``, keyed by its probe's dtype): a registered format appears here.
+def _format(dtype: str):
+    # imported here: the table imports mpnb.core.fp8, whose GEMM module imports this one
+    from mpnb.core.number_formats import format_of
 
-_CPU_FLAGS = {"bfloat16": _BF16_NATIVE, "float16": _FP16_NATIVE, "float8_e4m3fn": ()}
+    return format_of(dtype)
+
+
+def native_min_speeds() -> dict[str, float]:
+    """Doctor's key -> native threshold, read from the table now (see NATIVE_MIN_SPEED)."""
+    from mpnb.core.number_formats import native_min_speeds as speeds  # see _format
+
+    return speeds()
+
+
+class _NativeMinSpeed(Mapping):
+    def __getitem__(self, dtype: str) -> float:
+        return native_min_speeds()[dtype]
+
+    def __iter__(self):
+        return iter(native_min_speeds())
+
+    def __len__(self) -> int:
+        return len(native_min_speeds())
+
+    def __repr__(self) -> str:
+        return repr(native_min_speeds())
+
+
+NATIVE_MIN_SPEED: Mapping[str, float] = _NativeMinSpeed()
+
+
+def _cpu_flags(dtype: str) -> tuple[str, ...]:
+    return _format(dtype).probe.cpu_flags
+
+
 #: environment variables read by ATen and oneDNN that change which kernels run
 PROBE_ENV = (
     "ATEN_CPU_CAPABILITY",
@@ -165,7 +198,7 @@ def _onednn_limit() -> str:
 
 def _cpu_evidence(dtype: str) -> str:
     cap = torch.backends.cpu.get_cpu_capability()
-    flags = _CPU_FLAGS[dtype]
+    flags = _cpu_flags(dtype)
     have = [f for f in flags if f in cpu_info().flags]
     if not flags:
         named = "torch._scaled_mm"
@@ -180,20 +213,12 @@ def _cuda_rule(dtype: str, info: dict | None) -> str:
     """Why ``dtype`` cannot run on this CUDA device ("" when it may: then it is probed)."""
     if info is None:
         return "no CUDA device"
-    cap = tuple(int(v) for v in info["capability"].split("."))
-    if dtype == "bfloat16" and cap < (8, 0):
-        return f"{info['name']} has CUDA capability {info['capability']}; bf16 needs 8.0+"
-    if dtype.startswith("float8") and cap < (8, 9):
-        return (
-            f"{info['name']} has CUDA capability {info['capability']}; FP8 GEMMs "
-            "(torch._scaled_mm) need 8.9+"
-        )
-    return ""
+    return _format(dtype).capability_refusal(info["name"], info["capability"])
 
 
 def _refusal(dtype: str, device: torch.device) -> str:
     """Why ``dtype`` cannot run on ``device`` without trying ("" when it is to be probed)."""
-    if dtype.startswith("float8") and not hasattr(torch, "_scaled_mm"):
+    if _format(dtype).probe.op == "scaled_mm" and not hasattr(torch, "_scaled_mm"):
         return f"torch {torch.__version__} has no torch._scaled_mm"
     if device.type == "cuda":
         return _cuda_rule(dtype, cuda_info(device.index or 0))
@@ -233,7 +258,7 @@ def _probe(device: torch.device) -> dict[str, DtypeSupport]:
 
 
 def _flags_unused(dtype: str, device: torch.device) -> bool:
-    return device.type == "cpu" and any(f in cpu_info().flags for f in _CPU_FLAGS[dtype])
+    return device.type == "cpu" and any(f in cpu_info().flags for f in _cpu_flags(dtype))
 
 
 def _matmul_precision() -> str:

@@ -45,6 +45,7 @@ import torch
 from mpnb.core.dtype_names import torch_name
 from mpnb.core.fp8 import Float8Linear
 from mpnb.core.hardware import default_half_dtype
+from mpnb.core.number_formats import is_block_scale, is_scaled
 from mpnb.core.precision_configs import PrecisionConfig, get_config
 from mpnb.lab._precision_trace import CAST_APIS, ApiMode, ModuleTracker, OpMode, autocast_policy
 from mpnb.lab._train import forward
@@ -129,14 +130,20 @@ class PrecisionTrace(NamedTuple):
     summary: PrecisionSummary
 
 
+def has_scaled_ops(ops: pd.DataFrame) -> bool:
+    """True where a traced op ran in a scaled format's dtype (FP8, MX, NVFP4: the table's
+    ``scaled`` rows, :mod:`mpnb.core.number_formats`)."""
+    return bool(ops["dtype"].map(is_scaled).any())
+
+
 def _fp8_detail(f) -> str:
     if f.op == "_scaled_mm":
         return f"FP8 GEMM in torch._scaled_mm ({f.dtype})"
-    if f.kind == "cast" and f.dtype.startswith("float8"):
+    if f.kind == "cast" and is_scaled(f.dtype):
         return f"quantize to {f.dtype}"
-    if f.kind == "cast" and f.in_dtypes[:1] == ("float8_e8m0fnu",):
+    if f.kind == "cast" and f.in_dtypes and is_block_scale(f.in_dtypes[0]):
         return "E8M0 block scales to float32"
-    if f.kind == "cast" and f.in_dtypes[0].startswith("float8"):
+    if f.kind == "cast" and is_scaled(f.in_dtypes[0]):
         return "dequantize (emulated FP8 GEMM)"
     if f.op in ("mm", "matmul", "addmm"):
         return "emulated FP8 GEMM: dequantized operands multiplied in float32"
@@ -320,7 +327,7 @@ def _summary(ops: pd.DataFrame, cfg: PrecisionConfig, half: str, device: str) ->
         )
         .reset_index()
     )
-    has_fp8 = ops["dtype"].str.startswith("float8").any()
+    has_fp8 = has_scaled_ops(ops)
     return PrecisionSummary(
         config=cfg.name,
         half_dtype=half,

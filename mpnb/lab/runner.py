@@ -28,6 +28,7 @@ import torch
 from mpnb.core.doctor import kernel_fallbacks
 from mpnb.core.dtype_names import HALF_NAMES, torch_name
 from mpnb.core.hardware import cpu_info, cuda_info, dtype_support, half_support
+from mpnb.core.number_formats import format_named
 from mpnb.core.precision_configs import DEFAULT_OPTIMIZER, default_configs, get_config
 from mpnb.lab import workloads as _workloads
 from mpnb.lab._data import is_data
@@ -66,7 +67,7 @@ def fp8_support(device: str = "cpu") -> str:
         >>> fp8_support("cpu")
         'emulated'
     """
-    native = dtype_support(device)["float8_e4m3fn"].status == "native"
+    native = dtype_support(device)[format_named("fp8").probe.dtype].status == "native"
     return "native" if native else "emulated"
 
 

@@ -40,6 +40,7 @@ import pandas as pd
 
 from mpnb.core.dtype_names import HALF_NAMES, lookup, short_name
 from mpnb.core.hardware import status_of
+from mpnb.core.number_formats import NumberFormat, format_of
 from mpnb.core.precision_configs import config_names, get_config
 
 __all__ = [
@@ -57,30 +58,16 @@ __all__ = [
     "emulation_lines",
 ]
 
-_CONSEQUENCE = {
-    "native": "it can save time as well as memory",
-    "emulated": "it saves memory here, not time",
-    "unsupported": "PyTorch cannot compute it here",
-}
-#: FP8 recipes keep fp32 weights: FP8 is for the GEMMs' speed, so emulated it buys accuracy data
-_FP8_CONSEQUENCE = {
-    "native": "its GEMMs can run faster than fp32's",
-    "emulated": "its rows show FP8's accuracy here, not its speed",
-    "unsupported": "PyTorch cannot compute it here (mpnb emulates it)",
-}
+
+def _format(short: str) -> NumberFormat:
+    """The table's row for ``short`` (a name it lacks reads as a plain half format)."""
+    return format_of(short) or NumberFormat(short, short)
 
 
 def _emulation(short: str) -> tuple[str, str]:
     """What emulation does to every op of ``short``, and what that leaves to read."""
-    if short == "fp8":
-        return (
-            "every FP8 GEMM is dequantized and multiplied in float32, after the quantization work",
-            "its rows show FP8's accuracy here, not its speed",
-        )
-    return (
-        f"every {short} op is converted to fp32 and back in software",
-        "it costs time here and saves only memory",
-    )
+    fmt = _format(short)
+    return fmt.cost(), fmt.emulated_reading
 
 
 def facts(device: str = "cpu") -> dict:
@@ -135,7 +122,7 @@ def hardware(facts: Mapping, device: str = "cpu", dtypes: Sequence[str] = HALF_N
     out = []
     for d in dtypes:
         e, s = _fact(facts, d), status(facts, d)
-        table = _FP8_CONSEQUENCE if short_name(d) == "fp8" else _CONSEQUENCE
+        table = _format(short_name(d)).consequences
         consequence = table.get(s, "see mpnb doctor")
         reason = getattr(e, "reason", "")
         evidence = f" (doctor: {reason})" if reason else ""
@@ -356,16 +343,17 @@ def emulation_lines(emulated: Sequence[str], device: str = "cpu") -> list[str]:
     """
     where = _where(device)
     lines = []
-    halves = [d for d in emulated if d != "fp8"]
+    halves = [d for d in emulated if not _format(d).scaled]
     if halves:
         lines.append(
             f"{_names(halves)} emulated on this {where} (computed in software): "
             "half precision saves memory here, not time."
         )
-    if "fp8" in emulated:
+    for d in (d for d in emulated if _format(d).scaled):
+        up = d.upper()
         lines.append(
-            f"fp8 is emulated on this {where} (no FP8 matrix hardware in use; FP8 numerics "
-            "computed in float32): its rows show FP8's accuracy and memory, not FP8's speed."
+            f"{d} is emulated on this {where} (no {up} matrix hardware in use; {up} numerics "
+            f"computed in float32): its rows show {up}'s accuracy and memory, not {up}'s speed."
         )
     return lines
 

@@ -21,6 +21,7 @@ import math
 import pandas as pd
 
 from mpnb.core.dtype_names import HALF_NAMES
+from mpnb.core.number_formats import read_precision
 from mpnb.core.precision_configs import BASELINE
 from mpnb.lab._versus import versus_reference
 from mpnb.lab.gpu_busy import busy_note
@@ -51,6 +52,17 @@ def _fmt_metric(v: float) -> str:
     return f"{v:.3f}" if math.isfinite(v) else "-"
 
 
+def _emulated_scaled(ok) -> list[str]:
+    """The scaled formats (FP8, MX, NVFP4) that ``ok``'s rows ran emulated: each row's
+    ``precision`` cell read back into its format and status, not matched as text."""
+    out = []
+    for cell in ok["precision"].astype(str).unique() if "precision" in ok else ():
+        fmt, status = read_precision(cell)
+        if fmt is not None and fmt.scaled and status == "emulated" and fmt.name not in out:
+            out.append(fmt.name)
+    return out
+
+
 def _accurate(df: pd.DataFrame, tol: float) -> pd.Series:
     d = df["metric_vs_O0"]
     return d.isna() | (d >= -tol)
@@ -74,8 +86,7 @@ def verdict(df: pd.DataFrame, tolerance: float = TOLERANCE) -> dict:
     ok = measured_rows(df)
     halves = [c for c in ok["half_dtype"].unique() if c in HALF_NAMES]
     emulated = [h for h in halves if hw.get(h) == "emulated"]
-    if "precision" in ok and ok["precision"].astype(str).eq("fp8 (emulated)").any():
-        emulated.append("fp8")
+    emulated += _emulated_scaled(ok)
     acc = ok[_accurate(ok, tolerance) & (ok["opt_level"] != BASELINE)]
     faster = acc[acc["speedup_lo"] > 1.0]
     fastest = faster.loc[faster["speedup_vs_O0"].idxmax()] if len(faster) else None

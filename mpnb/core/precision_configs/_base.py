@@ -230,6 +230,19 @@ class PrecisionConfig(abc.ABC):
         dtype, or None for the device's default) is requested; None when it uses none."""
         return None
 
+    def number_format(self, half: str):
+        """The :class:`~mpnb.core.number_formats.NumberFormat` of the run in ``half`` (one of
+        :meth:`halves`): what callers ask instead of comparing the dtype's name.
+
+        Example::
+
+            >>> get_config("O2").number_format("bf16").name
+            'bf16'
+        """
+        from mpnb.core.number_formats import format_named  # the table imports mpnb.core.fp8
+
+        return format_named(half)
+
     def label(self, half: str) -> str:
         """The row's name for the run in ``half`` (:meth:`halves`): the configuration's name,
         which says its dtype."""
@@ -241,7 +254,7 @@ class PrecisionConfig(abc.ABC):
         ``facts`` given: see :func:`mpnb.core.hardware.status_of`), or ``""`` for float32."""
         from mpnb.core.hardware import dtype_support, status_of
 
-        if half == "fp32":
+        if not self.number_format(half).low_precision:
             return ""
         return status_of(dtype_support(device) if facts is None else facts, half)
 

@@ -37,10 +37,14 @@ class Float8Config(PrecisionConfig):
         recipe: the :func:`mpnb.fp8.recipe` name.
         gemm_emulated: True where the GEMM is emulated on every device (MXFP8's: :mod:`mpnb.fp8`
             dequantizes its E8M0-scaled blocks and multiplies in float32).
+        format_name: the row of :data:`mpnb.core.number_formats.FORMATS` its runs are shown
+            and judged in (``"fp8"``: every FP8 recipe, MXFP8's included, runs in the FP8
+            dtypes).
     """
 
     recipe: str = "tensorwise"
     gemm_emulated: bool = False
+    format_name: str = "fp8"
 
     @property
     def uses_amp(self) -> bool:
@@ -54,8 +58,10 @@ class Float8Config(PrecisionConfig):
         return convert_to_float8_training(model, self.recipe), optimizer
 
     def halves(self, asked: Sequence[str]) -> tuple[str, ...]:
-        """Once, in ``"fp8"``, whatever half dtype was asked for."""
-        return ("fp8",)
+        """Once, in its format (``"fp8"``), whatever half dtype was asked for."""
+        from mpnb.core.number_formats import format_named  # the table imports mpnb.core.fp8
+
+        return (format_named(self.format_name).name,)
 
     def status(self, half: str, facts: Mapping | None = None, device="cpu") -> str:
         """``"native"`` where ``device`` runs FP8 GEMMs faster than fp32 (doctor's facts) and
