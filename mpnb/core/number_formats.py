@@ -100,7 +100,11 @@ class NumberFormat:
         emulation_cost: what emulation does to every op (``{name}`` is filled in).
         emulated_reading: what an emulated run's rows leave to read.
         consequences: status -> what that status means for a run in this format.
-        divergence_advice: what to try when a run in this format diverges.
+        divergence_advice: what to try when a run in this format diverges, a sentence after
+            the format's name in the error (``{static}``: where a static loss scale gets its
+            own advice).
+        divergence_what: how that error names the format (default: its name).
+        loss_scaled: trained behind a loss scale (fp16): the error names the scale.
         quantizer: the quantizer, a callable or ``"module:function"`` (None: a plain cast).
     """
 
@@ -120,7 +124,9 @@ class NumberFormat:
     emulation_cost: str = _HALF_COST
     emulated_reading: str = _HALF_READING
     consequences: Mapping[str, str] = field(default_factory=lambda: dict(_HALF_CONSEQUENCE))
-    divergence_advice: str = ""
+    divergence_advice: str = "lower the learning rate or clip the gradients."
+    divergence_what: str = ""
+    loss_scaled: bool = False
     quantizer: Callable | str | None = None
 
     @property
@@ -137,6 +143,15 @@ class NumberFormat:
     def torch_dtypes(self) -> tuple[torch.dtype, ...]:
         """The torch dtypes of :attr:`dtypes` that this torch has."""
         return tuple(getattr(torch, d) for d in self.dtypes if hasattr(torch, d))
+
+    def divergence(self, dynamic: bool, scale: float) -> str:
+        """``" (fp16, dynamic loss scale 1024); lower the learning rate, ..."``: what the
+        error of a run in this format whose loss became inf/NaN says after its head."""
+        what = self.divergence_what or self.name
+        if self.loss_scaled:
+            what += f", {'dynamic' if dynamic else 'static'} loss scale {scale:g}"
+        static = "" if dynamic or not self.loss_scaled else ", use dynamic loss scaling"
+        return f" ({what}); " + self.divergence_advice.format(static=static)
 
     def cost(self) -> str:
         """:attr:`emulation_cost` with the format's name filled in."""
@@ -167,15 +182,21 @@ _FP8 = ("float8_e4m3fn", "float8_e5m2")
 _E8M0 = "float8_e8m0fnu"
 _E2M1 = tuple(-v for v in reversed(E2M1_GRID[1:])) + E2M1_GRID  # every E2M1 value
 _FP4_DIVERGE = (
-    "4-bit elements: keep the first and last layers in higher precision, and try stochastic "
-    "rounding for the gradients or a random Hadamard transform"
+    "keep the first and last layers in higher precision, and try stochastic rounding for the "
+    "gradients or a random Hadamard transform."
 )
 
 #: The formats mpnb knows, by short name, in the order doctor and the lab show them.
 FORMATS: dict[str, NumberFormat] = {
     f.name: f
     for f in (
-        NumberFormat("fp32", "IEEE float32", ("float32",), element_max=3.4028234663852886e38),
+        NumberFormat(
+            "fp32",
+            "IEEE float32",
+            ("float32",),
+            element_max=3.4028234663852886e38,
+            divergence_what="fp32: not a precision problem",
+        ),
         NumberFormat(
             "tf32",
             "float32 storage, GEMMs with a 10-bit mantissa on tensor cores",
@@ -183,7 +204,8 @@ FORMATS: dict[str, NumberFormat] = {
             element_max=3.4028234663852886e38,
             min_capability=(8, 0),
             capability_subject="TF32 needs",
-            divergence_advice="set torch's float32 matmul precision back to 'highest'",
+            divergence_advice="lower the learning rate, or set torch's float32 matmul precision "
+            "back to 'highest'.",
         ),
         NumberFormat(
             "bf16",
@@ -194,7 +216,7 @@ FORMATS: dict[str, NumberFormat] = {
             native_min_speed=0.25,
             min_capability=(8, 0),
             capability_subject="bf16 needs",
-            divergence_advice="keep fp32 master weights (O2) or use Kahan summation",
+            divergence_what="bf16, which has fp32's range: loss scaling would not help",
         ),
         NumberFormat(
             "fp16",
@@ -203,7 +225,8 @@ FORMATS: dict[str, NumberFormat] = {
             element_max=float(torch.finfo(torch.float16).max),
             probe=GemmProbe("float16", cpu_flags=("avx512_fp16", "amx_fp16")),
             native_min_speed=0.25,
-            divergence_advice="use dynamic loss scaling, or bf16 where the device has it",
+            divergence_advice="lower the learning rate{static}, or bf16 (fp32's range).",
+            loss_scaled=True,
         ),
         NumberFormat(
             "fp8",
@@ -219,7 +242,9 @@ FORMATS: dict[str, NumberFormat] = {
             emulation_cost=_SCALED_COST,
             emulated_reading=_SCALED_READING,
             consequences=dict(_SCALED_CONSEQUENCE),
-            divergence_advice="use the delayed or rowwise recipe, or E5M2 gradients (hybrid)",
+            divergence_what="FP8 matmuls, scaled per tensor or block",
+            divergence_advice="lower the learning rate or clip the gradients, and compare with "
+            "O0 to see whether FP8 is the cause.",
         ),
         NumberFormat(
             "mxfp8",
@@ -235,7 +260,8 @@ FORMATS: dict[str, NumberFormat] = {
             emulation_cost=_SCALED_COST,
             emulated_reading=_SCALED_READING,
             consequences=dict(_SCALED_CONSEQUENCE),
-            divergence_advice="use the 'floor' scale rounding or E5M2 gradients",
+            divergence_advice="lower the learning rate, or use the 'floor' scale rounding or "
+            "E5M2 gradients.",
             quantizer="mpnb.core.fp8.quantize:quantize_mx",
         ),
         NumberFormat(

@@ -7,6 +7,8 @@ import traceback
 
 import torch
 
+from mpnb.core.number_formats import format_named, format_of
+
 __all__ = [
     "CompileError",
     "DivergenceError",
@@ -30,26 +32,8 @@ def divergence_message(cfg, loss: float, step: int, dynamic: bool, scale: float)
     inf/NaN without the step being skipped, with advice that fits its precision: loss scaling
     only for fp16, bf16 only where it would help."""
     head = f"NaN divergence: the loss became {loss} at step {step} and the step was not skipped"
-    if cfg.half_dtype == "fp16":
-        kind = "dynamic" if dynamic else "static"
-        advice = (
-            f" (fp16, {kind} loss scale {scale:g}); lower the learning rate"
-            + ("" if dynamic else ", use dynamic loss scaling")
-            + ", or bf16 (fp32's range)."
-        )
-    elif cfg.half_dtype == "bf16":
-        advice = (
-            " (bf16, which has fp32's range: loss scaling would not help); lower the learning "
-            "rate or clip the gradients."
-        )
-    elif cfg.half_dtype == "fp8":
-        advice = (
-            " (FP8 matmuls, scaled per tensor or block); lower the learning rate or clip the "
-            "gradients, and compare with O0 to see whether FP8 is the cause."
-        )
-    else:
-        advice = " (fp32: not a precision problem); lower the learning rate or clip the gradients."
-    return head + advice + cfg.config.divergence_note()
+    fmt = format_of(cfg.half_dtype) or format_named("fp32")
+    return head + fmt.divergence(dynamic, scale) + cfg.config.divergence_note()
 
 
 def _library_dirs() -> tuple[str, ...]:

@@ -119,7 +119,7 @@ def test_a_new_format_is_one_row(fp6, monkeypatch):
 _NAMES = re.compile(r"(bfloat16|float16|float8\w*|bf16|fp16|fp8|nvfp4|mxfp[48])")
 _TEXT = re.compile(r"\w+ \((native|emulated|unsupported)\)")
 #: files not yet converted, owned elsewhere (each one is a change listed in the report)
-KNOWN = {"mpnb/lab/_errors.py"}
+KNOWN: set[str] = set()
 
 
 def _banned(node: ast.AST) -> bool:

@@ -1,0 +1,33 @@
+"""The divergence error's advice comes from the run's number format (its row in
+:data:`mpnb.core.number_formats.FORMATS`), word for word what each precision needs."""
+
+from types import SimpleNamespace
+
+import pytest
+
+from mpnb.lab._errors import divergence_message
+
+
+def _cfg(half):
+    return SimpleNamespace(half_dtype=half, config=SimpleNamespace(divergence_note=lambda: ""))
+
+
+@pytest.mark.parametrize(
+    "half, dynamic, tail",
+    [
+        ("fp16", True, "(fp16, dynamic loss scale 1024); lower the learning rate, or bf16 "
+         "(fp32's range)."),
+        ("fp16", False, "(fp16, static loss scale 1024); lower the learning rate, use dynamic "
+         "loss scaling, or bf16 (fp32's range)."),
+        ("bf16", True, "(bf16, which has fp32's range: loss scaling would not help); lower the "
+         "learning rate or clip the gradients."),
+        ("fp8", True, "(FP8 matmuls, scaled per tensor or block); lower the learning rate or "
+         "clip the gradients, and compare with O0 to see whether FP8 is the cause."),
+        ("fp32", True, "(fp32: not a precision problem); lower the learning rate or clip the "
+         "gradients."),
+    ],
+)  # fmt: skip
+def test_the_advice_fits_the_format(half, dynamic, tail):
+    msg = divergence_message(_cfg(half), float("nan"), 7, dynamic, 1024.0)
+    assert msg.startswith("NaN divergence: the loss became nan at step 7")
+    assert msg.endswith(tail)
