@@ -17,11 +17,14 @@ from mpnb.core.precision_configs import (
 
 NAMES = (
     "O0 O1 O2 O3 O0+graph O1+graph O2+graph O3+graph torch-amp tf32 torch-amp+compile "
-    "fp8-tensorwise fp8-delayed fp8-rowwise mxfp8 bf16-pure bf16-pure+sr bf16-pure+kahan"
+    "fp8-tensorwise fp8-delayed fp8-rowwise mxfp8 nvfp4 nvfp4-no-rht nvfp4-no-sr nvfp4-1d "
+    "nvfp4-torchao mxfp4 mxfp4+sr+rht bf16-pure bf16-pure+sr bf16-pure+kahan"
 ).split()
 PEERS = ("torch-amp", "tf32", "torch-amp+compile")
 GRAPHED = ("O0+graph", "O1+graph", "O2+graph", "O3+graph")
 FP8 = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8")
+NVFP4 = ("nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-1d", "nvfp4-torchao")
+FP4 = (*NVFP4, "mxfp4", "mxfp4+sr+rht")
 PURE = ("bf16-pure", "bf16-pure+sr", "bf16-pure+kahan")
 #: facts keyed as a compare DataFrame keys them: bf16 emulated, fp16 and fp8 native
 FACTS = {"bf16": "emulated", "fp16": "native", "fp8": "native"}
@@ -48,6 +51,8 @@ def test_runs_labels_and_precision_text(name):
         "O0": ("fp32",),
         "tf32": ("tf32",),
         **dict.fromkeys(FP8, ("fp8",)),
+        **dict.fromkeys(NVFP4, ("nvfp4",)),
+        **dict.fromkeys(FP4[len(NVFP4) :], ("mxfp4",)),
         **dict.fromkeys(PURE, ("bf16",)),
     }
     assert runs == want.get(name, ("bf16", "fp16"))
@@ -66,9 +71,11 @@ def test_runs_labels_and_precision_text(name):
         assert texts == ["fp8 (emulated)"] and cfg.gemm_dtype("fp8") == "fp32"
     elif name in FP8:
         assert texts == ["fp8 (native)"] and cfg.gemm_dtype("fp8") == "fp8"
+    elif name in FP4:  # emulated on every device: no FP4 GEMM is called
+        assert texts == [f"{runs[0]} (emulated)"] and cfg.gemm_dtype(runs[0]) == "fp32"
     else:
         assert texts == ["bf16 (emulated)"] and labels == [name]
-    assert cfg.note_subject == (name if name in FP8 else "")
+    assert cfg.note_subject == (name if name in FP8 + FP4 else "")
 
 
 def test_what_each_configuration_says_of_itself():
@@ -77,18 +84,18 @@ def test_what_each_configuration_says_of_itself():
     half_levels = ["O1", "O2", "O3", "O1+graph", "O2+graph", "O3+graph"]
     assert [n for n, c in by.items() if c.loss_scaling] == [*half_levels, *amp_peers]
     assert [n for n, c in by.items() if c.autocast] == ["O1", "O1+graph", *amp_peers]
-    assert [n for n, c in by.items() if not c.uses_amp] == [*PEERS, *FP8]
+    assert [n for n, c in by.items() if not c.uses_amp] == [*PEERS, *FP8, *FP4]
     assert [n for n, c in by.items() if c.peer] == list(PEERS)
     assert [n for n, c in by.items() if c.verdict_reference] == ["torch-amp"]
     assert [n for n, c in by.items() if c.unavailable("cpu")] == [*GRAPHED, "tf32"]
     assert [n for n, c in by.items() if not c.low_precision] == ["O0", "O0+graph"]
     assert [n for n, c in by.items() if c.divergence_note()] == ["O3", "O3+graph", "bf16-pure"]
-    no_fp16 = ["O0", "O0+graph", "tf32", *FP8]
+    no_fp16 = ["O0", "O0+graph", "tf32", *FP8, *FP4]
     assert [n for n, c in by.items() if c.half_dtype("fp16") is None] == no_fp16
     assert by["O2"].half_dtype("fp16") is torch.float16 and by["O2"].half_dtype() is torch.bfloat16
     assert by["bf16-pure+sr"].half_dtype("fp16") is torch.bfloat16
     assert [r.role for r in STORED_ROLES] == ["fp8_scales", "kahan_buffers"]
-    assert [n for n, c in by.items() if c.stores] == [*FP8, "bf16-pure+kahan"]
+    assert [n for n, c in by.items() if c.stores] == [*FP8, *FP4, "bf16-pure+kahan"]
 
 
 def test_status_reads_doctor_when_no_facts_are_given():

@@ -30,13 +30,17 @@ NEW = [
 GRAPHED = ("O0+graph", "O1+graph", "O2+graph", "O3+graph")  # CUDA only: test_graphed_step
 PEERS = ("torch-amp", "tf32", "torch-amp+compile")
 FP8 = ("fp8-tensorwise", "fp8-delayed", "fp8-rowwise", "mxfp8")
+FP4 = {  # the four-bit recipes and their formats
+    **dict.fromkeys(("nvfp4", "nvfp4-no-rht", "nvfp4-no-sr", "nvfp4-1d", "nvfp4-torchao"), "nvfp4"),
+    **dict.fromkeys(("mxfp4", "mxfp4+sr+rht"), "mxfp4"),
+}
 MIB = 2.0**20
 
 
 def test_the_lab_offers_exactly_the_core_list():
     from mpnb.widgets._compare_controls import DEFAULT_LEVELS, LEVELS
 
-    assert set(FP8) | {"bf16-pure", "bf16-pure+sr", "bf16-pure+kahan"} == set(NEW)
+    assert set(FP8) | set(FP4) | {"bf16-pure", "bf16-pure+sr", "bf16-pure+kahan"} == set(NEW)
     assert [n for n in config_names() if get_config(n).peer] == list(PEERS)
     assert LEVELS == config_names() and DEFAULT_LEVELS == ("O0", "O1", "O2", "O3", "torch-amp")
     cfgs = expand("mlp", config_names(), ("bf16", "fp16"), (32,), steps=4, device="cpu")
@@ -57,7 +61,8 @@ def test_the_lab_offers_exactly_the_core_list():
         "torch-amp+compile fp16 b32",
     ]
     assert labels[12:] == [f"{n} b32" for n in NEW]
-    assert {c.half_dtype for c in cfgs if isinstance(c.config, Float8Config)} == {"fp8"}
+    halves = {c.half_dtype for c in cfgs if isinstance(c.config, Float8Config)}
+    assert halves == {"fp8", "nvfp4", "mxfp4"}
     assert all(c.config is PRECISION_CONFIGS[c.config.name] for c in cfgs)
 
 
@@ -143,10 +148,15 @@ def test_every_configuration_trains_through_compare(rows, name):
         if r.precision == "fp8 (emulated)":
             assert f"{name}: fp8 is emulated on this CPU" in r.warnings
         assert r.mem_params_mib * MIB == params * 4  # fp32 weights stay
+    elif name in FP4:  # emulated on every device; the weights stay fp32
+        assert r.precision == f"{FP4[name]} (emulated)"
+        assert f"{name}: {FP4[name]} is emulated on this CPU" in r.warnings
+        assert r.mem_params_mib * MIB == params * 4
     else:
         assert r.precision.startswith("bf16") and r.mem_params_mib * MIB == params * 2
         assert r.mem_master_weights_mib == 0  # no fp32 masters
     hist = 2 * (1024 * 3 + 3) * 4 if name == "fp8-delayed" else 0
+    hist = 2 * 8 if name in FP4 else hist  # the stochastic rounding's draw counter per layer
     assert r.mem_fp8_scales_mib * MIB == hist
     kahan = params * 2 if name == "bf16-pure+kahan" else 0
     assert r.mem_kahan_buffers_mib * MIB == kahan

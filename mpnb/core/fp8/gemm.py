@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from mpnb.core.fp8.fp4_gemm import FP4Operand, fp4_mm
 from mpnb.core.fp8.quantize import Float8Operand
 from mpnb.core.hardware import dtype_support
 
@@ -48,6 +49,12 @@ def scaled_mm_blocker(a: Float8Operand, b: Float8Operand, out_dtype: torch.dtype
         >>> scaled_mm_blocker(quantize_tensorwise(x, E4M3), quantize_tensorwise(w, E4M3),
         ...                   torch.float32)      # None on CPU: torch._scaled_mm runs it
     """
+    if isinstance(a, FP4Operand):
+        return "fp4", (
+            f"{a.label} GEMMs run emulated on every device (E2M1 values and both scale levels "
+            "accumulated per block in float32, as TransformerEngine's reference qgemm): mpnb "
+            "does not call torch's FP4 scaled_mm (sm100+) before it is verified on such a GPU"
+        )
     dev = a.data.device
     cap = torch.cuda.get_device_capability(dev) if dev.type == "cuda" else None
     k, n = a.data.shape[1], b.data.shape[0]
@@ -121,11 +128,14 @@ def fp8_mm(a: Float8Operand, b: Float8Operand, out_dtype: torch.dtype, scaled_mm
     """``a @ b.T`` for ``(M, K)`` and ``(N, K)`` operands quantized along ``K``.
 
     Args:
-        a, b: operands of the same granularity.
+        a, b: operands of the same granularity (two :class:`~mpnb.core.fp8.fp4_gemm.
+            FP4Operand` run :func:`~mpnb.core.fp8.fp4_gemm.fp4_mm`).
         out_dtype: the result's dtype (the accumulation is float32 either way).
         scaled_mm: True runs ``torch._scaled_mm`` (check :func:`scaled_mm_blocker` first),
             False runs :func:`emulated_mm`.
     """
+    if isinstance(a, FP4Operand):  # the four-bit recipes: the emulated block-scaled GEMM
+        return fp4_mm(a, b, out_dtype)
     if not scaled_mm:
         return emulated_mm(a, b, out_dtype)
     sb = b.dequant_scale.view(1, -1) if b.granularity == "rowwise" else b.dequant_scale

@@ -50,13 +50,14 @@ class _Float8Matmul(torch.autograd.Function):
     def forward(ctx, x, weight, layer, out_dtype):
         rec, update = layer.recipe, layer.training
         with _no_autocast(x.device.type):
-            xq = rec.quantize(layer, x, "input", update)
-            wq = rec.quantize(layer, weight, "weight", update)
-            y = layer._gemm("forward", xq, wq, out_dtype)
+            xq = rec.quantize(layer, x, "input", update, gemm="forward")
+            wq = rec.quantize(layer, weight, "weight", update, gemm="forward")
+            y = layer._gemm("forward", xq, wq, out_dtype, (x.shape[0], weight.shape[0]))
             if rec.per_tensor:
                 ctx.operands = (xq, wq)
             else:
-                ctx.operands = (rec.quantize(layer, x.t(), "input", False), None)
+                x_cols = rec.quantize(layer, x.t(), "input", False, gemm="grad_weight")
+                ctx.operands = (x_cols, None)
                 ctx.save_for_backward(weight)
         ctx.layer, ctx.update = layer, update
         ctx.dtypes = (x.dtype, weight.dtype)
@@ -69,19 +70,21 @@ class _Float8Matmul(torch.autograd.Function):
         xq, wq = ctx.operands
         gy = gy.contiguous()
         with _no_autocast(gy.device.type):
-            g_rows = rec.quantize(layer, gy, "grad_output", ctx.update)
+            g_rows = rec.quantize(layer, gy, "grad_output", ctx.update, gemm="grad_input")
             if rec.per_tensor:
                 w_cols, g_cols, x_cols = wq.t(), g_rows.t(), xq.t()
             else:
                 (weight,) = ctx.saved_tensors
-                w_cols = rec.quantize(layer, weight.t(), "weight", False)
-                g_cols = rec.quantize(layer, gy.t(), "grad_output", False)
+                w_cols = rec.quantize(layer, weight.t(), "weight", False, gemm="grad_input")
+                g_cols = rec.quantize(layer, gy.t(), "grad_output", False, gemm="grad_weight")
                 x_cols = xq
             gx = gw = None
+            rows, cols = gy.shape[0], layer.in_features
             if ctx.needs_input_grad[0]:
-                gx = layer._gemm("grad_input", g_rows, w_cols, ctx.dtypes[0])
+                gx = layer._gemm("grad_input", g_rows, w_cols, ctx.dtypes[0], (rows, cols))
             if ctx.needs_input_grad[1]:
-                gw = layer._gemm("grad_weight", g_cols, x_cols, ctx.dtypes[1])
+                shape = (layer.out_features, cols)
+                gw = layer._gemm("grad_weight", g_cols, x_cols, ctx.dtypes[1], shape)
         return gx, gw, None, None
 
 
@@ -170,21 +173,28 @@ class Float8Linear(nn.Linear):
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
 
-    def _gemm(self, which: str, a, b, out_dtype: torch.dtype) -> torch.Tensor:
+    def _gemm(self, which: str, a, b, out_dtype: torch.dtype, shape) -> torch.Tensor:
         blocker = scaled_mm_blocker(a, b, out_dtype)
         if blocker is not None and blocker[0] != "speed":
             self._warn_fallback(which, *blocker)
-        return fp8_mm(a, b, out_dtype, scaled_mm=blocker is None)
+        y = fp8_mm(a, b, out_dtype, scaled_mm=blocker is None)
+        # a recipe that pads its operands to whole blocks (the four-bit ones): cut back
+        return y if tuple(y.shape) == tuple(shape) else y[: shape[0], : shape[1]].contiguous()
 
     def _warn_fallback(self, which: str, category: str, reason: str) -> None:
         if category in self._fp8_warned:
             return
         self._fp8_warned.add(category)
+        where = f"mpnb.fp8: layer {self.fqn or '(unnamed Float8Linear)'!r} ({self.recipe.label})"
+        how = (
+            f"its {which} GEMM: {reason}. Same numerics as the FP4 GEMM, no FP4 speed-up."
+            if category == "fp4"
+            else f"its {which} GEMM cannot run in torch._scaled_mm: {reason}. It runs the same "
+            "FP8 math emulated (dequantized operands, float32 matmul): same numerics, no FP8 "
+            "speed-up."
+        )
         warnings.warn(
-            f"mpnb.fp8: layer {self.fqn or '(unnamed Float8Linear)'!r} ({self.recipe.label}): "
-            f"its {which} GEMM cannot run in torch._scaled_mm: {reason}. It runs the same FP8 "
-            "math emulated (dequantized operands, float32 matmul): same numerics, no FP8 "
-            "speed-up. Shown once per layer and cause.",
+            f"{where}: {how} Shown once per layer and cause.",
             Float8FallbackWarning,
             stacklevel=3,
         )
@@ -251,6 +261,7 @@ class Float8Linear(nn.Linear):
                 if k in missing_keys:  # listed only when strict
                     missing_keys.remove(k)
             self.recipe.reset_state(self)
+        self.recipe.after_load(self)
 
     def extra_repr(self) -> str:
         """``nn.Linear``'s description plus the recipe."""

@@ -12,6 +12,11 @@ DelayedScaling       one per tensor, from an amax history (state)    Transformer
 RowwiseScaling       one per row of the GEMM operand, powers of two  torchao ``rowwise``
 MXFP8BlockScaling    one E8M0 power of two per 32 values, rounded    TE ``MXFP8``, torchao
                      up (``"rceil"``) or down (``"floor"``, OCP MX)  ``RCEIL`` (default)
+NVFP4BlockScaling    E2M1 in blocks of 16, E4M3 block scales and a   TE ``NVFP4BlockScaling``
+                     float32 tensor scale; 16x16 weight blocks, RHT  (or torchao's NVFP4)
+                     on Wgrad, stochastic rounding of gradients
+MXFP4BlockScaling    E2M1 in blocks of 32, E8M0 scales; optional     torchao MXFP4, Tseng et
+                     RHT and stochastic rounding on the backward     al. 2025
 ===================  ==============================================  ==========================
 
 Example::
@@ -22,15 +27,15 @@ Example::
 
 from __future__ import annotations
 
-import abc
 from dataclasses import dataclass
 from typing import ClassVar
 
 import torch
 
-from mpnb.core.fp8.formats import format_dtypes, fp8_max
+from mpnb.core.fp8._recipe import ROLES, Float8Recipe
+from mpnb.core.fp8.formats import fp8_max
+from mpnb.core.fp8.fp4_recipes import MXFP4BlockScaling, NVFP4BlockScaling
 from mpnb.core.fp8.quantize import (
-    Float8Operand,
     check_mx_rounding,
     quantize_mx,
     quantize_rowwise,
@@ -44,57 +49,12 @@ __all__ = [
     "DelayedScaling",
     "RowwiseScaling",
     "MXFP8BlockScaling",
+    "NVFP4BlockScaling",
+    "MXFP4BlockScaling",
     "RECIPES",
     "ROLES",
     "recipe",
 ]
-
-ROLES = ("input", "weight", "grad_output")
-
-
-@dataclass(frozen=True)
-class Float8Recipe(abc.ABC):
-    """Base of the recipes: the FP8 format and the per-operand quantization rule.
-
-    Args:
-        fp8_format: ``"hybrid"`` (E4M3 input and weight, E5M2 gradients) or ``"e4m3"``.
-    """
-
-    fp8_format: str = "hybrid"
-    name: ClassVar[str] = ""
-    granularity: ClassVar[str] = "tensorwise"
-    #: the buffers :meth:`init_state` registers on a layer (its entries in a state dict)
-    state_names: ClassVar[tuple[str, ...]] = ()
-
-    def __post_init__(self) -> None:
-        format_dtypes(self.fp8_format)
-
-    def dtype(self, role: str) -> torch.dtype:
-        """The float8 dtype of ``role`` (``"input"``, ``"weight"`` or ``"grad_output"``)."""
-        fwd, bwd = format_dtypes(self.fp8_format)
-        return bwd if role == "grad_output" else fwd
-
-    @property
-    def label(self) -> str:
-        """How rows and messages name the recipe (the name, plus any rule it depends on)."""
-        return self.name
-
-    @property
-    def per_tensor(self) -> bool:
-        """True when one scale covers a whole tensor (its quantization survives a transpose)."""
-        return self.granularity == "tensorwise"
-
-    def init_state(self, layer: torch.nn.Module) -> None:
-        """Register the layer's recipe state (buffers); stateless recipes register nothing."""
-        return None
-
-    def reset_state(self, layer: torch.nn.Module) -> None:
-        """Put the layer's recipe state back to its initial values (no-op without state)."""
-        return None
-
-    @abc.abstractmethod
-    def quantize(self, layer, t: torch.Tensor, role: str, update: bool) -> Float8Operand:
-        """Quantize the 2-D ``t`` along its last dim; ``update`` records state (training)."""
 
 
 @dataclass(frozen=True)
@@ -109,7 +69,7 @@ class TensorwiseScaling(Float8Recipe):
     power_of_2_scales: bool = False
     name: ClassVar[str] = "tensorwise"
 
-    def quantize(self, layer, t, role, update):
+    def quantize(self, layer, t, role, update, gemm=""):
         """Per-tensor quantization with a scale from ``t``'s own amax (no state)."""
         return quantize_tensorwise(t, self.dtype(role), self.power_of_2_scales)
 
@@ -174,7 +134,7 @@ class DelayedScaling(Float8Recipe):
             layer.fp8_amax_history.zero_()
             layer.fp8_scale.fill_(1.0)
 
-    def quantize(self, layer, t, role, update):
+    def quantize(self, layer, t, role, update, gemm=""):
         """Quantize with the stored scale, then record ``t``'s amax when ``update``."""
         i = ROLES.index(role)
         dtype = self.dtype(role)
@@ -223,7 +183,7 @@ class RowwiseScaling(Float8Recipe):
     name: ClassVar[str] = "rowwise"
     granularity: ClassVar[str] = "rowwise"
 
-    def quantize(self, layer, t, role, update):
+    def quantize(self, layer, t, role, update, gemm=""):
         """Per-row quantization along the last dim (no state)."""
         return quantize_rowwise(t, self.dtype(role), self.power_of_2_scales)
 
@@ -268,13 +228,21 @@ class MXFP8BlockScaling(Float8Recipe):
         """``"mxfp8 (rceil scales)"`` or ``"mxfp8 (floor scales)"``."""
         return f"{self.name} ({self.scale_rounding} scales)"
 
-    def quantize(self, layer, t, role, update):
+    def quantize(self, layer, t, role, update, gemm=""):
         """32-element blocks along the last dim with E8M0 scales (no state)."""
         return quantize_mx(t, self.dtype(role), self.scale_rounding)
 
 
 RECIPES = {
-    cls.name: cls for cls in (TensorwiseScaling, DelayedScaling, RowwiseScaling, MXFP8BlockScaling)
+    cls.name: cls
+    for cls in (
+        TensorwiseScaling,
+        DelayedScaling,
+        RowwiseScaling,
+        MXFP8BlockScaling,
+        NVFP4BlockScaling,
+        MXFP4BlockScaling,
+    )
 }
 
 

@@ -133,6 +133,77 @@ def _fp8(name: str, description: str, recipe: str, extra: str = "", **kw) -> Flo
     )
 
 
+_FP4 = "E2M1 GEMMs in nn.Linear (emulated, two scale levels), float32 elsewhere"
+
+
+def _fp4(name: str, description: str, recipe: str, **options) -> Float8Config:
+    return Float8Config(
+        name,
+        description,
+        _F32,
+        _F32,
+        _F32,
+        _FP4,
+        "",
+        (FP8_SCALES,),
+        recipe,
+        gemm_emulated=True,
+        format_name=recipe,
+        recipe_options=tuple(options.items()),
+    )
+
+
+#: the four-bit recipes (TransformerEngine's NVFP4 and its switches, torchao's NVFP4, MXFP4)
+_FP4_CONFIGS = (
+    _fp4(
+        "nvfp4",
+        "NVFP4 linear layers as TransformerEngine: E2M1 in blocks of 16, E4M3 "
+        "block scales, a float32 tensor scale; 16x16 weight blocks, RHT on Wgrad, stochastic "
+        "rounding of gradients; emulated GEMM.",
+        "nvfp4",
+    ),
+    _fp4(
+        "nvfp4-no-rht",
+        "NVFP4 without the random Hadamard transform (TE disable_rht).",
+        "nvfp4",
+        rht=False,
+    ),
+    _fp4(
+        "nvfp4-no-sr",
+        "NVFP4 with gradients rounded to nearest (TE disable_stochastic_rounding).",
+        "nvfp4",
+        stochastic_rounding=False,
+    ),
+    _fp4(
+        "nvfp4-1d",
+        "NVFP4 with 1x16 weight blocks (TE disable_2d_quantization).",
+        "nvfp4",
+        two_d=False,
+    ),
+    _fp4(
+        "nvfp4-torchao",
+        "torchao's NVFP4: block scales clamped at E4M3's smallest normal, "
+        "nearest rounding, no RHT; emulated GEMM.",
+        "nvfp4",
+        torchao=True,
+        rht=False,
+        stochastic_rounding=False,
+    ),
+    _fp4(
+        "mxfp4",
+        "MXFP4 linear layers: E2M1 in blocks of 32, E8M0 scales rounded up (RCEIL); emulated GEMM.",
+        "mxfp4",
+    ),
+    _fp4(
+        "mxfp4+sr+rht",
+        "MXFP4 with stochastic rounding of gradients and the RHT on Wgrad (Tseng et al. 2025).",
+        "mxfp4",
+        rht=True,
+        stochastic_rounding=True,
+    ),
+)
+
+
 def _pure(name, description, state: tuple, extra="", stores=(), option=None, half="bfloat16"):
     own = (half,)
     return PureHalfConfig(name, description, own, own, state, half, extra, stores, half, option)
@@ -193,6 +264,7 @@ PRECISION_CONFIGS = types.MappingProxyType(
                 "mxfp8",
                 gemm_emulated=True,
             ),
+            *_FP4_CONFIGS,
             _pure(
                 "bf16-pure",
                 "Pure bf16: weights, grads, activations bf16, no masters, no loss scaling.",

@@ -39,12 +39,21 @@ class Float8Config(PrecisionConfig):
             dequantizes its E8M0-scaled blocks and multiplies in float32).
         format_name: the row of :data:`mpnb.core.number_formats.FORMATS` its runs are shown
             and judged in (``"fp8"``: every FP8 recipe, MXFP8's included, runs in the FP8
-            dtypes).
+            dtypes; ``"nvfp4"`` and ``"mxfp4"`` for the four-bit recipes).
+        recipe_options: the recipe's options, as ``(name, value)`` pairs (``nvfp4-no-rht``:
+            ``(("rht", False),)``).
     """
+
+    def make_recipe(self):
+        """The :mod:`mpnb.fp8` recipe object this configuration trains with."""
+        from mpnb.core.fp8 import recipe  # the fp8 package imports the format table
+
+        return recipe(self.recipe, **dict(self.recipe_options))
 
     recipe: str = "tensorwise"
     gemm_emulated: bool = False
     format_name: str = "fp8"
+    recipe_options: tuple[tuple[str, object], ...] = ()
 
     @property
     def uses_amp(self) -> bool:
@@ -55,7 +64,7 @@ class Float8Config(PrecisionConfig):
         """:func:`mpnb.fp8.convert_to_float8_training` with this recipe (optimizer untouched)."""
         from mpnb.core.fp8 import convert_to_float8_training
 
-        return convert_to_float8_training(model, self.recipe), optimizer
+        return convert_to_float8_training(model, self.make_recipe()), optimizer
 
     def halves(self, asked: Sequence[str]) -> tuple[str, ...]:
         """Once, in its format (``"fp8"``), whatever half dtype was asked for."""
@@ -81,8 +90,13 @@ class Float8Config(PrecisionConfig):
         from mpnb.core.precision_configs._snippets import loop
 
         imp, make = self._optimizer_code(optimizer, lr)
-        convert = f'model = convert_to_float8_training(model, "{self.recipe}")'
-        imports = ["from mpnb.fp8 import convert_to_float8_training", imp]
+        if self.recipe_options:
+            opts = ", ".join(f"{k}={v!r}" for k, v in self.recipe_options)
+            convert = f'model = convert_to_float8_training(model, recipe("{self.recipe}", {opts}))'
+            imports = ["from mpnb.fp8 import convert_to_float8_training, recipe", imp]
+        else:
+            convert = f'model = convert_to_float8_training(model, "{self.recipe}")'
+            imports = ["from mpnb.fp8 import convert_to_float8_training", imp]
         return loop([convert, make], imports, device=device)
 
     def gemm_dtype(self, half: str) -> str:
