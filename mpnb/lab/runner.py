@@ -458,7 +458,8 @@ def compare(
         for b, r in ran.items()
         if r != b
     ]
-    batch_sizes = tuple(dict.fromkeys(ran.values()))
+    if len(set(batch_sizes)) == len(tuple(batch_sizes)):  # a size given twice: expand refuses
+        batch_sizes = tuple(dict.fromkeys(ran.values()))  # two sizes past the data: one run
     steps = w.steps if steps is None else steps
     configs = expand(
         w.name,
