@@ -25,6 +25,7 @@ per-tensor helpers, the recipe that runs PyTorch's own fused optimizer ops on CU
 from __future__ import annotations
 
 import math
+import operator
 import struct
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -61,6 +62,7 @@ __all__ = [
 OPT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 Tensors = Sequence[torch.Tensor]
+_DEVICE = operator.attrgetter("device")
 
 
 # ---- the check ------------------------------------------------------------------------------
@@ -140,6 +142,12 @@ def check_steps(op: str, steps: Tensors, params: Tensors, per_tensor: bool) -> N
         )
     if not per_tensor:
         return
+    if (
+        all(n == 1 for n in map(torch.Tensor.numel, steps))
+        and {s.dtype for s in steps} == {torch.float32}
+        and list(map(_DEVICE, steps)) == list(map(_DEVICE, params))
+    ):
+        return  # the passing case in C-level passes; the loop below names the culprit
     for i, (s, p) in enumerate(zip(steps, params, strict=True)):
         if s.numel() != 1 or s.dtype != torch.float32:
             raise TypeError(
