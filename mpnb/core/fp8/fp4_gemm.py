@@ -37,6 +37,8 @@ from mpnb.core.fp8.fp4 import e2m1_to_float, unpack_e2m1
 
 __all__ = ["FP4Operand", "fp4_mm"]
 
+_CHUNK_ELEMS = 1 << 24  #: float32 elements of one chunk of per-block products (64 MiB)
+
 
 @dataclass(frozen=True)
 class FP4Operand:
@@ -103,13 +105,22 @@ def fp4_mm(a: FP4Operand, b: FP4Operand, out_dtype: torch.dtype) -> torch.Tensor
     _check_pair(a, b)
     qa, qb = a.codes_as_float(), b.codes_as_float()
     sa, sb = a.block_scale.float(), b.block_scale.float()
-    y = torch.zeros(qa.shape[0], qb.shape[0], dtype=torch.float32, device=qa.device)
-    n = a.block
-    # one slice at a time, in order: the float32 sum of per-block partial products is what the
-    # tensor cores (and TE's reference) accumulate; a single matmul over K would round
-    # differently
-    for k in range(a.shape[1] // n):
-        part = qa[:, k * n : (k + 1) * n] @ qb[:, k * n : (k + 1) * n].T
-        y += torch.outer(sa[:, k], sb[:, k]) * part
+    (m, k), nrows, n = a.shape, b.shape[0], a.block
+    blocks = k // n
+    # Every block's partial product at once (exact: products of E2M1 values and their 16- or
+    # 32-term sums are float32 numbers), times its outer product of scales; then the float32
+    # sum over the blocks in order, one add each, as the tensor cores (and TE's reference)
+    # accumulate: a single matmul over K would round differently. In chunks of blocks, so
+    # the (blocks, M, N) products stay under _CHUNK_ELEMS.
+    qa3 = qa.view(m, blocks, n).transpose(0, 1)  # (blocks, M, n)
+    qb3 = qb.view(nrows, blocks, n).permute(1, 2, 0)  # (blocks, n, N)
+    y = torch.zeros(m, nrows, dtype=torch.float32, device=qa.device)
+    step = max(1, _CHUNK_ELEMS // max(1, m * nrows))
+    for lo in range(0, blocks, step):
+        hi = min(blocks, lo + step)
+        parts = torch.bmm(qa3[lo:hi], qb3[lo:hi])
+        parts *= sa.t()[lo:hi, :, None] * sb.t()[lo:hi, None, :]
+        for p in parts:
+            y += p
     alpha = (a.tensor_scale * b.tensor_scale) / (a.tensor_divisor * b.tensor_divisor)
     return (alpha * y).to(out_dtype)
