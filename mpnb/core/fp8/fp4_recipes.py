@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -48,6 +49,13 @@ __all__ = ["FP4Recipe", "NVFP4BlockScaling", "MXFP4BlockScaling", "padded"]
 
 _SEED_MASK = (1 << 62) - 1
 _TILE = 16  # rows of a 2-D weight block
+
+
+@functools.lru_cache(maxsize=8)
+def _rht_on(device: torch.device) -> torch.Tensor:
+    """TE's RHT matrix on ``device``, built once per device: a step neither rebuilds it (its
+    sign check reads the host) nor copies it to the GPU."""
+    return te_rht_matrix().to(device)
 
 
 def padded(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -102,7 +110,7 @@ class FP4Recipe(Float8Recipe):
         with stochastic rounding for ``"grad_output"`` (with ``stochastic_rounding``)."""
         rows = self.tile_rows(role)
         t = padded(t, rows, self.block)
-        hadamard = te_rht_matrix() if self.rht and gemm == "grad_weight" else None
+        hadamard = _rht_on(t.device) if self.rht and gemm == "grad_weight" else None
         sr = self.stochastic_rounding and role == "grad_output"
         gen = _next_seed(layer, self.seed) if sr else None
         return self._quantize(t, rows, hadamard, sr, gen)

@@ -146,3 +146,15 @@ def test_the_lab_trains_each_four_bit_configuration(name, fmt):
     row = df.iloc[1]
     assert row.status == "ok", row.error
     assert row.precision == f"{fmt} (emulated)"
+
+
+@pytest.mark.parametrize("spec", ["nvfp4", "mxfp4"])
+def test_a_steady_four_bit_step_reads_nothing_on_the_host(spec):
+    from mpnb.lab.host_reads import HostReads
+
+    layer = _layer(spec, rht=True, stochastic_rounding=True)
+    x, gy = _data()
+    _run(layer, x, gy)  # the first step builds what later steps reuse
+    with HostReads() as reads:
+        _run(layer, x, gy)
+    assert reads.count == 0, reads.where
