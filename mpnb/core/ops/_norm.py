@@ -2,7 +2,8 @@
 checks, the backward formula, the fakes and the test samples.
 
 A norm views its input as rows ``[M, N]`` (``N = prod(normalized_shape)``); ``mean`` and
-``invvar`` hold one fp32 value per row (fp64 for fp64 input). ``saved`` is the input, or the
+``invvar`` hold one fp32 value per row (fp64 for fp64 input; fp16-rounded values for an fp16
+layer norm with ``torch_stats``, see :func:`saves_half_stats`). ``saved`` is the input, or the
 output when ``memory_efficient`` (the backward then recomputes ``xhat = (y - b) / w``, as Apex
 does). The checks are the ops' only ones (``csrc/cpu/norm_common.h`` keeps the kernels in
 bounds, with short messages).
@@ -90,6 +91,34 @@ def check_backward(args: Any, per_tensor: bool) -> None:
             "mean the forward returned."
         )
     _check_params(op, saved, args.weight, getattr(args, "bias", None), cols)
+
+
+def saves_half_stats(x: torch.Tensor, weight, bias) -> bool:
+    """Whether PyTorch's own layer norm of these tensors saves its statistics in fp16.
+
+    PyTorch's CPU ``native_layer_norm`` computes the mean and rstd of a half row in fp32, writes
+    the output from them, and returns them in the parameters' dtype: fp16 for an fp16 input
+    with fp16 parameters or none, and its backward reads them back from fp16. Its CUDA kernel
+    keeps them in fp32 (the accumulation type), as mpnb does, and so does an fp16 input with
+    fp32 parameters (the mixed layers) on both. This is the rule ``torch_stats`` follows
+    (:func:`mpnb.core.ops.layer_norm.layer_norm_fwd`), for fp16 only: bf16 statistics stay
+    fp32 (PyTorch's CPU kernel rounds them to bf16, 2**-9 of rstd; Apex's bf16 tolerance holds
+    without it).
+
+    Example::
+
+        >>> saves_half_stats(torch.randn(2, 8).half(), None, None)
+        True
+    """
+    p = weight if weight is not None else bias
+    half = x.dtype == torch.float16 and (p is None or p.dtype == torch.float16)
+    return half and x.device.type == "cpu"
+
+
+def round_half_stats(*stats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Each fp32 statistic rounded to fp16 (to nearest even) and widened back: the values
+    PyTorch's CPU layer norm saves (see :func:`saves_half_stats`), kept in the ops' fp32."""
+    return tuple(t.to(torch.float16).to(t.dtype) for t in stats)
 
 
 def _xhat(saved, mean, invvar, weight, bias, rows, cols, memory_efficient, acc):

@@ -11,6 +11,12 @@ as Apex does: weights must not be zero). The forward is differentiable through i
 registered autograd formula (the backward op); missing weight/bias gradients are empty
 tensors from the backward op and ``None`` through autograd.
 
+``torch_stats`` (set by :mod:`mpnb.normalization` inside an autocast region) rounds an fp16
+layer's ``mean``/``invvar`` to fp16 on the CPU, as PyTorch's CPU ``native_layer_norm`` saves
+them, so the backward rounds as PyTorch's fp16 layer norm does there (its CUDA kernel keeps
+fp32, and so does mpnb on CUDA). The statistics stay fp32 tensors; the forward's output is
+written from the unrounded ones, as PyTorch's is.
+
 Kernels: ``csrc/cpu/layer_norm.cpp`` (CPU); PyTorch's ``native_layer_norm`` (and its backward
 from the input) on CUDA for fp32/fp64 data with parameters of its dtype, else the reference.
 """
@@ -40,12 +46,13 @@ def reference_layer_norm_fwd(
     bias: Tensor | None = None,
     eps: float = 1e-5,
     memory_efficient: bool = False,
+    torch_stats: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Layer norm over the trailing ``normalized_shape`` dims; returns ``(y, mean, invvar)``.
 
     Differentiable in ``input``, ``weight`` and ``bias`` (the backward is
     :func:`layer_norm_bwd`). The reference computes the statistics in fp32 (fp64 for fp64),
-    in two passes.
+    in two passes, and the output from them, rounded once to the input's dtype.
 
     Args:
         input: the tensor to normalize (fp32, fp16, bf16 or fp64).
@@ -54,6 +61,11 @@ def reference_layer_norm_fwd(
             dtype or fp32 (with a half input).
         eps: added to the variance.
         memory_efficient: save the output instead of the input for the backward.
+        torch_stats: return (and so save for the backward) the statistics PyTorch's own
+            layer norm of these tensors saves on this device: rounded to fp16 for an fp16
+            input on the CPU with fp16 parameters or none, unchanged elsewhere (see
+            :func:`mpnb.core.ops._norm.saves_half_stats`). The output is the same either way.
+            :mod:`mpnb.normalization` sets it inside a ``torch.autocast`` region.
 
     Example::
 
@@ -70,6 +82,8 @@ def reference_layer_norm_fwd(
         y = y * weight.reshape(cols).to(acc)
     if bias is not None:
         y = y + bias.reshape(cols).to(acc)
+    if torch_stats and _norm.saves_half_stats(input, weight, bias):
+        mean, invvar = _norm.round_half_stats(mean, invvar)
     return y.to(input.dtype).reshape(input.shape), mean, invvar
 
 
@@ -172,13 +186,27 @@ def _backward(ctx, grad_y, _grad_mean, _grad_invvar):
     return {"input": dx, "weight": None if w is None else dw, "bias": None if b is None else db}
 
 
+def _fwd_sample(dtype: torch.dtype, case: dict, torch_stats: bool = False) -> Sample:
+    x, w, b, _dy, nshape = _norm.sample_tensors(dtype, case)
+    kw = dict(input=x, normalized_shape=nshape, weight=w, bias=b, eps=1e-5)
+    kw |= dict(memory_efficient=case.get("me", False), torch_stats=torch_stats)
+    return Sample(kw, name=_norm.sample_name(case) + (" torch_stats" if torch_stats else ""))
+
+
 def _samples_fwd(dtype: torch.dtype):
     for case in _norm.sample_cases(dtype):
-        x, w, b, _dy, nshape = _norm.sample_tensors(dtype, case)
-        kw = dict(input=x, normalized_shape=nshape, weight=w, bias=b, eps=1e-5)
-        yield Sample(
-            kw | dict(memory_efficient=case.get("me", False)), name=_norm.sample_name(case)
-        )
+        yield _fwd_sample(dtype, case)
+    # torch_stats: fp16 statistics for an fp16 input with fp16 or no parameters, and no change
+    # for the mixed layers and the other dtypes
+    cases = [
+        dict(rows=16, cols=512),
+        dict(rows=16, cols=512, affine=""),
+        dict(rows=9, cols=1000, me=True),
+    ]
+    if dtype in (torch.float16, torch.bfloat16):
+        cases.append(dict(rows=5, cols=33, wdtype=torch.float32))
+    for case in cases:
+        yield _fwd_sample(dtype, case, torch_stats=True)
 
 
 def _samples_bwd(dtype: torch.dtype):
