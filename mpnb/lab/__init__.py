@@ -14,6 +14,8 @@
 * :func:`gemm_shapes`, :func:`step_overhead`: GEMM sizes tensor cores dislike, and whether a
   step is bound by overhead that half precision cannot shrink.
 * :func:`trace_precision`: which dtype every op of a step ran in, and why.
+* :func:`quant_stats`: per-layer quantization statistics (underflow, saturation, error,
+  scale inverses, dynamic range) of one step, or what a format would do to it (``what_if``).
 * :func:`report`: one self-contained offline HTML page from a :func:`compare` DataFrame.
 * :mod:`story`: every hardware sentence the notebooks and the verdict print, computed from
   doctor's facts and the measured numbers.
@@ -49,6 +51,7 @@ _LAZY = {
     "step_overhead": "troubleshoot",
     "report": "html_report",
     "trace_precision": "precision_trace",
+    "quant_stats": "quant_stats",
 }
 
 __all__ = [*_LAZY, "workloads", "story"]

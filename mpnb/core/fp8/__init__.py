@@ -14,6 +14,10 @@ and torchao's variant (:func:`quantize_nvfp4`, :func:`quantize_nvfp4_torchao`), 
 (:func:`quantize_mxfp4`), the 16-point randomized Hadamard transform, stochastic rounding to
 E2M1, and the emulated GEMM that accumulates per K block (:func:`fp4_mm`).
 
+Per-layer quantization statistics (underflow, saturation, error, scale inverses, dynamic
+range) of a converted model, or what a format would do to an unconverted one:
+:func:`collect_quant_stats` (:mod:`mpnb.core.fp8.stats`).
+
 The GEMMs run in ``torch._scaled_mm`` where the device supports the recipe (CPU: tensorwise
 and rowwise, any shape; CUDA sm89+/sm90+: multiples of 16), and otherwise as the same math
 emulated (dequantize, float32 matmul) with one :class:`Float8FallbackWarning` per layer. On a
@@ -89,6 +93,7 @@ from mpnb.core.fp8.reference import (
     reference_quantize_tensorwise,
     reference_scale,
 )
+from mpnb.core.fp8.stats import QuantStats, collect_quant_stats
 
 __all__ = [
     "convert_to_float8_training",
@@ -148,4 +153,6 @@ __all__ = [
     "hadamard_transform",
     "random_signs",
     "TE_RHT_SIGNS",
+    "QuantStats",
+    "collect_quant_stats",
 ]

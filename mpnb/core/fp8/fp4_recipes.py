@@ -27,6 +27,7 @@ Example::
 
 from __future__ import annotations
 
+import abc
 import functools
 from dataclasses import dataclass
 from typing import ClassVar
@@ -105,18 +106,32 @@ class FP4Recipe(Float8Recipe):
         """The rows of one block of ``role``'s operand (1: blocks along the last dim only)."""
         return 1
 
+    def hadamard_for(self, gemm: str, device) -> torch.Tensor | None:
+        """TE's RHT matrix on ``device`` where ``gemm`` transforms its operands (the Wgrad
+        GEMM, with ``rht``), else None."""
+        return _rht_on(device) if self.rht and gemm == "grad_weight" else None
+
+    def source(self, t: torch.Tensor, role: str, gemm: str = "") -> torch.Tensor:
+        """The tensor :meth:`quantize` quantizes for ``t``: padded to whole blocks and, where
+        :meth:`hadamard_for` gives a matrix, transformed (what statistics compare with)."""
+        t = padded(t, self.tile_rows(role), self.block)
+        hadamard = self.hadamard_for(gemm, t.device)
+        return t if hadamard is None else hadamard_transform(t, hadamard)
+
     def quantize(self, layer, t, role, update, gemm=""):
         """``t`` padded to the blocks, transformed (Wgrad operands, with ``rht``), quantized
         with stochastic rounding for ``"grad_output"`` (with ``stochastic_rounding``)."""
         rows = self.tile_rows(role)
         t = padded(t, rows, self.block)
-        hadamard = _rht_on(t.device) if self.rht and gemm == "grad_weight" else None
+        hadamard = self.hadamard_for(gemm, t.device)
         sr = self.stochastic_rounding and role == "grad_output"
         gen = _next_seed(layer, self.seed) if sr else None
         return self._quantize(t, rows, hadamard, sr, gen)
 
+    @abc.abstractmethod
     def _quantize(self, t, rows, hadamard, sr, gen) -> FP4Operand:
-        raise NotImplementedError(f"{type(self).__name__} defines no _quantize")
+        """Quantize the padded ``t`` in blocks of ``rows`` x :attr:`block` (``hadamard``: the
+        matrix to transform it by first, or None; ``sr``: round stochastically from ``gen``)."""
 
     def _switches(self) -> list[str]:
         return [s for s, on in (("rht", self.rht), ("sr", self.stochastic_rounding)) if on]

@@ -50,13 +50,13 @@ class _Float8Matmul(torch.autograd.Function):
     def forward(ctx, x, weight, layer, out_dtype):
         rec, update = layer.recipe, layer.training
         with _no_autocast(x.device.type):
-            xq = rec.quantize(layer, x, "input", update, gemm="forward")
-            wq = rec.quantize(layer, weight, "weight", update, gemm="forward")
+            xq = layer.quantize_operand(x, "input", update, "forward")
+            wq = layer.quantize_operand(weight, "weight", update, "forward")
             y = layer._gemm("forward", xq, wq, out_dtype, (x.shape[0], weight.shape[0]))
             if rec.per_tensor:
                 ctx.operands = (xq, wq)
             else:
-                x_cols = rec.quantize(layer, x.t(), "input", False, gemm="grad_weight")
+                x_cols = layer.quantize_operand(x.t(), "input", False, "grad_weight")
                 ctx.operands = (x_cols, None)
                 ctx.save_for_backward(weight)
         ctx.layer, ctx.update = layer, update
@@ -70,13 +70,13 @@ class _Float8Matmul(torch.autograd.Function):
         xq, wq = ctx.operands
         gy = gy.contiguous()
         with _no_autocast(gy.device.type):
-            g_rows = rec.quantize(layer, gy, "grad_output", ctx.update, gemm="grad_input")
+            g_rows = layer.quantize_operand(gy, "grad_output", ctx.update, "grad_input")
             if rec.per_tensor:
                 w_cols, g_cols, x_cols = wq.t(), g_rows.t(), xq.t()
             else:
                 (weight,) = ctx.saved_tensors
-                w_cols = rec.quantize(layer, weight.t(), "weight", False, gemm="grad_input")
-                g_cols = rec.quantize(layer, gy.t(), "grad_output", False, gemm="grad_weight")
+                w_cols = layer.quantize_operand(weight.t(), "weight", False, "grad_input")
+                g_cols = layer.quantize_operand(gy.t(), "grad_output", False, "grad_weight")
                 x_cols = xq
             gx = gw = None
             rows, cols = gy.shape[0], layer.in_features
@@ -110,6 +110,12 @@ class Float8Linear(nn.Linear):
         >>> layer(torch.randn(16, 64)).sum().backward()
         >>> layer.fp8_amax_history[0]        # this step's amax of input, weight, grad_output
     """
+
+    #: a callable ``(layer, t, role, gemm, operand)`` that sees every operand this layer
+    #: quantizes, after the recipe made it; None (the class default) calls nothing.
+    #: :func:`mpnb.core.fp8.stats.collect_quant_stats` sets it on a model's layers while it
+    #: collects and removes it after.
+    quant_observer = None
 
     def __init__(
         self,
@@ -172,6 +178,14 @@ class Float8Linear(nn.Linear):
             y = _Float8Matmul.apply(x2, self.weight, self, out_dtype)
         y = y.view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias.to(y.dtype)
+
+    def quantize_operand(self, t: torch.Tensor, role: str, update: bool, gemm: str):
+        """``self.recipe.quantize(self, t, role, update, gemm=gemm)``, shown to
+        :attr:`quant_observer` when one is set (with none, nothing else runs)."""
+        q = self.recipe.quantize(self, t, role, update, gemm=gemm)
+        if self.quant_observer is not None:
+            self.quant_observer(self, t, role, gemm, q)
+        return q
 
     def _gemm(self, which: str, a, b, out_dtype: torch.dtype, shape) -> torch.Tensor:
         blocker = scaled_mm_blocker(a, b, out_dtype)
