@@ -5,7 +5,12 @@ nothing; a file that is missing (its step failed or overran) gives a line that s
 number. Tables:
 
 * the steps (budget, time taken, result, the last log line of a failure);
-* the Triton kernels' decisions (``measured.json`` with this run pooled in);
+* the Triton kernels' decisions (``measured.json`` with this run pooled in: the worst case's
+  ratio and 95% interval), then every case of ``mpnb bench --device cuda`` (PyTorch's time,
+  mpnb's, the ratio and its interval, the share of the same-run copy bandwidth) and the
+  kernel targets (every kernel at least 1.0x, the interval's lower end included; the
+  multi-tensor L2 norm and scale at least 1.0x; norms and softmax at 75% or more of the copy
+  bandwidth at the large size; the O2 step at least 1.5x torch's path, lower end included);
 * the GPU-sized workload: every row's speed vs O0 and vs torch-amp in its half dtype, step time,
   GPU busy, host syncs per step, and the estimate of :mod:`mpnb.lab.gpu_estimate` from the row's
   own counts (measured / estimated), then the targets (O2 bf16 at least 1.5x O0 and 0.97x
@@ -22,10 +27,22 @@ import math
 import re
 from pathlib import Path
 
-__all__ = ["summary", "targets", "workload_rows", "estimate_vs_measured", "read_json"]
+__all__ = [
+    "summary",
+    "targets",
+    "kernel_targets",
+    "workload_rows",
+    "estimate_vs_measured",
+    "read_json",
+]
 
 #: O2 bf16 must reach these on the GPU workload (issue: "a GPU workload the GPU computes")
 O2_VS_O0, O2_VS_TORCH_AMP, ESTIMATE_WITHIN = 1.5, 0.97, 1.5
+#: the kernels' targets: the O2 step's speed-up over torch's path, and the share of the copy
+#: bandwidth the norms and softmax reach at the large size
+O2_STEP_VS_TORCH, LAYER_BW_AT_LARGE = 1.5, 0.75
+_MULTI_TENSOR = ("multi_tensor_l2norm", "multi_tensor_scale")
+_LAYERS = ("layer_norm", "rms_norm", "softmax")
 
 
 def read_json(path: Path) -> dict:
@@ -183,14 +200,107 @@ def _triton_table(triton: dict) -> list[str]:
     from mpnb.core.ops.triton import LAUNCHERS
     from mpnb.core.ops.triton._decision import decide
 
-    lines = ["", "## Triton kernels vs PyTorch's CUDA path (`mpnb bench --device cuda --quick`)"]
-    lines += ["", "| kernel | worst case: PyTorch time / Triton time | runs pooled | decision |"]
+    lines = ["", "## Triton kernels vs PyTorch's CUDA path (`mpnb bench --device cuda`)"]
+    lines += [
+        "",
+        "| kernel | worst case: PyTorch time / Triton time (95%) | runs pooled | decision |",
+    ]
     lines.append("|---|---|---|---|")
     for name in LAUNCHERS:
         d = decide(name, triton)
         runs = triton.get("kernels", {}).get(name, {}).get("runs", "-")
-        lines.append(f"| {name} | {_f(d.speed_vs_torch)} | {runs} | {d.label.split(':')[0]} |")
+        ratio = f"{_f(d.speed_vs_torch)} ({_f(d.speed_lo)}-{_f(d.speed_hi)})"
+        lines.append(f"| {name} | {ratio} | {runs} | {d.label.split(':')[0]} |")
     return lines
+
+
+def _op(row: dict) -> str:
+    """The Triton kernel a bench row times ("" for a baseline, the copy, the O2 step)."""
+    name = str(row.get("candidate", ""))
+    return name.split()[1] if row.get("role") == "candidate" and name[:7] == "triton " else ""
+
+
+def kernel_targets(rows: list[dict]) -> list[str]:
+    """The kernel targets from the bench's rows, each PASS, MISS or "not measured"."""
+    lo: dict[str, float] = {}
+    for r in rows:
+        if _op(r) and isinstance(r.get("ratio_lo"), (int, float)):
+            lo[_op(r)] = min(lo.get(_op(r), math.inf), float(r["ratio_lo"]))
+    if not lo:
+        return ["- the kernel targets: not measured (see the bench cuda step)."]
+    below = sorted(op for op, v in lo.items() if v < 1.0)
+    verdict = "PASS" if not below else f"MISS (below: {', '.join(below)})"
+    lines = [f"- every kernel >= 1.0x PyTorch, lower end included: {verdict} ({len(lo)} measured)"]
+    mt = {op: lo[op] for op in _MULTI_TENSOR if op in lo}
+    lines.append(
+        "- multi-tensor l2norm and scale >= 1.0x: "
+        + (
+            ("PASS" if all(v >= 1.0 for v in mt.values()) else "MISS")
+            + " ("
+            + ", ".join(f"{op} {_f(v)}" for op, v in mt.items())
+            + ", lower ends)"
+            if mt
+            else "not measured"
+        )
+    )
+    large = [
+        r
+        for r in rows
+        if any(k in _op(r) for k in _LAYERS) and str(r.get("workload", "")).startswith("(L) ")
+    ]
+    shares = [_num(r, "bw_frac") for r in large]
+    ok = all(math.isfinite(v) and v >= LAYER_BW_AT_LARGE for v in shares)
+    lines.append(
+        f"- norms and softmax >= {LAYER_BW_AT_LARGE:.0%} of copy bandwidth at the large size: "
+        + (
+            f"{'PASS' if ok else 'MISS'} (lowest {min(shares):.0%} of {len(shares)} cases)"
+            if shares
+            else "not measured (skipped or failed: see the bench's log)"
+        )
+    )
+    step = [r for r in rows if str(r.get("case", "")).startswith("O2 step")]
+    step = [r for r in step if r.get("role") == "candidate"]
+    for r in step:
+        lo_, ok = _num(r, "ratio_lo"), _num(r, "ratio_lo") >= O2_STEP_VS_TORCH
+        lines.append(
+            f"- {r['case']} [{r['workload']}] >= {O2_STEP_VS_TORCH}x torch's path: "
+            f"{'PASS' if ok else 'MISS'} ({_f(_num(r, 'ratio'))}x, 95% {_f(lo_)}-"
+            f"{_f(_num(r, 'ratio_hi'))})"
+        )
+    return lines
+
+
+def _bench_table(doc: dict) -> list[str]:
+    rows = doc.get("rows", [])
+    lines = ["", "## Every case of `mpnb bench --device cuda`", ""]
+    if not rows:
+        return lines + ["(no rows: see the bench cuda step's log)"]
+    if doc.get("header", {}).get("quick"):
+        lines += ["A `--quick` run: one short measurement per case, not recorded.", ""]
+    if doc.get("header", {}).get("stopped"):
+        lines += [
+            f"Stopped by its time budget ({doc['header']['stopped']}): later cases are missing.",
+            "",
+        ]
+    base = {(r.get("case"), r.get("workload")): r for r in rows if r.get("role") == "baseline"}
+    lines += [
+        "| case | PyTorch | ms | mpnb | ms | PyTorch / mpnb (95%) | rounds | % copy bw |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if r.get("status") == "SKIPPED" and r.get("role") == "baseline":
+            lines.append(f"| {r['case']} [{r['workload']}] | skipped: {r.get('error', '')} |||||||")
+        if r.get("role") != "candidate" or r.get("status") == "SKIPPED":
+            continue
+        b = base.get((r.get("case"), r.get("workload")), {})
+        lines.append(
+            f"| {r['case']} [{r['workload']}] | {b.get('candidate', '?')} "
+            f"| {_f(_num(b, 'median_s') * 1e3, '{:.3f}')} | {r['candidate']} "
+            f"| {_f(_num(r, 'median_s') * 1e3, '{:.3f}')} | {_f(_num(r, 'ratio'))} "
+            f"({_f(_num(r, 'ratio_lo'))}-{_f(_num(r, 'ratio_hi'))}) | {r.get('rounds', '-')} "
+            f"| {_f(_num(r, 'bw_frac'), '{:.0%}')} |"
+        )
+    return lines + ["", "Targets:", "", *kernel_targets(rows)]
 
 
 def _workload_table(doc: dict, card: str) -> list[str]:
@@ -259,8 +369,10 @@ def _estimate_table(out: Path, card: str) -> list[str]:
     cpu = read_json(out / "compare-cpu-medium.json").get("rows", [])
     rows = estimate_vs_measured(cuda, [cpu], card)
     lines = ["", f"## Speed vs O0 at size medium: measured on {card}, estimated by a CPU run", ""]
-    lines.append("| configuration | precision | measured | estimated | measured / estimated "
-                 "| estimate's bound |")  # fmt: skip
+    lines.append(
+        "| configuration | precision | measured | estimated | measured / estimated "
+        "| estimate's bound |"
+    )
     lines.append("|---|---|---|---|---|---|")
     for r in rows:
         lines.append(
@@ -276,6 +388,7 @@ def summary(results, out: Path, card: str, about: str, triton: dict, limit_s: in
     """The whole summary as Markdown (see the module docstring)."""
     lines = [f"# GPU check: {card}", "", about, *_steps_table(results, limit_s)]
     lines += _triton_table(triton)
+    lines += _bench_table(read_json(out / "bench-cuda.json"))
     lines += _workload_table(read_json(out / "compare-gpu.json"), card)
     lines += _syncs_table(read_json(out / "syncs.json"))
     lines += _fp8_table(read_json(out / "bench-fp8.json"))

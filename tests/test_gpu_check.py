@@ -33,7 +33,7 @@ def test_every_step_has_a_budget_and_they_fit_in_eight_minutes():
         "doctor",
         "-m gpu",
         "triton_kernels",
-        "bench --device cuda --quick",
+        "bench --device cuda --json",  # a full run: enough rounds for the intervals
         "-m mpnb.lab.sync_count --device cuda",  # syncs counted by CUDA itself
         "compare --device cuda --workload transformer --size auto",  # the GPU-sized workload
         "torch-amp,tf32,torch-amp+compile,O2+graph",  # the peers and a CUDA-graph row
@@ -127,19 +127,24 @@ def test_summary_sets_the_estimate_beside_the_measured_speed(tmp_path):
     log = tmp_path / "c.log"
     log.write_text("Traceback\nRuntimeError: CUDA out of memory")
     results = [gc.Result(step, "FAIL (exit 1)", 12.0, log, ["RuntimeError: CUDA out of memory"])]
-    rope = {"speed_vs_torch": 1.2, "card": "H100", "date": "d", "runs": 3}
+    rope = {"speed_vs_torch": 1.2, "speed_lo": 1.1, "speed_hi": 1.3, "card": "H100", "runs": 3}
     table = {"kernels": {"rope": rope}}
     text = gc.summary(results, tmp_path, "NVIDIA H100 80GB HBM3", "about", table)
     assert "| compare cuda | 60 | 12 | FAIL (exit 1) (`c.log`: RuntimeError: CUDA out" in text
-    assert "| rope | 1.20 | 3 | default |" in text and "| rope_" not in text
+    assert "| rope | 1.20 (1.10-1.30) | 3 | default |" in text and "| rope_" not in text
     assert "| O3 bf16 b32 | bf16 (native) | 4.00 | " in text
     assert ("off by more than 1.5x" in text) == (not 1 / 1.5 <= o3["error"] <= 1.5)
 
 
 def _gpu_row(config, opt, half, speed, lo, ms, busy, syncs, precision):
     r = _row(config, opt, half, speed, precision=precision)
-    return r | dict(speedup_lo=lo, speedup_hi=speed + 0.1, step_time_ms=ms, gpu_busy=busy,
-                    host_syncs_per_step=syncs)  # fmt: skip
+    return r | dict(
+        speedup_lo=lo,
+        speedup_hi=speed + 0.1,
+        step_time_ms=ms,
+        gpu_busy=busy,
+        host_syncs_per_step=syncs,
+    )
 
 
 def test_summary_writes_the_gpu_workload_its_targets_the_syncs_and_fp8(tmp_path):
@@ -154,10 +159,20 @@ def test_summary_writes_the_gpu_workload_its_targets_the_syncs_and_fp8(tmp_path)
     syncs = [dict(name="mpnb O2 bf16 + FusedAdam", host_reads=0.0, cuda_syncs=0.0)]
     (tmp_path / "syncs.json").write_text(json.dumps(dict(rows=syncs)))
     fp8 = dict(
-        rows=[dict(case="Linear [4096^3]", candidate="fp8-tensorwise", median_s=0.003,
-                   ratio=1.4, ratio_lo=1.3, ratio_hi=1.5, tflops=900.0, note="fp8 (native)")],
+        rows=[
+            dict(
+                case="Linear [4096^3]",
+                candidate="fp8-tensorwise",
+                median_s=0.003,
+                ratio=1.4,
+                ratio_lo=1.3,
+                ratio_hi=1.5,
+                tflops=900.0,
+                note="fp8 (native)",
+            )
+        ],
         summary=["fp8-tensorwise pays from 4096^3 on this device"],
-    )  # fmt: skip
+    )
     (tmp_path / "bench-fp8.json").write_text(json.dumps(fp8))
     text = gc.summary([], tmp_path, "NVIDIA H100 80GB HBM3", "about", {"kernels": {}})
     assert "| O2 bf16 b4 | bf16 (native) | 2.00 (1.80-2.10) | 0.95 | 80.0 | 90% | 0 |" in text
@@ -194,3 +209,125 @@ def test_cards_are_named_as_torch_reports_them(name, key):
     cpu = [_row("O0 fp32 b32", "O0", "fp32", 1.0), _row("O3 bf16 b32", "O3", "bf16", 0.2)]
     est = estimate_for_card(pd.DataFrame(cpu), name)
     assert (set(est["gpu"]) if len(est) else None) == ({key} if key else None)
+
+
+def _bench_row(case, workload, candidate, role, ratio=None, lo=None, hi=None, bw=None, **kw):
+    return dict(
+        case=case,
+        workload=workload,
+        candidate=candidate,
+        role=role,
+        ratio=ratio,
+        ratio_lo=lo,
+        ratio_hi=hi,
+        bw_frac=bw,
+        median_s=1e-3,
+        rounds=20,
+        **kw,
+    )
+
+
+def test_summary_writes_every_bench_case_and_the_kernel_targets(tmp_path):
+    rows = [
+        _bench_row("l2norm bf16", "(a) GPT 20M/76", "torch _foreach_norm", "baseline"),
+        _bench_row(
+            "l2norm bf16",
+            "(a) GPT 20M/76",
+            "triton multi_tensor_l2norm",
+            "candidate",
+            1.3,
+            1.2,
+            1.4,
+            0.8,
+        ),
+        _bench_row(
+            "unscale",
+            "(a) GPT 20M/76",
+            "triton multi_tensor_scale",
+            "candidate",
+            1.05,
+            0.98,
+            1.1,
+            0.7,
+        ),
+        _bench_row(
+            "rms_norm fwd",
+            "(L) 131072x1024 bf16",
+            "triton rms_norm_fwd",
+            "candidate",
+            1.1,
+            1.05,
+            1.15,
+            0.81,
+        ),
+        _bench_row(
+            "softmax bwd",
+            "(L) [16,8,1024,1024] bf16",
+            "triton scaled_softmax_bwd",
+            "candidate",
+            1.2,
+            1.1,
+            1.3,
+            0.7,
+        ),
+        _bench_row(
+            "O2 step AdamW bf16",
+            "(a) GPT 20M/76",
+            "mpnb amp O2: check_finite + fused_adam_ (triton)",
+            "candidate",
+            1.6,
+            1.52,
+            1.7,
+            0.9,
+        ),
+        _bench_row(
+            "every case",
+            "(L) 64x2097152",
+            "not run",
+            "baseline",
+            status="SKIPPED",
+            error="needs 8.0 GiB of GPU memory, 3.0 GiB free of 16 GiB",
+        ),
+    ]
+    (tmp_path / "bench-cuda.json").write_text(json.dumps(dict(header={}, rows=rows)))
+    text = gc.summary([], tmp_path, "NVIDIA H100 80GB HBM3", "about", {"kernels": {}})
+    assert (
+        "| l2norm bf16 [(a) GPT 20M/76] | torch _foreach_norm | 1.000 | triton multi_tensor_l2norm "
+        "| 1.000 | 1.30 (1.20-1.40) | 20 | 80% |" in text
+    )
+    assert "| every case [(L) 64x2097152] | skipped: needs 8.0 GiB" in text
+    assert (
+        "- every kernel >= 1.0x PyTorch, lower end included: MISS (below: multi_tensor_scale)"
+        in text
+    )
+    assert (
+        "- multi-tensor l2norm and scale >= 1.0x: MISS (multi_tensor_l2norm 1.20, "
+        "multi_tensor_scale 0.98" in text
+    )
+    assert (
+        "- norms and softmax >= 75% of copy bandwidth at the large size: MISS (lowest 70% of 2"
+        in text
+    )
+    assert (
+        "- O2 step AdamW bf16 [(a) GPT 20M/76] >= 1.5x torch's path: PASS (1.60x, 95% 1.52-1.70)"
+        in text
+    )
+    empty = gc.summary([], tmp_path / "none", "H100", "a", {"kernels": {}})
+    assert "(no rows: see the bench cuda step's log)" in empty
+
+
+def test_a_quick_bench_is_never_recorded(tmp_path, monkeypatch):
+    rows = [_bench_row("rope fwd", "w", "triton rope", "candidate", 2.0, 1.9, 2.1, 0.5)]
+    written = []
+    monkeypatch.setattr(
+        "mpnb.core.ops.triton._decision.write_table", lambda t, p=None: written.append(t)
+    )
+    for quick, recorded in ((True, False), (False, True)):
+        written.clear()
+        doc = dict(header=dict(quick=quick), rows=rows)
+        (tmp_path / "bench-cuda.json").write_text(json.dumps(doc))
+        table = gc._record_triton(tmp_path, "NVIDIA H200")
+        assert (
+            "rope" in table["kernels"] and table["kernels"]["rope"]["card"] == "NVIDIA H200"
+        ) == recorded
+        assert bool(written) == recorded

@@ -47,6 +47,8 @@ from mpnb.lab.bench._registry import load_suite, suites
 # that `mpnb bench --list` does not import torch.
 _LAZY = {
     "READ": "_harness",
+    "COPY": "_harness",
+    "Enough": "_harness",
     "RMW": "_harness",
     "Candidate": "_harness",
     "Case": "_harness",

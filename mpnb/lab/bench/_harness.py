@@ -10,9 +10,17 @@ never the ratio of the medians.
 
 Bandwidth baselines run in the same rounds, on fp32 buffers of ``Case.bandwidth_numel``
 elements: the in-place ``a += s*b`` (``a.add_(b, alpha=s)``: 3 x 4 bytes per element) for
-kernels that write, and the read-only ``x.sum()`` (4 bytes per element) for kernels that
-only read. A candidate that declares the bytes it moves gets its achieved GB/s and the
-median of its per-round fraction of the matching baseline's GB/s.
+kernels that write, the read-only ``x.sum()`` (4 bytes per element) for kernels that
+only read, and the device copy ``a.copy_(b)`` (2 x 4 bytes per element; a GPU's usual
+bandwidth reference) for kernels whose case asks for it (:data:`COPY`). A candidate that
+declares the bytes it moves gets its achieved GB/s and the median of its per-round fraction
+of the matching baseline's GB/s.
+
+How many rounds: ``Options.rounds``, or, for a case with an :class:`Enough` rule (outside
+``--quick``), that many and then more, a few at a time, until every candidate's 95% interval
+of its ratio (the bootstrap of :func:`mpnb.lab.stats.median_ci`) is narrow enough, or the
+case has run its most rounds or its time. A case that cannot run here (too large for this
+GPU's free memory) is yielded with ``Case.skipped`` set: its rows say why, with no times.
 
 The clock is ``torch.utils.benchmark.timer`` (it synchronizes the accelerator, if any, before
 reading ``timeit.default_timer``), driven by ``timeit.Timer`` with a fixed call count per
@@ -34,6 +42,7 @@ an ``ERROR`` row with the reason, and the case's other candidates are timed as u
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 
@@ -52,6 +61,8 @@ __all__ = [
     "llc_bytes",
     "RMW",
     "READ",
+    "COPY",
+    "Enough",
     "Candidate",
     "Case",
     "Options",
@@ -67,7 +78,8 @@ __all__ = [
 
 RMW = "rmw"  #: the candidate writes: compare with the in-place ``a += s*b`` bandwidth
 READ = "read"  #: the candidate only reads: compare with the ``x.sum()`` bandwidth
-_BW_NAMES = {RMW: "bw: a += s*b (fp32)", READ: "bw: x.sum() (fp32)"}
+COPY = "copy"  #: the candidate writes: compare with the device copy ``a.copy_(b)`` bandwidth
+_BW_NAMES = {RMW: "bw: a += s*b (fp32)", READ: "bw: x.sum() (fp32)", COPY: "bw: copy (fp32)"}
 #: In-cache throughput below this fraction of the same-run bandwidth: compute-bound.
 COMPUTE_BOUND = 0.7
 
@@ -248,6 +260,34 @@ def compiled(
     return Candidate(name, call(fast) if call is not None else fast, compiled=True, **kw)
 
 
+@dataclass(frozen=True)
+class Enough:
+    """When a case has run enough rounds: the rule that sizes a ratio's 95% interval.
+
+    After ``Options.rounds`` rounds, ``step`` more run at a time while some candidate's 95%
+    interval of its ratio to the baseline (:func:`~mpnb.lab.stats.median_ci` of the per-round
+    ratios) is wider than ``half_width`` of its ratio on either side, until the case has run
+    ``max_rounds`` rounds or ``max_s`` seconds of rounds (the first ``Options.rounds`` always
+    run). ``--quick`` ignores it.
+
+    Args:
+        half_width: the widest interval accepted, ``(hi - lo) / 2`` as a fraction of the
+            median ratio (0.02: "within 2%").
+        max_rounds: the most rounds.
+        max_s: the most seconds of timed rounds (warm-up and compiling not counted).
+        step: rounds added at a time.
+
+    Example::
+
+        Case("adam", "GPT", [base, ours], enough=Enough(half_width=0.02, max_rounds=40))
+    """
+
+    half_width: float = 0.02
+    max_rounds: int = 40
+    max_s: float = 1.0
+    step: int = 5
+
+
 @dataclass
 class Case:
     """A comparison: ``candidates[0]`` is the PyTorch baseline, the others are compared with it.
@@ -261,6 +301,12 @@ class Case:
         device: where the bandwidth buffers live (the candidates' tensors are the suite's).
         min_rounds: rounds this case takes at least (outside ``--quick``): a time difference
             (``max_extra_s``) of a few percent of the times needs more rounds than a ratio.
+        enough: the rule that adds rounds until the ratios' intervals are narrow
+            (:class:`Enough`), or None for ``Options.rounds`` rounds.
+        round_time: seconds each callable runs per round in this case (None:
+            ``Options.round_time``); a GPU kernel of microseconds needs no 20 ms rounds.
+        skipped: why this case cannot run here (``"needs 6.2 GiB of GPU memory, 3.1 GiB
+            free"``): nothing runs and each candidate's row says so (status ``SKIPPED``).
     """
 
     name: str
@@ -269,6 +315,9 @@ class Case:
     bandwidth_numel: int = 0
     device: str = "cpu"
     min_rounds: int = 0
+    enough: Enough | None = None
+    round_time: float | None = None
+    skipped: str = ""
 
     @property
     def label(self) -> str:
@@ -358,7 +407,8 @@ class Row:
     of that median (None with fewer than 3 rounds); ``bw_frac`` is the median per-round fraction of
     the ``bw_ref`` bandwidth; ``extra_s`` is the median per-round time above the baseline's;
     ``extra_ratio`` is the median per-round ``(this - baseline) / (extra_vs - baseline)``;
-    ``status`` is ``"PASS"``/``"MISS"`` against the targets, or ``""``;
+    ``status`` is ``"PASS"``/``"MISS"`` against the targets, ``"SKIPPED"`` (the case could
+    not run here: ``error`` says why) or ``""``; ``rounds`` is the rounds the case ran;
     ``preempt_per_call`` counts the OS's involuntary context switches of the process per call
     (well above 0: the machine is contended and a parallel region waited for a preempted thread).
     A ``torch.compile`` candidate also has ``compile_s``, the time of its calls that compiled
@@ -434,6 +484,8 @@ def _bandwidth_candidates(case: Case) -> dict[str, Candidate]:
     out = {}
     if RMW in kinds:  # s tiny: a grows slowly, never overflows nor turns denormal
         out[RMW] = Candidate(_BW_NAMES[RMW], lambda: a.add_(b, alpha=1e-7), 12 * n, RMW)
+    if COPY in kinds:
+        out[COPY] = Candidate(_BW_NAMES[COPY], lambda: a.copy_(b), 8 * n, COPY)
     if READ in kinds:
         out[READ] = Candidate(_BW_NAMES[READ], b.sum, 4 * n, READ)
     return out
@@ -478,8 +530,12 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
     """
     if not case.candidates:
         raise ValueError(f"case {case.label!r} has no candidates.")
+    if case.skipped:
+        return [_error_row(suite, case, c, case.skipped, "SKIPPED") for c in case.candidates]
     if case.min_rounds > opts.rounds and not opts.quick:
         opts = replace(opts, rounds=case.min_rounds)
+    if case.round_time is not None:
+        opts = replace(opts, round_time=case.round_time)
     listed = [c for c in case.candidates if opts.compile or not c.compiled]
     warm, failed = _warm_compiled(listed)
     if 0 in failed:
@@ -488,7 +544,13 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
     bw = _bandwidth_candidates(case)
     rooflines = _in_cache_candidates(ours)
     cands = [*ours, *bw.values(), *(x for pair in rooflines.values() for x in pair)]
+    start = time.monotonic()
     times, numbers, preempted = time_rounds(cands, opts)
+    if case.enough is not None and not opts.quick:
+        times, preempted = _more_rounds(
+            case.enough, cands, len(ours), opts, start, times, numbers, preempted
+        )
+    rounds = len(times[0]) if times else opts.rounds
     cache_t = dict(zip([c.name for c in cands], times, strict=True))
     by_name = dict(zip([c.name for c in cands], times, strict=True))
     bw_t = {kind: times[len(ours) + j] for j, kind in enumerate(bw)}
@@ -501,7 +563,7 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
         j = next(timed)
         role = "baseline" if i == 0 else "candidate" if i < len(listed) else "bandwidth"
         t = times[j]
-        row = Row(suite, case.name, case.workload, c.name, role, median(t), iqr(t), opts.rounds)
+        row = Row(suite, case.name, case.workload, c.name, role, median(t), iqr(t), rounds)
         row.calls_per_round, row.bytes, row.note = numbers[j], c.bytes, c.note
         if c.flops:
             row.flops, row.tflops = c.flops, c.flops / row.median_s / 1e12
@@ -518,6 +580,34 @@ def run_case(case: Case, opts: Options, suite: str = "") -> list[Row]:
         row.status = _status(row)
         rows.append(row)
     return rows
+
+
+def _wide(enough: Enough, times: list[list[float]], n_ours: int) -> bool:
+    """True while some candidate's 95% interval of its ratio is wider than the rule allows."""
+    for t in times[1:n_ours]:
+        ratios = per_round_ratios(times[0], t)
+        lo, hi = median_ci(ratios)
+        if not (hi - lo) / 2 <= enough.half_width * median(ratios):  # nan: too few rounds
+            return True
+    return False
+
+
+def _more_rounds(enough, cands, n_ours, opts, start, times, numbers, preempted):
+    """Add rounds to ``times`` by ``enough``'s rule (:class:`Enough`): all the rounds' times,
+    and the preemptions per call over all of them."""
+    done = len(times[0]) if times else 0
+    weighted = [p * done for p in preempted]  # preemptions per call x rounds, summed
+    while (
+        done < enough.max_rounds
+        and time.monotonic() - start < enough.max_s
+        and _wide(enough, times, n_ours)
+    ):
+        k = min(enough.step, enough.max_rounds - done)
+        more, _, pre = time_rounds(cands, replace(opts, rounds=k), numbers=numbers, first=done)
+        times = [a + b for a, b in zip(times, more, strict=True)]
+        weighted = [w + p * k for w, p in zip(weighted, pre, strict=True)]
+        done += k
+    return times, [w / max(done, 1) for w in weighted]
 
 
 def _in_cache_candidates(cands: Sequence[Candidate]) -> dict[str, tuple[Candidate, Candidate]]:
@@ -552,10 +642,13 @@ def _roofline(row: Row, c: Candidate, pair: list[list[float]], bw, bw_t) -> None
         row.bound = "compute" if row.cache_frac < COMPUTE_BOUND else "memory"
 
 
-def _error_row(suite: str, case: Case, c: Candidate, reason: str) -> Row:
+def _error_row(suite: str, case: Case, c: Candidate, reason: str, status: str = "ERROR") -> Row:
+    """A row with no times: a compile that failed (``ERROR``) or a case that cannot run here
+    (``SKIPPED``), ``reason`` saying why."""
     nan = float("nan")
-    row = Row(suite, case.name, case.workload, c.name, "candidate", nan, nan, 0)
-    row.bytes, row.status, row.error, row.note = c.bytes, "ERROR", reason, c.note
+    role = "baseline" if c is case.candidates[0] else "candidate"
+    row = Row(suite, case.name, case.workload, c.name, role, nan, nan, 0)
+    row.bytes, row.status, row.error, row.note = c.bytes, status, reason, c.note
     return row
 
 

@@ -98,6 +98,8 @@ def _fmt_time(s: float) -> str:
 
 
 def _fmt_ratio(row: Row) -> str:
+    if row.status == "SKIPPED":
+        return ""
     if row.role == "baseline":
         return "1 (base)"
     if row.ratio is None:
@@ -162,6 +164,7 @@ def _fmt_interval(row: Row) -> str:
 #: Columns a suite may name in its ``COLUMNS`` besides the default ones above.
 _MORE_COLUMNS = (
     ("95% CI", 11, _fmt_interval),
+    ("rounds", 6, lambda r: str(r.rounds) if r.rounds else ""),
     ("TFLOP/s", 8, lambda r: f"{r.tflops:.3g}" if r.tflops is not None else ""),
     ("note", 22, lambda r: r.note),
 )
@@ -189,6 +192,7 @@ def format_rows(
 
     ``columns`` names the columns to show, by title (a suite's ``COLUMNS``; None: the default
     set below). Beyond those, ``95% CI`` is the 95% interval of a candidate's ratio,
+    ``rounds`` the rounds its case ran,
     ``TFLOP/s`` its achieved rate (candidates that declare ``flops``) and ``note`` how it runs.
 
     ``preempt`` is the OS's involuntary context switches of the process per call: near 0 on a

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from mpnb.lab.bench._compile import inductor_settings
@@ -33,6 +37,28 @@ def _footer(summary: list[str]) -> list[str]:
     return [f"# {line}" for line in summary]
 
 
+class _Stopped(Exception):
+    """SIGTERM arrived during a run (a time budget ran out, as ``scripts/gpu-check.sh``'s)."""
+
+
+@contextlib.contextmanager
+def _stop_on_sigterm() -> Iterator[None]:
+    """Turn SIGTERM into :class:`_Stopped` inside the body (main thread only), so a stopped run
+    keeps, and saves, the cases it finished; the previous handler is restored after."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum, frame):
+        raise _Stopped
+
+    before = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)
+
+
 def run_suite(name: str, opts: Options | None = None, echo: bool = False) -> Result:
     """Run suite ``name`` and return its :class:`Result` (``echo`` prints rows as they come).
 
@@ -42,6 +68,9 @@ def run_suite(name: str, opts: Options | None = None, echo: bool = False) -> Res
 
     The kernels are built (if needed) before anything is timed. ``opts.threads`` applies to
     the run only: the previous ``torch.get_num_threads()`` is restored, also on errors.
+    A SIGTERM during the cases ends the run with the cases finished so far (the header's
+    ``"stopped"`` says so), which the caller still saves: a run stopped by a time budget loses
+    only the case it was in.
 
     Example::
 
@@ -63,11 +92,21 @@ def run_suite(name: str, opts: Options | None = None, echo: bool = False) -> Res
             print(format_header(header))
             print(format_rows([], columns=result.columns), flush=True)
 
-        def printer(rows: list[Row]) -> None:
-            print(format_rows(rows, title=False, columns=result.columns), flush=True)
+        done: list[Row] = []
 
-        on_rows = printer if echo else None
-        result.rows = run_cases(module.cases(opts), opts, suite=name, on_rows=on_rows)
+        def collect(rows: list[Row]) -> None:
+            done.extend(rows)
+            if echo:
+                print(format_rows(rows, title=False, columns=result.columns), flush=True)
+
+        try:
+            with _stop_on_sigterm():
+                run_cases(module.cases(opts), opts, suite=name, on_rows=collect)
+        except _Stopped:
+            header["stopped"] = f"SIGTERM after {len({(r.case, r.workload) for r in done})} cases"
+            if echo:
+                print(f"# stopped: {header['stopped']}", flush=True)
+        result.rows = done
         result.summary = list(getattr(module, "summary", lambda rows: [])(result.rows))
         if echo and result.summary:
             print("\n".join(_footer(result.summary)), flush=True)

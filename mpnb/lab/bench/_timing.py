@@ -34,19 +34,32 @@ def _preemptions() -> int:
 
 
 def time_rounds(
-    cands: Sequence[Candidate], opts: Options
+    cands: Sequence[Candidate],
+    opts: Options,
+    numbers: Sequence[int] | None = None,
+    first: int = 0,
 ) -> tuple[list[list[float]], list[int], list[float]]:
     """Time ``cands`` round-robin: per-call times per round, calls per round, preemptions per call.
 
     Each callable first runs ``opts.warmup`` times (which also sets its call count so that a
     round takes about ``opts.round_time``); then each round runs every callable once, in an
     order rotated by one each round.
+
+    Args:
+        cands: the callables to time.
+        opts: ``rounds``, ``warmup`` and ``round_time``.
+        numbers: the calls per round of each callable, from an earlier call of this function
+            on the same callables: no warm-up then, and more rounds of the same length (the
+            harness adds rounds to a case this way until its interval is narrow enough).
+        first: the index of the first round (the rotation continues where it stopped).
     """
-    numbers = [_calls_per_round(c.fn, opts.warmup, opts.round_time) for c in cands]
+    if numbers is None:
+        numbers = [_calls_per_round(c.fn, opts.warmup, opts.round_time) for c in cands]
+    numbers = list(numbers)
     timers = [timeit.Timer(c.fn, timer=benchmark.timer) for c in cands]
     times: list[list[float]] = [[] for _ in cands]
     preempted = [0] * len(cands)
-    for r in range(opts.rounds):
+    for r in range(first, first + opts.rounds):
         # Rotate who goes first each round so no candidate always follows the same one.
         for k in range(len(cands)):
             i = (k + r) % len(cands)

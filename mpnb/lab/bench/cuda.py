@@ -1,41 +1,95 @@
-"""Triton GPU kernels vs PyTorch's fused CUDA ops and the same-run bandwidth (needs a GPU).
+"""Triton GPU kernels vs PyTorch's CUDA path: ratios with 95% intervals, % of copy bandwidth.
 
-Run with ``mpnb bench --device cuda``. Each case times one of mpnb's Triton kernels (called
-through its launcher, so ``MPNB_TRITON`` does not matter here) against what PyTorch offers for
-the same work on CUDA, round-robin in one process, and against the in-place ``a += s*b``
-(kernels that write) or ``x.sum()`` (read-only kernels) bandwidth measured in the same rounds:
+Run with ``mpnb bench --device cuda`` (needs a GPU). Each case times one of mpnb's Triton
+kernels (called through its launcher, so ``MPNB_TRITON`` does not matter here) against the
+fastest path PyTorch offers for the same work on CUDA, round-robin in one process, beside the
+device copy ``a.copy_(b)`` (``x.sum()`` for the read-only L2 norm) timed in the same rounds:
 
-* lists (a small GPT's 20M grads in 76 tensors, and 200 tensors of 1,000): the unscale of bf16
-  grads into fp32 (``_foreach_copy_`` + ``_amp_foreach_non_finite_check_and_unscale_``), the
-  L2 norm (``_foreach_norm``), and the O2 optimizer steps on bf16 params with fp32 masters:
-  AdamW (``torch._fused_adamw_``), SGD with momentum (``torch._fused_sgd_``), each with the
-  unscale and the cast back that mpnb's PyTorch path adds, and LAMB (PyTorch has no fused
-  LAMB: ``torch._foreach_*`` ops);
-* layers in bf16: layer norm and RMS norm forward and backward (``F.layer_norm``,
-  ``F.rms_norm``, ``aten.native_layer_norm_backward``, ``aten._fused_rms_norm_backward``), the
-  scaled masked and causal softmax (``softmax(masked_fill(x * scale))``) and its backward
-  (``aten._softmax_backward_data``), and RoPE (PyTorch ops, as mpnb's reference).
+* **lists**, on a small GPT's grads (20M elements in 76 tensors) and on the large size: the
+  unscale of bf16 grads into fp32 (``_foreach_copy_`` + ``_amp_foreach_non_finite_check_and_
+  unscale_``), the L2 norm (``_foreach_norm``), the O2 optimizer steps on bf16 params with fp32
+  masters against the op's PyTorch path (AdamW ``torch._fused_adamw_``, SGD ``torch._fused_sgd_``,
+  each with the unscale and the cast back; LAMB in ``torch._foreach_*`` ops: PyTorch has no
+  fused LAMB), the pure-bf16 steps with stochastic rounding (``fused_{adam,sgd,lamb}_bf16_``)
+  against mpnb's reference in PyTorch ops (what their CUDA calls run without the kernel:
+  PyTorch has no stochastic rounding), and the whole **O2 step** (bf16, and fp16 at the GPT
+  size): torch.amp's ``_amp_foreach_non_finite_check_and_unscale_`` into fp32 master grads +
+  ``_fused_adamw_`` + the cast (48 B/param) against what mpnb's amp O2 step with ``FusedAdam``
+  launches (the inf/NaN check, then the one-pass Triton AdamW), target 1.5x;
+* **layers** in bf16 at the sizes of the GPT that ``mpnb compare --size auto`` trains on this
+  card (:mod:`mpnb.lab.gpu_sizing`: ``[batch * seq, d]`` rows, ``[batch, heads, seq, seq]``
+  scores, ``[seq, batch, heads, 128]`` for RoPE) and at the large size: layer norm and RMS norm
+  forward and backward (``F.layer_norm``, ``F.rms_norm``, ``aten.native_layer_norm_backward``,
+  ``aten._fused_rms_norm_backward``), the plain, padding-masked and causal scaled softmax and
+  its backward (``softmax(masked_fill(x * s))``, ``aten._softmax_backward_data``), and RoPE
+  (PyTorch ops, as mpnb's reference).
+
+**The large size** is :data:`LARGE_ELEMS` elements of the case's main input (``2**27``: 256 MiB
+in bf16, far beyond any GPU's L2): a list of 64 tensors, or the layer shapes with their first
+dimension grown. It is left out by ``--quick``, and a workload that would not fit in this GPU's
+free memory (its estimate: :data:`BYTES_PER_ELEM`) gives one ``SKIPPED`` row saying so.
+
+**Rounds**: at least ``--rounds`` (15), then 5 more at a time until every ratio's 95% interval
+(bootstrap of the per-round ratios, :func:`mpnb.lab.stats.median_ci`) is within 2% of it, at
+most 40 rounds or 1 s of rounds per case (:data:`~mpnb.lab.bench._cuda_layers.ENOUGH`), in
+5 ms rounds. Expected time on an H100 (an estimate from the case count and the rule, not yet
+measured): 40-50 s, ~17 s of rounds (37 cases; at most 37 s by the rule), the Triton compiles
+and autotuning at the first call of each kernel (not timed) and the start.
 
 ``bytes`` is the least traffic of the operation (each input read once, each output written
-once), the same for both sides. Every kernel is compiled before it is timed. The ratios are
-what decides whether a kernel may leave opt-in (``mpnb doctor`` reports "unmeasured" until
-then).
+once), the same for both sides; ``% bw`` is that over the time, as a share of the same-run
+copy bandwidth. A kernel is on by default only where the lower end of every one of its cases'
+intervals is at least 1.0 (:mod:`mpnb.core.ops.triton._decision`, written by
+``scripts/gpu-check.sh`` from this suite's JSON).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 
 import torch
 
-from mpnb.lab.bench._cuda_layers import case, norm_cases, randn, rope_case, softmax_cases
-from mpnb.lab.bench._harness import READ, RMW, Case, Options
+from mpnb.lab.bench._cuda_layers import norm_cases, rope_case, softmax_cases
+from mpnb.lab.bench._cuda_lists import list_cases
+from mpnb.lab.bench._harness import Candidate, Case, Options, Row
 from mpnb.lab.bench.multi_tensor import gpt_numels
 
-__all__ = ["cases", "unavailable"]
+__all__ = [
+    "BYTES_PER_ELEM",
+    "COLUMNS",
+    "LARGE_ELEMS",
+    "LARGE_TAG",
+    "cases",
+    "memory_skip",
+    "shapes",
+    "summary",
+    "unavailable",
+]
 
-_GPT, _SMALL = "(a) GPT 20M/76", "(c) 200x1k"
-_LR, _B1, _B2, _EPS, _WD = 1e-4, 0.9, 0.999, 1e-8, 0.01
+#: The large size: elements of a case's main input (256 MiB of bf16).
+LARGE_ELEMS = 1 << 27
+#: How the large size's workload labels start.
+LARGE_TAG = "(L) "
+#: GPU memory a workload holds per element of its size, an upper estimate: lists 64 bytes (the
+#: bf16 grads, both sides' fp32 masters and moments and half params, fp32 grad copies, LAMB's
+#: temporaries, the two fp32 bandwidth buffers), layers 32 (inputs, both sides' outputs and
+#: temporaries, the bandwidth buffers).
+BYTES_PER_ELEM = {"lists": 64, "layers": 32}
+#: The table's columns (titles of :data:`mpnb.lab.bench._report.COLUMN_TITLES`).
+COLUMNS = (
+    "case",
+    "candidate",
+    "median",
+    "vs PyTorch",
+    "95% CI",
+    "rounds",
+    "GB/s",
+    "% bw",
+    "status",
+)
+_GPT_LIST = "(a) GPT 20M/76"
+_ROPE_DIM = 128
 
 
 def unavailable(opts: Options) -> str | None:
@@ -62,206 +116,106 @@ def unavailable(opts: Options) -> str | None:
     return None
 
 
-# ---- lists ---------------------------------------------------------------------------------
+def shapes(gpt: dict, scale: float = 1.0, elems: int | None = None) -> dict:
+    """The layer cases' shapes for a GPT (``d``, ``heads``, ``seq``, ``batch`` as in
+    :mod:`mpnb.lab.gpu_sizing`): its own, times ``scale``, or, with ``elems``, each shape's
+    first dimension grown until it holds at least ``elems`` elements.
 
+    Example::
 
-def _list_cases(work: str, numels: list[int], dev: str, quick: bool) -> Iterator[Case]:
-    from mpnb.core.ops.triton import launcher
-
-    n = sum(numels)
-    grads = randn(numels, torch.bfloat16, dev, 0, 1e-3)
-    master_grads = [torch.empty(k, device=dev) for k in numels]
-    found = torch.zeros(1, device=dev)
-    inv = torch.full((1,), 1 / 65536, device=dev)
-
-    def torch_unscale():
-        torch._foreach_copy_(master_grads, grads)
-        torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found, inv)
-
-    scale = launcher("multi_tensor_scale")
-    yield case(
-        "unscale bf16->fp32",
-        work,
-        ("torch foreach_copy_ + amp unscale_", torch_unscale),
-        ("triton multi_tensor_scale", lambda: scale(found, grads, master_grads, 1.0, inv)),
-        6 * n,
-        RMW,
-        n,
-        dev,
-    )
-    norm = launcher("multi_tensor_l2norm")
-    yield case(
-        "l2norm bf16",
-        work,
-        (
-            "torch _foreach_norm + norm",
-            lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))),
-        ),
-        ("triton multi_tensor_l2norm", lambda: norm(found, grads)),
-        2 * n,
-        READ,
-        n,
-        dev,
-    )
-    yield from _optimizer_cases(work, numels, grads, inv, found, dev, quick)
-
-
-def _o2_state(numels, dev, seed):
-    masters = randn(numels, torch.float32, dev, seed)
-    params = [w.to(torch.bfloat16) for w in masters]
-    moments = [[torch.zeros_like(w) for w in masters] for _ in range(2)]
-    steps = [torch.zeros((), device=dev) for _ in numels]
-    return params, masters, moments, steps
-
-
-def _optimizer_cases(work, numels, grads, inv, found, dev, quick) -> Iterator[Case]:
-    from mpnb.core.ops.triton import launcher
-
-    n = sum(numels)
-    p, w, (m, v), steps = _o2_state(numels, dev, 1)
-    tp, tw, (tm, tv), tsteps = _o2_state(numels, dev, 1)
-
-    def unscaled():  # mpnb's PyTorch path: fp32 copies of the grads, unscaled
-        g32 = [g.float() for g in grads]
-        torch._foreach_mul_(g32, inv.reshape(()))
-        return g32
-
-    def torch_adamw():
-        torch._fused_adamw_(
-            tw,
-            unscaled(),
-            tm,
-            tv,
-            [],
-            tsteps,
-            lr=_LR,
-            beta1=_B1,
-            beta2=_B2,
-            weight_decay=_WD,
-            eps=_EPS,
-            amsgrad=False,
-            maximize=False,
-            found_inf=found,
-        )
-        torch._foreach_copy_(tp, tw)
-
-    adam = launcher("fused_adam_")
-    yield case(
-        "AdamW O2 bf16",
-        work,
-        ("torch _fused_adamw_ + unscale + cast", torch_adamw),
-        (
-            "triton fused_adam_",
-            lambda: adam(
-                p, grads, m, v, w, steps, _LR, _B1, _B2, _EPS, _WD, True, True, inv, found
-            ),
-        ),
-        28 * n,
-        RMW,
-        n,
-        dev,
+        >>> shapes(dict(d=1024, heads=8, seq=1024, batch=4))["norm"]
+        (4096, 1024)
+        >>> shapes(dict(d=1024, heads=8, seq=1024, batch=4), elems=1 << 27)["softmax"]
+        (16, 8, 1024, 1024)
+    """
+    d, h, t, b = gpt["d"], gpt["heads"], gpt["seq"], gpt["batch"]
+    if elems is None:
+        rows, seq = max(1, round(b * t * scale)), max(8, round(t * scale**0.5))
+        return dict(norm=(rows, d), softmax=(b, h, seq, seq), rope=(rows // b or 1, b, h, 128))
+    grow = lambda rest: math.ceil(elems / rest)  # noqa: E731 - one line, used thrice
+    return dict(
+        norm=(grow(d), d),
+        softmax=(grow(h * t * t), h, t, t),
+        rope=(grow(b * h * _ROPE_DIM), b, h, _ROPE_DIM),
     )
 
-    def torch_sgd():
-        torch._fused_sgd_(
-            tw,
-            unscaled(),
-            tm,
-            weight_decay=_WD,
-            momentum=0.9,
-            lr=_LR,
-            dampening=0.0,
-            nesterov=True,
-            maximize=False,
-            is_first_step=False,
-            found_inf=found,
-        )
-        torch._foreach_copy_(tp, tw)
 
-    sgd = launcher("fused_sgd_")
-    first = [False] * len(p)
-    yield case(
-        "SGD nesterov O2 bf16",
-        work,
-        ("torch _fused_sgd_ + unscale + cast", torch_sgd),
-        (
-            "triton fused_sgd_",
-            lambda: sgd(p, grads, m, w, first, _LR, 0.9, 0.0, _WD, True, False, inv, found),
-        ),
-        20 * n,
-        RMW,
-        n,
-        dev,
+def _gpt(dev: str) -> dict:
+    """The GPT ``mpnb compare --size auto`` trains on this card."""
+    from mpnb.lab.gpu_sizing import GpuSpec, gpu_plans
+
+    return gpu_plans(GpuSpec.of(dev))["transformer"].spec
+
+
+def _layers(shape: dict, dev: str, tag: str = "") -> Iterator[Case]:
+    yield from norm_cases(*shape["norm"], dev, tag)
+    yield from softmax_cases(*shape["softmax"][:3], dev, tag)
+    yield rope_case(*shape["rope"], dev, tag)
+
+
+def memory_skip(need: int, dev: str) -> str:
+    """Why a workload holding about ``need`` bytes cannot run on ``dev`` now ("" when it can:
+    it fits in 90% of the GPU's free memory, measured after emptying torch's cache)."""
+    if torch.device(dev).type != "cuda":
+        return ""
+    torch.cuda.empty_cache()
+    free, total = torch.cuda.mem_get_info(torch.device(dev))
+    if need <= 0.9 * free:
+        return ""
+    return (
+        f"needs about {need / 2**30:.1f} GiB of GPU memory, {free / 2**30:.1f} GiB free of "
+        f"{total / 2**30:.0f} GiB: the large size runs on a card with more free memory"
     )
-    if quick:
+
+
+def _if_it_fits(work: str, need: int, dev: str, make: Callable[[], Iterator[Case]]):
+    why = memory_skip(need, dev)
+    if why:
+        yield Case("every case", work, [Candidate("not run", lambda: None)], skipped=why)
         return
-    gnorm = torch.ones(1, device=dev)
-    lamb = launcher("fused_lamb_")
-    yield case(
-        "LAMB O2 bf16",
-        work,
-        (
-            "torch _foreach_* LAMB + unscale + cast",
-            lambda: _foreach_lamb(tp, tw, tm, tv, unscaled()),
-        ),
-        (
-            "triton fused_lamb_",
-            lambda: lamb(
-                p,
-                grads,
-                m,
-                v,
-                w,
-                steps,
-                gnorm,
-                _LR,
-                _B1,
-                _B2,
-                _EPS,
-                _WD,
-                True,
-                False,
-                True,
-                1.0,
-                False,
-                inv,
-                found,
-            ),
-        ),
-        28 * n,
-        RMW,
-        n,
-        dev,
-    )
-
-
-def _foreach_lamb(params, w, m, v, g) -> None:
-    """LAMB's update in PyTorch's foreach ops (no bias correction, no clipping: a little less
-    work than the kernel does), then the cast back to the half params."""
-    torch._foreach_lerp_(m, g, 1 - _B1)
-    torch._foreach_mul_(v, _B2)
-    torch._foreach_addcmul_(v, g, g, 1 - _B2)
-    u = torch._foreach_div(m, torch._foreach_add(torch._foreach_sqrt(v), _EPS))
-    torch._foreach_add_(u, w, alpha=_WD)
-    ratio = torch.stack(torch._foreach_norm(w)) / torch.stack(torch._foreach_norm(u))
-    torch._foreach_mul_(u, list(torch.unbind(ratio * -_LR)))
-    torch._foreach_add_(w, u)
-    torch._foreach_copy_(params, w)
+    yield from make()
 
 
 def cases(opts: Options) -> Iterator[Case]:
-    """Yield the cases one workload at a time (one workload's tensors alive at once)."""
+    """Yield the cases one workload at a time (one workload's tensors alive at once): the GPT
+    sizes, then (outside ``--quick``) the large size."""
     why = unavailable(opts)
     if why:
         raise RuntimeError(why)
-    dev, q = opts.device, opts.quick
+    dev, gpt = opts.device, _gpt(opts.device)
+    yield from list_cases(_GPT_LIST, [max(1, round(k * opts.scale)) for k in gpt_numels()], dev)
+    yield from _layers(shapes(gpt, opts.scale), dev)
+    if opts.quick:
+        return
+    big = max(64, round(LARGE_ELEMS * opts.scale))
+    work = f"{LARGE_TAG}64x{big // 64}"
+    need = big * BYTES_PER_ELEM["lists"]
+    yield from _if_it_fits(work, need, dev, lambda: list_cases(work, [big // 64] * 64, dev, False))
+    large, need = shapes(gpt, elems=big), big * BYTES_PER_ELEM["layers"]
+    layers = f"{LARGE_TAG}layers of {big} elements"
+    yield from _if_it_fits(layers, need, dev, lambda: _layers(large, dev, LARGE_TAG))
 
-    def size(k: int) -> int:
-        return max(1, round(k * opts.scale))
 
-    lists: dict[str, Callable[[], list[int]]] = {_GPT: gpt_numels, _SMALL: lambda: [1_000] * 200}
-    for work, make in lists.items():
-        yield from _list_cases(work, [size(k) for k in make()], dev, q)
-    yield from norm_cases(size(8192), 4096, dev, q)
-    yield from softmax_cases(4, 16, max(8, round(1024 * opts.scale**0.5)), dev, q)
-    yield rope_case(size(4096), 4, 32, 128, dev)
+def summary(rows: list[Row]) -> list[str]:
+    """Per kernel, the decision the measured rule would make from this run (the lower end of
+    every case's interval at least 1.0), the kernels with no case here, and skipped cases."""
+    from mpnb.core.ops.triton import LAUNCHERS
+
+    worst: dict[str, float] = {}
+    for r in rows:
+        if r.role == "candidate" and r.candidate.startswith("triton ") and r.ratio is not None:
+            op = r.candidate.split()[1]
+            lo = r.ratio_lo if r.ratio_lo is not None else float("-inf")
+            worst[op] = min(worst.get(op, lo), lo)
+    on = sorted(op for op, lo in worst.items() if lo >= 1.0)
+    off = sorted(op for op in worst if op not in on)
+    lines = [
+        f"at least PyTorch's speed, the 95% interval's lower end included, on every case: "
+        f"{', '.join(on) or 'none'}",
+        f"below it on some case (opt-in): {', '.join(off) or 'none'}",
+    ]
+    missing = [op for op in LAUNCHERS if op not in worst]
+    if missing:
+        lines.append(f"not measured in this run: {', '.join(missing)}")
+    lines += [f"skipped {r.workload}: {r.error}" for r in rows if r.status == "SKIPPED"]
+    return lines

@@ -10,20 +10,35 @@ import pytest
 from mpnb.core.ops import triton as tk
 from mpnb.core.ops.triton import _decision as dec
 
+_H100 = "NVIDIA H100 80GB HBM3"
 FAKE = {
     "kernels": {
-        "rope": {"speed_vs_torch": 1.31, "card": "NVIDIA H100 80GB HBM3", "date": "2026-05-01"},
-        "fused_adam_": {"speed_vs_torch": 1.0, "card": "NVIDIA H100 80GB HBM3", "date": "x"},
-        "layer_norm_fwd": {"speed_vs_torch": 0.8, "card": "NVIDIA H100 80GB HBM3", "date": "x"},
+        "rope": dict(
+            speed_vs_torch=1.31, speed_lo=1.25, speed_hi=1.37, card=_H100, date="2026-05-01"
+        ),
+        "fused_adam_": dict(speed_vs_torch=1.02, speed_lo=1.0, speed_hi=1.04, card=_H100, date="x"),
+        "layer_norm_fwd": dict(
+            speed_vs_torch=0.8, speed_lo=0.78, speed_hi=0.82, card=_H100, date="x"
+        ),
+        # faster at the median, but the interval reaches below 1.0: not a default
+        "fused_sgd_": dict(speed_vs_torch=1.1, speed_lo=0.97, speed_hi=1.2, card=_H100, date="x"),
+        # one --quick measurement, no interval: not a default either
+        "multi_tensor_scale": dict(speed_vs_torch=1.2, card=_H100, date="x"),
     }
 }
 
 
-def test_at_or_above_pytorchs_speed_is_default_the_rest_opt_in_with_their_ratio():
+def test_the_lower_end_of_the_interval_decides_and_the_labels_show_ratio_and_interval():
     rope, adam, ln = (dec.decide(n, FAKE) for n in ("rope", "fused_adam_", "layer_norm_fwd"))
-    assert rope.default and adam.default and not ln.default
-    assert rope.label == "default: 1.31x PyTorch's speed (NVIDIA H100 80GB HBM3, 2026-05-01)"
-    assert ln.label.startswith("opt-in (MPNB_TRITON=1): 0.80x PyTorch's speed (")
+    assert rope.default and adam.default and not ln.default  # lower ends 1.25, 1.0 and 0.78
+    assert rope.label == (
+        "default: 1.31x PyTorch's speed, 95% 1.25-1.37 (NVIDIA H100 80GB HBM3, 2026-05-01)"
+    )
+    assert ln.label.startswith("opt-in (MPNB_TRITON=1): 0.80x PyTorch's speed, 95% 0.78-0.82 (")
+    sgd, quick = dec.decide("fused_sgd_", FAKE), dec.decide("multi_tensor_scale", FAKE)
+    assert not sgd.default and (sgd.speed_lo, sgd.speed_hi) == (0.97, 1.2)
+    assert not quick.default and quick.speed_lo is None
+    assert quick.label.startswith("opt-in (MPNB_TRITON=1): 1.20x PyTorch's speed, no 95% interval")
     unmeasured = dec.decide("rms_norm_fwd", FAKE)
     assert not unmeasured.default and unmeasured.speed_vs_torch is None
     assert unmeasured.label == "opt-in (MPNB_TRITON=1), unmeasured on a GPU"
@@ -44,13 +59,35 @@ def test_record_keeps_each_kernels_worst_case_from_the_bench_rows():
             candidate="triton fused_adam_",
             role="candidate",
             ratio=1.4,
+            ratio_lo=1.35,
+            ratio_hi=1.45,
+            bw_frac=0.61,
         ),
         dict(
             case="AdamW O2 bf16",
             workload="(c)",
             candidate="triton fused_adam_",
             role="candidate",
-            ratio=0.9,
+            ratio=1.1,
+            ratio_lo=0.9,
+            ratio_hi=1.2,
+        ),
+        dict(  # too few rounds for an interval: no measurement
+            case="AdamW O2 bf16",
+            workload="(d)",
+            candidate="triton fused_adam_",
+            role="candidate",
+            ratio=0.5,
+            ratio_lo=None,
+            ratio_hi=None,
+        ),
+        dict(  # a case too large for the card: no measurement
+            case="every case",
+            workload="(L)",
+            candidate="triton fused_adam_",
+            role="candidate",
+            ratio=None,
+            status="SKIPPED",
         ),
         dict(
             case="AdamW O2 bf16",
@@ -59,14 +96,18 @@ def test_record_keeps_each_kernels_worst_case_from_the_bench_rows():
             role="bandwidth",
             ratio=None,
         ),
-        dict(
-            case="rope bf16", workload="(b)", candidate="triton rope", role="candidate", ratio=1.2
-        ),
+        *_rows(rope=1.2),
     ]
     table = dec.record(rows, "NVIDIA H200", "2026-05-01", torch="2.13.0")
     assert set(table["kernels"]) == {"fused_adam_", "rope"}
     adam = table["kernels"]["fused_adam_"]
-    assert adam["speed_vs_torch"] == 0.9 and len(adam["cases"]) == 2 and adam["torch"] == "2.13.0"
+    assert adam["cases"] == {
+        "AdamW O2 bf16 [(a)]": dict(ratio=1.4, lo=1.35, hi=1.45, bw_frac=0.61),
+        "AdamW O2 bf16 [(c)]": dict(ratio=1.1, lo=0.9, hi=1.2),
+    }
+    # the worst case is the one with the lowest lower end, whatever its median
+    assert (adam["speed_vs_torch"], adam["speed_lo"], adam["speed_hi"]) == (1.1, 0.9, 1.2)
+    assert adam["torch"] == "2.13.0"
     assert not dec.decide("fused_adam_", table).default and dec.decide("rope", table).default
 
 
@@ -105,20 +146,40 @@ def test_enabled_kernels_follow_the_table_and_the_switch(monkeypatch, mode, expe
     assert {n for n in tk.LAUNCHERS if tk.triton_enabled(n)} == expected
 
 
-def test_doctor_shows_each_kernels_decision_and_ratio(monkeypatch):
+def test_doctor_shows_each_kernels_decision_ratio_and_interval(monkeypatch):
     from mpnb.core.doctor import _triton_lines
 
     monkeypatch.setattr(tk, "_table", lambda: FAKE)
     text = "\n".join(_triton_lines())
-    assert "default: 1.31x PyTorch's speed (NVIDIA H100 80GB HBM3, 2026-05-01): rope" in text
-    assert "opt-in (MPNB_TRITON=1): 0.80x PyTorch's speed" in text
+    assert (
+        "default: 1.31x PyTorch's speed, 95% 1.25-1.37 (NVIDIA H100 80GB HBM3, 2026-05-01): rope"
+        in text
+    )
+    assert "opt-in (MPNB_TRITON=1): 0.80x PyTorch's speed, 95% 0.78-0.82" in text
+    assert "opt-in (MPNB_TRITON=1): 1.10x PyTorch's speed, 95% 0.97-1.20" in text
     assert "unmeasured on a GPU: " in text and "rms_norm_fwd" in text
 
 
+def test_a_quick_era_entry_is_not_pooled_with_a_measured_run():
+    old = {"kernels": {"rope": dict(FAKE["kernels"]["multi_tensor_scale"], kernel_source="b")}}
+    old["kernels"]["rope"]["cases"] = {"rope bf16 [(a)]": 12.4}  # a ratio, no interval
+    new = dec.record(_rows(rope=0.9), _H100, "y", previous=old, sources={"rope": "b"})
+    assert new["kernels"]["rope"]["runs"] == 1 and new["kernels"]["rope"]["speed_lo"] == 0.88
+
+
 def _rows(**ratios: float) -> list[dict]:
-    """Bench rows: one candidate row per ``op=ratio`` (one case each)."""
+    """Bench rows: one candidate row per ``op=ratio`` (one case each), its 95% interval
+    ``ratio +- 0.02``."""
     return [
-        dict(case=f"{op} bf16", workload="(a)", candidate=f"triton {op}", role="candidate", ratio=r)
+        dict(
+            case=f"{op} bf16",
+            workload="(a)",
+            candidate=f"triton {op}",
+            role="candidate",
+            ratio=r,
+            ratio_lo=r - 0.02,
+            ratio_hi=r + 0.02,
+        )
         for op, r in ratios.items()
     ]
 
@@ -138,6 +199,7 @@ def test_runs_of_the_same_code_pool_each_cases_worst_ratio():
     )
     ln = second["kernels"]["layer_norm_fwd"]
     assert ln["speed_vs_torch"] == 0.64 and ln["runs"] == 2  # a fast run does not outvote
+    assert ln["speed_lo"] == 0.62
     assert ln["first_date"] == "2026-11-26" and ln["date"] == "2026-11-27"
     assert not dec.decide("layer_norm_fwd", second).default
     assert second["kernels"]["rope"]["speed_vs_torch"] == 12.5
@@ -168,6 +230,7 @@ def test_a_run_of_other_code_or_hardware_starts_the_record_afresh(card, torch_ve
     )
     ln = after["kernels"]["layer_norm_fwd"]
     assert ln["speed_vs_torch"] == 1.04 and ln["runs"] == 1 and "first_date" not in ln
+    assert ln["speed_lo"] == 1.02
     assert dec.decide("layer_norm_fwd", after).default
     assert "rope" in after["kernels"]  # its code did not change: its record stays
 

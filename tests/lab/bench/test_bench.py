@@ -481,3 +481,105 @@ def test_no_roofline_from_rounds_where_the_small_slice_took_longer(monkeypatch):
     _fixed_times(monkeypatch, {**times, "kernel [in cache, small]": [3e-6, 3e-6, 0.5e-6]})
     kernel = run_case(_roofline_case(), Options.make(quick=True, rounds=3))[1]
     assert kernel.cache_gbps is None and kernel.bound == "" and kernel.bw_frac is not None
+
+
+def _noisy_rounds(monkeypatch, spread: float):
+    """A clock whose baseline takes 2 ms and whose candidate takes 1 ms times ``1 +- spread``
+    in alternate rounds; records each call's (rounds, numbers given, first round)."""
+    from mpnb.lab.bench import _harness
+
+    calls = []
+
+    def fake(cands, opts, numbers=None, first=0):
+        calls.append((opts.rounds, numbers, first))
+        rounds = range(first, first + opts.rounds)
+        times = [[2e-3] * opts.rounds]
+        times.append([1e-3 * (1 + spread * (-1) ** r) for r in rounds])
+        times += [[1e-3] * opts.rounds for _ in cands[2:]]
+        return times, [7] * len(cands), [0.0] * len(cands)
+
+    monkeypatch.setattr(_harness, "time_rounds", fake)
+    return calls
+
+
+def _enough_case(**enough):
+    from mpnb.lab.bench._harness import Enough
+
+    cands = [Candidate("base", lambda: None), Candidate("ours", lambda: None)]
+    return Case("c", "w", cands, enough=Enough(**enough), round_time=1e-3)
+
+
+def test_enough_rounds_stop_once_the_interval_is_narrow(monkeypatch):
+    calls = _noisy_rounds(monkeypatch, 0.0)
+    rows = run_case(_enough_case(half_width=0.02, max_rounds=40), Options.make(rounds=15))
+    assert [r.rounds for r in rows] == [15, 15] and len(calls) == 1  # exact ratios: no more
+    assert rows[1].ratio_lo == rows[1].ratio_hi == 2.0
+
+
+def test_enough_rounds_grow_to_the_most_while_the_interval_is_wide(monkeypatch):
+    calls = _noisy_rounds(monkeypatch, 0.3)  # per-round ratios 1.54 and 2.86: never within 2%
+    rows = run_case(_enough_case(half_width=0.02, max_rounds=32, step=5), Options.make(rounds=15))
+    assert rows[1].rounds == 32 and len(rows[1].times_s) == 32
+    # more rounds of the same length, the rotation continuing: 15, then 5, 5, 5 and the last 2
+    assert calls == [
+        (15, None, 0),
+        (5, [7, 7], 15),
+        (5, [7, 7], 20),
+        (5, [7, 7], 25),
+        (2, [7, 7], 30),
+    ]
+    capped = run_case(_enough_case(max_rounds=40, max_s=0.0), Options.make(rounds=15))
+    assert capped[1].rounds == 15  # out of time: the first rounds only
+    quick = run_case(_enough_case(max_rounds=40), Options.make(quick=True))
+    assert quick[1].rounds == 5  # --quick keeps its own round count
+
+
+def test_a_skipped_case_says_why_and_times_nothing():
+    ran = []
+    case = Case("c", "w", [Candidate("base", lambda: ran.append(1))], skipped="too big here")
+    (row,) = run_case(case, Options.make(quick=True))
+    assert ran == [] and row.status == "SKIPPED" and row.error == "too big here"
+    assert row.role == "baseline" and math.isnan(row.median_s) and row.ratio is None
+    table = format_rows([row])
+    assert "SKIPPED" in table and "base: too big here" in table and "1 (base)" not in table
+
+
+def test_the_copy_baseline_moves_eight_bytes_per_element():
+    from mpnb.lab.bench._harness import COPY
+
+    x = torch.ones(4096)
+    case = Case(
+        "copy",
+        "4k",
+        [
+            Candidate("torch clone", x.clone, 8 * 4096, COPY),
+            Candidate("mul", lambda: x * 2, 8 * 4096, COPY),
+        ],
+        bandwidth_numel=4096,
+    )
+    rows = run_case(case, Options.make(quick=True, rounds=3))
+    bw = rows[-1]
+    assert (bw.role, bw.candidate, bw.bytes) == ("bandwidth", "bw: copy (fp32)", 8 * 4096)
+    assert rows[1].bw_ref == "bw: copy (fp32)" and rows[1].bw_frac > 0
+
+
+def test_a_run_stopped_by_sigterm_keeps_the_cases_it_finished(monkeypatch):
+    import os
+    import signal
+    import types
+
+    from mpnb.lab.bench import _suite
+
+    def cases(opts):
+        yield Case("first", "w", [Candidate("a", lambda: None)])
+        os.kill(os.getpid(), signal.SIGTERM)  # the time budget ran out while building the next
+        yield Case("second", "w", [Candidate("a", lambda: None)])
+
+    fake = types.SimpleNamespace(cases=cases)
+    monkeypatch.setattr(_suite, "load_suite", lambda name: fake)
+    monkeypatch.setattr(_suite, "collect_header", lambda device: {})
+    before = signal.getsignal(signal.SIGTERM)
+    result = _suite.run_suite("fake", Options.make(quick=True, rounds=1))
+    assert [r.case for r in result.rows] == ["first"]
+    assert result.header["stopped"] == "SIGTERM after 1 cases"
+    assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back

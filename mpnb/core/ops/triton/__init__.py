@@ -18,10 +18,11 @@ Importing this package imports neither triton nor the kernels (it must stay impo
 triton is not installed); :func:`launcher` imports a kernel module on first use.
 
 Which kernels serve CUDA calls is data: ``measured.json`` holds each kernel's ratio to
-PyTorch's path as measured by ``scripts/gpu-check.sh`` (:mod:`._decision`). A kernel at or
-above PyTorch's speed is on by default, the others are opt-in and ``mpnb doctor`` shows their
-ratio. ``MPNB_TRITON=1`` switches every kernel on, ``MPNB_TRITON=0`` every kernel off (read
-once, :func:`triton_status`).
+PyTorch's path as measured by ``scripts/gpu-check.sh`` (:mod:`._decision`), with its 95%
+interval. A kernel whose interval's lower end is at least 1.0 (at least PyTorch's speed, with
+confidence) is on by default; the others, and those measured without an interval, are opt-in,
+and ``mpnb doctor`` shows their ratio and interval. ``MPNB_TRITON=1`` switches every kernel
+on, ``MPNB_TRITON=0`` every kernel off (read once, :func:`triton_status`).
 
 Tensor-list launchers read their tensors through a table of addresses (one launch per list),
 which ``torch.compile`` cannot see into: they are registered as opaque ops
@@ -104,7 +105,8 @@ class TritonStatus:
     """Whether the Triton kernels may serve CUDA calls here, and why not.
 
     Attributes:
-        mode: ``"measured"`` (the default: the kernels measured at least PyTorch's speed),
+        mode: ``"measured"`` (the default: the kernels whose interval's lower end is at
+            least PyTorch's speed),
             ``"all"`` (``MPNB_TRITON=1``) or ``"off"`` (``MPNB_TRITON=0``).
         cuda: torch sees a CUDA device.
         version: triton's version, or None when it cannot be imported (or was not tried).
@@ -157,8 +159,10 @@ def probe_triton(
         measured = load_table() if table is None else table
         if not any(decide(n, measured).default for n in measured.get("kernels", {})):
             why = (
-                "opt-in: no kernel has measured at least PyTorch's speed on a GPU (set "
-                "MPNB_TRITON=1 to use them all)"
+                "opt-in: no kernel has measured at least PyTorch's speed on a GPU with the "
+                "lower end of its 95% interval (a ratio recorded without an interval counts "
+                "as unmeasured); run scripts/gpu-check.sh on the card to measure them, or set "
+                "MPNB_TRITON=1 to use them all"
             )
             return TritonStatus(mode, cuda, None, why)
     if not cuda:
@@ -206,8 +210,8 @@ def triton_usable() -> bool:
 
 def enabled_for(name: str) -> bool:
     """True when a Triton kernel of op ``name`` would serve its CUDA calls: usable here, and
-    on by default (measured at least PyTorch's speed) or switched on by ``MPNB_TRITON=1``
-    (what :func:`~mpnb.core.ops._library.define` asks of an op that has one)."""
+    on by default (its interval's lower end at least PyTorch's speed) or switched on by
+    ``MPNB_TRITON=1`` (what :func:`~mpnb.core.ops._library.define` asks of an op that has one)."""
     status = triton_status()
     return status.usable and (status.opted_in or decision(name).default)
 
