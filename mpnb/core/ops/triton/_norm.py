@@ -1,10 +1,27 @@
 """The Triton kernels behind ``layer_norm`` and ``rms_norm`` (one kernel, ``IS_RMS`` picks).
 
 Statistics in fp32 (fp64 for fp64 data), half in and out, weights of the input's dtype or
-fp32. Rows that fit in one block (``cols <= MAX_FUSED``) are loaded once and several rows
-share a program; longer rows are walked in blocks (two reads in the forward, three in the
-backward). The backward's weight and bias gradients are summed per program into a partial
-buffer and then over programs in a fixed order (deterministic, no atomics).
+fp32.
+
+Forward: rows that fit in one block (``cols <= MAX_FUSED``) are read once, one row per
+program or several for narrow rows (``_fwd_fused``, tuned over :data:`._tune.ROW_CONFIGS`);
+longer rows get a program each and are walked in blocks (``_fwd_looped``, tuned over
+:data:`._tune.LOOP_CONFIGS`; three reads for layer norm, two for RMS norm).
+
+Backward, in two stages as Apex's ``cuda_layer_norm`` and Liger do. Stage one: ``nprog``
+programs (:func:`bwd_layout`) each walk tiles of ``ROWS`` rows (tile ``t`` to program
+``t % nprog``), write ``dx`` and keep their weight and bias gradients in fp32 registers, then
+fold the ``ROWS`` partial rows pairwise and store one partial row each (``_bwd_fused``, rows up
+to ``BWD_FUSED``; longer rows one row at a time in ``_bwd_looped``, the partial row kept in
+memory). Stage two (``_colsum_kernel``) sums the ``nprog`` partial rows in program order.
+Every step of the ``dw``/``db`` sums is an elementwise fp32 add in a fixed order, so the
+result does not depend on the tuned config, the card or the run (no atomics); the layout
+(``ROWS``, ``nprog``) comes from the shape alone and is therefore not tuned. Only the warps of
+``_bwd_fused`` are (:data:`BWD_CONFIGS`)::
+
+    num_warps=8 | num_warps=4 | num_warps=16
+
+and the block of ``_bwd_looped`` (:data:`._tune.LOOP_CONFIGS`).
 """
 
 from __future__ import annotations
@@ -22,16 +39,22 @@ from mpnb.core.ops.triton._common import (
     next_pow2,
     split64,
     sqrt,
-    warps,
 )
 from mpnb.core.ops.triton._common import to_acc as _to_acc
+from mpnb.core.ops.triton._tune import LOOP_CONFIGS, ROW_CONFIGS, rows_per, tuned
 
-__all__ = ["MAX_FUSED", "norm_fwd", "norm_bwd"]
+__all__ = ["MAX_FUSED", "BWD_FUSED", "BWD_CONFIGS", "bwd_layout", "norm_fwd", "norm_bwd"]
 
 MAX_FUSED = 8192  #: the longest row the forward holds in one block
-BWD_FUSED = 4096  #: the longest row the backward holds in one block
-_TILE = 4096  # elements per program in the one-block path (rows x cols)
-_MAX_PROGS = 256  # programs of the backward (and rows of its partial-gradient buffer)
+BWD_FUSED = 8192  #: the longest row the backward holds in one block
+BWD_TILE = 2048  #: elements of one backward tile (``ROWS`` rows of the padded width)
+MAX_PROGS = 256  #: the most programs of the backward (rows of its partial-gradient buffer)
+#: the backward's one-block kernel: only the warps are tuned (the layout fixes the sums' order)
+BWD_CONFIGS = (
+    triton.Config({}, num_warps=8),
+    triton.Config({}, num_warps=4),
+    triton.Config({}, num_warps=16),
+)
 
 
 @triton.jit
@@ -43,6 +66,7 @@ def _eps(hi, lo, ACC: tl.constexpr):
     return e
 
 
+@tuned(ROW_CONFIGS, key=["cols"])
 @triton.jit
 def _fwd_fused(
     x_ptr,
@@ -59,9 +83,10 @@ def _fwd_fused(
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     ACC: tl.constexpr,
-    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
 ):
+    ROWS: tl.constexpr = (TILE + BLOCK - 1) // BLOCK  # rows_per(TILE, BLOCK)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     c = tl.arange(0, BLOCK)
     cm = c < cols
@@ -86,6 +111,7 @@ def _fwd_fused(
     tl.store(y_ptr + offs, from_acc(y, y_ptr.dtype.element_ty), mask=m2)
 
 
+@tuned(LOOP_CONFIGS, key=["cols"])
 @triton.jit
 def _fwd_looped(
     x_ptr,
@@ -147,18 +173,13 @@ def norm_fwd(x, weight, bias, eps, rows, cols, is_rms: bool):
     args += (rows, cols, *split64(eps))
     if cols <= MAX_FUSED:
         block = next_pow2(cols)
-        nrows = max(1, _TILE // block)
-        launch(
-            _fwd_fused,
-            (triton.cdiv(rows, nrows),),
-            *args,
-            ROWS=nrows,
-            BLOCK=block,
-            num_warps=warps(nrows * block),
-            **common,
-        )
+
+        def grid(meta):
+            return (triton.cdiv(rows, rows_per(meta["TILE"], block)),)
+
+        launch(_fwd_fused, grid, *args, BLOCK=block, **common)
     else:
-        launch(_fwd_looped, (rows,), *args, BLOCK=1024, **common)
+        launch(_fwd_looped, (rows,), *args, **common)
     return y, mean, rstd
 
 
@@ -191,31 +212,6 @@ def _xhat(
 
 
 @triton.jit
-def _row_grads(
-    s,
-    dy,
-    w,
-    b,
-    mean,
-    rstd,
-    m,
-    n,
-    IS_RMS: tl.constexpr,
-    ME: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
-):
-    # (xhat, g = dy * w, sum(g * xhat) / n, sum(g) / n) of one row held in one block.
-    xh = _xhat(s, mean, rstd, w, b, IS_RMS, ME, HAS_W, HAS_B)
-    g = dy
-    if HAS_W:
-        g = dy * w
-    c1 = div(tl.sum(tl.where(m, g * xh, 0.0), axis=0), n)
-    c2 = div(tl.sum(g, axis=0), n)
-    return xh, g, c1, c2
-
-
-@triton.jit
 def _dx(g, xh, c1, c2, rstd, IS_RMS: tl.constexpr):
     dx = g - xh * c1
     if not IS_RMS:
@@ -223,6 +219,16 @@ def _dx(g, xh, c1, c2, rstd, IS_RMS: tl.constexpr):
     return dx * rstd
 
 
+@triton.jit
+def _fold(acc, ROWS: tl.constexpr, FOLDS: tl.constexpr, BLOCK: tl.constexpr):
+    # [ROWS, BLOCK] -> [BLOCK]: row i plus row i + half, halving until one row is left. Each
+    # step adds exactly two values, so the result is the same whatever the layout (num_warps).
+    for i in tl.static_range(FOLDS):
+        acc = tl.sum(tl.reshape(acc, [2, ROWS >> (i + 1), BLOCK]), axis=0)
+    return tl.reshape(acc, [BLOCK])
+
+
+@tuned(BWD_CONFIGS, key=["cols"])
 @triton.jit
 def _bwd_fused(
     dy_ptr,
@@ -236,39 +242,51 @@ def _bwd_fused(
     pb_ptr,
     rows,
     cols,
-    per_prog,
+    nprog,
     IS_RMS: tl.constexpr,
     ME: tl.constexpr,
     HAS_W: tl.constexpr,
     HAS_B: tl.constexpr,
     ACC: tl.constexpr,
+    ROWS: tl.constexpr,
+    FOLDS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Tiles of ROWS rows, tile t in program t % nprog; dw and db in [ROWS, BLOCK] registers.
     pid = tl.program_id(0)
     c = tl.arange(0, BLOCK)
-    m = c < cols
+    cm = c < cols
     n = tl.cast(cols, ACC)
-    w = _to_acc(tl.load(w_ptr + c, mask=m, other=1.0), ACC)
-    b = _to_acc(tl.load(b_ptr + c, mask=m, other=0.0), ACC)
-    dw = tl.zeros([BLOCK], ACC)
-    db = tl.zeros([BLOCK], ACC)
-    for row in range(pid * per_prog, tl.minimum(pid * per_prog + per_prog, rows)):
-        base = tl.cast(row, tl.int64) * cols
-        rstd = tl.load(rstd_ptr + row)
-        mean = tl.full((), 0.0, ACC)
+    w = _to_acc(tl.load(w_ptr + c, mask=cm, other=1.0), ACC)[None, :]
+    b = _to_acc(tl.load(b_ptr + c, mask=cm, other=0.0), ACC)[None, :]
+    dw = tl.zeros([ROWS, BLOCK], ACC)
+    db = tl.zeros([ROWS, BLOCK], ACC)
+    for t in range(pid, tl.cdiv(rows, ROWS), nprog):
+        r = t * ROWS + tl.arange(0, ROWS)
+        rm = r < rows
+        m = rm[:, None] & cm[None, :]
+        offs = r.to(tl.int64)[:, None] * cols + c[None, :]
+        rstd = tl.load(rstd_ptr + r, mask=rm, other=0.0)[:, None]
+        mean = tl.zeros([ROWS, 1], ACC)
         if not IS_RMS:
-            mean = tl.load(mean_ptr + row)
-        s = _to_acc(tl.load(s_ptr + base + c, mask=m, other=0.0), ACC)
-        dy = _to_acc(tl.load(dy_ptr + base + c, mask=m, other=0.0), ACC)
-        xh, g, c1, c2 = _row_grads(s, dy, w, b, mean, rstd, m, n, IS_RMS, ME, HAS_W, HAS_B)
+            mean = tl.load(mean_ptr + r, mask=rm, other=0.0)[:, None]
+        s = _to_acc(tl.load(s_ptr + offs, mask=m, other=0.0), ACC)
+        dy = _to_acc(tl.load(dy_ptr + offs, mask=m, other=0.0), ACC)
+        xh = _xhat(s, mean, rstd, w, b, IS_RMS, ME, HAS_W, HAS_B)
+        g = dy
+        if HAS_W:
+            g = dy * w
+        c1 = div(tl.sum(tl.where(m, g * xh, 0.0), axis=1), n)[:, None]
+        c2 = div(tl.sum(g, axis=1), n)[:, None]
         dx = _dx(g, xh, c1, c2, rstd, IS_RMS)
-        tl.store(dx_ptr + base + c, from_acc(dx, dx_ptr.dtype.element_ty), mask=m)
+        tl.store(dx_ptr + offs, from_acc(dx, dx_ptr.dtype.element_ty), mask=m)
         dw += tl.where(m, dy * xh, 0.0)
         db += dy
-    tl.store(pw_ptr + pid * cols + c, dw, mask=m)
-    tl.store(pb_ptr + pid * cols + c, db, mask=m)
+    tl.store(pw_ptr + pid * cols + c, _fold(dw, ROWS, FOLDS, BLOCK), mask=cm)
+    tl.store(pb_ptr + pid * cols + c, _fold(db, ROWS, FOLDS, BLOCK), mask=cm)
 
 
+@tuned(LOOP_CONFIGS, key=["cols"])
 @triton.jit
 def _bwd_looped(
     dy_ptr,
@@ -282,7 +300,7 @@ def _bwd_looped(
     pb_ptr,
     rows,
     cols,
-    per_prog,
+    nprog,
     IS_RMS: tl.constexpr,
     ME: tl.constexpr,
     HAS_W: tl.constexpr,
@@ -290,8 +308,8 @@ def _bwd_looped(
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    # Rows longer than a block: two sweeps per row; this program's partial weight and bias
-    # gradients accumulate in its own row of the partial buffers.
+    # Rows longer than a block, row r in program r % nprog: two sweeps per row; this program's
+    # partial weight and bias gradients accumulate in its own row of the partial buffers.
     pid = tl.program_id(0)
     lanes = tl.arange(0, BLOCK)
     n = tl.cast(cols, ACC)
@@ -300,7 +318,7 @@ def _bwd_looped(
     for k in range(0, cols, BLOCK):
         tl.store(pw_row + k + lanes, tl.zeros([BLOCK], ACC), mask=k + lanes < cols)
         tl.store(pb_row + k + lanes, tl.zeros([BLOCK], ACC), mask=k + lanes < cols)
-    for row in range(pid * per_prog, tl.minimum(pid * per_prog + per_prog, rows)):
+    for row in range(pid, rows, nprog):
         base = tl.cast(row, tl.int64) * cols
         rstd = tl.load(rstd_ptr + row)
         mean = tl.full((), 0.0, ACC)
@@ -343,6 +361,7 @@ def _bwd_looped(
 
 @triton.jit
 def _colsum_kernel(p_ptr, out_ptr, nprog, cols, ACC: tl.constexpr, BLOCK: tl.constexpr):
+    # Stage two: the partial rows summed in program order (deterministic).
     c = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     m = c < cols
     acc = tl.zeros([BLOCK], ACC)
@@ -368,42 +387,45 @@ def _colsum(partial: torch.Tensor, like: torch.Tensor, acc) -> torch.Tensor:
     return out
 
 
+def bwd_layout(rows: int, cols: int) -> tuple[int, int]:
+    """``(rows_per_tile, nprog)`` of the backward: ``ROWS`` rows per tile (one tile of
+    :data:`BWD_TILE` elements; one row per tile past :data:`BWD_FUSED`) and the programs,
+    which are the rows of the partial-gradient buffers. It depends on the shape only, so the
+    order of the weight and bias gradients' sums is the same on every run and card.
+
+    Example::
+
+        >>> bwd_layout(16384, 768)  # 2 rows of 1024 padded columns per tile, 256 programs
+        (2, 256)
+    """
+    per = rows_per(BWD_TILE, next_pow2(cols)) if cols <= BWD_FUSED else 1
+    return per, max(1, min(triton.cdiv(rows, per), MAX_PROGS))
+
+
 def norm_bwd(dy, saved, mean, rstd, weight, bias, me: bool, rows, cols, is_rms: bool):
     """``(dx, dw, db)``: ``dw``/``db`` empty tensors where there is no weight/bias."""
     acc = torch.float64 if saved.dtype == torch.float64 else torch.float32
     dy, saved = dy.contiguous(), saved.contiguous()
     dx = torch.empty_like(saved)
-    nprog = max(1, min(rows, _MAX_PROGS))
+    per, nprog = bwd_layout(rows, cols)
     pw = torch.empty((nprog, cols), dtype=acc, device=saved.device)
     pb = torch.empty((nprog, cols), dtype=acc, device=saved.device)
     if rows and cols:
-        per = triton.cdiv(rows, nprog)
         w = weight if weight is not None else saved
         b = bias if bias is not None else saved
-        fused = cols <= BWD_FUSED
-        launch(
-            _bwd_fused if fused else _bwd_looped,
-            (nprog,),
-            dy,
-            saved,
-            w,
-            b,
-            mean if mean is not None else rstd,
-            rstd,
-            dx,
-            pw,
-            pb,
-            rows,
-            cols,
-            per,
+        args = (dy, saved, w, b, mean if mean is not None else rstd, rstd, dx, pw, pb)
+        kw = dict(
             IS_RMS=is_rms,
             ME=bool(me),
             HAS_W=weight is not None,
             HAS_B=bias is not None,
             ACC=acc_of(acc),
-            BLOCK=next_pow2(cols) if fused else 1024,
-            num_warps=warps(next_pow2(cols) if fused else 1024),
         )
+        if cols <= BWD_FUSED:
+            fold = dict(ROWS=per, FOLDS=per.bit_length() - 1, BLOCK=next_pow2(cols))
+            launch(_bwd_fused, (nprog,), *args, rows, cols, nprog, **fold, **kw)
+        else:
+            launch(_bwd_looped, (nprog,), *args, rows, cols, nprog, **kw)
     else:
         pw.zero_()
         pb.zero_()

@@ -4,9 +4,14 @@ Softmax over the last dim computed in fp32 (fp64 for fp64 input), output in the 
 Masked scores become -10000 after scaling (Apex/Megatron: a fully masked row is uniform, or
 zero with ``zero_all_masked``, Apex's generic kernel);
 the causal variant excludes the columns after the diagonal (their probability is exactly 0).
-The backward, ``scale * y * (dy - sum(dy * y))``, serves every forward. Rows that fit in one
-block are held in registers, several per program; longer rows are walked in blocks (three
-reads in the forward, two in the backward).
+The backward, ``scale * y * (dy - sum(dy * y))``, serves every forward.
+
+Rows that fit in one block (``k <= MAX_FUSED``) are read once and held in registers, one row
+per program or several for narrow rows (``_fwd_fused``, ``_bwd_fused``, tuned over
+:data:`._tune.ROW_CONFIGS`). Longer rows get a program each and are walked in blocks
+(``_fwd_looped``, ``_bwd_looped``, tuned over :data:`._tune.LOOP_CONFIGS`): the forward keeps a
+running maximum and a sum rescaled to it per lane (online softmax), so it reads the scores
+twice (statistics, then output) instead of three times; the backward reads twice.
 """
 
 from __future__ import annotations
@@ -24,8 +29,8 @@ from mpnb.core.ops.triton._common import (
     next_pow2,
     split64,
     to_acc,
-    warps,
 )
+from mpnb.core.ops.triton._tune import LOOP_CONFIGS, ROW_CONFIGS, rows_per, tuned
 
 __all__ = [
     "scaled_softmax_fwd",
@@ -37,8 +42,6 @@ __all__ = [
 MASKED_VALUE = -10000.0
 _MASKED = tl.constexpr(MASKED_VALUE)  # what a kernel may read of a module constant
 MAX_FUSED = 8192  #: the longest row held in one block
-_TILE = 4096  # elements per program in the one-block path
-_BLOCK = 1024  # elements per step of the long-row path
 
 # MODE of the forward kernels: odd modes read a mask; _MASK_ZERO (Apex's generic kernel) also
 # zeroes the rows whose every position is masked.
@@ -81,6 +84,7 @@ def _limit(r, k, SQ, MODE: tl.constexpr):
     return lim
 
 
+@tuned(ROW_CONFIGS, key=["k"])
 @triton.jit
 def _fwd_fused(
     x_ptr,
@@ -97,9 +101,10 @@ def _fwd_fused(
     s_lo,
     MODE: tl.constexpr,
     ACC: tl.constexpr,
-    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
 ):
+    ROWS: tl.constexpr = (TILE + BLOCK - 1) // BLOCK  # rows_per(TILE, BLOCK)
     r = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
     rvalid = r < rows
     lim = tl.where(rvalid, _limit(r, k, SQ, MODE), 0)
@@ -117,6 +122,7 @@ def _fwd_fused(
     tl.store(y_ptr + row + cols, from_acc(y, y_ptr.dtype.element_ty), mask=out)
 
 
+@tuned(LOOP_CONFIGS, key=["k"])
 @triton.jit
 def _fwd_looped(
     x_ptr,
@@ -141,20 +147,22 @@ def _fwd_looped(
     mrow = r // (SQ * H) * msb + r // SQ % H * msh + r % SQ * msq
     s = _scale(s_hi, s_lo, ACC)
     lanes = tl.arange(0, BLOCK)
+    # One sweep for the statistics: per lane, the largest score seen and the sum of exp(score -
+    # that maximum), rescaled whenever the maximum grows (a lane that has seen only -inf keeps
+    # a zero sum: exp(-inf - -inf) would be NaN).
     mx = tl.full([BLOCK], float("-inf"), ACC)
-    for j in range(0, k, BLOCK):
-        x, _ = _scores(x_ptr, m_ptr, row, mrow, j + lanes, lim, s, MODE, ACC)
-        mx = tl.maximum(mx, x)
-    top = tl.max(mx, axis=0)
     acc = tl.zeros([BLOCK], ACC)
+    seen = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)  # unmasked columns (MODE 3)
     for j in range(0, k, BLOCK):
         x, inside = _scores(x_ptr, m_ptr, row, mrow, j + lanes, lim, s, MODE, ACC)
-        acc += tl.where(inside, tl.exp(x - top), 0.0)
-    total = tl.sum(acc, axis=0)
-    seen = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)  # unmasked columns (MODE 3)
-    if MODE == 3:
-        for j in range(0, k, BLOCK):
+        top = tl.maximum(mx, x)
+        live = top > float("-inf")
+        acc = tl.where(live, acc * tl.exp(mx - top) + tl.where(inside, tl.exp(x - top), 0.0), 0.0)
+        mx = top
+        if MODE == 3:
             seen += _unmasked(m_ptr, mrow, j + lanes, lim)
+    top = tl.max(mx, axis=0)
+    total = tl.sum(tl.where(mx > float("-inf"), acc * tl.exp(mx - top), 0.0), axis=0)
     for j in range(0, k, BLOCK):
         x, inside = _scores(x_ptr, m_ptr, row, mrow, j + lanes, lim, s, MODE, ACC)
         y = div(tl.where(inside, tl.exp(x - top), 0.0), total)
@@ -184,20 +192,20 @@ def _forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, mode: int
     args = (x, y, m, rows, k, sq, h, msb, msh, msq, *split64(scale))
     kw = dict(MODE=mode, ACC=acc_of(x.dtype))
     if k <= MAX_FUSED:
-        block = next_pow2(k)
-        nrows = max(1, _TILE // block)
-        launch(
-            _fwd_fused,
-            (triton.cdiv(rows, nrows),),
-            *args,
-            ROWS=nrows,
-            BLOCK=block,
-            num_warps=warps(nrows * block),
-            **kw,
-        )
+        launch(_fwd_fused, _row_grid(rows, k), *args, BLOCK=next_pow2(k), **kw)
     else:
-        launch(_fwd_looped, (rows,), *args, BLOCK=_BLOCK, **kw)
+        launch(_fwd_looped, (rows,), *args, **kw)
     return y
+
+
+def _row_grid(rows: int, k: int):
+    """The grid of a one-block kernel: as many programs as its tuned tile needs."""
+    block = next_pow2(k)
+
+    def grid(meta):
+        return (triton.cdiv(rows, rows_per(meta["TILE"], block)),)
+
+    return grid
 
 
 def scaled_softmax_fwd(args) -> torch.Tensor:
@@ -227,6 +235,7 @@ def scaled_upper_triang_masked_softmax_fwd(args) -> torch.Tensor:
     return _forward(args.input, None, args.scale, _CAUSAL)
 
 
+@tuned(ROW_CONFIGS, key=["k"])
 @triton.jit
 def _bwd_fused(
     dy_ptr,
@@ -237,9 +246,10 @@ def _bwd_fused(
     s_hi,
     s_lo,
     ACC: tl.constexpr,
-    ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
+    TILE: tl.constexpr,
 ):
+    ROWS: tl.constexpr = (TILE + BLOCK - 1) // BLOCK  # rows_per(TILE, BLOCK)
     r = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     cols = tl.arange(0, BLOCK)
     m = (r[:, None] < rows) & (cols[None, :] < k)
@@ -251,6 +261,7 @@ def _bwd_fused(
     tl.store(dx_ptr + offs, from_acc(dx, dx_ptr.dtype.element_ty), mask=m)
 
 
+@tuned(LOOP_CONFIGS, key=["k"])
 @triton.jit
 def _bwd_looped(dy_ptr, y_ptr, dx_ptr, rows, k, s_hi, s_lo, ACC: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64) * k
@@ -284,17 +295,7 @@ def scaled_softmax_bwd(args) -> torch.Tensor:
         return dx
     args = (dy, y, dx, rows, k, *split64(scale))
     if k <= MAX_FUSED:
-        block = next_pow2(k)
-        nrows = max(1, _TILE // block)
-        launch(
-            _bwd_fused,
-            (triton.cdiv(rows, nrows),),
-            *args,
-            ACC=acc_of(y.dtype),
-            ROWS=nrows,
-            BLOCK=block,
-            num_warps=warps(nrows * block),
-        )
+        launch(_bwd_fused, _row_grid(rows, k), *args, ACC=acc_of(y.dtype), BLOCK=next_pow2(k))
     else:
-        launch(_bwd_looped, (rows,), *args, ACC=acc_of(y.dtype), BLOCK=_BLOCK)
+        launch(_bwd_looped, (rows,), *args, ACC=acc_of(y.dtype))
     return dx

@@ -21,7 +21,7 @@ HALF_OR_32 = [torch.float32, torch.float16, torch.bfloat16]
 # ---- layer norm and RMS norm ---------------------------------------------------------------
 
 # (input shape, normalized_shape): odd sizes, two normalized dims, empty, one column, and rows
-# longer than one block (the forward walks rows past 8192, the backward past 4096).
+# longer than one block (forward and backward walk rows past 8192).
 NORM_SHAPES = [((3, 5, 7), [7]), ((2, 3, 11), [3, 11]), ((0, 6), [6]), ((5, 1), [1])]
 LONG_ROW = ((2, 8200), [8200])
 

@@ -57,7 +57,12 @@ class _CompileOnlyDriver:
 
 def _warm_up(kernel, grid, *args, **kwargs):
     start = time.perf_counter()
-    kernel.run(*args, grid=grid, warmup=True, enable_fp_fusion=False, **kwargs)
+    from triton.runtime.autotuner import Autotuner
+
+    if isinstance(kernel, Autotuner):  # compile every config of the tuned set, not the first
+        kernel.warmup(*args, grid=grid, enable_fp_fusion=False, **kwargs)
+    else:
+        kernel.run(*args, grid=grid, warmup=True, enable_fp_fusion=False, **kwargs)
     flags = {k: v for k, v in kwargs.items() if k.isupper()}
     print(f"sm_{ARCH} {kernel.fn.__name__:22s} {time.perf_counter() - start:5.2f}s {flags}")
 
