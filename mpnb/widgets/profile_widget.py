@@ -25,6 +25,7 @@ from mpnb.core.opt_levels import OPT_LEVEL_NAMES
 from mpnb.core.precision_configs import PRECISION_CONFIGS, get_config
 from mpnb.widgets._common import ErrorBox, FigureOutput, hardware_html
 from mpnb.widgets._compare_views import MEMORY_ROLES
+from mpnb.widgets._precision_views import PrecisionPictures, ops_table, scaled_format
 
 __all__ = ["ProfileWidget", "profile"]
 
@@ -57,7 +58,8 @@ _TABLE_STYLE = (
     "<style>.mpnb-table{font-size:12px;border-collapse:collapse}.mpnb-table td,"
     ".mpnb-table th{padding:2px 6px;border-bottom:1px solid #ddd;text-align:left;"
     "vertical-align:top;white-space:nowrap}.mpnb-table th{white-space:normal}"
-    ".mpnb-table td.mpnb-long{white-space:normal;overflow-wrap:anywhere;min-width:8em}</style>"
+    ".mpnb-table td.mpnb-long{white-space:normal;overflow-wrap:anywhere;min-width:8em}"
+    ".mpnb-table td.mpnb-wide{white-space:normal;overflow-wrap:break-word}</style>"
 )
 _LONG = 24  # characters: a column with a longer cell wraps
 
@@ -74,7 +76,16 @@ def _num(v) -> str:
     return str(v)
 
 
-def _html_table(df: pd.DataFrame | None, empty: str, max_rows: int = 200) -> w.HTML:
+def _html_table(
+    df: pd.DataFrame | None,
+    empty: str,
+    max_rows: int = 200,
+    wide: str | None = None,
+    nowrap: tuple[str, ...] = (),
+) -> w.HTML:
+    """``df`` as a table that fits the pane; the column ``wide`` (a sentence per row) gets
+    the room the others leave, so that it wraps to few lines; the columns ``nowrap`` stay on
+    one line however long."""
     if df is None or df.empty:
         return w.HTML(f"<i>{html.escape(empty)}</i>")
     df = df.head(max_rows).rename(columns=lambda c: _COLUMN_NAMES.get(c, c.replace("_", " ")))
@@ -82,19 +93,29 @@ def _html_table(df: pd.DataFrame | None, empty: str, max_rows: int = 200) -> w.H
         c: [f"{v:.1%}" for v in df[c]] if c.startswith("share of") else [_num(v) for v in df[c]]
         for c in df.columns
     }
-    long = {c for c, vs in cells.items() if max(map(len, vs), default=0) > _LONG}
-    head = "".join(f"<th>{html.escape(str(c))}</th>" for c in df.columns)
+    keep = {_COLUMN_NAMES.get(c, c) for c in nowrap}
+    long = {c for c, vs in cells.items() if max(map(len, vs), default=0) > _LONG} - keep
+    wide = _COLUMN_NAMES.get(wide, wide)
+    head = "".join(
+        f"<th{' style=width:50%' if c == wide else ''}>{html.escape(str(c))}</th>"
+        for c in df.columns
+    )
     rows = "".join(
         "<tr>"
         + "".join(
-            f"<td{' class=mpnb-long' if c in long else ''}>{html.escape(cells[c][i])}</td>"
-            for c in df.columns
+            f"<td{_td_class(c, long, wide)}>{html.escape(cells[c][i])}</td>" for c in df.columns
         )
         + "</tr>"
         for i in range(len(df))
     )
     table = f"<table class='mpnb-table'><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
     return w.HTML(f"{_TABLE_STYLE}<div style='overflow:auto;max-height:420px'>{table}</div>")
+
+
+def _td_class(column: str, long: set, wide: str | None) -> str:
+    if column == wide:
+        return " class=mpnb-wide"
+    return " class=mpnb-long" if column in long else ""
 
 
 def _bar_fig(title: str, y: str, stacked: bool = False) -> go.Figure:
@@ -145,12 +166,22 @@ class ProfileWidget(w.VBox):
         model, example_inputs, loss_fn: kept to trace another configuration from the
             Precision tab (None: that tab shows only ``precision``).
         half_dtype: the O levels' half dtype for those traces (None: the device's default).
+        stats: what :func:`mpnb.lab.quant_stats` returned for ``precision``'s configuration,
+            or None (computed here when the model is given).
+
+    The Precision tab puts two pictures above its tables: the module x phase map of the trace
+    (the format each module ran in, per phase, with its share of FLOPs and bytes) and the
+    per-layer quantization statistics (layers x tensors): an FP8/FP4 configuration's own, or
+    for any other configuration those of the format chosen in "what if" on the same tensors.
 
     Every chart is a whole figure in an ``Output`` (:class:`~mpnb.widgets._common.FigureOutput`):
     it renders after Run All and after a page reload; a chart with nothing to draw says why.
 
     Attributes:
         phases_fig, flops_fig, memory_fig: the plotly figures (tests read them).
+        pictures: the Precision tab's two maps and their choosers
+            (:class:`~mpnb.widgets._precision_views.PrecisionPictures`).
+        stats: the :class:`mpnb.fp8.QuantStats` the statistics map shows (None: none).
         load: the load banner (load average, threads, and the warning when others competed).
         trace_button: writes :meth:`export_chrome_trace` to the path in ``trace_path``.
 
@@ -174,9 +205,10 @@ class ProfileWidget(w.VBox):
         example_inputs=None,
         loss_fn=None,
         half_dtype: torch.dtype | None = None,
+        stats=None,
     ):
         self.result, self.memory, self.trace = result, memory, trace
-        self.precision = precision
+        self.precision, self.stats = precision, stats
         self._traced = (model, example_inputs, loss_fn, half_dtype)
         self.errors = ErrorBox()
         self.phases_fig = _bar_fig(
@@ -360,18 +392,25 @@ class ProfileWidget(w.VBox):
         self.tabs.selected_index = self.TABS.index("Precision")
 
     def _precision_pane(self) -> w.Widget:
-        from mpnb.core.precision_configs import PRECISION_CONFIGS
-
         first = self.precision.summary.config if self.precision is not None else "O1"
         self.precision_config = w.Dropdown(
-            options=list(PRECISION_CONFIGS), value=first, description="configuration"
+            options=list(PRECISION_CONFIGS),
+            value=first,
+            description="configuration",
+            style={"description_width": "initial"},  # the default width cut it to "configurat..."
         )
         self.precision_button = w.Button(
             description="Trace", icon="search", disabled=self._traced[0] is None
         )
         self.precision_button.on_click(self.errors.guard(lambda _: self.retrace()))
+        self.pictures = PrecisionPictures()
+        self.pictures.what_if.observe(lambda _: self._stats_or_why(), names="value")
         self.precision_view = w.VBox()
         self._show_precision_trace()
+        if self.stats is None and self.precision is not None and self._traced[0] is not None:
+            self._stats_or_why()
+        else:
+            self.pictures.show_stats(self.stats, self._no_stats_why())
         return w.VBox(
             [
                 w.HTML(
@@ -385,7 +424,8 @@ class ProfileWidget(w.VBox):
         )
 
     def retrace(self, config: str | None = None) -> None:
-        """Trace ``config`` (default: the one chosen in the Precision tab) and show it."""
+        """Trace ``config`` (default: the one chosen in the Precision tab) and show it, with
+        its quantization statistics."""
         import mpnb.lab
 
         model, x, loss_fn, half = self._traced
@@ -398,6 +438,44 @@ class ProfileWidget(w.VBox):
             model, x, config or self.precision_config.value, loss_fn=loss_fn, half_dtype=half
         )
         self._show_precision_trace()
+        self._stats_or_why()
+
+    def refresh_stats(self) -> None:
+        """Compute the per-layer quantization statistics of the traced configuration
+        (:func:`mpnb.lab.quant_stats`) and draw their map: an FP8/FP4 configuration's own, or
+        for any other those the "what if" choice would give on the same tensors."""
+        import mpnb.lab  # the lab loads on first use, as in retrace and profile
+
+        model, x, loss_fn, half = self._traced
+        if model is None or self.precision is None:
+            raise RuntimeError(
+                "refresh_stats: there is no model or no trace to compute statistics for; use "
+                "mpnb.widgets.profile(model, inputs) and press Trace first."
+            )
+        config = self.precision.summary.config
+        # a configuration with no recipe of its own is measured in the what-if chooser's
+        what_if = self.pictures.what_if.value if scaled_format(config) is None else None
+        self.stats = mpnb.lab.quant_stats(
+            model, x, config, what_if=what_if, loss_fn=loss_fn, half_dtype=half
+        )
+        self.pictures.show_stats(self.stats)
+
+    def _stats_or_why(self) -> None:
+        """:meth:`refresh_stats`, its failure shown in the map's place and in the error box
+        (with its traceback); the trace above stays."""
+        try:
+            self.refresh_stats()
+        except Exception as e:  # noqa: BLE001 - shown in the widget, never lost
+            summary = self.errors.show(e, "quantization statistics: ")
+            self.pictures.show_stats(None, f"not computed: {summary}")
+
+    def _no_stats_why(self) -> str | None:
+        if self._traced[0] is None and self.stats is None:
+            return (
+                "not computed: this widget was built without the model; "
+                "mpnb.widgets.profile(model, inputs) computes them"
+            )
+        return None
 
     def _show_precision_trace(self) -> None:
         tr = self.precision
@@ -407,32 +485,37 @@ class ProfileWidget(w.VBox):
             ]
             return
         ops, s = tr
-        cols = ["phase", "module", "op", "kind", "in_dtypes", "dtype", "reason", "detail"]
+        recipe = scaled_format(s.config)
+        self.pictures.use_what_if(recipe is None)
+        self.pictures.show_trace(tr, recipe)
+        name = recipe.name.upper() if recipe is not None else "FP8"
         head = (
             f"<p><b>{html.escape(s.config)}</b> ({html.escape(_precision_of(s))}): "
             f"{len(ops)} ops recorded."
             + (
-                " FP8 is emulated on this device: FP8 numerics, not FP8 speed."
+                f" {name} is emulated on this device: {name} numerics, not {name} speed."
                 if s.fp8_emulated
                 else ""
             )
             + "</p>"
         )
         self.precision_view.children = [
-            w.HTML(head + "<b>Share of FLOPs and bytes per dtype</b>"),
+            w.HTML(head),
+            self.pictures,
+            w.HTML("<b>Share of FLOPs and bytes per dtype</b>"),
             _html_table(s.by_dtype, "no compute ops"),
             w.HTML("<b>Compute ops that stayed float32, and why</b>"),
-            _html_table(s.fp32_ops, "none: every compute op ran in the low precision"),
+            _html_table(
+                s.fp32_ops, "none: every compute op ran in the low precision", wide="detail"
+            ),
             w.HTML("<b>Every op</b>"),
-            _html_table(ops[[c for c in cols if c in ops.columns]], "no ops"),
+            _html_table(ops_table(ops), "no ops", wide="why", nowrap=("dtypes",)),
         ]
 
 
 def _precision_of(summary) -> str:
     """``"bfloat16, cpu"``; for a configuration with no half dtype (O0, the FP8 recipes) its
     own description instead of a dash."""
-    from mpnb.core.precision_configs import PRECISION_CONFIGS
-
     if summary.half_dtype not in ("", "-", None):
         return f"{summary.half_dtype}, {summary.device}"
     cfg = PRECISION_CONFIGS.get(summary.config)

@@ -286,3 +286,58 @@ def test_the_widget_is_one_call_of_the_labs_profile(monkeypatch):
     assert pw.result is result and pw.memory is result.memory and pw.trace is result.overflow
     assert pw.precision is result.precision and result.precision.summary.config == "O1"
     assert list(result.memory.opt_level) == ["O0", "O1"] and result.half_dtype == torch.bfloat16
+
+
+def test_precision_pictures_show_the_trace_map_and_what_if_statistics(pw):
+    pw.retrace("O3")
+    pics = pw.pictures
+    assert pics in pw.precision_view.children  # above the tables
+    assert pw.precision_view.children.index(pics) == 1
+    assert pics.map_view.rendered and pics.stats_view.rendered
+    (hm,) = pics.map_view.fig.data
+    assert list(hm.colorbar.ticktext) == ["fp32", "fp16"] and {"0", "3"} <= set(hm.y)
+    assert "O3" in pics.map_view.fig.layout.title.text
+    # O3 has no recipe of its own: the statistics are the what-if chooser's, shown
+    assert pw.stats.what_if and pics.what_if.layout.display is None
+    assert (
+        pics.what_if.value == "nvfp4" and "what-if nvfp4" in pics.stats_view.fig.layout.title.text
+    )
+    layers, tensors, values = pw.stats.heatmap("rel_err")
+    assert layers == ["0", "3"] and [list(r) for r in pics.stats_view.fig.data[0].z] == values
+    pics.what_if.value = "mxfp8"  # another format on the same tensors, recomputed
+    assert pw.errors.last_error is None and pw.stats.what_if
+    assert "mxfp8" in pw.stats.format and "what-if mxfp8" in pics.stats_view.fig.layout.title.text
+
+
+def test_a_low_precision_configuration_shows_its_own_statistics_and_no_what_if(pw):
+    with pytest.warns(UserWarning):  # the emulated FP4 GEMM says so
+        pw.retrace("nvfp4")
+    pics = pw.pictures
+    assert pw.errors.last_error is None and not pw.stats.what_if
+    assert pw.stats.format.startswith("nvfp4") and pics.what_if.layout.display == "none"
+    assert "as this step quantized" in pics.stats_view.fig.layout.title.text
+    (hm,) = pics.map_view.fig.data
+    formats = list(hm.colorbar.ticktext)
+    linear = [formats[int(z[0])] for y, z in zip(hm.y, hm.z, strict=True) if y in ("0", "3")]
+    assert linear == ["nvfp4", "nvfp4"]  # the linear layers ran in NVFP4, emulated or not
+    pw.retrace("O1")
+    assert pw.stats.what_if and pics.what_if.layout.display is None
+
+
+def test_no_label_of_the_precision_tab_is_cut_and_every_op_wraps_little(pw):
+    # the Dropdown's default description width cut "configuration" to "configurat..."
+    assert pw.precision_config.style.description_width == "initial"
+    assert pw.pictures.metric.style.description_width == "initial"
+    pw.retrace("O1")
+    table = pw.precision_view.children[-1].value
+    assert "<th>why</th>" not in table and "width:50%" in table  # the words get the room
+    assert "<th>in dtypes</th>" not in table and "<th>dtypes</th>" in table
+
+
+def test_without_the_model_the_statistics_say_why():
+    pw0 = mpnb.widgets.ProfileWidget(
+        mpnb.lab.profile(_model(), torch.randn(8, 16), ("O0",), steps=1)
+    )
+    assert not pw0.pictures.stats_view.rendered and pw0.stats is None
+    assert "built without the model" in str(pw0.pictures.stats_view.outputs)
+    assert pw0.errors.last_error is None
