@@ -48,6 +48,25 @@ def _require(ok: bool, why: str) -> None:
     pytest.skip(why)
 
 
+@contextlib.contextmanager
+def chromium():
+    """A headless Chromium driven by playwright, closed on exit (the test is skipped, or fails
+    under ``CI=true``, when Chromium or playwright is missing)."""
+    _require(Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: run scripts/setup-browser.sh")
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _require(False, "playwright is not installed (pip install -e '.[dev]')")
+    with sync_playwright() as p:
+        browser = p.chromium.launch(
+            executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
+        )
+        try:
+            yield browser
+        finally:
+            browser.close()
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -158,89 +177,78 @@ _WATCH_DISABLED = """b => {
 
 
 def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
-    _require(Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: run scripts/setup-browser.sh")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _require(False, "playwright is not installed (pip install -e '.[dev]')")
     base, token = lab
     console_errors: list[str] = []
-    with sync_playwright() as p:
-        browser = p.chromium.launch(
-            executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
-        )
+    with chromium() as browser:
+        page = browser.new_page(viewport={"width": 1500, "height": 2000})
+        page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
+        page.on("pageerror", lambda e: console_errors.append(f"pageerror: {e}"))
+        page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}", timeout=120_000)
+        _run_all_and_wait(page, timeout_ms=300_000)
+
+        run = page.locator(".widget-button:text-is('Run')").first
+        run.wait_for(timeout=60_000)
+        run.scroll_into_view_if_needed()
+        # A short run can disable and re-enable the button between two polls: record
+        # every change of its `disabled` attribute from before the click instead.
+        handle = run.element_handle()
+        page.evaluate(_WATCH_DISABLED, handle)
+        run.click()
+        page.wait_for_function("() => window.__mpnbRunStarted === true", timeout=60_000)
+        page.wait_for_function("b => !b.disabled", arg=handle, timeout=400_000)
+        widget = page.locator(".jp-OutputArea-output:has(.widget-button:text-is('Run'))")
+        widget.get_by_text("done: 4 configurations").wait_for(timeout=30_000)
+
+        # the Speed chart (plotly) has one bar per configuration, labelled on the x axis
         try:
-            page = browser.new_page(viewport={"width": 1500, "height": 2000})
-            page.on("console", lambda m: m.type == "error" and console_errors.append(m.text))
-            page.on("pageerror", lambda e: console_errors.append(f"pageerror: {e}"))
-            page.goto(f"{base}/lab/tree/{NOTEBOOK.name}?token={token}", timeout=120_000)
-            _run_all_and_wait(page, timeout_ms=300_000)
-
-            run = page.locator(".widget-button:text-is('Run')").first
-            run.wait_for(timeout=60_000)
-            run.scroll_into_view_if_needed()
-            # A short run can disable and re-enable the button between two polls: record
-            # every change of its `disabled` attribute from before the click instead.
-            handle = run.element_handle()
-            page.evaluate(_WATCH_DISABLED, handle)
-            run.click()
-            page.wait_for_function("() => window.__mpnbRunStarted === true", timeout=60_000)
-            page.wait_for_function("b => !b.disabled", arg=handle, timeout=400_000)
-            widget = page.locator(".jp-OutputArea-output:has(.widget-button:text-is('Run'))")
-            widget.get_by_text("done: 4 configurations").wait_for(timeout=30_000)
-
-            # the Speed chart (plotly) has one bar per configuration, labelled on the x axis
-            try:
-                for name in CONFIGS:
-                    widget.locator(f".js-plotly-plot .xtick text:text-is('{name}')").first.wait_for(
-                        timeout=60_000
-                    )
-            except Exception:
-                widget.screenshot(path=str(tmp_path / "failure.png"))  # what the user saw
-                (tmp_path / "console.txt").write_text("\n".join(console_errors))
-                raise
-            bars = widget.locator(".js-plotly-plot .bars path").count()
-            assert bars >= len(CONFIGS), f"speed chart shows {bars} bars"
-            verdict = widget.locator(".mpnb-verdict").first
-            assert verdict.is_visible() and verdict.inner_text().startswith("Verdict:")
-            title = widget.locator(".js-plotly-plot .gtitle").first
-            assert title.is_visible() and "Speed vs O0" in (title.text_content() or "")
-            text = widget.inner_text()
-            for bad in ("failed:", "Traceback", "Error:"):
-                assert bad not in text, f"the widget shows {bad!r}: {text[:2000]}"
-            widget.scroll_into_view_if_needed()
-            shot = tmp_path / "compare-widget.png"
-            widget.screenshot(path=str(shot))
-
-            widget.locator(".lm-TabBar-tab:has-text('Table')").first.click()
-            table = widget.locator("table.mpnb-table").first  # speed and memory (then accuracy)
-            table.wait_for(timeout=30_000)
-            text = table.inner_text()
-            for name in CONFIGS:
-                assert name in text, f"{name} missing from the table"
-
-            # after a reload the charts are rebuilt from the kernel's widget state
-            page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
-            page.wait_for_function(
-                "() => !window.jupyterapp.shell.currentWidget.context.model.dirty",
-                timeout=60_000,
-            )
-            page.reload(timeout=120_000)
-            _wait_kernel(page)
-            widget = page.locator(".jp-OutputArea-output:has(.widget-button:text-is('Run'))")
-            widget.first.wait_for(timeout=120_000)
-            widget = widget.first
-            widget.locator(".lm-TabBar-tab:has-text('Speed')").first.click()  # Table was open
             for name in CONFIGS:
                 widget.locator(f".js-plotly-plot .xtick text:text-is('{name}')").first.wait_for(
                     timeout=60_000
                 )
-            assert widget.locator(".js-plotly-plot .bars path").count() >= len(CONFIGS)
-            widget.scroll_into_view_if_needed()
-            reloaded = tmp_path / "compare-widget-reload.png"
-            widget.screenshot(path=str(reloaded))
-        finally:
-            browser.close()
+        except Exception:
+            widget.screenshot(path=str(tmp_path / "failure.png"))  # what the user saw
+            (tmp_path / "console.txt").write_text("\n".join(console_errors))
+            raise
+        bars = widget.locator(".js-plotly-plot .bars path").count()
+        assert bars >= len(CONFIGS), f"speed chart shows {bars} bars"
+        verdict = widget.locator(".mpnb-verdict").first
+        assert verdict.is_visible() and verdict.inner_text().startswith("Verdict:")
+        title = widget.locator(".js-plotly-plot .gtitle").first
+        assert title.is_visible() and "Speed vs O0" in (title.text_content() or "")
+        text = widget.inner_text()
+        for bad in ("failed:", "Traceback", "Error:"):
+            assert bad not in text, f"the widget shows {bad!r}: {text[:2000]}"
+        widget.scroll_into_view_if_needed()
+        shot = tmp_path / "compare-widget.png"
+        widget.screenshot(path=str(shot))
+
+        widget.locator(".lm-TabBar-tab:has-text('Table')").first.click()
+        table = widget.locator("table.mpnb-table").first  # speed and memory (then accuracy)
+        table.wait_for(timeout=30_000)
+        text = table.inner_text()
+        for name in CONFIGS:
+            assert name in text, f"{name} missing from the table"
+
+        # after a reload the charts are rebuilt from the kernel's widget state
+        page.evaluate("() => window.jupyterapp.commands.execute('docmanager:save')")
+        page.wait_for_function(
+            "() => !window.jupyterapp.shell.currentWidget.context.model.dirty",
+            timeout=60_000,
+        )
+        page.reload(timeout=120_000)
+        _wait_kernel(page)
+        widget = page.locator(".jp-OutputArea-output:has(.widget-button:text-is('Run'))")
+        widget.first.wait_for(timeout=120_000)
+        widget = widget.first
+        widget.locator(".lm-TabBar-tab:has-text('Speed')").first.click()  # Table was open
+        for name in CONFIGS:
+            widget.locator(f".js-plotly-plot .xtick text:text-is('{name}')").first.wait_for(
+                timeout=60_000
+            )
+        assert widget.locator(".js-plotly-plot .bars path").count() >= len(CONFIGS)
+        widget.scroll_into_view_if_needed()
+        reloaded = tmp_path / "compare-widget-reload.png"
+        widget.screenshot(path=str(reloaded))
     assert shot.stat().st_size > 10_000
     if os.environ.get("MPNB_SHOTS"):
         for png in (shot, reloaded):

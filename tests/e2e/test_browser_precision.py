@@ -20,11 +20,10 @@ NVFP4's own (the what-if chooser hidden). Screenshots go to ``out/browser-views`
 from __future__ import annotations
 
 import re
-from pathlib import Path
 
 import pytest
 
-from .test_browser import CHROMIUM, _require, serve_lab
+from .test_browser import chromium, serve_lab
 from .test_browser_views import _box, _close, _notebook, _open, _shot, _tab
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -69,22 +68,10 @@ _OUTSIDE = """plot => { const svg = plot.querySelector('svg.main-svg').getBoundi
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """JupyterLab over the notebook above and a Chromium, as :func:`_open` takes them."""
-    _require(Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: run scripts/setup-browser.sh")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _require(False, "playwright is not installed (pip install -e '.[dev]')")
     src = tmp_path_factory.mktemp("src") / "precision.ipynb"
     src.write_text(_notebook(_CELLS))
-    with serve_lab(tmp_path_factory.mktemp("precision"), src) as (base, token):
-        with sync_playwright() as p:
-            browser = p.chromium.launch(
-                executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
-            )
-            try:
-                yield dict(base=base, token=token, browser=browser)
-            finally:
-                browser.close()
+    with serve_lab(tmp_path_factory.mktemp("precision"), src) as (base, token), chromium() as b:
+        yield dict(base=base, token=token, browser=b)
 
 
 _DRAWN = """([root, titles]) => titles.every(t => [...root.querySelectorAll('.js-plotly-plot')]

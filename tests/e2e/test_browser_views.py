@@ -31,7 +31,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_browser import CHROMIUM, ROOT, _require, _wait_kernel, serve_lab
+from .test_browser import ROOT, _wait_kernel, chromium, serve_lab
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -124,11 +124,6 @@ def _notebook(cells: list[str]) -> str:
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     """One JupyterLab server over a folder holding every notebook above; yields its state."""
-    _require(Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: run scripts/setup-browser.sh")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _require(False, "playwright is not installed (pip install -e '.[dev]')")
     root = tmp_path_factory.mktemp("views")
     src = tmp_path_factory.mktemp("src") / "stop.ipynb"
     src.write_text(_notebook(NOTEBOOKS["stop.ipynb"]))
@@ -139,16 +134,10 @@ def lab(tmp_path_factory):
     tracker.write_text('{"windowingMode": "none"}')
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("JUPYTERLAB_SETTINGS_DIR", str(settings))
-        with serve_lab(root, src) as (base, token), sync_playwright() as p:
+        with serve_lab(root, src) as (base, token), chromium() as browser:
             for name, cells in NOTEBOOKS.items():
                 (root / name).write_text(_notebook(cells))
-            browser = p.chromium.launch(
-                executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
-            )
-            try:
-                yield dict(base=base, token=token, root=root, browser=browser)
-            finally:
-                browser.close()
+            yield dict(base=base, token=token, root=root, browser=browser)
 
 
 def _open(lab, name: str, width: int = 1400, height: int = 2400):

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_browser import CHROMIUM, ROOT, _require, _wait_kernel, serve_lab
+from .test_browser import ROOT, _wait_kernel, chromium, serve_lab
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -32,16 +32,13 @@ def _shot(locator, tmp_path: Path, name: str) -> None:
         shutil.copy(path, Path(os.environ["MPNB_SHOTS"]) / path.name)
 
 
-def _open(p, base, token, name):
-    browser = p.chromium.launch(
-        executable_path=CHROMIUM, headless=True, args=["--no-sandbox", "--disable-gpu"]
-    )
+def _open(browser, base, token, name):
     page = browser.new_page(viewport={"width": 1400, "height": 2000})
     errors: list[str] = []
     page.on("pageerror", lambda e: errors.append(f"pageerror: {e}"))
     page.goto(f"{base}/lab/tree/{name}?token={token}", timeout=120_000)
     _wait_kernel(page)
-    return browser, page, errors
+    return page, errors
 
 
 def _run_all(page, last_text: str, timeout_ms: int = 420_000) -> None:
@@ -128,19 +125,10 @@ def _check_profile(page, tmp_path: Path, when: str) -> None:
     ids=["scaler-explorer", "profile"],
 )
 def test_widget_charts_after_run_all_and_after_reload(tmp_path, notebook, last_text, check):
-    _require(Path(CHROMIUM).exists(), f"{CHROMIUM} is missing: run scripts/setup-browser.sh")
-    try:
-        from playwright.sync_api import sync_playwright
-    except ImportError:
-        _require(False, "playwright is not installed (pip install -e '.[dev]')")
-    with serve_lab(tmp_path, ROOT / "notebooks" / notebook) as (base, token):
-        with sync_playwright() as p:
-            browser, page, errors = _open(p, base, token, notebook)
-            try:
-                _run_all(page, last_text)
-                check(page, tmp_path, "run-all")
-                _reload(page)
-                check(page, tmp_path, "reload")
-            finally:
-                browser.close()
+    with serve_lab(tmp_path, ROOT / "notebooks" / notebook) as (base, token), chromium() as b:
+        page, errors = _open(b, base, token, notebook)
+        _run_all(page, last_text)
+        check(page, tmp_path, "run-all")
+        _reload(page)
+        check(page, tmp_path, "reload")
     assert not errors, "\n".join(errors)
