@@ -45,7 +45,7 @@ import torch
 from mpnb.core.dtype_names import torch_name
 from mpnb.core.fp8 import Float8Linear
 from mpnb.core.hardware import default_half_dtype
-from mpnb.core.number_formats import is_block_scale, is_scaled
+from mpnb.core.number_formats import format_named, is_block_scale, is_scaled
 from mpnb.core.precision_configs import PrecisionConfig, get_config
 from mpnb.lab._precision_trace import CAST_APIS, ApiMode, ModuleTracker, OpMode, autocast_policy
 from mpnb.lab._train import forward
@@ -99,7 +99,10 @@ class PrecisionSummary:
         by_reason: per reason: ``ops``, ``flops``, ``flops_share``.
         fp32_ops: under a low-precision configuration, the float32 compute ops grouped by
             ``phase, module, op, reason`` with ``calls``, ``flops``, ``bytes`` and a ``detail``.
-        fp8_emulated: FP8 ran on a device without FP8 hardware (CPU): FP8 numerics, not speed.
+        fp8_emulated: the scaled format's GEMMs were emulated (a device without FP8
+            hardware, the CPU; or a recipe emulated everywhere: MXFP8, the four-bit ones): its
+            numerics, not its speed.
+        scaled_format: how the trace names the scaled format ("FP8", "NVFP4"; "": none ran).
     """
 
     config: str
@@ -109,6 +112,7 @@ class PrecisionSummary:
     by_reason: pd.DataFrame
     fp32_ops: pd.DataFrame
     fp8_emulated: bool
+    scaled_format: str = ""
 
     def __str__(self) -> str:
         lines = [f"precision trace of {self.config} ({self.half_dtype}, {self.device})"]
@@ -119,7 +123,8 @@ class PrecisionSummary:
         if len(self.fp32_ops):
             lines.append(f"  float32 compute ops: {int(self.fp32_ops['calls'].sum())}")
         if self.fp8_emulated:
-            lines.append("  FP8 is emulated on this device: FP8 numerics, not FP8 speed")
+            fmt = self.scaled_format or "FP8"
+            lines.append(f"  {fmt} is emulated on this device: {fmt} numerics, not {fmt} speed")
         return "\n".join(lines)
 
 
@@ -136,18 +141,26 @@ def has_scaled_ops(ops: pd.DataFrame) -> bool:
     return bool(ops["dtype"].map(is_scaled).any())
 
 
-def _fp8_detail(f) -> str:
+def _fp8_detail(f, fmt: str) -> str:
+    """What op ``f`` of an mpnb.fp8 layer does, naming the layer's format ``fmt`` ("FP8")."""
     if f.op == "_scaled_mm":
-        return f"FP8 GEMM in torch._scaled_mm ({f.dtype})"
+        return f"{fmt} GEMM in torch._scaled_mm ({f.dtype})"
     if f.kind == "cast" and is_scaled(f.dtype):
         return f"quantize to {f.dtype}"
     if f.kind == "cast" and f.in_dtypes and is_block_scale(f.in_dtypes[0]):
         return "E8M0 block scales to float32"
     if f.kind == "cast" and is_scaled(f.in_dtypes[0]):
-        return "dequantize (emulated FP8 GEMM)"
-    if f.op in ("mm", "matmul", "addmm"):
-        return "emulated FP8 GEMM: dequantized operands multiplied in float32"
-    return "FP8 scaling: amax, scale, saturation, bias"
+        return f"dequantize (emulated {fmt} GEMM)"
+    if f.op in ("mm", "bmm", "matmul", "addmm"):  # bmm: the four-bit GEMM's blocks at once
+        return f"emulated {fmt} GEMM: dequantized operands multiplied in float32"
+    return f"{fmt} scaling: amax, scale, saturation, bias"
+
+
+def scaled_format_label(cfg: PrecisionConfig) -> str:
+    """How the trace names ``cfg``'s scaled format ("FP8", "NVFP4", "MXFP4"; "FP8" for a
+    configuration without one, whose layers are mpnb.fp8's)."""
+    name = getattr(cfg, "format_name", None)
+    return format_named(name).name.upper() if name else "FP8"
 
 
 _LISTS = ("lower-precision", "fp32", "promote")
@@ -177,6 +190,7 @@ class _Explainer:
     def __init__(self, facts, policies: dict, op_policies: dict, half: str, cfg) -> None:
         self.facts, self.policies, self.op_policies = facts, policies, op_policies
         self.half, self.cfg = half, cfg
+        self.fmt = scaled_format_label(cfg)
         self.autocast_casts: set[int] = set()
         self.consumer: dict[int, int] = {}  # an op -> the first compute op reading its output
         for i, f in enumerate(facts):
@@ -210,7 +224,7 @@ class _Explainer:
         f, cfg = self.facts[i], self.cfg
         call = f.call
         if f.fp8_module:
-            return "fp8-recipe", _fp8_detail(f)
+            return "fp8-recipe", _fp8_detail(f, self.fmt)
         if f.phase == "loss-scaling":
             return "loss-scaling", _scaling_detail(f)
         if call is not None and call.wrapper is not None:
@@ -313,7 +327,13 @@ def _share(df: pd.DataFrame, by: str, cols=("flops", "bytes")) -> pd.DataFrame:
 
 def _summary(ops: pd.DataFrame, cfg: PrecisionConfig, half: str, device: str) -> PrecisionSummary:
     work = ops[(ops["kind"] != "view") & (ops["dtype"] != "-")]
-    fp32 = work[(work["dtype"] == "float32") & (work["kind"] == "compute")]
+    # an mpnb.fp8 layer's own float32 math (amax, scales, an emulated GEMM) did not "stay"
+    # float32: it is the recipe (the emulation is said once, below)
+    fp32 = work[
+        (work["dtype"] == "float32")
+        & (work["kind"] == "compute")
+        & (work["reason"] != "fp8-recipe")
+    ]
     if not cfg.low_precision:
         fp32 = fp32.iloc[0:0]
     keys = ["phase", "module", "op", "reason"]
@@ -327,7 +347,7 @@ def _summary(ops: pd.DataFrame, cfg: PrecisionConfig, half: str, device: str) ->
         )
         .reset_index()
     )
-    has_fp8 = has_scaled_ops(ops)
+    has_fp8 = has_scaled_ops(ops) or bool((ops["reason"] == "fp8-recipe").any())
     return PrecisionSummary(
         config=cfg.name,
         half_dtype=half,
@@ -335,7 +355,8 @@ def _summary(ops: pd.DataFrame, cfg: PrecisionConfig, half: str, device: str) ->
         by_dtype=_share(work, "dtype"),
         by_reason=_share(ops, "reason", ("flops",)),
         fp32_ops=fp32,
-        fp8_emulated=bool(has_fp8 and device == "cpu"),
+        fp8_emulated=bool(has_fp8 and (device == "cpu" or getattr(cfg, "gemm_emulated", False))),
+        scaled_format=scaled_format_label(cfg) if has_fp8 else "",
     )
 
 

@@ -119,6 +119,19 @@ def test_mxfp8_gemms_are_emulated_float32_matmuls(x):
     assert summary.by_dtype.set_index("dtype").loc["float32", "flops"] == _gemm_flops()
 
 
+@pytest.mark.parametrize("config, fmt", [("nvfp4", "NVFP4"), ("mxfp4", "MXFP4")])
+def test_four_bit_layers_are_named_in_their_format_and_not_listed_as_float32(x, config, fmt):
+    ops, summary = trace_precision(_mlp(), x, config)
+    recipe = _rows(ops, reason="fp8-recipe")
+    gemm = recipe[recipe["op"].isin(["mm", "bmm", "addmm", "matmul"])]
+    assert len(gemm) and gemm["detail"].str.contains(f"emulated {fmt} GEMM").all()
+    assert not recipe["detail"].str.contains("FP8").any()
+    # the recipe's own float32 math is the recipe, not an op that "stayed" float32
+    assert "fp8-recipe" not in set(summary.fp32_ops["reason"])
+    assert summary.fp8_emulated and summary.scaled_format == fmt
+    assert f"{fmt} is emulated on this device" in str(summary)
+
+
 @amp.half_function
 def _scores(a, b):
     return a @ b
