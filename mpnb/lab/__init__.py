@@ -51,6 +51,7 @@ _LAZY = {
     "step_overhead": "troubleshoot",
     "report": "html_report",
     "trace_precision": "precision_trace",
+    "sweep_kept": "keep_sweep",
     "quant_stats": "quant_stats",
 }
 

@@ -1,5 +1,10 @@
 """``mpnb compare``: the flags become one ``compare`` call; the table is printed, the report
 written. ``mpnb/cli.py`` registers the subcommand through :func:`add_parser`.
+
+``--keep-last 0,1,2,all`` makes it the keep-list sweep (:func:`mpnb.lab.sweep_kept`): each
+configuration of ``--configs`` (default nvfp4) once per number of last blocks kept in fp32,
+beside O0, in the same one ``compare``; the sweep's table (share kept, loss, gap to O0) follows
+the rows.
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import sys
 from mpnb.lab._files import unwritable_reason
 from mpnb.lab._rows import split_warnings
 
-__all__ = ["add_parser", "run", "format_table"]
+__all__ = ["add_parser", "run", "format_table", "format_sweep"]
 
 _SHOW = (
     ("configuration", "config", "{}"),
@@ -51,6 +56,16 @@ def _csv(kind):
             ) from None
 
     return parse
+
+
+def _keep_counts(text: str) -> tuple:
+    """``--keep-last``: comma-separated numbers of last blocks, or ``all``."""
+    try:
+        return tuple(v if v == "all" else int(v) for v in map(str.strip, text.split(",")) if v)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated numbers of blocks or 'all' (e.g. 0,1,2,all), got {text!r}"
+        ) from None
 
 
 def _checked(parse, check):
@@ -96,7 +111,19 @@ def add_parser(sub) -> argparse.ArgumentParser:
         default=None,
         help=f"comma-separated precision configurations, default {','.join(DEFAULT_CONFIGS)} "
         f"(and tf32 on CUDA); any of {','.join(config_names())} (--opt-levels is the former "
-        "name; torch-amp, tf32 and torch-amp+compile are PyTorch's own ways, as peers)",
+        "name; torch-amp, tf32 and torch-amp+compile are PyTorch's own ways, as peers); the "
+        "FP8, MX and four-bit ones take a keep-list after ':' (nvfp4:keep-last=2)",
+    )
+    p.add_argument(
+        "--keep-last",
+        type=_keep_counts,
+        default=None,
+        metavar="N,N,...",
+        help="sweep the keep-list: run each of --configs (default nvfp4; FP8, MX or four-bit "
+        "ones) once per number of last transformer blocks kept in fp32 (e.g. 0,1,2,all), "
+        "beside O0, and print loss against the share of linear layers kept; a single "
+        "configuration takes a keep-list in its name instead (nvfp4:keep-last=2, "
+        "mxfp4:keep-first=1:keep-last=1, mxfp8:keep=head)",
     )
     p.add_argument(
         "--cuda-graphs",
@@ -173,17 +200,23 @@ def _cell(value, fmt: str) -> str:
     return fmt.format(value)
 
 
+def _fixed_width(df, show) -> list[str]:
+    """The rows of ``df`` in the ``(column, header, format)`` columns ``show``, right-aligned,
+    under a header and a rule."""
+    head = [h for _, h, _ in show]
+    rows = [[_cell(r[c], f) for c, _, f in show] for _, r in df.iterrows()]
+    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=False)]
+    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
+    return [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
+
+
 def format_table(df) -> str:
     """The rows of ``df`` as a fixed-width text table, then errors (and the configurations this
     device cannot run), then one note per warning."""
     show = [
         (c, h, f) for c, h, f in _SHOW if c in df and (c not in _WHEN_SET or df[c].notna().any())
     ]
-    head = [h for _, h, _ in show]
-    rows = [[_cell(r[c], f) for c, _, f in show] for _, r in df.iterrows()]
-    widths = [max(len(x) for x in col) for col in zip(head, *rows, strict=False)]
-    line = lambda cells: "  ".join(c.rjust(w) for c, w in zip(cells, widths, strict=True))
-    out = [line(head), line(["-" * w for w in widths])] + [line(r) for r in rows]
+    out = _fixed_width(df, show)
     for _, r in df.iterrows():
         if r["error"]:
             kind = "NOT RUN" if r.get("status") == "unsupported" else "ERROR"
@@ -193,18 +226,40 @@ def format_table(df) -> str:
     return "\n".join(out)
 
 
-def _json(df) -> str:
-    return json.dumps(
-        {
-            "hardware": df.attrs["hardware"],
-            "load": df.attrs["load"],
-            "method": df.attrs["method"],
-            "workload": df.attrs["workload"],
-            "verdict": df.attrs["verdict"],
-            "rows": json.loads(df.to_json(orient="records")),
-        },
-        indent=1,
+#: the keep-list sweep's table: (column, header, format)
+_SWEEP = (
+    ("config", "config", "{}"),
+    ("batch_size", "batch", "{}"),
+    ("kept_last", "last N fp32", "{}"),
+    ("kept_layers", "linear kept", "{}"),
+    ("kept_share", "share kept", "{:.0%}"),
+    ("final_loss", "loss", "{:.4f}"),
+    ("loss_gap_vs_O0", "gap vs O0", "{:+.4f}"),
+    ("loss_gap_rel", "gap %", "{:+.1%}"),
+)
+
+
+def format_sweep(sweep) -> str:
+    """The keep-list sweep (:func:`mpnb.lab.sweep_kept`) as a fixed-width text table."""
+    title = (
+        f"keep-list sweep ({sweep.attrs.get('blocks', '?')} blocks): the last N blocks' linear "
+        "layers kept in fp32"
     )
+    return "\n".join([title, *_fixed_width(sweep, _SWEEP)])
+
+
+def _json(df, sweep=None) -> str:
+    doc = {
+        "hardware": df.attrs["hardware"],
+        "load": df.attrs["load"],
+        "method": df.attrs["method"],
+        "workload": df.attrs["workload"],
+        "verdict": df.attrs["verdict"],
+        "rows": json.loads(df.to_json(orient="records")),
+    }
+    if sweep is not None:
+        doc["sweep"] = json.loads(sweep.to_json(orient="records"))
+    return json.dumps(doc, indent=1)
 
 
 def _with_graphs(args: argparse.Namespace, device: str):
@@ -257,12 +312,13 @@ def run(args: argparse.Namespace) -> int:
             file=msg,
             flush=True,
         )
+        keep_last = getattr(args, "keep_last", None)
+        if keep_last is not None and not configs:
+            configs = ("nvfp4",)
         note = emulation_note(w, dtype, args.device, configs)
         if note:
             print(note, file=msg, flush=True)
-        df = mpnb.lab.compare(
-            w,
-            configs=configs,
+        kwargs = dict(
             half_dtype=dtype,
             batch_sizes=args.batch_sizes,
             steps=args.steps,
@@ -274,6 +330,12 @@ def run(args: argparse.Namespace) -> int:
             threads=args.threads,
             compile_budget=args.compile_budget,
         )
+        sweep = None
+        if keep_last is not None:
+            sweep = mpnb.lab.sweep_kept(w, configs, keep_last, **kwargs)
+            df = sweep.attrs["compare"]
+        else:
+            df = mpnb.lab.compare(w, configs=configs, **kwargs)
     except (ValueError, TypeError) as e:
         print(f"mpnb compare: {e}", file=sys.stderr)
         return 2
@@ -281,7 +343,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"mpnb compare: {_stopped(e)} before any step ran.", file=sys.stderr)
         return 143 if "SIGTERM" in _stopped(e) else 130
     if args.json:
-        print(_json(df))
+        print(_json(df, sweep))
     else:
         hw = df.attrs["hardware"]
         print(
@@ -291,6 +353,8 @@ def run(args: argparse.Namespace) -> int:
             flush=True,
         )
         print(format_table(df))
+        if sweep is not None:
+            print("\n" + format_sweep(sweep))
         print("\n" + df.attrs["verdict"]["text"])
     code = 1 if df["status"].isin(("error", "unsupported")).all() else 0
     if args.out:
@@ -319,6 +383,7 @@ _NOT_WITH_RANKS = (
     ("isolate", "--isolate", False),
     ("cuda_graphs", "--cuda-graphs", False),
     ("compile_budget", "--compile-budget", None),
+    ("keep_last", "--keep-last", None),
 )
 
 
@@ -328,7 +393,9 @@ def _run_distributed(args: argparse.Namespace) -> int:
     import mpnb.lab
     from mpnb.lab.distributed._cli import check_out, show
 
-    given = [flag for dest, flag, default in _NOT_WITH_RANKS if getattr(args, dest) != default]
+    given = [
+        flag for dest, flag, default in _NOT_WITH_RANKS if getattr(args, dest, default) != default
+    ]
     if given:
         print(
             f"mpnb compare: {', '.join(given)} apply to the one-process comparison, not to "

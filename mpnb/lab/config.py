@@ -24,12 +24,12 @@ import torch
 
 from mpnb.core.amp import LossScaleRule
 from mpnb.core.dtype_names import HALF_DTYPES, half_dtype_name, parse_half_dtype
-from mpnb.core.opt_levels import check_names
 from mpnb.core.precision_configs import (
     DEFAULT_CONFIGS,
     DEFAULT_OPTIMIZER,
     OPTIMIZERS,
     PrecisionConfig,
+    check_config_names,
     config_names,
     default_configs,
     get_config,
@@ -171,7 +171,7 @@ def check_configs(configs) -> None:
         raise ValueError(
             f"configs=(): none given; choose from {', '.join(config_names())} (e.g. O0,O2)."
         )
-    check_names(names, config_names(), f"configs={given!r}: unknown configuration")
+    check_config_names(names, f"configs={given!r}: unknown configuration")
     twice = _twice(names)
     if twice:
         raise ValueError(

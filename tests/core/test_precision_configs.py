@@ -1,11 +1,14 @@
 """What each precision configuration answers when asked, and what its apply() does
 (mpnb.core.precision_configs: the one table)."""
 
+import warnings
+
 import pytest
 import torch
 
 from mpnb import amp, fp8
 from mpnb.core import precision
+from mpnb.core.fp8.keep import KeepList, KeptLayersWarning
 from mpnb.core.optimizers import FusedAdam, FusedSGD
 from mpnb.core.precision_configs import (
     PRECISION_CONFIGS,
@@ -224,3 +227,110 @@ def test_bf16_pure_applies_and_its_variants_name_the_missing_option():
         with pytest.raises(ValueError, match=f"{option}.*FusedAdam"):
             get_config(name).apply(model, opt)
         assert model[0].weight.dtype == torch.float32  # nothing changed
+
+
+# ---- keep-lists in configuration names (issue 49 point 4) ------------------------------------
+
+
+class _Blocks(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.blocks = torch.nn.ModuleList(torch.nn.Linear(8, 8) for _ in range(4))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        for b in self.blocks:
+            x = torch.relu(b(x))
+        return self.head(x)
+
+
+def test_the_nvfp4_configurations_keep_the_reports_layers_and_no_other_keeps_any():
+    from mpnb.core.precision_configs import KEEP_CONFIGS, NVFP4_KEEP
+
+    assert KEEP_CONFIGS == (*FP8, *FP4)
+    keeps = {n: get_config(n).keep for n in KEEP_CONFIGS}
+    assert keeps == {n: NVFP4_KEEP if n in NVFP4 else "" for n in KEEP_CONFIGS}
+    assert NVFP4_KEEP == "keep-last=15%:keep-head"
+    assert get_config("nvfp4").description.endswith(f"(linear layers left fp32): {NVFP4_KEEP}.")
+    model, _ = get_config("nvfp4").apply(_Blocks())  # ceil(0.15 * 4) = 1 block, and the head
+    assert set(fp8.float8_layers(model)) == {"blocks.0", "blocks.1", "blocks.2"}
+
+
+@pytest.mark.parametrize(
+    "name, canonical, kept",
+    [
+        ("nvfp4:keep-last=2", "nvfp4:keep-last=2", {"blocks.2", "blocks.3"}),
+        ("nvfp4:keep-none", "nvfp4:keep-none", set()),
+        ("nvfp4:keep-last=0", "nvfp4:keep-none", set()),
+        (
+            "mxfp4:keep-last=1:keep-first=1",
+            "mxfp4:keep-first=1:keep-last=1",
+            {"blocks.0", "blocks.3"},
+        ),
+        ("mxfp8:keep=head", "mxfp8:keep=head", {"head"}),
+        ("fp8-delayed:keep=blocks.*+head", "fp8-delayed:keep=blocks.*+head", None),
+        ("nvfp4-no-rht:keep-head", "nvfp4-no-rht:keep-head", {"head"}),
+    ],
+)
+def test_a_name_carries_a_keep_list(name, canonical, kept):
+    cfg = get_config(name)
+    assert cfg.name == canonical and cfg.keep == canonical.partition(":")[2]
+    assert get_config(cfg.name) == cfg and cfg.label("fp8") == canonical
+    base = PRECISION_CONFIGS[name.partition(":")[0]]
+    assert cfg.recipe_options == base.recipe_options and cfg.format_name == base.format_name
+    assert cfg.description.count("Keep-list") == 1 and cfg.description.endswith(f"{cfg.keep}.")
+    assert f'keep="{cfg.keep}"' in cfg.snippet(cfg.halves(())[0])
+    if kept is None:  # keeps every linear layer: the swap warns that nothing runs in FP8
+        with pytest.warns(fp8.NoFloat8LayerWarning, match="keep-list kept all 5"):
+            cfg.apply(_Blocks())
+        return
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model, _ = cfg.apply(_Blocks())
+    notes = [str(w.message) for w in caught if issubclass(w.category, KeptLayersWarning)]
+    names = {f"blocks.{i}" for i in range(4)} | {"head"}
+    assert set(fp8.float8_layers(model)) == names - kept
+    assert all(type(model.get_submodule(n)) is torch.nn.Linear for n in kept)
+    if kept:
+        assert notes == [f"{canonical}: " + KeepList.parse(cfg.keep).describe(model)]
+        assert notes[0].startswith(f"{canonical}: kept in fp32: ")
+    else:
+        assert notes == []
+
+
+def test_a_plain_configuration_says_nothing_of_keeping():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", KeptLayersWarning)
+        model, _ = get_config("mxfp4").apply(_Blocks())
+    assert len(fp8.float8_layers(model)) == 5
+    assert "keep" not in get_config("mxfp4").snippet("mxfp4")
+
+
+@pytest.mark.parametrize(
+    "name, match",
+    [
+        ("O2:keep-last=1", "O2 takes no keep-list .*keep-lists go with fp8-tensorwise, "),
+        ("bf16-pure:keep=head", "bf16-pure takes no keep-list"),
+        ("nvfp4:keep-lats=1", "'keep-lats=1' is not an option"),
+        ("nvfp4:keep-first=1,keep-last=1", "join the options with ':', not ','"),
+        ("nvfp5:keep-last=1", "unknown precision config 'nvfp5'; valid choices"),
+    ],
+)
+def test_a_bad_keep_list_in_a_name_is_refused(name, match):
+    with pytest.raises(ValueError, match=match):
+        get_config(name)
+
+
+def test_config_names_are_checked_with_their_keep_lists():
+    from mpnb.core.precision_configs import check_config_names
+
+    check_config_names(["O0", "nvfp4:keep-last=2", "mxfp8"])
+    with pytest.raises(
+        ValueError, match="'keep-last=1': keep options join their configuration with ':'"
+    ):
+        check_config_names(["O0", "nvfp4:keep-first=1", "keep-last=1"], "configs: unknown")
+    with pytest.raises(ValueError, match="unknown 'O9'"):
+        check_config_names(["O9"], "unknown")
+    with pytest.raises(ValueError, match="keep-none keeps nothing"):
+        check_config_names(["nvfp4:keep-none:keep-head"])

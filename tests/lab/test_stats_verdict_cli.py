@@ -2,6 +2,7 @@
 
 import json
 import math
+import re
 import subprocess
 import sys
 
@@ -204,3 +205,81 @@ def test_cli_json_writes_only_json_to_stdout(tmp_path):
     assert [r["configuration"] for r in doc["rows"]] == ["O0 fp32 b64", "O3 bf16 b64"]
     assert doc["verdict"]["text"].startswith("Verdict") and "competed" in doc["load"]
     assert f"report: {out}" in p.stderr and out.exists()
+
+
+class _Blocks(torch.nn.Module):
+    """Three blocks of one linear layer and a head: the CLI's keep-list sweep, fast."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)))
+        self.head = torch.nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(torch.relu(self.blocks(x)))
+
+
+def _cli(monkeypatch, capsys, *argv):
+    """``mpnb compare ARGV`` in this process, the built-in transformer replaced by a tiny
+    model with blocks (the sweep's path is the CLI's own; only the model is smaller)."""
+    from mpnb.cli import main
+
+    x = torch.randn(64, 8, generator=torch.Generator().manual_seed(0))
+    tiny = workloads.custom(_Blocks, (x, (x[:, 0] > 0).long()), batch_size=16, steps=2)
+    monkeypatch.setattr(workloads, "get", lambda *a, **k: tiny)
+    argv = ["compare", "--workload", "transformer", "--threads", "1", "--no-progress", *argv]
+    code = main([*argv, "--out", ""])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_cli_keep_last_sweeps_the_keep_list(monkeypatch, capsys):
+    code, out, err = _cli(monkeypatch, capsys, "--configs", "O0,mxfp8", "--keep-last", "0,1,all")
+    assert code == 0, err
+    assert "keep-list sweep (3 blocks): the last N blocks' linear layers kept in fp32" in out
+    table = out.split("keep-list sweep")[1].splitlines()
+    head = "config batch last N fp32 linear kept share kept loss gap vs O0 gap %"
+    assert table[1].split() == head.split()
+    rows = [line.split() for line in table[3:6]]
+    assert [r[:5] for r in rows] == [
+        ["mxfp8", "16", "0", "0", "0%"],
+        ["mxfp8", "16", "1", "1", "25%"],
+        ["mxfp8", "16", "3", "3", "75%"],
+    ]
+    assert (
+        "mxfp8:keep-last=1 b16" in out and "note: mxfp8:keep-last=1: kept in fp32: blocks.2" in out
+    )
+    code, out, err = _cli(monkeypatch, capsys, "--keep-last", "0,1", "--json")
+    doc = json.loads(out)
+    assert code == 0 and [r["configuration"] for r in doc["sweep"]] == [
+        "nvfp4:keep-none b16",
+        "nvfp4:keep-last=1 b16",
+    ]  # the default: nvfp4
+    assert [r["opt_level"] for r in doc["rows"]][0] == "O0"
+
+
+@pytest.mark.parametrize(
+    "argv, match",
+    [
+        (("--keep-last", "0,4"), "has 3 blocks .*keep at most 3"),
+        (("--configs", "O2", "--keep-last", "0"), "O2 to sweep"),
+        (
+            ("--configs", "nvfp4:keep-first=1,keep-last=1"),
+            "keep options join their configuration with ':'",
+        ),
+        (("--configs", "O0,O2:keep-last=1"), "O2 takes no keep-list"),
+    ],
+)
+def test_cli_refuses_a_bad_keep_list_before_training(argv, match, monkeypatch, capsys):
+    code, _, err = _cli(monkeypatch, capsys, *argv)
+    assert code == 2 and re.search(match, err), err
+
+
+def test_cli_keep_last_parses_counts_and_all(capsys):
+    from mpnb.cli import main
+
+    with pytest.raises(SystemExit):
+        main(["compare", "--keep-last", "1,x"])
+    assert "numbers of blocks or 'all' (e.g. 0,1,2,all), got '1,x'" in capsys.readouterr().err
+    assert main(["compare", "--ranks", "2", "--keep-last", "1", "--out", ""]) == 2
+    assert "--keep-last apply to the one-process comparison" in capsys.readouterr().err

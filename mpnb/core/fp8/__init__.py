@@ -57,6 +57,7 @@ from mpnb.core.fp8.hadamard import (
     random_signs,
     te_rht_matrix,
 )
+from mpnb.core.fp8.keep import KeepList, KeptLayersWarning
 from mpnb.core.fp8.linear import Float8FallbackWarning, Float8Linear
 from mpnb.core.fp8.mxfp4 import mxfp4_scale, quantize_mxfp4
 from mpnb.core.fp8.nvfp4 import (
@@ -155,4 +156,6 @@ __all__ = [
     "TE_RHT_SIGNS",
     "QuantStats",
     "collect_quant_stats",
+    "KeepList",
+    "KeptLayersWarning",
 ]

@@ -3,11 +3,13 @@
 Only modules whose type is exactly ``nn.Linear`` are swapped (a subclass may override
 ``forward``; ``nn.MultiheadAttention``'s ``out_proj`` is never called as a module), and
 :class:`Float8Linear` layers of another recipe (a model converted twice takes the second
-recipe). The new layers share the old ones' Parameter objects, so an optimizer built before
-the swap keeps working and the ``state_dict`` keys stay those of the original model (plus the
-delayed recipe's two buffers per layer). Hooks registered on the old modules are not carried
-over. A converted model checks every layer's FP8 state in a checkpoint before it loads any
-of it (:meth:`Float8Linear.check_fp8_state`).
+recipe). A keep-list (``keep=``, :class:`~mpnb.core.fp8.keep.KeepList`) names layers that
+stay plain ``nn.Linear`` in the model's precision. The new layers share the old ones'
+Parameter objects, so an optimizer built before the swap keeps working and the ``state_dict``
+keys stay those of the original model (plus the delayed recipe's two buffers per layer).
+Hooks registered on the old modules are not carried over. A converted model checks every
+layer's FP8 state in a checkpoint before it loads any of it
+(:meth:`Float8Linear.check_fp8_state`).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from collections.abc import Callable
 
 from torch import nn
 
+from mpnb.core.fp8.keep import KeepList
 from mpnb.core.fp8.linear import Float8Linear
 from mpnb.core.fp8.recipes import Float8Recipe
 from mpnb.core.fp8.recipes import recipe as make_recipe
@@ -34,14 +37,17 @@ class NoFloat8LayerWarning(UserWarning):
     as before (the lab's FP8 row of such a model says so in its ``warnings``)."""
 
 
-def _why_none(model: nn.Module, filtered: bool) -> str:
+def _why_none(model: nn.Module, filtered: bool, kept: int) -> str:
     """Why no layer of ``model`` is FP8 after the swap, and the fix (one warning's text)."""
     linear = sum(type(m) is nn.Linear for m in model.modules())
     subs = sorted(
         {type(m).__name__ for m in model.modules() if isinstance(m, nn.Linear)}
         - {"Linear", "Float8Linear"}
     )
-    if linear and filtered:
+    if linear and kept == linear:
+        why = f"the keep-list kept all {linear} of its nn.Linear layers"
+        fix = "Keep fewer layers (keep=None converts them all)"
+    elif linear and filtered:
         why = f"module_filter_fn refused all {linear} of its nn.Linear layers"
         fix = "Check module_filter_fn: it gets (module, fqn) and returns True to convert"
     elif subs:
@@ -87,11 +93,14 @@ def convert_to_float8_training(
     model: nn.Module,
     recipe: Float8Recipe | str = "tensorwise",
     module_filter_fn: Callable[[nn.Module, str], bool] | None = None,
+    *,
+    keep: KeepList | str | None = None,
 ) -> nn.Module:
     """Swap the ``nn.Linear`` layers of ``model`` for FP8 ones (in place).
 
     A :class:`Float8Linear` of another recipe is converted too (its FP8 state starts fresh;
     the weight and bias stay the same Parameters); one of the same recipe is kept as it is.
+    A layer the keep-list keeps stays (or becomes again) a plain ``nn.Linear``.
 
     Args:
         model: any module (if it is itself an ``nn.Linear``, a new module is returned).
@@ -99,6 +108,12 @@ def convert_to_float8_training(
             object (``mpnb.fp8.DelayedScaling(amax_history_len=16)``...).
         module_filter_fn: ``(module, fqn) -> bool``; only layers it accepts are swapped
             (for example, keep the classifier head in high precision).
+        keep: a :class:`~mpnb.core.fp8.keep.KeepList` or anything :meth:`KeepList.of
+            <mpnb.core.fp8.keep.KeepList.of>` takes (``"keep-last=2:keep=head"``, a list of
+            module names or patterns): the layers that stay in the model's precision (the
+            first / last N blocks, names, the head). Checked before anything changes: a
+            name that matches no linear layer or more blocks than the model has raise
+            ``ValueError``.
 
     Returns:
         ``model`` (the same object) with its linear layers swapped. When that leaves no FP8
@@ -110,10 +125,14 @@ def convert_to_float8_training(
         >>> model = convert_to_float8_training(model, "delayed",
         ...                                    module_filter_fn=lambda m, fqn: fqn != "head")
         >>> opt = torch.optim.AdamW(model.parameters())   # or one built before: same params
+        >>> convert_to_float8_training(model, "nvfp4", keep="keep-last=2")  # last 2 blocks fp32
     """
     rec = make_recipe(recipe)
+    kept = set(KeepList.of(keep).kept(model))
 
     def make(mod, fqn):
+        if fqn in kept:  # stays, or becomes again, the plain layer
+            return mod.to_linear() if type(mod) is Float8Linear else None
         if type(mod) is Float8Linear and mod.recipe == rec:
             return None
         if type(mod) not in (nn.Linear, Float8Linear):
@@ -128,7 +147,9 @@ def convert_to_float8_training(
         out.register_load_state_dict_pre_hook(_check_before_load)
         if not float8_layers(out):
             warnings.warn(
-                _why_none(out, module_filter_fn is not None), NoFloat8LayerWarning, stacklevel=2
+                _why_none(out, module_filter_fn is not None, len(kept)),
+                NoFloat8LayerWarning,
+                stacklevel=2,
             )
     return out
 

@@ -17,6 +17,14 @@ name                  what it is
 ``bf16-pure+kahan``   bf16-pure, the optimizer keeps a Kahan compensation buffer
 ====================  ========================================================================
 
+The FP8, MX and four-bit configurations take a keep-list after their name, options joined by
+``:`` (:class:`mpnb.core.fp8.keep.KeepList`): ``"nvfp4:keep-last=2"`` (the last two blocks'
+linear layers stay float32), ``"mxfp4:keep-first=1:keep-last=1"``, ``"mxfp8:keep=head"``,
+``"fp8-delayed:keep=blocks.*.mlp.*+head"``, ``"nvfp4:keep-last=15%:keep-head"``,
+``"nvfp4:keep-none"``; a keep-list given so replaces the configuration's own. The NVFP4
+configurations keep ``keep-last=15%:keep-head`` by default (:data:`NVFP4_KEEP`); the others
+keep nothing.
+
 Each is a :class:`PrecisionConfig` (:class:`AmpConfig`, :class:`Float8Config`,
 :class:`PureHalfConfig`; the peers, what a user would pick instead of mpnb, are
 :class:`TorchAmpConfig`, :class:`TF32Config`, :class:`TorchAmpCompileConfig`, with ``peer``
@@ -56,7 +64,7 @@ from mpnb.core.opt_levels import OPT_LEVEL_DESCRIPTIONS, check_names
 from mpnb.core.precision_configs._amp import AmpConfig
 from mpnb.core.precision_configs._base import PrecisionConfig, StoredRole
 from mpnb.core.precision_configs._distributed import STRATEGIES, DistributedConfig
-from mpnb.core.precision_configs._float8 import FP8_SCALES, Float8Config
+from mpnb.core.precision_configs._float8 import FP8_SCALES, Float8Config, keep_sentence
 from mpnb.core.precision_configs._graphed import GraphedAmpConfig
 from mpnb.core.precision_configs._optimizers import DEFAULT_OPTIMIZER, OPTIMIZERS, make_optimizer
 from mpnb.core.precision_configs._peer_steps import tf32_enabled
@@ -99,6 +107,9 @@ __all__ = [
     "STORED_ROLES",
     "config_names",
     "get_config",
+    "check_config_names",
+    "KEEP_CONFIGS",
+    "NVFP4_KEEP",
     "make_optimizer",
 ]
 
@@ -135,8 +146,22 @@ def _fp8(name: str, description: str, recipe: str, extra: str = "", **kw) -> Flo
 
 _FP4 = "E2M1 GEMMs in nn.Linear (emulated, two scale levels), float32 elsewhere"
 
+#: The keep-list of the NVFP4 configurations: the fewest last blocks that make at least 15% of
+#: the blocks (``ceil(0.15 * blocks)``), and the output head, stay float32 (the run's high
+#: precision: the "BF16 layers" of a bf16 run). Source: NVIDIA's NVFP4 pretraining report
+#: (arXiv 2509.25149), as read in a summary of its recommendations (not in the report's own
+#: text): keep a few sensitive linear layers in higher precision, about 15% of the network and
+#: mostly at its end, since training diverged with every linear layer in FP4 and the last
+#: layers showed the largest weight-gradient quantization errors; the output projection head
+#: and the embeddings are never quantized. Rounding up (a 2-block model keeps its last block)
+#: is mpnb's reading for shallow models. The head is kept because the report's recipe never
+#: runs it in FP4 while mpnb's swap would (it is an nn.Linear): keeping it is what makes a run
+#: the report's recipe. A model without a block list keeps nothing by this rule (no blocks,
+#: no head after them).
+NVFP4_KEEP = "keep-last=15%:keep-head"
 
-def _fp4(name: str, description: str, recipe: str, **options) -> Float8Config:
+
+def _fp4(name: str, description: str, recipe: str, keep: str = "", **options) -> Float8Config:
     return Float8Config(
         name,
         description,
@@ -150,41 +175,35 @@ def _fp4(name: str, description: str, recipe: str, **options) -> Float8Config:
         gemm_emulated=True,
         format_name=recipe,
         recipe_options=tuple(options.items()),
+        keep=keep,
     )
+
+
+def _nvfp4(name: str, description: str, **options) -> Float8Config:
+    return _fp4(name, description + keep_sentence(NVFP4_KEEP), "nvfp4", NVFP4_KEEP, **options)
 
 
 #: the four-bit recipes (TransformerEngine's NVFP4 and its switches, torchao's NVFP4, MXFP4)
 _FP4_CONFIGS = (
-    _fp4(
+    _nvfp4(
         "nvfp4",
         "NVFP4 linear layers as TransformerEngine: E2M1 in blocks of 16, E4M3 "
         "block scales, a float32 tensor scale; 16x16 weight blocks, RHT on Wgrad, stochastic "
         "rounding of gradients; emulated GEMM.",
-        "nvfp4",
     ),
-    _fp4(
-        "nvfp4-no-rht",
-        "NVFP4 without the random Hadamard transform (TE disable_rht).",
-        "nvfp4",
-        rht=False,
+    _nvfp4(
+        "nvfp4-no-rht", "NVFP4 without the random Hadamard transform (TE disable_rht).", rht=False
     ),
-    _fp4(
+    _nvfp4(
         "nvfp4-no-sr",
         "NVFP4 with gradients rounded to nearest (TE disable_stochastic_rounding).",
-        "nvfp4",
         stochastic_rounding=False,
     ),
-    _fp4(
-        "nvfp4-1d",
-        "NVFP4 with 1x16 weight blocks (TE disable_2d_quantization).",
-        "nvfp4",
-        two_d=False,
-    ),
-    _fp4(
+    _nvfp4("nvfp4-1d", "NVFP4 with 1x16 weight blocks (TE disable_2d_quantization).", two_d=False),
+    _nvfp4(
         "nvfp4-torchao",
         "torchao's NVFP4: block scales clamped at E4M3's smallest normal, "
         "nearest rounding, no RHT; emulated GEMM.",
-        "nvfp4",
         torchao=True,
         rht=False,
         stochastic_rounding=False,
@@ -338,21 +357,69 @@ def config_names() -> tuple[str, ...]:
     return tuple(PRECISION_CONFIGS)
 
 
-def get_config(name: str | PrecisionConfig) -> PrecisionConfig:
-    """The configuration called ``name`` (a :class:`PrecisionConfig` is returned as is).
+#: the configurations that take a keep-list after their name (``"nvfp4:keep-last=2"``)
+KEEP_CONFIGS = tuple(n for n, c in PRECISION_CONFIGS.items() if isinstance(c, Float8Config))
+
+
+def _check_bases(values: list, what: str) -> None:
+    """Refuse the values whose name (before any ``:``) is no configuration, in one ValueError;
+    a keep option split off its configuration by a comma is told how to join it."""
+    bases = [v.partition(":")[0] if isinstance(v, str) else v for v in values]
+    try:
+        check_names(bases, config_names(), what)
+    except ValueError as e:
+        stray = [v for v in values if isinstance(v, str) and v.startswith(("keep", "blocks="))]
+        if not stray:
+            raise
+        raise ValueError(
+            f"{e} {', '.join(map(repr, stray))}: keep options join their configuration with "
+            "':' (nvfp4:keep-first=1:keep-last=1), not ','."
+        ) from None
+
+
+def check_config_names(values, what: str = "unknown precision config") -> None:
+    """Refuse every value that names no configuration, in one ValueError (``what`` starts
+    it), then check each keep-list a name carries (``"nvfp4:keep-last=2"``).
 
     Raises:
-        ValueError: naming the valid choices (and "the letter O, not zero" for ``"02"``).
+        ValueError: naming the valid choices ("the letter O, not zero" for ``"02"``; for a
+            keep option split off its configuration by a comma, how to join it).
+    """
+    values = list(values)
+    _check_bases(values, what)
+    for v in values:
+        if ":" in v:
+            get_config(v)
+
+
+def get_config(name: str | PrecisionConfig) -> PrecisionConfig:
+    """The configuration called ``name`` (a :class:`PrecisionConfig` is returned as is);
+    a name of :data:`KEEP_CONFIGS` may carry a keep-list after ``:``
+    (:meth:`Float8Config.with_keep`).
+
+    Raises:
+        ValueError: naming the valid choices (and "the letter O, not zero" for ``"02"``); a
+            keep-list on a configuration that takes none, or a bad one, naming the fix.
 
     Example::
 
         >>> get_config("O2").weights
         ('half', 'float32')
+        >>> get_config("nvfp4:keep-last=2").name
+        'nvfp4:keep-last=2'
     """
     if isinstance(name, PrecisionConfig):
         return name
-    check_names([name], config_names(), "unknown precision config")
-    return PRECISION_CONFIGS[name]
+    _check_bases([name], "unknown precision config")
+    base, sep, spec = name.partition(":")
+    if not sep:
+        return PRECISION_CONFIGS[base]
+    if base not in KEEP_CONFIGS:
+        raise ValueError(
+            f"precision config {name!r}: {base} takes no keep-list (it keeps every layer in "
+            f"its own precision); keep-lists go with {', '.join(KEEP_CONFIGS)}."
+        )
+    return PRECISION_CONFIGS[base].with_keep(spec)
 
 
 # ---- distributed policies (mpnb.lab.compare(..., ranks=N)) ---------------------------------

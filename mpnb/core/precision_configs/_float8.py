@@ -1,14 +1,21 @@
 """FP8 training recipes as precision configurations: ``nn.Linear`` layers swapped for
-:class:`mpnb.fp8.Float8Linear`, everything else float32."""
+:class:`mpnb.fp8.Float8Linear` (but those its keep-list keeps), everything else float32."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mpnb.core.precision_configs._base import PrecisionConfig, StoredRole
 
-__all__ = ["Float8Config", "FP8_SCALES"]
+__all__ = ["Float8Config", "FP8_SCALES", "keep_sentence"]
+
+
+def keep_sentence(spec: str) -> str:
+    """The sentence a configuration's description ends with when it keeps layers (``""``
+    for none)."""
+    return f" Keep-list (linear layers left fp32): {spec}." if spec else ""
 
 
 def _fp8_buffers(model, optimizer) -> list:
@@ -31,7 +38,8 @@ FP8_SCALES = StoredRole(
 
 @dataclass(frozen=True)
 class Float8Config(PrecisionConfig):
-    """FP8 ``nn.Linear`` layers (module swap, shared parameters), everything else float32.
+    """FP8 ``nn.Linear`` layers (module swap, shared parameters), everything else float32;
+    the layers its keep-list names stay ``nn.Linear`` in float32.
 
     Attributes:
         recipe: the :func:`mpnb.fp8.recipe` name.
@@ -42,6 +50,10 @@ class Float8Config(PrecisionConfig):
             dtypes; ``"nvfp4"`` and ``"mxfp4"`` for the four-bit recipes).
         recipe_options: the recipe's options, as ``(name, value)`` pairs (``nvfp4-no-rht``:
             ``(("rht", False),)``).
+        keep: the canonical spec of the layers kept in float32
+            (:class:`mpnb.core.fp8.keep.KeepList`, e.g. ``"keep-last=2"``; ``""``: none). A
+            configuration name may carry one after ``:`` (``"nvfp4:keep-last=2"``, see
+            :meth:`with_keep`); kept layers compute exactly as in ``O0``.
     """
 
     def make_recipe(self):
@@ -54,6 +66,33 @@ class Float8Config(PrecisionConfig):
     gemm_emulated: bool = False
     format_name: str = "fp8"
     recipe_options: tuple[tuple[str, object], ...] = ()
+    keep: str = ""
+
+    def keep_list(self):
+        """The :class:`~mpnb.core.fp8.keep.KeepList` of :attr:`keep` (empty when ``""``)."""
+        from mpnb.core.fp8.keep import KeepList  # the fp8 package is imported on first use
+
+        return KeepList.parse(self.keep) if self.keep else KeepList()
+
+    def with_keep(self, spec: str) -> Float8Config:
+        """This configuration with the keep-list ``spec`` in place of its own, named
+        ``"<name>:<canonical spec>"`` (``get_config("nvfp4:keep-last=2")`` builds it).
+
+        Raises:
+            ValueError: a bad spec (:meth:`KeepList.parse <mpnb.core.fp8.keep.KeepList.parse>`
+                names the valid options).
+        """
+        from mpnb.core.fp8.keep import KeepList
+
+        canonical = KeepList.parse(spec).spec()
+        base = self.name.partition(":")[0]
+        plain = self.description.removesuffix(keep_sentence(self.keep))
+        return replace(
+            self,
+            name=f"{base}:{canonical}",
+            description=plain + keep_sentence(canonical),
+            keep=canonical,
+        )
 
     @property
     def uses_amp(self) -> bool:
@@ -61,10 +100,17 @@ class Float8Config(PrecisionConfig):
         return False
 
     def apply(self, model, optimizer=None, half_dtype=None):
-        """:func:`mpnb.fp8.convert_to_float8_training` with this recipe (optimizer untouched)."""
+        """:func:`mpnb.fp8.convert_to_float8_training` with this recipe and keep-list
+        (optimizer untouched). When the keep-list kept layers, a
+        :class:`~mpnb.core.fp8.keep.KeptLayersWarning` says which (the lab's row shows it)."""
         from mpnb.core.fp8 import convert_to_float8_training
+        from mpnb.core.fp8.keep import KeptLayersWarning
 
-        return convert_to_float8_training(model, self.make_recipe()), optimizer
+        keep = self.keep_list()
+        model = convert_to_float8_training(model, self.make_recipe(), keep=keep)
+        if keep and keep.kept(model):
+            warnings.warn(f"{self.name}: {keep.describe(model)}", KeptLayersWarning, stacklevel=2)
+        return model, optimizer
 
     def halves(self, asked: Sequence[str]) -> tuple[str, ...]:
         """Once, in its format (``"fp8"``), whatever half dtype was asked for."""
@@ -90,13 +136,15 @@ class Float8Config(PrecisionConfig):
         from mpnb.core.precision_configs._snippets import loop
 
         imp, make = self._optimizer_code(optimizer, lr)
+        keep = f', keep="{self.keep}"' if self.keep else ""
         if self.recipe_options:
             opts = ", ".join(f"{k}={v!r}" for k, v in self.recipe_options)
-            convert = f'model = convert_to_float8_training(model, recipe("{self.recipe}", {opts}))'
+            rec = f'recipe("{self.recipe}", {opts})'
             imports = ["from mpnb.fp8 import convert_to_float8_training, recipe", imp]
         else:
-            convert = f'model = convert_to_float8_training(model, "{self.recipe}")'
+            rec = f'"{self.recipe}"'
             imports = ["from mpnb.fp8 import convert_to_float8_training", imp]
+        convert = f"model = convert_to_float8_training(model, {rec}{keep})"
         return loop([convert, make], imports, device=device)
 
     def gemm_dtype(self, half: str) -> str:
