@@ -50,7 +50,9 @@ where a call holding a meta tensor lands (the Meta key) and would otherwise writ
 Each kernel therefore guards its own memory: the C++ kernels with cheap ``TORCH_CHECK``s
 of sizes, dtypes, layouts and devices (short messages, no second copy of the text); PyTorch's
 ops on the PyTorch path with their own checks; the reference and the Triton launchers (which
-read raw addresses) run the whole check, ``per_tensor=True``, before they start. A direct
+read raw addresses) run the whole check, ``per_tensor=True``, before they start, except a list
+launcher that guards its lists itself (``guards_lists``: the per-tensor checks in one pass,
+:func:`~mpnb.core.ops.triton._checks.guard_lists`), whose refusal the whole check names. A direct
 ``torch.ops.mpnb.<name>`` call skips the wrapper: nothing is read or written out of bounds,
 but the O(1) checks of values that no kernel needs for its memory (a causal softmax on
 non-square scores, ``min_scale > max_scale``...) are the wrapper's alone, and the fakes and
@@ -320,9 +322,13 @@ class OpInfo:
 
     def triton_kernel(self) -> Callable:
         """The Triton launcher as the dispatcher calls it (imports triton and the kernel
-        module; the launcher reads raw addresses, so the whole check runs first)."""
+        module; the launcher reads raw addresses, so the whole check runs first, unless the
+        launcher guards its lists itself, ``guards_lists``: one pass over every tensor,
+        :func:`~mpnb.core.ops.triton._checks.guard_lists`, whose refusal the whole check names)."""
         module = importlib.import_module(f"{_triton.__name__}.{self.triton}")
-        return self._checked(getattr(module, self.name), per_tensor=True, spread=False)
+        launcher = getattr(module, self.name)
+        per_tensor = not getattr(launcher, "guards_lists", False)
+        return self._checked(launcher, per_tensor=per_tensor, spread=False)
 
     def _refused(self, args: Any, error: BaseException) -> Any:
         """The wrapper's answer to a refused call: retry with dense tensors in memory order

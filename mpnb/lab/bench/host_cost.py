@@ -2,22 +2,32 @@
 
 What a list op costs the host decides whether a GPU step is launch-bound: the GPU waits while
 the host checks the arguments, builds the chunk table and launches. This suite times that host
-work alone, on any machine: mpnb's launchers run under
-:func:`~mpnb.core.ops.triton._common.counting_launches` (everything but the kernel launch: the
-op's checks, the chunk table, the argument lists), once with the chunk table cached on the
-device (a training loop's steady state) and once built afresh on every call (what every call
-paid before the cache). PyTorch's side is the matching ``torch._foreach_mul_`` /
-``torch._fused_adamw_`` on meta tensors of the same shapes: its dispatch and per-tensor work
-with no kernel run either. Two lists: a small GPT's 76 parameters (~20M elements) and 1,000
-tensors of 1,000 elements.
+work alone, on any machine, with the kernel launch stubbed out
+(:func:`~mpnb.core.ops.triton._common.counting_launches`). PyTorch's side is the matching
+``torch._foreach_mul_`` / ``torch._fused_adamw_`` on meta tensors: its dispatch and per-tensor
+work with no kernel run. mpnb's side runs on the very same meta lists (so both read the same
+tensor objects; a GPU tensor's host object, like a meta tensor's, sits apart from its data):
 
-The ratio is torch's host time over mpnb's: at least 1.0 means mpnb's launcher costs the host
-no more than torch's call. On CPU torch's foreach is a loop over its tensors (a GPU build takes
-a faster path), so the GPU check reruns this suite with ``--device cuda``.
+* the launcher as the CUDA key calls it (its checks, the chunk table, the argument lists), with
+  the table cached on the device (a training loop's steady state) and built afresh on every
+  call (what every call paid before the cache);
+* the whole call as a CUDA step makes it: the public op (its wrapper and O(1) checks), the
+  dispatcher (which hands the lists to the Python launcher) and the launcher, with the launcher
+  registered for the Meta key while the suite runs (:func:`_launchers_on_meta`).
+
+Two lists: a small GPT's 76 parameters (~20M elements) and 1,000 tensors of 1,000 elements.
+
+The ratio is torch's host time over mpnb's: at least 1.0 means mpnb costs the host no more than
+torch's call. Both sides run on meta tensors on any machine (``--device`` is not read): the
+host work of a call does not depend on where the data is. Torch's meta ``_foreach_mul_`` is a
+loop over its tensors (on CUDA tensors the same call takes a fused path), ``_fused_adamw_`` one
+call for the lists.
 """
 
 from __future__ import annotations
 
+import contextlib
+import warnings
 from collections.abc import Iterator
 
 import torch
@@ -48,87 +58,112 @@ def _triton():
     return launcher, _common.counting_launches, _chunks.clear_cache
 
 
-def _lists(numels: list[int], device: str, k: int) -> list[list[torch.Tensor]]:
-    return [[torch.empty(n, device=device) for n in numels] for _ in range(k)]
+#: the ops whose whole call the suite times (their launchers serve the Meta key meanwhile)
+_OPS = ("multi_tensor_scale", "fused_adam_")
 
 
-def _ours(name: str, call, cached: bool) -> Candidate:
+def _lists(numels: list[int], k: int) -> list[list[torch.Tensor]]:
+    return [[torch.empty(n, device="meta") for n in numels] for _ in range(k)]
+
+
+@contextlib.contextmanager
+def _launchers_on_meta() -> Iterator[None]:
+    """Inside the block, calls of :data:`_OPS` on meta tensors reach their Triton launchers
+    (through the dispatcher, as a CUDA call does) instead of their fakes; leaving it (also by
+    an exception) restores the fakes."""
+    from mpnb.core.ops._library import ensure_kernels, op_info
+
+    ensure_kernels()  # the C++ library: the lists' one-pass checks, the Autograd kernels
+    lib = torch.library.Library("mpnb", "IMPL")
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="(?s).*Overriding a previously registered")
+            for name in _OPS:
+                lib.impl(name, op_info(name).triton_kernel(), "Meta")
+        yield
+    finally:
+        lib._destroy()
+
+
+def _ours(name: str, launcher_call, op_call) -> list[Candidate]:
+    """The launcher with its table cached and built per call, and the whole call (cached)."""
     _, counting, clear = _triton()
 
-    def run():
-        if not cached:
-            clear()
+    def cached():
         with counting():
-            call()
+            launcher_call()
 
-    label = f"mpnb {name}, table {'cached' if cached else 'built per call'}"
-    return Candidate(label, run, 0, READ, TARGET if cached else None)
+    def fresh():
+        clear()
+        with counting():
+            launcher_call()
+
+    def whole():
+        with counting():
+            op_call()
+
+    return [
+        Candidate(f"mpnb {name} launcher, table cached", cached, 0, READ, TARGET),
+        Candidate(f"mpnb {name} launcher, table built per call", fresh, 0, READ),
+        Candidate(f"mpnb {name} op (wrapper, dispatcher, launcher)", whole, 0, READ, TARGET),
+    ]
 
 
-def _scale(work: str, numels: list[int], device: str) -> Case:
-    launcher = _triton()[0]
-    src, dst = _lists(numels, device, 2)
-    meta = [torch.empty(n, device="meta") for n in numels]
-    flag = torch.zeros(1, dtype=torch.int32, device=device)
+def _scale(work: str, numels: list[int]) -> Case:
+    from mpnb.core.ops import multi_tensor_scale
 
-    def call():
-        launcher("multi_tensor_scale")(noop_flag=flag, src=src, dst=dst, scale=0.5)
+    launcher = _triton()[0]("multi_tensor_scale")
+    src, dst = _lists(numels, 2)
+    flag = torch.zeros(1, dtype=torch.int32, device="meta")
 
     return Case(
         "scale host cost",
         work,
         [
-            Candidate(
-                "torch._foreach_mul_ (meta)", lambda: torch._foreach_mul_(meta, 0.5), 0, READ
+            Candidate("torch._foreach_mul_ (meta)", lambda: torch._foreach_mul_(src, 0.5), 0, READ),
+            *_ours(
+                "multi_tensor_scale",
+                lambda: launcher(noop_flag=flag, src=src, dst=dst, scale=0.5),
+                lambda: multi_tensor_scale(flag, src, dst, 0.5),
             ),
-            _ours("multi_tensor_scale", call, cached=True),
-            _ours("multi_tensor_scale", call, cached=False),
         ],
     )
 
 
-def _adam(work: str, numels: list[int], device: str) -> Case:
-    launcher = _triton()[0]
-    p, g, m, v = _lists(numels, device, 4)
-    steps = [torch.zeros((), device=device) for _ in numels]
-    mp, mg, mm, mv = ([torch.empty(n, device="meta") for n in numels] for _ in range(4))
-    msteps = [torch.empty((), device="meta") for _ in numels]
+def _adam(work: str, numels: list[int]) -> Case:
+    from mpnb.core.ops import fused_adam_
+
+    launcher = _triton()[0]("fused_adam_")
+    p, g, m, v = _lists(numels, 4)
+    steps = [torch.empty((), device="meta") for _ in numels]
+    kw = dict(lr=1e-3, adam_w_mode=True, bias_correction=True, **_ADAM)
 
     def torch_adamw():
-        torch._fused_adamw_(
-            mp, mg, mm, mv, [], msteps, lr=1e-3, amsgrad=False, maximize=False, **_ADAM
-        )
-
-    def call():
-        launcher("fused_adam_")(
-            params=p,
-            grads=g,
-            exp_avgs=m,
-            exp_avg_sqs=v,
-            masters=[],
-            steps=steps,
-            lr=1e-3,
-            adam_w_mode=True,
-            bias_correction=True,
-            **_ADAM,
-        )
+        torch._fused_adamw_(p, g, m, v, [], steps, lr=1e-3, amsgrad=False, maximize=False, **_ADAM)
 
     return Case(
         "adamw host cost",
         work,
         [
             Candidate("torch._fused_adamw_ (meta)", torch_adamw, 0, READ),
-            _ours("fused_adam_", call, cached=True),
-            _ours("fused_adam_", call, cached=False),
+            *_ours(
+                "fused_adam_",
+                lambda: launcher(
+                    params=p, grads=g, exp_avgs=m, exp_avg_sqs=v, masters=[], steps=steps, **kw
+                ),
+                lambda: fused_adam_(p, g, m, v, [], steps, **kw),
+            ),
         ],
     )
 
 
 def cases(opts: Options) -> Iterator[Case]:
     """Per list, the scale and AdamW launchers' host cost beside torch's (one list alive at
-    a time; ``--scale`` shrinks the element counts, not the tensor counts)."""
+    a time; ``--scale`` shrinks the element counts, not the tensor counts; the tensors are
+    meta tensors whatever ``--device`` says)."""
     _triton()
-    for work, make in WORKLOADS.items():
-        numels = [max(1, round(k * opts.scale)) for k in make()]
-        yield _scale(work, numels, opts.device)
-        yield _adam(work, numels, opts.device)
+    with _launchers_on_meta():
+        for work, make in WORKLOADS.items():
+            numels = [max(1, round(k * opts.scale)) for k in make()]
+            yield _scale(work, numels)
+            yield _adam(work, numels)

@@ -87,3 +87,73 @@ def _meta_args(op, meta_list: str) -> dict:
         else:
             out[p.name] = {"float": 1.0, "int": 1, "bool": False, "str": ""}.get(hint, 1)
     return out
+
+
+# ---- the Triton launchers' one pass over their lists (mpnb::_list_facts) ----------------------
+
+
+@pytest.fixture
+def facts():
+    """:mod:`mpnb.core.ops.triton._checks` with the C++ pass loaded (skipped where it cannot
+    be built)."""
+    from mpnb.core.ops.triton import _checks
+
+    if not _library.ensure_kernels() or _checks._native() is None:
+        pytest.skip("the C++ library is not built here")
+    return _checks
+
+
+def _cases() -> list[list[torch.Tensor]]:
+    base = [torch.ones(3), torch.ones(4, 4)]
+    return [
+        base,
+        [torch.ones(3), torch.ones(16)],  # paired with base
+        [torch.ones(3), torch.ones(15)],  # a size differs
+        [torch.ones(3).half(), torch.ones(16)],  # two dtypes
+        [torch.ones(3), torch.ones(4, 4).t()],  # not contiguous
+        [torch.zeros(()), torch.zeros(1)],  # single values
+        [torch.ones(3), torch.ones(16, device="meta")],  # two devices
+        [torch.ones(3)],  # another length
+    ]
+
+
+def test_the_one_pass_reads_what_python_reads(facts):
+    lists = _cases()
+    flags = facts.list_facts(lists)[: len(lists)]
+    assert flags == facts._python_flags(lists)
+    want = facts.DATA | facts.ONE_DEVICE | facts.BELOW_2E32
+    assert flags[0] & want == want and flags[1] & want == want
+    assert not flags[2] & facts.PAIRED and not flags[3] & facts.ONE_DTYPE
+    assert not flags[4] & facts.CONTIGUOUS and flags[5] & facts.SINGLES
+    assert not flags[6] & facts.ONE_DEVICE and not flags[7] & facts.PAIRED
+
+
+def test_equal_ids_mean_equal_lists(facts):
+    a = [torch.ones(3), torch.ones(5)]
+
+    def ident(lst):
+        return facts.list_facts([lst])[8]
+
+    first = ident(a)
+    assert ident(list(a)) == first  # another list object, the same tensors
+    assert ident(a[:1]) != first  # shorter
+    a[1].resize_(6)
+    assert ident(a) != first  # resized (same tensor object)
+    b = [a[0], torch.ones(6)]
+    assert ident(b) not in (first, ident(a))  # another address
+
+
+def test_the_guard_holds_the_ops_per_tensor_checks(facts, monkeypatch):
+    # Native or Python, the guard refuses exactly where the op's check names a tensor.
+    op = _library.op_info("multi_tensor_scale")
+    flag = torch.zeros(1)
+    good = op.Args(flag, [torch.ones(3), torch.ones(2)], [torch.ones(3), torch.ones(2)], 1.0)
+    bad = op.Args(flag, [torch.ones(3), torch.ones(2)], [torch.ones(3), torch.ones(5)], 1.0)
+    for native in (True, False):
+        if not native:
+            monkeypatch.setattr(facts, "list_facts", lambda lists: None)
+        assert (facts.guard_lists(good, data=("src", "dst")) is not None) == native
+        with pytest.raises(RuntimeError, match="refused list 'dst'.*partner"):
+            facts.guard_lists(bad, data=("src", "dst"))
+        with pytest.raises(ValueError, match="tensor 1 of 'dst' has 5 elements"):
+            op.validate(bad)  # what the op's check says instead

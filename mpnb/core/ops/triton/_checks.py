@@ -1,17 +1,72 @@
-"""The one guard the Triton launchers keep for themselves.
+"""The guards the Triton launchers keep for themselves: the raw-address rule of a launch, and
+the per-tensor checks of a list op in one pass.
 
-Every argument check of an op lives once, in its ``check`` (:mod:`mpnb.core.ops._library`),
-which runs in full before a launcher starts. What no op check can know is the raw-address
-rule of a launch: a one-element flag or scale read by the kernel must live on the data's
-device (a CPU tensor's address read on a GPU is out of bounds, where the references and
-PyTorch's ops would copy it over).
+Every argument check of an op lives once, in its ``check`` (:mod:`mpnb.core.ops._library`).
+What no op check can know is the raw-address rule of a launch: a one-element flag or scale read
+by the kernel must live on the data's device (a CPU tensor's address read on a GPU is out of
+bounds, where the references and PyTorch's ops would copy it over): :func:`check_same_device`.
+
+A list launcher reads every tensor of its lists through the chunk table, so each tensor must
+have its partner's size, its list's dtype, a contiguous layout and the lists' device, and the
+table is keyed by every tensor's size and address. Read in Python, that is one attribute per
+tensor per fact (a few hundred nanoseconds each, thousands of tensors per optimizer step);
+:func:`guard_lists` reads each tensor once, in C++ (``mpnb::_list_facts``,
+``csrc/cpu/list_facts.cpp``), and returns the ids the table is keyed by. It holds the same
+conditions as the op's per-tensor checks; when one fails it raises a short ``RuntimeError``
+and the op's whole check runs, whose named error replaces it (:mod:`mpnb.core.ops._library`,
+as for a C++ kernel's refusal). A launcher that calls it says so (``guards_lists = True``): its
+op then runs the per-tensor checks only on a refusal. Without the C++ library (no compiler,
+``MPNB_DISABLE_EXT=1``), under a dispatch mode or with tensor subclasses, the same facts are read
+in Python.
 """
 
 from __future__ import annotations
 
+import operator
+from collections.abc import Sequence
+
 import torch
 
-__all__ = ["check_same_device"]
+from mpnb.core.ops._build import cpu_extension
+
+__all__ = [
+    "BELOW_2E32",
+    "CONTIGUOUS",
+    "DATA",
+    "ONE_DEVICE",
+    "ONE_DTYPE",
+    "PAIRED",
+    "SINGLES",
+    "ListIds",
+    "check_same_device",
+    "guard_lists",
+    "list_facts",
+]
+
+# Flag bits per list of ``mpnb::_list_facts`` (the same constants in csrc/cpu/list_facts.cpp).
+ONE_DTYPE = 1  #: every tensor has the list's first dtype
+CONTIGUOUS = 2  #: every tensor is contiguous
+PAIRED = 4  #: as many tensors as the first list, each with its partner's number of elements
+SINGLES = 8  #: every tensor holds one element
+ONE_DEVICE = 16  #: every tensor on the device of the call's first tensor
+BELOW_2E32 = 32  #: every tensor holds fewer than 2^32 elements
+#: what a list read element by element needs (its dtype, its layout, its partner's size)
+DATA = ONE_DTYPE | CONTIGUOUS | PAIRED
+
+_MAX_LISTS = 8  # the C++ pass takes eight lists
+_EMPTY: tuple = ()
+_NATIVE: list = [None]  # mpnb::_list_facts once the C++ library is loaded
+_PLAIN = (torch.Tensor, torch.nn.Parameter)  # other types may be tracers or dispatch subclasses
+_WHAT = (
+    (ONE_DEVICE, "its tensors are on several devices"),
+    (ONE_DTYPE, "its tensors have several dtypes"),
+    (CONTIGUOUS, "a tensor is not contiguous"),
+    (PAIRED, "a tensor's size differs from its partner's"),
+    (SINGLES, "a tensor holds more than one element"),
+    (BELOW_2E32, "a tensor holds 2^32 elements or more"),
+)
+_DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
+_FIELDS: dict[type, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # _fields, per op
 
 
 def check_same_device(op: str, ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
@@ -22,3 +77,154 @@ def check_same_device(op: str, ref: torch.Tensor, **tensors: torch.Tensor | None
                 f"{op}: {name} is on {t.device} but the data is on {ref.device}; move it to "
                 f"{ref.device}."
             )
+
+
+def _native():
+    op = _NATIVE[0]
+    if op is None:
+        status = cpu_extension().status()
+        if status is None or not status.loaded:
+            return None
+        try:
+            op = _NATIVE[0] = torch.ops.mpnb._list_facts.default
+        except (AttributeError, RuntimeError):  # a library built before the pass existed
+            return None
+    return op
+
+
+def list_facts(lists: Sequence[Sequence[torch.Tensor]]) -> list[int] | None:
+    """``[flags of list 0..7, id of list 0..7]`` for up to eight ``lists`` (missing ones count
+    as empty), read in one C++ pass; None where that pass cannot run (no C++ library, more
+    lists, a tensor subclass, a dispatch or function mode).
+
+    The flags are the bits above; ``PAIRED`` and ``ONE_DEVICE`` compare with ``lists[0]`` and
+    with the first tensor of the first non-empty list. Equal ids mean equal lists: the same
+    length and, tensor by tensor, the same number of elements at the same address.
+    """
+    op = _native()
+    if (
+        op is None
+        or len(lists) > _MAX_LISTS
+        or torch._C._len_torch_dispatch_stack()
+        or torch._C._is_torch_function_mode_enabled()
+    ):
+        return None
+    for lst in lists:
+        if lst and type(lst[0]) not in _PLAIN:
+            return None
+    try:
+        return op(*lists, *(_EMPTY,) * (_MAX_LISTS - len(lists)))
+    except (RuntimeError, TypeError, NotImplementedError):  # a subclass inside a list
+        return None
+
+
+def _python_flags(lists: Sequence[Sequence[torch.Tensor]]) -> list[int]:
+    """The flags of :func:`list_facts`, read in Python (its ids are not needed here)."""
+    ref = list(map(torch.Tensor.numel, lists[0])) if lists else []
+    device = next((lst[0].device for lst in lists if lst), None)
+    out = []
+    for lst in lists:
+        numels = list(map(torch.Tensor.numel, lst))
+        flags = PAIRED if numels == ref else 0
+        flags |= ONE_DTYPE if len(set(map(_DTYPE, lst))) <= 1 else 0
+        flags |= CONTIGUOUS if all(map(torch.Tensor.is_contiguous, lst)) else 0
+        flags |= SINGLES if numels.count(1) == len(numels) else 0
+        flags |= ONE_DEVICE if set(map(_DEVICE, lst)) <= {device} else 0
+        flags |= BELOW_2E32 if max(numels, default=0) < 1 << 32 else 0
+        out.append(flags)
+    return out
+
+
+class ListIds:
+    """The ids of one call's tensor lists (:func:`list_facts`), found by the list object."""
+
+    __slots__ = ("lists", "ids")
+
+    def __init__(self, lists: Sequence[Sequence[torch.Tensor]], ids: Sequence[int]) -> None:
+        self.lists, self.ids = lists, ids
+
+    def of(self, lists: Sequence[Sequence[torch.Tensor]]) -> tuple[int, ...] | None:
+        """The ids of ``lists`` (each one of the call's own list objects), or None."""
+        out = []
+        for lst in lists:
+            for mine, i in zip(self.lists, self.ids, strict=False):
+                if mine is lst:
+                    out.append(i)
+                    break
+            else:
+                return None
+        return tuple(out)
+
+
+def guard_lists(
+    args,
+    data: Sequence[str],
+    singles: Sequence[str] = (),
+    below_2e32: Sequence[str] = (),
+    dtypes: dict[str, torch.dtype] | None = None,
+) -> ListIds | None:
+    """The per-tensor checks of a list op, in one pass over its tensor lists; returns their
+    ids for the chunk table (None when the pass ran in Python: the table then keys by sizes and
+    addresses itself).
+
+    Every tensor of every list argument of ``args`` lives on one device (and no meta tensor is
+    among the single tensors beside real ones). Each non-empty list named in ``data`` holds, like
+    the first list argument, one tensor per partner with its partner's size, one dtype and
+    contiguous tensors; each in ``singles`` one-element tensors of one dtype; each in
+    ``below_2e32`` tensors below 2^32 elements; ``dtypes`` gives the dtype a non-empty list must
+    have. Raises ``RuntimeError`` naming the first failing list (the op's check then names the
+    tensor, :mod:`mpnb.core.ops._library`).
+
+    Example::
+
+        >>> ids = guard_lists(args, data=("src", "dst"))
+        >>> ChunkTable.build([args.src, args.dst], ids=ids)
+    """
+    list_fields, single_fields = _fields(args)
+    names, lists = [], []
+    for i in list_fields:
+        if args[i]:
+            names.append(args._fields[i])
+            lists.append(args[i])
+    if not lists:
+        return None
+    facts = list_facts(lists)
+    flags = facts if facts is not None else _python_flags(lists)
+    for j, name in enumerate(names):
+        need = ONE_DEVICE
+        need |= DATA if name in data else 0
+        need |= SINGLES | ONE_DTYPE if name in singles else 0
+        need |= BELOW_2E32 if name in below_2e32 else 0
+        if flags[j] & need != need:
+            what = next(w for bit, w in _WHAT if need & bit and not flags[j] & bit)
+            _refuse(args, name, what)
+        want = dtypes.get(name) if dtypes else None
+        if want is not None and lists[j][0].dtype != want:
+            _refuse(args, name, f"its tensors are {lists[j][0].dtype}, not {want}")
+    singles_dev = {args[i].device.type for i in single_fields if args[i] is not None}
+    kinds = singles_dev | {lists[0][0].device.type}
+    if "meta" in kinds and len(kinds) > 1:
+        _refuse(args, names[0], "a meta tensor is among the tensors")
+    if facts is None:
+        return None
+    return ListIds(lists, facts[_MAX_LISTS : _MAX_LISTS + len(lists)])
+
+
+def _fields(args) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The positions of ``args``' tensor lists and single tensors, read off its op's schema
+    once per op."""
+    found = _FIELDS.get(type(args))
+    if found is None:
+        schema = getattr(torch.ops.mpnb, args.op_name).default._schema
+        kinds = [str(a.type) for a in schema.arguments]
+        lists = tuple(i for i, k in enumerate(kinds) if k == "List[Tensor]")
+        singles = tuple(i for i, k in enumerate(kinds) if k in ("Tensor", "Optional[Tensor]"))
+        found = _FIELDS[type(args)] = (lists, singles)
+    return found
+
+
+def _refuse(args, name: str, what: str) -> None:
+    raise RuntimeError(
+        f"{args.op_name}: the Triton launch refused list '{name}': {what}; the op's check "
+        "names the tensor (call the op through its wrapper, mpnb.core.ops)."
+    )

@@ -13,8 +13,11 @@ A table is built once per list and kept on the device: its contents are a functi
 lists' element counts, addresses and ``cols`` alone, so those are its key (:meth:`ChunkTable.
 build`), and a training loop whose tensors stay where they are (the params, the optimizer's
 state, grads that the caching allocator hands back at the same addresses) pays for its tables
-on the first step only. A call that hits the cache allocates nothing on the host and copies
-nothing: its host work is the key, one ``data_ptr()`` per tensor. The cache keeps the
+on the first step only. A call that hits the cache allocates no tensor and copies nothing.
+Its host work is the key: a launcher passes the ids of its lists, read with its per-tensor
+checks in one C++ pass (:func:`~mpnb.core.ops.triton._checks.guard_lists`: equal ids, equal
+sizes and addresses, so a tensor moved, resized or replaced gives a new key); without them the
+key is every tensor's ``numel()`` and ``data_ptr()``, read in Python. The cache keeps the
 :data:`CACHE_SIZE` tables used last.
 
 On CUDA a new table goes up from pinned memory without blocking (a plain copy from pageable
@@ -37,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from mpnb.core.ops.triton._checks import ListIds
 from mpnb.core.ops.triton._common import launch
 
 __all__ = [
@@ -112,10 +116,14 @@ class ChunkTable:
         lists: Sequence[Sequence[torch.Tensor]],
         cols: Sequence[Sequence[int]] = (),
         chunk: int = CHUNK,
+        ids: ListIds | None = None,
     ) -> ChunkTable:
         """The table of ``lists`` (sized by ``lists[0]``, not empty) with per-tensor integer
         ``cols``: the cached one when these lists were seen with the same element counts,
         addresses and ``cols`` (its contents would be the same), else a new one, cached.
+
+        ``ids``: what :func:`~mpnb.core.ops.triton._checks.guard_lists` returned for the call
+        whose lists these are (the key is then their ids, not every tensor's size and address).
 
         Example::
 
@@ -124,13 +132,17 @@ class ChunkTable:
         """
         first = lists[0]
         device = first[0].device
-        key = (
-            device,
-            chunk,
-            tuple(map(tuple, cols)),
-            tuple(map(torch.Tensor.numel, first)),
-            *(tuple(map(torch.Tensor.data_ptr, lst)) for lst in lists),
-        )
+        known = ids.of(lists) if ids is not None else None
+        if known is not None:  # one id per list: its length, sizes and addresses
+            key = (device, chunk, tuple(map(tuple, cols)), None, *known)
+        else:
+            key = (
+                device,
+                chunk,
+                tuple(map(tuple, cols)),
+                tuple(map(torch.Tensor.numel, first)),
+                *(tuple(map(torch.Tensor.data_ptr, lst)) for lst in lists),
+            )
         tab = _TABLES.get(key)
         if tab is None:
             tab = _TABLES[key] = cls._make(lists, cols, chunk)

@@ -15,13 +15,14 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import check_same_device
+from mpnb.core.ops.triton._checks import ListIds, check_same_device, guard_lists
 from mpnb.core.ops.triton._chunks import ChunkTable
 from mpnb.core.ops.triton._common import flag_view, from_acc, launch, to_acc
 
 __all__ = [
     "OPT_DTYPES",
     "check_flags",
+    "guard_step",
     "advance_steps",
     "pow64",
     "bias_corrections",
@@ -45,6 +46,33 @@ def check_flags(args) -> None:
         flags = dict(inv_scale=args.inv_scale, found_inf=args.found_inf)
         flags["lr_tensor"] = getattr(args, "lr_tensor", None)
         check_same_device(args.op_name, args.params[0], **flags)
+
+
+def guard_step(
+    args, *states: str, masters: str | None = "masters", rounding: bool = False
+) -> ListIds | None:
+    """The per-tensor checks of an optimizer step (:func:`mpnb.core.ops._optim.check_step`'s,
+    and the momentum's and rounding's where the op has them) in one pass, through
+    :func:`~mpnb.core.ops.triton._checks.guard_lists`: ``params``, ``grads``, the ``states``,
+    the masters, the momentum buffers (with momentum) and the compensations paired tensor by
+    tensor; ``steps`` one fp32 value each; bf16 compensations and params below 2^32 elements
+    with a ``rounding``. Returns the lists' ids for the chunk table."""
+    data = ["params", "grads", *states]
+    if masters:
+        data.append(masters)
+    if getattr(args, "momentum", 0) != 0:
+        data.append("momentum_buffers")
+    dtypes = {"steps": torch.float32}
+    if rounding:
+        data.append("compensations")
+        dtypes["compensations"] = torch.bfloat16
+    return guard_lists(
+        args,
+        data,
+        singles=("steps",),
+        below_2e32=("params",) if rounding else (),
+        dtypes=dtypes,
+    )
 
 
 @triton.jit

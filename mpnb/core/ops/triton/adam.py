@@ -24,6 +24,7 @@ from mpnb.core.ops.triton._optim import (
     advance_steps,
     bias_corrections,
     check_flags,
+    guard_step,
     learning_rate,
     load_grad,
     load_scale,
@@ -129,22 +130,23 @@ def _adam_kernel(
 def fused_adam_(args) -> None:
     """One Adam/AdamW step over lists, in place: the semantics of
     :func:`mpnb.core.ops.adam.reference_fused_adam_`, whose arguments ``args`` holds by name
-    (checked before the launch, :mod:`mpnb.core.ops._library`).
+    (its per-tensor checks: :func:`~mpnb.core.ops.triton._optim.guard_step`).
 
     Example::
 
         >>> launcher("fused_adam_")(params, grads, exp_avgs, exp_avg_sqs, masters, steps,
         ...                         1e-3, 0.9, 0.999, 1e-8, 0.01, True, True)
     """
-    params, grads, masters = list(args.params), list(args.grads), list(args.masters)
-    exp_avgs, exp_avg_sqs, steps = list(args.exp_avgs), list(args.exp_avg_sqs), list(args.steps)
+    params, grads, masters = args.params, args.grads, args.masters
+    exp_avgs, exp_avg_sqs, steps = args.exp_avgs, args.exp_avg_sqs, args.steps
     lr, beta1, beta2, weight_decay = args.lr, args.beta1, args.beta2, args.weight_decay
     inv_scale, found_inf, lr_tensor = args.inv_scale, args.found_inf, args.lr_tensor
-    check_flags(args)
     if not params:
         return
+    ids = guard_step(args, "exp_avgs", "exp_avg_sqs")
+    check_flags(args)
     w_list = masters if masters else params
-    tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, w_list, steps])
+    tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, w_list, steps], ids=ids)
     wt = 1.0 - beta1
     if tab.n_chunks:
         launch(
@@ -273,25 +275,28 @@ def _adam_bf16_kernel(
 def fused_adam_bf16_(args) -> None:
     """One pure-bf16 Adam/AdamW step: the semantics of
     :func:`mpnb.core.ops.adam.reference_fused_adam_bf16_`, whose arguments ``args`` holds by
-    name; the bias corrections are computed on the device from the step counts.
+    name (its per-tensor checks: :func:`~mpnb.core.ops.triton._optim.guard_step`); the bias
+    corrections are computed on the device from the step counts.
 
     Example::
 
         >>> launcher("fused_adam_bf16_")(params, grads, m, v, [], steps, 1e-3, 0.9, 0.999,
         ...                              1e-8, 0.01, True, True, "stochastic", 1, 1)
     """
-    params, grads, comps = list(args.params), list(args.grads), list(args.compensations)
-    exp_avgs, exp_avg_sqs, steps = list(args.exp_avgs), list(args.exp_avg_sqs), list(args.steps)
+    params, grads, comps = args.params, args.grads, args.compensations
+    exp_avgs, exp_avg_sqs, steps = args.exp_avgs, args.exp_avg_sqs, args.steps
     lr, beta1, beta2, weight_decay = args.lr, args.beta1, args.beta2, args.weight_decay
     inv_scale, found_inf, lr_tensor = args.inv_scale, args.found_inf, args.lr_tensor
-    check_flags(args)
     if not params:
         return
+    ids = guard_step(args, "exp_avgs", "exp_avg_sqs", masters=None, rounding=True)
+    check_flags(args)
     kahan = args.rounding == "kahan"
     c_list = comps if kahan else params
     tab = ChunkTable.build(
         [params, grads, exp_avgs, exp_avg_sqs, c_list, steps],
         cols=[keys_of(len(params), args.seed, args.rng_step, kahan)],
+        ids=ids,
     )
     if tab.n_chunks:
         launch(
@@ -332,3 +337,6 @@ def fused_adam_bf16_(args) -> None:
             num_warps=WARPS,
         )
     advance_steps(tab, 8, steps, found_inf)
+
+
+fused_adam_.guards_lists = fused_adam_bf16_.guards_lists = True

@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import check_same_device
+from mpnb.core.ops.triton._checks import check_same_device, guard_lists
 from mpnb.core.ops.triton._chunks import (
     BLOCK,
     WARPS,
@@ -89,22 +89,23 @@ def _finish_kernel(
 def multi_tensor_l2norm(args) -> tuple[torch.Tensor, torch.Tensor]:
     """``(total, per_tensor_norms)`` of ``tensors`` (times ``inv_scale``), flagging a
     non-finite norm: the semantics of :func:`mpnb.core.ops.l2norm.reference_multi_tensor_l2norm`,
-    whose arguments ``args`` holds by name (checked before the launch).
+    whose arguments ``args`` holds by name (the per-tensor checks: :func:`guard_lists`).
 
     Example::
 
         >>> flag = torch.zeros(1, dtype=torch.int32, device="cuda")
         >>> total, per = launcher("multi_tensor_l2norm")(flag, [torch.ones(4, device="cuda")], True)
     """
-    tensors, noop_flag, inv_scale = list(args.tensors), args.noop_flag, args.inv_scale
+    tensors, noop_flag, inv_scale = args.tensors, args.noop_flag, args.inv_scale
     if not tensors:
         dev = noop_flag.device
         return torch.zeros(1, device=dev), torch.empty(0, device=dev)
     dev = tensors[0].device
+    ids = guard_lists(args, data=("tensors",))
     check_same_device(args.op_name, tensors[0], noop_flag=noop_flag, inv_scale=inv_scale)
     dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
     acc = acc_of(dtype)
-    tab = ChunkTable.build([tensors])
+    tab = ChunkTable.build([tensors], ids=ids)
     partials = torch.empty(tab.n_chunks, dtype=torch.float64, device=dev)
     if tab.n_chunks:
         launch(
@@ -138,3 +139,6 @@ def multi_tensor_l2norm(args) -> tuple[torch.Tensor, torch.Tensor]:
         TAIL=_TAIL,
     )
     return total, per
+
+
+multi_tensor_l2norm.guards_lists = True

@@ -28,6 +28,7 @@ from mpnb.core.ops.triton._common import f32, flag_view, join64, launch, split64
 from mpnb.core.ops.triton._optim import (
     advance_steps,
     bias_corrections,
+    guard_step,
     load_grad,
     load_scale,
     load_weight,
@@ -196,24 +197,25 @@ def _lamb_phase2(
 def fused_lamb_(args) -> None:
     """One LAMB step over lists, in place: the semantics of
     :func:`mpnb.core.ops.lamb.reference_fused_lamb_`, whose arguments ``args`` holds by name
-    (checked before the launch).
+    (its per-tensor checks: :func:`~mpnb.core.ops.triton._optim.guard_step`).
 
     Example::
 
         >>> launcher("fused_lamb_")(params, grads, exp_avgs, exp_avg_sqs, masters, steps,
         ...                         grad_norm, 1e-3, 0.9, 0.999, 1e-6, 0.01)
     """
-    params, grads, masters = list(args.params), list(args.grads), list(args.masters)
-    exp_avgs, exp_avg_sqs, steps = list(args.exp_avgs), list(args.exp_avg_sqs), list(args.steps)
+    params, grads, masters = args.params, args.grads, args.masters
+    exp_avgs, exp_avg_sqs, steps = args.exp_avgs, args.exp_avg_sqs, args.steps
     global_grad_norm, lr, beta1, beta2 = args.global_grad_norm, args.lr, args.beta1, args.beta2
     eps, weight_decay, max_grad_norm = args.eps, args.weight_decay, args.max_grad_norm
     inv_scale, found_inf = args.inv_scale, args.found_inf
     if not params:
         return
+    ids = guard_step(args, "exp_avgs", "exp_avg_sqs")
     flags = dict(global_grad_norm=global_grad_norm, inv_scale=inv_scale, found_inf=found_inf)
     check_same_device(args.op_name, params[0], **flags)
     w_list = masters if masters else params
-    tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, w_list, steps])
+    tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, w_list, steps], ids=ids)
     found = tab.table if found_inf is None else flag_view(found_inf)
     decoupled = weight_decay != 0 and bool(args.adam_w_mode)
     bias = (*split64(beta1), *split64(beta2))
@@ -340,8 +342,8 @@ def _lamb_bf16_phase2(
 def fused_lamb_bf16_(args) -> None:
     """One pure-bf16 LAMB step: the semantics of
     :func:`mpnb.core.ops.lamb.reference_fused_lamb_bf16_`, whose arguments ``args`` holds by
-    name (checked before the launch); the rounding is bitwise the reference's, the trust
-    ratio's norms are tree sums.
+    name (its per-tensor checks: :func:`~mpnb.core.ops.triton._optim.guard_step`); the
+    rounding is bitwise the reference's, the trust ratio's norms are tree sums.
 
     Example::
 
@@ -349,13 +351,14 @@ def fused_lamb_bf16_(args) -> None:
         ...                              0.999, 1e-6, 0.01, True, True, True, 1.0, False,
         ...                              "stochastic", 1, 1)
     """
-    params, grads, comps = list(args.params), list(args.grads), list(args.compensations)
-    exp_avgs, exp_avg_sqs, steps = list(args.exp_avgs), list(args.exp_avg_sqs), list(args.steps)
+    params, grads, comps = args.params, args.grads, args.compensations
+    exp_avgs, exp_avg_sqs, steps = args.exp_avgs, args.exp_avg_sqs, args.steps
     global_grad_norm, lr, beta1, beta2 = args.global_grad_norm, args.lr, args.beta1, args.beta2
     eps, weight_decay, max_grad_norm = args.eps, args.weight_decay, args.max_grad_norm
     inv_scale, found_inf = args.inv_scale, args.found_inf
     if not params:
         return
+    ids = guard_step(args, "exp_avgs", "exp_avg_sqs", masters=None, rounding=True)
     flags = dict(global_grad_norm=global_grad_norm, inv_scale=inv_scale, found_inf=found_inf)
     check_same_device(args.op_name, params[0], **flags)
     kahan = args.rounding == "kahan"
@@ -363,7 +366,7 @@ def fused_lamb_bf16_(args) -> None:
     dev = params[0].device
     keys = keys_of(len(params), args.seed, args.rng_step, kahan)
     keys = upload(torch.tensor(keys, dtype=torch.int64), dev)  # no host wait
-    tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, params, steps, c_list])
+    tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, params, steps, c_list], ids=ids)
     found = tab.table if found_inf is None else flag_view(found_inf)
     decoupled = weight_decay != 0 and bool(args.adam_w_mode)
     bias = (*split64(beta1), *split64(beta2))
@@ -432,3 +435,6 @@ def fused_lamb_bf16_(args) -> None:
             num_warps=WARPS,
         )
     advance_steps(tab, 7, steps, found_inf)
+
+
+fused_lamb_.guards_lists = fused_lamb_bf16_.guards_lists = True

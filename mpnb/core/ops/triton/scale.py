@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import check_same_device
+from mpnb.core.ops.triton._checks import check_same_device, guard_lists
 from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable, chunk_info, tensor_ptr
 from mpnb.core.ops.triton._common import (
     acc_of,
@@ -62,7 +62,7 @@ def _scale_kernel(
 def multi_tensor_scale(args) -> None:
     """``dst[i] = src[i] * scale`` (times ``scale_tensor``), flagging inf/NaN in ``src``: the
     semantics of :func:`mpnb.core.ops.scale.reference_multi_tensor_scale`, whose arguments
-    ``args`` holds by name (checked before the launch).
+    ``args`` holds by name (the per-tensor checks: :func:`guard_lists`).
 
     Example::
 
@@ -71,12 +71,13 @@ def multi_tensor_scale(args) -> None:
         >>> master = [torch.empty(10, device="cuda")]
         >>> launcher("multi_tensor_scale")(flag, grads, master, 1 / 1024)
     """
-    src, dst, noop_flag = list(args.src), list(args.dst), args.noop_flag
+    src, dst, noop_flag = args.src, args.dst, args.noop_flag
     scale, scale_tensor = args.scale, args.scale_tensor
     if not src:
         return
+    ids = guard_lists(args, data=("src", "dst"))
     check_same_device(args.op_name, src[0], noop_flag=noop_flag, scale_tensor=scale_tensor)
-    tab = ChunkTable.build([src, dst])
+    tab = ChunkTable.build([src, dst], ids=ids)
     if not tab.n_chunks:
         return
     acc = acc_of(src[0].dtype)
@@ -102,3 +103,6 @@ def multi_tensor_scale(args) -> None:
         BLOCK=BLOCK,
         num_warps=WARPS,
     )
+
+
+multi_tensor_scale.guards_lists = True

@@ -24,6 +24,7 @@ from mpnb.core.ops.triton._chunks import (
 from mpnb.core.ops.triton._common import f32, flag_view, from_acc, launch, to_acc
 from mpnb.core.ops.triton._optim import (
     check_flags,
+    guard_step,
     load_grad,
     load_scale,
     load_weight,
@@ -157,25 +158,27 @@ def _momentum_columns(args, params: list) -> tuple[list, list[int]]:
     ``first_run`` flags: a zero column."""
     if args.momentum == 0:
         return params, [0] * len(params)
-    return list(args.momentum_buffers), [int(bool(f)) for f in args.first_run]
+    return args.momentum_buffers, [int(bool(f)) for f in args.first_run]
 
 
 def fused_sgd_(args) -> None:
     """One SGD step over lists, in place: the semantics of
     :func:`mpnb.core.ops.sgd.reference_fused_sgd_`, whose arguments ``args`` holds by name
-    (checked before the launch; ``momentum_buffers`` may be empty without momentum).
+    (its per-tensor checks: :func:`~mpnb.core.ops.triton._optim.guard_step`;
+    ``momentum_buffers`` may be empty without momentum).
 
     Example::
 
         >>> launcher("fused_sgd_")(params, grads, bufs, masters, [False] * len(params),
         ...                        0.1, 0.9, 0.0, 1e-4, True, False)
     """
-    params, grads, masters = list(args.params), list(args.grads), list(args.masters)
+    params, grads, masters = args.params, args.grads, args.masters
     momentum, weight_decay, stepwise = args.momentum, args.weight_decay, args.stepwise
     inv_scale, found_inf = args.inv_scale, args.found_inf
-    check_flags(args)
     if not params:
         return
+    ids = guard_step(args)
+    check_flags(args)
     w_list = masters if masters else params
 
     def alpha(x: float) -> float:
@@ -183,7 +186,7 @@ def fused_sgd_(args) -> None:
         return float(torch.tensor(x).to(params[0].dtype)) if stepwise else f32(x)
 
     b_list, first = _momentum_columns(args, params)
-    tab = ChunkTable.build([params, grads, b_list, w_list], cols=[first])
+    tab = ChunkTable.build([params, grads, b_list, w_list], cols=[first], ids=ids)
     if not tab.n_chunks:
         return
     launch(
@@ -287,24 +290,25 @@ def _sgd_bf16_kernel(
 def fused_sgd_bf16_(args) -> None:
     """One pure-bf16 SGD step: the semantics of
     :func:`mpnb.core.ops.sgd.reference_fused_sgd_bf16_`, whose arguments ``args`` holds by
-    name (checked before the launch).
+    name (its per-tensor checks: :func:`~mpnb.core.ops.triton._optim.guard_step`).
 
     Example::
 
         >>> launcher("fused_sgd_bf16_")(params, grads, bufs, [], [False] * len(params), 0.1,
         ...                             0.9, 0.0, 0.0, False, False, "stochastic", 1, 1)
     """
-    params, grads, comps = list(args.params), list(args.grads), list(args.compensations)
+    params, grads, comps = args.params, args.grads, args.compensations
     momentum, weight_decay = args.momentum, args.weight_decay
     inv_scale, found_inf = args.inv_scale, args.found_inf
-    check_flags(args)
     if not params:
         return
+    ids = guard_step(args, masters=None, rounding=True)
+    check_flags(args)
     kahan = args.rounding == "kahan"
     b_list, first = _momentum_columns(args, params)
     c_list = comps if kahan else params
     keys = keys_of(len(params), args.seed, args.rng_step, kahan)
-    tab = ChunkTable.build([params, grads, b_list, c_list], cols=[first, keys])
+    tab = ChunkTable.build([params, grads, b_list, c_list], cols=[first, keys], ids=ids)
     if not tab.n_chunks:
         return
     launch(
@@ -334,3 +338,6 @@ def fused_sgd_bf16_(args) -> None:
         BLOCK=BLOCK,
         num_warps=WARPS,
     )
+
+
+fused_sgd_.guards_lists = fused_sgd_bf16_.guards_lists = True

@@ -119,3 +119,76 @@ def test_counting_launches_runs_the_host_work_and_no_kernel(chunks):
     with pytest.raises(ValueError, match="elements"):  # the op's checks still run
         with counting_launches():
             kernel("multi_tensor_scale")(flag, src, dst[:-1] + [torch.zeros(3)], 0.5)
+
+
+@pytest.fixture(params=["C++ pass", "Python pass"])
+def one_pass(request, monkeypatch):
+    """The launchers' per-tensor pass in C++ (``mpnb::_list_facts``), or read in Python (as
+    without a compiler)."""
+    from mpnb.core.ops._library import ensure_kernels
+    from mpnb.core.ops.triton import _checks
+
+    if request.param == "C++ pass":
+        if not ensure_kernels() or _checks._native() is None:
+            pytest.skip("the C++ library is not built here")
+    else:
+        monkeypatch.setattr(_checks, "list_facts", lambda lists: None)
+    return request.param
+
+
+def _scaled(src: list, scale: float) -> list:
+    from mpnb.core.ops.scale import reference_multi_tensor_scale
+
+    want = [torch.empty_like(t).cpu() for t in src]
+    reference_multi_tensor_scale(
+        torch.zeros(1, dtype=torch.int32), [t.cpu() for t in src], want, scale
+    )
+    return want
+
+
+@pytest.mark.parametrize(
+    "change", ["resized in place", "set to other storage", "replaced in the list", "none"]
+)
+def test_a_changed_tensor_is_never_launched_with_a_stale_table(
+    chunks, monkeypatch, one_pass, change
+):
+    # The launcher's one-pass ids key the table: the same list objects, changed under the
+    # cache, must get a new table (and the kernel must write exactly the new tensors).
+    made = _builds(chunks, monkeypatch)
+    src, dst = _lists((5, 9000, 20000), k=2)
+    flag = torch.zeros(1, dtype=torch.int32)
+    kernel("multi_tensor_scale")(flag, src, dst, 0.5)
+    if change == "resized in place":  # same tensor objects, more elements (a new address)
+        src[1].resize_(30000).normal_()
+        dst[1].resize_(30000)
+    elif change == "set to other storage":  # same objects and sizes, other addresses
+        src[2].set_(torch.randn(20000))
+        dst[2].set_(torch.empty(20000))
+    elif change == "replaced in the list":
+        src[0] = torch.randn(5)
+    kernel("multi_tensor_scale")(flag, src, dst, 0.5)
+    assert len(made) == (1 if change == "none" else 2)
+    bitwise(dst, _scaled(src, 0.5))
+
+
+@pytest.mark.parametrize(
+    "change,err",
+    [
+        ("a transposed view at the same address", "not contiguous"),
+        ("another dtype at the same address", "must share a dtype"),
+    ],
+)
+def test_a_tensor_changed_at_its_address_is_checked_again(chunks, one_pass, change, err):
+    # Same address and element count: the table would be the same, but the checks are not.
+    src = [torch.randn(3), torch.randn(4, 4)]
+    dst = [torch.empty(3), torch.empty(16)]
+    flag = torch.zeros(1, dtype=torch.int32)
+    kernel("multi_tensor_scale")(flag, src, dst, 2.0)
+    ptr = src[1].data_ptr()
+    if change.startswith("a transposed"):
+        src[1] = src[1].t()
+    else:
+        src[1] = src[1].view(torch.int32)
+    assert src[1].data_ptr() == ptr and src[1].numel() == 16
+    with pytest.raises((ValueError, TypeError), match=err):
+        kernel("multi_tensor_scale")(flag, src, dst, 2.0)
