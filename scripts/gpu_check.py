@@ -66,7 +66,7 @@ _XDIST = ("-n", "6") if importlib.util.find_spec("xdist") else ()
 # one worker per notebook (each notebook's cells in order on its own kernel).
 _XDIST_NB = ("-n", str(len(NOTEBOOKS)), "--dist", "loadfile") if _XDIST else ()
 #: the bench of every Triton kernel, an estimate for an H100 (no GPU has run it yet): ~17 s of
-#: rounds (37 cases; the rounds rule bounds them to 37 s), ~15-25 s of Triton compiles and
+#: rounds (40 cases; the rounds rule bounds them to 40 s), ~15-25 s of Triton compiles and
 #: autotuning (three configs per layer kernel, one row width: those the kernel tests did not
 #: leave in Triton's cache) and ~6 s of start, so 40-50 s. Stopped at its budget, it keeps
 #: (and the check records) the cases it finished.

@@ -26,9 +26,10 @@ O2_STEP_OPS = ("multi_tensor_check_finite", "fused_adam_")
 
 
 def list_cases(work: str, numels: list[int], dev: str, fp16_step: bool = True) -> Iterator[Case]:
-    """Every list kernel on one list of ``numels``: unscale, L2 norm, the O2 steps (AdamW, SGD,
-    LAMB with fp32 masters), the pure-bf16 steps (stochastic rounding) and the whole O2 step
-    of mpnb's amp against torch's (bf16 grads; and fp16 with ``fp16_step``)."""
+    """Every list kernel on one list of ``numels``: unscale, L2 norm, the inf/NaN check, the O2
+    steps (AdamW, SGD, LAMB with fp32 masters), the pure-bf16 steps (stochastic rounding) and
+    the whole O2 step of mpnb's amp against torch's (bf16 grads; the check and the whole step
+    in fp16 too with ``fp16_step``)."""
     from mpnb.core.ops.triton import launcher
 
     n = sum(numels)
@@ -66,12 +67,53 @@ def list_cases(work: str, numels: list[int], dev: str, fp16_step: bool = True) -
         n,
         dev,
     )
+    half = [g.to(torch.float16) for g in grads] if fp16_step else None
+    yield from _check_cases(work, grads, half, found, dev)
     yield from _o2_cases(work, numels, grads, inv, found, dev)
     yield from _pure_bf16_cases(work, numels, grads, inv, found, dev)
     yield _o2_step_case(work, numels, grads, inv, dev)
-    if fp16_step:
-        half = [g.to(torch.float16) for g in grads]
+    if half is not None:
         yield _o2_step_case(work, numels, half, inv, dev)
+
+
+def _check_cases(work, grads, half, found, dev) -> Iterator[Case]:
+    """The read-only inf/NaN check of the half grads (an O2 step's first op) against what its
+    CUDA calls run without the kernel: for bf16 mpnb's reference in PyTorch ops (PyTorch's
+    fused check refuses bf16), for fp16 PyTorch's ``_amp_foreach_non_finite_check_and_unscale_``
+    by exactly 1.0 (it writes the grads back, unchanged). ``half``: the fp16 grads, or None."""
+    from mpnb.core.ops.check_finite import reference_multi_tensor_check_finite
+    from mpnb.core.ops.triton import launcher
+
+    n, check = sum(g.numel() for g in grads), launcher("multi_tensor_check_finite")
+    yield case(
+        "check_finite bf16",
+        work,
+        (
+            "torch ops (mpnb reference: isfinite().all() per tensor)",
+            lambda: reference_multi_tensor_check_finite(found, grads),
+        ),
+        ("triton multi_tensor_check_finite", lambda: check(found, grads)),
+        2 * n,
+        READ,
+        n,
+        dev,
+    )
+    if half is None:
+        return
+    one = torch.ones(1, device=dev)
+    yield case(
+        "check_finite fp16",
+        work,
+        (
+            "torch amp unscale_ by 1.0 (reads and writes)",
+            lambda: torch._amp_foreach_non_finite_check_and_unscale_(half, found, one),
+        ),
+        ("triton multi_tensor_check_finite", lambda: check(found, half)),
+        2 * n,
+        READ,
+        n,
+        dev,
+    )
 
 
 def _o2_state(numels, dev, seed, half=torch.bfloat16):
@@ -270,7 +312,8 @@ def _o2_step_case(work, numels, grads, inv, dev) -> Case:
 
     Bytes per param: the least traffic is 28 (read the half grad, the master and both moments,
     write them and the half param); torch's path moves 48 (copy 2+4, unscale 4+4, AdamW 28,
-    cast 4+2); mpnb's moves 28 plus its check's (bf16: ``isfinite`` per tensor, 2+1+1; fp16:
+    cast 4+2); mpnb's moves 28 plus its check's (its Triton kernel: 2, read once; without it,
+    bf16: ``isfinite().all()`` per tensor, six launches per tensor and about 14; fp16:
     PyTorch's unscale by 1, 2+2).
     """
     from mpnb.core.ops import multi_tensor_check_finite

@@ -6,6 +6,7 @@ fastest path PyTorch offers for the same work on CUDA, round-robin in one proces
 device copy ``a.copy_(b)`` (``x.sum()`` for the read-only L2 norm) timed in the same rounds:
 
 * **lists**, on a small GPT's grads (20M elements in 76 tensors) and on the large size: the
+  inf/NaN check of bf16 and fp16 grads (``multi_tensor_check_finite``), the
   unscale of bf16 grads into fp32 (``_foreach_copy_`` + ``_amp_foreach_non_finite_check_and_
   unscale_``), the L2 norm (``_foreach_norm``), the O2 optimizer steps on bf16 params with fp32
   masters against the op's PyTorch path (AdamW ``torch._fused_adamw_``, SGD ``torch._fused_sgd_``,
@@ -33,7 +34,7 @@ free memory (its estimate: :data:`BYTES_PER_ELEM`) gives one ``SKIPPED`` row say
 (bootstrap of the per-round ratios, :func:`mpnb.lab.stats.median_ci`) is within 2% of it, at
 most 40 rounds or 1 s of rounds per case (:data:`~mpnb.lab.bench._cuda_layers.ENOUGH`), in
 5 ms rounds. Expected time on an H100 (an estimate from the case count and the rule, not yet
-measured): 40-50 s, ~17 s of rounds (37 cases; at most 37 s by the rule), the Triton compiles
+measured): 40-50 s, ~17 s of rounds (40 cases; at most 40 s by the rule), the Triton compiles
 and autotuning at the first call of each kernel (not timed) and the start.
 
 ``bytes`` is the least traffic of the operation (each input read once, each output written

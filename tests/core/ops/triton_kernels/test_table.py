@@ -35,6 +35,7 @@ def test_table_covers_the_issue_ops():
         "fused_lamb_",
         "multi_tensor_scale",
         "multi_tensor_l2norm",
+        "multi_tensor_check_finite",
         "layer_norm_fwd",
         "layer_norm_bwd",
         "rms_norm_fwd",

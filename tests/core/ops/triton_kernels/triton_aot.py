@@ -27,6 +27,7 @@ MODULES = (
     "_optim",
     "scale",
     "l2norm",
+    "check_finite",
     "adam",
     "sgd",
     "lamb",
@@ -80,6 +81,8 @@ def _cases():
     op("multi_tensor_scale")(flag, [t(9, dtype=f64)], [t(9, dtype=f64)], 0.5)
     op("multi_tensor_l2norm")(flag, [t(9, dtype=bf16)], True, one)
     op("multi_tensor_l2norm")(flag, [t(9, dtype=f64)], False)
+    op("multi_tensor_check_finite")(flag, [t(9, dtype=bf16)])
+    op("multi_tensor_check_finite")(flag, [t(9, dtype=f64)])
     p, g, w, m, v, s = [t(9, dtype=bf16)], [t(9, dtype=bf16)], [t(9)], [t(9)], [t(9)], [t(1)]
     op("fused_adam_")(p, g, m, v, w, s, 1e-3, 0.9, 0.999, 1e-8, 0.1, True, True, one, one)
     op("fused_sgd_")(p, g, m, w, [True], 0.1, 0.9, 0.0, 0.01, True, False, one, one)

@@ -1,0 +1,107 @@
+"""``multi_tensor_check_finite`` in Triton: is any element of a tensor list inf or NaN?
+
+One launch for the whole list (see :mod:`~mpnb.core.ops.triton._chunks`), read-only: each
+element is read once, in its own dtype (2 bytes per element of half grads), and tested on its
+raw bits, never converted: a value is inf or NaN exactly when its exponent field is all ones
+(:data:`_EXPONENT`), whatever its sign and payload. Each program holds its whole chunk as one
+vector (every load of a thread in flight at once, no loop-carried wait), in 16-byte loads
+where the tensor's address is 16-byte aligned (any tensor the allocator made; a view at an odd
+offset is read element by element), then raises the flag if it saw such a value; nothing is
+written to the tensors and nothing is read on the host.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from mpnb.core.ops.triton._checks import check_same_device, guard_lists
+from mpnb.core.ops.triton._chunks import WARPS, ChunkTable, chunk_info, tensor_ptr
+from mpnb.core.ops.triton._common import flag_view, launch, raise_flag
+
+__all__ = ["multi_tensor_check_finite"]
+
+#: dtype -> (the signed integer of its width, its exponent field): all ones there is inf/NaN.
+_EXPONENT = {
+    torch.float16: (tl.int16, 0x7C00),
+    torch.bfloat16: (tl.int16, 0x7F80),
+    torch.float32: (tl.int32, 0x7F800000),
+    torch.float64: (tl.int64, 0x7FF0000000000000),
+}
+
+
+@triton.jit
+def _bad(bits, EXP: tl.constexpr):
+    """1 when any of ``bits`` (raw floating bits) has its exponent field all ones, else 0."""
+    return tl.max(((bits & EXP) == EXP).to(tl.int32), axis=0)
+
+
+@triton.jit
+def _check_finite_kernel(
+    table,
+    n_tensors,
+    flag_ptr,
+    x0,
+    BITS: tl.constexpr,
+    EXP: tl.constexpr,
+    VEC: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
+    addr = tl.load(table + t * ROW + 2)
+    lanes = tl.arange(0, CHUNK)  # the whole chunk in one step (CHUNK: a power of two)
+    if addr % 16 == 0:
+        # An address read from the table carries no alignment: the hint gives it (true in this
+        # branch only), and a mask constant over groups of VEC elements (a multiple of VEC)
+        # keeps each group one 16-byte load; the last count % VEC elements are read one by one.
+        x = tl.multiple_of(addr.to(tl.pointer_type(x0.dtype.element_ty)), 16) + start
+        whole = (count // VEC) * VEC
+        bad = _bad(tl.load(x + lanes, mask=lanes < whole, other=0.0).to(BITS, bitcast=True), EXP)
+        r = tl.arange(0, VEC)
+        rest = tl.load(x + whole + r, mask=r < count - whole, other=0.0)
+        bad = bad | _bad(rest.to(BITS, bitcast=True), EXP)
+    else:  # a view at an odd address (a slice of a flat buffer): element by element
+        x = tensor_ptr(table, t, 2, x0, ROW) + start
+        bad = _bad(tl.load(x + lanes, mask=lanes < count, other=0.0).to(BITS, bitcast=True), EXP)
+    raise_flag(flag_ptr, bad)
+
+
+def multi_tensor_check_finite(args) -> None:
+    """Set ``noop_flag`` to 1 when any element of ``tensors`` is inf or NaN, never lowering it:
+    the semantics of :func:`mpnb.core.ops.check_finite.reference_multi_tensor_check_finite`,
+    whose arguments ``args`` holds by name (the per-tensor checks: :func:`guard_lists`).
+
+    Example::
+
+        >>> flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+        >>> grads = [torch.randn(10, device="cuda").bfloat16()]
+        >>> launcher("multi_tensor_check_finite")(flag, grads)   # flag stays 0
+    """
+    tensors, noop_flag = args.tensors, args.noop_flag
+    if not tensors:
+        return
+    ids = guard_lists(args, data=("tensors",))
+    check_same_device(args.op_name, tensors[0], noop_flag=noop_flag)
+    tab = ChunkTable.build([tensors], ids=ids)
+    if not tab.n_chunks:
+        return
+    bits, exponent = _EXPONENT[tensors[0].dtype]
+    launch(
+        _check_finite_kernel,
+        (tab.n_chunks,),
+        tab.table,
+        tab.n_tensors,
+        flag_view(noop_flag),
+        tensors[0],
+        BITS=bits,
+        EXP=exponent,
+        VEC=16 // tensors[0].element_size(),
+        ROW=tab.row,
+        CHUNK=tab.chunk,
+        num_warps=WARPS,
+    )
+
+
+multi_tensor_check_finite.guards_lists = True
