@@ -30,6 +30,7 @@ from torch.utils import benchmark
 from torch.utils.flop_counter import FlopCounterMode
 
 from mpnb.core.amp import EmulatedHalfWarning
+from mpnb.core.fp8 import Float8FallbackWarning
 from mpnb.lab._data import batch_len
 from mpnb.lab._errors import DivergenceError, describe_error, divergence_message
 from mpnb.lab._run_result import (
@@ -59,6 +60,32 @@ __all__ = [
     "describe_error",
     "divergence_message",
 ]
+
+
+def row_warnings(caught) -> list[str]:
+    """A row's notes from the warnings caught while it ran: the first sentence of each, and
+    the layers' fallback warnings of one recipe and cause said once, naming the layers
+    (``"mpnb.fp8: 9 layers (blocks.0.qkv, ..., head) (nvfp4 ...): its forward GEMM: ..."``)."""
+    order: list[str | tuple[str]] = []  # a note, or (cause,): the layers of that cause
+    layers: dict[str, list[str]] = {}
+    for c in caught:
+        m = c.message
+        if isinstance(m, Float8FallbackWarning) and m.layer and m.cause:
+            if m.cause not in layers:
+                layers[m.cause] = []
+                order.append((m.cause,))
+            layers[m.cause].append(m.layer)
+        else:
+            order.append(str(m).split(". ")[0])
+    notes = []
+    for item in order:
+        if isinstance(item, tuple):
+            names = layers[item[0]]
+            shown = ", ".join(names if len(names) <= 4 else [*names[:2], "...", names[-1]])
+            what = f"layer {names[0]!r}" if len(names) == 1 else f"{len(names)} layers ({shown})"
+            item = f"mpnb.fp8: {what} {item[0]}".split(". ")[0]
+        notes.append(item)
+    return notes
 
 
 def _train_step(cfg: RunConfig, w: Workload):
@@ -137,7 +164,7 @@ class Trainer:
             except Exception as e:  # noqa: BLE001 - any failure becomes this row's error
                 self.res.error = describe_error(e, self.cfg.label)
                 self.release()
-        self.res.warnings += [str(c.message).split(". ")[0] for c in caught]
+        self.res.warnings += row_warnings(caught)
 
     def _setup(self) -> None:
         cfg, w = self.cfg, self.w

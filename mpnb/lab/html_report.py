@@ -102,13 +102,17 @@ def glossary_html(names=None) -> str:
         names: the configurations to list first (those in the report); every other
             configuration follows.
     """
-    from mpnb.core.precision_configs import PRECISION_CONFIGS
+    from mpnb.core.precision_configs import PRECISION_CONFIGS, get_config
 
-    first = [n for n in dict.fromkeys(names or ()) if n in PRECISION_CONFIGS]
-    order = first + [n for n in PRECISION_CONFIGS if n not in first]
+    first = {}
+    for n in dict.fromkeys(names or ()):
+        try:  # a name with a keep-list ("nvfp4:keep-last=2") is described with it
+            first[n] = get_config(n).description
+        except (ValueError, KeyError):
+            continue  # not a configuration's name (a row label of the user's own)
+    every = {**first, **{n: c.description for n, c in PRECISION_CONFIGS.items() if n not in first}}
     items = "".join(
-        f"<dt><b>{html.escape(n)}</b></dt><dd>{html.escape(PRECISION_CONFIGS[n].description)}</dd>"
-        for n in order
+        f"<dt><b>{html.escape(n)}</b></dt><dd>{html.escape(d)}</dd>" for n, d in every.items()
     )
     return f"<dl class='glossary'>{items}</dl>"
 

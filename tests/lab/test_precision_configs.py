@@ -280,3 +280,27 @@ def test_configs_is_the_name_and_opt_levels_still_works(tmp_path):
     run = RunConfig("mlp", "O2", "bf16", 32, 4)
     assert run.config is PRECISION_CONFIGS["O2"] and run.label == "O2 bf16 b32"
     assert run.dtype is torch.bfloat16
+
+
+def test_a_rows_layer_fallback_notes_are_said_once_per_recipe_and_cause():
+    import warnings
+
+    from mpnb.core.fp8 import Float8FallbackWarning, convert_to_float8_training
+    from mpnb.lab._train import row_warnings
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Linear(32, 32) for _ in range(6)])
+    convert_to_float8_training(model, "nvfp4")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model(torch.randn(4, 32)).sum().backward()
+        warnings.warn("another warning. With a second sentence.", UserWarning, stacklevel=1)
+    fell = [c for c in caught if issubclass(c.category, Float8FallbackWarning)]
+    assert {c.message.layer for c in fell} == {str(i) for i in range(6)}  # one per layer
+    notes = row_warnings(caught)
+    layer_notes = [n for n in notes if n.startswith("mpnb.fp8:")]
+    cause = fell[0].message.cause.split(". ")[0]  # a note is the first sentence
+    assert layer_notes == [f"mpnb.fp8: 6 layers (0, 1, ..., 5) {cause}"]
+    assert notes[-1] == "another warning"  # others keep their first sentence, in order
+    one = row_warnings(fell[:1])
+    assert one == [f"mpnb.fp8: layer '0' {cause}"]

@@ -139,3 +139,19 @@ def test_cli_compare_prints_the_table_and_writes_the_report(tmp_path, capsys):
 def test_cli_bad_flag_is_a_clear_error(capsys):
     assert main(["compare", "--opt-levels", "O7", "--no-progress", "--out", ""]) == 2
     assert "O7" in capsys.readouterr().err
+
+
+def test_the_glossary_describes_a_keep_list_row_with_its_keep_list():
+    import html
+
+    from mpnb.core.precision_configs import get_config
+    from mpnb.lab.html_report import glossary_html
+
+    page = glossary_html(["nvfp4:keep-last=1", "a row of my own", "O2"])
+    kept = get_config("nvfp4:keep-last=1")
+    assert page.index("nvfp4:keep-last=1") < page.index("<b>O2</b>") < page.index("<b>O0</b>")
+    assert (
+        html.escape(kept.description) in page
+        and kept.description != get_config("nvfp4").description
+    )
+    assert "a row of my own" not in page

@@ -29,7 +29,17 @@ __all__ = ["Float8Linear", "Float8FallbackWarning"]
 
 
 class Float8FallbackWarning(UserWarning):
-    """A layer's FP8 GEMM could not run in ``torch._scaled_mm`` and runs emulated instead."""
+    """A layer's FP8 GEMM could not run in ``torch._scaled_mm`` and runs emulated instead.
+
+    Attributes:
+        layer: the layer's qualified name ("" when the warning is not a layer's).
+        cause: the message without the layer's name, the same for every layer of one recipe
+            and cause (what the lab's rows say once for all of them).
+    """
+
+    def __init__(self, message: str = "", layer: str = "", cause: str = "") -> None:
+        super().__init__(message)
+        self.layer, self.cause = layer, cause
 
 
 def _autocast_on(device_type: str) -> bool:
@@ -199,7 +209,8 @@ class Float8Linear(nn.Linear):
         if category in self._fp8_warned:
             return
         self._fp8_warned.add(category)
-        where = f"mpnb.fp8: layer {self.fqn or '(unnamed Float8Linear)'!r} ({self.recipe.label})"
+        layer = self.fqn or "(unnamed Float8Linear)"
+        where = f"mpnb.fp8: layer {layer!r} ({self.recipe.label})"
         how = (
             f"its {which} GEMM: {reason}. Same numerics as the FP4 GEMM, no FP4 speed-up."
             if category == "fp4"
@@ -208,8 +219,11 @@ class Float8Linear(nn.Linear):
             "speed-up."
         )
         warnings.warn(
-            f"{where}: {how} Shown once per layer and cause.",
-            Float8FallbackWarning,
+            Float8FallbackWarning(
+                f"{where}: {how} Shown once per layer and cause.",
+                layer=layer,
+                cause=f"({self.recipe.label}): {how}",
+            ),
             stacklevel=3,
         )
 
