@@ -7,8 +7,8 @@ those reads while code runs, on any device, so a CPU run (and a test) can say ho
 code would wait on a GPU:
 
 * ``Tensor.item()`` and ``Tensor.tolist()`` called from Python anywhere, also inside an op's
-  Python kernel (seen through :func:`sys.setprofile`, for the calling thread only:
-  ``tolist`` reads a CPU tensor without dispatching an op);
+  Python kernel (seen by wrapping the two methods while a counter is open, for the threads
+  that opened one: ``tolist`` reads a CPU tensor without dispatching an op);
 * ``aten::_local_scalar_dense``, the op behind ``bool()``, ``int()``, ``float()`` and
   ``if tensor:`` (seen through a :class:`~torch.utils._python_dispatch.TorchDispatchMode`,
   also when PyTorch's own code calls it); the mode does not see inside an op whose kernel is
@@ -33,7 +33,7 @@ Example::
 
 from __future__ import annotations
 
-import sys
+import threading
 import traceback
 from collections import Counter
 
@@ -92,9 +92,11 @@ class HostReads:
         where: one ``"file:line in function"`` per read: the innermost frame outside torch and
             this module, so a test failure names the line that reads.
 
-    Nesting is allowed (each counts what runs inside it). The profile hook and the dispatch mode
-    are removed on exit, also when the body raises; a profile function set before entering is
-    put back.
+    Nesting is allowed (each counts what runs inside it). ``Tensor.item`` and ``Tensor.tolist``
+    are wrapped while any counter is open (for the threads that opened one; the wrappers cost
+    nothing to other calls, where a profile hook would run on every Python call, hundreds per
+    op under the dispatch mode); they and the dispatch mode are removed on exit, also when the
+    body raises.
 
     Example::
 
@@ -109,8 +111,8 @@ class HostReads:
         self.kinds: Counter = Counter()
         self.where: list[str] = []
         self._mode: _Mode | None = None
-        self._previous = None
-        self._in_item = 0  # inside a Tensor.item() the profile hook counted already
+        self._thread = 0
+        self._in_item = 0  # inside a Tensor.item() the wrapper counted already
 
     def _note(self, kind: str, seen_by_mode: bool = False) -> None:
         if seen_by_mode and self._in_item:
@@ -119,29 +121,15 @@ class HostReads:
         self.kinds[kind] += 1
         self.where.append(_caller())
 
-    def _profile(self, frame, event, arg) -> None:
-        name = getattr(arg, "__qualname__", "") if event.startswith("c_") else ""
-        if name == "Tensor.item":
-            if event == "c_call":
-                self._note("item")
-                self._in_item += 1
-            else:  # c_return, c_exception
-                self._in_item = max(0, self._in_item - 1)
-        elif name == "Tensor.tolist" and event == "c_call":
-            self._note("tolist")
-        if self._previous is not None:
-            self._previous(frame, event, arg)
-
     def __enter__(self) -> HostReads:
-        self._previous = sys.getprofile()
+        self._thread = threading.get_ident()
+        _Methods.open(self)
         self._mode = _Mode(self._note)
         self._mode.__enter__()
-        sys.setprofile(self._profile)
         return self
 
     def __exit__(self, *exc) -> None:
-        sys.setprofile(self._previous)
-        self._previous = None
+        _Methods.close(self)
         mode, self._mode = self._mode, None
         mode.__exit__(*exc)
 
@@ -150,6 +138,66 @@ class HostReads:
         self.count = 0
         self.kinds.clear()
         self.where.clear()
+
+
+class _Methods:
+    """``Tensor.item`` / ``Tensor.tolist`` wrapped while counters are open: each call is noted
+    by every open counter of the calling thread, then the original runs."""
+
+    _open: list[HostReads] = []
+    _lock = threading.Lock()
+    _originals: dict[str, object] = {}
+
+    @classmethod
+    def open(cls, reads: HostReads) -> None:
+        with cls._lock:
+            if not cls._open:
+                for name in ("item", "tolist"):
+                    cls._originals[name] = torch.Tensor.__dict__.get(name)
+                    setattr(torch.Tensor, name, cls._wrapper(name))
+            cls._open.append(reads)
+
+    @classmethod
+    def close(cls, reads: HostReads) -> None:
+        with cls._lock:
+            cls._open.remove(reads)
+            if not cls._open:
+                for name, original in cls._originals.items():
+                    if original is None:
+                        delattr(torch.Tensor, name)  # the method of torch._C.TensorBase again
+                    else:
+                        setattr(torch.Tensor, name, original)
+                cls._originals.clear()
+
+    @classmethod
+    def _wrapper(cls, name: str):
+        base = getattr(torch._C.TensorBase, name)
+        if name == "tolist":
+
+            def tolist(self, *args, **kwargs):
+                for r in cls._counting():
+                    r._note("tolist")
+                return base(self, *args, **kwargs)
+
+            return tolist
+
+        def item(self, *args, **kwargs):
+            readers = cls._counting()
+            for r in readers:
+                r._note("item")
+                r._in_item += 1
+            try:
+                return base(self, *args, **kwargs)
+            finally:
+                for r in readers:
+                    r._in_item = max(0, r._in_item - 1)
+
+        return item
+
+    @classmethod
+    def _counting(cls) -> list[HostReads]:
+        me = threading.get_ident()
+        return [r for r in cls._open if r._thread == me]
 
 
 def _caller() -> str:
