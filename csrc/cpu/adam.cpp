@@ -107,14 +107,14 @@ struct AdamBody {
 
 inline void fused_adam_cpu(const Tensors& params_, const Tensors& grads_,
                            const Tensors& exp_avgs_, const Tensors& exp_avg_sqs_,
-                           const Tensors& masters_, const Tensors& steps_, double lr_arg,
+                           const Tensors& masters_, const Tensors& steps_, double lr_,
                            double beta1, double beta2, double eps, double weight_decay,
                            bool adam_w_mode, bool bias_correction,
                            const std::optional<at::Tensor>& inv_scale,
                            const std::optional<at::Tensor>& found_inf,
                            const std::optional<at::Tensor>& lr_tensor) {
   const char* op = "mpnb::fused_adam_";
-  const double lr = lr_of(lr_arg, lr_tensor, op);
+  const double lr = lr_of(lr_, lr_tensor, op);
   const TensorRefs params(params_), grads(grads_), exp_avgs(exp_avgs_),
       exp_avg_sqs(exp_avg_sqs_), masters(masters_), steps(steps_);
   check_opt_lists(op, params, grads, masters, exp_avgs, exp_avg_sqs);
@@ -179,7 +179,7 @@ struct AdamPlainBody {
 
 inline void fused_adam_bf16_cpu(const Tensors& params_, const Tensors& grads_,
                                 const Tensors& exp_avgs_, const Tensors& exp_avg_sqs_,
-                                const Tensors& comps_, const Tensors& steps_, double lr_arg,
+                                const Tensors& compensations_, const Tensors& steps_, double lr_,
                                 double beta1, double beta2, double eps, double weight_decay,
                                 bool adam_w_mode, bool bias_correction,
                                 c10::string_view rounding, int64_t seed, int64_t rng_step,
@@ -187,10 +187,10 @@ inline void fused_adam_bf16_cpu(const Tensors& params_, const Tensors& grads_,
                                 const std::optional<at::Tensor>& found_inf,
                                 const std::optional<at::Tensor>& lr_tensor) {
   const char* op = "mpnb::fused_adam_bf16_";
-  const double lr = lr_of(lr_arg, lr_tensor, op);
+  const double lr = lr_of(lr_, lr_tensor, op);
   const Tensors none;
   const TensorRefs params(params_), grads(grads_), exp_avgs(exp_avgs_),
-      exp_avg_sqs(exp_avg_sqs_), comps(comps_), steps(steps_), masters(none);
+      exp_avg_sqs(exp_avg_sqs_), comps(compensations_), steps(steps_), masters(none);
   check_opt_lists(op, params, grads, masters, exp_avgs, exp_avg_sqs);
   const int64_t n = static_cast<int64_t>(params.size());
   check_steps(steps, n, op);

@@ -434,7 +434,7 @@ void lamb_bf16_apply(const TensorRefs& params, const TensorRefs& grads, const Te
 
 inline void fused_lamb_bf16_cpu(const Tensors& params_, const Tensors& grads_,
                                 const Tensors& exp_avgs_, const Tensors& exp_avg_sqs_,
-                                const Tensors& comps_, const Tensors& steps_,
+                                const Tensors& compensations_, const Tensors& steps_,
                                 const at::Tensor& global_grad_norm, double lr, double beta1,
                                 double beta2, double eps, double weight_decay, bool adam_w_mode,
                                 bool bias_correction, bool grad_averaging, double max_grad_norm,
@@ -444,7 +444,7 @@ inline void fused_lamb_bf16_cpu(const Tensors& params_, const Tensors& grads_,
   const char* op = "mpnb::fused_lamb_bf16_";
   const Tensors none;
   const TensorRefs params(params_), grads(grads_), exp_avgs(exp_avgs_),
-      exp_avg_sqs(exp_avg_sqs_), comps(comps_), steps(steps_), masters(none);
+      exp_avg_sqs(exp_avg_sqs_), comps(compensations_), steps(steps_), masters(none);
   check_opt_lists(op, params, grads, masters, exp_avgs, exp_avg_sqs);
   const int64_t n = static_cast<int64_t>(params.size());
   check_steps(steps, n, op);

@@ -182,13 +182,13 @@ std::array<int64_t, 4> sbhd_of(c10::string_view layout) {
   return p;
 }
 
-at::Tensor rope_cpu(const at::Tensor& t_in, const at::Tensor& cos, const at::Tensor& sin, int64_t group,
+at::Tensor rope_cpu(const at::Tensor& t_, const at::Tensor& cos, const at::Tensor& sin, int64_t group,
                     bool transpose_output, bool backward, bool stepwise, c10::string_view layout) {
   const char* op = "mpnb::rope";
-  TORCH_CHECK_TYPE(is_float_type(t_in.scalar_type()), op, ": dtype of t");
-  TORCH_CHECK_VALUE(t_in.dim() == 4, op, ": t is not 4-D");
+  TORCH_CHECK_TYPE(is_float_type(t_.scalar_type()), op, ": dtype of t");
+  TORCH_CHECK_VALUE(t_.dim() == 4, op, ": t is not 4-D");
   const auto perm = sbhd_of(layout);
-  const at::Tensor t = t_in.permute(perm);  // a view: [S, B, H, D]
+  const at::Tensor t = t_.permute(perm);  // a view: [S, B, H, D]
   const auto acc = t.scalar_type() == at::kDouble ? at::kDouble : at::kFloat;
   const char* acc_name = acc == at::kDouble ? "float64" : "float32";
   const int64_t S = t.size(0), D = t.size(3);
@@ -214,12 +214,12 @@ at::Tensor rope_cpu(const at::Tensor& t_in, const at::Tensor& cos, const at::Ten
     const std::vector<int64_t> sbhd{t.size(1), t.size(0), t.size(2), t.size(3)};
     result = (cached ? cached_empty(sbhd, t.options()) : at::empty(sbhd, t.options())).transpose(0, 1);
   } else if (!cached) {
-    result = at::empty_like(t_in);
-    if (result.stride(3) != 1) result = at::empty(t_in.sizes(), t_in.options());
+    result = at::empty_like(t_);
+    if (result.stride(3) != 1) result = at::empty(t_.sizes(), t_.options());
   } else {  // empty_like's strides, read off a meta tensor (no memory), then from the cache
-    const auto like = at::empty_like(t_in, t_in.options().device(at::kMeta));
-    result = like.stride(3) == 1 ? cached_empty_strided(like.sizes(), like.strides(), t_in.options())
-                                 : cached_empty(t_in.sizes(), t_in.options());
+    const auto like = at::empty_like(t_, t_.options().device(at::kMeta));
+    result = like.stride(3) == 1 ? cached_empty_strided(like.sizes(), like.strides(), t_.options())
+                                 : cached_empty(t_.sizes(), t_.options());
   }
   if (!cached) advise_huge_pages(result);
   at::Tensor out = transpose_output ? result : result.permute(perm);

@@ -154,7 +154,7 @@ struct SgdPlainBody {
 };
 
 inline void fused_sgd_bf16_cpu(const Tensors& params_, const Tensors& grads_,
-                               const Tensors& momentum_buffers_, const Tensors& comps_,
+                               const Tensors& momentum_buffers_, const Tensors& compensations_,
                                const c10::List<bool>& first_run, double lr, double momentum,
                                double dampening, double weight_decay, bool nesterov,
                                bool wd_after_momentum, c10::string_view rounding, int64_t seed,
@@ -163,7 +163,7 @@ inline void fused_sgd_bf16_cpu(const Tensors& params_, const Tensors& grads_,
   const char* op = "mpnb::fused_sgd_bf16_";
   const Tensors none;
   const TensorRefs params(params_), grads(grads_), momentum_buffers(momentum_buffers_),
-      comps(comps_), masters(none);
+      comps(compensations_), masters(none);
   const bool has_mom = momentum != 0.0;
   const int64_t n = static_cast<int64_t>(params.size());
   if (has_mom) {
