@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The whole test suite: set up, build the kernels (a failed build fails here, loudly), run pytest
+# The whole test suite: set up, build the kernels (a failed build fails here, loudly), lint,
+# build the docs (warnings are errors), run pytest
 # over tests/ (unit, multi-process, headless widget and browser tests), then every notebook in
 # notebooks/ under nbval, then scripts/install-check.sh (the wheel and the sdist installed into
 # fresh venvs outside the checkout). With arguments, only `pytest ARGS` runs.
@@ -14,6 +15,13 @@ mpnb build-ext
 echo "scripts/test.sh: ruff check + ruff format --check"
 ruff check .
 ruff format --check .
+
+# The docs gate: the guides, and the reference pages generated from the code, built with every
+# warning an error; the site goes to a temporary folder, so the checkout stays clean.
+echo "scripts/test.sh: mkdocs build --strict"
+docs_site=$(mktemp -d)
+mkdocs build --strict -d "$docs_site"
+rm -rf "$docs_site"
 
 # pytest exit code 5 (nothing collected) is a failure, not a pass.
 run_pytest() {
@@ -43,7 +51,7 @@ run_pytest --durations=10 --nbval-lax --nbval-current-env \
 # from doctor's facts and its own numbers, and asserts that the two agree. On a CPU without
 # native bf16/fp16 this pass repeats the first.
 EMULATED_HALF_NOTEBOOKS=(01_quick_start 02_number_formats 03_opt_levels 05_fused_kernels
-  07_profiler 09_low_precision_frontier)
+  07_profiler 09_low_precision_frontier 12_four_bits)
 echo "scripts/test.sh: notebooks (nbval) with half precision emulated" \
   "(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2)"
 (
