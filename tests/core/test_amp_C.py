@@ -4,10 +4,16 @@ against torch.optim or mpnb's references; a set noop flag writes nothing."""
 
 from __future__ import annotations
 
+import ast
+import inspect
+from pathlib import Path
+
 import pytest
 import torch
 
 from mpnb import amp_C
+from mpnb.core import amp_C_reference
+from mpnb.core._amp_C_table import ROWS
 from mpnb.core.ops import op_info
 from mpnb.multi_tensor_apply import multi_tensor_applier
 
@@ -328,3 +334,46 @@ def test_set_noop_flag_writes_nothing(kernels, name):
     flag.zero_()
     _CALLS[name](g, p, s, flag)
     assert not torch.equal(before[3], p[3])  # a clear flag: the step happens
+
+
+# ---- derived from the table: one row per Apex function ----------------------------------
+
+
+@pytest.mark.parametrize("row", list(ROWS.values()), ids=list(ROWS))
+def test_each_shim_has_its_rows_signature_and_op(row):
+    """The shim (and its reference, where there is one) takes Apex's positional arguments in
+    the row's order, and the op the row maps onto is an mpnb op."""
+    want = ["chunk_size", "noop_flag", "tensor_lists", *row.param_names]
+    fns = [getattr(amp_C, row.name)]
+    fns += [f for f in [getattr(amp_C_reference, f"reference_{row.name}", None)] if f]
+    for fn in fns:
+        params = inspect.signature(fn).parameters.values()
+        assert [p.name for p in params] == want
+        assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in params)
+        assert fn.__doc__
+    assert row.op is None or op_info(row.op).name == row.op
+
+
+@pytest.mark.parametrize("row", list(ROWS.values()), ids=list(ROWS))
+def test_a_wrong_number_of_tensor_lists_names_the_layout(row):
+    fn = getattr(amp_C, row.name)
+    for n in (min(row.list_counts) - 1, max(row.list_counts) + 1):
+        if n < 0:
+            continue
+        with pytest.raises(ValueError, match=f"amp_C.{row.name}: expected the tensor lists"):
+            fn(2048, _noop(), [[]] * n, *[None] * len(row.param_names))
+
+
+def test_no_module_of_the_shim_layer_imports_amp_C():
+    """The table and the references sit below the shims: nothing imports ``mpnb.core.amp_C``
+    back (no import circle)."""
+    layer = list(Path(amp_C_reference.__file__).parent.glob("*amp_C*.py"))
+    assert len(layer) >= 3  # amp_C, the table, the references
+    for path in layer:
+        if path.name == "amp_C.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                names = [f"{node.module}.{a.name}" for a in node.names]
+                assert not any(n.startswith("mpnb.core.amp_C.") for n in names), path.name
+                assert node.module != "mpnb.core.amp_C", path.name
