@@ -17,7 +17,6 @@ from mpnb.core.ops.triton._chunks import (
     ChunkTable,
     chunk_info,
     tensor_col,
-    tensor_ptr,
 )
 from mpnb.core.ops.triton._common import f32, flag_view, join64, launch, split64
 from mpnb.core.ops.triton._optim import (
@@ -34,6 +33,7 @@ from mpnb.core.ops.triton._optim import (
     store_weight,
 )
 from mpnb.core.ops.triton._rounding import keys_of, store_rounded
+from mpnb.core.ops.triton._vector import aligned, column_ptr, span, span_mask, span_start
 
 __all__ = ["fused_adam_", "fused_adam_bf16_"]
 
@@ -49,6 +49,61 @@ def _lerp(a, b, wt, SMALL: tl.constexpr):
     else:
         out = b - (b - a) * (1.0 - wt)
     return out
+
+
+@triton.jit
+def _adam_span(
+    table,
+    t,
+    start,
+    lo,
+    hi,
+    p0,
+    g0,
+    m0,
+    w0,
+    inv,
+    step_size,
+    sqrt_bc2,
+    decay,
+    one_m_b1,
+    beta2,
+    one_m_b2,
+    eps,
+    wd,
+    ADAM_W: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    LERP_SMALL: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    # The update of the elements [lo, hi) of the chunk.
+    p_ptr = column_ptr(table, t, 2, p0, ROW, ALIGNED)
+    g_ptr = column_ptr(table, t, 3, g0, ROW, ALIGNED)
+    m_ptr = column_ptr(table, t, 4, m0, ROW, ALIGNED)
+    v_ptr = column_ptr(table, t, 5, m0, ROW, ALIGNED)
+    w_ptr = column_ptr(table, t, 6, w0, ROW, ALIGNED)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(span_start(lo, BLOCK), hi, BLOCK):
+        offs = start + k + lanes
+        mask = span_mask(k, lanes, lo, hi)
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
+        if HAS_WD:
+            if ADAM_W:
+                w = w * decay
+            else:
+                g = g + wd * w
+        m = _lerp(tl.load(m_ptr + offs, mask=mask, other=0.0), g, one_m_b1, LERP_SMALL)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + one_m_b2 * g * g
+        denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
+        w = w + tl.div_rn(step_size * m, denom)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
 
 @triton.jit
@@ -91,10 +146,6 @@ def _adam_kernel(
     BLOCK: tl.constexpr,
 ):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
-    p_ptr = tensor_ptr(table, t, 2, p0, ROW)
-    g_ptr = tensor_ptr(table, t, 3, g0, ROW)
-    m_ptr = tensor_ptr(table, t, 4, m0, ROW)
-    v_ptr = tensor_ptr(table, t, 5, m0, ROW)
     count = count * not_found(found_ptr, HAS_FOUND)
     lr, neg_lr, decay = learning_rate(lr_ptr, lr_hi, lr_lo, wd_hi, wd_lo, neg_lr, decay, HAS_LR_T)
     if BIAS_CORRECTION:
@@ -105,26 +156,38 @@ def _adam_kernel(
     else:
         step_size = neg_lr
         sqrt_bc2 = tl.full((), 1.0, tl.float32)
-    w_ptr = tensor_ptr(table, t, 6, w0, ROW)
     inv = load_scale(inv_ptr, HAS_INV)
-    lanes = tl.arange(0, BLOCK)
-    for k in range(0, count, BLOCK):
-        offs = start + k + lanes
-        mask = k + lanes < count
-        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
-        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
-        if HAS_WD:
-            if ADAM_W:
-                w = w * decay
-            else:
-                g = g + wd * w
-        m = _lerp(tl.load(m_ptr + offs, mask=mask, other=0.0), g, one_m_b1, LERP_SMALL)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + one_m_b2 * g * g
-        denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
-        w = w + tl.div_rn(step_size * m, denom)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
+    ok = aligned(table, t, 2, 6, ROW)
+    for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
+        lo, hi = span(part, count, ok)
+        _adam_span(
+            table,
+            t,
+            start,
+            lo,
+            hi,
+            p0,
+            g0,
+            m0,
+            w0,
+            inv,
+            step_size,
+            sqrt_bc2,
+            decay,
+            one_m_b1,
+            beta2,
+            one_m_b2,
+            eps,
+            wd,
+            ADAM_W,
+            HAS_WD,
+            LERP_SMALL,
+            HAS_MASTER,
+            HAS_INV,
+            ROW,
+            BLOCK,
+            part == 0,
+        )
 
 
 def fused_adam_(args) -> None:
@@ -196,6 +259,62 @@ def fused_adam_(args) -> None:
 
 
 @triton.jit
+def _adam_bf16_span(
+    table,
+    t,
+    start,
+    lo,
+    hi,
+    key,
+    p0,
+    g0,
+    m0,
+    c0,
+    inv,
+    step_size,
+    sqrt_bc2,
+    decay,
+    beta1,
+    one_m_b1,
+    beta2,
+    one_m_b2,
+    eps,
+    wd,
+    ADAM_W: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    KAHAN: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    # The update of the elements [lo, hi) of the chunk, rounded into the bf16 params.
+    p_ptr = column_ptr(table, t, 3, p0, ROW, ALIGNED)
+    g_ptr = column_ptr(table, t, 4, g0, ROW, ALIGNED)
+    m_ptr = column_ptr(table, t, 5, m0, ROW, ALIGNED)
+    v_ptr = column_ptr(table, t, 6, m0, ROW, ALIGNED)
+    c_ptr = column_ptr(table, t, 7, c0, ROW, ALIGNED)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(span_start(lo, BLOCK), hi, BLOCK):
+        offs = start + k + lanes
+        mask = span_mask(k, lanes, lo, hi)
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
+        w = load_weight(p_ptr, p_ptr, offs, mask, False)
+        if HAS_WD:
+            if ADAM_W:
+                w = w * decay
+            else:
+                g = g + wd * w
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + one_m_b1 * g
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + (one_m_b2 * g) * g
+        denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
+        x = w + tl.div_rn(step_size * m, denom)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        store_rounded(p_ptr, c_ptr, offs, x, mask, key, KAHAN)
+
+
+@triton.jit
 def _adam_bf16_kernel(
     table,
     n_tensors,
@@ -237,11 +356,6 @@ def _adam_bf16_kernel(
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
     key = tensor_col(table, t, 0, ROW).to(tl.uint32)
-    p_ptr = tensor_ptr(table, t, 3, p0, ROW)
-    g_ptr = tensor_ptr(table, t, 4, g0, ROW)
-    m_ptr = tensor_ptr(table, t, 5, m0, ROW)
-    v_ptr = tensor_ptr(table, t, 6, m0, ROW)
-    c_ptr = tensor_ptr(table, t, 7, c0, ROW)
     lr, neg_lr, decay = learning_rate(lr_ptr, lr_hi, lr_lo, wd_hi, wd_lo, neg_lr, decay, HAS_LR_T)
     if BIAS_CORRECTION:
         step = step_of(table, t, 8, s0, ROW)
@@ -252,24 +366,38 @@ def _adam_bf16_kernel(
         step_size = neg_lr
         sqrt_bc2 = tl.full((), 1.0, tl.float32)
     inv = load_scale(inv_ptr, HAS_INV)
-    lanes = tl.arange(0, BLOCK)
-    for k in range(0, count, BLOCK):
-        offs = start + k + lanes
-        mask = k + lanes < count
-        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
-        w = load_weight(p_ptr, p_ptr, offs, mask, False)
-        if HAS_WD:
-            if ADAM_W:
-                w = w * decay
-            else:
-                g = g + wd * w
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + one_m_b1 * g
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + (one_m_b2 * g) * g
-        denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
-        x = w + tl.div_rn(step_size * m, denom)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        store_rounded(p_ptr, c_ptr, offs, x, mask, key, KAHAN)
+    ok = aligned(table, t, 3, 7, ROW)
+    for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
+        lo, hi = span(part, count, ok)
+        _adam_bf16_span(
+            table,
+            t,
+            start,
+            lo,
+            hi,
+            key,
+            p0,
+            g0,
+            m0,
+            c0,
+            inv,
+            step_size,
+            sqrt_bc2,
+            decay,
+            beta1,
+            one_m_b1,
+            beta2,
+            one_m_b2,
+            eps,
+            wd,
+            ADAM_W,
+            HAS_WD,
+            KAHAN,
+            HAS_INV,
+            ROW,
+            BLOCK,
+            part == 0,
+        )
 
 
 def fused_adam_bf16_(args) -> None:

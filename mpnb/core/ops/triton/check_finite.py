@@ -6,8 +6,8 @@ raw bits, never converted: a value is inf or NaN exactly when its exponent field
 (:data:`_EXPONENT`), whatever its sign and payload. Each program holds its whole chunk as one
 vector (every load of a thread in flight at once, no loop-carried wait), in 16-byte loads
 where the tensor's address is 16-byte aligned (any tensor the allocator made; a view at an odd
-offset is read element by element), then raises the flag if it saw such a value; nothing is
-written to the tensors and nothing is read on the host.
+offset is read element by element: :mod:`~mpnb.core.ops.triton._vector`), then raises the
+flag if it saw such a value; nothing is written to the tensors and nothing is read on the host.
 """
 
 from __future__ import annotations
@@ -17,8 +17,9 @@ import triton
 import triton.language as tl
 
 from mpnb.core.ops.triton._checks import check_same_device, guard_lists
-from mpnb.core.ops.triton._chunks import WARPS, ChunkTable, chunk_info, tensor_ptr
+from mpnb.core.ops.triton._chunks import WARPS, ChunkTable, chunk_info
 from mpnb.core.ops.triton._common import flag_view, launch, raise_flag
+from mpnb.core.ops.triton._vector import aligned, column_ptr, span, span_mask
 
 __all__ = ["multi_tensor_check_finite"]
 
@@ -38,6 +39,27 @@ def _bad(bits, EXP: tl.constexpr):
 
 
 @triton.jit
+def _bad_span(
+    table,
+    t,
+    start,
+    lo,
+    hi,
+    x0,
+    BITS: tl.constexpr,
+    EXP: tl.constexpr,
+    ROW: tl.constexpr,
+    CHUNK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    """1 when an element in ``[lo, hi)`` of the chunk is inf or NaN: one step (CHUNK lanes)."""
+    x = column_ptr(table, t, 2, x0, ROW, ALIGNED) + start
+    lanes = tl.arange(0, CHUNK)
+    m = span_mask(0, lanes, lo, hi)
+    return _bad(tl.load(x + lanes, mask=m, other=0.0).to(BITS, bitcast=True), EXP)
+
+
+@triton.jit
 def _check_finite_kernel(
     table,
     n_tensors,
@@ -45,26 +67,15 @@ def _check_finite_kernel(
     x0,
     BITS: tl.constexpr,
     EXP: tl.constexpr,
-    VEC: tl.constexpr,
     ROW: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
-    addr = tl.load(table + t * ROW + 2)
-    lanes = tl.arange(0, CHUNK)  # the whole chunk in one step (CHUNK: a power of two)
-    if addr % 16 == 0:
-        # An address read from the table carries no alignment: the hint gives it (true in this
-        # branch only), and a mask constant over groups of VEC elements (a multiple of VEC)
-        # keeps each group one 16-byte load; the last count % VEC elements are read one by one.
-        x = tl.multiple_of(addr.to(tl.pointer_type(x0.dtype.element_ty)), 16) + start
-        whole = (count // VEC) * VEC
-        bad = _bad(tl.load(x + lanes, mask=lanes < whole, other=0.0).to(BITS, bitcast=True), EXP)
-        r = tl.arange(0, VEC)
-        rest = tl.load(x + whole + r, mask=r < count - whole, other=0.0)
-        bad = bad | _bad(rest.to(BITS, bitcast=True), EXP)
-    else:  # a view at an odd address (a slice of a flat buffer): element by element
-        x = tensor_ptr(table, t, 2, x0, ROW) + start
-        bad = _bad(tl.load(x + lanes, mask=lanes < count, other=0.0).to(BITS, bitcast=True), EXP)
+    ok = aligned(table, t, 2, 2, ROW)
+    bad = tl.full((), 0, tl.int32)
+    for part in tl.static_range(2):  # 16-byte loads, then the scalar rest (see _vector)
+        lo, hi = span(part, count, ok)
+        bad = bad | _bad_span(table, t, start, lo, hi, x0, BITS, EXP, ROW, CHUNK, part == 0)
     raise_flag(flag_ptr, bad)
 
 
@@ -97,7 +108,6 @@ def multi_tensor_check_finite(args) -> None:
         tensors[0],
         BITS=bits,
         EXP=exponent,
-        VEC=16 // tensors[0].element_size(),
         ROW=tab.row,
         CHUNK=tab.chunk,
         num_warps=WARPS,

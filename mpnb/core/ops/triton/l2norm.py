@@ -24,13 +24,42 @@ from mpnb.core.ops.triton._chunks import (
     ChunkTable,
     chunk_info,
     segment_sums,
-    tensor_ptr,
 )
 from mpnb.core.ops.triton._common import acc_of, flag_view, launch, nonfinite, raise_flag, to_acc
+from mpnb.core.ops.triton._vector import aligned, column_ptr, span, span_mask, span_start
 
 __all__ = ["multi_tensor_l2norm"]
 
 _TAIL = 1024  # tensors the finishing program handles per step
+
+
+@triton.jit
+def _sumsq_span(
+    table,
+    t,
+    start,
+    lo,
+    hi,
+    inv,
+    x0,
+    acc,
+    HAS_INV: tl.constexpr,
+    ACC: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    # Adds the squares of the elements [lo, hi) of the chunk into the lanes of acc (fp64).
+    x_ptr = column_ptr(table, t, 2, x0, ROW, ALIGNED)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(span_start(lo, BLOCK), hi, BLOCK):
+        m = span_mask(k, lanes, lo, hi)
+        v = to_acc(tl.load(x_ptr + start + k + lanes, mask=m, other=0.0), ACC)
+        if HAS_INV:
+            v = v * inv
+        w = v.to(tl.float64)
+        acc += w * w
+    return acc
 
 
 @triton.jit
@@ -47,18 +76,16 @@ def _sumsq_kernel(
     BLOCK: tl.constexpr,
 ):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
-    x_ptr = tensor_ptr(table, t, 2, x0, ROW)
+    inv = tl.full((), 1.0, ACC)
     if HAS_INV:
         inv = to_acc(tl.load(inv_ptr), ACC)
     acc = tl.zeros([BLOCK], dtype=tl.float64)
-    lanes = tl.arange(0, BLOCK)
-    for k in range(0, count, BLOCK):
-        m = k + lanes < count
-        v = to_acc(tl.load(x_ptr + start + k + lanes, mask=m, other=0.0), ACC)
-        if HAS_INV:
-            v = v * inv
-        w = v.to(tl.float64)
-        acc += w * w
+    ok = aligned(table, t, 2, 2, ROW)
+    for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector):
+        lo, hi = span(part, count, ok)  # each element keeps its lane, so the same sums
+        acc = _sumsq_span(
+            table, t, start, lo, hi, inv, x0, acc, HAS_INV, ACC, ROW, BLOCK, part == 0
+        )
     tl.store(partials + tl.program_id(0), tl.sum(acc, axis=0))
 
 

@@ -21,7 +21,6 @@ from mpnb.core.ops.triton._chunks import (
     ChunkTable,
     chunk_info,
     segment_sums,
-    tensor_ptr,
     upload,
 )
 from mpnb.core.ops.triton._common import f32, flag_view, join64, launch, split64, to_acc
@@ -37,6 +36,7 @@ from mpnb.core.ops.triton._optim import (
     store_weight,
 )
 from mpnb.core.ops.triton._rounding import keys_of, store_rounded
+from mpnb.core.ops.triton._vector import aligned, column_ptr, span, span_mask, span_start
 
 __all__ = ["fused_lamb_", "fused_lamb_bf16_"]
 
@@ -73,6 +73,112 @@ def _trust_ratio(sq, t, lr, TRUST: tl.constexpr):
         un = tl.sqrt(tl.load(sq + 2 * t + 1)).to(tl.float32)
         ratio = tl.where((pn != 0.0) & (un != 0.0), ratio * tl.div_rn(pn, un), ratio)
     return ratio
+
+
+@triton.jit
+def _phase1_span(
+    table,
+    t,
+    start,
+    lo,
+    hi,
+    p0,
+    g0,
+    m0,
+    w0,
+    inv,
+    clip,
+    bc1,
+    bc2,
+    beta1,
+    beta3,
+    beta2,
+    one_m_b2,
+    eps,
+    wd,
+    w_sq,
+    u_sq,
+    L2_WD: tl.constexpr,
+    DECOUPLED: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    # Phase 1 on the elements [lo, hi) of the chunk; returns the running squares' lanes.
+    p_ptr = column_ptr(table, t, 2, p0, ROW, ALIGNED)
+    g_ptr = column_ptr(table, t, 3, g0, ROW, ALIGNED)
+    m_ptr = column_ptr(table, t, 4, m0, ROW, ALIGNED)
+    v_ptr = column_ptr(table, t, 5, m0, ROW, ALIGNED)
+    w_ptr = column_ptr(table, t, 6, w0, ROW, ALIGNED)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(span_start(lo, BLOCK), hi, BLOCK):
+        offs = start + k + lanes
+        mask = span_mask(k, lanes, lo, hi)
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
+        g = tl.div_rn(g, clip)
+        if L2_WD:
+            g = g + wd * w
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + beta3 * g
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + one_m_b2 * g * g
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        u = tl.where(mask, _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED), 0.0)
+        w64 = w.to(tl.float64)
+        u64 = u.to(tl.float64)
+        w_sq += w64 * w64
+        u_sq += u64 * u64
+    return w_sq, u_sq
+
+
+@triton.jit
+def _phase2_span(
+    table,
+    t,
+    start,
+    lo,
+    hi,
+    key,
+    p0,
+    m0,
+    w0,
+    c0,
+    ratio,
+    bc1,
+    bc2,
+    eps,
+    wd,
+    DECOUPLED: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    ROUND: tl.constexpr,
+    KAHAN: tl.constexpr,
+    C_COL: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    # Phase 2 on the elements [lo, hi): the fp32 weight written (ROUND: rounded to bf16).
+    p_ptr = column_ptr(table, t, 2, p0, ROW, ALIGNED)
+    m_ptr = column_ptr(table, t, 4, m0, ROW, ALIGNED)
+    v_ptr = column_ptr(table, t, 5, m0, ROW, ALIGNED)
+    w_ptr = column_ptr(table, t, 6, w0, ROW, ALIGNED)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(span_start(lo, BLOCK), hi, BLOCK):
+        offs = start + k + lanes
+        mask = span_mask(k, lanes, lo, hi)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        if ROUND:
+            w = load_weight(p_ptr, p_ptr, offs, mask, False)
+            x = w - ratio * _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED)
+            c_ptr = column_ptr(table, t, C_COL, c0, ROW, ALIGNED)
+            store_rounded(p_ptr, c_ptr, offs, x, mask, key, KAHAN)
+        else:
+            w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
+            w = w - ratio * _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED)
+            store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
 
 @triton.jit
@@ -113,11 +219,6 @@ def _lamb_phase1(
 ):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
-    p_ptr = tensor_ptr(table, t, 2, p0, ROW)
-    g_ptr = tensor_ptr(table, t, 3, g0, ROW)
-    m_ptr = tensor_ptr(table, t, 4, m0, ROW)
-    v_ptr = tensor_ptr(table, t, 5, m0, ROW)
-    w_ptr = tensor_ptr(table, t, 6, w0, ROW)
     bc1, bc2 = _corrections(table, t, s0, b1_hi, b1_lo, b2_hi, b2_lo, BIAS, ROW)
     gn = to_acc(tl.load(gnorm_ptr), tl.float32)
     mx = join64(mx_hi, mx_lo)
@@ -126,24 +227,39 @@ def _lamb_phase1(
     inv = load_scale(inv_ptr, HAS_INV)
     w_sq = tl.zeros([BLOCK], dtype=tl.float64)
     u_sq = tl.zeros([BLOCK], dtype=tl.float64)
-    lanes = tl.arange(0, BLOCK)
-    for k in range(0, count, BLOCK):
-        offs = start + k + lanes
-        mask = k + lanes < count
-        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
-        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
-        g = tl.div_rn(g, clip)
-        if L2_WD:
-            g = g + wd * w
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + beta3 * g
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + one_m_b2 * g * g
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        u = tl.where(mask, _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED), 0.0)
-        w64 = w.to(tl.float64)
-        u64 = u.to(tl.float64)
-        w_sq += w64 * w64
-        u_sq += u64 * u64
+    ok = aligned(table, t, 2, 6, ROW)
+    for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
+        lo, hi = span(part, count, ok)
+        w_sq, u_sq = _phase1_span(
+            table,
+            t,
+            start,
+            lo,
+            hi,
+            p0,
+            g0,
+            m0,
+            w0,
+            inv,
+            clip,
+            bc1,
+            bc2,
+            beta1,
+            beta3,
+            beta2,
+            one_m_b2,
+            eps,
+            wd,
+            w_sq,
+            u_sq,
+            L2_WD,
+            DECOUPLED,
+            HAS_MASTER,
+            HAS_INV,
+            ROW,
+            BLOCK,
+            part == 0,
+        )
     c = tl.program_id(0)
     tl.store(partials + 2 * c, tl.sum(w_sq, axis=0))
     tl.store(partials + 2 * c + 1, tl.sum(u_sq, axis=0))
@@ -177,21 +293,36 @@ def _lamb_phase2(
 ):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
-    p_ptr = tensor_ptr(table, t, 2, p0, ROW)
-    m_ptr = tensor_ptr(table, t, 4, m0, ROW)
-    v_ptr = tensor_ptr(table, t, 5, m0, ROW)
-    w_ptr = tensor_ptr(table, t, 6, w0, ROW)
     bc1, bc2 = _corrections(table, t, s0, b1_hi, b1_lo, b2_hi, b2_lo, BIAS, ROW)
     ratio = _trust_ratio(sq, t, lr, TRUST)
-    lanes = tl.arange(0, BLOCK)
-    for k in range(0, count, BLOCK):
-        offs = start + k + lanes
-        mask = k + lanes < count
-        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        w = w - ratio * _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED)
-        store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
+    ok = aligned(table, t, 2, 6, ROW)
+    for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
+        lo, hi = span(part, count, ok)
+        _phase2_span(
+            table,
+            t,
+            start,
+            lo,
+            hi,
+            0,
+            p0,
+            m0,
+            w0,
+            w0,
+            ratio,
+            bc1,
+            bc2,
+            eps,
+            wd,
+            DECOUPLED,
+            HAS_MASTER,
+            False,
+            False,
+            6,
+            ROW,
+            BLOCK,
+            part == 0,
+        )
 
 
 def fused_lamb_(args) -> None:
@@ -321,22 +452,37 @@ def _lamb_bf16_phase2(
 ):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
-    p_ptr = tensor_ptr(table, t, 2, p0, ROW)
-    m_ptr = tensor_ptr(table, t, 4, m0, ROW)
-    v_ptr = tensor_ptr(table, t, 5, m0, ROW)
-    c_ptr = tensor_ptr(table, t, 8, c0, ROW)
     key = tl.load(keys + t).to(tl.uint32)
     bc1, bc2 = _corrections(table, t, s0, b1_hi, b1_lo, b2_hi, b2_lo, BIAS, ROW)
     ratio = _trust_ratio(sq, t, lr, TRUST)
-    lanes = tl.arange(0, BLOCK)
-    for k in range(0, count, BLOCK):
-        offs = start + k + lanes
-        mask = k + lanes < count
-        w = load_weight(p_ptr, p_ptr, offs, mask, False)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        x = w - ratio * _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED)
-        store_rounded(p_ptr, c_ptr, offs, x, mask, key, KAHAN)
+    ok = aligned(table, t, 2, 6, ROW) & aligned(table, t, 8, 8, ROW)  # (7: the steps)
+    for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
+        lo, hi = span(part, count, ok)
+        _phase2_span(
+            table,
+            t,
+            start,
+            lo,
+            hi,
+            key,
+            p0,
+            m0,
+            p0,
+            c0,
+            ratio,
+            bc1,
+            bc2,
+            eps,
+            wd,
+            DECOUPLED,
+            False,
+            True,
+            KAHAN,
+            8,
+            ROW,
+            BLOCK,
+            part == 0,
+        )
 
 
 def fused_lamb_bf16_(args) -> None:

@@ -12,7 +12,7 @@ import triton
 import triton.language as tl
 
 from mpnb.core.ops.triton._checks import check_same_device, guard_lists
-from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable, chunk_info, tensor_ptr
+from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable, chunk_info
 from mpnb.core.ops.triton._common import (
     acc_of,
     f32,
@@ -23,8 +23,38 @@ from mpnb.core.ops.triton._common import (
     raise_flag,
     to_acc,
 )
+from mpnb.core.ops.triton._vector import aligned, column_ptr, span, span_mask, span_start
 
 __all__ = ["multi_tensor_scale"]
+
+
+@triton.jit
+def _scale_span(
+    table,
+    t,
+    start,
+    lo,
+    hi,
+    s,
+    src0,
+    dst0,
+    bad,
+    ACC: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    # dst = src * s over the elements [lo, hi) of the chunk; returns the running inf/NaN lanes.
+    src = column_ptr(table, t, 2, src0, ROW, ALIGNED)
+    dst = column_ptr(table, t, 3, dst0, ROW, ALIGNED)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(span_start(lo, BLOCK), hi, BLOCK):
+        offs = start + k + lanes
+        m = span_mask(k, lanes, lo, hi)
+        x = to_acc(tl.load(src + offs, mask=m, other=0.0), ACC)
+        bad = bad | nonfinite(x)
+        tl.store(dst + offs, from_acc(x * s, dst0.dtype.element_ty), mask=m)
+    return bad
 
 
 @triton.jit
@@ -43,19 +73,14 @@ def _scale_kernel(
     BLOCK: tl.constexpr,
 ):
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
-    src = tensor_ptr(table, t, 2, src0, ROW)
-    dst = tensor_ptr(table, t, 3, dst0, ROW)
     s = tl.cast(scale, ACC)
     if HAS_ST:
         s = s * to_acc(tl.load(st_ptr), ACC)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
-    lanes = tl.arange(0, BLOCK)
-    for k in range(0, count, BLOCK):
-        offs = start + k + lanes
-        m = k + lanes < count
-        x = to_acc(tl.load(src + offs, mask=m, other=0.0), ACC)
-        bad = bad | nonfinite(x)
-        tl.store(dst + offs, from_acc(x * s, dst0.dtype.element_ty), mask=m)
+    ok = aligned(table, t, 2, 3, ROW)
+    for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
+        lo, hi = span(part, count, ok)
+        bad = _scale_span(table, t, start, lo, hi, s, src0, dst0, bad, ACC, ROW, BLOCK, part == 0)
     raise_flag(flag_ptr, tl.max(bad, axis=0))
 
 

@@ -19,7 +19,6 @@ from mpnb.core.ops.triton._chunks import (
     ChunkTable,
     chunk_info,
     tensor_col,
-    tensor_ptr,
 )
 from mpnb.core.ops.triton._common import f32, flag_view, from_acc, launch, to_acc
 from mpnb.core.ops.triton._optim import (
@@ -32,6 +31,7 @@ from mpnb.core.ops.triton._optim import (
     store_weight,
 )
 from mpnb.core.ops.triton._rounding import keys_of, store_rounded
+from mpnb.core.ops.triton._vector import aligned, column_ptr, span, span_mask, span_start
 
 __all__ = ["fused_sgd_", "fused_sgd_bf16_"]
 
@@ -90,6 +90,68 @@ def _direction(
 
 
 @triton.jit
+def _sgd_span(
+    table,
+    t,
+    start,
+    lo,
+    hi,
+    first_run,
+    p0,
+    g0,
+    b0,
+    w0,
+    inv,
+    neg_lr,
+    momentum,
+    mom_add,
+    one_m_damp,
+    wd,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    WD_AFTER: tl.constexpr,
+    HAS_MASTER: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    STEPWISE: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    # The update of the elements [lo, hi) of the chunk.
+    p_ptr = column_ptr(table, t, 3, p0, ROW, ALIGNED)
+    g_ptr = column_ptr(table, t, 4, g0, ROW, ALIGNED)
+    b_ptr = column_ptr(table, t, 5, b0, ROW, ALIGNED)
+    w_ptr = column_ptr(table, t, 6, w0, ROW, ALIGNED)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(span_start(lo, BLOCK), hi, BLOCK):
+        offs = start + k + lanes
+        mask = span_mask(k, lanes, lo, hi)
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
+        g = _direction(
+            g,
+            w,
+            b_ptr,
+            offs,
+            mask,
+            first_run,
+            momentum,
+            mom_add,
+            one_m_damp,
+            wd,
+            HAS_MOMENTUM,
+            NESTEROV,
+            HAS_WD,
+            WD_AFTER,
+            STEPWISE,
+            p0.dtype.element_ty,
+        )
+        w = w + neg_lr * g
+        store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
+
+
+@triton.jit
 def _sgd_kernel(
     table,
     n_tensors,
@@ -119,24 +181,23 @@ def _sgd_kernel(
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     count = count * not_found(found_ptr, HAS_FOUND)
     first_run = tensor_col(table, t, 0, ROW) != 0
-    p_ptr = tensor_ptr(table, t, 3, p0, ROW)
-    g_ptr = tensor_ptr(table, t, 4, g0, ROW)
-    b_ptr = tensor_ptr(table, t, 5, b0, ROW)
-    w_ptr = tensor_ptr(table, t, 6, w0, ROW)
     inv = load_scale(inv_ptr, HAS_INV)
-    lanes = tl.arange(0, BLOCK)
-    for k in range(0, count, BLOCK):
-        offs = start + k + lanes
-        mask = k + lanes < count
-        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
-        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
-        g = _direction(
-            g,
-            w,
-            b_ptr,
-            offs,
-            mask,
+    ok = aligned(table, t, 3, 6, ROW)
+    for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
+        lo, hi = span(part, count, ok)
+        _sgd_span(
+            table,
+            t,
+            start,
+            lo,
+            hi,
             first_run,
+            p0,
+            g0,
+            b0,
+            w0,
+            inv,
+            neg_lr,
             momentum,
             mom_add,
             one_m_damp,
@@ -145,11 +206,13 @@ def _sgd_kernel(
             NESTEROV,
             HAS_WD,
             WD_AFTER,
+            HAS_MASTER,
+            HAS_INV,
             STEPWISE,
-            p0.dtype.element_ty,
+            ROW,
+            BLOCK,
+            part == 0,
         )
-        w = w + neg_lr * g
-        store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
 
 
 def _momentum_columns(args, params: list) -> tuple[list, list[int]]:
@@ -227,6 +290,66 @@ def fused_sgd_(args) -> None:
 
 
 @triton.jit
+def _sgd_bf16_span(
+    table,
+    t,
+    start,
+    lo,
+    hi,
+    first_run,
+    key,
+    p0,
+    g0,
+    b0,
+    c0,
+    inv,
+    lr,
+    momentum,
+    one_m_damp,
+    wd,
+    HAS_MOMENTUM: tl.constexpr,
+    NESTEROV: tl.constexpr,
+    HAS_WD: tl.constexpr,
+    WD_AFTER: tl.constexpr,
+    KAHAN: tl.constexpr,
+    HAS_INV: tl.constexpr,
+    ROW: tl.constexpr,
+    BLOCK: tl.constexpr,
+    ALIGNED: tl.constexpr,
+):
+    # The update of the elements [lo, hi) of the chunk, rounded into the bf16 params.
+    p_ptr = column_ptr(table, t, 4, p0, ROW, ALIGNED)
+    g_ptr = column_ptr(table, t, 5, g0, ROW, ALIGNED)
+    b_ptr = column_ptr(table, t, 6, b0, ROW, ALIGNED)
+    c_ptr = column_ptr(table, t, 7, c0, ROW, ALIGNED)
+    lanes = tl.arange(0, BLOCK)
+    for k in range(span_start(lo, BLOCK), hi, BLOCK):
+        offs = start + k + lanes
+        mask = span_mask(k, lanes, lo, hi)
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
+        w = load_weight(p_ptr, p_ptr, offs, mask, False)
+        g = _direction(
+            g,
+            w,
+            b_ptr,
+            offs,
+            mask,
+            first_run,
+            momentum,
+            momentum,
+            one_m_damp,
+            wd,
+            HAS_MOMENTUM,
+            NESTEROV,
+            HAS_WD,
+            WD_AFTER,
+            False,
+            p0.dtype.element_ty,
+        )
+        store_rounded(p_ptr, c_ptr, offs, w - lr * g, mask, key, KAHAN)
+
+
+@triton.jit
 def _sgd_bf16_kernel(
     table,
     n_tensors,
@@ -255,25 +378,24 @@ def _sgd_bf16_kernel(
     count = count * not_found(found_ptr, HAS_FOUND)
     first_run = tensor_col(table, t, 0, ROW) != 0
     key = tensor_col(table, t, 1, ROW).to(tl.uint32)
-    p_ptr = tensor_ptr(table, t, 4, p0, ROW)
-    g_ptr = tensor_ptr(table, t, 5, g0, ROW)
-    b_ptr = tensor_ptr(table, t, 6, b0, ROW)
-    c_ptr = tensor_ptr(table, t, 7, c0, ROW)
     inv = load_scale(inv_ptr, HAS_INV)
-    lanes = tl.arange(0, BLOCK)
-    for k in range(0, count, BLOCK):
-        offs = start + k + lanes
-        mask = k + lanes < count
-        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
-        w = load_weight(p_ptr, p_ptr, offs, mask, False)
-        g = _direction(
-            g,
-            w,
-            b_ptr,
-            offs,
-            mask,
+    ok = aligned(table, t, 4, 7, ROW)
+    for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
+        lo, hi = span(part, count, ok)
+        _sgd_bf16_span(
+            table,
+            t,
+            start,
+            lo,
+            hi,
             first_run,
-            momentum,
+            key,
+            p0,
+            g0,
+            b0,
+            c0,
+            inv,
+            lr,
             momentum,
             one_m_damp,
             wd,
@@ -281,10 +403,12 @@ def _sgd_bf16_kernel(
             NESTEROV,
             HAS_WD,
             WD_AFTER,
-            False,
-            p0.dtype.element_ty,
+            KAHAN,
+            HAS_INV,
+            ROW,
+            BLOCK,
+            part == 0,
         )
-        store_rounded(p_ptr, c_ptr, offs, w - lr * g, mask, key, KAHAN)
 
 
 def fused_sgd_bf16_(args) -> None:

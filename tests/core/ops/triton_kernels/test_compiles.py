@@ -1,34 +1,61 @@
 """Every Triton kernel compiles for an H100 (sm_90) down to a cubin, on this GPU-less machine.
 
 The interpreter tests check what the kernels compute; this checks that the compiler accepts
-them (it refuses Python the interpreter runs). ``triton_aot.py`` runs in a process of its own,
-without ``TRITON_INTERPRET``, with a fresh Triton cache so that everything really compiles.
+them (it refuses Python the interpreter runs). ``triton_aot.py`` runs once, in a process of its
+own, without ``TRITON_INTERPRET``, with a fresh Triton cache so that everything really compiles;
+its ``--memory`` counts show that each list kernel's aligned span (``_vector.py``) compiles to
+16-byte loads and stores.
 """
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 HERE = Path(__file__).parent
 ROOT = HERE.parents[3]
 
 
-def test_kernels_compile_for_sm90(tmp_path):
+#: list kernel -> whether it writes (its PTX must then hold vector stores too)
+LIST_KERNELS = {
+    "_scale_kernel": True,
+    "_sumsq_kernel": False,
+    "_check_finite_kernel": False,
+    "_adam_kernel": True,
+    "_adam_bf16_kernel": True,
+    "_sgd_kernel": True,
+    "_sgd_bf16_kernel": True,
+    "_lamb_phase1": True,
+    "_lamb_phase2": True,
+    "_lamb_bf16_phase2": True,
+}
+
+
+@pytest.fixture(scope="module")
+def aot_sm90(tmp_path_factory) -> str:
+    """The output of ``triton_aot.py 90 --memory`` (it failed the test if a kernel did not
+    compile)."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["TRITON_CACHE_DIR"] = str(tmp_path)
+    env["TRITON_CACHE_DIR"] = str(tmp_path_factory.mktemp("triton_cache"))
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
     run = subprocess.run(
-        [sys.executable, str(HERE / "triton_aot.py"), "90"],
+        [sys.executable, str(HERE / "triton_aot.py"), "90", "--memory"],
         env=env,
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=900,
     )
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-6000:]
-    compiled = {line.split()[1] for line in run.stdout.splitlines() if line.startswith("sm_90 ")}
+    return run.stdout
+
+
+def test_kernels_compile_for_sm90(aot_sm90):
+    compiled = {line.split()[1] for line in aot_sm90.splitlines() if line.startswith("sm_90 ")}
     expected = {
         "_scale_kernel",
         "_sumsq_kernel",
@@ -51,3 +78,17 @@ def test_kernels_compile_for_sm90(tmp_path):
         "_check_finite_kernel",
     }
     assert expected <= compiled, sorted(expected - compiled)
+
+
+@pytest.mark.parametrize("name", list(LIST_KERNELS))
+def test_list_kernels_use_vector_accesses_on_sm90(aot_sm90, name):
+    counts = [
+        ast.literal_eval(line.split(" ", 2)[2])
+        for line in aot_sm90.splitlines()
+        if line.startswith(f"memory {name} ")
+    ]
+    assert counts, f"{name} was not compiled"
+    for ops in counts:  # every specialization compiled, each with its own counts
+        assert ops["ld.v"] > 0, (name, ops)
+        if LIST_KERNELS[name]:
+            assert ops["st.v"] > 0, (name, ops)

@@ -4,14 +4,17 @@ Triton's interpreter checks what a kernel computes, not that it compiles: it acc
 that the compiler refuses (a module constant read in a kernel, a float scalar's ``.to``...).
 This script compiles one specialization of every kernel for ``sm_<ARCH>`` down to a cubin
 (Triton's bundled ``ptxas``), launching nothing: a stand-in driver answers the device queries
-and every launch becomes a warm-up. Usage: ``python triton_aot.py [ARCH]`` (default 90);
-prints one line per kernel and exits non-zero on the first compile error.
+and every launch becomes a warm-up. Usage: ``python triton_aot.py [ARCH] [--memory]`` (default
+90); prints one line per kernel and exits non-zero on the first compile error. With
+``--memory`` it also prints, for each kernel not autotuned, a ``memory`` line: the global loads
+and stores in its PTX, by kind (:func:`memory_ops`).
 """
 
 from __future__ import annotations
 
 import importlib
 import os
+import re
 import sys
 import time
 
@@ -21,7 +24,9 @@ import torch  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.runtime import driver  # noqa: E402
 
-ARCH = int(sys.argv[1]) if len(sys.argv) > 1 else 90
+_ARGS = [a for a in sys.argv[1:] if not a.startswith("--")]
+ARCH = int(_ARGS[0]) if _ARGS else 90
+MEMORY = "--memory" in sys.argv[1:]
 MODULES = (
     "_chunks",
     "_optim",
@@ -56,6 +61,15 @@ class _CompileOnlyDriver:
         return True
 
 
+def memory_ops(ptx: str) -> dict[str, int]:
+    """Global loads and stores in ``ptx``, by kind: ``ld.v``/``st.v`` (vector), ``ld``/``st``."""
+    ops = re.findall(r"\b(ld|st)\.global(?:\.[a-z0-9]+)*?(\.v[248])?\.[a-z]+[0-9]+\b", ptx)
+    out = {"ld.v": 0, "ld": 0, "st.v": 0, "st": 0}
+    for kind, vec in ops:
+        out[kind + (".v" if vec else "")] += 1
+    return out
+
+
 def _warm_up(kernel, grid, *args, **kwargs):
     start = time.perf_counter()
     from triton.runtime.autotuner import Autotuner
@@ -63,7 +77,9 @@ def _warm_up(kernel, grid, *args, **kwargs):
     if isinstance(kernel, Autotuner):  # compile every config of the tuned set, not the first
         kernel.warmup(*args, grid=grid, enable_fp_fusion=False, **kwargs)
     else:
-        kernel.run(*args, grid=grid, warmup=True, enable_fp_fusion=False, **kwargs)
+        compiled = kernel.run(*args, grid=grid, warmup=True, enable_fp_fusion=False, **kwargs)
+        if MEMORY:
+            print(f"memory {kernel.fn.__name__} {memory_ops(compiled.asm['ptx'])}")
     flags = {k: v for k, v in kwargs.items() if k.isupper()}
     print(f"sm_{ARCH} {kernel.fn.__name__:22s} {time.perf_counter() - start:5.2f}s {flags}")
 
