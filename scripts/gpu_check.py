@@ -355,9 +355,22 @@ def _card_and_about() -> tuple[str, str, str]:
     ).stdout.strip()
     about = (
         f"{_dt.date.today()}: mpnb {mpnb.__version__} ({rev or 'no git'}), torch "
-        f"{torch.__version__} (CUDA {torch.version.cuda}), triton {tv}."
+        f"{torch.__version__} (CUDA {torch.version.cuda}), triton {tv}. {_block_scaled_line()}"
     )
     return card, about, rev
+
+
+def _block_scaled_line() -> str:
+    """Whether MXFP8 / MXFP4 / NVFP4 GEMMs go native on GPU 0 (on sm100+ this runs their
+    first-use checks: one small GEMM each)."""
+    from mpnb.core.fp8.blocked import NATIVE_MIN_CAPABILITY
+    from mpnb.core.fp8.gemm import block_scaled_status, device_capability
+
+    cap = device_capability("cuda:0")
+    if cap is None or cap < NATIVE_MIN_CAPABILITY:
+        return "Not sm100: native block-scaled GEMMs (MXFP8, MXFP4, NVFP4) not available here."
+    got = ", ".join(f"{f} {block_scaled_status('cuda:0', f)}" for f in ("mxfp8", "mxfp4", "nvfp4"))
+    return f"Block-scaled GEMMs after mpnb's first-use check: {got}."
 
 
 def _record_triton(out: Path, card: str) -> dict:

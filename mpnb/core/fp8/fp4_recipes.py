@@ -2,8 +2,9 @@
 
 Each GEMM of a :class:`~mpnb.core.fp8.linear.Float8Linear` gets its operands quantized along
 its contraction dim, as for the FP8 recipes, and runs as the emulated block-scaled GEMM of
-:func:`mpnb.core.fp8.fp4_gemm.fp4_mm` (no device runs FP4 ``scaled_mm`` here; mpnb does not call
-the sm100 path before it is verified on such a GPU). The ingredients, each switchable as
+:func:`mpnb.core.fp8.fp4_gemm.fp4_mm`, or natively in torch's FP4 ``scaled_mm`` on a CUDA
+device of capability 10.0+ (sm100) once a first-use check against the emulated GEMM passed
+(:func:`mpnb.core.fp8.gemm.scaled_mm_blocker`). The ingredients, each switchable as
 TransformerEngine's ``NVFP4BlockScaling`` switches them:
 
 * **2-D weight blocks** (``two_d``): the weight, in its forward and its ``dx`` GEMM, takes

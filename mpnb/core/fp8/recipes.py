@@ -201,8 +201,9 @@ class MXFP8BlockScaling(Float8Recipe):
       12.5% below its value (most blocks of a default ``nn.Linear(1024, n)`` weight clip:
       its values' bound, 1/32, is a power of two).
 
-    The GEMM is computed from the dequantized operands in float32 on every device (see
-    :mod:`mpnb.core.fp8.gemm`); a layer says so once with a ``Float8FallbackWarning``.
+    The GEMM runs in torch's block-scaled ``torch._scaled_mm`` on a CUDA device of capability
+    10.0+ (sm100) once a first-use check passed, else from the dequantized operands in float32
+    (see :mod:`mpnb.core.fp8.gemm`); a layer says so once with a ``Float8FallbackWarning``.
 
     Args:
         fp8_format: ``"e4m3"`` (default, as TransformerEngine's MXFP8) or ``"hybrid"``.
