@@ -21,9 +21,7 @@ python -W ignore -c "import torch; print('torch', torch.__version__)" 2>/dev/nul
 python -m pip install -q -e ".[${MPNB_EXTRAS:-dev}]" 2>&1 | grep -v "is ignored" |
   awk '/BuildBackendWarning: Editable installation/ {skip = 1} !skip {print} /with strategy, WheelFile/ {skip = 0}' || true
 python -c "import mpnb, ninja; print('mpnb', mpnb.__version__, 'installed')"
-# The docs' builder, a dev tool (scripts/test.sh runs `mkdocs build --strict`): mkdocs and
-# mkdocstrings' Python handler, nothing else; the reference pages are generated at build time.
+# The docs' builder comes with the dev extra (mpnb[docs]); the test script builds the docs.
 if [[ ",${MPNB_EXTRAS:-dev}," == *,dev,* ]]; then
-  python -m pip install -q "mkdocs>=1.6,<2" "mkdocstrings[python]>=0.26" 2>&1 | grep -v "is ignored" || true
   python -c "import mkdocs, mkdocstrings_handlers.python; print('mkdocs', mkdocs.__version__, 'installed')"
 fi

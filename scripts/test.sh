@@ -23,6 +23,12 @@ docs_site=$(mktemp -d)
 mkdocs build --strict -d "$docs_site"
 rm -rf "$docs_site"
 
+# The layers contract ([tool.importlinter] in pyproject.toml) and no import circle at module
+# level (scripts/import_cycles.py; an import inside a function carries its reason).
+echo "scripts/test.sh: lint-imports + import cycles"
+lint-imports --no-cache
+python scripts/import_cycles.py --module-level
+
 # pytest exit code 5 (nothing collected) is a failure, not a pass.
 run_pytest() {
   set +e

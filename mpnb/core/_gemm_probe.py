@@ -25,6 +25,8 @@ from dataclasses import dataclass
 
 import torch
 
+from mpnb.core.number_formats import format_of
+
 __all__ = ["GemmTiming", "probe_sizes", "time_gemms"]
 
 #: a timed run repeats the GEMM until it lasts this long (seconds); the fastest of _REPEATS
@@ -60,9 +62,6 @@ def probe_sizes(device_type: str, dtype: str) -> tuple[int, ...]:
 
 
 def _format(dtype: str):
-    # imported here: the table imports mpnb.core.fp8, which imports mpnb.core.hardware and this
-    from mpnb.core.number_formats import format_of
-
     return format_of(dtype)
 
 

@@ -17,13 +17,15 @@ from mpnb.core.hardware import (
 )
 from mpnb.core.number_formats import probed_formats
 from mpnb.core.ops import all_ops, cache_root, cpu_extension, kernels_loaded, op_path
+from mpnb.core.ops._build import _ninja
+from mpnb.core.ops._output_cache import ENV, env_problem, output_cache
+from mpnb.core.ops.adam import TORCH_ROUTE_ELEMS, TORCH_ROUTE_MEASURED, cpu_route
+from mpnb.core.ops.triton import LAUNCHERS, decision, triton_status
 
 __all__ = ["kernel_fallbacks", "report"]
 
 
 def _toolchain() -> list[str]:
-    from mpnb.core.ops._build import _ninja
-
     ninja = _ninja() or "NOT FOUND (pip install ninja)"
     cxx = cpu_extension().compiler()
     return [f"  ninja: {ninja}", f"  C++ compiler: {shutil.which(cxx) or f'{cxx} NOT FOUND'}"]
@@ -100,7 +102,6 @@ def kernel_fallbacks(device: str | torch.device = "cpu") -> list[str]:
 
 def _triton_lines() -> list[str]:
     """Whether our Triton kernels serve CUDA calls, and each kernel's measured decision."""
-    from mpnb.core.ops.triton import LAUNCHERS, decision, triton_status
 
     tri = triton_status()
     which = "every kernel (MPNB_TRITON=1)" if tri.opted_in else "the default ones"
@@ -117,7 +118,6 @@ def _triton_lines() -> list[str]:
 def _adam_route_lines() -> list[str]:
     """Which path ``fused_adam_`` takes on the CPU for fp32 params without masters, by tensor
     size: observed on each side of the threshold, with the measurement the threshold is from."""
-    from mpnb.core.ops.adam import TORCH_ROUTE_ELEMS, TORCH_ROUTE_MEASURED, cpu_route
 
     if not op_path("fused_adam_", "cpu").startswith("C++ kernel"):
         return []
@@ -136,7 +136,6 @@ def _adam_route_lines() -> list[str]:
 
 def _output_cache_lines() -> list[str]:
     """The C++ layer kernels' output cache: its limit, what it holds, and a bad setting."""
-    from mpnb.core.ops._output_cache import ENV, env_problem, output_cache
 
     if not kernels_loaded():
         return []

@@ -30,6 +30,7 @@ import torch
 __all__ = [
     "HALF_DTYPES",
     "HALF_NAMES",
+    "default_half_dtype",
     "half_dtype_name",
     "lookup",
     "parse_half_dtype",
@@ -101,6 +102,17 @@ def lookup(mapping: Mapping, dtype):
     )
 
 
+def default_half_dtype(device: str | torch.device = "cpu") -> torch.dtype:
+    """The half dtype mpnb picks when the user does not choose: fp16 on CUDA, bf16 on CPU.
+
+    Example::
+
+        >>> default_half_dtype("cpu")
+        torch.bfloat16
+    """
+    return torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16
+
+
 def parse_half_dtype(value, device="cpu", *, name: str = "half_dtype") -> torch.dtype:
     """``torch.float16``/``torch.bfloat16`` from a dtype or one of :data:`HALF_DTYPES`' names.
 
@@ -116,8 +128,6 @@ def parse_half_dtype(value, device="cpu", *, name: str = "half_dtype") -> torch.
         torch.bfloat16
     """
     if value is None or value == "auto":
-        from mpnb.core.hardware import default_half_dtype
-
         return default_half_dtype(device)
     dtype = HALF_DTYPES.get(value, value) if isinstance(value, str) else value
     if dtype not in (torch.float16, torch.bfloat16):

@@ -21,7 +21,11 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from mpnb.core._gemm_probe import GemmTiming, time_gemms
-from mpnb.core.dtype_names import HALF_NAMES, lookup, short_name, torch_name
+
+# default_half_dtype is re-exported: a naming fact, not a probe, so it lives in dtype_names
+from mpnb.core.dtype_names import HALF_NAMES, default_half_dtype, lookup, short_name, torch_name
+from mpnb.core.number_formats import format_of
+from mpnb.core.number_formats import native_min_speeds as _table_speeds
 
 __all__ = [
     "CpuInfo",
@@ -122,17 +126,13 @@ class DtypeSupport:
 #: Derived, read-only, from :data:`mpnb.core.number_formats.FORMATS` (each row's
 #: ``native_min_speed``, keyed by its probe's dtype): a registered format appears here.
 def _format(dtype: str):
-    # imported here: the table imports mpnb.core.fp8, whose GEMM module imports this one
-    from mpnb.core.number_formats import format_of
-
     return format_of(dtype)
 
 
 def native_min_speeds() -> dict[str, float]:
     """Doctor's key -> native threshold, read from the table now (see NATIVE_MIN_SPEED)."""
-    from mpnb.core.number_formats import native_min_speeds as speeds  # see _format
 
-    return speeds()
+    return _table_speeds()
 
 
 class _NativeMinSpeed(Mapping):
@@ -352,8 +352,3 @@ def cuda_info(index: int = 0) -> dict | None:
         "tensor_cores": cap >= (7, 0),
         "bf16": cap >= (8, 0),
     }
-
-
-def default_half_dtype(device: str | torch.device = "cpu") -> torch.dtype:
-    """The half dtype mpnb picks when the user does not choose: fp16 on CUDA, bf16 on CPU."""
-    return torch.float16 if torch.device(device).type == "cuda" else torch.bfloat16

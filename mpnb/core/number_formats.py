@@ -23,10 +23,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mpnb.core.fp8.formats import E4M3, E5M2, fp8_max
-from mpnb.core.fp8.fp4 import E2M1_GRID, E2M1_MAX
-
 __all__ = [
+    "E2M1_GRID",
+    "E2M1_MAX",
     "FORMATS",
     "GemmProbe",
     "NumberFormat",
@@ -178,7 +177,14 @@ class NumberFormat:
         return fn(x, *args, **kwargs)
 
 
+#: FP4 E2M1's element set (OCP MX spec 5.3.3), which torch has no dtype for: the largest
+#: magnitude and the magnitudes of codes 0..7. Defined in the table, the lowest layer that
+#: names formats; :mod:`mpnb.core.fp8.fp4` quantizes to it.
+E2M1_MAX = 6.0
+E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
 _FP8 = ("float8_e4m3fn", "float8_e5m2")
+_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448
 _E8M0 = "float8_e8m0fnu"
 _E2M1 = tuple(-v for v in reversed(E2M1_GRID[1:])) + E2M1_GRID  # every E2M1 value
 _FP4_DIVERGE = (
@@ -232,7 +238,7 @@ FORMATS: dict[str, NumberFormat] = {
             "fp8",
             "float8 E4M3 (forward) / E5M2 (gradients), per-tensor or rowwise scales",
             _FP8,
-            element_max=fp8_max(E4M3),
+            element_max=_E4M3_MAX,
             scale="per tensor or per row, float32",
             probe=GemmProbe("float8_e4m3fn", op="scaled_mm", cpu_sizes=(16, 128)),
             native_min_speed=1.0,
@@ -250,7 +256,7 @@ FORMATS: dict[str, NumberFormat] = {
             "mxfp8",
             "MXFP8: float8 elements, one E8M0 power-of-two scale per 32",
             _FP8,
-            element_max=fp8_max(E4M3),
+            element_max=_E4M3_MAX,
             block=32,
             scale="E8M0 per 32 elements",
             scale_dtype=_E8M0,
@@ -298,7 +304,6 @@ FORMATS: dict[str, NumberFormat] = {
         ),
     )
 }
-assert E5M2 is torch.float8_e5m2  # the FP8 rows' dtype names are formats.py's dtypes
 
 
 def register_format(fmt: NumberFormat) -> NumberFormat:

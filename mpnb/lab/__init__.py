@@ -36,7 +36,7 @@ import importlib
 # `import mpnb.lab.bench` (and `mpnb bench --list`) does not import pandas or plotly.
 _LAZY = {
     "compare": "runner",
-    "hardware_summary": "runner",
+    "hardware_summary": "machine",
     "verdict": "verdict",
     "accuracy": "workloads",
     "transformers_workload": "hf",

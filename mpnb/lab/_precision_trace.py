@@ -31,6 +31,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 from torch.utils.flop_counter import flop_registry
 
+from mpnb.core import amp
+
 __all__ = ["ModuleTracker", "ApiMode", "OpMode", "Call", "OpFacts", "autocast_policy"]
 
 _HALVES = (torch.float16, torch.bfloat16)
@@ -43,8 +45,6 @@ CAST_APIS = frozenset(
 
 
 def _amp_wrapper_code():
-    from mpnb.core import amp
-
     return amp.half_function(lambda: None).__code__  # the code of every amp cast wrapper
 
 

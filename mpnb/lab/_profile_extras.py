@@ -19,14 +19,16 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 
+from mpnb.core.amp import half_dtype_name
 from mpnb.core.precision_configs import BASELINE
+from mpnb.lab import workloads
+from mpnb.lab._data import batch_len
 
 __all__ = ["Extras"]
 
 
 def _memory_frame(model, x, loss_fn, opt_levels, half, optimizer, lr, device) -> pd.DataFrame:
-    from mpnb.lab import workloads
-    from mpnb.lab._data import batch_len
+    # the runner on first use: +370 ms to importing mpnb.lab.profiling
     from mpnb.lab.runner import compare
 
     n = batch_len(x)
@@ -85,7 +87,7 @@ class Extras:
 
     def run(self, model, x, loss_fn, half: torch.dtype, optimizer, lr, device, step) -> None:
         """Run each extra asked for; ``step(what, done)`` before each one."""
-        from mpnb.core.amp import half_dtype_name
+        # the tracers on first use: +400 ms to importing mpnb.lab.profiling
         from mpnb.lab.diagnosis import trace_overflow
         from mpnb.lab.precision_trace import trace_precision
 

@@ -57,6 +57,7 @@ def warm_up_step(step, x, y, loss_fn, forward, device) -> tuple[float, str]:
         CompileError: the compile failed, overran the budget or kept recompiling; the message
             names the cause and the fix.
     """
+    # torch.compile's helpers when a run compiles: +220 ms to importing the trainer
     from mpnb.lab.bench._compile import failure, warm_up
 
     kind = type(step.module)
@@ -95,12 +96,14 @@ class CompileWatch:
 
     def start(self) -> None:
         """Note the compile counters now."""
+        # see warm_up_step: +220 ms to importing the trainer
         from mpnb.lab.bench._compile import compile_events
 
         self._before = compile_events()
 
     def compiled(self) -> bool:
         """True when something compiled since :meth:`start`."""
+        # see warm_up_step: +220 ms to importing the trainer
         from mpnb.lab.bench._compile import compile_events
 
         return self._before is not None and compile_events() != self._before

@@ -86,6 +86,7 @@ def _checked(parse, check):
 
 def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``compare`` subcommand to ``sub`` (an argparse subparsers object)."""
+    # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     from mpnb.core.precision_configs import COMPILE_BUDGET_S, DEFAULT_CONFIGS, config_names
     from mpnb.lab.config import DEFAULT_OPTIMIZER, OPTIMIZERS, check_batch_sizes, check_steps
     from mpnb.lab.workloads import GPU_SIZE, SIZES, names
@@ -187,6 +188,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         help="print only JSON on stdout (hardware, load, verdict, rows); messages go to stderr",
     )
     p.add_argument("--no-progress", action="store_true")
+    # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     from mpnb.lab.distributed._cli import add_arguments
 
     add_arguments(p, standalone=False)  # --ranks, --strategy, --timeout
@@ -271,6 +273,7 @@ def _with_graphs(args: argparse.Namespace, device: str):
             f"--cuda-graphs captures each step in a CUDA graph, which needs a CUDA GPU (the run "
             f"is on {device}); pass --device cuda, or drop --cuda-graphs."
         )
+    # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     from mpnb.core.precision_configs import default_configs, with_cuda_graphs
 
     return with_cuda_graphs(args.configs or default_configs(device))
@@ -282,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
     With ``--json`` stdout carries exactly one JSON document; every message (progress,
     the emulation note, the report path) goes to stderr.
     """
+    # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     import mpnb.lab
     from mpnb.lab.runner import emulation_note, resolve_device
     from mpnb.lab.workloads import get
@@ -390,6 +394,7 @@ _NOT_WITH_RANKS = (
 def _run_distributed(args: argparse.Namespace) -> int:
     """``mpnb compare --ranks N``: the distributed comparison's table, and its rows in ``--out``
     (.csv or .json); the flags it cannot use are refused before anything runs."""
+    # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     import mpnb.lab
     from mpnb.lab.distributed._cli import check_out, show
 
@@ -431,6 +436,7 @@ def _run_distributed(args: argparse.Namespace) -> int:
 
 def _stopped(what) -> str:
     """``"interrupted (Ctrl-C)"`` or ``"terminated (SIGTERM)"`` for a label or an exception."""
+    # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     from mpnb.lab._isolate import stop_label
 
     label = stop_label(what) if isinstance(what, BaseException) else what

@@ -29,6 +29,7 @@ from torch.utils._pytree import tree_flatten
 
 from mpnb.core.dtype_names import short_name
 from mpnb.lab._train import forward
+from mpnb.lab.workloads import default_loss
 
 __all__ = ["TraceResult", "trace_overflow", "UnderflowReport", "underflow_report"]
 
@@ -176,9 +177,7 @@ def trace_overflow(
         >>> r.module
         '1'
     """
-    from mpnb.lab.profiling import _default_loss
-
-    loss_fn = loss_fn or _default_loss
+    loss_fn = loss_fn or default_loss
     fi = torch.finfo(dtype)
     ref = pd.DataFrame(_run(copy.deepcopy(model).float(), inputs, loss_fn, None))
     half = copy.deepcopy(model).to(dtype)
@@ -280,11 +279,9 @@ def underflow_report(
         >>> r = underflow_report(model, x, dtype=torch.float16, loss_scale=(1.0, 2.0**16))
         >>> r.summary       # flushed share drops as the scale grows
     """
-    from mpnb.lab.profiling import _default_loss
-
     m = copy.deepcopy(model).float()
     m.zero_grad(set_to_none=True)
-    (loss_fn or _default_loss)(forward(m, inputs)).float().backward()
+    (loss_fn or default_loss)(forward(m, inputs)).float().backward()
     grads = [(n, p.grad.detach()) for n, p in m.named_parameters() if p.grad is not None]
     scales = [float(loss_scale)] if isinstance(loss_scale, (int, float)) else list(loss_scale)
     rows = [dict(param=n, loss_scale=s, **_shares(g, s, dtype)) for s in scales for n, g in grads]

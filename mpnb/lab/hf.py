@@ -23,7 +23,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.data import Dataset
 
-from mpnb.lab.workloads import Workload
+from mpnb.lab.workloads import Workload, custom
 
 __all__ = ["transformers_workload", "hf_loss", "hf_accuracy", "DictDataset"]
 
@@ -151,7 +151,6 @@ def transformers_workload(
         >>> mpnb.lab.compare(w, configs=("O0", "O1"))
     """
     causal = _is_causal(model_fn) if causal is None else causal
-    from mpnb.lab.workloads import custom
 
     return custom(
         model_fn,

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import pandas as pd
 import torch
 
+from mpnb.core.fp8.keep import KeepList, find_blocks, linear_layers
 from mpnb.core.precision_configs import BASELINE, KEEP_CONFIGS, PrecisionConfig, get_config
 from mpnb.lab.config import resolve_device
 from mpnb.lab.runner import _workload, compare
@@ -88,7 +89,6 @@ def _counts(last, n_blocks: int) -> list[int]:
 def _plan(w, bases: list[str], last, head: bool) -> tuple[list[dict], int]:
     """One entry per (configuration, N): its name, N and share kept, checked on one fresh model
     before anything trains (an N beyond the block count is refused here)."""
-    from mpnb.core.fp8.keep import KeepList, find_blocks, linear_layers
 
     model = w.model_fn()
     found = find_blocks(model)
@@ -138,6 +138,7 @@ def _rows(df: pd.DataFrame, plan: list[dict]) -> pd.DataFrame:
 def _figure(sweep: pd.DataFrame, df: pd.DataFrame):
     """Final loss against the share of linear layers kept: one line per configuration (and
     batch size), O0's loss as a dashed line."""
+    # optional: plotly comes with the notebook extra
     import plotly.graph_objects as go
 
     fig = go.Figure()

@@ -42,14 +42,15 @@ from typing import NamedTuple
 import pandas as pd
 import torch
 
-from mpnb.core.dtype_names import torch_name
+from mpnb.core import amp
+from mpnb.core.amp import preserve_current_handle
+from mpnb.core.dtype_names import default_half_dtype, torch_name
 from mpnb.core.fp8 import Float8Linear
-from mpnb.core.hardware import default_half_dtype
 from mpnb.core.number_formats import format_named, is_block_scale, is_scaled
 from mpnb.core.precision_configs import PrecisionConfig, get_config
 from mpnb.lab._precision_trace import CAST_APIS, ApiMode, ModuleTracker, OpMode, autocast_policy
 from mpnb.lab._train import forward
-from mpnb.lab.workloads import logits_of
+from mpnb.lab.workloads import default_loss
 
 __all__ = ["trace_precision", "PrecisionTrace", "PrecisionSummary", "REASONS", "COLUMNS"]
 
@@ -325,6 +326,14 @@ def _share(df: pd.DataFrame, by: str, cols=("flops", "bytes")) -> pd.DataFrame:
     return g.sort_values(list(cols)[0], ascending=False).reset_index()
 
 
+def _block_scaled_emulated(cfg: PrecisionConfig, device: str) -> bool:
+    """True for a block-scaled recipe whose GEMMs run emulated on ``device`` (the decision of
+    :meth:`Float8Config.status <mpnb.core.precision_configs.Float8Config.status>`)."""
+    return bool(getattr(cfg, "gemm_emulated", False)) and cfg.status("fp8", None, device) == (
+        "emulated"
+    )
+
+
 def _summary(ops: pd.DataFrame, cfg: PrecisionConfig, half: str, device: str) -> PrecisionSummary:
     work = ops[(ops["kind"] != "view") & (ops["dtype"] != "-")]
     # an mpnb.fp8 layer's own float32 math (amax, scales, an emulated GEMM) did not "stay"
@@ -355,15 +364,9 @@ def _summary(ops: pd.DataFrame, cfg: PrecisionConfig, half: str, device: str) ->
         by_dtype=_share(work, "dtype"),
         by_reason=_share(ops, "reason", ("flops",)),
         fp32_ops=fp32,
-        fp8_emulated=bool(has_fp8 and (device == "cpu" or getattr(cfg, "gemm_emulated", False))),
+        fp8_emulated=bool(has_fp8 and (device == "cpu" or _block_scaled_emulated(cfg, device))),
         scaled_format=scaled_format_label(cfg) if has_fp8 else "",
     )
-
-
-def _default_loss(out) -> torch.Tensor:
-    """Mean of the squared float32 logits, found in any output as ``compare`` finds them (a
-    tensor, a tuple's first tensor, ``out["logits"]``, ``out.logits``)."""
-    return logits_of(out).float().pow(2).mean()
 
 
 def trace_precision(
@@ -395,7 +398,6 @@ def trace_precision(
         >>> ops, summary = trace_precision(model, x, "O1")
         >>> ops[(ops.phase == "forward") & (ops.op == "addmm")][["module", "dtype", "reason"]]
     """
-    from mpnb.core.amp import preserve_current_handle
 
     cfg = get_config(config)
     p = next(model.parameters(), None)
@@ -410,7 +412,7 @@ def trace_precision(
     half = cfg.half_dtype(half_dtype, device)  # None: the configuration uses no half dtype
     with preserve_current_handle():  # amp.initialize on the copy keeps the user's handle
         facts, policies, op_policies = _trace(
-            model, inputs, cfg, loss_fn or _default_loss, half, device
+            model, inputs, cfg, loss_fn or default_loss, half, device
         )
     half_name = torch_name(half) if half is not None else "-"
     ops = pd.DataFrame(_rows(facts, policies, op_policies, half_name, cfg), columns=COLUMNS)
@@ -418,8 +420,6 @@ def trace_precision(
 
 
 def _trace(model, inputs, cfg, loss_fn, half, device):
-    from mpnb.core import amp
-
     work = copy.deepcopy(model)
     # never stepped; the optimizer the configuration needs (bf16-pure+sr: a FusedSGD with
     # stochastic rounding), as compare builds it

@@ -42,6 +42,7 @@ import torch
 from torch.utils import benchmark
 from torch.utils.flop_counter import FlopCounterMode
 
+from mpnb import amp
 from mpnb.core.dtype_names import parse_half_dtype
 from mpnb.core.opt_levels import OPT_LEVEL_NAMES, parse_opt_level
 from mpnb.core.precision_configs import get_config
@@ -49,7 +50,9 @@ from mpnb.lab._errors import describe_error
 from mpnb.lab._profile_extras import Extras
 from mpnb.lab._train import forward, to_device
 from mpnb.lab.config import resolve_device
+from mpnb.lab.runner import load_record
 from mpnb.lab.stats import loadavg, median, torch_threads
+from mpnb.lab.workloads import default_loss
 
 __all__ = ["ProfileResult", "profile", "PHASES"]
 
@@ -106,13 +109,6 @@ class ProfileResult:
         return str(path)
 
 
-def _default_loss(out) -> torch.Tensor:
-    """Mean of the squared float32 logits of any output form (tensor, tuple, dict, dataclass)."""
-    from mpnb.lab.workloads import logits_of
-
-    return logits_of(out).float().pow(2).mean()
-
-
 class _Level:
     """One opt level's copy of the model, its optimizer, scaler and a timed step."""
 
@@ -126,8 +122,6 @@ class _Level:
             self.model, self.opt = pc.apply(self.model, opt, half)
 
     def step(self, x, loss_fn) -> dict[str, float]:
-        from mpnb import amp
-
         clock = benchmark.timer
         self.opt.zero_grad(set_to_none=True)
         t0 = clock()
@@ -206,6 +200,7 @@ def _flops(lv: _Level, x, loss_fn) -> int:
 
 
 def _op_table(lv: _Level, x, loss_fn, top: int):
+    # torch.profiler only when a trace is recorded
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -318,7 +313,7 @@ def profile(
     extras = Extras(memory, trace, precision, levels)
     total = len(levels) + extras.count
     progress = on_progress or (lambda what, done, n: None)
-    loss_fn = loss_fn or _default_loss
+    loss_fn = loss_fn or default_loss
     with torch_threads(threads):
         result = _profile(
             model,
@@ -368,7 +363,6 @@ def _profile(
 ) -> ProfileResult:
     """The levels' phases, modules, FLOPs and ops (what :func:`profile` always measures);
     ``step(level, done)`` is called before each level."""
-    from mpnb.lab.runner import load_record
 
     x = to_device(example_inputs, dev)
     phases, modules, flops, ops, errors, traces = [], [], [], [], {}, {}

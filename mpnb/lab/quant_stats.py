@@ -21,19 +21,15 @@ import warnings
 
 import torch
 
+from mpnb.core.amp import preserve_current_handle
 from mpnb.core.fp8 import Float8Recipe, collect_quant_stats
 from mpnb.core.fp8.recipes import RECIPES
 from mpnb.core.fp8.stats import QuantStats
 from mpnb.core.precision_configs import PrecisionConfig, get_config
 from mpnb.lab._train import forward
-from mpnb.lab.workloads import logits_of
+from mpnb.lab.workloads import default_loss
 
 __all__ = ["quant_stats"]
-
-
-def _default_loss(out) -> torch.Tensor:
-    """Mean of the squared float32 logits (as :func:`mpnb.lab.trace_precision`)."""
-    return logits_of(out).float().pow(2).mean()
 
 
 def _what_if_recipe(what_if):
@@ -88,7 +84,6 @@ def quant_stats(
         ValueError: ``what_if`` with a configuration that already converts the layers, a
             model without linear layers, an unknown recipe (each names the fix).
     """
-    from mpnb.core.amp import preserve_current_handle
 
     cfg = get_config(config)
     rec = _what_if_recipe(what_if)
@@ -117,7 +112,7 @@ def quant_stats(
                 step.zero_grad()
                 with step.forward_context(), warnings.catch_warnings():
                     warnings.simplefilter("ignore")
-                    loss = (loss_fn or _default_loss)(forward(step.model, inputs))
+                    loss = (loss_fn or default_loss)(forward(step.model, inputs))
                 step.backward(loss)
         finally:
             step.close()

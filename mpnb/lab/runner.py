@@ -17,7 +17,6 @@ was measured and say where they were interrupted.
 from __future__ import annotations
 
 import math
-import os
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -26,17 +25,25 @@ import pandas as pd
 import torch
 
 from mpnb.core.doctor import kernel_fallbacks
-from mpnb.core.dtype_names import HALF_NAMES, torch_name
-from mpnb.core.hardware import cpu_info, cuda_info, dtype_support, half_support
-from mpnb.core.number_formats import format_named
+from mpnb.core.dtype_names import HALF_NAMES
+from mpnb.core.hardware import dtype_support
 from mpnb.core.precision_configs import DEFAULT_OPTIMIZER, default_configs, get_config
 from mpnb.lab import workloads as _workloads
 from mpnb.lab._data import is_data
 from mpnb.lab._isolate import StopSignals, run_isolated, sigterm_interrupts, stop_label
 from mpnb.lab._rows import COLUMNS, frames, join_warnings
 from mpnb.lab._train import RunResult, Trainer
-from mpnb.lab.config import RunConfig, check_steps, configs_argument, expand, resolve_device
+from mpnb.lab.config import (
+    RunConfig,
+    check_steps,
+    configs_argument,
+    expand,
+    half_name,
+    resolve_device,
+)
+from mpnb.lab.machine import fp8_support, hardware_summary
 from mpnb.lab.stats import loadavg, torch_threads
+from mpnb.lab.story import run_note
 from mpnb.lab.verdict import TOLERANCE, verdict
 
 __all__ = [
@@ -55,52 +62,6 @@ __all__ = [
 DISTRIBUTED_OPTIMIZER = "adam"
 
 
-def fp8_support(device: str = "cpu") -> str:
-    """``"native"`` where ``device`` runs FP8 GEMMs faster than fp32 in this process
-    (:func:`mpnb.core.hardware.dtype_support`: measured ``torch._scaled_mm``), else
-    ``"emulated"``: FP8 numerics computed with wider arithmetic, slower than fp32.
-
-    MXFP8's GEMM is emulated on every device (its configuration's ``status``); the rows say so.
-
-    Example::
-
-        >>> fp8_support("cpu")
-        'emulated'
-    """
-    native = dtype_support(device)[format_named("fp8").probe.dtype].status == "native"
-    return "native" if native else "emulated"
-
-
-def hardware_summary(device: str = "cpu") -> dict:
-    """What the runs ran on: device, CPU/GPU model, threads, torch, native/emulated halves.
-
-    Example::
-
-        >>> hardware_summary("cpu")["bf16"]
-        'emulated'
-    """
-    cpu, hs = cpu_info(), half_support(device)
-    load = loadavg() or [math.nan]
-    out = {
-        "device": device,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "cpus": os.cpu_count(),
-        "load_avg": load[0],
-        "cpu": cpu.model,
-        "isa": cpu.isa,
-        **{h: hs[torch_name(h)] for h in HALF_NAMES},
-        "fp8": fp8_support(device),
-    }
-    if torch.device(device).type == "cuda":
-        out["gpu"] = cuda_info(torch.device(device).index or 0)
-        name = out["gpu"]["name"]
-    else:
-        name = f"{cpu.model} ({cpu.isa}, {out['threads']} threads)"
-    out["summary"] = f"{name}; bf16 {hs['bfloat16']}, fp16 {hs['float16']}, fp8 {out['fp8']}"
-    return out
-
-
 def emulation_note(w, half_dtype="auto", device="auto", configs=None) -> str:
     """One line when a dtype the ``configs`` run in (``half_dtype`` for the O levels, the
     configurations' own otherwise) is emulated on ``device``: what that costs, and the size.
@@ -110,7 +71,6 @@ def emulation_note(w, half_dtype="auto", device="auto", configs=None) -> str:
         >>> emulation_note(workloads.get("transformer"), "bf16", "cpu")
         'bf16 is emulated on this CPU: ...'
     """
-    from mpnb.lab.config import half_name
 
     dev = resolve_device(device)
     halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)
@@ -118,9 +78,8 @@ def emulation_note(w, half_dtype="auto", device="auto", configs=None) -> str:
     facts = dtype_support(dev)
     picked = configs or default_configs(dev)
     runs = [(pc, d) for pc in map(get_config, picked) for d in pc.halves(names)]
-    found = dict.fromkeys(d for pc, d in runs if pc.status(d, facts) == "emulated")
+    found = dict.fromkeys(d for pc, d in runs if pc.status(d, facts, dev) == "emulated")
     emulated = [d for d in found if d in HALF_NAMES] + [d for d in found if d not in HALF_NAMES]
-    from mpnb.lab.story import run_note
 
     return run_note(emulated, dev, getattr(w, "size", "") or "")
 
@@ -156,6 +115,7 @@ class _Progress:
         self.bar = None
         if bar:
             try:
+                # optional: tqdm comes with the notebook extra
                 from tqdm.auto import tqdm
 
                 self.bar = tqdm(
@@ -420,6 +380,7 @@ def compare(
         check_steps(steps)
     w = _workload(workload, data, loss_fn, metric_fn, eval_data, size, dev)
     if distributed:
+        # the distributed comparison only with ranks=N: +150 ms to importing the runner
         from mpnb.lab.distributed._compare import compare_distributed
 
         if batch_sizes is not None and len(tuple(batch_sizes)) != 1:

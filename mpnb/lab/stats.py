@@ -112,6 +112,7 @@ def torch_threads(n: int | None) -> Iterator[None]:
         ...     torch.get_num_threads()
         1
     """
+    # this module imports no torch at module level (see its docstring)
     import torch
 
     if n is not None and (not isinstance(n, int) or isinstance(n, bool) or n < 1):

@@ -39,7 +39,7 @@ from collections.abc import Mapping, Sequence
 import pandas as pd
 
 from mpnb.core.dtype_names import HALF_NAMES, lookup, short_name
-from mpnb.core.hardware import status_of
+from mpnb.core.hardware import dtype_support, status_of
 from mpnb.core.number_formats import NumberFormat, format_of
 from mpnb.core.precision_configs import config_names, get_config
 
@@ -76,7 +76,6 @@ def facts(device: str = "cpu") -> dict:
     Returns :func:`mpnb.core.hardware.dtype_support`: ``{"bfloat16": DtypeSupport, "float16":
     ..., "float8_e4m3fn": ...}``, each with ``status``, ``speed_vs_fp32`` and ``reason``.
     """
-    from mpnb.core.hardware import dtype_support
 
     return dtype_support(device)
 

@@ -29,8 +29,11 @@ from torch.utils import benchmark
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves, tree_map
 
+from mpnb.core.hardware import cuda_info
 from mpnb.lab._train import forward
+from mpnb.lab.runner import load_record
 from mpnb.lab.stats import loadavg, median, median_ci, per_round_ratios
+from mpnb.lab.workloads import default_loss
 
 __all__ = ["ShapeReport", "gemm_shapes", "OverheadReport", "step_overhead", "overhead_share"]
 
@@ -128,7 +131,6 @@ def gemm_shapes(
         >>> r = gemm_shapes(nn.Linear(100, 1001), torch.randn(64, 100))
         >>> r.misaligned[["module", "m", "n", "k", "pad"]]   # n=1001->1008, k=100->104
     """
-    from mpnb.core.hardware import cuda_info
 
     q = multiple or max(1, 16 // torch.empty(0, dtype=dtype).element_size())
     copy_ = copy.deepcopy(model)
@@ -275,12 +277,10 @@ def step_overhead(
         >>> r.bound, r.share > 0.5
         ('overhead', True)
     """
-    from mpnb.lab.profiling import _default_loss
-    from mpnb.lab.runner import load_record
 
     batch = _batch_of(inputs)
     overhead_share(1.0, factor)  # validates factor before anything runs
-    loss_fn = loss_fn or _default_loss
+    loss_fn = loss_fn or default_loss
     m = copy.deepcopy(model)
     p = next(m.parameters(), None)
     dev = p.device if p is not None else torch.device("cpu")

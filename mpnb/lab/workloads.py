@@ -30,12 +30,13 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
 from mpnb.lab._data import Batch, DataSource, first_batches
+from mpnb.lab.gpu_sizing import GpuSpec, gpu_plans
 
 __all__ = [
     "Workload",
@@ -43,6 +44,7 @@ __all__ = [
     "get",
     "names",
     "accuracy",
+    "default_loss",
     "logits_of",
     "SIZES",
     "GPU_SIZE",
@@ -75,6 +77,18 @@ def logits_of(output):
         "metric_fn=(output, target) -> float that read your model's output, or return the "
         "logits."
     )
+
+
+def default_loss(output) -> torch.Tensor:
+    """The loss the lab's tools use when given none: the mean of the squared float32 logits
+    (:func:`logits_of`), so any output form (tensor, tuple, dict, dataclass) has one.
+
+    Example::
+
+        >>> default_loss(torch.ones(2, 3))
+        tensor(1.)
+    """
+    return logits_of(output).float().pow(2).mean()
 
 
 def accuracy(output, target: torch.Tensor) -> float:
@@ -226,8 +240,6 @@ def custom(
 
 
 def _replace(w: Workload, **kw) -> Workload:
-    from dataclasses import replace
-
     return replace(w, **kw)
 
 
@@ -296,7 +308,6 @@ def size_spec(name: str, size: str, device: str = "cpu") -> dict:
     """
     if size != GPU_SIZE:
         return SIZES_SPEC[name][size]
-    from mpnb.lab.gpu_sizing import GpuSpec, gpu_plans
 
     if not torch.cuda.is_available():
         raise ValueError(
@@ -308,6 +319,7 @@ def size_spec(name: str, size: str, device: str = "cpu") -> dict:
 
 
 def _digits(scale: int, seed: int = 0):
+    # optional: scikit-learn, +1.4 s to import
     from sklearn.datasets import load_digits
 
     d = load_digits()
@@ -394,6 +406,7 @@ def _image_workload(name: str, size: str, device: str) -> Workload:
 
 
 def _lm_workload(size: str, device: str) -> Workload:
+    # the text workload on first use: +155 ms to importing the workloads
     from mpnb.lab._text import VOCAB, TinyLM, generate_tokens, lm_sequences
 
     s = size_spec("transformer", size, device)

@@ -16,8 +16,7 @@ import ipywidgets as w
 import torch
 
 from mpnb.core.amp import LossScaleRule
-from mpnb.core.dtype_names import HALF_NAMES, short_name
-from mpnb.core.hardware import default_half_dtype
+from mpnb.core.dtype_names import HALF_NAMES, default_half_dtype, short_name
 from mpnb.core.precision_configs import (
     DEFAULT_CONFIGS,
     OPTIMIZERS,
@@ -25,6 +24,7 @@ from mpnb.core.precision_configs import (
     config_names,
     distributed_names,
 )
+from mpnb.lab import workloads
 from mpnb.widgets._common import half_status_label, hardware_html
 
 __all__ = ["ControlsMixin", "LEVELS", "DEFAULT_LEVELS", "OPTIMIZERS", "parse_sizes"]
@@ -94,8 +94,6 @@ class ControlsMixin:
         strategy=None,
         policies=None,
     ):
-        from mpnb.lab import workloads
-
         names = list(workloads.names())
         wl = self._workload if isinstance(self._workload, str) else self._workload.name
         self.workload = w.Dropdown(

@@ -241,6 +241,7 @@ def dist_errors_html(df: pd.DataFrame) -> str:
 def estimate_html(df: pd.DataFrame) -> str:
     """The scale-out ESTIMATE of the rows: per policy and interconnect, the number of GPUs
     from which communication exceeds compute, under its label and the figures it assumed."""
+    # the scaling estimate when the ranks view opens: +700 ms to importing the widgets
     from mpnb.lab.distributed.estimate import crossovers, scale_estimate
 
     est = scale_estimate(df)

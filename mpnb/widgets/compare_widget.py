@@ -21,6 +21,8 @@ import ipywidgets as w
 import pandas as pd
 import traitlets as t
 
+import mpnb.lab
+from mpnb.lab import workloads
 from mpnb.lab.config import DEFAULT_OPTIMIZER, configs_argument, resolve_device
 from mpnb.lab.runner import DISTRIBUTED_OPTIMIZER
 from mpnb.widgets._common import ErrorBox, hardware_html
@@ -45,8 +47,6 @@ __all__ = ["CompareWidget", "compare", "run_status"]
 
 
 def _lab():
-    import mpnb.lab
-
     return mpnb.lab
 
 
@@ -124,8 +124,6 @@ class CompareWidget(ControlsMixin, w.VBox):
         ranks: int = 1,
         strategy: str | None = None,
     ):
-        from mpnb.lab import workloads
-
         if data is not None or not isinstance(workload, (str, workloads.Workload)):
             workload = workloads.custom(workload, data, loss_fn, metric_fn, eval_data)
         self.threaded = threaded
@@ -200,8 +198,6 @@ class CompareWidget(ControlsMixin, w.VBox):
         self.tabs.titles = tuple(title for title, _ in tabs)
 
     def _workload_changed(self, change=None):
-        from mpnb.lab import workloads
-
         named = self.workload.value
         own = getattr(self._workload, "name", self._workload)
         wl = self._workload if named == own else named

@@ -20,6 +20,7 @@ import pandas as pd
 import plotly.graph_objects as go
 import torch
 
+import mpnb.lab
 from mpnb.core.dtype_names import short_name
 from mpnb.core.opt_levels import OPT_LEVEL_NAMES
 from mpnb.core.precision_configs import PRECISION_CONFIGS, get_config
@@ -426,7 +427,6 @@ class ProfileWidget(w.VBox):
     def retrace(self, config: str | None = None) -> None:
         """Trace ``config`` (default: the one chosen in the Precision tab) and show it, with
         its quantization statistics."""
-        import mpnb.lab
 
         model, x, loss_fn, half = self._traced
         if model is None:
@@ -531,6 +531,7 @@ class _Progress:
         self.label = w.Label("starting...")
         self.box = w.HBox([self.bar, self.label])
         try:
+            # optional: IPython, only inside a notebook (+180 ms)
             from IPython import get_ipython
             from IPython.display import display
 
@@ -587,7 +588,6 @@ def profile(
 
         >>> mpnb.widgets.profile(model, torch.randn(64, 784), opt_levels=("O0", "O2"))
     """
-    import mpnb.lab
 
     bar = _Progress()
     try:

@@ -150,3 +150,15 @@ def test_nothing_above_core_switches_on_a_dtype_name_or_display_text():
                 if _banned(node):
                     found.append(f"{rel}:{node.lineno}: {ast.unparse(node)}")
     assert not found, "\n".join(found)
+
+
+def test_the_tables_element_facts_are_the_ones_fp8_quantizes_with():
+    # the table names its elements itself (it sits below mpnb.core.fp8 in the layers), so
+    # this ties its FP8 and E2M1 facts to the quantizers' own
+    from mpnb.core.fp8 import fp4
+    from mpnb.core.fp8.formats import E4M3, E5M2, fp8_max
+
+    assert fp4.E2M1_GRID is number_formats.E2M1_GRID and fp4.E2M1_MAX == E2M1_MAX
+    fp8 = format_named("fp8")
+    assert fp8.element_max == fp8_max(E4M3) == 448.0
+    assert fp8.torch_dtypes == (E4M3, E5M2)

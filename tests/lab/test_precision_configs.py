@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import mpnb.lab
+from mpnb.core.hardware import half_support
 from mpnb.core.optimizers import FusedAdam, FusedSGD
 from mpnb.core.precision_configs import (
     PRECISION_CONFIGS,
@@ -18,8 +19,9 @@ from mpnb.core.precision_configs import (
     make_optimizer,
 )
 from mpnb.lab.config import expand
+from mpnb.lab.machine import fp8_support
 from mpnb.lab.memory import ROLES, MemoryTracker
-from mpnb.lab.runner import emulation_note, fp8_support, half_support
+from mpnb.lab.runner import emulation_note
 
 #: mpnb's configurations beyond O0-O3 (the peers, PyTorch's own ways, are tested in test_peers)
 NEW = [

@@ -19,7 +19,8 @@ from mpnb.lab._train import RunResult
 from mpnb.lab.cli import format_table
 from mpnb.lab.config import expand
 from mpnb.lab.html_report import figures, speed_bar
-from mpnb.lab.runner import hardware_summary, load_record
+from mpnb.lab.machine import hardware_summary
+from mpnb.lab.runner import load_record
 from mpnb.lab.verdict import verdict
 
 

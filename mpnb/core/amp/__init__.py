@@ -29,6 +29,7 @@ from mpnb.core.amp._config import (
     parse_loss_scale,
 )
 from mpnb.core.amp._initialize import EmulatedHalfWarning, PrecisionRecastWarning, initialize
+from mpnb.core.amp._model import FSDP2_DTYPES, ShardedModelError
 from mpnb.core.amp._properties import OPT_LEVELS, Properties, parse_opt_level, resolve_properties
 from mpnb.core.amp._state import AmpOptimizerState, AmpStash, OptState
 from mpnb.core.amp.casts import (
@@ -53,6 +54,8 @@ from mpnb.core.amp.init_api import InitHandle, NoOpHandle, init
 from mpnb.core.amp.scaler import LossScaleCollapseError, LossScaler, StaticScaleOverflowWarning
 
 __all__ = [
+    "FSDP2_DTYPES",
+    "ShardedModelError",
     "initialize",
     "init",
     "InitHandle",

@@ -123,6 +123,8 @@ def initialize(
 ):
     """Set up mixed precision for ``models`` and ``optimizers`` (Apex's ``amp.initialize``).
 
+    The arguments after ``opt_level`` override the opt level's defaults, as in Apex.
+
     Args:
         models: a ``torch.nn.Module`` or a list of them, in fp32: a model with fp16/bf16
             params or buffers is refused at every opt level, as in Apex (amp makes the half
@@ -149,7 +151,6 @@ def initialize(
             namedtuples, dicts, dataclasses and ``ModelOutput`` keep their type.
         num_losses: how many loss scalers (``loss_id`` of ``scale_loss``).
         verbosity: 1 prints the chosen properties, 0 is silent.
-        The other arguments override the opt level's defaults as in Apex.
 
     Returns:
         ``models`` (same shape as given) if ``optimizers`` is None, else

@@ -15,6 +15,8 @@ from torch.nn.modules.batchnorm import _BatchNorm
 from mpnb.core.amp.casts import CastRegistry, _cast
 
 __all__ = [
+    "FSDP2_DTYPES",
+    "ShardedModelError",
     "cast_model",
     "check_fp32",
     "check_model",
@@ -76,6 +78,53 @@ def check_fp32(model: torch.nn.Module, opt_level: str) -> None:
                 )
 
 
+#: What amp's O1-O3 mean on a model FSDP2 shards: FSDP2's ``MixedPrecisionPolicy``
+#: ``(param_dtype, reduce_dtype)``, bf16 compute with an fp32 gradient reduction (O3's pure
+#: half reduces in bf16 too). The precision configurations pick their FSDP2 row from this.
+FSDP2_DTYPES = {
+    "O1": (torch.bfloat16, torch.float32),
+    "O2": (torch.bfloat16, torch.float32),
+    "O3": (torch.bfloat16, torch.bfloat16),
+}
+
+
+class ShardedModelError(ValueError):
+    """amp O1-O3 refused on a model sharded by FSDP2, naming the ``MixedPrecisionPolicy``
+    that does the same; a precision configuration rewords it with its policy's name.
+
+    Attributes:
+        opt_level: the refused opt level.
+        param_dtype, reduce_dtype: the policy's dtypes (:data:`FSDP2_DTYPES`).
+    """
+
+    def __init__(self, opt_level: str):
+        self.opt_level = opt_level
+        self.param_dtype, self.reduce_dtype = FSDP2_DTYPES[opt_level]
+        super().__init__(self.message())
+
+    def policy_text(self) -> str:
+        """``MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=...)``."""
+        return (
+            f"MixedPrecisionPolicy(param_dtype={self.param_dtype}, "
+            f"reduce_dtype={self.reduce_dtype})"
+        )
+
+    def message(self, policy_name: str | None = None) -> str:
+        """The refusal and its fix; with ``policy_name``, the configuration to compare."""
+        named = (
+            f"the policy {policy_name!r} (compare(..., ranks=N, configs=[{policy_name!r}])), i.e. "
+            if policy_name
+            else ""
+        )
+        return (
+            f"amp.initialize: opt_level {self.opt_level} on a model sharded by FSDP2 "
+            "(fully_shard); amp casts whole parameters, FSDP2 holds 1/N shards. Use FSDP2's "
+            f"mixed precision instead: {named}fully_shard(module, mp_policy="
+            f"{self.policy_text()}) on each block and the root, with no amp.initialize "
+            "(or opt_level='O0')."
+        )
+
+
 def check_not_sharded(model: torch.nn.Module, opt_level: str) -> None:
     """Refuse O1-O3 on a model sharded by FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
@@ -83,28 +132,19 @@ def check_not_sharded(model: torch.nn.Module, opt_level: str) -> None:
     O2/O3 cast parameters in place, under FSDP2's bookkeeping of the shards, and O1 casts per
     op after an fp32 all-gather, so the wire carries fp32 either way. FSDP2's own
     ``MixedPrecisionPolicy`` does what the opt level means on a sharded model (bf16
-    all-gather and compute, fp32 reduction); the message names the policy. O0 passes.
+    all-gather and compute, fp32 reduction); the :class:`ShardedModelError` names the
+    policy. O0 passes.
     """
     if opt_level == "O0":
         return
     try:
+        # torch.distributed.fsdp: +690 ms to import, and absent from torch builds without it
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # a torch without FSDP2 has no sharded models
         return
     if not any(isinstance(m, FSDPModule) for m in model.modules()):
         return
-    from mpnb.core.precision_configs import fsdp2_instead_of
-
-    policy = fsdp2_instead_of(opt_level)
-    d = policy.dtypes()
-    raise ValueError(
-        f"amp.initialize: opt_level {opt_level} on a model sharded by FSDP2 (fully_shard); "
-        "amp casts whole parameters, FSDP2 holds 1/N shards. Use FSDP2's mixed precision "
-        f"instead: the policy {policy.name!r} (compare(..., ranks=N, configs=["
-        f"{policy.name!r}])), i.e. fully_shard(module, mp_policy=MixedPrecisionPolicy("
-        f"param_dtype=torch.{d['param']}, reduce_dtype=torch.{d['reduce']})) on each block "
-        "and the root, with no amp.initialize (or opt_level='O0')."
-    )
+    raise ShardedModelError(opt_level)
 
 
 def cast_model(

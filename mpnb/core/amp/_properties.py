@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from mpnb.core.amp._config import HALF_DTYPES, LossScaleRule
-from mpnb.core.hardware import default_half_dtype
+from mpnb.core.dtype_names import default_half_dtype
 from mpnb.core.opt_levels import OPT_LEVEL_DESCRIPTIONS, parse_opt_level
 
 __all__ = [

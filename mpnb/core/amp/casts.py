@@ -20,9 +20,11 @@ import functools
 from collections.abc import Callable, Iterator, Mapping
 
 import torch
+from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
 __all__ = [
     "CastRegistry",
+    "HandleCastMode",
     "default_registry",
     "disable_casts",
     "in_autocast_dtype",
@@ -92,6 +94,21 @@ def _widest(obj, found: list) -> None:
             _widest(getattr(obj, f.name), found)
 
 
+class HandleCastMode(TorchFunctionMode):
+    """The torch-function mode through which an ``amp.init`` handle casts per call.
+
+    It lives here, below ``init_api`` (which subclasses it with the cast table), so that
+    :func:`disable_casts` finds the active handles without importing ``init_api``.
+
+    Args:
+        handle: the handle; :func:`disable_casts` enters its ``_disable_casts()``.
+    """
+
+    def __init__(self, handle) -> None:
+        super().__init__()
+        self.handle = handle
+
+
 @contextlib.contextmanager
 def disable_casts() -> Iterator[None]:
     """Turn autocast off for the body (every device where it is on), and the casts of any
@@ -106,10 +123,9 @@ def disable_casts() -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for dev in _active_autocast():
             stack.enter_context(torch.autocast(dev, enabled=False))
-        from mpnb.core.amp.init_api import active_handles  # it imports this module
-
-        for handle in active_handles():  # amp.init's casts (Apex's older API)
-            stack.enter_context(handle._disable_casts())
+        for mode in _get_current_function_mode_stack():  # amp.init's casts (Apex's older API)
+            if isinstance(mode, HandleCastMode):
+                stack.enter_context(mode.handle._disable_casts())
         yield
 
 

@@ -59,11 +59,11 @@ from collections.abc import Callable, Iterator
 import torch
 import torch.nn.functional as F
 from torch.nn.modules.module import register_module_forward_pre_hook
-from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
+from torch.overrides import _get_current_function_mode_stack
 
 from mpnb.core.amp import _init_lists as L
 from mpnb.core.amp._config import parse_half_dtype
-from mpnb.core.amp.casts import default_registry
+from mpnb.core.amp.casts import HandleCastMode, default_registry
 
 __all__ = ["init", "InitHandle", "NoOpHandle"]
 
@@ -432,12 +432,8 @@ def _build_table(allow_banned: bool) -> dict[Callable, tuple[Callable, str]]:
     return table
 
 
-class _CastMode(TorchFunctionMode):
+class _CastMode(HandleCastMode):
     """The handle's casts: each torch call whose function has a rule goes through it."""
-
-    def __init__(self, handle: InitHandle) -> None:
-        super().__init__()
-        self.handle = handle
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

@@ -29,6 +29,9 @@ import math
 
 import torch
 
+# the element set is a row fact of the number-format table; this module quantizes to it
+from mpnb.core.number_formats import E2M1_GRID, E2M1_MAX
+
 __all__ = [
     "E2M1_MAX",
     "E2M1_EMAX",
@@ -44,9 +47,7 @@ __all__ = [
     "check_blocked",
 ]
 
-E2M1_MAX = 6.0
 E2M1_EMAX = 2  # exponent of E2M1's largest power of two (4 = 2**2), OCP MX spec 5.3.3
-E2M1_GRID = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)  # magnitudes of codes 0..7
 _SIGN = 8
 # Round to nearest even: the magnitude code is the number of tie points passed, a tie point
 # itself counting only when the code above it is even (``>=``) and not when it is odd (``>``).

@@ -15,7 +15,6 @@ __all__ = [
     "broadcast_state",
     "GradOverflowError",
     "count_nonfinite_grads",
-    "wrapped_by",
 ]
 
 
@@ -104,33 +103,3 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard (FSDP2's sharded grads); any other tensor as it is."""
     to_local = getattr(t, "to_local", None)
     return to_local() if callable(to_local) else t
-
-
-def wrapped_by(model: torch.nn.Module) -> str:
-    """What already replicates or shards ``model`` (``""``: nothing): torch's or mpnb's
-    ``DistributedDataParallel``, or FSDP2's ``fully_shard`` (named with the first module it
-    sharded), or DTensor parameters of another sharding."""
-    from torch.distributed.tensor import DTensor
-    from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
-    # distributed.py imports this module: its DDP class is looked up here, when asked
-    from mpnb.core.parallel.distributed import DistributedDataParallel as MpnbDDP
-
-    if isinstance(model, TorchDDP):
-        return "torch.nn.parallel.DistributedDataParallel"
-    if isinstance(model, MpnbDDP):
-        return "mpnb.parallel.DistributedDataParallel"
-    for name, m in model.named_modules():
-        if _is_fsdp2(m):
-            return f"FSDP2 (fully_shard on {name or 'the root'}: {type(m).__name__})"
-    if any(isinstance(p, DTensor) for p in model.parameters()):
-        return "DTensor parameters (a sharded model)"
-    return ""
-
-
-def _is_fsdp2(module: torch.nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # a torch without FSDP2 shards nothing with it
-        return False
-    return isinstance(module, FSDPModule)

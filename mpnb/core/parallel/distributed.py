@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch.autograd import Variable
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
 from mpnb.core.parallel._buckets import FlatReduce, plan_buckets, sync_order
 from mpnb.core.parallel._common import (
@@ -30,7 +31,6 @@ from mpnb.core.parallel._common import (
     check_same_model,
     require_dist,
     unique_params,
-    wrapped_by,
 )
 from mpnb.core.parallel._join import JoinableDDP
 from mpnb.core.parallel._watch import collective_watch, uneven_inputs_error
@@ -359,3 +359,30 @@ class DistributedDataParallel(torch.nn.Module, JoinableDDP):
         self._reduced += 1
         self._announced = None
         self._reset_iteration()
+
+
+def wrapped_by(model: torch.nn.Module) -> str:
+    """What already replicates or shards ``model`` (``""``: nothing): torch's or mpnb's
+    ``DistributedDataParallel``, or FSDP2's ``fully_shard`` (named with the first module it
+    sharded), or DTensor parameters of another sharding."""
+    # DTensor is imported when asked: `import torch.distributed.tensor` costs about 1 s
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(model, TorchDDP):
+        return "torch.nn.parallel.DistributedDataParallel"
+    if isinstance(model, DistributedDataParallel):
+        return "mpnb.parallel.DistributedDataParallel"
+    for name, m in model.named_modules():
+        if _is_fsdp2(m):
+            return f"FSDP2 (fully_shard on {name or 'the root'}: {type(m).__name__})"
+    if any(isinstance(p, DTensor) for p in model.parameters()):
+        return "DTensor parameters (a sharded model)"
+    return ""
+
+
+def _is_fsdp2(module: torch.nn.Module) -> bool:
+    try:  # imported when asked: about 100 ms, and a torch without FSDP2 lacks it
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # a torch without FSDP2 shards nothing with it
+        return False
+    return isinstance(module, FSDPModule)

@@ -19,8 +19,8 @@ from collections.abc import Mapping
 
 import torch
 
-from mpnb.core.parallel._common import wrapped_by
 from mpnb.core.parallel.distributed import DistributedDataParallel as MpnbDDP
+from mpnb.core.parallel.distributed import wrapped_by
 
 __all__ = ["full_state_dict", "load_full_state_dict"]
 

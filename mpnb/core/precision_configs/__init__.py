@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import types
 
+from mpnb.core.amp import FSDP2_DTYPES
 from mpnb.core.opt_levels import OPT_LEVEL_DESCRIPTIONS, check_names
 from mpnb.core.precision_configs._amp import AmpConfig
 from mpnb.core.precision_configs._base import PrecisionConfig, StoredRole
@@ -544,6 +545,20 @@ def get_distributed_config(name: str | DistributedConfig) -> DistributedConfig:
 
 def fsdp2_instead_of(opt_level: str) -> DistributedConfig:
     """The FSDP2 policy that does on a sharded model what amp ``opt_level`` (O1-O3) does on a
-    whole one: bf16 compute, fp32 gradient reduction (O3's pure half: bf16 reduction)."""
-    name = "fsdp2-bf16-reduce" if opt_level == "O3" else "fsdp2-bf16-param-fp32-reduce"
-    return DISTRIBUTED_CONFIGS[name]
+    whole one: bf16 compute, fp32 gradient reduction (O3's pure half: bf16 reduction).
+
+    amp owns that rule (:data:`mpnb.core.amp.FSDP2_DTYPES`); this picks the FSDP2 row with
+    those dtypes, e.g. to reword a :class:`mpnb.core.amp.ShardedModelError` with its name.
+    """
+    if opt_level not in FSDP2_DTYPES:
+        raise ValueError(
+            f"fsdp2_instead_of({opt_level!r}): only O1-O3 have an FSDP2 policy instead; "
+            f"pass one of {sorted(FSDP2_DTYPES)} (O0 runs on a sharded model as it is)."
+        )
+    param, reduce = FSDP2_DTYPES[opt_level]
+    (config,) = (
+        c
+        for c in DISTRIBUTED_CONFIGS.values()
+        if c.strategy == "fsdp2" and tuple(c.dtypes().values()) == (param, reduce)
+    )
+    return config

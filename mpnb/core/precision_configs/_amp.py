@@ -7,8 +7,11 @@ from dataclasses import dataclass
 
 import torch
 
+from mpnb.core import amp
+from mpnb.core.amp import resolve_properties
 from mpnb.core.dtype_names import parse_half_dtype
 from mpnb.core.precision_configs._base import PrecisionConfig
+from mpnb.core.precision_configs._snippets import amp_loop
 
 __all__ = ["AmpConfig"]
 
@@ -35,7 +38,6 @@ class AmpConfig(PrecisionConfig):
     def autocast(self) -> bool:
         """True where amp runs the forward under ``torch.autocast`` (O1), as amp's defaults
         for the level say."""
-        from mpnb.core.amp import resolve_properties
 
         return resolve_properties(self.opt_level).patch_torch_functions
 
@@ -50,8 +52,6 @@ class AmpConfig(PrecisionConfig):
         )
 
     def _initialize(self, model, optimizer, half_dtype, loss_scale):
-        from mpnb.core import amp
-
         out = amp.initialize(
             model,
             optimizer,
@@ -80,7 +80,6 @@ class AmpConfig(PrecisionConfig):
 
     def snippet(self, half: str, device: str = "cpu", optimizer: str = "adam", lr=1e-3) -> str:
         """``amp.initialize`` at this level (in ``half``), the backward in ``amp.scale_loss``."""
-        from mpnb.core.precision_configs._snippets import amp_loop
 
         half_kw = half if self.low_precision else None
         return amp_loop(self.name, half_kw, self._optimizer_code(optimizer, lr), device)

@@ -13,7 +13,11 @@ from dataclasses import dataclass
 
 import torch
 
-from mpnb.core.precision_configs._optimizers import make_optimizer
+from mpnb.core import amp
+from mpnb.core.hardware import dtype_support, status_of
+from mpnb.core.number_formats import format_named
+from mpnb.core.precision_configs._optimizers import make_optimizer, optimizer_code
+from mpnb.core.precision_configs._snippets import loop
 from mpnb.core.precision_configs._step import AmpStep, TrainStep
 
 __all__ = ["PrecisionConfig", "StoredRole", "require_option"]
@@ -155,8 +159,6 @@ class PrecisionConfig(abc.ABC):
                 (None: the level's default); ignored elsewhere.
         """
         if not self.uses_amp:
-            from mpnb.core import amp
-
             model, optimizer = amp.initialize(model, optimizer, opt_level="O0", verbosity=0)
         return self.apply(model, optimizer, half_dtype)
 
@@ -177,7 +179,6 @@ class PrecisionConfig(abc.ABC):
             >>> step.backward(loss)
             >>> step.step()
         """
-        from mpnb.core import amp
 
         model, optimizer = self.setup(model, optimizer, half_dtype, loss_scale)
         return AmpStep(model, optimizer, amp.current_handle())  # the one setup just made
@@ -196,14 +197,11 @@ class PrecisionConfig(abc.ABC):
             from mpnb import amp
             ...
         """
-        from mpnb.core.precision_configs._snippets import loop
 
         imp, make = self._optimizer_code(optimizer, lr)
         return loop([make], [imp], device=torch.device(device).type)
 
     def _optimizer_code(self, name: str, lr, option: str | None = None) -> tuple[str, str]:
-        from mpnb.core.precision_configs._optimizers import optimizer_code
-
         return optimizer_code(name, lr, option)
 
     def make_optimizer(self, name: str, params, lr: float):
@@ -239,7 +237,6 @@ class PrecisionConfig(abc.ABC):
             >>> get_config("O2").number_format("bf16").name
             'bf16'
         """
-        from mpnb.core.number_formats import format_named  # the table imports mpnb.core.fp8
 
         return format_named(half)
 
@@ -252,7 +249,6 @@ class PrecisionConfig(abc.ABC):
         """How ``device`` computes the run in ``half``: ``"native"``, ``"emulated"``,
         ``"unsupported"`` (doctor's facts, :func:`mpnb.core.hardware.dtype_support`, or
         ``facts`` given: see :func:`mpnb.core.hardware.status_of`), or ``""`` for float32."""
-        from mpnb.core.hardware import dtype_support, status_of
 
         if not self.number_format(half).low_precision:
             return ""

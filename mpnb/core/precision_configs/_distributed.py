@@ -23,8 +23,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from torch.nn.parallel import DistributedDataParallel as TorchDDP
 
+from mpnb.core import amp
 from mpnb.core.dtype_names import short_name, torch_name
+from mpnb.core.hardware import dtype_support, status_of
 from mpnb.core.precision_configs._distributed_plan import (
     AMP_LEVELS,
     DTYPES,
@@ -64,6 +67,7 @@ def compress_hook(dtype_name: str) -> Callable:
     Args:
         dtype_name: ``"bfloat16"`` or ``"float16"``.
     """
+    # torch's DDP comm hooks: only the compressing policies need them (+4 ms)
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
 
     if dtype_name not in _HOOKS:
@@ -227,7 +231,6 @@ class DistributedConfig:
         needs = {d for d in (self.param_dtype, self.reduce_dtype) if d == "float16"}
         if not needs:
             return ""
-        from mpnb.core.hardware import dtype_support, status_of
 
         status = status_of(dtype_support(device) if facts is None else facts, short_name("float16"))
         if status == "native":
@@ -265,7 +268,8 @@ class DistributedConfig:
         Raises:
             ValueError: ``model`` is already wrapped by a DDP or sharded by FSDP2.
         """
-        from mpnb.core.parallel._common import wrapped_by
+        # mpnb.core.parallel on first distributed use: +30 ms to importing the configurations
+        from mpnb.core.parallel.distributed import wrapped_by
 
         already = wrapped_by(model)
         if already:
@@ -277,6 +281,7 @@ class DistributedConfig:
         plan = self.plan()
         d = self.dtypes()
         if plan.wrapper == "fsdp2":
+            # torch.distributed.fsdp: +690 ms to import, and absent from torch builds without it
             from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
             mp = MixedPrecisionPolicy(param_dtype=d["param"], reduce_dtype=d["reduce"])
@@ -285,7 +290,7 @@ class DistributedConfig:
             fully_shard(model, mp_policy=mp)
             return model, make_optimizer(model.parameters())
         if plan.wrapper == "mpnb-amp-ddp":
-            from mpnb.core import amp
+            # mpnb.core.parallel on first distributed use: +30 ms to importing the configurations
             from mpnb.core.parallel import DistributedDataParallel as MpnbDDP
 
             opt = make_optimizer(model.parameters())
@@ -293,8 +298,6 @@ class DistributedConfig:
                 model, opt, opt_level=plan.amp_level, half_dtype=d["param"], verbosity=0
             )
             return MpnbDDP(model), opt
-        from torch.nn.parallel import DistributedDataParallel as TorchDDP
-
         ddp = TorchDDP(model)
         if plan.hook:
             ddp.register_comm_hook(None, compress_hook(plan.wire))
@@ -314,8 +317,6 @@ class DistributedConfig:
                 changes nothing and weights and optimizer state stay as they were.
         """
         if self.uses_amp:
-            from mpnb.core import amp
-
             with amp.scale_loss(loss, optimizer) as scaled:
                 scaled.backward()
             return
@@ -324,6 +325,7 @@ class DistributedConfig:
             self._refuse_overflow(optimizer)
 
     def _refuse_overflow(self, optimizer) -> None:
+        # mpnb.core.parallel on first distributed use: +30 ms to importing the configurations
         from mpnb.core.parallel._common import GradOverflowError, count_nonfinite_grads
 
         params = [p for g in optimizer.param_groups for p in g["params"]]

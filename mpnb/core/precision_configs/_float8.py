@@ -7,7 +7,9 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 
+from mpnb.core.number_formats import format_named
 from mpnb.core.precision_configs._base import PrecisionConfig, StoredRole
+from mpnb.core.precision_configs._snippets import loop
 
 __all__ = ["Float8Config", "FP8_SCALES", "keep_sentence"]
 
@@ -21,6 +23,7 @@ def keep_sentence(spec: str) -> str:
 def _fp8_buffers(model, optimizer) -> list:
     if model is None:
         return []
+    # mpnb.core.fp8 on first FP8 use: +35 ms warm, about 200 ms cold, to import this
     from mpnb.core.fp8 import Float8Linear
 
     return [
@@ -43,8 +46,10 @@ class Float8Config(PrecisionConfig):
 
     Attributes:
         recipe: the :func:`mpnb.fp8.recipe` name.
-        gemm_emulated: True where the GEMM is emulated on every device (MXFP8's: :mod:`mpnb.fp8`
-            dequantizes its E8M0-scaled blocks and multiplies in float32).
+        gemm_emulated: True for the block-scaled recipes (MXFP8, NVFP4, MXFP4): their GEMMs
+            are emulated (dequantized blocks, float32 products) except where torch's
+            block-scaled GEMM is taken, on sm100+ after its first-use check
+            (:func:`mpnb.core.fp8.gemm.block_scaled_status`; :meth:`status` says which).
         format_name: the row of :data:`mpnb.core.number_formats.FORMATS` its runs are shown
             and judged in (``"fp8"``: every FP8 recipe, MXFP8's included, runs in the FP8
             dtypes; ``"nvfp4"`` and ``"mxfp4"`` for the four-bit recipes).
@@ -58,7 +63,7 @@ class Float8Config(PrecisionConfig):
 
     def make_recipe(self):
         """The :mod:`mpnb.fp8` recipe object this configuration trains with."""
-        from mpnb.core.fp8 import recipe  # the fp8 package imports the format table
+        from mpnb.core.fp8 import recipe  # fp8 on first FP8 use: about 200 ms cold
 
         return recipe(self.recipe, **dict(self.recipe_options))
 
@@ -70,7 +75,7 @@ class Float8Config(PrecisionConfig):
 
     def keep_list(self):
         """The :class:`~mpnb.core.fp8.keep.KeepList` of :attr:`keep` (empty when ``""``)."""
-        from mpnb.core.fp8.keep import KeepList  # the fp8 package is imported on first use
+        from mpnb.core.fp8.keep import KeepList  # fp8 on first FP8 use: about 200 ms cold
 
         return KeepList.parse(self.keep) if self.keep else KeepList()
 
@@ -82,6 +87,7 @@ class Float8Config(PrecisionConfig):
             ValueError: a bad spec (:meth:`KeepList.parse <mpnb.core.fp8.keep.KeepList.parse>`
                 names the valid options).
         """
+        # mpnb.core.fp8 on first FP8 use: +35 ms warm, about 200 ms cold, to import this
         from mpnb.core.fp8.keep import KeepList
 
         canonical = KeepList.parse(spec).spec()
@@ -103,6 +109,7 @@ class Float8Config(PrecisionConfig):
         """:func:`mpnb.fp8.convert_to_float8_training` with this recipe and keep-list
         (optimizer untouched). When the keep-list kept layers, a
         :class:`~mpnb.core.fp8.keep.KeptLayersWarning` says which (the lab's row shows it)."""
+        # mpnb.core.fp8 on first FP8 use: +35 ms warm, about 200 ms cold, to import this
         from mpnb.core.fp8 import convert_to_float8_training
         from mpnb.core.fp8.keep import KeptLayersWarning
 
@@ -114,26 +121,39 @@ class Float8Config(PrecisionConfig):
 
     def halves(self, asked: Sequence[str]) -> tuple[str, ...]:
         """Once, in its format (``"fp8"``), whatever half dtype was asked for."""
-        from mpnb.core.number_formats import format_named  # the table imports mpnb.core.fp8
 
         return (format_named(self.format_name).name,)
 
     def status(self, half: str, facts: Mapping | None = None, device="cpu") -> str:
-        """``"native"`` where ``device`` runs FP8 GEMMs faster than fp32 (doctor's facts) and
-        the recipe's GEMM is not emulated everywhere; else ``"emulated"`` (mpnb computes what
-        ``torch._scaled_mm`` cannot run here with wider arithmetic)."""
+        """``"native"`` where ``device`` runs FP8 GEMMs faster than fp32 (doctor's facts), or,
+        for a block-scaled recipe (:attr:`gemm_emulated`), where its GEMMs take torch's
+        block-scaled path; else ``"emulated"`` (mpnb computes what ``torch._scaled_mm``
+        cannot run here with wider arithmetic). ``facts`` carrying ``"device"`` (a run's
+        hardware summary) name the device, and its ``"block_scaled"`` statuses, when
+        recorded, are read instead of asking this process."""
         if self.gemm_emulated:
-            return "emulated"
+            return self._block_scaled_status(facts, device)
         return "native" if super().status(half, facts, device) == "native" else "emulated"
+
+    def _block_scaled_status(self, facts: Mapping | None, device) -> str:
+        recorded = facts.get("block_scaled") if isinstance(facts, Mapping) else None
+        if isinstance(recorded, Mapping) and self.recipe in recorded:
+            return "native" if recorded[self.recipe] == "native" else "emulated"
+        if isinstance(facts, Mapping) and "device" in facts:
+            device = facts["device"]
+        from mpnb.core.fp8.gemm import block_scaled_status  # fp8 on first use: ~200 ms cold
+
+        dtype = self.make_recipe().dtype("input")
+        return block_scaled_status(device, self.recipe, (dtype, dtype))
 
     @property
     def note_subject(self) -> str:
-        """The recipe: recipes are emulated for different reasons (MXFP8 on every device)."""
+        """The recipe: recipes are emulated for different reasons (the block-scaled ones
+        wherever torch's block-scaled GEMM is not taken)."""
         return self.name
 
     def snippet(self, half: str, device: str = "cpu", optimizer: str = "adam", lr=1e-3) -> str:
         """The linear layers converted to this recipe, then plain fp32 training."""
-        from mpnb.core.precision_configs._snippets import loop
 
         imp, make = self._optimizer_code(optimizer, lr)
         keep = f', keep="{self.keep}"' if self.keep else ""
@@ -148,5 +168,6 @@ class Float8Config(PrecisionConfig):
         return loop([convert, make], imports, device=device)
 
     def gemm_dtype(self, half: str) -> str:
-        """``"fp8"``, or ``"fp32"`` for a GEMM emulated everywhere (it gets fp32's rate)."""
+        """``"fp8"``, or ``"fp32"`` for a block-scaled recipe (the estimate assumes its
+        emulated GEMM, at fp32's rate: no GPU rate of a native block-scaled GEMM is known)."""
         return "fp32" if self.gemm_emulated else half

@@ -27,6 +27,7 @@ import torch
 
 from mpnb.core.precision_configs._amp import AmpConfig
 from mpnb.core.precision_configs._optimizers import FUSED_FOR, make_optimizer
+from mpnb.core.precision_configs._snippets import graph_loop
 from mpnb.core.precision_configs._step import TrainStep
 
 __all__ = ["GraphedAmpConfig", "GraphedStep", "WARMUP_STEPS"]
@@ -209,7 +210,6 @@ class GraphedAmpConfig(AmpConfig):
 
     def snippet(self, half: str, device: str = "cuda", optimizer: str = "adam", lr=1e-3) -> str:
         """The level's amp set-up, then PyTorch's whole-network capture and the replays."""
-        from mpnb.core.precision_configs._snippets import graph_loop
 
         half_kw = half if self.low_precision else None
         fused = FUSED_FOR.get(optimizer, optimizer)

@@ -58,6 +58,7 @@ def make_optimizer(name: str, params, lr: float, option: str | None = None):
         >>> make_optimizer("adam", model.parameters(), 1e-3, "stochastic_rounding")
         FusedAdam (...)
     """
+    # mpnb.core.optimizers when one is built: +21 ms to importing the configurations
     from mpnb.core.optimizers import FusedAdam, FusedSGD
 
     kw = {option: True} if option else {}

@@ -8,9 +8,11 @@ from dataclasses import dataclass
 
 import torch
 
+from mpnb.core import amp
 from mpnb.core.dtype_names import short_name
 from mpnb.core.precision_configs._base import PrecisionConfig, StoredRole, require_option
-from mpnb.core.precision_configs._optimizers import make_optimizer, substitute_note
+from mpnb.core.precision_configs._optimizers import make_optimizer, optimizer_code, substitute_note
+from mpnb.core.precision_configs._snippets import amp_loop
 
 __all__ = ["PureHalfConfig", "KAHAN_BUFFERS"]
 
@@ -58,7 +60,6 @@ class PureHalfConfig(PrecisionConfig):
         if self.optimizer_option is not None:
             plain = self.name.split("+")[0]  # the configuration without the option
             require_option(self, self.optimizer_option, optimizer, plain)
-        from mpnb.core import amp
 
         out = amp.initialize(model, optimizer, opt_level="O3", half_dtype=self.dtype, verbosity=0)
         return out if optimizer is not None else (out, None)
@@ -75,8 +76,6 @@ class PureHalfConfig(PrecisionConfig):
 
     def snippet(self, half: str, device: str = "cpu", optimizer: str = "adam", lr=1e-3) -> str:
         """``amp.initialize`` at O3 in its half dtype, with the optimizer its option needs."""
-        from mpnb.core.precision_configs._optimizers import optimizer_code
-        from mpnb.core.precision_configs._snippets import amp_loop
 
         code = optimizer_code(optimizer, lr, self.optimizer_option)
         return amp_loop("O3", short_name(self.half), code, device)

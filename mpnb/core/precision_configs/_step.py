@@ -25,6 +25,8 @@ import contextlib
 
 import torch
 
+from mpnb.core import amp
+
 __all__ = ["TrainStep", "AmpStep"]
 
 
@@ -133,7 +135,6 @@ class AmpStep(TrainStep):
 
     def backward(self, loss: torch.Tensor) -> None:
         """``with amp.scale_loss(loss, optimizer) as scaled: scaled.backward()``."""
-        from mpnb.core import amp
 
         with amp.scale_loss(loss, self.optimizer) as scaled:
             scaled.backward()

@@ -11,6 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
+from mpnb.core.dtype_names import half_dtype_name
 from mpnb.lab.bench._cuda_layers import case, randn
 from mpnb.lab.bench._harness import COPY, READ, Case
 
@@ -320,7 +321,7 @@ def _o2_step_case(work, numels, grads, inv, dev) -> Case:
     from mpnb.core.ops.triton import launcher
 
     n, half = sum(numels), grads[0].dtype
-    name = "bf16" if half == torch.bfloat16 else "fp16"
+    name = half_dtype_name(half)
     p, w, (m, v), steps = _o2_state(numels, dev, 3, half)
     tp, tw, (tm, tv), tsteps = _o2_state(numels, dev, 3, half)
     g32 = [torch.empty(k, device=dev) for k in numels]

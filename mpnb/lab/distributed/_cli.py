@@ -60,9 +60,11 @@ def format_table(df) -> str:
 
 def add_arguments(p: argparse.ArgumentParser, standalone: bool) -> None:
     """The distributed flags (``standalone``: also the workload flags ``mpnb compare`` has)."""
+    # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     from mpnb.core.precision_configs import DISTRIBUTED_CONFIGS, STRATEGIES
 
     if standalone:
+        # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
         from mpnb.lab.workloads import names
 
         p.add_argument("--workload", default=names()[0], choices=names())
@@ -135,6 +137,7 @@ def _seconds(text: str) -> float:
 def check_out(path: str | None) -> None:
     """Refuse, before the run, an ``--out`` the rows cannot be written to: not .csv or .json
     (the HTML report draws one-process comparisons), or a path that cannot be written."""
+    # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     from mpnb.lab._files import check_writable
 
     if not path:
@@ -155,6 +158,7 @@ def _json(df) -> str:
 
 def _write(df, path: str) -> None:
     """The rows to ``path`` (.json or .csv), whole or not at all (the previous file stays)."""
+    # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     from mpnb.lab._files import write_atomic
 
     write_atomic(path, _json(df) if path.endswith(".json") else df.to_csv(index=False))
@@ -162,12 +166,14 @@ def _write(df, path: str) -> None:
 
 def torchrun_rows(args):
     """Under torchrun: every rank trains; rank 0 returns the rows, the others None."""
+    # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     import torch
 
+    # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     from mpnb.core.parallel import launch
     from mpnb.lab import workloads
     from mpnb.lab.distributed._compare import launched, reference_run, resolve_policies, rows_of
-    from mpnb.lab.runner import hardware_summary
+    from mpnb.lab.machine import hardware_summary
 
     world = int(os.environ["WORLD_SIZE"])
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -242,6 +248,7 @@ def show(df, as_json: bool, out: str = "", prog: str = "mpnb.lab.distributed") -
 
 def run(args) -> int:
     """``python -m mpnb.lab.distributed``: under torchrun, or launching ``--ranks`` itself."""
+    # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     from mpnb.core.parallel import under_torchrun
 
     try:
@@ -249,6 +256,7 @@ def run(args) -> int:
         if under_torchrun():
             df = torchrun_rows(args)
             return 0 if df is None else show(df, args.json, args.out)
+        # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
         import mpnb.lab
 
         df = mpnb.lab.compare(

@@ -16,9 +16,17 @@ import tempfile
 import pandas as pd
 import torch
 
+from mpnb.core.parallel import RankError, launch
+from mpnb.core.parallel.launch import cpus_available
+from mpnb.core.precision_configs import distributed_names, get_distributed_config, make_optimizer
+from mpnb.lab import workloads
 from mpnb.lab._isolate import sigterm_interrupts, stop_label
+from mpnb.lab._rows import COLUMNS
+from mpnb.lab._train import forward, to_device
 from mpnb.lab.distributed import DIST_COLUMNS
 from mpnb.lab.distributed._rank import MEASURE_STEPS, progress_path, run_rank
+from mpnb.lab.machine import hardware_summary
+from mpnb.lab.stats import iqr, median, median_ci
 
 __all__ = [
     "compare_distributed",
@@ -32,7 +40,6 @@ __all__ = [
 
 def resolve_policies(configs, strategy: str | None, device: str) -> tuple[list, dict]:
     """The policies to run and the ones this device does not offer (name -> reason)."""
-    from mpnb.core.precision_configs import distributed_names, get_distributed_config
 
     names = distributed_names(strategy)
     if configs is not None:
@@ -58,10 +65,8 @@ def resolve_policies(configs, strategy: str | None, device: str) -> tuple[list, 
 
 def reference_run(w, job: dict) -> dict:
     """The single-process fp32 run on the same global batches: losses, metric, FLOPs/step."""
+    # torch's FLOP counter, when FLOPs are asked for: +195 ms to import
     from torch.utils.flop_counter import FlopCounterMode
-
-    from mpnb.core.precision_configs import make_optimizer
-    from mpnb.lab._train import forward, to_device
 
     dev = job["device"]
     torch.manual_seed(job["seed"])
@@ -94,7 +99,6 @@ def reference_run(w, job: dict) -> dict:
 
 def launched(spec, configs: list, job: dict, folder: str | None) -> list[dict]:
     """A rank's entry under :func:`mpnb.core.parallel.launch` (importable, so ranks spawn)."""
-    from mpnb.lab import workloads
 
     w = workloads.get(spec[0], spec[1]) if isinstance(spec, tuple) else spec
     return run_rank(w, configs, job, folder)
@@ -128,7 +132,6 @@ def _where(folder: str, ranks: int) -> dict[int, tuple[str, int]]:
 
 def _failure(e: BaseException, folder: str, ranks: int) -> tuple[str, str, str]:
     """(policy, status, message) of a failed launch, naming the rank and the policy."""
-    from mpnb.core.parallel import RankError
 
     where = _where(folder, ranks)
     if isinstance(e, RankError):
@@ -146,7 +149,6 @@ def _launch(w, spec, policies, job, ranks, timeout, start_method):
     """The ranks' records and the failure that ended them early (None when all ran): a rank
     that raised, died or hung, or Ctrl-C / SIGTERM here, after which launch has stopped every
     rank and all it started; the records written until then are kept either way."""
-    from mpnb.core.parallel import RankError, launch
 
     with tempfile.TemporaryDirectory(prefix="mpnb-dist-") as folder:
         try:
@@ -168,8 +170,6 @@ def _launch(w, spec, policies, job, ranks, timeout, start_method):
 
 
 def _interval(ms: list[float]) -> tuple[float, float, float]:
-    from mpnb.lab.stats import median, median_ci
-
     if not ms:
         return math.nan, math.nan, math.nan
     lo, hi = median_ci(ms) if len(ms) >= 3 else (math.nan, math.nan)
@@ -178,8 +178,6 @@ def _interval(ms: list[float]) -> tuple[float, float, float]:
 
 def rows_of(records, policies, skipped, failure, ref, job, w, ranks, hw_summary="") -> pd.DataFrame:
     """One row per policy from the ranks' records (see :data:`DIST_COLUMNS`)."""
-    from mpnb.lab._rows import COLUMNS
-    from mpnb.lab.stats import iqr, median
 
     fail_policy, fail_status, fail_msg = (failure or ("", "", ""))[:3]
     rows = []
@@ -311,7 +309,6 @@ def check_limits(ranks: int, timeout, device: str) -> None:
     """Refuse, before anything runs, a ``timeout`` that bounds nothing and more CPU ranks
     than this process has CPUs (each rank would get a fraction of one, and the step times
     would measure the contention, not the policies)."""
-    from mpnb.core.parallel.launch import cpus_available
 
     ok = isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
     if not (ok and math.isfinite(timeout) and timeout > 0):
@@ -346,8 +343,6 @@ def compare_distributed(
     threads: int | None = None,
 ) -> pd.DataFrame:
     """The distributed comparison (see :func:`mpnb.lab.compare`, ``ranks``)."""
-    from mpnb.lab.runner import hardware_summary
-
     if ranks < 2:
         raise ValueError(f"compare: ranks={ranks} runs in one process; ranks must be >= 2 here.")
     check_limits(ranks, timeout, device)

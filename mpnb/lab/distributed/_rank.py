@@ -55,6 +55,7 @@ class _Policy:
     """One policy's model, optimizer and meter on this rank."""
 
     def __init__(self, cfg, w, job, device) -> None:
+        # in the rank process only: the launcher skips the configurations (+160 ms)
         from mpnb.core.precision_configs import make_optimizer
 
         self.cfg = cfg
@@ -71,6 +72,7 @@ class _Policy:
 
 
 def _step(p: _Policy, w, x, y, measure: bool, world: int) -> dict:
+    # in the rank process only: the launcher skips the trainer (+400 ms)
     from mpnb.lab._train import forward
 
     p.opt.zero_grad(set_to_none=True)
@@ -97,6 +99,7 @@ def _step(p: _Policy, w, x, y, measure: bool, world: int) -> dict:
 
 def _metric(p: _Policy, w, device) -> float:
     """The workload's metric on the first eval batch (every rank the same batch)."""
+    # in the rank process only: the launcher skips the trainer (+400 ms)
     from mpnb.lab._train import forward, to_device
 
     if w.metric_fn is None:
@@ -113,6 +116,7 @@ def run_rank(w, configs: list, job: dict, folder: str | None) -> list[dict]:
     """Train every policy of ``configs`` (distributed configuration objects) on this rank
     (the process group is up); return the records of every rank (gathered, so that one rank
     holds them all under torchrun) or of this rank alone when ``folder`` holds the files."""
+    # in the rank process only: the launcher skips the trainer (+400 ms)
     from mpnb.lab._train import to_device
 
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -1,4 +1,8 @@
-"""mpnb amp O1-O3 on an FSDP2-sharded model are refused up front, naming the FSDP2 policy."""
+"""mpnb amp O1-O3 on an FSDP2-sharded model are refused up front, naming the FSDP2 policy.
+
+amp raises a typed :class:`ShardedModelError` with the ``MixedPrecisionPolicy`` dtypes; the
+precision configurations (the layer above) reword it with their policy's name.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from mpnb.core import amp
-from mpnb.core.precision_configs import DISTRIBUTED_CONFIGS
+from mpnb.core.precision_configs import DISTRIBUTED_CONFIGS, fsdp2_instead_of
 
 pytestmark = pytest.mark.dist
 
@@ -42,13 +46,21 @@ def _sharded():
 def test_amp_on_an_fsdp2_model_is_refused_naming_the_policy(one_rank_group, level, policy):
     model, opt = _sharded()
     before = [p.to_local().clone() for p in model.parameters()]
-    with pytest.raises(ValueError, match=f"'{policy}'") as e:
+    with pytest.raises(amp.ShardedModelError, match="MixedPrecisionPolicy") as e:
         amp.initialize(model, opt, opt_level=level, half_dtype=torch.bfloat16, verbosity=0)
-    assert "FSDP2" in str(e.value) and "MixedPrecisionPolicy" in str(e.value)
-    assert policy in DISTRIBUTED_CONFIGS
+    assert isinstance(e.value, ValueError) and e.value.opt_level == level
+    named = fsdp2_instead_of(level)
+    assert named is DISTRIBUTED_CONFIGS[policy]
+    assert named.dtypes() == {"param": e.value.param_dtype, "reduce": e.value.reduce_dtype}
+    assert f"'{policy}'" in e.value.message(named.name)
     # up front: nothing was cast
     for p, b in zip(model.parameters(), before, strict=True):
         assert p.dtype == torch.float32 and torch.equal(p.to_local(), b)
+
+
+def test_fsdp2_instead_of_o0_is_refused_with_the_levels_that_have_one():
+    with pytest.raises(ValueError, match="only O1-O3"):
+        fsdp2_instead_of("O0")
 
 
 def test_o0_on_an_fsdp2_model_is_accepted(one_rank_group):
