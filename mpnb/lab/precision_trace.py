@@ -142,6 +142,10 @@ def has_scaled_ops(ops: pd.DataFrame) -> bool:
     return bool(ops["dtype"].map(is_scaled).any())
 
 
+#: the aten ops of a GEMM (an emulated FP8/FP4 GEMM runs one of these in float32)
+_GEMM_OPS = ("mm", "bmm", "matmul", "addmm")
+
+
 def _fp8_detail(f, fmt: str) -> str:
     """What op ``f`` of an mpnb.fp8 layer does, naming the layer's format ``fmt`` ("FP8")."""
     if f.op == "_scaled_mm":
@@ -152,7 +156,7 @@ def _fp8_detail(f, fmt: str) -> str:
         return "E8M0 block scales to float32"
     if f.kind == "cast" and is_scaled(f.in_dtypes[0]):
         return f"dequantize (emulated {fmt} GEMM)"
-    if f.op in ("mm", "bmm", "matmul", "addmm"):  # bmm: the four-bit GEMM's blocks at once
+    if f.op in _GEMM_OPS:  # bmm: the four-bit GEMM's blocks at once
         return f"emulated {fmt} GEMM: dequantized operands multiplied in float32"
     return f"{fmt} scaling: amax, scale, saturation, bias"
 
@@ -328,7 +332,7 @@ def _share(df: pd.DataFrame, by: str, cols=("flops", "bytes")) -> pd.DataFrame:
 
 def _block_scaled_emulated(cfg: PrecisionConfig, device: str) -> bool:
     """True for a block-scaled recipe whose GEMMs run emulated on ``device`` (the decision of
-    :meth:`Float8Config.status <mpnb.core.precision_configs.Float8Config.status>`)."""
+    the configuration's own ``status``)."""
     return bool(getattr(cfg, "gemm_emulated", False)) and cfg.status("fp8", None, device) == (
         "emulated"
     )
@@ -336,13 +340,10 @@ def _block_scaled_emulated(cfg: PrecisionConfig, device: str) -> bool:
 
 def _summary(ops: pd.DataFrame, cfg: PrecisionConfig, half: str, device: str) -> PrecisionSummary:
     work = ops[(ops["kind"] != "view") & (ops["dtype"] != "-")]
-    # an mpnb.fp8 layer's own float32 math (amax, scales, an emulated GEMM) did not "stay"
-    # float32: it is the recipe (the emulation is said once, below)
-    fp32 = work[
-        (work["dtype"] == "float32")
-        & (work["kind"] == "compute")
-        & (work["reason"] != "fp8-recipe")
-    ]
+    # an mpnb.fp8 layer's scaling math (amax, scales, saturation) did not "stay" float32: it
+    # is the recipe; its emulated GEMM is listed, since it does compute in float32
+    recipe_math = (work["reason"] == "fp8-recipe") & ~work["op"].isin(_GEMM_OPS)
+    fp32 = work[(work["dtype"] == "float32") & (work["kind"] == "compute") & ~recipe_math]
     if not cfg.low_precision:
         fp32 = fp32.iloc[0:0]
     keys = ["phase", "module", "op", "reason"]

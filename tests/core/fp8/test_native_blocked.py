@@ -18,7 +18,12 @@ from mpnb.core.fp8.nvfp4 import quantize_nvfp4
 from mpnb.core.fp8.quantize import quantize_mx
 from mpnb.core.precision_configs import get_config
 
-ao_utils = pytest.importorskip("torchao.prototype.mx_formats.utils")
+
+def _ao_utils():
+    """torchao's MX helpers, imported in the test: torchao imports torch._dynamo (and so
+    triton), which must not happen while the Triton tests' folder is still being collected."""
+    return pytest.importorskip("torchao.prototype.mx_formats.utils")
+
 
 SHAPES = [(128, 4), (1, 1), (144, 7), (300, 14), (256, 8), (5, 33), (129, 5)]
 
@@ -31,7 +36,7 @@ def test_to_blocked_is_torchaos_layout(shape, dtype):
     )
     scales = raw.view(dtype)
     got = blocked.to_blocked(scales)
-    want = ao_utils.to_blocked(scales)
+    want = _ao_utils().to_blocked(scales)
     assert got.dtype == dtype and got.shape == want.shape
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     assert torch.equal(blocked.from_blocked(got, *shape).view(torch.uint8), raw)
