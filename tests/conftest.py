@@ -15,6 +15,35 @@ import pytest
 import torch
 
 
+def _import_triton() -> str | None:
+    """Import triton (interpreted when there is no GPU); the reason it cannot be, or None."""
+    before = os.environ.get("TRITON_INTERPRET")
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        import numpy  # noqa: F401
+        import triton
+        import triton.language  # noqa: F401
+    except ImportError as e:
+        return (
+            f"triton or numpy cannot be imported ({e}); triton ships wheels for Linux only: "
+            "pip install triton numpy (both are in the dev extra)"
+        )
+    finally:
+        if before is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = before
+    return None
+
+
+# Imported before any test module is collected, so that whatever a test file imports at
+# collection (torch._dynamo, torchao, triton itself) finds triton interpreted on a CPU; the
+# Triton kernels' tests (their fixtures: tests/core/ops/triton_kernels/conftest.py) may then
+# sit anywhere in the tree.
+TRITON_MISSING = _import_triton()
+
+
 def pytest_configure(config):
     # A shell starts a background job with SIGINT ignored, and an ignored signal stays ignored
     # across fork and exec: run that way, the tests of Ctrl-C (sent to this process, to launch's

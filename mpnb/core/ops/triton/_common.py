@@ -111,7 +111,8 @@ def counting_launches() -> Iterator[list[str]]:
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
-    """Launch ``kernel[grid](*args, **kwargs)``.
+    """Launch ``kernel[grid](*args, **kwargs)``; kernels are launched by keyword, their
+    parameters named as the op's arguments (``args._asdict()``) wherever they are one.
 
     Through :func:`torch.library.wrap_triton` whenever a tracer could be watching (a
     ``torch.compile`` trace, fake or functional tensors); directly for plain tensors in eager
@@ -127,7 +128,7 @@ def launch(kernel, grid, *args, **kwargs) -> None:
         fn = getattr(kernel, "fn", kernel)  # a JITFunction wraps the Python function
         _COUNTING[-1].append(getattr(fn, "__name__", repr(kernel)))
         return
-    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     traced = torch.compiler.is_compiling() or (
         first is not None and type(first) is not torch.Tensor
     )

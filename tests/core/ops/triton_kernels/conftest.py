@@ -3,10 +3,11 @@ a GPU when there is one.
 
 Without CUDA the kernels run under Triton's interpreter (``TRITON_INTERPRET=1``, numpy), which
 triton reads when a function is decorated with ``@triton.jit``: its own ``triton.language``
-helpers at ``import triton``, our kernels when their modules are imported. So this file imports
-triton with the variable set, at collection (before any test runs and before anything else
-imports triton in a CPU test session), and restores the variable at once: processes started by
-other tests never inherit it. The ``triton_kernels`` fixture then imports our kernel modules
+helpers at ``import triton``, our kernels when their modules are imported. So the root
+``tests/conftest.py`` imports triton with the variable set, before any test module is collected
+(whatever a test file imports at collection, torch._dynamo or torchao, then finds triton
+interpreted), and restores the variable at once: processes started by other tests never
+inherit it. The ``triton_kernels`` fixture then imports our kernel modules
 afresh with the variable set, for this folder's tests only, and puts back afterwards the
 modules and the variable as they were. Interpreted ``triton.language`` helpers stay for the rest
 of the process; on a CPU that changes nothing else (no other CPU code runs Triton).
@@ -26,33 +27,10 @@ import sys
 import pytest
 import torch
 
+from tests.conftest import TRITON_MISSING as _MISSING  # imported first, see there
+
 _PACKAGE = "mpnb.core.ops.triton"
 _CUDA = torch.cuda.is_available()
-
-
-def _import_triton() -> str | None:
-    """Import triton (interpreted when there is no GPU); the reason it cannot be, or None."""
-    before = os.environ.get("TRITON_INTERPRET")
-    if not _CUDA:
-        os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        import numpy  # noqa: F401
-        import triton
-        import triton.language  # noqa: F401
-    except ImportError as e:
-        return (
-            f"triton or numpy cannot be imported ({e}); triton ships wheels for Linux only: "
-            "pip install triton numpy (both are in the dev extra)"
-        )
-    finally:
-        if before is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = before
-    return None
-
-
-_MISSING = _import_triton()
 
 
 def _interpreted() -> bool:

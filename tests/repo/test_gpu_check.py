@@ -14,7 +14,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("gpu_check", ROOT / "scripts" / "gpu_check.py")
 gc = importlib.util.module_from_spec(_spec)
 sys.modules["gpu_check"] = gc  # dataclasses look their module up by name

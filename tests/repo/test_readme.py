@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = ROOT / "README.md"
 #: the guides with Python snippets, in the order a reader meets them (mkdocs.yml's nav)
 GUIDES = [ROOT / "docs" / "guide" / f"{name}.md" for name in ("amp", "lab", "notebooks")]

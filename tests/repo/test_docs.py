@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
 ENV_PAGE = DOCS / "environment.md"
 _VAR = re.compile(r"\bMPNB_[A-Z0-9_]*[A-Z0-9]\b")
