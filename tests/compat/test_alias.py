@@ -58,7 +58,7 @@ def test_lacking_apex_modules_fail_with_what_to_use_instead(name):
 
 
 def test_unknown_apex_module_fails_and_names_the_table():
-    with apex_alias(), pytest.raises(ModuleNotFoundError, match=r"mpnb\.compat\.names\.MODULES"):
+    with apex_alias(), pytest.raises(ModuleNotFoundError, match=r"names\.MODULES"):
         import apex.does_not_exist  # noqa: F401
 
 
@@ -122,7 +122,7 @@ def test_the_alias_never_modifies_mpnb_modules():
 
 def test_install_refuses_when_a_real_apex_is_imported(monkeypatch):
     monkeypatch.setitem(sys.modules, "apex", types.ModuleType("apex"))
-    with pytest.raises(RuntimeError, match="real 'apex' package is already imported"):
+    with pytest.raises(RuntimeError, match="already imported"):
         apex_alias()
 
 

@@ -88,7 +88,7 @@ def test_the_ops_of_an_fp8_layer_count_in_the_recipes_format_and_integers_in_oth
 
 
 def test_a_frame_without_the_trace_columns_is_refused_with_the_fix():
-    with pytest.raises(ValueError, match=r"no flops, bytes column.*trace_precision"):
+    with pytest.raises(ValueError, match="trace_precision"):
         module_phase_map(_ops(("forward", "fc", "float32")).drop(columns=["flops", "bytes"]))
 
 

@@ -133,7 +133,7 @@ def test_bad_controls_are_refused_beside_them_not_clamped():
         control.value = bad
         assert control.value == bad and ex.step_button.disabled
         assert "refused, not clamped" in ex.control_error.value
-        with pytest.raises(ValueError, match="fix it beside the control"):
+        with pytest.raises(ValueError, match="beside the control"):
             ex.step(1)
         control.value = good
         assert not ex.step_button.disabled and ex.control_error.value == ""
@@ -231,7 +231,7 @@ def test_both_widgets_accept_exactly_what_core_accepts(
         boxes = ("growth_factor", "backoff_factor", "growth_interval")
         errs = cw.input_errors()
         assert errs and all(k in boxes for k in errs)
-        with pytest.raises(ValueError, match="fix it beside the control"):
+        with pytest.raises(ValueError, match="beside the control"):
             explorer.step(1)
 
 

@@ -114,7 +114,7 @@ def test_a_standard_build_has_no_fused_adam_cuda_so_fairseq_takes_fused_adam():
         assert err.value.name == "fused_adam_cuda"
     with apex_alias({"--deprecated_fused_adam"}):  # an Apex built with that option
         assert fairseq_choice() == "FusedAdamV1"
-    with pytest.raises(ValueError, match="unknown Apex build option"):
+    with pytest.raises(ValueError, match="build option"):
         apex_alias({"--fast_layer_norm"})
 
 
