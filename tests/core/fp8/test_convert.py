@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from mpnb import fp8
+from tests.core.fp8.test_linear import _delayed_model
 
 
 class Net(torch.nn.Module):
@@ -283,3 +284,24 @@ def test_the_lab_row_of_a_model_without_linear_says_no_layer_ran_in_fp8():
     fp8_row = df[df.opt_level == "fp8-tensorwise"].iloc[0]
     assert "no layer ran in FP8" in fp8_row.warnings
     assert "no layer ran in FP8" not in df[df.opt_level == "O0"].iloc[0].warnings
+
+
+@pytest.mark.parametrize("second", ["tensorwise", "rowwise", "mxfp8"])
+def test_converting_a_converted_model_takes_the_new_recipe(second):
+    model = _delayed_model()
+    params = list(model.parameters())
+    out = fp8.convert_to_float8_training(model, second)
+    assert out is model
+    assert [layer.recipe.name for layer in fp8.float8_layers(model).values()] == [second] * 2
+    assert all(a is b for a, b in zip(params, model.parameters(), strict=True))
+    assert "0.fp8_scale" not in model.state_dict()  # the delayed recipe's state is gone
+    same = fp8.convert_to_float8_training(model, second)
+    assert all(isinstance(m, fp8.Float8Linear) for m in (same[0], same[2]))
+
+
+def test_converting_again_with_the_same_recipe_keeps_the_state():
+    model = _delayed_model()
+    history = model[0].fp8_amax_history.clone()
+    layer = model[0]
+    fp8.convert_to_float8_training(model, "delayed")
+    assert model[0] is layer and torch.equal(model[0].fp8_amax_history, history)

@@ -123,7 +123,7 @@ def test_labels_say_what_each_recipe_computes():
     )
     with pytest.raises(ValueError, match="formula"):
         recipe("nvfp4", formula="v3")
-    with pytest.raises(ValueError, match="stochastic_rounding=False"):
+    with pytest.raises(ValueError, match="rounds to nearest"):
         _run(_layer("nvfp4", torchao=True), *_data())
 
 

@@ -60,8 +60,9 @@ def test_the_blocks_are_the_list_holding_the_most_linear_layers():
     plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
     assert find_blocks(plain) is None
     assert KeepList(last_share=0.15, head=True).kept(plain) == []
-    with pytest.raises(ValueError, match=r"blocks='ff'.*'layers'.*'taps'"):
+    with pytest.raises(ValueError, match="blocks='ff'") as e:
         find_blocks(model, "ff")
+    assert "'layers'" in str(e.value) and "'taps'" in str(e.value)  # the lists it could be
 
 
 @pytest.mark.parametrize(
@@ -199,13 +200,13 @@ def test_bad_specs_are_refused_naming_the_form(spec, match):
 def test_bad_fields_are_refused():
     with pytest.raises(ValueError, match="without ':', '\\+' or ','"):
         KeepList(names=("a:b",))
-    with pytest.raises(ValueError, match="both count the last blocks; give one"):
+    with pytest.raises(ValueError, match="both count"):
         KeepList(last=1, last_share=0.5)
-    with pytest.raises(ValueError, match="keep-first=True: expected a number of blocks"):
+    with pytest.raises(ValueError, match="keep-first=True"):
         KeepList(first=True)
-    with pytest.raises(ValueError, match="share of the blocks from 0 to 1"):
+    with pytest.raises(ValueError, match="last_share=1.5"):
         KeepList(last_share=1.5)
-    with pytest.raises(TypeError, match="expected a KeepList, a spec"):
+    with pytest.raises(TypeError, match="expected a KeepList"):
         KeepList.of(3)
     assert KeepList.of({"last": 2}) == KeepList(last=2) and KeepList.of(None) == KeepList()
     assert KeepList.of("keep=out") == KeepList(names=("out",)) == KeepList(names="out")

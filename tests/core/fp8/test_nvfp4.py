@@ -1,12 +1,14 @@
 """NVFP4: TransformerEngine's recipe against golden vectors worked out by hand from its
-formulas, torchao's variant against torchao bit for bit, SR, 2-D blocks and the GEMM."""
+formulas, torchao's variant against torchao bit for bit, SR, 2-D blocks.
+
+The GEMM of NVFP4 operands: tests/core/fp8/test_fp4_gemm.py."""
 
 import struct
 
 import pytest
 import torch
 
-from mpnb.core.fp8 import fp4, fp4_gemm, hadamard, nvfp4
+from mpnb.core.fp8 import fp4, hadamard, nvfp4
 
 E4M3 = torch.float8_e4m3fn
 
@@ -145,33 +147,6 @@ def test_nvfp4_inputs_are_checked():
         nvfp4.quantize_nvfp4(torch.ones(2, 16), stochastic=True, generator=float("nan"))
     with pytest.raises(ValueError, match="per_tensor_scale"):
         nvfp4.quantize_nvfp4_torchao(torch.ones(2, 16), per_tensor_scale=torch.ones(2))
-
-
-# ---- the emulated GEMM ----------------------------------------------------------------------
-
-
-def _te_qgemm(a, b):
-    """TE's reference qgemm restated: fp32 per 16-wide K block, both scale levels."""
-    qa, qb = a.codes_as_float(), b.codes_as_float()
-    sa, sb = a.block_scale.float(), b.block_scale.float()
-    y = torch.zeros(qa.shape[0], qb.shape[0])
-    for k in range(qa.shape[1] // 16):
-        blk = slice(16 * k, 16 * k + 16)
-        y += torch.outer(sa[:, k], sb[:, k]) * (qa[:, blk] @ qb[:, blk].T)
-    return (a.tensor_scale * b.tensor_scale) / (6.0 * 6.0 * 448.0 * 448.0) * y  # amaxes
-
-
-def test_the_gemm_accumulates_per_k_block_with_both_scale_levels():
-    g = torch.Generator().manual_seed(2)
-    x, w = torch.randn(24, 96, generator=g), torch.randn(40, 96, generator=g) * 0.05
-    a, b = nvfp4.quantize_nvfp4(x), nvfp4.quantize_nvfp4(w, tile_rows=1)
-    y = fp4_gemm.fp4_mm(a, b, torch.float32)
-    assert torch.equal(y, _te_qgemm(a, b))
-    exact = a.dequantize().double() @ b.dequantize().double().T
-    assert torch.allclose(y.double(), exact, rtol=1e-5, atol=1e-6)
-    assert fp4_gemm.fp4_mm(a, b, torch.bfloat16).dtype == torch.bfloat16
-    with pytest.raises(ValueError, match="K"):
-        fp4_gemm.fp4_mm(a, nvfp4.quantize_nvfp4(w[:, :64]), torch.float32)
 
 
 # ---- torchao's variant, bit for bit ---------------------------------------------------------

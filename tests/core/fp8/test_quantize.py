@@ -1,4 +1,8 @@
-"""Each recipe's quantize/dequantize math: the fast path equals the plain reference bit for bit."""
+"""Each recipe's quantize/dequantize math: the fast path equals the plain reference bit for bit;
+power-of-two scales a few ulps above ``fp8_max / 2**k``; and MXFP8's E8M0 block scales, rounded
+up by default (RCEIL), down on request (FLOOR), compared with torchao's MX quantization
+(``torchao.prototype.mx_formats``, a test-only dependency: these comparisons skip without it)
+bit for bit, in both modes."""
 
 import pytest
 import torch
@@ -127,49 +131,136 @@ def test_transposed_operand_only_for_per_tensor_scales():
         fp8.quantize_rowwise(x, E4M3).t()
 
 
-@pytest.mark.parametrize("algo", ["max", "most_recent"])
-@pytest.mark.parametrize("history_len, margin", [(3, 0), (1024, 1)])
-def test_delayed_scales_follow_the_amax_history(algo, history_len, margin):
-    """Per step, the scale a layer used equals the reference over the same amaxes."""
-    rec = fp8.DelayedScaling(amax_history_len=history_len, amax_compute_algo=algo, margin=margin)
-    layer = fp8.Float8Linear(16, 16, bias=False, recipe=rec)
-    amaxes = [2.0, 40.0, 0.5, 0.0, 3.0, 0.25, 7.0]
-    used = []
-    for a in amaxes:
-        used.append(layer.fp8_scale[0].item())
-        x = torch.zeros(4, 16)
-        x[0, 0] = a
-        layer(x)
-    ref = fp8.reference_delayed_scales(amaxes, E4M3, history_len, algo, margin)
-    assert used == ref
-    assert layer.fp8_amax_history[: min(history_len, 7), 0].tolist() == amaxes[::-1][:history_len]
-    layer.eval()  # eval forwards use the scales without recording
-    before = layer.fp8_amax_history.clone()
-    layer(torch.randn(4, 16) * 100)
-    assert torch.equal(layer.fp8_amax_history, before)
+def _just_above(top: float, k: int, ulps: int) -> torch.Tensor:
+    a = torch.tensor(top / 2.0**k, dtype=torch.float32)
+    for _ in range(ulps):
+        a = torch.nextafter(a, torch.tensor(float("inf")))
+    return a
 
 
-def test_delayed_quantization_uses_the_previous_steps_scale():
-    layer = fp8.Float8Linear(16, 16, bias=False, recipe="delayed")
-    x = torch.full((2, 16), 1000.0)  # step 1: scale 1.0, so 1000 saturates at 448
-    layer(x)
-    s = layer.fp8_scale[0]
-    assert s.item() == pytest.approx(448 / 1000)
-    op = fp8.quantize_with_scale(x, s, E4M3, "tensorwise")
-    q, inv = fp8.reference_quantize_tensorwise(x, E4M3, scale=s)
-    assert torch.equal(_bits(op.data), _bits(q)) and torch.equal(op.dequant_scale, inv)
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_power_of_two_scales_equal_the_reference_a_few_ulps_above_max_over_2k(dtype):
+    top = fp8.fp8_max(dtype)
+    amaxes = [_just_above(top, k, n) for k in range(-12, 30) for n in range(0, 5)]
+    x = torch.zeros(len(amaxes), 16)
+    x[:, 3] = torch.stack(amaxes)
+    x[:, 7] = -x[:, 3] / 3
+    op = fp8.quantize_rowwise(x, dtype, power_of_2=True)
+    q, inv = fp8.reference_quantize_rowwise(x, dtype, power_of_2=True)
+    assert torch.equal(op.dequant_scale, inv)
+    assert torch.equal(op.data.view(torch.uint8), q.view(torch.uint8))
+    # the scale is the largest power of two under which the row's amax does not clip
+    scale = op.dequant_scale.reciprocal().flatten()
+    assert (x[:, 3] * scale <= top).all() and (x[:, 3] * scale * 2 > top).all()
+    for a in amaxes[::7]:
+        t = fp8.quantize_tensorwise(torch.stack([a, -a / 3]), dtype, power_of_2=True)
+        assert torch.equal(t.dequant_scale, 1.0 / fp8.reference_scale(a.item(), dtype, True))
 
 
-def test_recipe_errors_name_the_fix():
-    with pytest.raises(ValueError, match="valid choices: tensorwise, delayed, rowwise, mxfp8"):
-        fp8.recipe("blockwise")
-    with pytest.raises(ValueError, match="'max' or 'most_recent'"):
-        fp8.DelayedScaling(amax_compute_algo="mean")
-    with pytest.raises(ValueError, match="int >= 1"):
-        fp8.DelayedScaling(amax_history_len=0)
-    with pytest.raises(ValueError, match="'hybrid'"):
-        fp8.TensorwiseScaling(fp8_format="e5m2")
-    with pytest.raises(ValueError, match="see help"):
-        fp8.recipe("rowwise", amax_history_len=3)
-    assert fp8.recipe("delayed").amax_history_len == 1024  # TransformerEngine's defaults
-    assert fp8.recipe("delayed").amax_compute_algo == "max" and fp8.recipe("delayed").margin == 0
+# ---- MXFP8's E8M0 scales: RCEIL (default) and FLOOR ------------------------------------
+
+
+def _normal():
+    return torch.randn(512, 256, generator=torch.Generator().manual_seed(0))
+
+
+def _linear_weight():
+    torch.manual_seed(0)  # nn.Linear's default init: U(-1/sqrt(in), 1/sqrt(in)) = U(-2**-5, 2**-5)
+    return torch.nn.Linear(1024, 256).weight.detach().clone()
+
+
+DATA = {"normal": _normal, "nn.Linear weight": _linear_weight}
+
+
+def _clipped_blocks(x, op):
+    """How many blocks hold a value beyond ``fp8_max`` times the block's scale."""
+    units = x.view(x.shape[0], -1, 32).abs() / op.dequant_scale.float().unsqueeze(-1)
+    return int((units > fp8.fp8_max(op.data.dtype)).any(-1).sum())
+
+
+def _rel_error(x, op):
+    return ((op.dequantize() - x).norm() / x.norm()).item()
+
+
+@pytest.mark.parametrize("data", DATA)
+def test_rceil_clips_no_block_and_errs_less_than_floor(data):
+    x = DATA[data]()
+    rec = fp8.recipe("mxfp8")
+    default = rec.quantize(None, x, "input", False)  # what a default MXFP8 layer does
+    floor = fp8.quantize_mx(x, E4M3, "floor")
+    assert _clipped_blocks(x, default) == 0
+    assert _clipped_blocks(x, floor) > 0
+    assert _rel_error(x, default) < _rel_error(x, floor)
+
+
+def _edge_blocks(dtype):
+    """Blocks whose amax sits within a few ulps of fp8_max * 2**k, for k over E8M0's range."""
+    m = fp8.fp8_max(dtype)
+    tops = []
+    for k in range(-130, 112):
+        t = torch.tensor(m * 2.0**k, dtype=torch.float32)
+        if not 0 < t < float("inf"):
+            continue
+        below, above = t, t
+        tops.append(t)
+        for _ in range(3):
+            below = torch.nextafter(below, torch.tensor(0.0))
+            above = torch.nextafter(above, torch.tensor(float("inf")))
+            tops += [below, above]
+    x = torch.zeros(len(tops), 32)
+    x[:, 0] = torch.stack(tops)
+    x[:, 5] = -x[:, 0] * 0.3
+    return x
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_rceil_is_exact_next_to_each_power_of_two(dtype):
+    """The smallest power of two that clips nothing, also a few ulps above fp8_max * 2**k."""
+    x = _edge_blocks(dtype)
+    op = fp8.quantize_mx(x, dtype)
+    q, scales = fp8.reference_quantize_mx(x, dtype)
+    assert torch.equal(op.dequant_scale.view(torch.uint8), scales.view(torch.uint8))
+    assert torch.equal(op.data.view(torch.uint8), q.view(torch.uint8))
+    assert _clipped_blocks(x, op) == 0
+    half = (op.dequant_scale.view(torch.uint8).int() - 128).clamp(min=-127).float().exp2()
+    units = x.view(x.shape[0], 1, 32).abs() / half.unsqueeze(-1)  # one power of two less
+    big = x[:, 0].abs() > fp8.fp8_max(dtype) * 2.0**-126  # where a smaller scale exists
+    assert (units[big] > fp8.fp8_max(dtype)).any(-1).all()
+
+
+# ---- torchao --------------------------------------------------------------------------------
+
+
+def _torchao_mx(x, dtype, rounding):
+    mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
+    cfg = pytest.importorskip("torchao.prototype.mx_formats.config")
+    mode = getattr(cfg.ScaleCalculationMode, rounding.upper())
+    scales, data = mx.to_mx(x, dtype, 32, scaling_mode=mode)
+    return data.view(torch.uint8), scales.view(torch.uint8).view(x.shape[0], -1)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+@pytest.mark.parametrize("data", DATA)
+def test_mx_quantization_equals_torchao_bitwise(data, rounding, dtype):
+    x = DATA[data]()
+    data_ao, scales_ao = _torchao_mx(x, dtype, rounding)
+    op = fp8.quantize_mx(x, dtype, rounding)
+    assert torch.equal(op.dequant_scale.view(torch.uint8), scales_ao)
+    assert torch.equal(op.data.view(torch.uint8), data_ao)
+
+
+def test_torchao_eager_rceil_differs_only_next_to_powers_of_two():
+    """torchao's eager RCEIL takes ceil(log2(amax / fp8_max)) in float32, which rounds a
+    quotient a few ulps above 2**k down to k: that block's top clips by those ulps. Everywhere
+    else (exactly at, or below, fp8_max * 2**k) the scales agree."""
+    x = _edge_blocks(E4M3)
+    big = x[:, 0] >= fp8.fp8_max(E4M3) * 2.0**-126  # torchao's quotient is a float32 normal
+    x = x[big]
+    _, scales_ao = _torchao_mx(x, E4M3, "rceil")
+    ours = fp8.quantize_mx(x, E4M3).dequant_scale.view(torch.uint8)
+    differ = (ours != scales_ao).flatten()
+    top_ao = fp8.fp8_max(E4M3) * (scales_ao.flatten().int() - 127).float().exp2()
+    assert differ.any()
+    assert torch.equal(differ, x[:, 0] > top_ao)  # they differ exactly where torchao's clips
+    assert (ours.flatten()[differ] == scales_ao.flatten()[differ] + 1).all()

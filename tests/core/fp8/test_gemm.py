@@ -1,5 +1,8 @@
-"""What torch._scaled_mm does on the CPU (the claims in mpnb.core.fp8.gemm, measured each run),
-and the rule deciding where mpnb calls it."""
+"""The FP8 GEMM ``a @ b.T``: what torch._scaled_mm does on the CPU (the claims in
+mpnb.core.fp8.gemm, measured each run), the rule deciding where mpnb calls it, the emulated
+GEMM every fallback computes, and where ``fp8_mm`` sends each kind of operand.
+
+The native block-scaled path (sm100) and its first-use check: tests/core/fp8/test_blocked.py."""
 
 import itertools
 
@@ -7,6 +10,7 @@ import pytest
 import torch
 
 from mpnb import fp8
+from mpnb.core.fp8 import gemm
 
 F8 = [torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz]
 ONE = torch.tensor(1.0)
@@ -76,3 +80,71 @@ def test_where_mpnb_calls_scaled_mm():
     both = rule("cuda", (9, 0), "rowwise", 40, 24, torch.float32)
     assert both[0] == "out_dtype+shape"
     assert "only writes bfloat16" in both[1] and "K=40, N=24" in both[1]
+
+
+def _operands(granularity, m=6, k=64, n=5, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x, w = torch.randn(m, k, generator=g), torch.randn(n, k, generator=g)
+    quant = {
+        "tensorwise": lambda t: fp8.quantize_tensorwise(t, torch.float8_e4m3fn),
+        "rowwise": lambda t: fp8.quantize_rowwise(t, torch.float8_e4m3fn),
+        "mx": lambda t: fp8.quantize_mx(t, torch.float8_e4m3fn),
+    }[granularity]
+    return quant(x), quant(w)
+
+
+@pytest.mark.parametrize("granularity", ["tensorwise", "rowwise", "mx"])
+def test_emulated_mm_is_the_exact_product_up_to_float32_accumulation(granularity):
+    a, b = _operands(granularity)
+    da, db = a.dequantize().double(), b.dequantize().double()
+    y = fp8.emulated_mm(a, b, torch.float32)
+    assert y.shape == (6, 5) and y.dtype == torch.float32
+    bound = (64 + 1) * 2.0**-24 * (da.abs() @ db.abs().t())
+    assert ((y.double() - da @ db.t()).abs() <= bound).all()
+    for dtype in (torch.bfloat16, torch.float16):  # one cast from the float32 result
+        assert torch.equal(fp8.emulated_mm(a, b, dtype), y.to(dtype))
+
+
+def test_fp8_mm_sends_each_operand_kind_to_its_gemm(monkeypatch):
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(args[2].shape)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    for granularity in ("tensorwise", "rowwise"):
+        a, b = _operands(granularity)
+        emulated = fp8.fp8_mm(a, b, torch.float32, scaled_mm=False)
+        assert calls == [] and torch.equal(emulated, fp8.emulated_mm(a, b, torch.float32))
+        native = fp8.fp8_mm(a, b, torch.float32, scaled_mm=True)  # CPU _scaled_mm: same bits
+        assert len(calls) == 1 and torch.equal(native, emulated)
+        calls.clear()
+    a, b = _operands("mx")
+    assert torch.equal(fp8.fp8_mm(a, b, torch.float32, False), fp8.emulated_mm(a, b, torch.float32))
+    x, w = torch.randn(4, 64), torch.randn(3, 64)
+    qa, qb = fp8.quantize_nvfp4(x), fp8.quantize_nvfp4(w)
+    assert torch.equal(fp8.fp8_mm(qa, qb, torch.float32, False), fp8.fp4_mm(qa, qb, torch.float32))
+    assert calls == []
+
+
+def test_on_the_cpu_block_scaled_gemms_are_blocked_with_their_reason():
+    a, b = _operands("mx")
+    category, reason = fp8.scaled_mm_blocker(a, b, torch.float32)
+    assert category == "recipe" and "sm100" in reason
+    x = torch.randn(4, 64)
+    nv, mx = fp8.quantize_nvfp4(x), fp8.quantize_mxfp4(x)
+    for op, key in ((nv, ("nvfp4",)), (mx, ("mxfp4",))):
+        category, reason = fp8.scaled_mm_blocker(op, op, torch.float32)
+        assert category == "fp4" and reason.startswith(op.label)
+        assert gemm.block_format(op, op, torch.float32) == key
+    assert gemm.block_format(a, b, torch.bfloat16) == (
+        "mxfp8",
+        a.data.dtype,
+        b.data.dtype,
+        torch.bfloat16,
+    )
+    assert gemm.device_capability("cpu") is None
+    for fmt in ("nvfp4", "mxfp4", "mxfp8"):
+        assert gemm.block_scaled_status("cpu", fmt) == "emulated"

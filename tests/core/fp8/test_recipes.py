@@ -1,4 +1,6 @@
-"""Delayed scaling under underflow and overflow, against a TransformerEngine-style simulation.
+"""The FP8 recipes: ``recipe()`` and its errors, the delayed scales against the reference, MXFP8's
+scale rounding rule in a layer, and delayed scaling under underflow and overflow, against a
+TransformerEngine-style simulation.
 
 The simulation below restates TransformerEngine's delayed-scaling update in a few lines: an amax
 history (newest first), reduced by ``max``; ``scale = fp8_max / amax / 2**margin``, clamped to
@@ -16,9 +18,100 @@ import pytest
 import torch
 
 from mpnb import amp, fp8
+from mpnb.core.precision import PRECISION_CONFIGS
 
 E4M3 = torch.float8_e4m3fn
 BIG = torch.finfo(torch.float32).max
+
+
+def test_recipe_errors_name_the_fix():
+    with pytest.raises(ValueError, match="valid choices") as e:
+        fp8.recipe("blockwise")
+    assert all(name in str(e.value) for name in fp8.RECIPES)
+    with pytest.raises(ValueError, match="'max' or 'most_recent'"):
+        fp8.DelayedScaling(amax_compute_algo="mean")
+    with pytest.raises(ValueError, match="int >= 1"):
+        fp8.DelayedScaling(amax_history_len=0)
+    with pytest.raises(ValueError, match="'hybrid'"):
+        fp8.TensorwiseScaling(fp8_format="e5m2")
+    with pytest.raises(ValueError, match="see help"):
+        fp8.recipe("rowwise", amax_history_len=3)
+    assert fp8.recipe("delayed").amax_history_len == 1024  # TransformerEngine's defaults
+    assert fp8.recipe("delayed").amax_compute_algo == "max" and fp8.recipe("delayed").margin == 0
+
+
+@pytest.mark.parametrize("algo", ["max", "most_recent"])
+@pytest.mark.parametrize("history_len, margin", [(3, 0), (1024, 1)])
+def test_delayed_scales_follow_the_amax_history(algo, history_len, margin):
+    """Per step, the scale a layer used equals the reference over the same amaxes."""
+    rec = fp8.DelayedScaling(amax_history_len=history_len, amax_compute_algo=algo, margin=margin)
+    layer = fp8.Float8Linear(16, 16, bias=False, recipe=rec)
+    amaxes = [2.0, 40.0, 0.5, 0.0, 3.0, 0.25, 7.0]
+    used = []
+    for a in amaxes:
+        used.append(layer.fp8_scale[0].item())
+        x = torch.zeros(4, 16)
+        x[0, 0] = a
+        layer(x)
+    ref = fp8.reference_delayed_scales(amaxes, E4M3, history_len, algo, margin)
+    assert used == ref
+    assert layer.fp8_amax_history[: min(history_len, 7), 0].tolist() == amaxes[::-1][:history_len]
+    layer.eval()  # eval forwards use the scales without recording
+    before = layer.fp8_amax_history.clone()
+    layer(torch.randn(4, 16) * 100)
+    assert torch.equal(layer.fp8_amax_history, before)
+
+
+def test_delayed_quantization_uses_the_previous_steps_scale():
+    layer = fp8.Float8Linear(16, 16, bias=False, recipe="delayed")
+    x = torch.full((2, 16), 1000.0)  # step 1: scale 1.0, so 1000 saturates at 448
+    layer(x)
+    s = layer.fp8_scale[0]
+    assert s.item() == pytest.approx(448 / 1000)
+    op = fp8.quantize_with_scale(x, s, E4M3, "tensorwise")
+    q, inv = fp8.reference_quantize_tensorwise(x, E4M3, scale=s)
+    assert torch.equal(op.data.view(torch.uint8), q.view(torch.uint8)) and torch.equal(
+        op.dequant_scale, inv
+    )
+
+
+def test_the_mxfp8_recipe_rounds_scales_up_by_default_and_names_its_rule():
+    rec = fp8.recipe("mxfp8")
+    assert rec.scale_rounding == "rceil" and rec.label == "mxfp8 (rceil scales)"
+    floor = fp8.recipe("mxfp8", scale_rounding="floor")
+    assert floor.label == "mxfp8 (floor scales)" and "floor" in repr(floor)
+    assert "RCEIL" in PRECISION_CONFIGS["mxfp8"].description
+    with pytest.raises(ValueError, match="'rceil'.*'floor'"):
+        fp8.MXFP8BlockScaling(scale_rounding="nearest")
+    layer = fp8.Float8Linear(64, 8, recipe=floor)
+    with pytest.warns(fp8.Float8FallbackWarning, match="floor scales"):
+        layer(torch.randn(4, 64))
+
+
+@pytest.mark.parametrize("rounding", ["rceil", "floor"])
+def test_a_layer_follows_the_reference_with_either_rounding(rounding):
+    torch.manual_seed(0)
+    layer = fp8.Float8Linear(64, 32, recipe=fp8.MXFP8BlockScaling(scale_rounding=rounding))
+    x = torch.randn(16, 64, requires_grad=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", fp8.Float8FallbackWarning)
+        y = layer(x)
+    gy = torch.randn_like(y)
+    y.backward(gy)
+    ref = fp8.reference_float8_linear(
+        x.detach(),
+        layer.weight.detach(),
+        layer.bias.detach(),
+        gy,
+        (E4M3, E4M3),
+        "mx",
+        mx_rounding=rounding,
+    )
+    for got, want in zip((y, x.grad, layer.weight.grad), ref[:3], strict=False):
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+# ---- delayed scaling under underflow and overflow ----------------------------------------
 
 
 class TESimulation:

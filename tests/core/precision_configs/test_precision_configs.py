@@ -192,8 +192,9 @@ def test_the_table_lists_every_configuration_once():
 
 
 def test_unknown_names_list_the_choices():
-    with pytest.raises(ValueError, match="letter O, not zero.*fp8-delayed"):
+    with pytest.raises(ValueError, match="letter O, not zero") as e:
         get_config("02")
+    assert "fp8-delayed" in str(e.value)  # the valid choices are listed
     assert get_config(PRECISION_CONFIGS["O1"]) is PRECISION_CONFIGS["O1"]
 
 
@@ -326,10 +327,9 @@ def test_config_names_are_checked_with_their_keep_lists():
     from mpnb.core.precision_configs import check_config_names
 
     check_config_names(["O0", "nvfp4:keep-last=2", "mxfp8"])
-    with pytest.raises(
-        ValueError, match="'keep-last=1': keep options join their configuration with ':'"
-    ):
+    with pytest.raises(ValueError, match="'keep-last=1': keep") as e:
         check_config_names(["O0", "nvfp4:keep-first=1", "keep-last=1"], "configs: unknown")
+    assert "keep-first=1:keep-last=1" in str(e.value)  # the spelling that works
     with pytest.raises(ValueError, match="unknown 'O9'"):
         check_config_names(["O9"], "unknown")
     with pytest.raises(ValueError, match="keep-none keeps nothing"):

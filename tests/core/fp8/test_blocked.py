@@ -43,7 +43,7 @@ def test_to_blocked_is_torchaos_layout(shape, dtype):
 
 
 def test_from_blocked_refuses_a_wrong_size():
-    with pytest.raises(ValueError, match="pass the rows and columns"):
+    with pytest.raises(ValueError, match="rows and columns"):
         blocked.from_blocked(torch.zeros(511, dtype=torch.uint8), 2, 4)
     with pytest.raises(ValueError, match="2-D"):
         blocked.to_blocked(torch.zeros(8, dtype=torch.uint8))
