@@ -5,6 +5,7 @@ against torch.optim or mpnb's references; a set noop flag writes nothing."""
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 from pathlib import Path
 
@@ -12,8 +13,8 @@ import pytest
 import torch
 
 from mpnb import amp_C
-from mpnb.core import amp_C_reference
-from mpnb.core._amp_C_table import ROWS
+from mpnb.core import amp_C_reference, ops
+from mpnb.core._amp_C_table import ROWS, op_params
 from mpnb.core.ops import op_info
 from mpnb.multi_tensor_apply import multi_tensor_applier
 
@@ -357,11 +358,53 @@ def test_each_shim_has_its_rows_signature_and_op(row):
 @pytest.mark.parametrize("row", list(ROWS.values()), ids=list(ROWS))
 def test_a_wrong_number_of_tensor_lists_names_the_layout(row):
     fn = getattr(amp_C, row.name)
-    for n in (min(row.list_counts) - 1, max(row.list_counts) + 1):
+    for n in (len(row.lists) - row.optional - 1, len(row.lists) + 1):
         if n < 0:
             continue
-        with pytest.raises(ValueError, match=f"amp_C.{row.name}: expected the tensor lists"):
+        with pytest.raises(ValueError, match="tensor lists"):
             fn(2048, _noop(), [[]] * n, *[None] * len(row.param_names))
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS.values() if r.op], ids=lambda r: r.name)
+def test_each_rows_renames_name_an_op_argument_and_an_apex_argument(row):
+    """A rename (``weight_decay=wd``, ``reg_inside_moment=mode==0``) reads an argument Apex's
+    call has into one the op takes: a typo in the table fails here, not in a parity test."""
+    op_args = [n for n, _ in op_params(getattr(ops, row.op))]
+    for op_arg, apex in row.renames.items():
+        assert op_arg in op_args, (row.name, op_arg)
+        assert apex.partition("==")[0] in row.param_names, (row.name, apex)
+    assert set(row.flags) <= {"host_skip", "capturable"}, row.flags
+
+
+def test_the_shims_call_the_ops_by_keyword(monkeypatch):
+    """Every op a shim calls gets its arguments by name (``op(lr=...)``), never by position:
+    inserting a parameter into an op cannot shift Apex's arguments."""
+    calls = []
+
+    def spy(name):
+        op = getattr(ops, name)
+
+        @functools.wraps(op)
+        def keyword_only(*args, **kwargs):
+            calls.append((name, len(args)))
+            return op(**kwargs)
+
+        return keyword_only
+
+    for name in {r.op for r in ROWS.values() if r.op}:
+        monkeypatch.setattr(ops, name, spy(name))
+    p = [t.detach() for t in _params()]
+    s = [[torch.zeros(n) for n in SIZES], [torch.zeros(n) for n in SIZES], torch.ones(len(SIZES))]
+    for call in _CALLS.values():
+        call(_grads(p, 1), p, s, _noop())
+    amp_C.multi_tensor_scale(2048, _noop(), [p, [torch.empty_like(t) for t in p]], 0.5)
+    amp_C.multi_tensor_l2norm_scale(2048, _noop(), [p, [torch.empty_like(t) for t in p]], 2.0)
+    amp_C.multi_tensor_unscale_l2norm(2048, _noop(), [p], 0.5, True)
+    assert {name for name, _ in calls} >= {r.op for r in ROWS.values() if r.op} - {
+        "multi_tensor_axpby",
+        "multi_tensor_check_finite",
+    }
+    assert [c for c in calls if c[1]] == []
 
 
 def test_no_module_of_the_shim_layer_imports_amp_C():
