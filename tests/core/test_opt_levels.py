@@ -28,7 +28,7 @@ def test_check_names_names_the_bad_values_and_the_choices():
     assert str(e.value) == (
         "unknown level '02', 'O9', 2 (use the letter O, not zero); valid choices: O0, O1, O2, O3."
     )
-    with pytest.raises(ValueError, match=r"^unknown level 'O9'; valid") as e:
+    with pytest.raises(ValueError, match=r"^unknown level 'O9';") as e:
         check_names(["O9"], OPT_LEVEL_NAMES, "unknown level")
     assert "letter O" not in str(e.value)
 
@@ -37,14 +37,18 @@ def test_every_entry_point_refuses_a_zero_with_the_same_hint():
     from mpnb.lab.config import expand
 
     hint = "(use the letter O, not zero)"
-    with pytest.raises(ValueError, match=r"^amp.initialize: unknown opt_level '02' \(use"):
+    with pytest.raises(ValueError, match=r"^amp.initialize: ") as e:
         amp.initialize(torch.nn.Linear(2, 2), opt_level="02")
-    with pytest.raises(ValueError, match=r"^amp.initialize: unknown opt_level"):
+    assert "opt_level '02' " + hint in str(e.value)
+    with pytest.raises(ValueError, match=r"^amp.initialize: unknown") as e:
         parse_opt_level("02")
-    with pytest.raises(ValueError, match=r"^unknown precision config '02' \(use.*mxfp8"):
+    assert "opt_level" in str(e.value)
+    with pytest.raises(ValueError, match=r"^unknown precision") as e:
         get_config("02")
-    with pytest.raises(ValueError, match=r"unknown configuration '02' \(use.*mxfp8"):
+    assert "config '02' " + hint in str(e.value) and "mxfp8" in str(e.value)
+    with pytest.raises(ValueError, match="unknown configuration") as e:
         expand("mlp", ("O0", "02"), steps=4, device="cpu")
+    assert "'02' " + hint in str(e.value) and "mxfp8" in str(e.value)
     cmd = [sys.executable, "-m", "mpnb.cli", "compare", "--configs", "O0,02", "--json"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert p.returncode == 2 and hint in p.stderr and not p.stdout

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mpnb import amp
+from mpnb.core.amp.handle import RoundedWeightsWarning
 from mpnb.optimizers import FusedAdam
 
 ADAMW = {
@@ -166,7 +167,7 @@ def test_half_weights_into_o1_without_masters_warn_once():
     m, opt = _init("O3", lambda p: torch.optim.SGD(p, lr=0.1))
     ck = _roundtrip(m.state_dict())
     m1, _ = _init("O1", lambda p: torch.optim.SGD(p, lr=0.1))
-    with pytest.warns(UserWarning, match="rounded half values.*optimizer state") as rec:
+    with pytest.warns(RoundedWeightsWarning, match="rounded half") as rec:
         m1.load_state_dict(ck)
         m1.load_state_dict(ck)
     assert sum("rounded half values" in str(r.message) for r in rec) == 1

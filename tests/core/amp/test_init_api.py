@@ -230,7 +230,7 @@ def test_deactivate_names_a_mode_left_open_above_it():
     other = TorchFunctionMode()
     other.__enter__()
     try:
-        with pytest.raises(RuntimeError, match="leave its with-block first"):
+        with pytest.raises(RuntimeError, match="with-block first"):
             h._deactivate()
     finally:
         other.__exit__(None, None, None)

@@ -5,6 +5,7 @@
   mpnb's ``cast_model_type=False``): under O1 such a model would train in half with no fp32
   copy, and updates below half's resolution would be lost.
 * ``amp.init()``'s ``wrap_optimizer`` / ``scale_loss`` reach their message with any arguments.
+* A model of another float dtype that O2 recasts to half warns once.
 """
 
 from __future__ import annotations
@@ -82,3 +83,15 @@ def test_init_handle_loss_scaling_names_amp_initialize(call, enabled):
     with amp.init(enabled=enabled) as handle:
         with pytest.raises(RuntimeError, match="amp.initialize"):
             call(handle, opt)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64])  # a half model is refused (test_initialize)
+def test_a_model_recast_to_bf16_by_o2_warns_once(dtype):
+    m = _net().to(dtype)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with warnings.catch_warnings(record=True) as rec:
+        warnings.simplefilter("always")
+        amp.initialize(m, opt, opt_level="O2", half_dtype=torch.bfloat16, verbosity=0)
+    msgs = [str(r.message) for r in rec if "recast" in str(r.message)]
+    assert len(msgs) == 1 and str(dtype).split(".")[-1] in msgs[0]
+    assert m[0].weight.dtype == torch.bfloat16

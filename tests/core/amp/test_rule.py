@@ -3,18 +3,25 @@
 Every opt level x {torch.optim, fused seam} x {kernel, reference} x custom rules (growth,
 backoff, interval, hysteresis, bounds) runs through ``amp.initialize`` + ``scale_loss`` +
 ``step`` with forced overflows; the scale histories are identical and equal a pure-Python
-model of the rule.
+model of the rule. A loss scale that is not a positive finite number, or that float32 cannot
+hold with a finite inverse, is refused where it enters, naming the argument and the range.
 """
 
 from __future__ import annotations
 
+import math
 import warnings
 
 import pytest
 import torch
 
 from mpnb import amp
-from mpnb.core.amp import EmulatedHalfWarning, LossScaler, LossScaleRule, parse_loss_scale
+from mpnb.core.amp import (
+    EmulatedHalfWarning,
+    LossScaler,
+    LossScaleRule,
+    parse_loss_scale,
+)
 from mpnb.optimizers import FusedAdam
 
 RULES = {
@@ -149,3 +156,65 @@ def test_initialize_documents_and_applies_the_rule_argument():
     h = amp.current_handle()
     assert h.scalers[0].rule == LossScaleRule(hysteresis=3)
     assert h.properties.loss_scale == "dynamic"  # Apex's view of the properties is unchanged
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+
+
+@pytest.mark.parametrize(
+    "kw, name",
+    [
+        (dict(loss_scale=math.inf), "loss_scale"),
+        (dict(loss_scale=0), "loss_scale"),
+        (dict(loss_scale=-2.0), "loss_scale"),
+        (dict(loss_scale=math.nan), "loss_scale"),
+        (dict(max_loss_scale=0.0), "max_loss_scale"),
+        (dict(max_loss_scale=-1.0), "max_loss_scale"),
+        (dict(max_loss_scale=math.inf), "max_loss_scale"),
+        (dict(min_loss_scale=math.nan), "min_loss_scale"),
+        (dict(min_loss_scale=2.0**20, max_loss_scale=2.0**10), "min_loss_scale"),
+    ],
+)
+def test_initialize_refuses_a_bad_loss_scale_naming_the_argument(kw, name):
+    m = _net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match=name):  # fp16: the dynamic scale is the default
+        amp.initialize(m, opt, opt_level="O1", half_dtype=torch.float16, verbosity=0, **kw)
+
+
+@pytest.mark.parametrize(
+    "kw, says",
+    [
+        (dict(loss_scale=2**200), "loss_scale=1.60694e+60 cannot be stored in float32"),
+        (dict(loss_scale=1e-45), "loss_scale=1e-45 has an infinite float32 inverse"),
+        (dict(loss_scale=dict(min_loss_scale=1e-45)), "min_loss_scale=1e-45 has an infinite"),
+        (dict(loss_scale=dict(max_loss_scale=1e39)), "max_loss_scale=1e+39 cannot be stored"),
+        (dict(min_loss_scale=1e-45), "min_loss_scale=1e-45 has an infinite"),
+    ],
+)
+def test_initialize_refuses_a_scale_float32_cannot_hold(kw, says):
+    """2**200 raised torch's raw 'value cannot be converted' error; 1e-45 was accepted and
+    its inverse (inf) turned the O2 master weights into NaN on the first step."""
+    m = _net()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    before = [p.detach().clone() for p in m.parameters()]
+    with pytest.raises(ValueError) as e:
+        amp.initialize(m, opt, opt_level="O2", half_dtype=torch.float16, verbosity=0, **kw)
+    msg = str(e.value)
+    assert says in msg and "[1.18e-38, " in msg and "3.4e+38]" in msg and "'dynamic'" in msg
+    assert all(p.dtype == torch.float32 for p in m.parameters())  # the model is untouched
+    assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("scale", [2**200, 1e-45, 1e39])
+def test_the_scaler_itself_refuses_it(scale):
+    with pytest.raises(ValueError, match="a loss scale must lie in"):
+        LossScaler(scale)
+
+
+def test_the_edges_of_the_range_work():
+    for scale in (torch.finfo(torch.float32).tiny, 2.0**127):
+        s = LossScaler(scale)
+        assert torch.isfinite(s.scale).all() and torch.isfinite(s.inv_scale).all()

@@ -4,6 +4,9 @@ Every test runs twice (the ``op_impl`` fixture): with the compiled kernels and w
 references.
 """
 
+from __future__ import annotations
+
+import math
 import warnings
 
 import pytest
@@ -191,7 +194,7 @@ class _Syncs(TorchDispatchMode):
 @pytest.mark.parametrize("level", ["O1", "O2"])
 def test_a_python_loop_optimizer_reads_the_flag_once_per_step(level):
     """torch.optim's SGD steps in Python: amp reads the step's flag once to skip it, as torch.amp
-    does (a fused optimizer reads nothing: tests/core/amp/test_host_reads.py)."""
+    does (a fused optimizer reads nothing: tests/behaviour/test_amp_host_reads.py)."""
     m, opt = _setup(level, torch.bfloat16, opt_cls=torch.optim.SGD)  # Adam .item()s on CPU
     state = amp.current_handle().opt_states[0]
     _step(m, opt)
@@ -264,3 +267,13 @@ def test_mpnb_fused_adam_through_the_seam(level):
     m.train()
     _step(m, opt)
     assert not _bitwise_equal(before, [t.detach() for t in (*m.parameters(), *m.buffers())])
+
+
+def test_the_scale_never_reaches_zero_or_inf():
+    s = LossScaler("dynamic", max_skips_at_min=None)
+    g = [torch.tensor([1.0, math.inf])]
+    for _ in range(400):  # far more backoffs than fp32 has exponents
+        s.clear_overflow()
+        s.unscale(g, g)
+        s.update()
+    assert s.loss_scale() > 0 and math.isfinite(s.inv_scale.item())

@@ -58,7 +58,7 @@ def test_transitions_follow_the_steps():
 def test_step_inside_an_open_block_is_refused():
     m, opt = _init("O1")
     before = _weights(m, opt)
-    with pytest.raises(RuntimeError, match="inside an open amp.scale_loss block.*after the"):
+    with pytest.raises(RuntimeError, match="inside an open"):
         with amp.scale_loss(_loss(m), opt) as s:
             s.backward()
             opt.step()
@@ -72,7 +72,7 @@ def test_step_twice_after_one_backward_is_refused(level, opt_cls):
         s.backward()
     opt.step()
     once = _weights(m, opt)
-    with pytest.raises(RuntimeError, match="twice after one backward.*new amp.scale_loss"):
+    with pytest.raises(RuntimeError, match="twice after one backward"):
         opt.step()
     assert all(torch.equal(a, b) for a, b in zip(once, _weights(m, opt), strict=True))
 
@@ -80,7 +80,7 @@ def test_step_twice_after_one_backward_is_refused(level, opt_cls):
 def test_nested_blocks_on_one_optimizer_are_refused():
     m, opt = _init("O1")
     with amp.scale_loss(_loss(m), opt) as s:
-        with pytest.raises(RuntimeError, match="cannot nest on one optimizer"):
+        with pytest.raises(RuntimeError, match="cannot nest"):
             with amp.scale_loss(_loss(m), opt):
                 pass
         s.backward()
@@ -160,7 +160,7 @@ def test_handle_less_api_finds_state_through_the_stash_and_a_weak_latest():
         s.backward()
     o1.step()
     assert h1.scalers[0].state_dict()["unskipped"] == 1 and amp.state_dict() == h2.state_dict()
-    with pytest.raises(ValueError, match="different amp.initialize|one amp.initialize"):
+    with pytest.raises(ValueError, match="one amp.initialize"):
         with amp.scale_loss(_loss(m1), [o1, o2]):
             pass
     del m2, o2, h2

@@ -1,9 +1,15 @@
 """mpnb.fp16_utils: Apex's FP16_Optimizer, loss scalers and model/master helpers."""
 
+from __future__ import annotations
+
+import io
+import math
+
 import pytest
 import torch
 
 from mpnb import fp16_utils as fu
+from mpnb.core.amp import LossScaleCollapseError
 
 HALVES = [torch.bfloat16, torch.float16]
 
@@ -37,23 +43,6 @@ def test_network_helpers(half):
     _, flat = fu.prep_param_lists(torch.nn.Linear(3, 3).to(half), flat_master=True)
     assert flat[0].numel() == 12 and flat[0].dtype == torch.float32
     assert fu.to_python_float(torch.tensor([2.5])) == 2.5 and fu.to_python_float([3.0]) == 3.0
-
-
-def test_loss_scalers_apex_rules():
-    s = fu.DynamicLossScaler(init_scale=8.0, scale_window=2)
-    p = torch.nn.Parameter(torch.ones(2))
-    p.grad = torch.tensor([1.0, float("nan")])
-    assert s.has_overflow([p])
-    s.update_scale(True)
-    assert s.loss_scale == 4.0
-    s.update_scale(False)
-    s.update_scale(False)
-    assert s.loss_scale == 8.0
-    for _ in range(10):
-        s.update_scale(True)
-    assert s.loss_scale == 1.0  # never below 1
-    st = fu.LossScaler(16.0)
-    assert not st.has_overflow([p]) and st.loss_scale == 16.0
 
 
 @pytest.mark.parametrize("half", HALVES)
@@ -121,3 +110,47 @@ def test_fp16_optimizer_overflow_skips_and_state_dict_and_scheduler():
     assert torch.equal(net2[0].weight, net[0].weight)
     with pytest.raises(TypeError, match="torch.optim.Optimizer"):
         fu.FP16_Optimizer(object())
+
+
+def _opt(**kw):
+    torch.manual_seed(0)
+    net = fu.convert_network(torch.nn.Sequential(torch.nn.Linear(4, 3)), torch.bfloat16)
+    return net, fu.FP16_Optimizer(torch.optim.SGD(net.parameters(), lr=0.1), verbose=False, **kw)
+
+
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_state_dict_loads_with_torch_load_defaults(dynamic):
+    net, opt = _opt(dynamic_loss_scale=dynamic, static_loss_scale=64.0)
+    opt.zero_grad()
+    opt.backward(net(torch.randn(2, 4, dtype=torch.bfloat16)).float().sum())
+    opt.step()
+    buf = io.BytesIO()
+    torch.save(opt.state_dict(), buf)
+    buf.seek(0)
+    sd = torch.load(buf)  # weights_only=True
+    net2, opt2 = _opt(dynamic_loss_scale=dynamic)
+    opt2.load_state_dict(sd)
+    assert opt2.loss_scale == opt.loss_scale
+    assert type(opt2.loss_scaler) is type(opt.loss_scaler)
+    assert torch.equal(net2[0].weight, net[0].weight)
+
+
+def test_a_bad_checkpoint_changes_nothing():
+    net, opt = _opt(dynamic_loss_scale=True)
+    sd = opt.state_dict()
+    sd["loss_scaler"]["cur_scale"] = math.nan
+    scale = opt.loss_scale
+    with pytest.raises(ValueError, match="cur_scale"):
+        opt.load_state_dict(sd)
+    assert opt.loss_scale == scale
+
+
+def test_collapse_raises_the_same_clear_error_as_amp():
+    net, opt = _opt(dynamic_loss_scale=True, dynamic_loss_args={"init_scale": 4.0})
+    x = torch.randn(2, 4, dtype=torch.bfloat16)
+    with pytest.raises(LossScaleCollapseError, match="below 1 .*max_skips"):
+        for _ in range(200):
+            opt.zero_grad()
+            opt.backward(net(x).float().sum() * math.nan)
+            opt.step()
+    assert opt.loss_scale == 1.0

@@ -30,14 +30,14 @@ def test_an_unknown_key_lists_the_valid_ones_and_changes_nothing(args, key):
 
 
 def test_a_close_misspelling_is_named():
-    with pytest.raises(TypeError, match="did you mean 'init_scale'"):
+    with pytest.raises(TypeError, match="mean 'init_scale'"):
         FP16_Optimizer(_sgd()[1], dynamic_loss_scale=True, dynamic_loss_args={"init_scal": 2.0})
 
 
 @pytest.mark.parametrize("args", [[2.0**16, 2.0], (2.0**16,), "init_scale", 65536.0])
 def test_a_non_dict_names_the_dict_form(args):
     p, sgd = _sgd()
-    with pytest.raises(TypeError, match=r"dynamic_loss_args=\{'init_scale'"):
+    with pytest.raises(TypeError, match=r"=\{'init_scale'"):
         FP16_Optimizer(sgd, dynamic_loss_scale=True, dynamic_loss_args=args)
     assert sgd.param_groups[0]["params"][0] is p
 

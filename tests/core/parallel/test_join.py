@@ -156,6 +156,6 @@ def test_uneven_inputs_without_join_fail_fast_naming_rank_and_batch():
     assert time.monotonic() - t0 < 20  # not the 60 s of the launch's timeout
     assert info.value.rank == 0
     msg = str(info.value)
-    assert "uneven inputs: rank 0 waits in the gradient all-reduce of its batch 4" in msg
-    assert "rank(s) 1 already returned" in msg and "after the 3 batch(es)" in msg
+    assert "uneven inputs" in msg and "rank 0 waits" in msg and "its batch 4" in msg
+    assert "rank(s) 1 already" in msg and "after the 3 batch(es)" in msg
     assert "with model.join():" in msg

@@ -74,19 +74,19 @@ def test_a_raising_rank_makes_launch_raise_with_its_traceback_quickly():
     assert time.monotonic() - t0 < 30
     assert info.value.rank == 1
     msg = str(info.value)
-    assert "ValueError: boom on purpose" in msg and "_rank1_raises" in msg  # the traceback
+    assert "ValueError: boom" in msg and "_rank1_raises" in msg  # the traceback
 
 
 def test_a_dying_rank_makes_launch_raise():
     t0 = time.monotonic()
-    with pytest.raises(RankError, match="rank 1 died with exit code 3"):
+    with pytest.raises(RankError, match="rank 1 died.*code 3"):
         launch(_rank1_dies, 2, backend="gloo", timeout=60, threads=1)
     assert time.monotonic() - t0 < 30
 
 
 def test_timeout_stops_the_ranks_and_all_they_started(tmp_path):
     t0 = time.monotonic()
-    with pytest.raises(TimeoutError, match="did not return from fn within 4 s"):
+    with pytest.raises(TimeoutError, match="within 4 s"):
         launch(
             _sleeps_with_children,
             2,

@@ -16,7 +16,7 @@ from mpnb.core.precision_configs import (
 from mpnb.lab.host_reads import HostReads
 
 #: every configuration but the compiled one (a compile takes tens of seconds: tests/lab) and the
-#: captured ones (CUDA graphs: test_graphed_step)
+#: captured ones (CUDA graphs: test_graphed.py)
 EAGER = [n for n in config_names() if n != "torch-amp+compile" and "+graph" not in n]
 
 

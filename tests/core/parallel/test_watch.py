@@ -47,7 +47,7 @@ def test_syncbn_with_different_channel_counts_names_both_ranks():
     """Before: gloo's 'Received data size doesn't match' abort killed a rank (SIGABRT)."""
     err, took = _launch_fails(_channels_differ)
     msg = str(err)
-    assert "raised ValueError: SyncBatchNorm: the ranks normalize different numbers" in msg
+    assert "raised ValueError" in msg and "different numbers" in msg
     assert "rank 0: 4, rank 1: 6" in msg and "same num_features" in msg
     assert "died" not in msg and took < FAST
 
@@ -79,8 +79,8 @@ def test_one_rank_in_eval_the_other_training_is_a_named_mismatch(fn):
     the launch's timeout ('2 rank(s) did not finish')."""
     err, took = _launch_fails(fn)
     msg = str(err)
-    assert "collective mismatch: rank" in msg and "DistributedDataParallel's" in msg
-    assert "SyncBatchNorm's" in msg and "call model.train() or model.eval() on every rank" in msg
+    assert "collective mismatch" in msg and "DistributedDataParallel" in msg
+    assert "SyncBatchNorm's" in msg and "model.train() or" in msg and "on every rank" in msg
     assert took < FAST
 
 
@@ -94,8 +94,8 @@ def _rank1_eval_syncbn_alone():
 def test_a_rank_in_eval_that_returns_is_named_by_the_training_rank():
     err, took = _launch_fails(_rank1_eval_syncbn_alone)
     msg = str(err)
-    assert err.rank == 0 and "SyncBatchNorm: rank 0 waits in SyncBatchNorm's" in msg
-    assert "rank(s) 1 already returned" in msg and "eval() mode runs none" in msg
+    assert err.rank == 0 and "rank 0 waits in" in msg and "SyncBatchNorm's" in msg
+    assert "rank(s) 1 already" in msg and "eval() mode runs none" in msg
     assert took < FAST
 
 
@@ -109,9 +109,9 @@ def test_the_timeout_names_the_rank_that_hung_and_where():
     with pytest.raises(TimeoutError) as info:
         launch(_rank1_hangs, 2, backend="gloo", timeout=8, threads=1)
     msg = str(info.value)
-    assert "rank(s) 1 did not return from fn within 8 s" in msg
-    assert "rank(s) 0 had returned and waited for it" in msg
-    assert "rank 1 was still in fn, at: " in msg and "in _rank1_hangs" in msg
+    assert "rank(s) 1 did not return" in msg and "within 8 s" in msg
+    assert "rank(s) 0 had returned" in msg
+    assert "rank 1 was still in fn" in msg and "in _rank1_hangs" in msg
 
 
 _UNEVEN = """
@@ -205,7 +205,7 @@ def test_a_peer_entry_that_vanishes_between_check_and_get_is_no_mismatch_and_no_
     waiting()  # rank 1's entry reads empty: nothing to compare
     assert store.data == {"mpnb/launch/waiting/0": "3\tDistributedDataParallel's all-reduce"}
     store.data[store.vanishing] = "3\tSyncBatchNorm's all-gather"  # a peer that waits on
-    with pytest.raises(RuntimeError, match="collective mismatch: rank 0"):
+    with pytest.raises(RuntimeError, match="mismatch: rank 0"):
         waiting()
 
 
@@ -217,5 +217,6 @@ def test_a_peer_that_raised_stops_the_wait_with_its_error():
     store = _StoreOfAnEndedWait()
     store.data["mpnb/launch/failed/1"] = "ValueError: bad batch"
     waiting = _Waiting(_Owner(store), 1, "SyncBatchNorm's all-gather", RuntimeError)
-    with pytest.raises(RuntimeError, match=r"rank 1 raised in fn \(ValueError: bad batch\)"):
+    with pytest.raises(RuntimeError, match="rank 1 raised in fn") as e:
         waiting()
+    assert "ValueError: bad batch" in str(e.value)

@@ -1,4 +1,5 @@
-"""amp O2 + mpnb's fused optimizers end to end: the step takes the one-pass kernel (half grads
+"""The fused-optimizer strategy (:class:`~mpnb.core.amp._strategies.FusedSeam`), amp O2 + mpnb's
+fused optimizers end to end: the step takes the one-pass kernel (half grads
 in, fp32 masters + state + half params out, no separate unscale), trains, skips a planted
 overflow leaving everything bitwise unchanged, and equals the separate-pass sequence (unscale,
 check, update the fp32 masters, cast) bit for bit over several steps."""

@@ -1,4 +1,11 @@
-"""The everyday recipes of PyTorch's AMP guide, on mpnb.amp: clipping, accumulation, resume."""
+"""Apex's handle-less amp API (:mod:`mpnb.core.amp.frontend`): ``amp.master_params`` in the
+everyday recipes of PyTorch's AMP guide (clipping the unscaled grads of a fused optimizer's
+masters, the overflow skip kept), and ``amp.load_state_dict``, all or nothing, refusing a
+corrupt entry by its key."""
+
+from __future__ import annotations
+
+import math
 
 import pytest
 import torch
@@ -6,6 +13,8 @@ from torch import nn
 
 from mpnb import amp
 from mpnb.optimizers import FusedAdam, FusedSGD
+from tests.core.amp._tiny import initialize as _init
+from tests.core.amp._tiny import step as _step
 
 
 def _mlp(seed=0):
@@ -67,3 +76,43 @@ def test_master_params_of_a_fused_optimizer_keeps_the_overflow_skip():
     opt.step()
     assert all(torch.equal(a, b) for a, b in zip(before, m.parameters(), strict=True))
     assert amp.current_handle().scalers[0].loss_scale() == 2.0**15
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("loss_scale", 0.0),
+        ("loss_scale", -4.0),
+        ("loss_scale", math.inf),
+        ("loss_scale", math.nan),
+        ("loss_scale", None),
+        ("loss_scale", [65536.0]),
+        ("loss_scale", "65536"),
+        ("unskipped", 2**40),
+        ("unskipped", -1),
+        ("unskipped", None),
+        ("unskipped", "3"),
+    ],
+)
+def test_load_state_dict_refuses_a_corrupt_entry_naming_the_key(key, value):
+    m, opt = _init()
+    _step(m, opt)
+    before = amp.state_dict()
+    bad = amp.state_dict()
+    bad["loss_scaler0"][key] = value
+    with pytest.raises(ValueError, match=f"loss_scaler0.*{key}"):
+        amp.load_state_dict(bad)
+    assert amp.state_dict() == before
+
+
+def test_amp_load_state_dict_changes_nothing_when_one_scaler_is_bad():
+    m, opt = _init(num_losses=2)
+    _step(m, opt, scale_by=math.inf, loss_id=0)
+    before = amp.state_dict()
+    state = {
+        "loss_scaler0": {"loss_scale": 8.0, "unskipped": 1},
+        "loss_scaler1": {"loss_scale": -1.0, "unskipped": 0},
+    }
+    with pytest.raises(ValueError, match="loss_scaler1"):
+        amp.load_state_dict(state)
+    assert amp.state_dict() == before  # the first scaler was not overwritten

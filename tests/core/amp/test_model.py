@@ -1,9 +1,11 @@
-"""What the model returns: O1 losses in fp32 (Apex's numerics), any output type kept.
+"""What amp does to a model (:mod:`mpnb.core.amp._model`): what it returns, O1 losses in fp32
+(Apex's numerics), any output type kept; the models it refuses; O1's autocast region closed.
 
 O1 casts the model's floating outputs to fp32 at the model boundary, so a loss computed from
 them matches ``torch.autocast`` wrapping forward and loss together. At every level, tensors,
 tuples, namedtuples, lists, dicts, dataclasses and Hugging Face ``ModelOutput`` come back as
-the same type with only their floating tensors cast.
+the same type with only their floating tensors cast. A meta-device model and complex params
+are refused at ``amp.initialize``; a Ctrl-C inside an O1 forward does not leave autocast on.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from mpnb import amp
+from mpnb.core.amp._initialize import EmulatedHalfWarning
 
 LEVELS = ["O0", "O1", "O2", "O3"]
 
@@ -153,3 +156,70 @@ def test_hugging_face_model_output_keeps_its_type(level):
     assert type(out) is outputs.SequenceClassifierOutput
     assert out.logits.dtype == out["logits"].dtype == out[1].dtype == torch.float32
     assert out.loss.dtype == torch.float32 and list(out.keys()) == ["loss", "logits"]
+
+
+def _init(m, opt, level, half=torch.bfloat16, **kw):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", EmulatedHalfWarning)
+        return amp.initialize(m, opt, opt_level=level, half_dtype=half, verbosity=0, **kw)
+
+
+class _Interrupted(torch.nn.Module):
+    """Raises KeyboardInterrupt (a Ctrl-C) in the middle of its forward when ``stop`` is set;
+    ``inner`` calls the model again inside its own forward (a re-entrant forward)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+        self.stop = self.inner = False
+
+    def forward(self, x):
+        y = self.lin(x)
+        if self.stop:
+            raise KeyboardInterrupt
+        if self.inner:
+            self.inner = False
+            y = y + self(x.float())
+            assert torch.is_autocast_enabled("cpu")  # the outer region is still open
+        return y
+
+
+def test_ctrl_c_in_an_o1_forward_does_not_leave_autocast_on():
+    # PyTorch runs always_call forward hooks for Exception only: the region a KeyboardInterrupt
+    # leaves open is closed by the next forward, or by removing amp's hooks.
+    net = _init(_Interrupted(), None, "O1")
+    net.stop = True
+    with pytest.raises(KeyboardInterrupt):
+        net(torch.randn(2, 4))
+    assert torch.is_autocast_enabled("cpu")  # open until the model runs again
+    net.stop = False
+    assert net(torch.randn(2, 4)).dtype == torch.float32  # O1 casts outputs to fp32
+    assert not torch.is_autocast_enabled("cpu")
+    net.inner = True  # a re-entrant forward keeps its outer region
+    net(torch.randn(2, 4))
+    assert not torch.is_autocast_enabled("cpu")
+
+    other = _init(_Interrupted(), None, "O1")
+    other.stop = True
+    with pytest.raises(KeyboardInterrupt):
+        other(torch.randn(2, 4))
+    amp.current_handle().remove_hooks()
+    assert not torch.is_autocast_enabled("cpu")
+
+
+def _net():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 2))
+
+
+def test_a_meta_model_is_refused_at_initialize():
+    with torch.device("meta"):
+        m = _net()
+    with pytest.raises(ValueError, match="meta device.*to_empty"):
+        amp.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), opt_level="O2", verbosity=0)
+
+
+def test_complex_parameters_are_refused_at_initialize():
+    m = torch.nn.Linear(4, 4, dtype=torch.complex64)
+    with pytest.raises(ValueError, match="complex64.*view_as_real"):
+        amp.initialize(m, torch.optim.SGD(m.parameters(), lr=0.1), opt_level="O1", verbosity=0)
