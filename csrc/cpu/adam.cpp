@@ -18,7 +18,7 @@ namespace mpnb::cpu::opt {
 
 // The path of an fp32 step without masters, per tensor. A tensor of at least kTorchRouteElems
 // elements goes to PyTorch's own fused CPU op (at::_fused_adamw_ / _fused_adam_), which
-// computes the same bits (tests/core/ops/test_optimizer_kernels.py) and streams one large
+// computes the same bits (tests/core/ops/test_adam.py) and streams one large
 // tensor at least as fast as the chunk walk; smaller tensors stay on the multi-tensor walk,
 // which pays one parallel region for all of them where PyTorch's op pays one per tensor.
 // Measured side by side in one process (one list of equal tensors, 8M elements in all, 1

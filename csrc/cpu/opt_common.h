@@ -178,7 +178,7 @@ inline std::vector<T> per_step(const std::vector<double>& steps, const F& factor
 // (beta2 outside [0, 1) reaching the op directly: 0, NaN, huge) divides as before.
 // Checked against vdivps at every fp32 significand of x for 21,000 significands of d (the
 // 3,000 lowest and highest and the 3,000 from 1.5 up, 12,000 at random): no difference;
-// tests/core/ops/test_optimizer_kernels.py holds the step to PyTorch's bit for bit at 1,200
+// tests/core/ops/test_adam.py holds the step to PyTorch's bit for bit at 1,200
 // step counts.
 struct ScalarDivisor {
   float d = 1.0f;      // the divisor

@@ -34,7 +34,7 @@ class FusedSGD(FusedOptimizerBase):
     compute it): the rule Apex's tests hold FusedSGD to, and what the Apex alias serves
     (:mod:`mpnb.compat.apex_rules`). The default is the nearer to the exact (fp64)
     trajectory: as near (within 0.3%) with plain momentum, 11% nearer with momentum 0.9 and
-    weight decay (200 steps, fp16 and bf16; ``tests/core/optimizers/test_sgd_rounding.py``).
+    weight decay (200 steps, fp16 and bf16; ``tests/core/optimizers/test_fused_sgd.py``).
 
     Args:
         lr, momentum, dampening (:math:`\tau`), weight_decay, nesterov: as in torch.optim.SGD.

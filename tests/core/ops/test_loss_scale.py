@@ -1,10 +1,16 @@
-"""``update_scale_hysteresis`` held to Apex's kernel (``csrc/update_scale_hysteresis.cu``).
+"""The loss-scale ops (``mpnb/core/ops/loss_scale.py``): ``update_scale_hysteresis`` and
+``update_loss_scale_``.
 
+``update_scale_hysteresis`` is held to Apex's kernel (``csrc/update_scale_hysteresis.cu``).
 Apex's CUDA kernel is built with ``--use_fast_math``, so a scale that a backoff (or growth)
 would leave below float32's smallest normal number is flushed to zero, which Apex's own
 ``test_update_scale_hysteresis.py::test_fuzz`` expects; ours kept the subnormal and grew it
 back. The model below is that kernel, line for line, in Python; every step's scale, growth
-tracker and hysteresis tracker must match it on the C++ kernel and on the reference.
+tracker and hysteresis tracker must match it on the C++ kernel and on the reference. With a
+hysteresis of 1 the rule is ``torch._amp_update_scale_``'s.
+
+``update_loss_scale_`` is the rule, the clamp to ``[min_scale, max_scale]`` and the inverse in
+one op: it equals the three calls it replaces, matches its reference, and refuses bad state.
 """
 
 from __future__ import annotations
@@ -15,6 +21,9 @@ import pytest
 import torch
 
 from mpnb.core import amp_C, ops
+from tests.core.ops.test_scale import _on, flag
+
+mt = ops  # the references are exported beside the wrappers
 
 _TINY = torch.finfo(torch.float32).tiny
 
@@ -103,3 +112,104 @@ def test_every_step_matches_apexs_kernel(
         both_nan = math.isnan(got[0]) and math.isnan(want[0])
         same = got[1:] == want[1:] and (both_nan or got[0] == want[0])
         assert same and math.copysign(1, got[0]) == math.copysign(1, want[0]), (i, f, got, want)
+
+
+def _state(scale=65536.0, growth=0, hyst=2):
+    return (
+        torch.tensor([scale]),
+        torch.tensor([growth], dtype=torch.int32),
+        torch.tensor([hyst], dtype=torch.int32),
+    )
+
+
+@pytest.mark.parametrize("hysteresis", [1, 2, 4])
+def test_update_scale_hysteresis_sequence(kernels, hysteresis):
+    g = torch.Generator().manual_seed(hysteresis)
+    k, r = _state(hyst=hysteresis), _state(hyst=hysteresis)
+    for _ in range(300):
+        found = torch.tensor([float(torch.rand(1, generator=g).item() < 0.3)])
+        ops.update_scale_hysteresis(*k, found, 2.0, 0.5, 3, hysteresis)
+        mt.reference_update_scale_hysteresis(*r, found, 2.0, 0.5, 3, hysteresis)
+        for a, b in zip(k, r, strict=True):
+            assert torch.equal(a, b)
+
+
+def test_update_scale_hysteresis_one_is_gradscaler(kernels):
+    g = torch.Generator().manual_seed(0)
+    scale, growth, hyst = _state(hyst=1)
+    t_scale, t_growth = scale.clone(), growth.clone()
+    for _ in range(200):
+        found = torch.tensor([float(torch.rand(1, generator=g).item() < 0.2)])
+        ops.update_scale_hysteresis(scale, growth, hyst, found, 2.0, 0.5, 4, 1)
+        torch._amp_update_scale_(t_scale, t_growth, found, 2.0, 0.5, 4)
+        assert torch.equal(scale, t_scale) and torch.equal(growth, t_growth)
+
+
+def test_update_scale_hysteresis_semantics(kernels):
+    scale, growth, hyst = _state(scale=8.0, growth=5, hyst=2)
+    inf = torch.ones(1)
+    ops.update_scale_hysteresis(scale, growth, hyst, inf, 2.0, 0.5, 10, 2)
+    assert (scale.item(), growth.item(), hyst.item()) == (8.0, 0, 1)  # held by hysteresis
+    ops.update_scale_hysteresis(scale, growth, hyst, inf, 2.0, 0.5, 10, 2)
+    assert (scale.item(), growth.item(), hyst.item()) == (4.0, 0, 0)  # backed off
+    ops.update_scale_hysteresis(scale, growth, hyst, torch.zeros(1), 2.0, 0.5, 1, 2)
+    assert (scale.item(), growth.item(), hyst.item()) == (8.0, 0, 2)  # grew, hysteresis refilled
+    huge = _state(scale=3e38, hyst=1)
+    ops.update_scale_hysteresis(*huge, torch.zeros(1), 2.0, 0.5, 1, 1)
+    assert huge[0].item() == pytest.approx(3e38)  # never grows to inf
+
+
+@pytest.mark.parametrize(("lo", "hi"), [(0.0, 2.0**24), (2.0, 64.0), (1.0, 1.0)])
+def test_update_loss_scale_sequence_matches_reference(kernels, lo, hi):
+    g = torch.Generator().manual_seed(int(hi))
+    k = (*_state(scale=16.0, hyst=2), torch.empty(1))
+    r = (*_state(scale=16.0, hyst=2), torch.empty(1))
+    for _ in range(300):
+        found = torch.tensor([float(torch.rand(1, generator=g).item() < 0.4)])
+        ops.update_loss_scale_(k[0], k[3], k[1], k[2], found, 2.0, 0.5, 2, 2, lo, hi)
+        mt.reference_update_loss_scale_(r[0], r[3], r[1], r[2], found, 2.0, 0.5, 2, 2, lo, hi)
+        for a, b in zip(k, r, strict=True):
+            assert torch.equal(a, b)
+        assert lo <= k[0].item() <= hi and k[3].item() == 1.0 / k[0].item()
+
+
+def test_update_loss_scale_is_the_three_calls_it_replaces(kernels):
+    g = torch.Generator().manual_seed(3)
+    scale, growth, hyst = _state(scale=3.0, hyst=1)
+    inv = torch.empty(1)
+    t_scale, t_growth, t_hyst = (t.clone() for t in (scale, growth, hyst))
+    for _ in range(200):
+        found = torch.tensor([float(torch.rand(1, generator=g).item() < 0.3)])
+        ops.update_loss_scale_(scale, inv, growth, hyst, found, 2.0, 0.5, 3, 1, 0.75, 96.0)
+        ops.update_scale_hysteresis(t_scale, t_growth, t_hyst, found, 2.0, 0.5, 3, 1)
+        t_scale.clamp_(0.75, 96.0)
+        assert torch.equal(scale, t_scale) and torch.equal(growth, t_growth)
+        assert torch.equal(inv, torch.reciprocal(t_scale))
+
+
+@pytest.mark.parametrize("path", ["kernel", "reference"])
+def test_update_loss_scale_errors(kernels, path):
+    with _on(path):
+        _update_loss_scale_errors(ops.update_loss_scale_)
+
+
+def _update_loss_scale_errors(fn):
+    scale, growth, hyst = _state()
+    with pytest.raises(TypeError, match="inv_scale must"):
+        fn(
+            scale,
+            torch.empty(1, dtype=torch.float64),
+            growth,
+            hyst,
+            flag(),
+            2.0,
+            0.5,
+            10,
+            1,
+            0.0,
+            1.0e6,
+        )
+    with pytest.raises(ValueError, match="min_scale <= max_scale"):
+        fn(scale, torch.empty(1), growth, hyst, flag(), 2.0, 0.5, 10, 1, 8.0, 4.0)
+    with pytest.raises(TypeError, match="growth_tracker must"):
+        fn(scale, torch.empty(1), growth.float(), hyst, flag(), 2.0, 0.5, 10, 1, 0.0, 1.0e6)

@@ -1,14 +1,27 @@
-"""FusedAdam's learning rate on the device: ``capturable=True`` (Apex's rule) keeps each group's
-lr as a float32 tensor on its params' device, read by the kernel; torch's LR schedulers fill it
-in place, a checkpoint load copies into it (a captured step keeps reading the same tensor), and
-the trajectory is the one of a host lr of the same values, bit for bit."""
+"""FusedAdam (``mpnb/core/optimizers/fused_adam.py``).
+
+* torch.optim.AdamW / Adam's trajectory over 100 steps; checkpoints interchange with
+  torch.optim.AdamW both ways; AMSGrad is refused.
+* The learning rate on the device: ``capturable=True`` (Apex's rule) keeps each group's lr as
+  a float32 tensor on its params' device, read by the kernel; torch's LR schedulers fill it
+  in place, a checkpoint load copies into it (a captured step keeps reading the same tensor),
+  and the trajectory is the one of a host lr of the same values, bit for bit.
+* A fairseq-style subclass that calls Apex's ``multi_tensor_adam`` itself trains as AdamW.
+"""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
 
-from mpnb.optimizers import FusedAdam
+from mpnb.multi_tensor_apply import multi_tensor_applier
+from mpnb.optimizers import (
+    FusedAdam,
+)
+from tests.core.optimizers.test_base import _close, _mlp, _train_mlp
+from tests.core.optimizers.test_checks import _randn_params
 
 LR = 2.0**-10  # fp32-exact, and so is every value a halving schedule gives it
 
@@ -122,3 +135,101 @@ def test_a_captured_step_follows_the_schedule():
 
     for a, b in zip(run(True).parameters(), run(False).parameters(), strict=True):
         assert torch.equal(a, b)
+
+
+def test_checkpoints_interchange_with_torch(kernels):
+    a, b = _mlp(), _mlp()
+    ta = torch.optim.AdamW(a.parameters(), lr=1e-2, weight_decay=0.1)
+    _train_mlp(a, ta, steps=5)
+    b.load_state_dict(a.state_dict())
+    fb = FusedAdam(b.parameters(), lr=1e-2, weight_decay=0.1)
+    fb.load_state_dict(copy.deepcopy(ta.state_dict()))
+    _train_mlp(a, ta, steps=20, seed=2)
+    _train_mlp(b, fb, steps=20, seed=2)
+    _close(a, b)
+    ta2 = torch.optim.AdamW(_mlp().parameters(), lr=1e-2)
+    ta2.load_state_dict(fb.state_dict())  # and back
+    assert ta2.state_dict()["state"][0]["step"].item() == 25
+
+
+class FairseqStyleAdam(FusedAdam):
+    """fairseq's FusedAdamV2 in miniature: Apex's attributes, its own step."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        if not hasattr(self, "multi_tensor_adam"):
+            raise Exception("Apex installation is outdated. Please install an updated version.")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["step"] = group.get("step", 0) + 1
+            beta1, beta2 = group["betas"]
+            g32, p32, m32, v32 = [], [], [], []
+            for p in group["params"]:
+                state = self.state[p]
+                if len(state) == 0:
+                    state["exp_avg"] = torch.zeros_like(p, dtype=torch.float)
+                    state["exp_avg_sq"] = torch.zeros_like(p, dtype=torch.float)
+                g32.append(p.grad)
+                p32.append(p.data)
+                m32.append(state["exp_avg"])
+                v32.append(state["exp_avg_sq"])
+            multi_tensor_applier(
+                self.multi_tensor_adam,
+                self._dummy_overflow_buf,
+                [g32, p32, m32, v32],
+                group["lr"],
+                beta1,
+                beta2,
+                group["eps"],
+                group["step"],
+                self.adam_w_mode,
+                1 if group["bias_correction"] else 0,
+                group["weight_decay"],
+            )
+
+
+def test_a_fairseq_style_subclass_trains_like_adamw():
+    a, b = _randn_params(), _randn_params()
+    ours = FairseqStyleAdam(a, lr=1e-2, weight_decay=0.1)
+    ref = torch.optim.AdamW(b, lr=1e-2, weight_decay=0.1)
+    g = torch.Generator().manual_seed(2)
+    for _ in range(5):
+        grads = [torch.randn(p.shape, generator=g) for p in a]
+        for p, q, gr in zip(a, b, grads, strict=True):
+            p.grad, q.grad = gr.clone(), gr.clone()
+        ours.step()
+        ref.step()
+    for p, q in zip(a, b, strict=True):
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-6)
+
+
+PAIRS = [  # (ours, torch's) over 100 steps
+    (
+        lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, weight_decay=0.1, fused=True),
+    ),
+    (
+        lambda p: FusedAdam(p, lr=1e-2, weight_decay=0.1, adam_w_mode=False),
+        lambda p: torch.optim.Adam(p, lr=1e-2, weight_decay=0.1, foreach=False),
+    ),
+    (
+        lambda p: FusedAdam(p, lr=1e-2, bias_correction=True, betas=(0.8, 0.99)),
+        lambda p: torch.optim.AdamW(p, lr=1e-2, betas=(0.8, 0.99), weight_decay=0.0),
+    ),
+]
+
+
+@pytest.mark.parametrize("pair", range(len(PAIRS)))
+def test_parity_with_torch_100_steps(kernels, pair):
+    ours, theirs = PAIRS[pair]
+    a, b = _mlp(), _mlp()
+    _train_mlp(a, ours(a.parameters()))
+    _train_mlp(b, theirs(b.parameters()))
+    _close(a, b)
+
+
+def test_amsgrad_is_refused():
+    with pytest.raises(RuntimeError, match="AMSGrad"):
+        FusedAdam([torch.nn.Parameter(torch.zeros(2))], amsgrad=True)

@@ -1,4 +1,6 @@
-"""LARC checks its arguments where it is built, before any step runs."""
+"""mpnb.core.parallel.larc: LARC checks its arguments where it is built, before any step runs,
+and over torch.optim.SGD steps it is Apex's ``LARC.step`` loop (written out here in the structure
+of Apex's code): the same weights after 30 steps, the group's weight decay restored after each."""
 
 from __future__ import annotations
 
@@ -8,6 +10,7 @@ import pytest
 import torch
 
 from mpnb.parallel import LARC
+from tests.core.optimizers.test_base import _close, _mlp, _train_mlp
 
 
 def _opt():
@@ -53,3 +56,32 @@ def test_defaults_and_eps_zero_still_train():
             larc.step()
             losses.append(loss.item())
         assert losses[-1] < losses[0]
+
+
+def test_larc_matches_apex_loop(kernels):
+    a, b = _mlp(), _mlp()
+    oa = LARC(torch.optim.SGD(a.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3))
+    ob = torch.optim.SGD(b.parameters(), lr=0.1, momentum=0.9, weight_decay=1e-3)
+
+    class ApexLARC:  # Apex's LARC.step, verbatim in structure
+        def zero_grad(self):
+            ob.zero_grad()
+
+        @torch.no_grad()
+        def step(self):
+            group = ob.param_groups[0]
+            wd, group["weight_decay"] = group["weight_decay"], 0
+            for p in group["params"]:
+                pn, gn = torch.norm(p), torch.norm(p.grad)
+                if pn != 0 and gn != 0:
+                    lr = 0.02 * pn / (gn + pn * wd + 1e-8)
+                    lr = min(lr / group["lr"], 1)
+                    p.grad += wd * p
+                    p.grad *= lr
+            ob.step()
+            group["weight_decay"] = wd
+
+    _train_mlp(a, oa, steps=30)
+    _train_mlp(b, ApexLARC(), steps=30)
+    _close(a, b, rtol=1e-5)
+    assert oa.param_groups[0]["weight_decay"] == 1e-3

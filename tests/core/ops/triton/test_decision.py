@@ -1,5 +1,6 @@
-"""Which Triton kernels are on by default: decided by the committed table of ratios measured on
-a GPU (``mpnb/core/ops/triton/measured.json``), tested here with fake tables."""
+"""Which Triton kernels are on by default (``mpnb/core/ops/triton/_decision.py``): decided by
+the committed table of ratios measured on a GPU (``mpnb/core/ops/triton/measured.json``),
+tested here with fake tables."""
 
 from __future__ import annotations
 

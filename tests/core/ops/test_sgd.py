@@ -1,58 +1,32 @@
-"""Pure-bf16 optimizer ops (``fused_{adam,sgd,lamb}_bf16_``): the rounding's math and bits.
+"""``mpnb::fused_sgd_`` and ``fused_sgd_bf16_`` (``mpnb/core/ops/sgd.py``).
 
-The op-table test already compares each kernel with its reference bitwise on its samples;
-here: the rounding functions themselves, special values through the kernels, unbiasedness,
-Kahan's accumulation, reproducibility (seeds, threads) and the errors.
+* fp32 steps with momentum, dampening and decay equal ``torch.optim.SGD``'s bit for bit; the
+  PyTorch path splits mixed ``first_run`` lists into two calls of ``torch._fused_sgd_``.
+* Pure bf16 (``fused_sgd_bf16_``): special values through the kernel equal the reference's,
+  updates too small for round-to-nearest accumulate with stochastic rounding and Kahan
+  summation, and bad arguments raise errors that name the fix. (The rounding functions
+  themselves: ``test_rounding.py``; each kernel vs its reference on the op table's samples:
+  ``test_library.py``.)
 """
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
+import mpnb.core.ops as ops
 from mpnb.core.ops import use_reference
-from mpnb.core.ops._rounding import (
-    element_bits,
-    round_nearest,
-    round_stochastic,
-    tensor_key,
-)
-from mpnb.core.ops.adam import fused_adam_bf16_
+from mpnb.core.ops._optim import lists_for
 from mpnb.core.ops.sgd import fused_sgd_, fused_sgd_bf16_
+from tests.core.ops.test_optim import PATH_SIZES, TORCH_SIZES, _args, _path, _torch_run
 
 BF16_MAX = torch.finfo(torch.bfloat16).max
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.int16)
-
-
-def test_round_nearest_is_torchs_conversion_on_finite_and_inf():
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(100_000, generator=g) * torch.logspace(-40, 38, 100_000)
-    x = torch.cat([x, torch.tensor([float("inf"), -float("inf"), 0.0, -0.0, 3.3961e38])])
-    assert torch.equal(_bits(round_nearest(x)), _bits(x.to(torch.bfloat16)))
-    assert _bits(round_nearest(torch.tensor([float("nan")]))).item() == 0x7FC0
-
-
-def test_random_bits_are_uniform_and_distinct_per_element():
-    r = element_bits(1 << 16, tensor_key(1, 2, 3))
-    assert r.min() >= 0 and r.max() < 1 << 16
-    counts = torch.bincount(r >> 12, minlength=16).double()  # 16 bins of 4096 each
-    assert ((counts - 4096).abs() < 5 * 64).all()  # within 5 sigma of uniform
-    assert tensor_key(1, 2, 3) != tensor_key(1, 2, 4) != tensor_key(1, 3, 3) != tensor_key(2, 2, 3)
-
-
-@pytest.mark.parametrize("x", [1.0 + 2.0**-10, -3.0 - 3 * 2.0**-9, 1e-39 * 1.37, 7.1e-3])
-def test_stochastic_rounding_is_unbiased(x):
-    n = 1 << 16
-    xs = torch.full((n,), x)
-    out = round_stochastic(xs, element_bits(n, tensor_key(5, 1, 0))).float()
-    lo, hi = out.min().item(), out.max().item()
-    ulp = hi - lo
-    assert ulp > 0 and lo <= x <= hi  # only the two neighbours
-    bound = 5 * ulp / (2 * n**0.5)  # 5 sigma of the mean of n two-point draws
-    assert abs(out.double().mean().item() - x) < bound
 
 
 def _sgd_x(w: torch.Tensor, x: torch.Tensor, rounding: str, seed: int = 3) -> torch.Tensor:
@@ -110,49 +84,6 @@ def test_tiny_updates_vanish_to_nearest_but_accumulate_with_sr_and_kahan(op_impl
     assert (kahan - exact).abs().max().item() <= ulp  # within an ulp of the fp32 result
 
 
-def _adam_step(n: int, seed: int, rounding: str = "stochastic"):
-    g = torch.Generator().manual_seed(0)
-    p = torch.randn(n, generator=g).bfloat16()
-    grad = torch.randn(n, generator=g)
-    m, v, st = torch.zeros(n), torch.zeros(n), torch.tensor(0.0)
-    comps = [torch.zeros_like(p)] if rounding == "kahan" else []
-    fused_adam_bf16_(
-        [p],
-        [grad],
-        [m],
-        [v],
-        comps,
-        [st],
-        lr=1e-3,
-        beta1=0.9,
-        beta2=0.999,
-        eps=1e-8,
-        weight_decay=0.0,
-        adam_w_mode=True,
-        bias_correction=True,
-        rounding=rounding,
-        seed=seed,
-        rng_step=1,
-    )
-    return p
-
-
-def test_bits_depend_on_the_seed_not_on_threads(kernels):
-    n = (1 << 18) + 5  # parallel chunks
-    a, b = _adam_step(n, seed=11), _adam_step(n, seed=11)
-    assert torch.equal(_bits(a), _bits(b))
-    assert not torch.equal(_bits(a), _bits(_adam_step(n, seed=12)))
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = _adam_step(n, seed=11)
-        torch.set_num_threads(2)
-        two = _adam_step(n, seed=11)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(_bits(one), _bits(a)) and torch.equal(_bits(two), _bits(a))
-
-
 def test_errors_name_the_fix(op_impl):
     p32, g = [torch.zeros(4)], [torch.zeros(4)]
     with pytest.raises(TypeError, match="bfloat16 params"):
@@ -160,7 +91,7 @@ def test_errors_name_the_fix(op_impl):
     p = [torch.zeros(4, dtype=torch.bfloat16)]
     with pytest.raises(ValueError, match="one of"):
         fused_sgd_bf16_(p, g, [], [], [], lr=0.1, rounding="nearest", seed=0, rng_step=0)
-    with pytest.raises(ValueError, match="compensation buffer per param"):
+    with pytest.raises(ValueError, match="Kahan summation needs"):
         fused_sgd_bf16_(p, g, [], [], [], lr=0.1, rounding="kahan", seed=0, rng_step=0)
     with pytest.raises(ValueError, match="no compensation"):
         fused_sgd_bf16_(
@@ -178,3 +109,68 @@ def test_errors_name_the_fix(op_impl):
         fused_sgd_bf16_(
             p, g, [], [torch.zeros(4)], [], lr=0.1, rounding="kahan", seed=0, rng_step=0
         )
+
+
+@pytest.mark.parametrize("nesterov", [False, True])
+@pytest.mark.parametrize("n", TORCH_SIZES)
+def test_fp32_sgd_equals_torch_sgd_bitwise(kernels, nesterov, n):
+    """fp32 steps with momentum, dampening and decay equal torch.optim.SGD's bit for bit."""
+    if not kernels:
+        pytest.skip("the bitwise claim is the kernel's (MPNB_DISABLE_EXT=1 runs the references)")
+    buf = torch.zeros(n)
+    damp = 0.0 if nesterov else 0.1  # nesterov needs zero dampening
+
+    def ours(w, g, k):
+        ops.fused_sgd_(
+            [w],
+            [g],
+            [buf],
+            [],
+            [k == 0],
+            lr=0.1,
+            momentum=0.9,
+            dampening=damp,
+            weight_decay=0.01,
+            nesterov=nesterov,
+        )
+
+    def make(p):
+        return torch.optim.SGD(
+            [p], lr=0.1, momentum=0.9, dampening=damp, weight_decay=0.01, nesterov=nesterov
+        )
+
+    opt, p, w = _torch_run(make, ours, n)
+    assert torch.equal(buf, opt.state[opt.param_groups[0]["params"][0]]["momentum_buffer"])
+    assert torch.equal(w, p)
+
+
+def test_sgd_torch_path_first_run_per_param(kernels):
+    """torch._fused_sgd_ takes one is_first_step flag: mixed lists are split into two calls."""
+    base = lists_for(torch.float32, torch.float32, False, 1, PATH_SIZES)
+    for first in ([True] * 4, [False] * 4, [True, False, False, True]):
+        a, b = copy.deepcopy(base), copy.deepcopy(base)
+        _path("sgd")(*_args("sgd", a, first=first))
+        ops.op_info("fused_sgd_").reference_kernel(*_args("sgd", b, first=first))
+        for x, y in zip(a[0] + a[3][0], b[0] + b[3][0], strict=True):
+            torch.testing.assert_close(x, y, rtol=2e-6, atol=2e-7)
+
+
+# The argument checks every optimizer op shares (``check_step``) are in test_optim.py; these are
+# SGD's own.
+BAD = {
+    "first_run count": (
+        ValueError,
+        "one flag per param",
+        lambda: ops.fused_sgd_(
+            [torch.randn(4)], [torch.randn(4)], [torch.zeros(4)], [], [], lr=0.1, momentum=0.9
+        ),
+    ),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD))
+def test_bad_arguments_raise_errors_that_name_the_fix(op_impl, case):
+    """The kernel and the reference raise the same exception type, naming the fix."""
+    exc, fix, call = BAD[case]
+    with pytest.raises(exc, match=fix):
+        call()

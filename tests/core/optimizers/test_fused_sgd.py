@@ -1,11 +1,15 @@
-"""FusedSGD on half params without master weights, written from Apex's TestFusedSGD.test_half
+"""FusedSGD (``mpnb/core/optimizers/fused_sgd.py``).
+
+On half params without master weights, written from Apex's TestFusedSGD.test_half
 (torch.optim.SGD as the reference, lr 0.25, momentum 0.125, 7 steps, 278011 elements, within
 1e-3 at every step): ``stepwise_rounding=True`` keeps the momentum buffer in the param's dtype
 and rounds every operation to it, torch.optim.SGD's arithmetic, and the Apex alias's FusedSGD
 uses it; mpnb's default (an fp32 buffer, one rounding per step) is never farther from the
 exact trajectory, and nearer with Nesterov momentum and weight decay.
 
-The op's kernel vs reference for every rule and dtype, and opcheck: test_op_table.py."""
+And torch.optim.SGD's trajectory over 100 steps (fp32, with momentum, Nesterov, dampening and
+decay); Nesterov without momentum is refused. The op's kernel vs reference for every rule and
+dtype, and opcheck: ``tests/core/ops/test_library.py``."""
 
 from __future__ import annotations
 
@@ -13,7 +17,10 @@ import pytest
 import torch
 
 from mpnb.compat import apex_alias
-from mpnb.optimizers import FusedSGD
+from mpnb.optimizers import (
+    FusedSGD,
+)
+from tests.core.optimizers.test_base import _close, _mlp, _train_mlp
 
 HALF = (torch.float16, torch.bfloat16)
 OPTS = [
@@ -109,3 +116,30 @@ def test_masters_keep_fp32_buffers_and_one_rounding():
     p.grad = torch.rand(64).half()
     opt.step()
     assert opt.state[p]["momentum_buffer"].dtype == torch.float32
+
+
+PAIRS = [  # (ours, torch's) over 100 steps
+    (
+        lambda p: FusedSGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, dampening=0.1, weight_decay=1e-3),
+    ),
+    (
+        lambda p: FusedSGD(p, lr=0.05, momentum=0.9, nesterov=True),
+        lambda p: torch.optim.SGD(p, lr=0.05, momentum=0.9, nesterov=True, fused=True),
+    ),
+    (lambda p: FusedSGD(p, lr=0.05), lambda p: torch.optim.SGD(p, lr=0.05)),
+]
+
+
+@pytest.mark.parametrize("pair", range(len(PAIRS)))
+def test_parity_with_torch_100_steps(kernels, pair):
+    ours, theirs = PAIRS[pair]
+    a, b = _mlp(), _mlp()
+    _train_mlp(a, ours(a.parameters()))
+    _train_mlp(b, theirs(b.parameters()))
+    _close(a, b)
+
+
+def test_nesterov_without_momentum_is_refused():
+    with pytest.raises(ValueError, match="Nesterov"):
+        FusedSGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1, nesterov=True)

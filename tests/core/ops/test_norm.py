@@ -1,4 +1,7 @@
-"""The norm kernels' backward without a weight or bias gives the bits of ones and zeros.
+"""What the two norm families share (``mpnb/core/ops/_norm.py`` and ``csrc/cpu/norm_common.h``),
+on LayerNorm and RMSNorm alike.
+
+The backward without a weight or bias gives the bits of ones and zeros.
 
 The C++ backward (``csrc/cpu/norm_common.h``) has no branch on what a call passes: a missing
 weight is read as ones, a missing bias (``memory_efficient``) as zeros, and the weight/bias
@@ -6,12 +9,22 @@ gradients a call does not return are summed into scratch rows. These tests hold 
 promise that this changes nothing: every output equals, bit for bit, the call that passes the
 ones and zeros itself, on narrow rows (one at a time) and wide rows (the grouped write pass),
 at 1 and 2 threads.
+
+The bf16 stores: rows whose outputs hold a subnormal or a NaN keep ATen's rounding. Outputs of
+16 MiB or more are written with streaming stores, with the bits of ordinary stores: rows are
+independent, so the first rows of a large (streamed) output must equal, bit for bit, the same
+rows computed alone; an odd row length makes most rows start unaligned (the head / tail blocks
+around the streamed body). The kernels stream only into memory that is already backed (a fresh
+buffer from mmap gets ordinary stores), so the test runs its large calls three times: the
+allocator hands a later call memory an earlier one freed.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
+
+from tests.core.ops.conftest import COLS, big_rows, same_bits
 
 M = torch.ops.mpnb
 
@@ -194,3 +207,69 @@ def test_torch_stats_rounds_fp16_statistics_as_torch_stores_them(
     _same([yt, mt, rt], [y, *want])
     if rounds:
         assert not torch.equal(rstd, rt)  # the case rounds something
+
+
+@pytest.mark.parametrize("rows", (64, 8192), ids=("cached", "streamed"))
+@pytest.mark.parametrize("op", ("layer_norm", "rms_norm"))
+def test_norm_bf16_rows_with_subnormals_or_nan_keep_their_bits(compiled, op, rows):
+    """Rows whose outputs hold a subnormal or a NaN are written again with ATen's rounding.
+
+    The kernels convert whole rows with the CPU's instruction and only note such lanes; a noted
+    row is converted again. The fp32 kernels compute the same fp32 values from the same
+    (widened) inputs, so rounding their outputs gives the bits the bf16 kernels must write.
+    8192 rows of 1024 are 16 MiB: streamed outputs.
+    """
+    g = torch.Generator().manual_seed(2)
+    cols = 1024
+    x = torch.randn(rows, cols, generator=g).to(torch.bfloat16)
+    dy = torch.randn(rows, cols, generator=g)
+    dy[1::7] *= 1e-36  # these rows' grads (and so their dx) are fp32 subnormals
+    dy = dy.to(torch.bfloat16)
+    dy[3, 100] = float("nan")  # one row all NaN
+    w = torch.randn(cols, generator=g).to(torch.bfloat16)
+    w[::9] = 1e-39  # subnormal weights: subnormal outputs in every row of the forward
+    x[5, 7] = float("nan")
+    xf, dyf, wf = x.float(), dy.float(), w.float()
+    if op == "layer_norm":
+        b = torch.randn(cols, generator=g).to(torch.bfloat16)
+        y, mean, rstd = M.layer_norm_fwd(x, [cols], w, None, 1e-5, False)
+        yf, *_ = M.layer_norm_fwd(xf, [cols], wf, None, 1e-5, False)
+        dx, *_ = M.layer_norm_bwd(dy, x, mean, rstd, [cols], w, b, False)
+        dxf, *_ = M.layer_norm_bwd(dyf, xf, mean, rstd, [cols], wf, b.float(), False)
+    else:
+        y, rstd = M.rms_norm_fwd(x, [cols], w, 1e-5, False)
+        yf, _ = M.rms_norm_fwd(xf, [cols], wf, 1e-5, False)
+        dx, _ = M.rms_norm_bwd(dy, x, rstd, [cols], w, False)
+        dxf, _ = M.rms_norm_bwd(dyf, xf, rstd, [cols], wf, False)
+    sub = torch.finfo(torch.float32).tiny
+    assert ((dxf.abs() < sub) & (dxf != 0))[1::7].any()  # the case the instruction gets wrong
+    assert dx[3].isnan().all() and y[5].isnan().all()
+    same_bits(y, yf.to(torch.bfloat16))
+    same_bits(dx, dxf.to(torch.bfloat16))
+
+
+def _same_rows(big, small) -> None:
+    big = big if isinstance(big, (tuple, list)) else (big,)
+    small = small if isinstance(small, (tuple, list)) else (small,)
+    for b, s in zip(big, small, strict=True):
+        if b.dim() and b.shape[0] > s.shape[0]:
+            assert torch.equal(b[: s.shape[0]], s)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_norm_streamed_rows_match(streamed, dtype):
+    for _ in range(3):  # some call gets a backed (streamed) output
+        x = big_rows(dtype)
+        dy = torch.randn_like(x)
+        w = (torch.rand(COLS) + 0.5).to(dtype)
+        b = torch.randn(COLS).to(dtype)
+        k = 37
+        ln = M.layer_norm_fwd(x, [COLS], w, b, 1e-5)
+        _same_rows(ln, M.layer_norm_fwd(x[:k], [COLS], w, b, 1e-5))
+        _same_rows(M.rms_norm_fwd(x, [COLS], w, 1e-5), M.rms_norm_fwd(x[:k], [COLS], w, 1e-5))
+        mean, rstd = ln[1], ln[2]
+        big = M.layer_norm_bwd(dy, x, mean, rstd, [COLS], w, b, False)[0]
+        small = M.layer_norm_bwd(dy[:k], x[:k], mean[:k], rstd[:k], [COLS], w, b, False)[0]
+        assert torch.equal(big[:k], small)
+        big = M.rms_norm_bwd(dy, x, rstd, [COLS], w, False)[0]
+        assert torch.equal(big[:k], M.rms_norm_bwd(dy[:k], x[:k], rstd[:k], [COLS], w, False)[0])

@@ -1,10 +1,14 @@
-"""Every op in the op table, driven by its table entry (as PyTorch's OpInfo tests are).
+"""The op table of ``mpnb/core/ops/_library.py``: every op, driven by its ``OpInfo`` entry (as
+PyTorch's OpInfo tests are).
 
 For each op x dtype x sample: the kernel (``torch.ops.mpnb.<op>``, which the dispatcher sends
 to the C++ kernel on the CPU) and the reference (called directly) get identical fresh inputs;
 their outputs and every tensor they mutate must agree within the op's tolerance (bitwise
 unless its table entry says otherwise). The same loop runs ``torch.library.opcheck`` (schema,
 fake, autograd registration, ``torch.compile``-ability) on the op.
+
+The C++ kernels' parameters against the schemas that ``define`` infers:
+``test_library_cpp_signatures.py``.
 """
 
 from __future__ import annotations
