@@ -41,12 +41,14 @@ one op of :mod:`mpnb.core.ops` (``adam``, ``sgd``, ...). Everything else lives h
 from __future__ import annotations
 
 import itertools
+import typing
 from dataclasses import dataclass, field
 
 import torch
 
 from mpnb.core._saved_groups import SavedGroups
 from mpnb.core.amp.seam import GradScalerAttribute, ScaleHandoff
+from mpnb.core.ops._library import op_info
 from mpnb.core.ops._rounding import mix64
 from mpnb.core.ops.check_finite import multi_tensor_check_finite
 from mpnb.core.optimizers import _load
@@ -59,6 +61,11 @@ from mpnb.core.optimizers._checks import (
 )
 
 __all__ = ["FusedOptimizerBase", "check_hyperparams"]
+
+# op name -> the names of its arguments an optimizer's param group may hold (group_args)
+_GROUP_NAMES: dict[str, frozenset] = {}
+# the op's scalars that the step sets itself, whatever the group holds
+_CALL_SCALARS = frozenset({"lr", "seed", "rng_step"})
 
 
 _HALF = (torch.float16, torch.bfloat16)
@@ -384,6 +391,29 @@ class FusedOptimizerBase(torch.optim.Optimizer):
         else:
             self._plans.pop(id(group), None)
         return out
+
+    def group_args(self, group: dict, op_name: str) -> dict:
+        """The keywords of the group's op call that the group holds by the op's own names
+        (``eps``, ``weight_decay``, ``bias_correction``, ...): a hyperparameter that an op and
+        its optimizer name alike reaches the kernel with no line of its own here. Only the op's
+        number and flag arguments are taken, never ``lr`` (:meth:`lr_args`) nor the rounding's
+        ``seed`` and ``rng_step`` (:meth:`rounding_args`); a name the op lacks is not passed, and
+        one the group lacks (loaded from another optimizer's checkpoint) is the default's.
+
+        Example::
+
+            >>> self.group_args({"lr": 1e-3, "eps": 1e-8, "betas": (0.9, 0.99)}, "fused_adam_")
+            {'eps': 1e-08}
+        """
+        names = _GROUP_NAMES.get(op_name)
+        if names is None:
+            hints = typing.get_type_hints(op_info(op_name).reference)
+            scalars = {k for k, t in hints.items() if t in (float, int, bool)}
+            names = _GROUP_NAMES[op_name] = frozenset(scalars - _CALL_SCALARS)
+        # a group loaded from another optimizer's checkpoint may lack one: the default fills it
+        return {
+            k: group.get(k, self.defaults.get(k)) for k in names if k in group or k in self.defaults
+        }
 
     @staticmethod
     def lr_args(group: dict) -> dict:

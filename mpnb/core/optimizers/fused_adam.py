@@ -160,10 +160,8 @@ class FusedAdam(FusedOptimizerBase):
             **self.lr_args(group),
             beta1=beta1,
             beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
+            **self.group_args(group, "fused_adam_"),
             adam_w_mode=self.adam_w_mode,
-            bias_correction=group.get("bias_correction", True),
             inv_scale=inv_scale,
             found_inf=found_inf,
         )

@@ -434,3 +434,29 @@ def test_cuda_optimizers_step_and_skip(cls):
     model.weight.grad[0, 0] = 0.0
     opt.step()
     assert not torch.equal(before[0], model.weight)
+
+
+def test_group_args_passes_the_ops_scalars_the_group_names_and_defaults_the_missing():
+    from mpnb.optimizers import FusedAdam, FusedSGD
+
+    p = torch.nn.Parameter(torch.zeros(4))
+    adam = FusedAdam([p], lr=0.1, eps=1e-6, weight_decay=0.5)
+    group = adam.param_groups[0]
+    assert adam.group_args(group, "fused_adam_") == {
+        "eps": 1e-6,
+        "weight_decay": 0.5,
+        "bias_correction": True,
+    }  # no lr (lr_args), no betas (the op's beta1/beta2), no params
+    del group["bias_correction"]  # a group loaded from torch.optim.Adam's checkpoint
+    assert adam.group_args(group, "fused_adam_")["bias_correction"] is True
+    group["seed"] = group["found_inf"] = 7  # never taken from a group
+    assert {"seed", "found_inf"}.isdisjoint(adam.group_args(group, "fused_adam_"))
+    p.grad = torch.ones(4)
+    adam.step()  # the step runs with the defaulted key
+    sgd = FusedSGD([p], lr=0.1, momentum=0.9, nesterov=True)
+    assert sgd.group_args(sgd.param_groups[0], "fused_sgd_") == {
+        "momentum": 0.9,
+        "dampening": 0.0,
+        "weight_decay": 0.0,
+        "nesterov": True,
+    }
