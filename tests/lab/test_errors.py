@@ -1,10 +1,14 @@
-"""The divergence error's advice comes from the run's number format (its row in
+"""``mpnb.lab._errors``: a failure becomes one line of its row, naming the configuration and the
+frame of the user's code; the divergence advice comes from the run's number format (its row in
 :data:`mpnb.core.number_formats.FORMATS`), word for word what each precision needs."""
 
 from types import SimpleNamespace
 
 import pytest
+import torch
+from torch import nn
 
+import mpnb.lab
 from mpnb.lab._errors import divergence_message
 
 
@@ -31,3 +35,28 @@ def test_the_advice_fits_the_format(half, dynamic, tail):
     msg = divergence_message(_cfg(half), float("nan"), 7, dynamic, 1024.0)
     assert msg.startswith("NaN divergence: the loss became nan at step 7")
     assert msg.endswith(tail)
+
+
+class _Boom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 2)
+
+    def forward(self, x):
+        if self.lin.weight.dtype == torch.bfloat16:
+            raise RuntimeError("cannot take bf16")
+        return self.lin(x)
+
+
+def test_user_errors_become_rows_naming_configuration_and_frame():
+    x = torch.randn(32, 8)
+    df = mpnb.lab.compare(
+        _Boom, (x, (x[:, 0] > 0).long()), steps=3, progress=False, threads=1
+    ).set_index("opt_level")
+    assert df.loc["O0", "status"] == "ok" and df.loc["O1", "status"] == "ok"
+    for lvl in ("O2", "O3"):
+        err = df.loc[lvl, "error"]
+        assert err.startswith(f"{lvl} bf16 b") and "cannot take bf16" in err
+        assert "test_errors.py" in err and "in forward" in err
+    with pytest.raises(TypeError, match="fresh model"):
+        mpnb.lab.compare(_Boom(), (x, x))

@@ -67,10 +67,12 @@ def test_the_nvfp4_default_follows_the_workloads_depth():
     keep = get_config("nvfp4").keep_list()
     medium = _gpt("medium")  # 4 blocks: ceil(0.6) = 1, and the head
     assert keep.describe(medium) == "kept in fp32: blocks.3, head (5 of 17 linear layers, 29%)"
-    with pytest.raises(ValueError, match="TinyLM has 2 blocks .*keep at most 2"):
+    with pytest.raises(ValueError, match="keep at most 2") as e:
         KeepList(last=3).kept(_gpt("small"))
-    with pytest.raises(ValueError, match="keep='lm_head' matches no nn.Linear layer .*head"):
+    assert "TinyLM has 2 blocks" in str(e.value)
+    with pytest.raises(ValueError, match="keep='lm_head'") as e:
         KeepList(names=("lm_head",)).kept(_gpt("small"))
+    assert "matches no nn.Linear" in str(e.value)
 
 
 def test_the_row_says_what_was_kept_and_a_plain_row_is_unchanged():

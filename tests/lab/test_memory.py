@@ -1,12 +1,15 @@
 """The dispatch-mode memory tracker against tensors of known size, and its role breakdown."""
 
+from __future__ import annotations
+
 import contextlib
 
 import pytest
 import torch
 
 from mpnb import amp
-from mpnb.lab.memory import MemoryTracker
+from mpnb.core.optimizers import FusedAdam
+from mpnb.lab.memory import ROLES, MemoryTracker
 
 MIB = 2**20
 
@@ -110,3 +113,26 @@ def test_storage_outliving_the_mode_is_not_followed():
         keep.append(torch.empty(1024))
     keep.clear()  # freed after exit: the tracker's finalizer is detached, nothing changes
     assert m.peak_bytes == 4096
+
+
+def test_memory_tracker_counts_fp8_histories_and_kahan_buffers_as_their_roles():
+    from mpnb.core.fp8 import convert_to_float8_training
+
+    assert {"fp8_scales", "kahan_buffers"} <= set(ROLES)
+    model = convert_to_float8_training(torch.nn.Sequential(torch.nn.Linear(32, 16)), "delayed")
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with MemoryTracker(model, opt) as m:
+        model(torch.randn(8, 32)).sum().backward()
+    hist = model[0].fp8_amax_history.numel() * 4 + model[0].fp8_scale.numel() * 4
+    assert m.breakdown()["fp8_scales"] == hist
+    assert m.breakdown()["params"] == (32 * 16 + 16) * 4
+
+    w = torch.nn.Parameter(torch.randn(64, 64).bfloat16())
+    opt = FusedAdam([w], lr=1e-3, kahan_summation=True)
+    w.grad = torch.randn_like(w)
+    opt.step()
+    with MemoryTracker(None, opt) as m:
+        w.grad = torch.randn_like(w)
+        opt.step()
+    assert m.breakdown()["kahan_buffers"] == 64 * 64 * 2  # one bf16 buffer per param
+    assert m.breakdown()["optimizer_state"] >= 2 * 64 * 64 * 4  # fp32 exp_avg, exp_avg_sq

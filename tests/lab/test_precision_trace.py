@@ -230,8 +230,9 @@ def test_a_dict_output_is_traced_with_the_default_loss(x):
 
 
 def test_a_model_without_parameters_gets_a_clear_error(x):
-    with pytest.raises(ValueError, match="ReLU has no parameters.*module that owns the weights"):
+    with pytest.raises(ValueError, match="ReLU has no parameters") as e:
         trace_precision(torch.nn.ReLU(), x, "O1")
+    assert "module that owns" in str(e.value)  # the fix
 
 
 class _Ops:

@@ -46,8 +46,9 @@ def test_every_way_of_keying_the_facts_gives_the_same_status():
     assert story.hardware(plain, dtypes=["bf16"]) == (
         "On this CPU bf16 is emulated: it saves memory here, not time."
     )
-    with pytest.raises(KeyError, match="no fact for 'fp8'.*story.facts"):
+    with pytest.raises(KeyError, match="no fact for 'fp8'") as e:
         story.status(plain, "fp8")
+    assert "story.facts" in str(e.value)  # where the facts are
 
 
 def _number(text: str) -> float:

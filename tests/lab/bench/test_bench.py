@@ -17,41 +17,7 @@ import torch
 
 from mpnb.lab import bench
 from mpnb.lab.bench import READ, RMW, Candidate, Case, Options, run_case
-from mpnb.lab.bench._report import ALLOCATOR_ENV, format_rows
-from mpnb.lab.stats import iqr, median, per_round_ratios, quantile, ratio_summary
-
-# ---- statistics ----------------------------------------------------------------------------
-
-
-def test_quantile_matches_numpy_linear():
-    xs = [7.0, 1.0, 3.0, 5.0]
-    assert quantile(xs, 0.0) == 1.0 and quantile(xs, 1.0) == 7.0
-    assert quantile(xs, 0.25) == pytest.approx(2.5)
-    assert quantile(xs, 0.75) == pytest.approx(5.5)
-    assert median([3.0, 1.0, 2.0]) == 2.0
-    assert median([4.0, 1.0, 2.0, 3.0]) == 2.5
-    assert iqr([1.0, 2.0, 3.0, 4.0, 5.0]) == pytest.approx(2.0)
-    assert math.isnan(median([]))
-
-
-def test_median_of_ratios_is_not_ratio_of_medians():
-    # Round 3 is slow for both sides (machine drift): per-round ratios ignore it.
-    base = [2.0, 2.0, 20.0, 2.0, 2.0]
-    cand = [1.0, 1.0, 10.0, 1.0, 1.0]
-    assert per_round_ratios(base, cand) == [2.0, 2.0, 2.0, 2.0, 2.0]
-    assert ratio_summary(base, cand) == (2.0, 0.0)
-    # Drift that hits the two sides in different rounds: medians of each side mislead.
-    base = [1.0, 3.0, 3.0, 1.0, 3.0]
-    cand = [0.5, 1.5, 1.5, 2.0, 2.0]
-    med, spread = ratio_summary(base, cand)
-    assert med == 2.0 and median(base) / median(cand) == pytest.approx(2.0)
-    assert spread == pytest.approx(2.0 - 1.5)
-
-
-def test_ratio_rounds_must_pair():
-    with pytest.raises(ValueError, match="pair up"):
-        per_round_ratios([1.0, 2.0], [1.0])
-
+from mpnb.lab.bench._report import format_rows
 
 # ---- options and registry ------------------------------------------------------------------
 
@@ -270,30 +236,6 @@ def test_no_bandwidth_baselines_without_bytes():
     assert [r.role for r in rows] == ["baseline", "candidate"] and rows[1].gbps is None
 
 
-# ---- the multi-tensor suite, end to end at tiny sizes --------------------------------------
-
-
-def test_multi_tensor_quick_smoke(tmp_path, capsys):
-    path = tmp_path / "mt.json"
-    argv = ["multi-tensor", "--quick", "--rounds", "1", "--scale", "0.0005", "--json", str(path)]
-    assert bench.main(argv) == 0
-    out = capsys.readouterr().out
-    assert "# torch:" in out and "mpnb multi_tensor_scale" in out
-    data = json.loads(path.read_text())
-    header, rows = data["header"], data["rows"]
-    for key in ("torch", "threads", "cpu", "isa", "allocator", "mpnb_kernels", "date"):
-        assert key in header
-    assert set(header["allocator"]) == set(ALLOCATOR_ENV)
-    cases = {(r["case"], r["workload"]) for r in rows}
-    assert len({w for _, w in cases}) == 3 and len(cases) >= 15
-    cols = ("candidate", "role", "median_s", "iqr_s", "ratio", "target", "gbps", "bw_frac")
-    for col in (*cols, "status", "preempt_per_call", "times_s"):
-        assert all(col in r for r in rows)
-    ours = [r for r in rows if r["candidate"].startswith("mpnb ")]
-    assert ours and all(r["ratio"] > 0 and r["bw_frac"] > 0 for r in ours)
-    assert any(r["status"] in ("PASS", "MISS") for r in ours)
-
-
 @pytest.mark.parametrize("suite", ["optimizers", "layers", "amp"])
 def test_every_cpu_suite_runs_end_to_end_at_tiny_sizes(suite, tmp_path, capsys):
     """Each CPU suite runs every case (its references called as the op table defines them)."""
@@ -320,52 +262,6 @@ def test_threads_option_is_restored_even_on_error(monkeypatch):
     with pytest.raises(RuntimeError, match="suite failed"):
         bench.run_suite("multi-tensor", Options.make(quick=True, threads=1))
     assert seen == [1] and torch.get_num_threads() == before
-
-
-def test_filter_selects_cases(capsys):
-    res = bench.run_suite(
-        "multi-tensor", Options.make(quick=True, rounds=1, scale=0.0005, filter="l2norm")
-    )
-    assert res.rows and all(r.case.startswith("l2norm") for r in res.rows)
-    assert "l2norm" in res.table()
-
-
-# ---- the optimizers suite's pure-bf16 rows -------------------------------------------------
-
-
-def test_pure_bf16_rows_report_bytes_and_bandwidth_share(monkeypatch):
-    from mpnb.lab.bench import optimizers
-
-    monkeypatch.setattr(optimizers, "llc_bytes", lambda: 8 << 20)  # the rooflines' slices
-    case = next(
-        c
-        for c in optimizers.cases(Options.make(quick=True, scale=0.0005))
-        if c.name == "pure-bf16 AdamW step"
-    )
-    eager = [c for c in case.candidates if not c.compiled]  # --quick leaves out the compiled
-    for cand in eager:
-        cand.fn()  # every step runs (the fixed times below replace only the clock)
-    n = case.bandwidth_numel
-    per_param = [c.bytes // n for c in eager]
-    assert per_param == [14, 22, 22, 26]
-    names = [c.name for c in eager]
-    bw = "bw: a += s*b (fp32)"
-    times = {names[0]: [1e-3], names[1]: [2e-3], names[2]: [2e-3], names[3]: [3e-3], bw: [1e-3]}
-    for c in eager[1:]:  # each of ours has its in-cache roofline: 0.1 ms more for the slice
-        times |= {f"{c.name} [in cache]": [3e-4], f"{c.name} [in cache, small]": [2e-4]}
-    _fixed_times(monkeypatch, times)
-    rows = run_case(case, Options.make(quick=True, rounds=1))
-    nearest, sr, kahan = rows[1], rows[2], rows[3]
-    # bandwidth a += s*b moves 12 B/elem in 1 ms; SR moves 22 B/param in 2 ms: 22/24 of it
-    assert nearest.bw_frac == pytest.approx(22 / 24) and nearest.status == "PASS"
-    assert sr.bw_frac == pytest.approx(22 / 24) and sr.status == "PASS"
-    assert kahan.bw_frac == pytest.approx(26 / 36) and kahan.status == "MISS"
-    assert rows[-1].role == "bandwidth"
-    for row, c in zip((nearest, sr, kahan), eager[1:], strict=True):
-        ic = c.in_cache  # one core's slices, so the run's threads multiply their throughput
-        want = torch.get_num_threads() * (ic.bytes - ic.small_bytes) / 1e-4 / 1e9
-        assert row.cache_gbps == pytest.approx(want) and row.bound in ("compute", "memory")
-    assert rows[0].cache_gbps is None  # PyTorch's step: no bandwidth target
 
 
 # ---- the in-cache roofline -----------------------------------------------------------------

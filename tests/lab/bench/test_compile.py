@@ -59,8 +59,9 @@ def test_warm_up_times_the_calls_that_compiled_recompiles_included(monkeypatch):
 def test_warm_up_refuses_an_eager_function_and_endless_recompiles(monkeypatch):
     with pytest.raises(RuntimeError, match="compiled nothing"):
         _compile.warm_up(_FakeCompiler(monkeypatch, [1e-3], compiling=0))
-    with pytest.raises(RuntimeError, match="still recompiling after 3 calls"):
+    with pytest.raises(RuntimeError, match="still recompiling") as e:
         _compile.warm_up(_FakeCompiler(monkeypatch, [1.0], compiling=99), max_calls=3)
+    assert "after 3 calls" in str(e.value)
 
 
 def _case(fn) -> Case:
@@ -110,7 +111,7 @@ def test_a_failed_compile_is_an_error_row_with_the_reason(monkeypatch):
     rows = run_case(_case(no_compiler), Options.make(rounds=1))
     assert [r.status for r in rows] == ["", "", "ERROR"]
     err = rows[2]
-    assert "No working C++ compiler found" in err.error and "--no-compile" in err.error
+    assert "C++ compiler" in err.error and "--no-compile" in err.error
     assert "more lines" not in err.error
     assert rows[1].ratio == pytest.approx(2.0)  # the others are timed as usual
     table = format_rows(rows)
@@ -124,8 +125,9 @@ def test_a_baseline_that_fails_to_compile_stops_the_case(monkeypatch):
         raise RuntimeError("lowering failed")
 
     case = Case("c", "w", [Candidate("base", fails, compiled=True), Candidate("b", lambda: 0)])
-    with pytest.raises(RuntimeError, match="its baseline torch.compile failed.*lowering"):
+    with pytest.raises(RuntimeError, match="baseline torch.compile") as e:
         run_case(case, Options.make(rounds=1))
+    assert "lowering" in str(e.value)  # the compiler's own error, kept
 
 
 def _layers(tmp_path, *flags):

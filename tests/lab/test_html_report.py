@@ -1,12 +1,12 @@
-"""The HTML report (every chart, offline) and the ``mpnb compare`` command."""
+"""``mpnb.lab.html_report``: the HTML report (every chart, offline), its table, glossary and
+banner, and a report written whole or not at all."""
 
-import json
+from __future__ import annotations
 
 import pytest
 from torch import nn
 
 import mpnb.lab
-from mpnb.cli import main
 from mpnb.lab import workloads
 from mpnb.lab.html_report import CHARTS
 
@@ -93,54 +93,6 @@ def test_report_rejects_a_foreign_frame(tmp_path):
         mpnb.lab.report(pd.DataFrame({"a": [1]}), tmp_path / "r.html")
 
 
-@pytest.mark.slow
-def test_cli_compare_prints_the_table_and_writes_the_report(tmp_path, capsys):
-    out = tmp_path / "report.html"
-    rc = main(
-        [
-            "compare",
-            "--workload",
-            "mlp",
-            "--opt-levels",
-            "O0,O2",
-            "--steps",
-            "6",
-            "--threads",
-            "1",
-            "--no-progress",
-            "--out",
-            str(out),
-        ]
-    )
-    text = capsys.readouterr().out
-    assert rc == 0 and out.exists()
-    assert "O0 fp32 b64" in text and "O2 bf16 b64" in text and "vs O0" in text
-    assert "hardware:" in text and "\nVerdict:" in text
-    rc = main(
-        [
-            "compare",
-            "--opt-levels",
-            "O0",
-            "--steps",
-            "4",
-            "--threads",
-            "1",
-            "--no-progress",
-            "--out",
-            "",
-            "--json",
-        ]
-    )
-    doc = json.loads(capsys.readouterr().out)  # the default workload: the small GPT
-    assert rc == 0 and doc["rows"][0]["configuration"] == "O0 fp32 b16"
-    assert doc["workload"]["name"] == "transformer" and doc["workload"]["size"] == "small"
-
-
-def test_cli_bad_flag_is_a_clear_error(capsys):
-    assert main(["compare", "--opt-levels", "O7", "--no-progress", "--out", ""]) == 2
-    assert "O7" in capsys.readouterr().err
-
-
 def test_the_glossary_describes_a_keep_list_row_with_its_keep_list():
     import html
 
@@ -155,3 +107,22 @@ def test_the_glossary_describes_a_keep_list_row_with_its_keep_list():
         and kept.description != get_config("nvfp4").description
     )
     assert "a row of my own" not in page
+
+
+def _tiny():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+
+
+def test_a_report_write_that_fails_half_way_keeps_the_previous_report(tmp_path, file_size_limit):
+    """A file system filling up mid-write truncated the previous report to the part written."""
+    w = workloads.custom(_tiny, _data(), nn.functional.cross_entropy, batch_size=16)
+    df = mpnb.lab.compare(w, opt_levels=("O0",), steps=4, progress=False, threads=1)
+    path = tmp_path / "report.html"
+    previous = "<html>the previous report</html>"
+    path.write_text(previous)
+    with file_size_limit(100_000), pytest.raises(OSError, match="previous content is kept"):
+        mpnb.lab.report(df, path)
+    assert path.read_text() == previous
+    assert [p.name for p in tmp_path.iterdir()] == ["report.html"]  # no temporary file left
+    mpnb.lab.report(df, path)  # with room, the new report replaces it
+    assert "plotly" in path.read_text()

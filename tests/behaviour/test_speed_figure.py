@@ -135,25 +135,3 @@ def test_real_round_robin_run_shows_one_figure_in_every_view(tmp_path):
     assert df.speedup_vs_O0[1] == pytest.approx(
         ratios[len(ratios) // 2] if len(ratios) % 2 else sum(ratios[len(ratios) // 2 - 1 :][:2]) / 2
     )
-
-
-def test_configurations_run_round_robin_step_k_of_each_before_step_k_plus_1():
-    x = torch.randn(64, 8)
-    order = []
-    seen = lambda p: order.append((p["step"], p["configuration"]))  # noqa: E731
-    df = mpnb.lab.compare(
-        _Sleepy,
-        (x, (x[:, 0] > 0).long()),
-        opt_levels=("O0", "O1", "O2"),
-        steps=6,
-        progress=False,
-        threads=1,
-        on_progress=seen,
-    )
-    assert (df.status == "ok").all(), df.error.tolist()
-    steps = [s for s, _ in order]
-    assert steps == sorted(steps) and len(order) == 3 * 6  # no configuration runs ahead
-    for k in range(1, 7):
-        assert sorted(c for s, c in order if s == k) == sorted(df.configuration)
-    firsts = [next(c for s, c in order if s == k) for k in (1, 2, 3)]
-    assert len(set(firsts)) == 3  # who goes first rotates from round to round

@@ -22,3 +22,9 @@ def test_the_timeout_bounds_the_run_and_its_diagnostics():
     with pytest.raises(TimeoutError, match="within 2 s"):
         launch(_hang, 2, backend="gloo", timeout=2)
     assert time.monotonic() - t0 < 2 + 1.5  # the timeout, then stopping the ranks
+
+
+@pytest.mark.parametrize("timeout", [0, -5, float("nan"), float("inf")])
+def test_launch_refuses_a_timeout_that_bounds_nothing(timeout):
+    with pytest.raises(ValueError, match="timeout"):
+        launch(print, 2, timeout=timeout)

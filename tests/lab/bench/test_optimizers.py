@@ -1,10 +1,12 @@
-"""The optimizers suite's fp32 rows (no master weights): each fused optimizer beside PyTorch's,
-with the least bytes of its step and the 70%-of-bandwidth target on the large workload."""
+"""The ``optimizers`` bench suite (``mpnb.lab.bench.optimizers``): each fused optimizer's fp32 rows
+beside PyTorch's, the pure-bf16 rows, the bytes of each step and its bandwidth target."""
 
 from __future__ import annotations
 
-from mpnb.lab.bench import optimizers
-from mpnb.lab.bench._harness import Options
+import pytest
+import torch
+
+from mpnb.lab.bench import Options, optimizers, run_case
 
 #: B/param: update pass (param r/w 8, grad 4, fp32 states r/w 8 each) + the norm read of the
 #: fp32 grads (LAMB, NovoGrad).
@@ -91,3 +93,49 @@ def test_lamb_counts_its_second_pass_over_tensors_beyond_the_cache(monkeypatch):
         elif case.name.endswith(" step") and "pure-bf16" not in case.name:
             assert all(c.bytes % n == 0 for c in case.candidates), case.name
     assert len(seen) == 2 * len(optimizers.WORKLOADS)
+
+
+def _fixed_times(monkeypatch, per_round: dict[str, list[float]]):
+    """Make run_case see these per-round times (seconds per call) instead of a clock's."""
+    from mpnb.lab.bench import _harness
+
+    def fake(cands, opts):
+        times = [list(per_round[c.name][: opts.rounds]) for c in cands]
+        return times, [1] * len(cands), [0.0] * len(cands)
+
+    monkeypatch.setattr(_harness, "time_rounds", fake)
+
+
+def test_pure_bf16_rows_report_bytes_and_bandwidth_share(monkeypatch):
+    from mpnb.lab.bench import optimizers
+
+    monkeypatch.setattr(optimizers, "llc_bytes", lambda: 8 << 20)  # the rooflines' slices
+    case = next(
+        c
+        for c in optimizers.cases(Options.make(quick=True, scale=0.0005))
+        if c.name == "pure-bf16 AdamW step"
+    )
+    eager = [c for c in case.candidates if not c.compiled]  # --quick leaves out the compiled
+    for cand in eager:
+        cand.fn()  # every step runs (the fixed times below replace only the clock)
+    n = case.bandwidth_numel
+    per_param = [c.bytes // n for c in eager]
+    assert per_param == [14, 22, 22, 26]
+    names = [c.name for c in eager]
+    bw = "bw: a += s*b (fp32)"
+    times = {names[0]: [1e-3], names[1]: [2e-3], names[2]: [2e-3], names[3]: [3e-3], bw: [1e-3]}
+    for c in eager[1:]:  # each of ours has its in-cache roofline: 0.1 ms more for the slice
+        times |= {f"{c.name} [in cache]": [3e-4], f"{c.name} [in cache, small]": [2e-4]}
+    _fixed_times(monkeypatch, times)
+    rows = run_case(case, Options.make(quick=True, rounds=1))
+    nearest, sr, kahan = rows[1], rows[2], rows[3]
+    # bandwidth a += s*b moves 12 B/elem in 1 ms; SR moves 22 B/param in 2 ms: 22/24 of it
+    assert nearest.bw_frac == pytest.approx(22 / 24) and nearest.status == "PASS"
+    assert sr.bw_frac == pytest.approx(22 / 24) and sr.status == "PASS"
+    assert kahan.bw_frac == pytest.approx(26 / 36) and kahan.status == "MISS"
+    assert rows[-1].role == "bandwidth"
+    for row, c in zip((nearest, sr, kahan), eager[1:], strict=True):
+        ic = c.in_cache  # one core's slices, so the run's threads multiply their throughput
+        want = torch.get_num_threads() * (ic.bytes - ic.small_bytes) / 1e-4 / 1e9
+        assert row.cache_gbps == pytest.approx(want) and row.bound in ("compute", "memory")
+    assert rows[0].cache_gbps is None  # PyTorch's step: no bandwidth target
