@@ -53,16 +53,8 @@ def test_mpnb_has_no_import_circle_at_module_level():
     assert _script().cycles(module_level=True) == []
 
 
-# Circles through imports inside functions that are still to be removed, each with its owner.
-_PENDING = {
-    # ops/__init__ -> _library -> ops.triton -> ops (the kernels' package; not part of #50.3)
-    ("mpnb.core.ops", "mpnb.core.ops._library", "mpnb.core.ops.triton", "mpnb.core.ops"),
-}
-
-
-def test_mpnb_has_no_import_circle_beyond_the_pending_ones():
-    found = {tuple(c) for c in _script().cycles()}
-    assert found <= _PENDING, sorted(found - _PENDING)
+def test_mpnb_has_no_import_circle_not_even_through_imports_inside_functions():
+    assert _script().cycles() == []
 
 
 @pytest.mark.skipif(shutil.which("lint-imports") is None, reason="import-linter not installed")

@@ -77,6 +77,7 @@ import torch
 from mpnb.core.ops import triton as _triton
 from mpnb.core.ops._build import cpu_extension
 from mpnb.core.ops._checks import check_devices
+from mpnb.core.ops._layout import memory_order_views
 
 __all__ = [
     "LIB",
@@ -334,8 +335,6 @@ class OpInfo:
         """The wrapper's answer to a refused call: retry with dense tensors in memory order
         when the op takes them, else raise the check's named error (or the kernel's)."""
         if self.memory_order:
-            from mpnb.core.ops._layout import memory_order_views
-
             views = memory_order_views(args, self.memory_order)
             if views is not None:
                 try:
@@ -414,6 +413,8 @@ def define(
     op.memory_order, op.returns = tuple(memory_order), returns
     LIB.define(schema)
     LIB.impl(name, op.reference_kernel, "CompositeExplicitAutograd")
+    if triton is not None:
+        _triton.register(name, triton, op.triton_kernel)
     kernel = op.torch_path
     if triton is not None and _triton.enabled_for(name):  # measured, or MPNB_TRITON=1
         kernel = op.triton_kernel()

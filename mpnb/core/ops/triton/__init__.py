@@ -4,11 +4,16 @@ where a GPU run measured them at least as fast as PyTorch's own CUDA path.
 One module per op family, named like the op's module (``adam.py``, ``sgd.py``, ``lamb.py``,
 ``scale.py``, ``l2norm.py``, ``layer_norm.py``, ``rms_norm.py``, ``softmax.py``,
 ``rotary.py``). Each exposes one launcher per op, named like the op, taking the op's call as
-one object (``args``, the named tuple of its reference's parameters: ``args.lr``). An op says
-which module holds its launcher where it is defined (``define(..., triton="adam")``,
-:mod:`mpnb.core.ops._library`), which registers the launcher, behind the op's checks, for the
-CUDA key of the op; :data:`LAUNCHERS` lists them, read off the op table, and
-:func:`launcher` gives one as the dispatcher calls it (positional, the reference's order)::
+one object (``args``, the named tuple of its reference's parameters: ``args.lr``), and
+launches its kernels by keyword, the kernels' parameters named as the op's arguments wherever
+they are one (``scale``, ``noop_flag``; a list's carrier tensor by the list's name; a bool
+switch in capitals, ``PER_TENSOR``; ``HAS_INV_SCALE`` for an optional tensor given;
+``eps_hi``/``eps_lo`` for a float's two fp32 halves). An op says which module holds its
+launcher where it is defined (``define(..., triton="adam")``, :mod:`mpnb.core.ops._library`),
+which registers the launcher, behind the op's checks, for the CUDA key of the op and
+records it here (:func:`register`: the library imports this package, never the reverse);
+:data:`LAUNCHERS` lists them, and :func:`launcher` gives one as the dispatcher calls it
+(positional, the reference's order)::
 
     from mpnb.core.ops import triton as tk
 
@@ -35,8 +40,11 @@ from __future__ import annotations
 import functools
 import os
 import sys
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
+
+import torch
 
 from mpnb.core.ops.triton._decision import TritonDecision, decide, load_table
 
@@ -48,37 +56,36 @@ __all__ = [
     "enabled_for",
     "launcher",
     "probe_triton",
+    "register",
     "triton_enabled",
     "triton_status",
     "triton_usable",
 ]
 
 
-class _Launchers(Mapping):
-    """``mpnb::`` op name -> ``"<module>:<function>"`` of its Triton launcher in this package,
-    read off the op table (importing :mod:`mpnb.core.ops` on first use defines every op)."""
+#: op name -> ``"<module>:<function>"``, filled by :func:`register` (the op library, as it
+#: defines each op); :data:`LAUNCHERS` is its read-only view
+_LAUNCHERS: dict[str, str] = {}
+#: op name -> the op's ``triton_kernel`` (its launcher behind its checks, imported when called)
+_KERNELS: dict[str, Callable[[], Callable]] = {}
 
-    def _table(self) -> dict[str, str]:
-        import mpnb.core.ops  # noqa: F401 - defines every op
-        from mpnb.core.ops._library import all_ops
-
-        return {op.name: f"{op.triton}:{op.name}" for op in all_ops() if op.triton}
-
-    def __getitem__(self, name: str) -> str:
-        return self._table()[name]
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._table())
-
-    def __len__(self) -> int:
-        return len(self._table())
-
-    def __repr__(self) -> str:
-        return f"LAUNCHERS({self._table()!r})"
+#: The ops with a Triton kernel: ``{op name: "<module>:<function>"}``, in definition order
+#: (complete once :mod:`mpnb.core.ops`, the parent of this package, is imported).
+LAUNCHERS: Mapping[str, str] = MappingProxyType(_LAUNCHERS)
 
 
-#: The ops with a Triton kernel: ``{op name: "<module>:<function>"}`` (a view of the op table).
-LAUNCHERS: Mapping[str, str] = _Launchers()
+def register(name: str, module: str, kernel: Callable[[], Callable]) -> None:
+    """Record that op ``name`` has a Triton launcher, ``<module>.<name>`` in this package;
+    ``kernel()`` gives it as the dispatcher calls it. The op library calls this as it defines
+    the op (:func:`~mpnb.core.ops._library.define`): the library knows this package, not the
+    other way round, so this package imports nothing of the ops.
+
+    Example::
+
+        >>> register("multi_tensor_scale", "scale", op.triton_kernel)
+    """
+    _LAUNCHERS[name] = f"{module}:{name}"
+    _KERNELS[name] = kernel
 
 
 def launcher(name: str) -> Callable:
@@ -93,11 +100,10 @@ def launcher(name: str) -> Callable:
 
         >>> launcher("multi_tensor_scale")(flag, src, dst, 0.5)
     """
-    if name not in LAUNCHERS:
+    kernel = _KERNELS.get(name)
+    if kernel is None:
         raise KeyError(f"no Triton kernel for op {name!r}; ops with one: {', '.join(LAUNCHERS)}.")
-    from mpnb.core.ops._library import op_info
-
-    return op_info(name).triton_kernel()
+    return kernel()
 
 
 @dataclass(frozen=True)
@@ -149,8 +155,6 @@ def probe_triton(
     flag = env.get("MPNB_TRITON", "")
     mode = {"1": "all", "0": "off"}.get(flag, "measured")
     if cuda_available is None:
-        import torch
-
         cuda_available = torch.cuda.is_available
     cuda = bool(cuda_available())
     if mode == "off":
@@ -168,7 +172,7 @@ def probe_triton(
     if not cuda:
         return TritonStatus(mode, False, None, "no CUDA device: the Triton kernels need a GPU")
     try:
-        import triton
+        import triton  # optional (Linux wheels only), and imported only beside a CUDA device
     except ImportError as e:
         where = (
             ""

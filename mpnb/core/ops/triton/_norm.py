@@ -69,10 +69,10 @@ def _eps(hi, lo, ACC: tl.constexpr):
 @tuned(ROW_CONFIGS, key=["cols"])
 @triton.jit
 def _fwd_fused(
-    x_ptr,
+    input,
     y_ptr,
-    w_ptr,
-    b_ptr,
+    weight,
+    bias,
     mean_ptr,
     rstd_ptr,
     rows,
@@ -80,8 +80,8 @@ def _fwd_fused(
     eps_hi,
     eps_lo,
     IS_RMS: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
     TILE: tl.constexpr,
@@ -92,7 +92,7 @@ def _fwd_fused(
     cm = c < cols
     m2 = (r[:, None] < rows) & cm[None, :]
     offs = r[:, None].to(tl.int64) * cols + c[None, :]
-    x = _to_acc(tl.load(x_ptr + offs, mask=m2, other=0.0), ACC)
+    x = _to_acc(tl.load(input + offs, mask=m2, other=0.0), ACC)
     n = tl.cast(cols, ACC)
     if IS_RMS:
         xc = x
@@ -104,20 +104,20 @@ def _fwd_fused(
     rstd = div(tl.full([ROWS], 1.0, ACC), sqrt(var + _eps(eps_hi, eps_lo, ACC)))
     tl.store(rstd_ptr + r, rstd, mask=r < rows)
     y = xc * rstd[:, None]
-    if HAS_W:
-        y = y * _to_acc(tl.load(w_ptr + c, mask=cm, other=0.0), ACC)[None, :]
-    if HAS_B:
-        y = y + _to_acc(tl.load(b_ptr + c, mask=cm, other=0.0), ACC)[None, :]
+    if HAS_WEIGHT:
+        y = y * _to_acc(tl.load(weight + c, mask=cm, other=0.0), ACC)[None, :]
+    if HAS_BIAS:
+        y = y + _to_acc(tl.load(bias + c, mask=cm, other=0.0), ACC)[None, :]
     tl.store(y_ptr + offs, from_acc(y, y_ptr.dtype.element_ty), mask=m2)
 
 
 @tuned(LOOP_CONFIGS, key=["cols"])
 @triton.jit
 def _fwd_looped(
-    x_ptr,
+    input,
     y_ptr,
-    w_ptr,
-    b_ptr,
+    weight,
+    bias,
     mean_ptr,
     rstd_ptr,
     rows,
@@ -125,13 +125,13 @@ def _fwd_looped(
     eps_hi,
     eps_lo,
     IS_RMS: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    x_row = x_ptr + row * cols
+    x_row = input + row * cols
     lanes = tl.arange(0, BLOCK)
     n = tl.cast(cols, ACC)
     mean = tl.full((), 0.0, ACC)
@@ -152,34 +152,49 @@ def _fwd_looped(
     for k in range(0, cols, BLOCK):
         m = k + lanes < cols
         y = (_to_acc(tl.load(x_row + k + lanes, mask=m, other=0.0), ACC) - mean) * rstd
-        if HAS_W:
-            y = y * _to_acc(tl.load(w_ptr + k + lanes, mask=m, other=0.0), ACC)
-        if HAS_B:
-            y = y + _to_acc(tl.load(b_ptr + k + lanes, mask=m, other=0.0), ACC)
+        if HAS_WEIGHT:
+            y = y * _to_acc(tl.load(weight + k + lanes, mask=m, other=0.0), ACC)
+        if HAS_BIAS:
+            y = y + _to_acc(tl.load(bias + k + lanes, mask=m, other=0.0), ACC)
         tl.store(y_ptr + row * cols + k + lanes, from_acc(y, y_ptr.dtype.element_ty), mask=m)
 
 
-def norm_fwd(x, weight, bias, eps, rows, cols, is_rms: bool):
-    """``(y, mean, rstd)`` of the rows of ``x`` (``mean`` unused by RMS norm)."""
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-    x = x.contiguous()
+def norm_fwd(*, input, weight, bias, eps, rows, cols, is_rms: bool):
+    """``(y, mean, rstd)`` of the rows of ``input`` (``mean`` unused by RMS norm); the
+    arguments named as the ops' (``rows``, ``cols``: :func:`~mpnb.core.ops._norm.rows_cols`)."""
+    acc = torch.float64 if input.dtype == torch.float64 else torch.float32
+    x = input.contiguous()
     y = torch.empty_like(x)
     mean = torch.empty(rows, dtype=acc, device=x.device)
     rstd = torch.empty(rows, dtype=acc, device=x.device)
     if rows == 0 or cols == 0:
         return y, mean.fill_(float("nan")), rstd.fill_(float("nan"))
-    common = dict(IS_RMS=is_rms, HAS_W=weight is not None, HAS_B=bias is not None, ACC=acc_of(acc))
-    args = (x, y, weight if weight is not None else x, bias if bias is not None else x, mean, rstd)
-    args += (rows, cols, *split64(eps))
-    if cols <= MAX_FUSED:
+    eps_hi, eps_lo = split64(eps)
+    kernel_args = dict(
+        input=x,
+        y_ptr=y,
+        weight=x if weight is None else weight,
+        bias=x if bias is None else bias,
+        mean_ptr=mean,
+        rstd_ptr=rstd,
+        rows=rows,
+        cols=cols,
+        eps_hi=eps_hi,
+        eps_lo=eps_lo,
+        IS_RMS=is_rms,
+        HAS_WEIGHT=weight is not None,
+        HAS_BIAS=bias is not None,
+        ACC=acc_of(acc),
+    )
+    if cols <= MAX_FUSED:  # TILE (and num_warps) are the autotuner's
         block = next_pow2(cols)
 
         def grid(meta):
             return (triton.cdiv(rows, rows_per(meta["TILE"], block)),)
 
-        launch(_fwd_fused, grid, *args, BLOCK=block, **common)
-    else:
-        launch(_fwd_looped, (rows,), *args, **common)
+        launch(_fwd_fused, grid, BLOCK=block, **kernel_args)
+    else:  # BLOCK (and num_warps) are the autotuner's
+        launch(_fwd_looped, (rows,), **kernel_args)
     return y, mean, rstd
 
 
@@ -192,16 +207,16 @@ def _xhat(
     b,
     IS_RMS: tl.constexpr,
     ME: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
 ):
     # The normalized input: from the input and the statistics, or (memory_efficient) from the
     # output and the affine params, as Apex recomputes it.
     if ME:
         xh = s
-        if HAS_B:
+        if HAS_BIAS:
             xh = xh - b
-        if HAS_W:
+        if HAS_WEIGHT:
             xh = div(xh, w)
     else:
         if IS_RMS:
@@ -231,12 +246,12 @@ def _fold(acc, ROWS: tl.constexpr, FOLDS: tl.constexpr, BLOCK: tl.constexpr):
 @tuned(BWD_CONFIGS, key=["cols"])
 @triton.jit
 def _bwd_fused(
-    dy_ptr,
-    s_ptr,
-    w_ptr,
-    b_ptr,
-    mean_ptr,
-    rstd_ptr,
+    grad_out,
+    saved,
+    weight,
+    bias,
+    mean,
+    invvar,
     dx_ptr,
     pw_ptr,
     pb_ptr,
@@ -244,9 +259,9 @@ def _bwd_fused(
     cols,
     nprog,
     IS_RMS: tl.constexpr,
-    ME: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
+    MEMORY_EFFICIENT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     ACC: tl.constexpr,
     ROWS: tl.constexpr,
     FOLDS: tl.constexpr,
@@ -257,8 +272,8 @@ def _bwd_fused(
     c = tl.arange(0, BLOCK)
     cm = c < cols
     n = tl.cast(cols, ACC)
-    w = _to_acc(tl.load(w_ptr + c, mask=cm, other=1.0), ACC)[None, :]
-    b = _to_acc(tl.load(b_ptr + c, mask=cm, other=0.0), ACC)[None, :]
+    w = _to_acc(tl.load(weight + c, mask=cm, other=1.0), ACC)[None, :]
+    b = _to_acc(tl.load(bias + c, mask=cm, other=0.0), ACC)[None, :]
     dw = tl.zeros([ROWS, BLOCK], ACC)
     db = tl.zeros([ROWS, BLOCK], ACC)
     for t in range(pid, tl.cdiv(rows, ROWS), nprog):
@@ -266,15 +281,15 @@ def _bwd_fused(
         rm = r < rows
         m = rm[:, None] & cm[None, :]
         offs = r.to(tl.int64)[:, None] * cols + c[None, :]
-        rstd = tl.load(rstd_ptr + r, mask=rm, other=0.0)[:, None]
-        mean = tl.zeros([ROWS, 1], ACC)
+        rstd = tl.load(invvar + r, mask=rm, other=0.0)[:, None]
+        mu = tl.zeros([ROWS, 1], ACC)
         if not IS_RMS:
-            mean = tl.load(mean_ptr + r, mask=rm, other=0.0)[:, None]
-        s = _to_acc(tl.load(s_ptr + offs, mask=m, other=0.0), ACC)
-        dy = _to_acc(tl.load(dy_ptr + offs, mask=m, other=0.0), ACC)
-        xh = _xhat(s, mean, rstd, w, b, IS_RMS, ME, HAS_W, HAS_B)
+            mu = tl.load(mean + r, mask=rm, other=0.0)[:, None]
+        s = _to_acc(tl.load(saved + offs, mask=m, other=0.0), ACC)
+        dy = _to_acc(tl.load(grad_out + offs, mask=m, other=0.0), ACC)
+        xh = _xhat(s, mu, rstd, w, b, IS_RMS, MEMORY_EFFICIENT, HAS_WEIGHT, HAS_BIAS)
         g = dy
-        if HAS_W:
+        if HAS_WEIGHT:
             g = dy * w
         c1 = div(tl.sum(tl.where(m, g * xh, 0.0), axis=1), n)[:, None]
         c2 = div(tl.sum(g, axis=1), n)[:, None]
@@ -289,12 +304,12 @@ def _bwd_fused(
 @tuned(LOOP_CONFIGS, key=["cols"])
 @triton.jit
 def _bwd_looped(
-    dy_ptr,
-    s_ptr,
-    w_ptr,
-    b_ptr,
-    mean_ptr,
-    rstd_ptr,
+    grad_out,
+    saved,
+    weight,
+    bias,
+    mean,
+    invvar,
     dx_ptr,
     pw_ptr,
     pb_ptr,
@@ -302,9 +317,9 @@ def _bwd_looped(
     cols,
     nprog,
     IS_RMS: tl.constexpr,
-    ME: tl.constexpr,
-    HAS_W: tl.constexpr,
-    HAS_B: tl.constexpr,
+    MEMORY_EFFICIENT: tl.constexpr,
+    HAS_WEIGHT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -320,21 +335,21 @@ def _bwd_looped(
         tl.store(pb_row + k + lanes, tl.zeros([BLOCK], ACC), mask=k + lanes < cols)
     for row in range(pid, rows, nprog):
         base = tl.cast(row, tl.int64) * cols
-        rstd = tl.load(rstd_ptr + row)
-        mean = tl.full((), 0.0, ACC)
+        rstd = tl.load(invvar + row)
+        mu = tl.full((), 0.0, ACC)
         if not IS_RMS:
-            mean = tl.load(mean_ptr + row)
+            mu = tl.load(mean + row)
         c1 = tl.zeros([BLOCK], ACC)
         c2 = tl.zeros([BLOCK], ACC)
         for k in range(0, cols, BLOCK):
             m = k + lanes < cols
-            s = _to_acc(tl.load(s_ptr + base + k + lanes, mask=m, other=0.0), ACC)
-            dy = _to_acc(tl.load(dy_ptr + base + k + lanes, mask=m, other=0.0), ACC)
-            w = _to_acc(tl.load(w_ptr + k + lanes, mask=m, other=1.0), ACC)
-            b = _to_acc(tl.load(b_ptr + k + lanes, mask=m, other=0.0), ACC)
-            xh = _xhat(s, mean, rstd, w, b, IS_RMS, ME, HAS_W, HAS_B)
+            s = _to_acc(tl.load(saved + base + k + lanes, mask=m, other=0.0), ACC)
+            dy = _to_acc(tl.load(grad_out + base + k + lanes, mask=m, other=0.0), ACC)
+            w = _to_acc(tl.load(weight + k + lanes, mask=m, other=1.0), ACC)
+            b = _to_acc(tl.load(bias + k + lanes, mask=m, other=0.0), ACC)
+            xh = _xhat(s, mu, rstd, w, b, IS_RMS, MEMORY_EFFICIENT, HAS_WEIGHT, HAS_BIAS)
             g = dy
-            if HAS_W:
+            if HAS_WEIGHT:
                 g = dy * w
             c1 += tl.where(m, g * xh, 0.0)
             c2 += g
@@ -347,13 +362,13 @@ def _bwd_looped(
         mc2 = div(tl.sum(c2, axis=0), n)
         for k in range(0, cols, BLOCK):
             m = k + lanes < cols
-            s = _to_acc(tl.load(s_ptr + base + k + lanes, mask=m, other=0.0), ACC)
-            dy = _to_acc(tl.load(dy_ptr + base + k + lanes, mask=m, other=0.0), ACC)
-            w = _to_acc(tl.load(w_ptr + k + lanes, mask=m, other=1.0), ACC)
-            b = _to_acc(tl.load(b_ptr + k + lanes, mask=m, other=0.0), ACC)
-            xh = _xhat(s, mean, rstd, w, b, IS_RMS, ME, HAS_W, HAS_B)
+            s = _to_acc(tl.load(saved + base + k + lanes, mask=m, other=0.0), ACC)
+            dy = _to_acc(tl.load(grad_out + base + k + lanes, mask=m, other=0.0), ACC)
+            w = _to_acc(tl.load(weight + k + lanes, mask=m, other=1.0), ACC)
+            b = _to_acc(tl.load(bias + k + lanes, mask=m, other=0.0), ACC)
+            xh = _xhat(s, mu, rstd, w, b, IS_RMS, MEMORY_EFFICIENT, HAS_WEIGHT, HAS_BIAS)
             g = dy
-            if HAS_W:
+            if HAS_WEIGHT:
                 g = dy * w
             dx = _dx(g, xh, mc1, mc2, rstd, IS_RMS)
             tl.store(dx_ptr + base + k + lanes, from_acc(dx, dx_ptr.dtype.element_ty), mask=m)
@@ -377,10 +392,10 @@ def _colsum(partial: torch.Tensor, like: torch.Tensor, acc) -> torch.Tensor:
         launch(
             _colsum_kernel,
             (triton.cdiv(cols, 1024),),
-            partial,
-            out,
-            nprog,
-            cols,
+            p_ptr=partial,
+            out_ptr=out,
+            nprog=nprog,
+            cols=cols,
             ACC=acc,
             BLOCK=1024,
         )
@@ -402,30 +417,49 @@ def bwd_layout(rows: int, cols: int) -> tuple[int, int]:
     return per, max(1, min(triton.cdiv(rows, per), MAX_PROGS))
 
 
-def norm_bwd(dy, saved, mean, rstd, weight, bias, me: bool, rows, cols, is_rms: bool):
-    """``(dx, dw, db)``: ``dw``/``db`` empty tensors where there is no weight/bias."""
+def norm_bwd(
+    *, grad_out, saved, mean, invvar, weight, bias, memory_efficient: bool, rows, cols, is_rms: bool
+):
+    """``(dx, dw, db)``: ``dw``/``db`` empty tensors where there is no weight/bias; the
+    arguments named as the ops' (``mean`` and ``bias`` None for RMS norm)."""
     acc = torch.float64 if saved.dtype == torch.float64 else torch.float32
-    dy, saved = dy.contiguous(), saved.contiguous()
+    dy, saved = grad_out.contiguous(), saved.contiguous()
     dx = torch.empty_like(saved)
     per, nprog = bwd_layout(rows, cols)
     pw = torch.empty((nprog, cols), dtype=acc, device=saved.device)
     pb = torch.empty((nprog, cols), dtype=acc, device=saved.device)
     if rows and cols:
-        w = weight if weight is not None else saved
-        b = bias if bias is not None else saved
-        args = (dy, saved, w, b, mean if mean is not None else rstd, rstd, dx, pw, pb)
-        kw = dict(
+        kernel_args = dict(
+            grad_out=dy,
+            saved=saved,
+            weight=saved if weight is None else weight,
+            bias=saved if bias is None else bias,
+            mean=invvar if mean is None else mean,
+            invvar=invvar,
+            dx_ptr=dx,
+            pw_ptr=pw,
+            pb_ptr=pb,
+            rows=rows,
+            cols=cols,
+            nprog=nprog,
             IS_RMS=is_rms,
-            ME=bool(me),
-            HAS_W=weight is not None,
-            HAS_B=bias is not None,
+            MEMORY_EFFICIENT=bool(memory_efficient),
+            HAS_WEIGHT=weight is not None,
+            HAS_BIAS=bias is not None,
             ACC=acc_of(acc),
         )
-        if cols <= BWD_FUSED:
-            fold = dict(ROWS=per, FOLDS=per.bit_length() - 1, BLOCK=next_pow2(cols))
-            launch(_bwd_fused, (nprog,), *args, rows, cols, nprog, **fold, **kw)
-        else:
-            launch(_bwd_looped, (nprog,), *args, rows, cols, nprog, **kw)
+        if cols <= BWD_FUSED:  # num_warps is the autotuner's; the layout is the shape's
+            block = next_pow2(cols)
+            launch(
+                _bwd_fused,
+                (nprog,),
+                ROWS=per,
+                FOLDS=per.bit_length() - 1,
+                BLOCK=block,
+                **kernel_args,
+            )
+        else:  # BLOCK (and num_warps) are the autotuner's
+            launch(_bwd_looped, (nprog,), **kernel_args)
     else:
         pw.zero_()
         pb.zero_()

@@ -63,20 +63,21 @@ def _bad_span(
 def _check_finite_kernel(
     table,
     n_tensors,
-    flag_ptr,
-    x0,
+    noop_flag,
+    tensors,
     BITS: tl.constexpr,
     EXP: tl.constexpr,
     ROW: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
+    # Named as the op's arguments; ``tensors`` carries the list's dtype (addresses: the table).
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     ok = aligned(table, t, 2, 2, ROW)
     bad = tl.full((), 0, tl.int32)
     for part in tl.static_range(2):  # 16-byte loads, then the scalar rest (see _vector)
         lo, hi = span(part, count, ok)
-        bad = bad | _bad_span(table, t, start, lo, hi, x0, BITS, EXP, ROW, CHUNK, part == 0)
-    raise_flag(flag_ptr, bad)
+        bad = bad | _bad_span(table, t, start, lo, hi, tensors, BITS, EXP, ROW, CHUNK, part == 0)
+    raise_flag(noop_flag, bad)
 
 
 def multi_tensor_check_finite(args) -> None:
@@ -102,10 +103,10 @@ def multi_tensor_check_finite(args) -> None:
     launch(
         _check_finite_kernel,
         (tab.n_chunks,),
-        tab.table,
-        tab.n_tensors,
-        flag_view(noop_flag),
-        tensors[0],
+        table=tab.table,
+        n_tensors=tab.n_tensors,
+        noop_flag=flag_view(noop_flag),
+        tensors=tensors[0],
         BITS=bits,
         EXP=exponent,
         ROW=tab.row,

@@ -43,7 +43,7 @@ def _sumsq_span(
     inv,
     x0,
     acc,
-    HAS_INV: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr,
     ACC: tl.constexpr,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -55,7 +55,7 @@ def _sumsq_span(
     for k in range(span_start(lo, BLOCK), hi, BLOCK):
         m = span_mask(k, lanes, lo, hi)
         v = to_acc(tl.load(x_ptr + start + k + lanes, mask=m, other=0.0), ACC)
-        if HAS_INV:
+        if HAS_INV_SCALE:
             v = v * inv
         w = v.to(tl.float64)
         acc += w * w
@@ -66,25 +66,27 @@ def _sumsq_span(
 def _sumsq_kernel(
     table,
     n_tensors,
-    inv_ptr,
+    inv_scale,
     partials,
-    x0,
-    HAS_INV: tl.constexpr,
+    tensors,
+    HAS_INV_SCALE: tl.constexpr,
     ACC: tl.constexpr,
     ROW: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Named as the op's arguments; ``tensors`` carries the list's dtype (the addresses are in
+    # the table), ``inv_scale`` is read only when HAS_INV_SCALE.
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     inv = tl.full((), 1.0, ACC)
-    if HAS_INV:
-        inv = to_acc(tl.load(inv_ptr), ACC)
+    if HAS_INV_SCALE:
+        inv = to_acc(tl.load(inv_scale), ACC)
     acc = tl.zeros([BLOCK], dtype=tl.float64)
     ok = aligned(table, t, 2, 2, ROW)
     for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector):
         lo, hi = span(part, count, ok)  # each element keeps its lane, so the same sums
         acc = _sumsq_span(
-            table, t, start, lo, hi, inv, x0, acc, HAS_INV, ACC, ROW, BLOCK, part == 0
+            table, t, start, lo, hi, inv, tensors, acc, HAS_INV_SCALE, ACC, ROW, BLOCK, part == 0
         )
     tl.store(partials + tl.program_id(0), tl.sum(acc, axis=0))
 
@@ -95,7 +97,7 @@ def _finish_kernel(
     n_tensors,
     total_ptr,
     per_ptr,
-    flag_ptr,
+    noop_flag,
     PER_TENSOR: tl.constexpr,
     ACC: tl.constexpr,
     TAIL: tl.constexpr,
@@ -110,7 +112,7 @@ def _finish_kernel(
             tl.store(per_ptr + j + lanes, tl.sqrt(s).to(ACC), mask=m)
     total = tl.sqrt(tl.sum(acc, axis=0)).to(ACC)
     tl.store(total_ptr, total)
-    raise_flag(flag_ptr, nonfinite(total))
+    raise_flag(noop_flag, nonfinite(total))
 
 
 def multi_tensor_l2norm(args) -> tuple[torch.Tensor, torch.Tensor]:
@@ -138,12 +140,12 @@ def multi_tensor_l2norm(args) -> tuple[torch.Tensor, torch.Tensor]:
         launch(
             _sumsq_kernel,
             (tab.n_chunks,),
-            tab.table,
-            tab.n_tensors,
-            tab.table if inv_scale is None else inv_scale,
-            partials,
-            tensors[0],
-            HAS_INV=inv_scale is not None,
+            table=tab.table,
+            n_tensors=tab.n_tensors,
+            inv_scale=tab.table if inv_scale is None else inv_scale,
+            partials=partials,
+            tensors=tensors[0],
+            HAS_INV_SCALE=inv_scale is not None,
             ACC=acc,
             ROW=tab.row,
             CHUNK=tab.chunk,
@@ -156,11 +158,11 @@ def multi_tensor_l2norm(args) -> tuple[torch.Tensor, torch.Tensor]:
     launch(
         _finish_kernel,
         (1,),
-        sq,
-        tab.n_tensors,
-        total,
-        per,
-        flag_view(noop_flag),
+        sq=sq,
+        n_tensors=tab.n_tensors,
+        total_ptr=total,
+        per_ptr=per,
+        noop_flag=flag_view(noop_flag),
         PER_TENSOR=bool(args.per_tensor),
         ACC=acc,
         TAIL=_TAIL,

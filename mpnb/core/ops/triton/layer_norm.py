@@ -26,7 +26,15 @@ def layer_norm_fwd(args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """
     x = args.input
     rows, cols = rows_cols(x, args.normalized_shape)
-    y, mean, rstd = norm_fwd(x, args.weight, args.bias, args.eps, rows, cols, is_rms=False)
+    y, mean, rstd = norm_fwd(
+        input=x,
+        weight=args.weight,
+        bias=args.bias,
+        eps=args.eps,
+        rows=rows,
+        cols=cols,
+        is_rms=False,
+    )
     return y.view(x.shape), mean, rstd
 
 
@@ -37,15 +45,15 @@ def layer_norm_bwd(args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     saved = args.saved
     rows, cols = rows_cols(saved, args.normalized_shape)
     dx, dw, db = norm_bwd(
-        args.grad_out,
-        saved,
-        args.mean,
-        args.invvar,
-        args.weight,
-        args.bias,
-        args.memory_efficient,
-        rows,
-        cols,
+        grad_out=args.grad_out,
+        saved=saved,
+        mean=args.mean,
+        invvar=args.invvar,
+        weight=args.weight,
+        bias=args.bias,
+        memory_efficient=args.memory_efficient,
+        rows=rows,
+        cols=cols,
         is_rms=False,
     )
     return dx.view(saved.shape), dw, db

@@ -25,7 +25,9 @@ def rms_norm_fwd(args) -> tuple[torch.Tensor, torch.Tensor]:
     """
     x = args.input
     rows, cols = rows_cols(x, args.normalized_shape)
-    y, _, rstd = norm_fwd(x, args.weight, None, args.eps, rows, cols, is_rms=True)
+    y, _, rstd = norm_fwd(
+        input=x, weight=args.weight, bias=None, eps=args.eps, rows=rows, cols=cols, is_rms=True
+    )
     return y.view(x.shape), rstd
 
 
@@ -35,15 +37,15 @@ def rms_norm_bwd(args) -> tuple[torch.Tensor, torch.Tensor]:
     saved = args.saved
     rows, cols = rows_cols(saved, args.normalized_shape)
     dx, dw, _ = norm_bwd(
-        args.grad_out,
-        saved,
-        None,
-        args.invvar,
-        args.weight,
-        None,
-        args.memory_efficient,
-        rows,
-        cols,
+        grad_out=args.grad_out,
+        saved=saved,
+        mean=None,
+        invvar=args.invvar,
+        weight=args.weight,
+        bias=None,
+        memory_efficient=args.memory_efficient,
+        rows=rows,
+        cols=cols,
         is_rms=True,
     )
     return dx.view(saved.shape), dw

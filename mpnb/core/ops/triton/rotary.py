@@ -32,10 +32,10 @@ def _round(x, DT: tl.constexpr, ACC: tl.constexpr):
 
 @triton.jit
 def _rope_kernel(
-    t_ptr,
+    t,
     y_ptr,
-    cos_ptr,
-    sin_ptr,
+    cos,
+    sin,
     rows,
     B,
     H,
@@ -53,7 +53,7 @@ def _rope_kernel(
     cd,
     ss,
     sd,
-    GROUP: tl.constexpr,
+    group: tl.constexpr,
     BACKWARD: tl.constexpr,
     STEPWISE: tl.constexpr,
     ACC: tl.constexpr,
@@ -68,20 +68,20 @@ def _rope_kernel(
     d_lim = tl.where(r < rows, d, 0)[:, None]
     inside = c < d_lim
     rot = c < tl.where(r < rows, d2, 0)[:, None]
-    half: tl.constexpr = GROUP // 2
-    first = c % GROUP < half
+    half: tl.constexpr = group // 2
+    first = c % group < half
     partner = tl.where(first, c + half, c - half)
     t_row = (si * ts + bi * tb + hi * th)[:, None]
-    x = to_acc(tl.load(t_ptr + t_row + c * td, mask=inside, other=0.0), ACC)
-    xp = to_acc(tl.load(t_ptr + t_row + partner * td, mask=rot, other=0.0), ACC)
+    x = to_acc(tl.load(t + t_row + c * td, mask=inside, other=0.0), ACC)
+    xp = to_acc(tl.load(t + t_row + partner * td, mask=rot, other=0.0), ACC)
     cs_row = (si * cs)[:, None]
     sn_row = (si * ss)[:, None]
-    cosv = tl.load(cos_ptr + cs_row + c * cd, mask=rot, other=1.0).to(ACC)
+    cosv = tl.load(cos + cs_row + c * cd, mask=rot, other=1.0).to(ACC)
     if BACKWARD:  # y1 = x1 cos + x2 sin', y2 = x2 cos - x1 sin' (sin' at the partner channel)
-        sinv = tl.load(sin_ptr + sn_row + partner * sd, mask=rot, other=0.0).to(ACC)
+        sinv = tl.load(sin + sn_row + partner * sd, mask=rot, other=0.0).to(ACC)
         sign = tl.where(first, 1.0, -1.0)
     else:  # y1 = x1 cos - x2 sin, y2 = x2 cos + x1 sin
-        sinv = tl.load(sin_ptr + sn_row + c * sd, mask=rot, other=0.0).to(ACC)
+        sinv = tl.load(sin + sn_row + c * sd, mask=rot, other=0.0).to(ACC)
         sign = tl.where(first, -1.0, 1.0)
     if STEPWISE:  # tables, products and (on store) the sum rounded to t's dtype
         dt = y_ptr.dtype.element_ty
@@ -115,23 +115,35 @@ def rope(args) -> torch.Tensor:
         return result
     block = next_pow2(d)
     nrows = max(1, _TILE // block)
+    ts, tb, th, td = t.stride()
+    ys, yb, yh, yd = y.stride()
+    cs, cd = cos.stride()
+    ss, sd = sin.stride()
     launch(
         _rope_kernel,
         (triton.cdiv(rows, nrows),),
-        t,
-        y,
-        cos,
-        sin,
-        rows,
-        b,
-        h,
-        d,
-        cos.shape[1],
-        *t.stride(),
-        *y.stride(),
-        *cos.stride(),
-        *sin.stride(),
-        GROUP=int(args.group),
+        t=t,
+        y_ptr=y,
+        cos=cos,
+        sin=sin,
+        rows=rows,
+        B=b,
+        H=h,
+        d=d,
+        d2=cos.shape[1],
+        ts=ts,
+        tb=tb,
+        th=th,
+        td=td,
+        ys=ys,
+        yb=yb,
+        yh=yh,
+        yd=yd,
+        cs=cs,
+        cd=cd,
+        ss=ss,
+        sd=sd,
+        group=int(args.group),
         BACKWARD=bool(args.backward),
         STEPWISE=bool(args.stepwise),
         ACC=tl.float64 if t.dtype == torch.float64 else tl.float32,

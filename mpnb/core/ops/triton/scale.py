@@ -61,27 +61,29 @@ def _scale_span(
 def _scale_kernel(
     table,
     n_tensors,
-    flag_ptr,
-    st_ptr,
+    noop_flag,
+    scale_tensor,
     scale,
-    src0,
-    dst0,
-    HAS_ST: tl.constexpr,
+    src,
+    dst,
+    HAS_SCALE_TENSOR: tl.constexpr,
     ACC: tl.constexpr,
     ROW: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
+    # Named as the op's arguments; ``src`` and ``dst`` carry their list's dtype (the lists'
+    # addresses are in the table), ``scale_tensor`` is read only when HAS_SCALE_TENSOR.
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
     s = tl.cast(scale, ACC)
-    if HAS_ST:
-        s = s * to_acc(tl.load(st_ptr), ACC)
+    if HAS_SCALE_TENSOR:
+        s = s * to_acc(tl.load(scale_tensor), ACC)
     bad = tl.zeros([BLOCK], dtype=tl.int32)
     ok = aligned(table, t, 2, 3, ROW)
     for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
         lo, hi = span(part, count, ok)
-        bad = _scale_span(table, t, start, lo, hi, s, src0, dst0, bad, ACC, ROW, BLOCK, part == 0)
-    raise_flag(flag_ptr, tl.max(bad, axis=0))
+        bad = _scale_span(table, t, start, lo, hi, s, src, dst, bad, ACC, ROW, BLOCK, part == 0)
+    raise_flag(noop_flag, tl.max(bad, axis=0))
 
 
 def multi_tensor_scale(args) -> None:
@@ -114,14 +116,14 @@ def multi_tensor_scale(args) -> None:
     launch(
         _scale_kernel,
         (tab.n_chunks,),
-        tab.table,
-        tab.n_tensors,
-        flag_view(noop_flag),
-        tab.table if scale_tensor is None else scale_tensor,
-        f32(scale),
-        src[0],
-        dst[0],
-        HAS_ST=scale_tensor is not None,
+        table=tab.table,
+        n_tensors=tab.n_tensors,
+        noop_flag=flag_view(noop_flag),
+        scale_tensor=tab.table if scale_tensor is None else scale_tensor,
+        scale=f32(scale),
+        src=src[0],
+        dst=dst[0],
+        HAS_SCALE_TENSOR=scale_tensor is not None,
         ACC=acc,
         ROW=tab.row,
         CHUNK=tab.chunk,

@@ -87,9 +87,9 @@ def _limit(r, k, SQ, MODE: tl.constexpr):
 @tuned(ROW_CONFIGS, key=["k"])
 @triton.jit
 def _fwd_fused(
-    x_ptr,
+    input,
     y_ptr,
-    m_ptr,
+    mask,
     rows,
     k,
     SQ,
@@ -97,8 +97,8 @@ def _fwd_fused(
     msb,
     msh,
     msq,
-    s_hi,
-    s_lo,
+    scale_hi,
+    scale_lo,
     MODE: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -111,13 +111,13 @@ def _fwd_fused(
     cols = tl.arange(0, BLOCK)[None, :]
     row = r[:, None] * k
     mrow = (r // (SQ * H) * msb + r // SQ % H * msh + r % SQ * msq)[:, None]
-    s = _scale(s_hi, s_lo, ACC)
-    x, inside = _scores(x_ptr, m_ptr, row, mrow, cols, lim[:, None], s, MODE, ACC)
+    s = _scale(scale_hi, scale_lo, ACC)
+    x, inside = _scores(input, mask, row, mrow, cols, lim[:, None], s, MODE, ACC)
     x = tl.where(rvalid[:, None], x, 0.0)
     e = tl.where(inside, tl.exp(x - tl.max(x, axis=1)[:, None]), 0.0)
     y = div(e, tl.sum(e, axis=1)[:, None])
     if MODE == 3:  # a row that sees nothing attends to nothing
-        y = tl.where((_unmasked(m_ptr, mrow, cols, lim[:, None]) > 0)[:, None], y, 0.0)
+        y = tl.where((_unmasked(mask, mrow, cols, lim[:, None]) > 0)[:, None], y, 0.0)
     out = cols < tl.where(rvalid, k, 0)[:, None]
     tl.store(y_ptr + row + cols, from_acc(y, y_ptr.dtype.element_ty), mask=out)
 
@@ -125,9 +125,9 @@ def _fwd_fused(
 @tuned(LOOP_CONFIGS, key=["k"])
 @triton.jit
 def _fwd_looped(
-    x_ptr,
+    input,
     y_ptr,
-    m_ptr,
+    mask,
     rows,
     k,
     SQ,
@@ -135,8 +135,8 @@ def _fwd_looped(
     msb,
     msh,
     msq,
-    s_hi,
-    s_lo,
+    scale_hi,
+    scale_lo,
     MODE: tl.constexpr,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -145,7 +145,7 @@ def _fwd_looped(
     lim = _limit(r, k, SQ, MODE)
     row = r * k
     mrow = r // (SQ * H) * msb + r // SQ % H * msh + r % SQ * msq
-    s = _scale(s_hi, s_lo, ACC)
+    s = _scale(scale_hi, scale_lo, ACC)
     lanes = tl.arange(0, BLOCK)
     # One sweep for the statistics: per lane, the largest score seen and the sum of exp(score -
     # that maximum), rescaled whenever the maximum grows (a lane that has seen only -inf keeps
@@ -154,17 +154,17 @@ def _fwd_looped(
     acc = tl.zeros([BLOCK], ACC)
     seen = tl.sum(tl.zeros([BLOCK], tl.int32), axis=0)  # unmasked columns (MODE 3)
     for j in range(0, k, BLOCK):
-        x, inside = _scores(x_ptr, m_ptr, row, mrow, j + lanes, lim, s, MODE, ACC)
+        x, inside = _scores(input, mask, row, mrow, j + lanes, lim, s, MODE, ACC)
         top = tl.maximum(mx, x)
         live = top > float("-inf")
         acc = tl.where(live, acc * tl.exp(mx - top) + tl.where(inside, tl.exp(x - top), 0.0), 0.0)
         mx = top
         if MODE == 3:
-            seen += _unmasked(m_ptr, mrow, j + lanes, lim)
+            seen += _unmasked(mask, mrow, j + lanes, lim)
     top = tl.max(mx, axis=0)
     total = tl.sum(tl.where(mx > float("-inf"), acc * tl.exp(mx - top), 0.0), axis=0)
     for j in range(0, k, BLOCK):
-        x, inside = _scores(x_ptr, m_ptr, row, mrow, j + lanes, lim, s, MODE, ACC)
+        x, inside = _scores(input, mask, row, mrow, j + lanes, lim, s, MODE, ACC)
         y = div(tl.where(inside, tl.exp(x - top), 0.0), total)
         if MODE == 3:  # a row that sees nothing attends to nothing
             y = tl.where(seen > 0, y, 0.0)
@@ -189,13 +189,35 @@ def _forward(x: torch.Tensor, mask: torch.Tensor | None, scale: float, mode: int
         msb, msh, msq = m.stride(0), m.stride(1), m.stride(2)
     else:
         m, msb, msh, msq = x, 0, 0, 0
-    args = (x, y, m, rows, k, sq, h, msb, msh, msq, *split64(scale))
-    kw = dict(MODE=mode, ACC=acc_of(x.dtype))
-    if k <= MAX_FUSED:
-        launch(_fwd_fused, _row_grid(rows, k), *args, BLOCK=next_pow2(k), **kw)
-    else:
-        launch(_fwd_looped, (rows,), *args, **kw)
+    scale_hi, scale_lo = split64(scale)
+    kernel_args = dict(
+        input=x,
+        y_ptr=y,
+        mask=m,
+        rows=rows,
+        k=k,
+        SQ=sq,
+        H=h,
+        msb=msb,
+        msh=msh,
+        msq=msq,
+        scale_hi=scale_hi,
+        scale_lo=scale_lo,
+        MODE=mode,
+        ACC=acc_of(x.dtype),
+    )
+    _launch_rows(_fwd_fused, _fwd_looped, rows, k, kernel_args)
     return y
+
+
+def _launch_rows(fused, looped, rows: int, k: int, kernel_args: dict) -> None:
+    """Rows of ``k <= MAX_FUSED`` columns to the one-block kernel ``fused`` (its ``TILE`` and
+    warps tuned), longer rows to ``looped``, one program per row (its ``BLOCK`` and warps
+    tuned): the tuned meta-parameters are the autotuner's, never passed here."""
+    if k <= MAX_FUSED:
+        launch(fused, _row_grid(rows, k), BLOCK=next_pow2(k), **kernel_args)
+    else:
+        launch(looped, (rows,), **kernel_args)
 
 
 def _row_grid(rows: int, k: int):
@@ -238,13 +260,13 @@ def scaled_upper_triang_masked_softmax_fwd(args) -> torch.Tensor:
 @tuned(ROW_CONFIGS, key=["k"])
 @triton.jit
 def _bwd_fused(
-    dy_ptr,
-    y_ptr,
+    grad_out,
+    output,
     dx_ptr,
     rows,
     k,
-    s_hi,
-    s_lo,
+    scale_hi,
+    scale_lo,
     ACC: tl.constexpr,
     BLOCK: tl.constexpr,
     TILE: tl.constexpr,
@@ -254,29 +276,31 @@ def _bwd_fused(
     cols = tl.arange(0, BLOCK)
     m = (r[:, None] < rows) & (cols[None, :] < k)
     offs = r.to(tl.int64)[:, None] * k + cols[None, :]
-    y = to_acc(tl.load(y_ptr + offs, mask=m, other=0.0), ACC)
-    dy = to_acc(tl.load(dy_ptr + offs, mask=m, other=0.0), ACC)
+    y = to_acc(tl.load(output + offs, mask=m, other=0.0), ACC)
+    dy = to_acc(tl.load(grad_out + offs, mask=m, other=0.0), ACC)
     dot = tl.sum(dy * y, axis=1)
-    dx = _scale(s_hi, s_lo, ACC) * y * (dy - dot[:, None])
+    dx = _scale(scale_hi, scale_lo, ACC) * y * (dy - dot[:, None])
     tl.store(dx_ptr + offs, from_acc(dx, dx_ptr.dtype.element_ty), mask=m)
 
 
 @tuned(LOOP_CONFIGS, key=["k"])
 @triton.jit
-def _bwd_looped(dy_ptr, y_ptr, dx_ptr, rows, k, s_hi, s_lo, ACC: tl.constexpr, BLOCK: tl.constexpr):
+def _bwd_looped(
+    grad_out, output, dx_ptr, rows, k, scale_hi, scale_lo, ACC: tl.constexpr, BLOCK: tl.constexpr
+):
     row = tl.program_id(0).to(tl.int64) * k
     lanes = tl.arange(0, BLOCK)
     acc = tl.zeros([BLOCK], ACC)
     for j in range(0, k, BLOCK):
         m = j + lanes < k
-        y = to_acc(tl.load(y_ptr + row + j + lanes, mask=m, other=0.0), ACC)
-        acc += y * to_acc(tl.load(dy_ptr + row + j + lanes, mask=m, other=0.0), ACC)
+        y = to_acc(tl.load(output + row + j + lanes, mask=m, other=0.0), ACC)
+        acc += y * to_acc(tl.load(grad_out + row + j + lanes, mask=m, other=0.0), ACC)
     dot = tl.sum(acc, axis=0)
-    s = _scale(s_hi, s_lo, ACC)
+    s = _scale(scale_hi, scale_lo, ACC)
     for j in range(0, k, BLOCK):
         m = j + lanes < k
-        y = to_acc(tl.load(y_ptr + row + j + lanes, mask=m, other=0.0), ACC)
-        dy = to_acc(tl.load(dy_ptr + row + j + lanes, mask=m, other=0.0), ACC)
+        y = to_acc(tl.load(output + row + j + lanes, mask=m, other=0.0), ACC)
+        dy = to_acc(tl.load(grad_out + row + j + lanes, mask=m, other=0.0), ACC)
         tl.store(
             dx_ptr + row + j + lanes, from_acc(s * y * (dy - dot), dx_ptr.dtype.element_ty), mask=m
         )
@@ -293,9 +317,16 @@ def scaled_softmax_bwd(args) -> torch.Tensor:
     rows = y.numel() // k if k else 0
     if rows == 0:
         return dx
-    args = (dy, y, dx, rows, k, *split64(scale))
-    if k <= MAX_FUSED:
-        launch(_bwd_fused, _row_grid(rows, k), *args, ACC=acc_of(y.dtype), BLOCK=next_pow2(k))
-    else:
-        launch(_bwd_looped, (rows,), *args, ACC=acc_of(y.dtype))
+    scale_hi, scale_lo = split64(scale)
+    kernel_args = dict(
+        grad_out=dy,
+        output=y,
+        dx_ptr=dx,
+        rows=rows,
+        k=k,
+        scale_hi=scale_hi,
+        scale_lo=scale_lo,
+        ACC=acc_of(y.dtype),
+    )
+    _launch_rows(_bwd_fused, _bwd_looped, rows, k, kernel_args)
     return dx

@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import ast
+import importlib.util
 import inspect
+from pathlib import Path
 
 import pytest
 
 from mpnb.core.ops import op_info
 from mpnb.core.ops import triton as tk
+
+PACKAGE = Path(tk.__file__).parent
+ROOT = PACKAGE.parents[3]
+
+#: modules whose launches another change of issue 50 puts by keyword (the optimizers, the
+#: segment sums); empty once it has landed
+_POSITIONAL_PENDING = {"_chunks", "_optim", "_rounding", "adam", "sgd", "lamb"}
 
 
 def _reference(op: str):
@@ -73,3 +83,52 @@ def test_status_is_read_once(monkeypatch):
     monkeypatch.setenv("MPNB_TRITON", "0" if first.opted_in else "1")
     assert tk.triton_status() is first
     assert tk.triton_usable() is first.usable
+
+
+def _launches(path: Path) -> list[ast.Call]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return [
+        node
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "launch"
+    ]
+
+
+@pytest.mark.parametrize(
+    "module", sorted(p.stem for p in PACKAGE.glob("*.py") if p.stem not in _POSITIONAL_PENDING)
+)
+def test_kernels_are_launched_by_keyword(module):
+    # launch(kernel, grid, name=value, ...): a parameter added to a kernel cannot shift the others
+    for call in _launches(PACKAGE / f"{module}.py"):
+        assert len(call.args) == 2 and not any(isinstance(a, ast.Starred) for a in call.args), (
+            f"{module}.py:{call.lineno}: pass the kernel's arguments by keyword"
+        )
+
+
+def test_a_positional_launch_is_found(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("launch(k, (1,), x, y, BLOCK=4)\nlaunch(k, (1,), *args)\n")
+    assert [len(c.args) for c in _launches(bad)] == [4, 3]
+
+
+def test_the_kernels_package_imports_nothing_of_the_op_library():
+    # The library registers each op's launcher with the package (tk.register), so the import
+    # between them goes one way: no circle ops -> _library -> ops.triton -> ops.
+    spec = importlib.util.spec_from_file_location(
+        "import_cycles", ROOT / "scripts/import_cycles.py"
+    )
+    cycles = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(cycles)
+    graph = cycles.import_graph(cycles.module_files())
+    assert graph["mpnb.core.ops.triton"] & {"mpnb.core.ops", "mpnb.core.ops._library"} == set()
+    assert not [c for c in cycles.cycles() if "mpnb.core.ops.triton" in c]
+
+
+def test_the_launchers_are_the_op_tables():
+    from mpnb.core.ops import all_ops
+
+    assert dict(tk.LAUNCHERS) == {
+        op.name: f"{op.triton}:{op.name}" for op in all_ops() if op.triton
+    }
+    with pytest.raises(TypeError):
+        tk.LAUNCHERS["x"] = "scale:x"  # a read-only view: tk.register records a launcher
