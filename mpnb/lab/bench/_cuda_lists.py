@@ -8,17 +8,44 @@ sides do the same work on every call.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
 from mpnb.core.dtype_names import half_dtype_name
-from mpnb.lab.bench._cuda_layers import case, randn
+from mpnb.core.ops import multi_tensor_check_finite
+from mpnb.core.ops.adam import reference_fused_adam_bf16_
+from mpnb.core.ops.check_finite import reference_multi_tensor_check_finite
+from mpnb.core.ops.lamb import reference_fused_lamb_bf16_
+from mpnb.core.ops.sgd import reference_fused_sgd_bf16_
+from mpnb.core.ops.triton import launcher
+from mpnb.lab.bench._cuda_layers import TritonRow, case, randn, walk
 from mpnb.lab.bench._harness import COPY, READ, Case
 
 __all__ = ["list_cases", "O2_STEP_OPS"]
 
 _LR, _B1, _B2, _EPS, _WD = 1e-4, 0.9, 0.999, 1e-8, 0.01
-_SR = ("stochastic", 1, 1)  # rounding, seed, rng_step of the pure-bf16 ops
+#: Each optimizer's scalars, by the names of its op's reference (the O2 and pure-bf16 cases).
+_ADAMW = dict(
+    lr=_LR, beta1=_B1, beta2=_B2, eps=_EPS, weight_decay=_WD, adam_w_mode=True, bias_correction=True
+)
+_SGD = dict(
+    lr=_LR, momentum=0.9, dampening=0.0, weight_decay=_WD, nesterov=True, wd_after_momentum=False
+)
+_LAMB = dict(
+    lr=_LR,
+    beta1=_B1,
+    beta2=_B2,
+    eps=_EPS,
+    weight_decay=_WD,
+    adam_w_mode=True,
+    bias_correction=False,
+    grad_averaging=True,
+    max_grad_norm=1.0,
+    use_nvlamb=False,
+)
+_SR = dict(rounding="stochastic", seed=1, rng_step=1)  # the pure-bf16 ops' rounding
 #: The ``mpnb::`` ops an amp O2 step with ``FusedAdam`` dispatches over the param lists, in
 #: order (``optimizer.step()`` under a handed-over loss scale): the read-only inf/NaN check of
 #: the half grads, then the one-pass AdamW. The "O2 step" case runs exactly these; a test
@@ -26,103 +53,21 @@ _SR = ("stochastic", 1, 1)  # rounding, seed, rng_step of the pure-bf16 ops
 O2_STEP_OPS = ("multi_tensor_check_finite", "fused_adam_")
 
 
-def list_cases(work: str, numels: list[int], dev: str, fp16_step: bool = True) -> Iterator[Case]:
-    """Every list kernel on one list of ``numels``: unscale, L2 norm, the inf/NaN check, the O2
-    steps (AdamW, SGD, LAMB with fp32 masters), the pure-bf16 steps (stochastic rounding) and
-    the whole O2 step of mpnb's amp against torch's (bf16 grads; the check and the whole step
-    in fp16 too with ``fp16_step``)."""
-    from mpnb.core.ops.triton import launcher
+class _State(NamedTuple):
+    """One side's optimizer state: half params, fp32 masters (random), moments and steps."""
 
-    n = sum(numels)
-    grads = randn(numels, torch.bfloat16, dev, 0, 1e-3)
-    master_grads = [torch.empty(k, device=dev) for k in numels]
-    found = torch.zeros(1, device=dev)
-    inv = torch.full((1,), 1 / 65536, device=dev)
-
-    def torch_unscale():
-        torch._foreach_copy_(master_grads, grads)
-        torch._amp_foreach_non_finite_check_and_unscale_(master_grads, found, inv)
-
-    scale = launcher("multi_tensor_scale")
-    yield case(
-        "unscale bf16->fp32",
-        work,
-        ("torch foreach_copy_ + amp unscale_", torch_unscale),
-        ("triton multi_tensor_scale", lambda: scale(found, grads, master_grads, 1.0, inv)),
-        6 * n,
-        COPY,
-        n,
-        dev,
-    )
-    norm = launcher("multi_tensor_l2norm")
-    yield case(
-        "l2norm bf16",
-        work,
-        (
-            "torch _foreach_norm + norm",
-            lambda: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))),
-        ),
-        ("triton multi_tensor_l2norm", lambda: norm(found, grads)),
-        2 * n,
-        READ,
-        n,
-        dev,
-    )
-    half = [g.to(torch.float16) for g in grads] if fp16_step else None
-    yield from _check_cases(work, grads, half, found, dev)
-    yield from _o2_cases(work, numels, grads, inv, found, dev)
-    yield from _pure_bf16_cases(work, numels, grads, inv, found, dev)
-    yield _o2_step_case(work, numels, grads, inv, dev)
-    if half is not None:
-        yield _o2_step_case(work, numels, half, inv, dev)
+    params: list[torch.Tensor]
+    masters: list[torch.Tensor]
+    m: list[torch.Tensor]
+    v: list[torch.Tensor]
+    steps: list[torch.Tensor]
 
 
-def _check_cases(work, grads, half, found, dev) -> Iterator[Case]:
-    """The read-only inf/NaN check of the half grads (an O2 step's first op) against what its
-    CUDA calls run without the kernel: for bf16 mpnb's reference in PyTorch ops (PyTorch's
-    fused check refuses bf16), for fp16 PyTorch's ``_amp_foreach_non_finite_check_and_unscale_``
-    by exactly 1.0 (it writes the grads back, unchanged). ``half``: the fp16 grads, or None."""
-    from mpnb.core.ops.check_finite import reference_multi_tensor_check_finite
-    from mpnb.core.ops.triton import launcher
-
-    n, check = sum(g.numel() for g in grads), launcher("multi_tensor_check_finite")
-    yield case(
-        "check_finite bf16",
-        work,
-        (
-            "torch ops (mpnb reference: isfinite().all() per tensor)",
-            lambda: reference_multi_tensor_check_finite(found, grads),
-        ),
-        ("triton multi_tensor_check_finite", lambda: check(found, grads)),
-        2 * n,
-        READ,
-        n,
-        dev,
-    )
-    if half is None:
-        return
-    one = torch.ones(1, device=dev)
-    yield case(
-        "check_finite fp16",
-        work,
-        (
-            "torch amp unscale_ by 1.0 (reads and writes)",
-            lambda: torch._amp_foreach_non_finite_check_and_unscale_(half, found, one),
-        ),
-        ("triton multi_tensor_check_finite", lambda: check(found, half)),
-        2 * n,
-        READ,
-        n,
-        dev,
-    )
-
-
-def _o2_state(numels, dev, seed, half=torch.bfloat16):
+def _o2_state(numels, dev, seed, half=torch.bfloat16) -> _State:
     masters = randn(numels, torch.float32, dev, seed)
     params = [w.to(half) for w in masters]
-    moments = [[torch.zeros_like(w) for w in masters] for _ in range(2)]
-    steps = [torch.zeros((), device=dev) for _ in numels]
-    return params, masters, moments, steps
+    m, v = ([torch.zeros_like(w) for w in masters] for _ in range(2))
+    return _State(params, masters, m, v, [torch.zeros((), device=dev) for _ in numels])
 
 
 def _adamw(w, g, m, v, steps, found) -> None:
@@ -144,89 +89,55 @@ def _adamw(w, g, m, v, steps, found) -> None:
     )
 
 
-def _o2_cases(work, numels, grads, inv, found, dev) -> Iterator[Case]:
-    """The optimizer ops with fp32 masters against the op's PyTorch path on CUDA (PyTorch's
-    fused op on fp32 copies of the unscaled grads, then the cast back into the half params)."""
-    from mpnb.core.ops.triton import launcher
+def _torch_unscale(w: SimpleNamespace) -> None:
+    torch._foreach_copy_(w.master_grads, w.grads)
+    torch._amp_foreach_non_finite_check_and_unscale_(w.master_grads, w.found, w.inv)
 
-    n = sum(numels)
-    p, w, (m, v), steps = _o2_state(numels, dev, 1)
-    tp, tw, (tm, tv), tsteps = _o2_state(numels, dev, 1)
 
-    def unscaled():  # mpnb's PyTorch path: fp32 copies of the grads, unscaled
-        g32 = [g.float() for g in grads]
-        torch._foreach_mul_(g32, inv.reshape(()))
-        return g32
+def _fp16_grads(w: SimpleNamespace) -> None:
+    """The grads in fp16 too (None without ``fp16_step``)."""
+    w.half = [g.to(torch.float16) for g in w.grads] if w.fp16_step else None
 
-    def torch_adamw():
-        _adamw(tw, unscaled(), tm, tv, tsteps, found)
-        torch._foreach_copy_(tp, tw)
 
-    adam = launcher("fused_adam_")
-    yield case(
-        "AdamW O2 bf16",
-        work,
-        ("torch _fused_adamw_ + unscale + cast", torch_adamw),
-        (
-            "triton fused_adam_",
-            lambda: adam(
-                p, grads, m, v, w, steps, _LR, _B1, _B2, _EPS, _WD, True, True, inv, found
-            ),
-        ),
-        28 * n,
-        COPY,
-        n,
-        dev,
+def _o2_states(w: SimpleNamespace) -> None:
+    """The O2 cases' state, mpnb's (``w.ours``) and PyTorch's (``w.theirs``), the same."""
+    w.ours, w.theirs = _o2_state(w.numels, w.dev, 1), _o2_state(w.numels, w.dev, 1)
+
+
+def _bf16_states(w: SimpleNamespace) -> None:
+    """The pure-bf16 cases' state (bf16 params, fp32 moments; no masters), replacing the O2's."""
+    w.ours, w.theirs = _o2_state(w.numels, w.dev, 2), _o2_state(w.numels, w.dev, 2)
+
+
+def _unscaled(w: SimpleNamespace) -> list[torch.Tensor]:
+    # mpnb's PyTorch path: fp32 copies of the grads, unscaled
+    g32 = [g.float() for g in w.grads]
+    torch._foreach_mul_(g32, w.inv.reshape(()))
+    return g32
+
+
+def _torch_adamw(w: SimpleNamespace) -> None:
+    t = w.theirs
+    _adamw(t.masters, _unscaled(w), t.m, t.v, t.steps, w.found)
+    torch._foreach_copy_(t.params, t.masters)
+
+
+def _torch_sgd(w: SimpleNamespace) -> None:
+    t = w.theirs
+    torch._fused_sgd_(
+        t.masters,
+        _unscaled(w),
+        t.m,
+        weight_decay=_WD,
+        momentum=0.9,
+        lr=_LR,
+        dampening=0.0,
+        nesterov=True,
+        maximize=False,
+        is_first_step=False,
+        found_inf=w.found,
     )
-
-    def torch_sgd():
-        torch._fused_sgd_(
-            tw,
-            unscaled(),
-            tm,
-            weight_decay=_WD,
-            momentum=0.9,
-            lr=_LR,
-            dampening=0.0,
-            nesterov=True,
-            maximize=False,
-            is_first_step=False,
-            found_inf=found,
-        )
-        torch._foreach_copy_(tp, tw)
-
-    sgd, first = launcher("fused_sgd_"), [False] * len(p)
-    yield case(
-        "SGD nesterov O2 bf16",
-        work,
-        ("torch _fused_sgd_ + unscale + cast", torch_sgd),
-        (
-            "triton fused_sgd_",
-            lambda: sgd(p, grads, m, w, first, _LR, 0.9, 0.0, _WD, True, False, inv, found),
-        ),
-        20 * n,
-        COPY,
-        n,
-        dev,
-    )
-    gnorm, lamb = torch.ones(1, device=dev), launcher("fused_lamb_")
-    lamb_args = (_LR, _B1, _B2, _EPS, _WD, True, False, True, 1.0, False)
-    yield case(
-        "LAMB O2 bf16",
-        work,
-        (
-            "torch _foreach_* LAMB + unscale + cast",
-            lambda: _foreach_lamb(tp, tw, tm, tv, unscaled()),
-        ),
-        (
-            "triton fused_lamb_",
-            lambda: lamb(p, grads, m, v, w, steps, gnorm, *lamb_args, inv, found),
-        ),
-        28 * n,
-        COPY,
-        n,
-        dev,
-    )
+    torch._foreach_copy_(t.params, t.masters)
 
 
 def _foreach_lamb(params, w, m, v, g) -> None:
@@ -243,66 +154,155 @@ def _foreach_lamb(params, w, m, v, g) -> None:
     torch._foreach_copy_(params, w)
 
 
-def _pure_bf16_cases(work, numels, grads, inv, found, dev) -> Iterator[Case]:
-    """The pure-bf16 ops (bf16 params, fp32 moments, stochastic rounding) against what their
-    CUDA calls run without the kernel: mpnb's reference in PyTorch ops (PyTorch has no
-    stochastically rounded optimizer)."""
-    from mpnb.core.ops.adam import reference_fused_adam_bf16_
-    from mpnb.core.ops.lamb import reference_fused_lamb_bf16_
-    from mpnb.core.ops.sgd import reference_fused_sgd_bf16_
-    from mpnb.core.ops.triton import launcher
+_REF = "torch ops (mpnb reference)"
 
-    n, ref = sum(numels), "torch ops (mpnb reference)"
-    p, _, (m, v), steps = _o2_state(numels, dev, 2)
-    rp, _, (rm, rv), rsteps = _o2_state(numels, dev, 2)
-    sr = dict(rounding=_SR[0], seed=_SR[1], rng_step=_SR[2], inv_scale=inv, found_inf=found)
-    hyper = dict(lr=_LR, beta1=_B1, beta2=_B2, eps=_EPS, weight_decay=_WD, adam_w_mode=True)
-    adam = launcher("fused_adam_bf16_")
-    adam_kw = dict(**hyper, bias_correction=True, **sr)
-    adam_args = (_LR, _B1, _B2, _EPS, _WD, True, True, *_SR, inv, found)
-    yield case(
+
+def _on(state: str, lists, scalars: dict):
+    """``call(w, f)``: the optimizer op ``f`` (its launcher or its reference) on the state
+    ``w.<state>`` (``"ours"`` or ``"theirs"``): the op's lists, ``lists(w, state)``, by
+    position, then ``scalars`` and the loss scale's tensors by keyword."""
+
+    def call(w, f):
+        return f(*lists(w, getattr(w, state)), **scalars, inv_scale=w.inv, found_inf=w.found)
+
+    return call
+
+
+def _pure_bf16(name, reference, op, lists, scalars, nbytes) -> TritonRow:
+    """A pure-bf16 case: the Triton kernel on mpnb's state against the same call of the op's
+    reference in PyTorch ops on PyTorch's (stochastic rounding, :data:`_SR`)."""
+    ref = _on("theirs", lists, scalars | _SR)
+    return TritonRow(
+        name, (_REF, lambda w: ref(w, reference)), op, _on("ours", lists, scalars | _SR), nbytes
+    )
+
+
+# Every case holds the same bf16 grads; bytes per element of the list.
+#
+# * the check: against what its CUDA calls run without the kernel, for bf16 mpnb's reference
+#   in PyTorch ops (PyTorch's fused check refuses bf16), for fp16 PyTorch's
+#   ``_amp_foreach_non_finite_check_and_unscale_`` by exactly 1.0 (it writes the grads back);
+# * the optimizer ops with fp32 masters (O2): against the op's PyTorch path on CUDA (PyTorch's
+#   fused op on fp32 copies of the unscaled grads, then the cast back into the half params);
+# * the pure-bf16 ops (bf16 params, fp32 moments, stochastic rounding): against what their CUDA
+#   calls run without the kernel, mpnb's reference in PyTorch ops (PyTorch has no
+#   stochastically rounded optimizer).
+_LISTS = (
+    TritonRow(
+        "unscale bf16->fp32",
+        ("torch foreach_copy_ + amp unscale_", _torch_unscale),
+        "multi_tensor_scale",
+        lambda w, k: k(w.found, w.grads, w.master_grads, scale=1.0, scale_tensor=w.inv),
+        6,
+    ),
+    TritonRow(
+        "l2norm bf16",
+        (
+            "torch _foreach_norm + norm",
+            lambda w: torch.linalg.vector_norm(torch.stack(torch._foreach_norm(w.grads))),
+        ),
+        "multi_tensor_l2norm",
+        lambda w, k: k(w.found, w.grads),
+        2,
+        READ,
+    ),
+    _fp16_grads,
+    TritonRow(
+        "check_finite bf16",
+        (
+            "torch ops (mpnb reference: isfinite().all() per tensor)",
+            lambda w: reference_multi_tensor_check_finite(w.found, w.grads),
+        ),
+        "multi_tensor_check_finite",
+        lambda w, k: k(w.found, w.grads),
+        2,
+        READ,
+    ),
+    TritonRow(
+        "check_finite fp16",
+        (
+            "torch amp unscale_ by 1.0 (reads and writes)",
+            lambda w: torch._amp_foreach_non_finite_check_and_unscale_(w.half, w.found, w.one),
+        ),
+        "multi_tensor_check_finite",
+        lambda w, k: k(w.found, w.half),
+        2,
+        READ,
+        needs="half",
+    ),
+    _o2_states,
+    TritonRow(
+        "AdamW O2 bf16",
+        ("torch _fused_adamw_ + unscale + cast", _torch_adamw),
+        "fused_adam_",
+        _on("ours", lambda w, s: (s.params, w.grads, s.m, s.v, s.masters, s.steps), _ADAMW),
+        28,
+    ),
+    TritonRow(
+        "SGD nesterov O2 bf16",
+        ("torch _fused_sgd_ + unscale + cast", _torch_sgd),
+        "fused_sgd_",
+        _on("ours", lambda w, s: (s.params, w.grads, s.m, s.masters, w.first), _SGD),
+        20,
+    ),
+    TritonRow(
+        "LAMB O2 bf16",
+        (
+            "torch _foreach_* LAMB + unscale + cast",
+            lambda w: _foreach_lamb(*w.theirs[:4], _unscaled(w)),  # params, masters, m, v
+        ),
+        "fused_lamb_",
+        _on(
+            "ours",
+            lambda w, s: (s.params, w.grads, s.m, s.v, s.masters, s.steps, w.gnorm),
+            _LAMB,
+        ),
+        28,
+    ),
+    _bf16_states,
+    _pure_bf16(
         "AdamW bf16+SR",
-        work,
-        (ref, lambda: reference_fused_adam_bf16_(rp, grads, rm, rv, [], rsteps, **adam_kw)),
-        ("triton fused_adam_bf16_", lambda: adam(p, grads, m, v, [], steps, *adam_args)),
-        22 * n,
-        COPY,
-        n,
-        dev,
-    )
-    first, sgd = [False] * len(p), launcher("fused_sgd_bf16_")
-    sgd_kw = dict(lr=_LR, momentum=0.9, dampening=0.0, weight_decay=_WD, nesterov=True)
-    yield case(
+        reference_fused_adam_bf16_,
+        "fused_adam_bf16_",
+        lambda w, s: (s.params, w.grads, s.m, s.v, [], s.steps),
+        _ADAMW,
+        22,
+    ),
+    _pure_bf16(
         "SGD nesterov bf16+SR",
-        work,
-        (ref, lambda: reference_fused_sgd_bf16_(rp, grads, rm, [], first, **sgd_kw, **sr)),
-        (
-            "triton fused_sgd_bf16_",
-            lambda: sgd(p, grads, m, [], first, _LR, 0.9, 0.0, _WD, True, False, *_SR, inv, found),
-        ),
-        14 * n,
-        COPY,
-        n,
-        dev,
-    )
-    gnorm, lamb = torch.ones(1, device=dev), launcher("fused_lamb_bf16_")
-    lamb_kw = dict(bias_correction=False, grad_averaging=True, max_grad_norm=1.0, use_nvlamb=False)
-    lamb_args = (_LR, _B1, _B2, _EPS, _WD, True, False, True, 1.0, False, *_SR, inv, found)
-    yield case(
+        reference_fused_sgd_bf16_,
+        "fused_sgd_bf16_",
+        lambda w, s: (s.params, w.grads, s.m, [], w.first),
+        _SGD,
+        14,
+    ),
+    _pure_bf16(
         "LAMB bf16+SR",
-        work,
-        (
-            ref,
-            lambda: reference_fused_lamb_bf16_(
-                rp, grads, rm, rv, [], rsteps, gnorm, **hyper, **lamb_kw, **sr
-            ),
-        ),
-        ("triton fused_lamb_bf16_", lambda: lamb(p, grads, m, v, [], steps, gnorm, *lamb_args)),
-        22 * n,
-        COPY,
-        n,
-        dev,
-    )
+        reference_fused_lamb_bf16_,
+        "fused_lamb_bf16_",
+        lambda w, s: (s.params, w.grads, s.m, s.v, [], s.steps, w.gnorm),
+        _LAMB,
+        22,
+    ),
+)
+
+
+def list_cases(work: str, numels: list[int], dev: str, fp16_step: bool = True) -> Iterator[Case]:
+    """Every list kernel on one list of ``numels`` (:data:`_LISTS`): unscale, L2 norm, the
+    inf/NaN check, the O2 steps (AdamW, SGD, LAMB with fp32 masters), the pure-bf16 steps
+    (stochastic rounding), then the whole O2 step of mpnb's amp against torch's (bf16 grads;
+    the check and the whole step in fp16 too with ``fp16_step``)."""
+    grads = randn(numels, torch.bfloat16, dev, 0, 1e-3)
+    w = SimpleNamespace(numels=numels, n=sum(numels), grads=grads, dev=dev, fp16_step=fp16_step)
+    w.master_grads = [torch.empty(k, device=dev) for k in numels]
+    w.found, w.one = torch.zeros(1, device=dev), torch.ones(1, device=dev)
+    w.gnorm = torch.ones(1, device=dev)  # LAMB's global grad norm
+    w.inv = torch.full((1,), 1 / 65536, device=dev)
+    w.first = [False] * len(numels)
+    yield from walk(_LISTS, w, work, dev)
+    yield _o2_step_case(work, numels, grads, w.inv, dev)
+    if w.half is not None:
+        yield _o2_step_case(work, numels, w.half, w.inv, dev)
 
 
 def _o2_step_case(work, numels, grads, inv, dev) -> Case:
@@ -317,13 +317,10 @@ def _o2_step_case(work, numels, grads, inv, dev) -> Case:
     bf16: ``isfinite().all()`` per tensor, six launches per tensor and about 14; fp16:
     PyTorch's unscale by 1, 2+2).
     """
-    from mpnb.core.ops import multi_tensor_check_finite
-    from mpnb.core.ops.triton import launcher
-
     n, half = sum(numels), grads[0].dtype
     name = half_dtype_name(half)
-    p, w, (m, v), steps = _o2_state(numels, dev, 3, half)
-    tp, tw, (tm, tv), tsteps = _o2_state(numels, dev, 3, half)
+    p, w, m, v, steps = _o2_state(numels, dev, 3, half)
+    tp, tw, tm, tv, tsteps = _o2_state(numels, dev, 3, half)
     g32 = [torch.empty(k, device=dev) for k in numels]
     tfound, found = torch.zeros(1, device=dev), torch.zeros(1, device=dev)
 
@@ -339,7 +336,7 @@ def _o2_step_case(work, numels, grads, inv, dev) -> Case:
 
     def mpnb_step():  # FusedOptimizerBase.step under amp's handoff (O2_STEP_OPS)
         multi_tensor_check_finite(found, grads)
-        adam(p, grads, m, v, w, steps, _LR, _B1, _B2, _EPS, _WD, True, True, inv, found)
+        adam(p, grads, m, v, w, steps, **_ADAMW, inv_scale=inv, found_inf=found)
 
     return case(
         f"O2 step AdamW {name}",

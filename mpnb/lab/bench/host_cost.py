@@ -124,7 +124,7 @@ def _scale(work: str, numels: list[int]) -> Case:
             *_ours(
                 "multi_tensor_scale",
                 lambda: launcher(noop_flag=flag, src=src, dst=dst, scale=0.5),
-                lambda: multi_tensor_scale(flag, src, dst, 0.5),
+                lambda: multi_tensor_scale(flag, src, dst, scale=0.5),
             ),
         ],
     )

@@ -48,7 +48,10 @@ with ``THP_MEM_ALLOC_ENABLE=1``.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -108,18 +111,41 @@ def _compiled(ref, f, inputs=(), dy=None, **kw) -> Candidate:
     return compiled(f"torch.compile({ref.__name__})", f, call, **kw)
 
 
+def _in_cache(make, size, most: int, square: bool) -> InCache | None:
+    """The roofline of ``make``'s kernel: two cache-resident slices, ``size(k)`` bytes for a
+    slice of ``k`` units. Rows (or positions): as many as half of each thread's L2 holds, and a
+    quarter of them. ``square``: leading ``[S, S]`` blocks of the first matrix, S the largest
+    multiple of 16 (at most ``most``) that fits, and ``S // 2``. None where the L2 size is not
+    known."""
+    if square:
+        budget = cache_resident(1)  # bytes that stay in cache
+        if budget is None:
+            return None
+        k = 16
+        while k + 16 <= most and size(k + 16) <= budget:
+            k += 16
+        small = k // 2
+    else:
+        k = cache_resident(size(1), most=most)
+        if k is None:
+            return None
+        small = max(1, k // 4)
+    return InCache(make(k), size(k), make(small), size(small))
+
+
 def _kernel_case(
     name: str,
     work: str,
     torch_cand: Candidate,
     mpnb_name: str,
     make,
-    unit_bytes: int,
+    size,
     units: int,
     numel: int,
     compiled_cand: Candidate,
     bytes: int | None = None,
     fresh: torch.Tensor | None = None,
+    square: bool = False,
 ) -> Case:
     """A kernel alone against PyTorch's, the same-run bandwidth and its in-cache roofline.
 
@@ -129,28 +155,25 @@ def _kernel_case(
         mpnb_name: mpnb's candidate's name.
         make: ``make(k)`` is a zero-argument call of mpnb's kernel on the first ``k`` units
             (rows, positions) of the workload, ``make(None)`` on the whole workload.
-        unit_bytes: the least bytes one unit moves (reads and writes); the whole workload
-            moves ``units * unit_bytes`` unless ``bytes`` says otherwise.
+        size: ``size(k)``, the least bytes the kernel moves (reads and writes) on a slice of
+            ``k`` units; the whole workload moves ``size(units)`` unless ``bytes`` says
+            otherwise.
         units: the units a slice may have at most.
         numel: the fp32 elements of the bandwidth baseline (the workload's element count).
         compiled_cand: the compiled reference.
-        bytes: the whole workload's bytes, where they are not ``units * unit_bytes``.
+        bytes: the whole workload's bytes, where they are not ``size(units)``.
         fresh: a tensor shaped as the kernel's output: its ``clone()`` (a fresh output of the
             same size, read and written once) is timed too, the floor a kernel that returns a
             fresh output sits on (the OS zeroes every page of it on first touch).
+        square: the slices are square blocks (:func:`_in_cache`).
     """
-    k = cache_resident(unit_bytes, most=units)  # None: the L2 size is not known, no roofline
-    roofline = None
-    if k is not None:
-        small = max(1, k // 4)
-        roofline = InCache(make(k), k * unit_bytes, make(small), small * unit_bytes)
     mpnb_cand = Candidate(
         mpnb_name,
         make(None),
-        units * unit_bytes if bytes is None else bytes,
+        size(units) if bytes is None else bytes,
         RMW,
         bw_target=_BW,
-        in_cache=roofline,
+        in_cache=_in_cache(make, size, units, square),
     )
     cands = [torch_cand, mpnb_cand, compiled_cand]
     if fresh is not None:
@@ -163,339 +186,420 @@ def _fresh_floor(t: torch.Tensor) -> Candidate:
     return Candidate("floor: x.clone() (fresh output)", t.clone, 2 * t.numel() * t.element_size())
 
 
-def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator[Case]:
-    g = torch.Generator().manual_seed(0)
-    x = torch.randn(rows, cols, generator=g).to(dtype).requires_grad_(True)
-    w = (torch.rand(cols, generator=g) + 0.5).to(dtype).requires_grad_(True)
-    b = torch.randn(cols, generator=g).to(dtype).requires_grad_(True)
-    dy = torch.randn(rows, cols, generator=g).to(dtype)
-    n, es = rows * cols, x.element_size()
-    yield Case(
+# ---- the tables: one row per case, walked by _walk over one workload ``w`` ------------------
+#
+# ``w`` is a namespace of the workload's tensors and sizes. A table holds rows and steps: a
+# step (a plain function of ``w``) adds the tensors the next rows need, so that each case is
+# built, and timed, before the tensors of the cases after it exist.
+
+
+@dataclass(frozen=True)
+class _FwdBwd:
+    """A ``fwd+bwd`` case: one forward and ``torch.autograd.grad`` through each side.
+
+    Attributes:
+        name: the case's name.
+        torch: PyTorch's candidate, ``(name, f)``; ``f(w, *inputs)`` is its forward.
+        mpnb: mpnb's candidate, ``(name, f)`` as ``torch``.
+        compiled: ``(reference, f)``: ``f(w, *inputs)`` calls the pure-PyTorch reference,
+            compiled.
+        target: the op's key in :data:`_TARGETS` (mpnb's speed-up by dtype).
+        inputs: the differentiable tensors of ``w``, by name, in the calls' order.
+        dy: the output gradient, by name.
+    """
+
+    name: str
+    torch: tuple[str, Callable]
+    mpnb: tuple[str, Callable]
+    compiled: tuple[Callable, Callable]
+    target: str
+    inputs: tuple[str, ...] = ("x",)
+    dy: str = "dy"
+
+    def case(self, w: SimpleNamespace, work: str) -> Case:
+        """This row's case on workload ``w``."""
+        inputs, dy = tuple(getattr(w, k) for k in self.inputs), getattr(w, self.dy)
+        (torch_name, torch_f), (mpnb_name, mpnb_f), (ref, ref_f) = (
+            self.torch,
+            self.mpnb,
+            self.compiled,
+        )
+        target = _TARGETS[(self.target, w.dtype)]
+        return Case(
+            self.name,
+            work,
+            [
+                Candidate(torch_name, _fwd_bwd(partial(torch_f, w), inputs, dy)),
+                Candidate(mpnb_name, _fwd_bwd(partial(mpnb_f, w), inputs, dy), target=target),
+                _compiled(ref, partial(ref_f, w), inputs, dy),
+            ],
+        )
+
+
+@dataclass(frozen=True)
+class _Kernel:
+    """A kernel alone (:func:`_kernel_case`): bytes, same-run bandwidth, in-cache roofline.
+
+    Attributes:
+        name: the case's name.
+        torch: PyTorch's candidate, ``(name, f)``; ``f(w)`` is the call timed.
+        mpnb: mpnb's candidate's name.
+        make: ``make(w, k)``, a zero-argument call of mpnb's kernel on the first ``k`` units
+            of ``w`` (``None``: all of them).
+        compiled: ``(reference, f)``: ``f(w)`` calls the pure-PyTorch reference, compiled.
+        size: ``size(w, k)``, the least bytes the kernel moves on ``k`` units (each input read
+            once, each output written once).
+        fresh: the tensor of ``w`` shaped as the output (the floor's ``clone()``), by name.
+        units: how many units a slice may have at most, ``units(w)`` (rows by default).
+        total: the whole workload's bytes, ``total(w)``, where not ``size(w, units(w))``.
+        numel: the tensor of ``w`` whose element count sizes the bandwidth baseline.
+        square: the slices are square blocks (:func:`_in_cache`).
+    """
+
+    name: str
+    torch: tuple[str, Callable]
+    mpnb: str
+    make: Callable
+    compiled: tuple[Callable, Callable]
+    size: Callable
+    fresh: str
+    units: Callable = lambda w: w.rows
+    total: Callable | None = None
+    numel: str = "xd"
+    square: bool = False
+
+    def case(self, w: SimpleNamespace, work: str) -> Case:
+        """This row's case on workload ``w``."""
+        units, size = self.units(w), partial(self.size, w)
+        total = size(units) if self.total is None else self.total(w)
+        (torch_name, torch_f), (ref, ref_f) = self.torch, self.compiled
+        return _kernel_case(
+            self.name,
+            work,
+            Candidate(torch_name, partial(torch_f, w)),
+            self.mpnb,
+            partial(self.make, w),
+            size,
+            units,
+            getattr(w, self.numel).numel(),
+            _compiled(ref, partial(ref_f, w), bytes=total),
+            bytes=None if self.total is None else total,
+            fresh=getattr(w, self.fresh),
+            square=self.square,
+        )
+
+
+def _walk(table: tuple, w: SimpleNamespace, work: str) -> Iterator[Case]:
+    """Each row's case on ``w``, in order; a step (a function) runs when it is reached. Each
+    case holds ``w`` as it stood when the case was built."""
+    for row in table:
+        if isinstance(row, (_FwdBwd, _Kernel)):
+            yield row.case(SimpleNamespace(**vars(w)), work)
+        else:
+            row(w)
+
+
+def _norm_stats(w: SimpleNamespace) -> None:
+    """The kernels' inputs: detached tensors and the statistics each side's backward takes
+    (PyTorch's from its own forward, in x's dtype for half x)."""
+    w.xd, w.wd, w.bd = w.x.detach(), w.w.detach(), w.b.detach()
+    _, w.mean, w.rstd = ops.layer_norm_fwd(w.xd, [w.cols], weight=w.wd, bias=w.bd, eps=1e-5)
+    _, w.rrms = ops.rms_norm_fwd(w.xd, [w.cols], weight=w.wd, eps=1e-5)
+    _, w.mean_t, w.rstd_t = torch.ops.aten.native_layer_norm(w.xd, [w.cols], w.wd, w.bd, 1e-5)
+    w.yt = F.rms_norm(w.x, [w.cols], w.w, 1e-5)
+
+
+# bytes per row: x read and y written (+ the fp32 mean and rstd written); the backward reads dy
+# and x (+ mean and rstd) and writes dx
+_NORMS = (
+    _FwdBwd(
         "rms_norm fwd+bwd",
-        work,
-        [
-            Candidate(
-                "torch F.rms_norm",
-                _fwd_bwd(lambda x, w: F.rms_norm(x, [cols], w, 1e-5), (x, w), dy),
-            ),
-            Candidate(
-                "mpnb FusedRMSNorm",
-                _fwd_bwd(lambda x, w: ops.rms_norm_fwd(x, [cols], w, 1e-5)[0], (x, w), dy),
-                target=_TARGETS[("rms", dtype)],
-            ),
-            _compiled(
-                reference_rms_norm_fwd,
-                lambda x, w: reference_rms_norm_fwd(x, [cols], w, eps=1e-5)[0],
-                (x, w),
-                dy,
-            ),
-        ],
-    )
-    yield Case(
-        "layer_norm fwd+bwd",
-        work,
-        [
-            Candidate(
-                "torch F.layer_norm",
-                _fwd_bwd(lambda x, w, b: F.layer_norm(x, [cols], w, b, 1e-5), (x, w, b), dy),
-            ),
-            Candidate(
-                "mpnb FusedLayerNorm",
-                _fwd_bwd(
-                    lambda x, w, b: ops.layer_norm_fwd(x, [cols], w, b, 1e-5)[0], (x, w, b), dy
-                ),
-                target=_TARGETS[("ln", dtype)],
-            ),
-            _compiled(
-                reference_layer_norm_fwd,
-                lambda x, w, b: reference_layer_norm_fwd(x, [cols], w, b, eps=1e-5)[0],
-                (x, w, b),
-                dy,
-            ),
-        ],
-    )
-    xd, wd, bd, rd = x.detach(), w.detach(), b.detach(), rows
-    _, mean, rstd = ops.layer_norm_fwd(xd, [cols], wd, bd, 1e-5)
-    _, rrms = ops.rms_norm_fwd(xd, [cols], wd, 1e-5)
-    # PyTorch's backward takes its own forward's statistics (in x's dtype for half x)
-    _, mean_t, rstd_t = torch.ops.aten.native_layer_norm(xd, [cols], wd, bd, 1e-5)
-    yt = F.rms_norm(x, [cols], w, 1e-5)
-    # bytes per row: x read and y written (+ the fp32 mean and rstd written); the backward reads
-    # dy and x (+ mean and rstd) and writes dx
-    ln_fwd, rms_fwd = 2 * cols * es + 8, 2 * cols * es + 4
-    ln_bwd, rms_bwd = 3 * cols * es + 8, 3 * cols * es + 4
-    yield _kernel_case(
-        "layer_norm fwd",
-        work,
-        Candidate("torch F.layer_norm", lambda: F.layer_norm(xd, [cols], wd, bd, 1e-5)),
-        "mpnb layer_norm_fwd",
-        lambda k: lambda: ops.layer_norm_fwd(xd[:k], [cols], wd, bd),
-        ln_fwd,
-        rd,
-        n,
-        _compiled(
-            reference_layer_norm_fwd,
-            lambda: reference_layer_norm_fwd(xd, [cols], wd, bd, eps=1e-5),
-            bytes=ln_fwd * rd,
+        ("torch F.rms_norm", lambda w, x, wt: F.rms_norm(x, [w.cols], wt, 1e-5)),
+        (
+            "mpnb FusedRMSNorm",
+            lambda w, x, wt: ops.rms_norm_fwd(x, [w.cols], weight=wt, eps=1e-5)[0],
         ),
-        fresh=xd,
-    )
-    yield _kernel_case(
+        (
+            reference_rms_norm_fwd,
+            lambda w, x, wt: reference_rms_norm_fwd(x, [w.cols], wt, eps=1e-5)[0],
+        ),
+        "rms",
+        inputs=("x", "w"),
+    ),
+    _FwdBwd(
+        "layer_norm fwd+bwd",
+        ("torch F.layer_norm", lambda w, x, wt, b: F.layer_norm(x, [w.cols], wt, b, 1e-5)),
+        (
+            "mpnb FusedLayerNorm",
+            lambda w, x, wt, b: ops.layer_norm_fwd(x, [w.cols], weight=wt, bias=b, eps=1e-5)[0],
+        ),
+        (
+            reference_layer_norm_fwd,
+            lambda w, x, wt, b: reference_layer_norm_fwd(x, [w.cols], wt, b, eps=1e-5)[0],
+        ),
+        "ln",
+        inputs=("x", "w", "b"),
+    ),
+    _norm_stats,
+    _Kernel(
+        "layer_norm fwd",
+        ("torch F.layer_norm", lambda w: F.layer_norm(w.xd, [w.cols], w.wd, w.bd, 1e-5)),
+        "mpnb layer_norm_fwd",
+        lambda w, k: (
+            lambda: ops.layer_norm_fwd(w.xd[:k], [w.cols], weight=w.wd, bias=w.bd, eps=1e-5)
+        ),
+        (
+            reference_layer_norm_fwd,
+            lambda w: reference_layer_norm_fwd(w.xd, [w.cols], w.wd, w.bd, eps=1e-5),
+        ),
+        lambda w, k: k * (2 * w.cols * w.es + 8),
+        fresh="xd",
+    ),
+    _Kernel(
         "layer_norm bwd",
-        work,
-        Candidate(
+        (
             "torch aten.native_layer_norm_backward",
-            lambda: torch.ops.aten.native_layer_norm_backward(
-                dy, xd, [cols], mean_t, rstd_t, wd, bd, [True, True, True]
+            lambda w: torch.ops.aten.native_layer_norm_backward(
+                w.dy, w.xd, [w.cols], w.mean_t, w.rstd_t, w.wd, w.bd, [True, True, True]
             ),
         ),
         "mpnb layer_norm_bwd",
-        lambda k: lambda: ops.layer_norm_bwd(dy[:k], xd[:k], mean[:k], rstd[:k], [cols], wd, bd),
-        ln_bwd,
-        rd,
-        n,
-        _compiled(
+        lambda w, k: (
+            lambda: ops.layer_norm_bwd(
+                w.dy[:k], w.xd[:k], w.mean[:k], w.rstd[:k], [w.cols], weight=w.wd, bias=w.bd
+            )
+        ),
+        (
             reference_layer_norm_bwd,
-            lambda: reference_layer_norm_bwd(dy, xd, mean, rstd, [cols], weight=wd, bias=bd),
-            bytes=ln_bwd * rd,
+            lambda w: reference_layer_norm_bwd(
+                w.dy, w.xd, w.mean, w.rstd, [w.cols], weight=w.wd, bias=w.bd
+            ),
         ),
-        fresh=dy,
-    )
-    yield _kernel_case(
+        lambda w, k: k * (3 * w.cols * w.es + 8),
+        fresh="dy",
+    ),
+    _Kernel(
         "rms_norm fwd",
-        work,
-        Candidate("torch F.rms_norm", lambda: F.rms_norm(xd, [cols], wd, 1e-5)),
+        ("torch F.rms_norm", lambda w: F.rms_norm(w.xd, [w.cols], w.wd, 1e-5)),
         "mpnb rms_norm_fwd",
-        lambda k: lambda: ops.rms_norm_fwd(xd[:k], [cols], wd),
-        rms_fwd,
-        rd,
-        n,
-        _compiled(
-            reference_rms_norm_fwd,
-            lambda: reference_rms_norm_fwd(xd, [cols], wd, eps=1e-5),
-            bytes=rms_fwd * rd,
-        ),
-        fresh=xd,
-    )
-    yield _kernel_case(
+        lambda w, k: lambda: ops.rms_norm_fwd(w.xd[:k], [w.cols], weight=w.wd, eps=1e-5),
+        (reference_rms_norm_fwd, lambda w: reference_rms_norm_fwd(w.xd, [w.cols], w.wd, eps=1e-5)),
+        lambda w, k: k * (2 * w.cols * w.es + 4),
+        fresh="xd",
+    ),
+    _Kernel(
         "rms_norm bwd",
-        work,
-        Candidate(
+        (
             "torch autograd of F.rms_norm",
-            lambda: torch.autograd.grad(yt, (x, w), dy, retain_graph=True),
+            lambda w: torch.autograd.grad(w.yt, (w.x, w.w), w.dy, retain_graph=True),
         ),
         "mpnb rms_norm_bwd",
-        lambda k: lambda: ops.rms_norm_bwd(dy[:k], xd[:k], rrms[:k], [cols], wd),
-        rms_bwd,
-        rd,
-        n,
-        _compiled(
-            reference_rms_norm_bwd,
-            lambda: reference_rms_norm_bwd(dy, xd, rrms, [cols], weight=wd),
-            bytes=rms_bwd * rd,
+        lambda w, k: (
+            lambda: ops.rms_norm_bwd(w.dy[:k], w.xd[:k], w.rrms[:k], [w.cols], weight=w.wd)
         ),
-        fresh=dy,
-    )
+        (
+            reference_rms_norm_bwd,
+            lambda w: reference_rms_norm_bwd(w.dy, w.xd, w.rrms, [w.cols], weight=w.wd),
+        ),
+        lambda w, k: k * (3 * w.cols * w.es + 4),
+        fresh="dy",
+    ),
+)
+
+
+def _norm_cases(rows: int, cols: int, dtype: torch.dtype, work: str) -> Iterator[Case]:
+    """RMS norm and layer norm on ``rows x cols``: :data:`_NORMS`."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=g).to(dtype).requires_grad_(True)
+    wt = (torch.rand(cols, generator=g) + 0.5).to(dtype).requires_grad_(True)
+    b = torch.randn(cols, generator=g).to(dtype).requires_grad_(True)
+    dy = torch.randn(rows, cols, generator=g).to(dtype)
+    w = SimpleNamespace(x=x, w=wt, b=b, dy=dy, rows=rows, cols=cols, dtype=dtype)
+    w.es = x.element_size()
+    yield from _walk(_NORMS, w, work)
+
+
+def _masked(x, mask):  # PyTorch's composite scaled, padding-masked softmax
+    return torch.softmax((x * _SCALE).masked_fill(mask, -10000.0), -1)
+
+
+def _causal(c, future):  # PyTorch's composite scaled causal softmax
+    return torch.softmax((c * _SCALE).masked_fill(future, -10000.0), -1)
+
+
+def _first(t, k, sk):  # the first k rows of [b, np, sq, sk] scores as [1, 1, k, sk]; None: all
+    return t if k is None else t.reshape(-1, sk)[:k].view(1, 1, k, sk)
+
+
+def _masked_kernel(w, k):
+    # the [b, 1, sq, sk] mask is read once for all heads at full size (n // heads bytes); the
+    # in-cache slices are rows of one head, each with its own mask row
+    if k is None:
+        return lambda: ops.scaled_masked_softmax_fwd(w.xd, w.mask, scale=_SCALE)
+    xs, ms = w.xd[:1, :1, :k].contiguous(), w.mask[:1, :, :k].contiguous()
+    return lambda: ops.scaled_masked_softmax_fwd(xs, ms, scale=_SCALE)
+
+
+def _causal_fwd_kernel(w, s):
+    cs = w.cd if s is None else w.cd[:1, :s, :s].contiguous()
+    return lambda: ops.scaled_upper_triang_masked_softmax_fwd(cs, scale=_SCALE)
+
+
+def _causal_bwd_kernel(w, s):
+    if s is None:
+        d, o = w.dyc, w.yc
+    else:
+        d, o = w.dyc[:1, :s, :s].contiguous(), w.yc[:1, :s, :s].contiguous()
+    return lambda: ops.scaled_softmax_bwd(d, o, scale=_SCALE, upper_triang=True)
+
+
+def _tri(s: int) -> int:
+    return s * (s + 1) // 2
+
+
+def _causal_scores(w: SimpleNamespace) -> None:
+    """The causal cases' square ``[batches, sk, sk]`` scores and gradient, and the mask."""
+    batches = max(1, w.rows // w.sk)
+    w.c = torch.randn(batches, w.sk, w.sk, generator=w.g).to(w.dtype).requires_grad_(True)
+    w.dyc = torch.randn(batches, w.sk, w.sk, generator=w.g).to(w.dtype)
+    w.future = torch.ones(w.sk, w.sk, dtype=torch.bool).triu(1)
+
+
+def _softmax_outputs(w: SimpleNamespace) -> None:
+    """The kernels' inputs: detached scores and the forwards' outputs (the backwards' input)."""
+    w.xd, w.cd = w.x.detach(), w.c.detach()
+    w.y = ops.scaled_masked_softmax_fwd(w.xd, w.mask, scale=_SCALE)
+    w.yc = ops.scaled_upper_triang_masked_softmax_fwd(w.cd, scale=_SCALE)
+
+
+# The causal kernels: row i of each [sq, sq] matrix reads its first i + 1 scores (the forward)
+# or gradients and outputs (the backward) and writes all sq outputs. The kernel takes square
+# scores only, so its in-cache slices are the leading [S, S] blocks of the first matrix.
+_SOFTMAX = (
+    _FwdBwd(
+        "scaled_masked_softmax fwd+bwd",
+        ("torch x*s -> masked_fill -> softmax", lambda w, x: _masked(x, w.mask)),
+        (
+            "mpnb scaled_masked_softmax",
+            lambda w, x: ops.scaled_masked_softmax_fwd(x, w.mask, scale=_SCALE),
+        ),
+        (
+            reference_scaled_masked_softmax_fwd,
+            lambda w, x: reference_scaled_masked_softmax_fwd(x, w.mask, scale=_SCALE),
+        ),
+        "masked",
+    ),
+    _causal_scores,
+    _FwdBwd(
+        "causal softmax fwd+bwd",
+        ("torch x*s -> masked_fill(triu) -> softmax", lambda w, c: _causal(c, w.future)),
+        (
+            "mpnb scaled_upper_triang_masked_softmax",
+            lambda w, c: ops.scaled_upper_triang_masked_softmax_fwd(c, scale=_SCALE),
+        ),
+        (
+            reference_scaled_upper_triang_masked_softmax_fwd,
+            lambda w, c: reference_scaled_upper_triang_masked_softmax_fwd(c, scale=_SCALE),
+        ),
+        "causal",
+        inputs=("c",),
+        dy="dyc",
+    ),
+    _softmax_outputs,
+    _Kernel(
+        "scaled_softmax fwd",
+        ("torch softmax(x*s)", lambda w: torch.softmax(w.xd * _SCALE, -1)),
+        "mpnb scaled_softmax_fwd",
+        lambda w, k: lambda: ops.scaled_softmax_fwd(_first(w.xd, k, w.sk), scale=_SCALE),
+        (reference_scaled_softmax_fwd, lambda w: reference_scaled_softmax_fwd(w.xd, scale=_SCALE)),
+        lambda w, k: k * 2 * w.sk * w.es,
+        fresh="xd",
+        units=lambda w: w.n // w.sk,
+    ),
+    _Kernel(
+        "scaled_masked_softmax fwd",
+        ("torch x*s -> masked_fill -> softmax", lambda w: _masked(w.xd, w.mask)),
+        "mpnb scaled_masked_softmax_fwd",
+        _masked_kernel,
+        (
+            reference_scaled_masked_softmax_fwd,
+            lambda w: reference_scaled_masked_softmax_fwd(w.xd, w.mask, scale=_SCALE),
+        ),
+        lambda w, k: k * (2 * w.sk * w.es + w.sk),
+        fresh="xd",
+        units=lambda w: w.sq,
+        total=lambda w: 2 * w.n * w.es + w.n // w.heads,
+    ),
+    _Kernel(
+        "scaled_softmax bwd",
+        (
+            "torch aten._softmax_backward_data * s",
+            lambda w: torch._softmax_backward_data(w.dy, w.y, -1, w.dtype).mul_(_SCALE),
+        ),
+        "mpnb scaled_softmax_bwd",
+        lambda w, k: (
+            lambda: ops.scaled_softmax_bwd(
+                _first(w.dy, k, w.sk), _first(w.y, k, w.sk), scale=_SCALE
+            )
+        ),
+        (
+            reference_scaled_softmax_bwd,
+            lambda w: reference_scaled_softmax_bwd(w.dy, w.y, scale=_SCALE),
+        ),
+        lambda w, k: k * 3 * w.sk * w.es,
+        fresh="dy",
+        units=lambda w: w.n // w.sk,
+    ),
+    _Kernel(
+        "causal softmax fwd",
+        ("torch x*s -> masked_fill(triu) -> softmax", lambda w: _causal(w.cd, w.future)),
+        "mpnb scaled_upper_triang_masked_softmax_fwd",
+        _causal_fwd_kernel,
+        (
+            reference_scaled_upper_triang_masked_softmax_fwd,
+            lambda w: reference_scaled_upper_triang_masked_softmax_fwd(w.cd, scale=_SCALE),
+        ),
+        lambda w, s: w.es * (_tri(s) + s * s),
+        fresh="cd",
+        units=lambda w: w.sk,
+        total=lambda w: w.cd.shape[0] * w.es * (_tri(w.sk) + w.sk * w.sk),
+        numel="cd",
+        square=True,
+    ),
+    _Kernel(
+        "causal softmax bwd",
+        (
+            "torch aten._softmax_backward_data * s",
+            lambda w: torch._softmax_backward_data(w.dyc, w.yc, -1, w.dtype).mul_(_SCALE),
+        ),
+        "mpnb scaled_softmax_bwd upper_triang",
+        _causal_bwd_kernel,
+        (
+            reference_scaled_softmax_bwd,
+            lambda w: reference_scaled_softmax_bwd(w.dyc, w.yc, scale=_SCALE, upper_triang=True),
+        ),
+        lambda w, s: w.es * (2 * _tri(s) + s * s),
+        fresh="cd",
+        units=lambda w: w.sk,
+        total=lambda w: w.cd.shape[0] * w.es * (2 * _tri(w.sk) + w.sk * w.sk),
+        numel="cd",
+        square=True,
+    ),
+)
 
 
 def _softmax_cases(rows: int, sk: int, dtype: torch.dtype, work: str) -> Iterator[Case]:
+    """The scaled, padding-masked and causal softmax on ``rows`` rows of ``sk`` columns:
+    :data:`_SOFTMAX`."""
     g = torch.Generator().manual_seed(1)
     sq = min(sk, 1024)
     b, heads = 2, max(1, rows // (2 * sq))
     x = torch.randn(b, heads, sq, sk, generator=g).to(dtype).requires_grad_(True)
     mask = torch.rand(b, 1, sq, sk, generator=g) < 0.25
     dy = torch.randn(b, heads, sq, sk, generator=g).to(dtype)
-    n, es = x.numel(), x.element_size()
-
-    def composite(x):
-        return torch.softmax((x * _SCALE).masked_fill(mask, -10000.0), -1)
-
-    yield Case(
-        "scaled_masked_softmax fwd+bwd",
-        work,
-        [
-            Candidate("torch x*s -> masked_fill -> softmax", _fwd_bwd(composite, (x,), dy)),
-            Candidate(
-                "mpnb scaled_masked_softmax",
-                _fwd_bwd(lambda x: ops.scaled_masked_softmax_fwd(x, mask, _SCALE), (x,), dy),
-                target=_TARGETS[("masked", dtype)],
-            ),
-            _compiled(
-                reference_scaled_masked_softmax_fwd,
-                lambda x: reference_scaled_masked_softmax_fwd(x, mask, scale=_SCALE),
-                (x,),
-                dy,
-            ),
-        ],
-    )
-    c = torch.randn(max(1, rows // sk), sk, sk, generator=g).to(dtype).requires_grad_(True)
-    dyc = torch.randn(max(1, rows // sk), sk, sk, generator=g).to(dtype)
-    future = torch.ones(sk, sk, dtype=torch.bool).triu(1)
-    yield Case(
-        "causal softmax fwd+bwd",
-        work,
-        [
-            Candidate(
-                "torch x*s -> masked_fill(triu) -> softmax",
-                _fwd_bwd(
-                    lambda c: torch.softmax((c * _SCALE).masked_fill(future, -10000.0), -1),
-                    (c,),
-                    dyc,
-                ),
-            ),
-            Candidate(
-                "mpnb scaled_upper_triang_masked_softmax",
-                _fwd_bwd(
-                    lambda c: ops.scaled_upper_triang_masked_softmax_fwd(c, _SCALE),
-                    (c,),
-                    dyc,
-                ),
-                target=_TARGETS[("causal", dtype)],
-            ),
-            _compiled(
-                reference_scaled_upper_triang_masked_softmax_fwd,
-                lambda c: reference_scaled_upper_triang_masked_softmax_fwd(c, scale=_SCALE),
-                (c,),
-                dyc,
-            ),
-        ],
-    )
-    xd, cd = x.detach(), c.detach()
-    y = ops.scaled_masked_softmax_fwd(xd, mask, _SCALE)
-    yc = ops.scaled_upper_triang_masked_softmax_fwd(cd, _SCALE)
-    rows_all = n // sk
-
-    def first(t, k):  # the first k rows of [b, np, sq, sk] scores as [1, 1, k, sk]; None: all
-        return t if k is None else t.reshape(-1, sk)[:k].view(1, 1, k, sk)
-
-    yield _kernel_case(
-        "scaled_softmax fwd",
-        work,
-        Candidate("torch softmax(x*s)", lambda: torch.softmax(xd * _SCALE, -1)),
-        "mpnb scaled_softmax_fwd",
-        lambda k: lambda: ops.scaled_softmax_fwd(first(xd, k), _SCALE),
-        2 * sk * es,
-        rows_all,
-        n,
-        _compiled(
-            reference_scaled_softmax_fwd,
-            lambda: reference_scaled_softmax_fwd(xd, scale=_SCALE),
-            bytes=2 * n * es,
-        ),
-        fresh=xd,
-    )
-
-    # the [b, 1, sq, sk] mask is read once for all heads at full size (n // heads bytes); the
-    # in-cache slices are rows of one head, each with its own mask row
-    def masked(k):
-        if k is None:
-            return lambda: ops.scaled_masked_softmax_fwd(xd, mask, _SCALE)
-        xs, ms = xd[:1, :1, :k].contiguous(), mask[:1, :, :k].contiguous()
-        return lambda: ops.scaled_masked_softmax_fwd(xs, ms, _SCALE)
-
-    yield _kernel_case(
-        "scaled_masked_softmax fwd",
-        work,
-        Candidate("torch x*s -> masked_fill -> softmax", lambda: composite(xd)),
-        "mpnb scaled_masked_softmax_fwd",
-        masked,
-        2 * sk * es + sk,
-        sq,
-        n,
-        _compiled(
-            reference_scaled_masked_softmax_fwd,
-            lambda: reference_scaled_masked_softmax_fwd(xd, mask, scale=_SCALE),
-            bytes=2 * n * es + n // heads,
-        ),
-        bytes=2 * n * es + n // heads,
-        fresh=xd,
-    )
-    yield _kernel_case(
-        "scaled_softmax bwd",
-        work,
-        Candidate(
-            "torch aten._softmax_backward_data * s",
-            lambda: torch._softmax_backward_data(dy, y, -1, dtype).mul_(_SCALE),
-        ),
-        "mpnb scaled_softmax_bwd",
-        lambda k: lambda: ops.scaled_softmax_bwd(first(dy, k), first(y, k), _SCALE),
-        3 * sk * es,
-        rows_all,
-        n,
-        _compiled(
-            reference_scaled_softmax_bwd,
-            lambda: reference_scaled_softmax_bwd(dy, y, scale=_SCALE),
-            bytes=3 * n * es,
-        ),
-        fresh=dy,
-    )
-    yield from _causal_cases(cd, dyc, yc, future, work)
-
-
-def _causal_cases(c, dy, y, future, work: str) -> Iterator[Case]:
-    """The causal softmax's kernels alone: row i of each ``[sq, sq]`` matrix reads its first
-    i + 1 scores (the forward) or gradients and outputs (the backward) and writes all sq
-    outputs. The kernel takes square scores only, so its in-cache slices are the leading
-    ``[S, S]`` blocks of the first matrix, S as large as fits."""
-    batches, sq, _ = c.shape
-    es, n = c.element_size(), c.numel()
-
-    def tri(s: int) -> int:
-        return s * (s + 1) // 2
-
-    fwd_bytes = (lambda s: es * (tri(s) + s * s), "mpnb scaled_upper_triang_masked_softmax_fwd")
-    bwd_bytes = (lambda s: es * (2 * tri(s) + s * s), "mpnb scaled_softmax_bwd upper_triang")
-
-    def fwd(s):
-        cs = c if s is None else c[:1, :s, :s].contiguous()
-        return lambda: ops.scaled_upper_triang_masked_softmax_fwd(cs, _SCALE)
-
-    def bwd(s):
-        d, o = (dy, y) if s is None else (dy[:1, :s, :s].contiguous(), y[:1, :s, :s].contiguous())
-        return lambda: ops.scaled_softmax_bwd(d, o, _SCALE, True)
-
-    budget = cache_resident(1)  # bytes that stay in cache
-    for name, (size, label), make, torch_cand, compiled_cand in (
-        (
-            "causal softmax fwd",
-            fwd_bytes,
-            fwd,
-            Candidate(
-                "torch x*s -> masked_fill(triu) -> softmax",
-                lambda: torch.softmax((c * _SCALE).masked_fill(future, -10000.0), -1),
-            ),
-            _compiled(
-                reference_scaled_upper_triang_masked_softmax_fwd,
-                lambda: reference_scaled_upper_triang_masked_softmax_fwd(c, scale=_SCALE),
-                bytes=batches * fwd_bytes[0](sq),
-            ),
-        ),
-        (
-            "causal softmax bwd",
-            bwd_bytes,
-            bwd,
-            Candidate(
-                "torch aten._softmax_backward_data * s",
-                lambda: torch._softmax_backward_data(dy, y, -1, dy.dtype).mul_(_SCALE),
-            ),
-            _compiled(
-                reference_scaled_softmax_bwd,
-                lambda: reference_scaled_softmax_bwd(dy, y, scale=_SCALE, upper_triang=True),
-                bytes=batches * bwd_bytes[0](sq),
-            ),
-        ),
-    ):
-        roofline = None
-        if budget is not None:  # the L2 size is known
-            s = 16
-            while s + 16 <= sq and size(s + 16) <= budget:
-                s += 16
-            roofline = InCache(make(s), size(s), make(s // 2), size(s // 2))
-        cand = Candidate(
-            label, make(None), batches * size(sq), RMW, bw_target=_BW, in_cache=roofline
-        )
-        floor = _fresh_floor(c)
-        yield Case(name, work, [torch_cand, cand, compiled_cand, floor], bandwidth_numel=n)
+    w = SimpleNamespace(g=g, x=x, mask=mask, dy=dy, rows=rows, sk=sk, sq=sq, heads=heads)
+    w.dtype, w.n, w.es = dtype, x.numel(), x.element_size()
+    yield from _walk(_SOFTMAX, w, work)
 
 
 #: RoPE's workload: s, b, h, d (a bf16 tensor of 64 MiB), every channel rotated.
@@ -542,7 +646,7 @@ def _rope_cases(s: int, dtype: torch.dtype) -> Iterator[Case]:
             def make(k, t=t, layout=layout, backward=backward):
                 ts = t if k is None else t.narrow(layout.index("s"), 0, k)
                 cs, ss = (cos, sin) if k is None else (cos[:k], sin[:k])
-                return lambda: ops.rope(ts, cs, ss, d, backward=backward, layout=layout)
+                return lambda: ops.rope(ts, cs, ss, group=d, backward=backward, layout=layout)
 
             yield _kernel_case(
                 f"rope {direction} {name}",
@@ -550,13 +654,13 @@ def _rope_cases(s: int, dtype: torch.dtype) -> Iterator[Case]:
                 Candidate("torch t*cos + rotate_half(t)*sin", unfused),
                 f"mpnb rope layout={layout}",
                 make,
-                unit,
+                lambda k, unit=unit: k * unit,
                 s,
                 n,
                 _compiled(
                     reference_rope,
                     lambda t=t, layout=layout, backward=backward: reference_rope(
-                        t, cos, sin, d, backward=backward, layout=layout
+                        t, cos, sin, group=d, backward=backward, layout=layout
                     ),
                 ),
                 fresh=t,

@@ -81,7 +81,7 @@ def _scale(work: str, numels: list[int], dev: str, src_dtype: torch.dtype) -> Ca
         torch._amp_foreach_non_finite_check_and_unscale_(master, found_inf, inv)
 
     def ours():
-        multi_tensor_scale(flag, grads, master, 1 / 65536)
+        multi_tensor_scale(flag, grads, master, scale=1 / 65536)
 
     half = src_dtype != torch.float32
     name, key = ("unscale bf16->fp32", "unscale") if half else ("scale fp32->fp32", "scale")
@@ -119,7 +119,7 @@ def _axpby(work: str, numels: list[int], dev: str) -> Case:
             Candidate("torch foreach copy_/mul_/add_ + check", torch_axpby, 12 * n, RMW),
             _ours(
                 "mpnb multi_tensor_axpby",
-                lambda: multi_tensor_axpby(flag, x, y, out, 2.0, 0.5, -1),
+                lambda: multi_tensor_axpby(flag, x, y, out, a=2.0, b=0.5, arg_to_check=-1),
                 12 * n,
                 RMW,
                 "axpby",

@@ -103,3 +103,31 @@ def test_no_roofline_where_the_l2_size_is_not_known(kernels, monkeypatch):
     cases = [c for c in layers.cases(Options.make(quick=True, scale=0.002)) if c.name in _KERNELS]
     assert cases and all(c.candidates[1].in_cache is None for c in cases)
     assert all(c.candidates[1].bw_target == 0.7 for c in cases)  # the bandwidth rows stay
+
+
+def test_every_scalar_reaches_mpnbs_ops_by_keyword(kernels, monkeypatch):
+    from types import SimpleNamespace
+
+    from mpnb.core import ops
+
+    calls = []
+
+    def recorded(name):
+        op = getattr(ops, name)
+
+        def call(*args, **kwargs):
+            calls.append((name, args))
+            return op(*args, **kwargs)
+
+        return call
+
+    names = [n for n in dir(ops) if not n.startswith("_") and callable(getattr(ops, n))]
+    monkeypatch.setattr(layers, "ops", SimpleNamespace(**{n: recorded(n) for n in names}))
+    for case in layers.cases(Options.make(quick=True, scale=0.002)):
+        mpnb_cand = case.candidates[1]
+        mpnb_cand.fn()
+        if mpnb_cand.in_cache is not None:
+            mpnb_cand.in_cache.small_fn()
+    assert {name for name, _ in calls} >= {"layer_norm_bwd", "rope", "scaled_softmax_bwd"}
+    positional = [(n, a) for n, args in calls for a in args if isinstance(a, (int, float, str))]
+    assert positional == []  # bools are ints: a flag passed by position fails too
