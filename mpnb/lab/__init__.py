@@ -6,6 +6,10 @@
   tf32 and torch-amp+compile in the same round-robin) and return a DataFrame, one row per
   configuration (one speed figure with its interval, memory by role, accuracy, loss-scale
   history, host syncs per step, the code to train that way) and a :func:`verdict`.
+* :class:`Plan`: the same request as one frozen value, its knobs grouped
+  (:class:`WorkloadPlan`, :class:`ConfigsPlan`, :class:`TimingPlan`, :class:`OutputPlan`,
+  :class:`DistributedPlan`); ``plan.run()`` is ``compare``, and
+  ``dataclasses.replace(plan, ...)`` a variant of it.
 * :mod:`workloads`: built-in workloads (a small GPT on generated text, a CNN and an MLP on
   digits, each small/medium/large) and :func:`workloads.custom` for your own;
   :func:`transformers_workload` adapts a Hugging Face model in one call.
@@ -26,6 +30,10 @@ Example::
     >>> df = mpnb.lab.compare("transformer", configs=("O0", "O2"))
     >>> print(df.attrs["verdict"]["text"])
     >>> mpnb.lab.report(df, "report.html")
+    >>> from dataclasses import replace
+    >>> plan = mpnb.lab.Plan(mpnb.lab.WorkloadPlan("mlp"), mpnb.lab.ConfigsPlan(("O0", "O2")))
+    >>> df = plan.run()  # == mpnb.lab.compare("mlp", configs=("O0", "O2"))
+    >>> df1 = replace(plan, timing=mpnb.lab.TimingPlan(seed=1)).run()  # another seed
 """
 
 from __future__ import annotations
@@ -36,6 +44,12 @@ import importlib
 # `import mpnb.lab.bench` (and `mpnb bench --list`) does not import pandas or plotly.
 _LAZY = {
     "compare": "runner",
+    "Plan": "runner",
+    "WorkloadPlan": "runner",
+    "ConfigsPlan": "runner",
+    "TimingPlan": "runner",
+    "OutputPlan": "runner",
+    "DistributedPlan": "runner",
     "hardware_summary": "machine",
     "verdict": "verdict",
     "accuracy": "workloads",

@@ -12,6 +12,10 @@ A configuration that fails (unsupported dtype, out of memory, NaN divergence, an
 your code) becomes a row with ``error`` set, naming the configuration and your frame; the
 others still run. ``should_stop`` ends a run after the step in progress; the rows keep what
 was measured and say where they were interrupted.
+
+:func:`compare` takes the request as keywords; :class:`Plan` holds the same request as one
+frozen value, its knobs in groups (:class:`WorkloadPlan`, :class:`ConfigsPlan`,
+:class:`TimingPlan`, :class:`OutputPlan`, :class:`DistributedPlan`), and ``plan.run()`` runs it.
 """
 
 from __future__ import annotations
@@ -20,6 +24,8 @@ import math
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import pandas as pd
 import torch
@@ -48,6 +54,12 @@ from mpnb.lab.verdict import TOLERANCE, verdict
 
 __all__ = [
     "compare",
+    "Plan",
+    "WorkloadPlan",
+    "ConfigsPlan",
+    "TimingPlan",
+    "OutputPlan",
+    "DistributedPlan",
     "hardware_summary",
     "fp8_support",
     "emulation_note",
@@ -246,6 +258,120 @@ def _workload(workload, data, loss_fn, metric_fn, eval_data, size, device):
     )
 
 
+@dataclass(frozen=True)
+class WorkloadPlan:
+    """What trains: :func:`compare`'s ``workload``, ``data``, ``loss_fn``, ``metric_fn``,
+    ``eval_data``, ``size``, ``batch_sizes`` and ``steps`` (same meanings, same defaults)."""
+
+    workload: Any = "transformer"
+    data: Any = None
+    loss_fn: Callable | None = None
+    metric_fn: Callable | None = None
+    eval_data: Any = None
+    size: str = "auto"
+    batch_sizes: Sequence[int] | None = None
+    steps: int | None = None
+
+
+@dataclass(frozen=True)
+class ConfigsPlan:
+    """What it trains under: :func:`compare`'s ``configs`` (its former name ``opt_levels`` is
+    the keyword form's only), ``half_dtype``, ``optimizer``, ``lr``, ``loss_scale``,
+    ``compile_budget`` and the verdict's ``tolerance``."""
+
+    configs: Sequence | None = None
+    half_dtype: Any = "auto"
+    optimizer: str | None = None
+    lr: float | None = None
+    loss_scale: Any = None
+    compile_budget: float | None = None
+    tolerance: float = TOLERANCE
+
+
+@dataclass(frozen=True)
+class TimingPlan:
+    """Where and how it is measured: :func:`compare`'s ``device``, ``seed``, ``threads`` and
+    ``isolate``."""
+
+    device: Any = "auto"
+    seed: int = 0
+    threads: int | None = None
+    isolate: bool = False
+
+
+@dataclass(frozen=True)
+class OutputPlan:
+    """What the run tells while it lasts, and who may stop it: :func:`compare`'s
+    ``progress``, ``on_progress`` and ``should_stop``."""
+
+    progress: bool = True
+    on_progress: Callable[[dict], None] | None = None
+    should_stop: Callable[[], bool] | None = None
+
+
+@dataclass(frozen=True)
+class DistributedPlan:
+    """On how many local ranks: :func:`compare`'s ``ranks`` (None or 1: one process),
+    ``strategy`` and ``timeout``."""
+
+    ranks: int | None = None
+    strategy: str | None = None
+    timeout: float = 600.0
+
+    @property
+    def on(self) -> bool:
+        """True for the distributed comparison (2 ranks or more)."""
+        return self.ranks is not None and self.ranks > 1
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One :func:`compare` request, its knobs grouped; ``plan.run()`` runs it.
+
+    Every group has :func:`compare`'s defaults, so a plan names only what differs. A plan is
+    a frozen value: make a variant with :func:`dataclasses.replace` and run both. Its values
+    are checked when it runs, with the errors the keyword form raises.
+
+    Example::
+
+        >>> from dataclasses import replace
+        >>> from mpnb.lab import Plan, WorkloadPlan, ConfigsPlan, TimingPlan
+        >>> plan = Plan(WorkloadPlan("mlp", steps=20), ConfigsPlan(("O0", "O2")))
+        >>> df = plan.run()  # the same frame as mpnb.lab.compare("mlp", steps=20, configs=...)
+        >>> df2 = replace(plan, timing=TimingPlan(seed=1)).run()  # the same, another seed
+    """
+
+    workload: WorkloadPlan = field(default_factory=WorkloadPlan)
+    configs: ConfigsPlan = field(default_factory=ConfigsPlan)
+    timing: TimingPlan = field(default_factory=TimingPlan)
+    output: OutputPlan = field(default_factory=OutputPlan)
+    distributed: DistributedPlan = field(default_factory=DistributedPlan)
+
+    def __post_init__(self):
+        for f in fields(self):
+            group, value = _GROUPS[f.name], getattr(self, f.name)
+            if not isinstance(value, group):
+                raise TypeError(
+                    f"Plan({f.name}={value!r}): the {f.name} group is a {group.__name__}; "
+                    f"pass {f.name}={group.__name__}(...) (its fields: "
+                    f"{', '.join(g.name for g in fields(group))})."
+                )
+
+    def run(self) -> pd.DataFrame:
+        """Run the plan: the frame :func:`compare` returns (see there)."""
+        return _run(self)
+
+
+#: each group of a :class:`Plan` and its class
+_GROUPS = dict(
+    workload=WorkloadPlan,
+    configs=ConfigsPlan,
+    timing=TimingPlan,
+    output=OutputPlan,
+    distributed=DistributedPlan,
+)
+
+
 def compare(
     workload="transformer",
     data=None,
@@ -361,108 +487,202 @@ def compare(
         >>> df[["configuration", "speed_label", "peak_mem_mib", "metric"]]
         >>> print(df.attrs["verdict"]["text"])
         >>> df = mpnb.lab.compare(lambda: MyNet(), (x, y), metric_fn=mpnb.lab.accuracy)
+
+    The same request as one value: these keywords build a :class:`Plan` (``workload``,
+    ``configs``, ``timing``, ``output`` and ``distributed`` groups) and ``compare`` returns
+    ``plan.run()``; build the plan yourself to keep it, vary it with
+    :func:`dataclasses.replace` and run it again::
+
+        >>> plan = mpnb.lab.Plan(mpnb.lab.WorkloadPlan("mlp", steps=20))
+        >>> df = plan.run()  # == mpnb.lab.compare("mlp", steps=20)
     """
+    if isinstance(workload, Plan):
+        raise TypeError(
+            "compare(plan): a Plan runs itself; call plan.run() (compare's keywords build one)."
+        )
+    if opt_levels is not None:
+        configs_argument(configs, opt_levels)  # refuses both names at once
+        configs = opt_levels
+    plan = Plan(
+        workload=WorkloadPlan(
+            workload=workload,
+            data=data,
+            loss_fn=loss_fn,
+            metric_fn=metric_fn,
+            eval_data=eval_data,
+            size=size,
+            batch_sizes=batch_sizes,
+            steps=steps,
+        ),
+        configs=ConfigsPlan(
+            configs=configs,
+            half_dtype=half_dtype,
+            optimizer=optimizer,
+            lr=lr,
+            loss_scale=loss_scale,
+            compile_budget=compile_budget,
+            tolerance=tolerance,
+        ),
+        timing=TimingPlan(device=device, seed=seed, threads=threads, isolate=isolate),
+        output=OutputPlan(progress=progress, on_progress=on_progress, should_stop=should_stop),
+        distributed=DistributedPlan(ranks=ranks, strategy=strategy, timeout=timeout),
+    )
+    return plan.run()
+
+
+def _run(plan: Plan) -> pd.DataFrame:
+    """compare's steps over a plan: validate, build the workload, then either the distributed
+    comparison or expand, run and frame."""
+    dev = _validate(plan)
+    wp = plan.workload
+    w = _workload(wp.workload, wp.data, wp.loss_fn, wp.metric_fn, wp.eval_data, wp.size, dev)
+    if plan.distributed.on:
+        return _distributed(plan, w, dev)
+    configs, notes = _expand(plan, w, dev)
+    ran = _measure(plan, configs, w, dev)
+    return _frame(plan, ran, w, notes, dev)
+
+
+def _validate(plan: Plan) -> str:
+    """Refuse what can be refused before the workload is built; the device the run is on."""
+    ranks, strategy = plan.distributed.ranks, plan.distributed.strategy
     if ranks is not None and (isinstance(ranks, bool) or not isinstance(ranks, int) or ranks < 1):
         raise ValueError(
             f"compare: ranks={ranks!r} is not a number of processes; pass ranks=N (N >= 2) for "
             "the distributed comparison, or leave ranks out (None or 1: one process)."
         )
-    distributed = ranks is not None and ranks > 1
-    if strategy is not None and not distributed:
+    if strategy is not None and not plan.distributed.on:
         raise ValueError(
             f"compare: strategy={strategy!r} needs ranks >= 2 (the distributed comparison); "
             "pass ranks=2 or leave strategy out."
         )
-    asked = configs if configs is not None else opt_levels  # None: the default policies
-    dev = resolve_device(device)
-    configs = configs_argument(configs, opt_levels, dev)
-    if steps is not None:  # refused before the workload is built (None: the workload's)
-        check_steps(steps)
-    w = _workload(workload, data, loss_fn, metric_fn, eval_data, size, dev)
-    if distributed:
-        # the distributed comparison only with ranks=N: +150 ms to importing the runner
-        from mpnb.lab.distributed._compare import compare_distributed
+    dev = resolve_device(plan.timing.device)
+    if plan.workload.steps is not None:  # None: the workload's
+        check_steps(plan.workload.steps)
+    return dev
 
-        if batch_sizes is not None and len(tuple(batch_sizes)) != 1:
-            raise ValueError(
-                f"compare(ranks={ranks}): one global batch size at a time, got "
-                f"batch_sizes={tuple(batch_sizes)!r}; run one compare per batch size."
-            )
-        return compare_distributed(
-            workload,
-            w,
-            ranks=ranks,
-            strategy=strategy,
-            configs=asked,
-            steps=w.steps if steps is None else steps,
-            global_batch=tuple(batch_sizes)[0] if batch_sizes is not None else w.batch_size,
-            optimizer=DISTRIBUTED_OPTIMIZER if optimizer is None else optimizer,
-            lr=lr,
-            device=dev,
-            seed=seed,
-            timeout=timeout,
-            threads=threads,
-        )
-    optimizer = DEFAULT_OPTIMIZER if optimizer is None else optimizer
-    if batch_sizes is None:
-        batch_sizes = (w.batch_size,)
-    elif w.data_batch_size is not None and tuple(batch_sizes) != (w.data_batch_size,):
+
+def _distributed(plan: Plan, w, dev: str) -> pd.DataFrame:
+    """The comparison on ``plan.distributed.ranks`` local ranks (:mod:`mpnb.lab.distributed`)."""
+    # the distributed comparison only with ranks=N: +150 ms to importing the runner
+    from mpnb.lab.distributed._compare import compare_distributed
+
+    wp, c, d = plan.workload, plan.configs, plan.distributed
+    if wp.batch_sizes is not None and len(tuple(wp.batch_sizes)) != 1:
         raise ValueError(
-            f"batch_sizes={tuple(batch_sizes)!r}: the data fixes the batch size "
+            f"compare(ranks={d.ranks}): one global batch size at a time, got "
+            f"batch_sizes={tuple(wp.batch_sizes)!r}; run one compare per batch size."
+        )
+    return compare_distributed(
+        wp.workload,
+        w,
+        ranks=d.ranks,
+        strategy=d.strategy,
+        configs=c.configs,  # None: the default policies
+        steps=w.steps if wp.steps is None else wp.steps,
+        global_batch=tuple(wp.batch_sizes)[0] if wp.batch_sizes is not None else w.batch_size,
+        optimizer=DISTRIBUTED_OPTIMIZER if c.optimizer is None else c.optimizer,
+        lr=c.lr,
+        device=dev,
+        seed=plan.timing.seed,
+        timeout=d.timeout,
+        threads=plan.timing.threads,
+    )
+
+
+def _batch_sizes(asked, w) -> tuple[tuple[int, ...], list[str]]:
+    """The batch sizes to run and a note for each one the data is too small for: a data set
+    smaller than the batch asked for is one batch of all its samples, and the row states the
+    batch size that ran."""
+    if asked is None:
+        asked = (w.batch_size,)
+    elif w.data_batch_size is not None and tuple(asked) != (w.data_batch_size,):
+        raise ValueError(
+            f"batch_sizes={tuple(asked)!r}: the data fixes the batch size "
             f"({w.data_batch_size}); leave batch_sizes out, or give tensors or a Dataset."
         )
-    # A row states the batch size that ran: a data set smaller than the batch asked for is
-    # one batch of all its samples, and the first row's warnings say what was asked.
-    ran = {b: w.batch_size_for(b) for b in batch_sizes}
-    asked = [
+    ran = {b: w.batch_size_for(b) for b in asked}
+    notes = [
         f"batch size {b} asked: the data holds {r} samples, so it ran b{r}"
         for b, r in ran.items()
         if r != b
     ]
-    if len(set(batch_sizes)) == len(tuple(batch_sizes)):  # a size given twice: expand refuses
-        batch_sizes = tuple(dict.fromkeys(ran.values()))  # two sizes past the data: one run
-    steps = w.steps if steps is None else steps
+    if len(set(asked)) != len(tuple(asked)):  # a size given twice: expand refuses it
+        return asked, notes
+    return tuple(dict.fromkeys(ran.values())), notes  # two sizes past the data: one run
+
+
+def _expand(plan: Plan, w, dev: str) -> tuple[list[RunConfig], list[str]]:
+    """One :class:`RunConfig` per configuration, half dtype and batch size (validated by
+    :func:`expand`), and the notes for the first row."""
+    c = plan.configs
+    batch_sizes, notes = _batch_sizes(plan.workload.batch_sizes, w)
     configs = expand(
         w.name,
-        configs,
-        half_dtype,
+        configs_argument(c.configs, None, dev),
+        c.half_dtype,
         batch_sizes,
-        steps,
-        optimizer,
-        lr,
-        loss_scale,
+        w.steps if plan.workload.steps is None else plan.workload.steps,
+        DEFAULT_OPTIMIZER if c.optimizer is None else c.optimizer,
+        c.lr,
+        c.loss_scale,
         dev,
-        seed,
-        compile_budget=compile_budget,
+        plan.timing.seed,
+        compile_budget=c.compile_budget,
     )
-    with torch_threads(threads):
+    return configs, notes
+
+
+@dataclass
+class _Ran:
+    """What :func:`_measure` gives :func:`_frame`."""
+
+    results: list[RunResult]
+    stopped: str  # "Stop", "Ctrl-C", "SIGTERM" or ""
+    hw: dict
+    load: dict
+
+
+def _measure(plan: Plan, configs: list[RunConfig], w, dev: str) -> _Ran:
+    """Train every configuration (round-robin in one process, or each alone in a subprocess)
+    under the plan's threads; a stop keeps the rows measured and lists those not started."""
+    t, out = plan.timing, plan.output
+    with torch_threads(t.threads):
         load_start = loadavg()
         hw = hardware_summary(dev)
-        prog = _Progress(sum(c.steps for c in configs), progress, on_progress)
+        prog = _Progress(sum(c.steps for c in configs), out.progress, out.on_progress)
         try:
-            if isolate:  # Ctrl-C and SIGTERM are recorded, and passed on to the subprocess
-                spec = (w.name, w.size) if isinstance(workload, str) else w
-                results, stopped = _isolated(configs, spec, prog, threads, should_stop)
+            if t.isolate:  # Ctrl-C and SIGTERM are recorded, and passed on to the subprocess
+                spec = (w.name, w.size) if isinstance(plan.workload.workload, str) else w
+                results, stopped = _isolated(configs, spec, prog, t.threads, out.should_stop)
             else:
                 with sigterm_interrupts():  # SIGTERM raises in the step, as Ctrl-C does
-                    results, stopped = _in_process(configs, w, prog, should_stop)
+                    results, stopped = _in_process(configs, w, prog, out.should_stop)
             if stopped:
                 results += not_started(configs, results, stopped)
         finally:
             prog.close()
         n_threads = torch.get_num_threads()
-    df = frames(results, w, hw)
-    notes = asked + [f"C++ kernels: {line}" for line in kernel_fallbacks(dev)]
+    load = load_record(load_start, loadavg(), n_threads, hw["cpus"] or 1)
+    return _Ran(results, stopped, hw, load)
+
+
+def _frame(plan: Plan, ran: _Ran, w, notes: list[str], dev: str) -> pd.DataFrame:
+    """The rows as a DataFrame with its ``attrs`` (see :func:`compare`, Returns)."""
+    df = frames(ran.results, w, ran.hw)
+    notes = notes + [f"C++ kernels: {line}" for line in kernel_fallbacks(dev)]
     if len(df) and notes:  # loud, once: on the first row
         df.loc[df.index[:1], "warnings"] = join_warnings([*notes, df["warnings"].iat[0]])
-    df.attrs["load"] = load_record(load_start, loadavg(), n_threads, hw["cpus"] or 1)
+    df.attrs["load"] = ran.load
     df.attrs["method"] = (
-        "isolated subprocesses" if isolate else "round-robin in one process (per batch size)"
+        "isolated subprocesses"
+        if plan.timing.isolate
+        else "round-robin in one process (per batch size)"
     )
     df.attrs["workload"] = dict(
         name=w.name, size=w.size, description=w.description, chance=w.chance
     )
-    df.attrs["stopped"] = bool(stopped)
-    df.attrs["stopped_by"] = stopped
-    df.attrs["verdict"] = verdict(df, tolerance)
+    df.attrs["stopped"] = bool(ran.stopped)
+    df.attrs["stopped_by"] = ran.stopped
+    df.attrs["verdict"] = verdict(df, plan.configs.tolerance)
     return df

@@ -5,12 +5,18 @@ batch sizes, steps, optimizer, device, threads, loss scaler) and turn it into
 :func:`mpnb.lab.compare` arguments; nothing runs here. Every control is validated when it
 changes: a bad value shows its message right beside the control and disables Run until
 it is fixed.
+
+The controls are data: one :class:`Control` row of :data:`CONTROLS` each (its attribute,
+widget class, description, column, where its options and value come from, whether it refuses
+values in a box under it), built from a :class:`Request` (:func:`request_of`: the widget's
+arguments as the controls start from them) by one short loop.
 """
 
 from __future__ import annotations
 
 import html
 import os
+from dataclasses import dataclass, field
 
 import ipywidgets as w
 import torch
@@ -27,7 +33,17 @@ from mpnb.core.precision_configs import (
 from mpnb.lab import workloads
 from mpnb.widgets._common import half_status_label, hardware_html
 
-__all__ = ["ControlsMixin", "LEVELS", "DEFAULT_LEVELS", "OPTIMIZERS", "parse_sizes"]
+__all__ = [
+    "ControlsMixin",
+    "Control",
+    "CONTROLS",
+    "Request",
+    "request_of",
+    "LEVELS",
+    "DEFAULT_LEVELS",
+    "OPTIMIZERS",
+    "parse_sizes",
+]
 
 # Every configuration mpnb compares (O0-O3, the peers torch-amp, tf32 and torch-amp+compile,
 # the FP8 recipes, pure bf16 and its optimizer options), from the one list in
@@ -38,6 +54,12 @@ DEFAULT_LEVELS = DEFAULT_CONFIGS
 SIZES = ("auto", "small", "medium", "large", "gpu")  # gpu: sized for the CUDA card
 #: the strategy control's choices ("both": every DDP and FSDP2 policy)
 STRATEGY_CHOICES = ("both", *STRATEGIES)
+_SCALE_MODES = ("default", "dynamic", "static")  # "default": each level's own scaler
+_THREADS_TIP = "torch threads for the runs (0: torch's default)"
+_RANKS_TIP = "local processes (2 or more: DDP and FSDP2 policies per rank)"
+_ALL_LEVELS = dict(rows=len(LEVELS))  # every configuration in view
+_ALL_POLICIES = dict(rows=len(distributed_names()))  # every policy in view
+_WORKLOADS_OWN = dict(placeholder="the workload's")  # empty: the workload's batch size
 
 
 def parse_sizes(text: str) -> tuple[int, ...]:
@@ -76,92 +98,201 @@ def _message(text: str, color: str) -> str:
     )
 
 
+@dataclass(frozen=True)
+class Control:
+    """One control of the widget: one row of :data:`CONTROLS`.
+
+    Args:
+        name: the widget's attribute; its value starts as the :class:`Request`'s field of that
+            name, and it is its key in ``control_errors`` when it ``refuses``.
+        kind: the ipywidgets class.
+        description: the label shown beside it.
+        column: which column of the "Configurations" panel holds it (0, 1 or 2).
+        options: the choices: a tuple, or the name of the :class:`Request` field holding them
+            (None: not a choice).
+        keywords: the widget's other keywords (``rows``, ``step``, ``placeholder`` ...).
+        refuses: a bad value is refused in a message box under it (Run stays disabled until
+            it is fixed); the controls are validated again when its value changes.
+        revalidate: the controls are validated again when its value changes (no box of its
+            own).
+        tooltip: shown on hover ("": none).
+        value: False when the mixin sets its value itself (``half_dtype``: its options say
+            each dtype's support on the device, see ``_half_options``).
+    """
+
+    name: str
+    kind: type
+    description: str
+    column: int
+    options: tuple | str | None = None
+    keywords: dict = field(default_factory=dict)
+    refuses: bool = False
+    revalidate: bool = False
+    tooltip: str = ""
+    value: bool = True
+
+    @property
+    def validates(self) -> bool:
+        """Whether a change of its value validates the controls again."""
+        return self.refuses or self.revalidate
+
+    def build(self, request: Request) -> w.Widget:
+        """The widget, from the request."""
+        kw = dict(self.keywords, description=self.description)
+        if self.options is not None:
+            opts = self.options
+            kw["options"] = getattr(request, opts) if isinstance(opts, str) else opts
+        if self.value:
+            kw["value"] = getattr(request, self.name)
+        if self.tooltip:
+            kw["tooltip"] = self.tooltip
+        return self.kind(**kw)
+
+
+@dataclass(frozen=True)
+class Request:
+    """What the widget was asked for, as the controls start from it: one field per control
+    of that name, and the choices that depend on the request (see :func:`request_of`)."""
+
+    workloads: list  # the choices of workload
+    workload: str
+    size: str
+    devices: list  # the choices of device
+    device: str
+    opt_levels: tuple
+    half_dtype: str  # "auto" or a name: its control's value, set by _half_options
+    batch_sizes: str
+    steps: int
+    optimizer: str
+    threads: int
+    ranks: int
+    strategy: str
+    offered: tuple  # the policies the strategy offers: the choices of policies
+    policies: tuple
+    scale_mode: str
+    init_scale: float  # the dynamic scaler's fields (LossScaleRule's defaults unless asked)
+    growth_factor: float
+    backoff_factor: float
+    growth_interval: int
+    static_scale: float
+
+
+#: the loss-scale sliders: powers of two, 2**0 to 2**24
+_LOG2 = dict(base=2, min=0, max=24, step=1)
+
+#: Every control, in the panel's order (column by column), with how it starts.
+CONTROLS: tuple[Control, ...] = (
+    Control("workload", w.Dropdown, "workload", 0, "workloads", revalidate=True),
+    Control("size", w.Dropdown, "size", 0, SIZES),
+    Control("device", w.Dropdown, "device", 0, "devices"),
+    # its options say each dtype's support on the device: set by _half_options, as its value
+    Control("half_dtype", w.ToggleButtons, "half dtype", 0, value=False),
+    # every configuration in view (a scrolled list hid the FP8 and pure-bf16 rows)
+    Control("opt_levels", w.SelectMultiple, "opt levels", 0, LEVELS, _ALL_LEVELS, refuses=True),
+    Control("batch_sizes", w.Text, "batch sizes", 1, None, _WORKLOADS_OWN, refuses=True),
+    Control("steps", w.IntText, "steps", 1, refuses=True),
+    Control("optimizer", w.Dropdown, "optimizer", 1, OPTIMIZERS),
+    Control("threads", w.IntText, "threads", 1, refuses=True, tooltip=_THREADS_TIP),
+    Control("ranks", w.IntText, "ranks", 1, refuses=True, tooltip=_RANKS_TIP),
+    Control("strategy", w.Dropdown, "strategy", 1, STRATEGY_CHOICES),
+    Control("policies", w.SelectMultiple, "policies", 1, "offered", _ALL_POLICIES, refuses=True),
+    Control("scale_mode", w.Dropdown, "loss scale", 2, _SCALE_MODES, revalidate=True),
+    Control("init_scale", w.FloatLogSlider, "initial scale", 2, None, _LOG2),
+    # plain text boxes: a bad value is refused beside the control, never clamped
+    Control("growth_factor", w.FloatText, "growth", 2, None, dict(step=0.5), refuses=True),
+    Control("backoff_factor", w.FloatText, "backoff", 2, None, dict(step=0.05), refuses=True),
+    Control("growth_interval", w.IntText, "interval", 2, refuses=True),
+    Control("static_scale", w.FloatLogSlider, "static scale", 2, None, _LOG2),
+)
+
+
+def _policies(strategy, policies) -> tuple[tuple, tuple]:
+    """The policies the strategy offers and those chosen (None: all); refuses a strategy or a
+    policy the strategy does not offer."""
+    if strategy not in (None, *STRATEGY_CHOICES):
+        raise ValueError(
+            f"strategy {strategy!r}: use one of {STRATEGY_CHOICES} (or None for both)."
+        )
+    offered = distributed_names(strategy)
+    chosen = offered if policies is None else tuple(policies)
+    wrong = [p for p in chosen if p not in offered]
+    if wrong:
+        raise ValueError(
+            f"policies {wrong} are not {strategy or 'both'!r} policies: choose from "
+            f"{list(offered)} (or change the strategy)."
+        )
+    return offered, chosen
+
+
+def request_of(
+    workload,
+    configs,
+    half_dtype,
+    batch_sizes,
+    steps,
+    optimizer,
+    device,
+    loss_scale,
+    threads,
+    size,
+    ranks=1,
+    strategy=None,
+    policies=None,
+) -> Request:
+    """The :class:`Request` the controls start from: :class:`~mpnb.widgets.CompareWidget`'s
+    arguments (``workload``: a name or a Workload; ``half_dtype``: a name or "auto", the
+    device's default; ``ranks``: 1, one process, as before; ``strategy``: DDP, FSDP2 or None,
+    both; its ``policies``: None, all). Refuses a loss scale amp would refuse, and a strategy
+    or policies the strategy does not offer."""
+    wl = workload if isinstance(workload, str) else workload.name
+    cuda = torch.cuda.is_available()
+    # the widget's argument is parsed once, as amp.initialize parses it
+    rule = LossScaleRule.parse(loss_scale, owner="CompareWidget")
+    mode = "default" if rule is None else "dynamic" if rule.dynamic else "static"
+    dyn = rule if mode == "dynamic" else LossScaleRule()
+    offered, chosen = _policies(strategy, policies)
+    return Request(
+        workloads=list(dict.fromkeys([wl, *workloads.names()])),
+        workload=wl,
+        size=size,
+        devices=["cpu"] + (["cuda"] if cuda else []),
+        device=("cuda" if cuda else "cpu") if device == "auto" else device,
+        opt_levels=tuple(configs),
+        half_dtype=half_dtype,
+        batch_sizes=", ".join(map(str, batch_sizes or ())),
+        steps=steps or 0,
+        optimizer=optimizer,
+        threads=threads or 0,
+        ranks=int(ranks or 1),
+        strategy=strategy or "both",
+        offered=offered,
+        policies=chosen,
+        scale_mode=mode,
+        init_scale=dyn.init_scale,
+        growth_factor=dyn.growth_factor,
+        backoff_factor=dyn.backoff_factor,
+        growth_interval=dyn.growth_interval,
+        static_scale=rule.init_scale if mode == "static" else 2.0**10,
+    )
+
+
 class ControlsMixin:
     """Builds the control widgets as attributes of the widget, validates and reads them."""
 
-    def _build_controls(
-        self,
-        configs,
-        half_dtype,
-        batch_sizes,
-        steps,
-        optimizer,
-        device,
-        loss_scale,
-        threads,
-        size,
-        ranks=1,
-        strategy=None,
-        policies=None,
-    ):
-        names = list(workloads.names())
-        wl = self._workload if isinstance(self._workload, str) else self._workload.name
-        self.workload = w.Dropdown(
-            options=list(dict.fromkeys([wl, *names])), value=wl, description="workload"
-        )
-        self.size = w.Dropdown(options=SIZES, value=size, description="size")
-        # every configuration in view (a scrolled list hid the FP8 and pure-bf16 rows)
-        self.opt_levels = w.SelectMultiple(
-            options=LEVELS, value=tuple(configs), rows=len(LEVELS), description="opt levels"
-        )
-        devices = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
-        dev = ("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device
-        self.device = w.Dropdown(options=devices, value=dev, description="device")
-        self.half_dtype = w.ToggleButtons(description="half dtype")
-        self._half_options(half_dtype)
-        self.device.observe(self.errors.guard(lambda _: self._device_changed()), names="value")
-        self.batch_sizes = w.Text(
-            ", ".join(map(str, batch_sizes or ())),
-            placeholder="the workload's",
-            description="batch sizes",
-        )
-        self.steps = w.IntText(steps or 0, description="steps")
-        self.optimizer = w.Dropdown(options=OPTIMIZERS, value=optimizer, description="optimizer")
-        self.threads = w.IntText(threads or 0, description="threads")
-        self.threads.tooltip = "torch threads for the runs (0: torch's default)"
-        self._scaler_controls(loss_scale)
-        self._distributed_controls(ranks, strategy, policies)
-        self.control_errors = {
-            k: _err()
-            for k in (
-                "opt_levels",
-                "batch_sizes",
-                "steps",
-                "threads",
-                "growth_factor",
-                "backoff_factor",
-                "growth_interval",
-                "ranks",
-                "policies",
+    def _build_controls(self, *args, **kwargs):
+        """Every row of :data:`CONTROLS` as an attribute, in its column of the panel, a
+        message box under those that refuse values; then what each control changes. The
+        arguments are :func:`request_of`'s after ``workload``."""
+        r = request_of(self._workload, *args, **kwargs)
+        for c in CONTROLS:
+            setattr(self, c.name, c.build(r))
+        self.control_errors = {c.name: _err() for c in CONTROLS if c.refuses}
+        columns = [[] for _ in range(3)]
+        for c in CONTROLS:
+            control = getattr(self, c.name)
+            columns[c.column].append(
+                _row(control, self.control_errors[c.name]) if c.refuses else control
             )
-        }
-        e = self.control_errors
-        columns = [
-            [
-                self.workload,
-                self.size,
-                self.device,
-                self.half_dtype,
-                _row(self.opt_levels, e["opt_levels"]),
-            ],
-            [
-                _row(self.batch_sizes, e["batch_sizes"]),
-                _row(self.steps, e["steps"]),
-                self.optimizer,
-                _row(self.threads, e["threads"]),
-                _row(self.ranks, e["ranks"]),
-                self.strategy,
-                _row(self.policies, e["policies"]),
-            ],
-            [
-                self.scale_mode,
-                self.init_scale,
-                _row(self.growth_factor, e["growth_factor"]),
-                _row(self.backoff_factor, e["backoff_factor"]),
-                _row(self.growth_interval, e["growth_interval"]),
-                self.static_scale,
-            ],
-        ]
         self.controls = w.Accordion(
             children=[
                 w.HBox(
@@ -173,20 +304,22 @@ class ControlsMixin:
         )
         self.controls.set_title(0, "Configurations")
         self._build_actions()
-        for c in (
-            self.opt_levels,
-            self.batch_sizes,
-            self.steps,
-            self.threads,
-            self.workload,
-            self.scale_mode,
-            self.growth_factor,
-            self.backoff_factor,
-            self.growth_interval,
-            self.ranks,
-            self.policies,
-        ):
-            c.observe(lambda _: self.validate(), names="value")
+        self._wire_controls(r)
+
+    def _wire_controls(self, r: Request) -> None:
+        """What each control changes: the half dtypes follow the device, the distributed
+        controls the ranks and strategy, the scaler's the mode; then every control of
+        :data:`CONTROLS` that ``validates`` validates them all when its value changes."""
+        self._half_options(r.half_dtype)
+        self.device.observe(self.errors.guard(lambda _: self._device_changed()), names="value")
+        self.ranks.observe(lambda _: self._ranks_enabled(), names="value")
+        self.strategy.observe(lambda _: self._strategy_changed(), names="value")
+        self._ranks_enabled()
+        self.scale_mode.observe(lambda _: self._scaler_enabled(), names="value")
+        self._scaler_enabled()
+        for c in CONTROLS:
+            if c.validates:
+                getattr(self, c.name).observe(lambda _: self.validate(), names="value")
 
     def _build_actions(self):
         """Run/Stop with the progress, the status line, what failed in the run and the run's
@@ -217,34 +350,6 @@ class ControlsMixin:
             ]
         )
 
-    def _distributed_controls(self, ranks, strategy, policies) -> None:
-        """``ranks`` (1: one process, as before), ``strategy`` (DDP, FSDP2 or both) and the
-        strategy's ``policies`` (None: all): with 2 or more ranks the run compares distributed
-        policies, not opt levels."""
-        if strategy not in (None, *STRATEGY_CHOICES):
-            raise ValueError(
-                f"strategy {strategy!r}: use one of {STRATEGY_CHOICES} (or None for both)."
-            )
-        self.ranks = w.IntText(int(ranks or 1), description="ranks")
-        self.ranks.tooltip = "local processes (2 or more: DDP and FSDP2 policies per rank)"
-        self.strategy = w.Dropdown(
-            options=STRATEGY_CHOICES, value=strategy or "both", description="strategy"
-        )
-        offered = distributed_names(strategy)
-        chosen = offered if policies is None else tuple(policies)
-        wrong = [p for p in chosen if p not in offered]
-        if wrong:
-            raise ValueError(
-                f"policies {wrong} are not {self.strategy.value!r} policies: choose from "
-                f"{list(offered)} (or change the strategy)."
-            )
-        self.policies = w.SelectMultiple(
-            options=offered, value=chosen, rows=len(distributed_names()), description="policies"
-        )
-        self.ranks.observe(lambda _: self._ranks_enabled(), names="value")
-        self.strategy.observe(lambda _: self._strategy_changed(), names="value")
-        self._ranks_enabled()
-
     def _strategy_changed(self) -> None:
         """The policies offered are the strategy's, all chosen."""
         offered = distributed_names(self.strategy.value)
@@ -262,28 +367,6 @@ class ControlsMixin:
         chosen (compare's default: those this device offers), else the chosen names."""
         chosen = tuple(self.policies.value)
         return None if set(chosen) == set(self.policies.options) else chosen
-
-    def _scaler_controls(self, loss_scale):
-        # the widget's argument is parsed once, as amp.initialize parses it
-        rule = LossScaleRule.parse(loss_scale, owner="CompareWidget")
-        mode = "default" if rule is None else "dynamic" if rule.dynamic else "static"
-        dyn = rule if mode == "dynamic" else LossScaleRule()
-        self.scale_mode = w.Dropdown(
-            options=["default", "dynamic", "static"], value=mode, description="loss scale"
-        )
-        self.init_scale = w.FloatLogSlider(
-            dyn.init_scale, base=2, min=0, max=24, step=1, description="initial scale"
-        )
-        # plain text boxes: a bad value is refused beside the control, never clamped
-        self.growth_factor = w.FloatText(dyn.growth_factor, step=0.5, description="growth")
-        self.backoff_factor = w.FloatText(dyn.backoff_factor, step=0.05, description="backoff")
-        self.growth_interval = w.IntText(dyn.growth_interval, description="interval")
-        static = rule.init_scale if mode == "static" else 2.0**10
-        self.static_scale = w.FloatLogSlider(
-            static, base=2, min=0, max=24, step=1, description="static scale"
-        )
-        self.scale_mode.observe(lambda _: self._scaler_enabled(), names="value")
-        self._scaler_enabled()
 
     def _scaler_enabled(self) -> None:
         """Only the controls of the chosen loss-scale mode are enabled ("default": none)."""

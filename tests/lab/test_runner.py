@@ -1,15 +1,28 @@
 """``mpnb.lab.compare``: every column for every opt level and dtype, error rows, the scaler."""
 
+import dataclasses
+import inspect
 import math
+from dataclasses import fields, replace
 
+import pandas as pd
 import pytest
 import torch
 from torch import nn
 
 import mpnb.lab
-from mpnb.lab import workloads
+from mpnb.lab import (
+    ConfigsPlan,
+    DistributedPlan,
+    OutputPlan,
+    Plan,
+    TimingPlan,
+    WorkloadPlan,
+    workloads,
+)
 from mpnb.lab.config import expand
 from mpnb.lab.runner import COLUMNS
+from mpnb.lab.verdict import TOLERANCE
 
 
 def _data(n=256, seed=0):
@@ -167,3 +180,127 @@ def test_isolate_runs_each_configuration_in_a_subprocess():
     assert (df.error == "").all(), df.error.tolist()
     assert df.attrs["method"] == "isolated subprocesses"
     assert df.metric.notna().all() and len(df.attrs["history"]) == 4
+
+
+# ---- Plan: compare's request as one value ------------------------------------------------------
+
+
+def _plan(**configs):
+    return Plan(
+        WorkloadPlan(_tiny_workload(), steps=4),
+        ConfigsPlan(("O0", "O2"), half_dtype="bf16", optimizer="sgd", **configs),
+        TimingPlan(threads=1),
+        OutputPlan(progress=False),
+    )
+
+
+# the columns a run fills the same from the same seed (the step times differ run to run)
+_SAME = ["configuration", "final_loss", "metric", "output_diff_vs_O0", "error", "status"]
+
+
+def test_a_plan_runs_what_the_keyword_call_runs():
+    kw = mpnb.lab.compare(
+        _tiny_workload(),
+        configs=("O0", "O2"),
+        half_dtype="bf16",
+        optimizer="sgd",
+        steps=4,
+        progress=False,
+        threads=1,
+    )
+    df = _plan().run()
+    assert list(df.columns) == list(kw.columns)
+    pd.testing.assert_frame_equal(df[_SAME], kw[_SAME])
+    same = ["configuration", "step", "loss", "phase"]
+    pd.testing.assert_frame_equal(df.attrs["history"][same], kw.attrs["history"][same])
+    assert df.attrs["method"] == kw.attrs["method"]
+
+
+def test_a_plan_is_a_value_replace_makes_a_variant_and_both_run():
+    plan = _plan()
+    fp32 = replace(plan, configs=replace(plan.configs, configs=("O0",)))
+    assert plan.configs.configs == ("O0", "O2")  # the original is unchanged
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        plan.timing = TimingPlan()
+    assert list(fp32.run().configuration) == ["O0 fp32 b16"]
+    assert sorted(plan.run().configuration) == ["O0 fp32 b16", "O2 bf16 b16"]
+
+
+@pytest.mark.parametrize(
+    "kw, plan",
+    [
+        (dict(ranks=0), Plan(distributed=DistributedPlan(ranks=0))),
+        (dict(ranks=True), Plan(distributed=DistributedPlan(ranks=True))),
+        (dict(strategy="ddp"), Plan(distributed=DistributedPlan(strategy="ddp"))),
+        (dict(steps=1), Plan(WorkloadPlan(steps=1))),
+        (dict(device="tpu"), Plan(timing=TimingPlan(device="tpu"))),
+        (dict(workload="resnet50"), Plan(WorkloadPlan("resnet50"))),
+        (dict(workload=_tiny()), Plan(WorkloadPlan(_tiny()))),
+        (dict(workload="mlp", data=_data()), Plan(WorkloadPlan("mlp", data=_data()))),
+        (dict(workload="mlp", configs=("O4",)), Plan(WorkloadPlan("mlp"), ConfigsPlan(("O4",)))),
+        (
+            dict(workload="mlp", optimizer="adagrad"),
+            Plan(WorkloadPlan("mlp"), ConfigsPlan(optimizer="adagrad")),
+        ),
+        (
+            dict(workload="mlp", ranks=2, batch_sizes=(8, 16)),
+            Plan(WorkloadPlan("mlp", batch_sizes=(8, 16)), distributed=DistributedPlan(ranks=2)),
+        ),
+    ],
+)
+def test_a_bad_value_in_a_plan_raises_what_the_keyword_form_raises(kw, plan):
+    with pytest.raises((TypeError, ValueError)) as by_keyword:
+        mpnb.lab.compare(progress=False, **kw)
+    with pytest.raises(by_keyword.type) as by_plan:
+        replace(plan, output=OutputPlan(progress=False)).run()
+    assert str(by_plan.value) == str(by_keyword.value)
+
+
+def test_configs_and_opt_levels_together_are_refused_as_before():
+    with pytest.raises(TypeError, match="not both"):
+        mpnb.lab.compare("mlp", configs=("O0",), opt_levels=("O1",), progress=False)
+
+
+def test_a_group_of_the_wrong_kind_and_a_plan_given_to_compare_are_refused_with_the_fix():
+    with pytest.raises(TypeError, match="WorkloadPlan"):
+        Plan(workload="mlp")
+    with pytest.raises(TypeError, match=r"plan\.run\(\)"):
+        mpnb.lab.compare(Plan())
+
+
+def test_the_keyword_form_keeps_its_signature():
+    # notebooks, the CLI and the widget call compare by these names, with these defaults
+    params = inspect.signature(mpnb.lab.compare).parameters
+    assert {n: p.default for n, p in params.items()} == dict(
+        workload="transformer",
+        data=None,
+        loss_fn=None,
+        metric_fn=None,
+        eval_data=None,
+        configs=None,
+        half_dtype="auto",
+        batch_sizes=None,
+        steps=None,
+        size="auto",
+        optimizer=None,
+        lr=None,
+        loss_scale=None,
+        device="auto",
+        seed=0,
+        progress=True,
+        isolate=False,
+        threads=None,
+        on_progress=None,
+        should_stop=None,
+        tolerance=TOLERANCE,
+        opt_levels=None,
+        ranks=None,
+        strategy=None,
+        timeout=600.0,
+        compile_budget=None,
+    )
+    assert list(params)[:2] == ["workload", "data"]
+    assert all(p.kind is p.KEYWORD_ONLY for p in list(params.values())[2:])
+    # every keyword is a field of one group (opt_levels: the former name of configs)
+    grouped = {f.name for g in fields(Plan) for f in fields(g.default_factory)}
+    assert set(params) - grouped == {"opt_levels"}

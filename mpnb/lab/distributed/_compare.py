@@ -12,6 +12,7 @@ import math
 import os
 import pickle
 import tempfile
+from dataclasses import dataclass
 
 import pandas as pd
 import torch
@@ -176,111 +177,200 @@ def _interval(ms: list[float]) -> tuple[float, float, float]:
     return median(ms), lo, hi
 
 
-def rows_of(records, policies, skipped, failure, ref, job, w, ranks, hw_summary="") -> pd.DataFrame:
-    """One row per policy from the ranks' records (see :data:`DIST_COLUMNS`)."""
+@dataclass(frozen=True)
+class _Seen:
+    """What the ranks' records say of one policy, and the run it was part of."""
 
-    fail_policy, fail_status, fail_msg = (failure or ("", "", ""))[:3]
+    c: object  # the DistributedConfig
+    job: dict
+    w: object  # the Workload
+    ranks: int
+    hw: str
+    ref: dict  # the single-process fp32 run (:func:`reference_run`)
+    done: list  # the steps every rank finished
+    losses: list  # the global batch's loss at each of them (the mean of the shards')
+    timed: list  # the step times (max over ranks) past the measured steps
+    measured: list  # the records of the measured steps
+    meas: list  # those of the last measured step
+    by_op: dict  # bytes sent per rank per step, by collective
+    med: float
+    lo: float
+    hi: float
+    metric: list
+    diff: float  # max abs difference of the loss curve against single-process fp32
+    status: str
+    error: str
+
+
+def _steps(mine: list, ranks: int) -> tuple[list, list, list]:
+    """The steps every rank finished, the global loss and the timed step times (max over
+    ranks) of each."""
+    steps = sorted({r["step"] for r in mine})
+    done = [s for s in steps if len([r for r in mine if r["step"] == s]) == ranks]
+    # each rank's shard loss: their mean is the global batch's
+    losses = [sum(r["loss"] for r in mine if r["step"] == s) / ranks for s in done]
+    ms_by_step = [max(r["ms"] for r in mine if r["step"] == s) for s in done]
+    timed = [m for s, m in zip(done, ms_by_step, strict=True) if s >= MEASURE_STEPS]
+    return done, losses, timed
+
+
+def _traffic(mine: list) -> tuple[list, list, dict]:
+    """The measured records, those of the last measured step and their bytes by collective
+    (mean over ranks)."""
+    measured = [r for r in mine if "by_op" in r]
+    last_measured = max((r["step"] for r in measured), default=None)
+    meas = [r for r in measured if r["step"] == last_measured]
+    by_op: dict[str, int] = {}
+    for r in meas:
+        for op, b in r["by_op"].items():
+            by_op[op] = by_op.get(op, 0) + b
+    return measured, meas, {op: int(round(b / max(1, len(meas)))) for op, b in by_op.items()}
+
+
+def _outcome(c, done: list, failure, job: dict) -> tuple[str, str]:
+    """The policy's status and error: the failure's own for the policy it names, an early
+    end for one that had not finished its steps."""
+    if not failure:
+        return "ok", ""
+    fail_policy, fail_status, fail_msg = failure[:3]
+    if c.name == fail_policy:
+        return fail_status, fail_msg
+    if len(done) < job["steps"]:
+        why = fail_msg.split(":")[0]
+        return "interrupted", (
+            f"the comparison ended early ({why}) after {len(done)} of {job['steps']} steps"
+        )
+    return "ok", ""
+
+
+def _seen(c, records, failure, ref, job, w, ranks, hw) -> _Seen:
+    """Everything the columns of ``c``'s row are computed from."""
+    mine = [r for r in records if r["policy"] == c.name]
+    done, losses, timed = _steps(mine, ranks)
+    measured, meas, by_op = _traffic(mine)
+    ref_l = ref["losses"][: len(losses)]
+    diff = max((abs(a - b) for a, b in zip(losses, ref_l, strict=True)), default=math.nan)
+    med, lo, hi = _interval(timed)
+    metric = [r["metric"] for r in mine if "metric" in r]
+    status, error = _outcome(c, done, failure, job)
+    return _Seen(
+        c=c,
+        job=job,
+        w=w,
+        ranks=ranks,
+        hw=hw,
+        ref=ref,
+        done=done,
+        losses=losses,
+        timed=timed,
+        measured=measured,
+        meas=meas,
+        by_op=by_op,
+        med=med,
+        lo=lo,
+        hi=hi,
+        metric=metric,
+        diff=diff,
+        status=status,
+        error=error,
+    )
+
+
+def _nan_unless(ok, value):
+    """``value()`` when ``ok``, else ``math.nan`` (the column holds nothing measured)."""
+    return value() if ok else math.nan
+
+
+#: The columns every row has, skipped policies' included: (name, value of the policy and run).
+_POLICY_COLUMNS = (
+    ("configuration", lambda c, w, ranks: c.label()),
+    ("workload", lambda c, w, ranks: w.name),
+    ("ranks", lambda c, w, ranks: ranks),
+    ("strategy", lambda c, w, ranks: c.strategy),
+    ("policy", lambda c, w, ranks: c.name),
+    ("param_dtype", lambda c, w, ranks: c.param_dtype),
+    ("reduce_dtype", lambda c, w, ranks: c.reduce_dtype),
+    ("tolerance", lambda c, w, ranks: c.tolerance),
+)
+
+#: The memory columns (see :func:`_mem`).
+_MEM_COLUMNS = tuple(k for k in DIST_COLUMNS if k.startswith("mem_"))
+
+#: The columns a policy that ran fills: (name, value of what was seen, :class:`_Seen`).
+_RUN_COLUMNS = (
+    ("precision", lambda s: s.c.precision_text()),
+    ("batch_size", lambda s: s.job["global_batch"]),
+    ("samples_per_step", lambda s: s.job["global_batch"]),
+    ("steps", lambda s: s.job["steps"]),
+    ("steps_done", lambda s: len(s.done)),
+    ("optimizer", lambda s: s.job["optimizer"]),
+    ("device", lambda s: s.job["device"]),
+    ("hardware", lambda s: s.hw),
+    ("step_time_ms", lambda s: s.med),
+    ("step_time_iqr_ms", lambda s: _nan_unless(s.timed, lambda: iqr(s.timed))),
+    ("timed_steps", lambda s: len(s.timed)),
+    ("rounds", lambda s: len(s.timed)),
+    (
+        "samples_per_s",
+        lambda s: _nan_unless(s.timed, lambda: s.job["global_batch"] / (s.med / 1e3)),
+    ),
+    ("peak_mem_mib", lambda s: _mem(s, "mem_peak_mib")),
+    ("flops_per_step", lambda s: s.ref["flops_per_step"] / s.ranks),
+    ("final_loss", lambda s: _nan_unless(s.losses, lambda: s.losses[-1])),
+    ("metric_name", lambda s: s.w.metric_name),
+    ("metric", lambda s: _nan_unless(s.metric, lambda: s.metric[0])),
+    ("metric_vs_O0", lambda s: _nan_unless(s.metric, lambda: s.metric[0] - s.ref["metric"])),
+    ("warnings", lambda s: ""),
+    ("error", lambda s: s.error),
+    ("status", lambda s: s.status),
+    *((k, lambda s, k=k: _mem(s, k)) for k in _MEM_COLUMNS),
+    ("bytes_sent_per_step", lambda s: _nan_unless(s.meas, lambda: sum(s.by_op.values()))),
+    # ring: a rank receives what it sends
+    ("bytes_recv_per_step", lambda s: _nan_unless(s.meas, lambda: sum(s.by_op.values()))),
+    ("bytes_by_op", lambda s: s.by_op),
+    ("comm_s", lambda s: _nan_unless(s.measured, lambda: median(_rank0_comm(s)))),
+    ("step_ms", lambda s: s.med),
+    ("step_ms_lo", lambda s: s.lo),
+    ("step_ms_hi", lambda s: s.hi),
+    ("loss_final", lambda s: _nan_unless(s.losses, lambda: s.losses[-1])),
+    ("loss_vs_fp32", lambda s: s.diff),
+    ("within_tolerance", lambda s: bool(s.diff <= s.c.tolerance) if s.losses else False),
+)
+
+#: The columns of a policy this device does not offer: (name, value of the policy's name in
+#: ``skipped`` and the reason).
+_SKIPPED_COLUMNS = (
+    ("policy", lambda name, why: name),
+    ("within_tolerance", lambda name, why: False),
+    ("bytes_by_op", lambda name, why: {}),
+    ("status", lambda name, why: "skipped"),
+    ("error", lambda name, why: why),
+)
+
+
+def _mem(s: _Seen, k: str) -> float:
+    """Memory column ``k``: the max over the ranks' records of the last measured step."""
+    return max((r[k] for r in s.meas), default=math.nan)
+
+
+def _rank0_comm(s: _Seen) -> list:
+    """Rank 0's seconds in the collectives, one per measured step."""
+    return [r["comm_s"] for r in s.measured if r["rank"] == 0]
+
+
+def rows_of(records, policies, skipped, failure, ref, job, w, ranks, hw_summary="") -> pd.DataFrame:
+    """One row per policy from the ranks' records (see :data:`DIST_COLUMNS`), then one per
+    ``skipped`` policy; each column is one row of the tables above, a column no row fills is
+    NaN."""
+
     rows = []
     for c in policies:
-        mine = [r for r in records if r["policy"] == c.name]
-        steps = sorted({r["step"] for r in mine})
-        done = [s for s in steps if len([r for r in mine if r["step"] == s]) == ranks]
-        losses = [
-            sum(r["loss"] for r in mine if r["step"] == s) / ranks for s in done
-        ]  # each rank's shard loss: their mean is the global batch's
-        ms_by_step = [max(r["ms"] for r in mine if r["step"] == s) for s in done]
-        timed = [m for s, m in zip(done, ms_by_step, strict=True) if s >= MEASURE_STEPS]
-        measured = [r for r in mine if "by_op" in r]
-        last_measured = max((r["step"] for r in measured), default=None)
-        meas = [r for r in measured if r["step"] == last_measured]
-        by_op: dict[str, int] = {}
-        for r in meas:
-            for op, b in r["by_op"].items():
-                by_op[op] = by_op.get(op, 0) + b
-        by_op = {op: int(round(b / max(1, len(meas)))) for op, b in by_op.items()}
-        sent = sum(by_op.values())
-        ref_l = ref["losses"][: len(losses)]
-        diff = max((abs(a - b) for a, b in zip(losses, ref_l, strict=True)), default=math.nan)
-        med, lo, hi = _interval(timed)
-        metric = [r["metric"] for r in mine if "metric" in r]
-        status, error = "ok", ""
-        if failure:
-            if c.name == fail_policy:
-                status, error = fail_status, fail_msg
-            elif len(done) < job["steps"]:
-                status = "interrupted"
-                error = (
-                    f"the comparison ended early ({fail_msg.split(':')[0]}) after "
-                    f"{len(done)} of {job['steps']} steps"
-                )
-        mem = {
-            k: max((r[k] for r in meas), default=math.nan)
-            for k in DIST_COLUMNS
-            if k.startswith("mem_")
-        }
-        row = dict(
-            configuration=c.label(),
-            workload=w.name,
-            precision=c.precision_text(),
-            batch_size=job["global_batch"],
-            samples_per_step=job["global_batch"],
-            steps=job["steps"],
-            steps_done=len(done),
-            optimizer=job["optimizer"],
-            device=job["device"],
-            hardware=hw_summary,
-            step_time_ms=med,
-            step_time_iqr_ms=iqr(timed) if timed else math.nan,
-            timed_steps=len(timed),
-            rounds=len(timed),
-            samples_per_s=job["global_batch"] / (med / 1e3) if timed else math.nan,
-            peak_mem_mib=mem["mem_peak_mib"],
-            flops_per_step=ref["flops_per_step"] / ranks,
-            final_loss=losses[-1] if losses else math.nan,
-            metric_name=w.metric_name,
-            metric=metric[0] if metric else math.nan,
-            metric_vs_O0=(metric[0] - ref["metric"]) if metric else math.nan,
-            warnings="",
-            error=error,
-            status=status,
-            ranks=ranks,
-            strategy=c.strategy,
-            policy=c.name,
-            param_dtype=c.param_dtype,
-            reduce_dtype=c.reduce_dtype,
-            **mem,
-            bytes_sent_per_step=sent if meas else math.nan,
-            bytes_recv_per_step=sent if meas else math.nan,  # ring: a rank receives what it sends
-            bytes_by_op=by_op,
-            comm_s=median([r["comm_s"] for r in measured if r["rank"] == 0])
-            if measured
-            else math.nan,
-            step_ms=med,
-            step_ms_lo=lo,
-            step_ms_hi=hi,
-            loss_final=losses[-1] if losses else math.nan,
-            loss_vs_fp32=diff,
-            tolerance=c.tolerance,
-            within_tolerance=bool(diff <= c.tolerance) if losses else False,
-        )
-        rows.append(row)
+        s = _seen(c, records, failure, ref, job, w, ranks, hw_summary)
+        row = {k: f(c, w, ranks) for k, f in _POLICY_COLUMNS}
+        rows.append(row | {k: f(s) for k, f in _RUN_COLUMNS})
     for name, (c, why) in skipped.items():
-        rows.append(
-            dict(
-                configuration=c.label(),
-                workload=w.name,
-                ranks=ranks,
-                strategy=c.strategy,
-                policy=name,
-                param_dtype=c.param_dtype,
-                reduce_dtype=c.reduce_dtype,
-                tolerance=c.tolerance,
-                within_tolerance=False,
-                bytes_by_op={},
-                status="skipped",
-                error=why,
-            )
-        )
+        row = {k: f(c, w, ranks) for k, f in _POLICY_COLUMNS}
+        rows.append(row | {k: f(name, why) for k, f in _SKIPPED_COLUMNS})
     cols = list(COLUMNS) + [k for k in DIST_COLUMNS if k not in COLUMNS]
     return pd.DataFrame([{k: r.get(k, math.nan) for k in cols} for r in rows], columns=cols)
 
