@@ -39,6 +39,8 @@ Example::
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 # Public names and the module that defines each, imported on first use (PEP 562) so that
 # `import mpnb.lab.bench` (and `mpnb bench --list`) does not import pandas or plotly.
@@ -80,3 +82,32 @@ def __getattr__(name: str):
         globals()[name] = value
         return value
     raise AttributeError(f"module 'mpnb.lab' has no attribute {name!r}")
+
+
+class _Lab(types.ModuleType):
+    """``mpnb.lab``'s module type. A function named as its own module (``verdict``,
+    ``quant_stats``) stays the package's attribute once the module is loaded: the import system
+    binds a loaded submodule to its package (``mpnb.lab.verdict = <module>``), which would hide
+    the function from ``mpnb.lab.verdict(df)``; a property of the type keeps the function.
+    (``importlib.import_module("mpnb.lab.verdict")`` is the module.)"""
+
+
+def _function_named_as_its_module(name: str) -> property:
+    def get(module: types.ModuleType):
+        fn = module.__dict__.get(f"_{name}_function")
+        if fn is None:
+            fn = getattr(importlib.import_module(f"{__name__}.{name}"), name)
+            module.__dict__[f"_{name}_function"] = fn
+        return fn
+
+    def put(module: types.ModuleType, value) -> None:
+        # the import system binding the submodule is ignored; anything else replaces the name
+        if not isinstance(value, types.ModuleType):
+            module.__dict__[f"_{name}_function"] = value
+
+    return property(get, put, doc=f"mpnb.lab.{name}.{name}")
+
+
+for _name in [n for n, m in _LAZY.items() if n == m]:
+    setattr(_Lab, _name, _function_named_as_its_module(_name))
+sys.modules[__name__].__class__ = _Lab

@@ -53,11 +53,6 @@ def test_a_name_is_imported_once_then_cached_in_the_package():
     assert mpnb.lab.__dict__["compare"] is value is runner.compare
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="mpnb/lab/__init__.py: importing the submodule mpnb.lab.verdict (the runner does) "
-    "sets the package's attribute `verdict` to the module, so the lazy function is never reached",
-)
 @pytest.mark.parametrize("name", _SHADOWED)
 def test_a_name_spelled_as_its_module_is_the_function_after_the_module_loaded(name):
     code = (
