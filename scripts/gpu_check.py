@@ -6,7 +6,7 @@ check goes on:
 
 1. ``mpnb build-ext`` and ``mpnb doctor`` (the CPU kernels; the CUDA dtypes, measured);
 2. the ``gpu``-marked tests, and every Triton kernel against its reference on CUDA in
-   fp32/fp16/bf16 (``tests/core/ops/triton_kernels``, compiled, not interpreted);
+   fp32/fp16/bf16 (``tests/core/ops/triton``, compiled, not interpreted);
 3. ``mpnb bench --device cuda``: every Triton kernel vs PyTorch's CUDA path at the GPT's sizes
    and at 256 MiB, each ratio with its 95% interval (rounds until it is within 2%, at most 40
    or 1 s per case: 40-50 s expected on an H100, an estimate), beside the same-run copy
@@ -123,7 +123,7 @@ def steps() -> list[Step]:
         Step(
             "triton vs reference",
             75,
-            (sys.executable, *_PYTEST, *_XDIST, "tests/core/ops/triton_kernels"),
+            (sys.executable, *_PYTEST, *_XDIST, "tests/core/ops/triton"),
             "every Triton kernel against its reference on CUDA, fp32/fp16/bf16",
         ),
         Step(

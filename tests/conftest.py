@@ -39,7 +39,7 @@ def _import_triton() -> str | None:
 
 # Imported before any test module is collected, so that whatever a test file imports at
 # collection (torch._dynamo, torchao, triton itself) finds triton interpreted on a CPU; the
-# Triton kernels' tests (their fixtures: tests/core/ops/triton_kernels/conftest.py) may then
+# Triton kernels' tests (their fixtures: tests/core/ops/triton/conftest.py) may then
 # sit anywhere in the tree.
 TRITON_MISSING = _import_triton()
 

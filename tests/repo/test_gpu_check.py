@@ -32,7 +32,7 @@ def test_every_step_has_a_budget_and_they_fit_in_eight_minutes():
     for needed in (
         "doctor",
         "-m gpu",
-        "triton_kernels",
+        "tests/core/ops/triton",
         "bench --device cuda --json",  # a full run: enough rounds for the intervals
         "-m mpnb.lab.sync_count --device cuda",  # syncs counted by CUDA itself
         "compare --device cuda --workload transformer --size auto",  # the GPU-sized workload

@@ -6,7 +6,7 @@
   reference, the PyTorch-ops path of CUDA) steps with the tensor's value exactly as with that
   value as a host number, reads it afresh each call (an LR schedule writing into it reaches a
   captured step), and refuses a tensor it cannot read. The Triton kernels' twin is
-  ``triton_kernels/test_lr_tensor.py``.
+  ``triton/test_adam.py``.
 * The pure-bf16 step's random bits depend on the seed, not on the threads.
 
 The route of large fp32 tensors to PyTorch's fused op: ``test_adam_route.py``.

@@ -1,6 +1,6 @@
 """``mpnb bench --device cuda`` on a machine without a GPU: a clear message, exit code 2, no
 traceback (the suite itself runs on a GPU; its cases are smoke-tested on the CPU in
-tests/core/ops/triton_kernels/test_bench_cases.py). The suite's tables, walked with a stand-in
+tests/core/ops/triton/test_triton_bench_cases.py). The suite's tables, walked with a stand-in
 for the Triton launchers: each case keeps the workload it was built with, and every scalar
 reaches a kernel by keyword."""
 
@@ -25,7 +25,7 @@ _no_gpu = pytest.mark.skipif(
 def test_device_cuda_alone_picks_the_gpu_suite_and_refuses(capsys):
     assert bench.main(["--device", "cuda"]) == 2
     out = capsys.readouterr()
-    assert "no CUDA GPU is visible to torch" in out.err and "CUDA build of torch" in out.err
+    assert "no CUDA GPU" in out.err and "CUDA build of torch" in out.err
     assert out.out == ""
 
 
@@ -39,7 +39,7 @@ def test_gpu_suite_on_the_cpu_device_says_what_to_run(capsys):
 @_no_gpu
 def test_unavailable_reasons():
     assert "needs a CUDA GPU" in cuda.unavailable(Options.make(device="cpu"))
-    with pytest.raises(ValueError, match="not a device the suites run on"):
+    with pytest.raises(ValueError, match="not a device"):
         Options.make(device="gpu0")  # refused before any suite looks at it
     assert "no CUDA GPU" in cuda.unavailable(Options.make(device="cuda:1"))
 

@@ -7,20 +7,31 @@ its rounded copy in the same pass), ``steps`` one one-element fp32 tensor per pa
 nothing is written, step counts included. The flag is read on the device (no host sync):
 every store is masked by it and :func:`advance_steps` adds ``found_inf == 0`` to each step
 after the update.
+
+The step kernels are launched by keyword from the op's arguments (:class:`OpKernel`): a
+kernel's scalar parameters are named after them, so an argument added to an op reaches the
+kernel that declares it with no change to its launcher.
 """
 
 from __future__ import annotations
+
+import inspect
+import re
+from collections.abc import Callable
 
 import torch
 import triton
 import triton.language as tl
 
+from mpnb.core.ops._library import op_info
 from mpnb.core.ops.triton._checks import ListIds, check_same_device, guard_lists
-from mpnb.core.ops.triton._chunks import ChunkTable
-from mpnb.core.ops.triton._common import flag_view, from_acc, launch, to_acc
+from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable
+from mpnb.core.ops.triton._common import f32, flag_view, from_acc, launch, to_acc
+from mpnb.core.ops.triton._rounding import KAHAN, NEAREST, store_rounded
 
 __all__ = [
     "OPT_DTYPES",
+    "OpKernel",
     "check_flags",
     "guard_step",
     "advance_steps",
@@ -33,18 +44,23 @@ __all__ = [
     "load_grad",
     "load_weight",
     "store_weight",
+    "store_step",
 ]
 
 OPT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STEP_BLOCK = 256
 
 
+#: the one-element tensors an optimizer op may read by address, where it has them
+_FLAGS = ("global_grad_norm", "inv_scale", "found_inf", "lr_tensor")
+
+
 def check_flags(args) -> None:
-    """Raise unless ``inv_scale`` and ``found_inf`` (read by address) live on the params'
-    device (the one guard the op's check cannot know: :mod:`._checks`)."""
+    """Raise unless the one-element tensors the kernel reads by address (``inv_scale``,
+    ``found_inf``, and ``global_grad_norm`` or ``lr_tensor`` where the op has them) live on the
+    params' device (the one guard the op's check cannot know: :mod:`._checks`)."""
     if args.params:
-        flags = dict(inv_scale=args.inv_scale, found_inf=args.found_inf)
-        flags["lr_tensor"] = getattr(args, "lr_tensor", None)
+        flags = {name: getattr(args, name, None) for name in _FLAGS}
         check_same_device(args.op_name, args.params[0], **flags)
 
 
@@ -174,6 +190,17 @@ def store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER: tl.constexpr):
 
 
 @triton.jit
+def store_step(p_ptr, w_ptr, offs, x, mask, key, HAS_MASTERS: tl.constexpr, ROUNDING: tl.constexpr):
+    """Write the new fp32 weights ``x``: with ``ROUNDING`` :data:`~._rounding.NEAREST` as
+    :func:`store_weight` (``w_ptr``: the masters), else rounded into the bf16 params by
+    :func:`~._rounding.store_rounded` (``w_ptr``: Kahan's compensations)."""
+    if ROUNDING == NEAREST:
+        store_weight(p_ptr, w_ptr, offs, x, mask, HAS_MASTERS)
+    else:
+        store_rounded(p_ptr, w_ptr, offs, x, mask, key, ROUNDING == KAHAN)
+
+
+@triton.jit
 def _advance_kernel(
     table,
     n_tensors,
@@ -207,3 +234,173 @@ def advance_steps(tab: ChunkTable, col: int, steps, found_inf) -> None:
         ROW=tab.row,
         BLOCK=_STEP_BLOCK,
     )
+
+
+# ---- launching by keyword from the op's arguments ------------------------------------------
+
+
+def _kinds(op_name: str) -> dict[str, str]:
+    """Each argument of op ``op_name`` -> its schema type's kind (``"FloatType"``, ...; an
+    optional tensor ``"Tensor?"``)."""
+    schema = torch._C.parse_schema(op_info(op_name).schema)
+    return {
+        a.name: "Tensor?" if str(a.type) == "Optional[Tensor]" else a.type.kind()
+        for a in schema.arguments
+    }
+
+
+def _rule(name: str, index: dict[str, int], kinds: dict[str, str]) -> str | None:
+    """The Python expression of kernel parameter ``name`` in the op's arguments ``a`` (the
+    named tuple) and the chunk table ``tab``, or None when no rule gives it. Float
+    argument ``i`` is rounded once: ``x<i>``, ``f32(a[i])``, bound by :func:`_builder`."""
+    if name in index:
+        i, kind = index[name], kinds.get(name)
+        return {
+            "FloatType": f"x{i}",
+            "IntType": f"a[{i}]",
+            "BoolType": f"a[{i}]",
+            "TensorType": f"a[{i}]",
+            "Tensor?": f"(tab.table if a[{i}] is None else flag_view(a[{i}]))",
+        }.get(kind)
+    if name.isupper():
+        low = name.lower()
+        if low.startswith("has_") and low[4:] in index:
+            i = index[low[4:]]
+            return {
+                "Tensor?": f"a[{i}] is not None",
+                "ListType": f"len(a[{i}]) > 0",
+                "FloatType": f"a[{i}] != 0",
+            }.get(kinds.get(low[4:]))
+        if low in index and kinds.get(low) == "BoolType":
+            return f"bool(a[{index[low]}])"
+        return None
+    for prefix, form in (("neg_", "-x{i}"), ("one_m_", "f32(1.0 - a[{i}])")):
+        arg = name.removeprefix(prefix)
+        if arg != name and kinds.get(arg) == "FloatType":
+            return form.format(i=index[arg])  # -f32(x) is f32(-x) exactly
+    arg, _, part = name.rpartition("_")
+    if part in ("hi", "lo") and kinds.get(arg) == "FloatType":
+        i = index[arg]
+        return f"x{i}" if part == "hi" else f"f32(a[{i}] - x{i})"  # split64's halves
+    return None
+
+
+#: the chunk table's keywords of every launch, as expressions of the table ``tab``
+_TABLE_KWARGS = dict(
+    table="tab.table", n_tensors="tab.n_tensors", ROW="tab.row", CHUNK="tab.chunk", BLOCK="BLOCK"
+)
+
+
+def _builder(names: list[str], exprs: list[str]) -> Callable:
+    """``build(a, kw, tab) -> {name: value}``: the launcher's keywords ``kw``, the chunk
+    table's, and the parameters ``names`` by their ``exprs`` (:func:`_rule`), written out as
+    source once (as ``dataclasses`` writes ``__init__``): one dict display, each float argument
+    rounded once."""
+    floats = sorted({int(i) for e in exprs for i in re.findall(r"\bx(\d+)\b", e)})
+    lines = ["def build(a, kw, tab):"]
+    lines += [f"    x{i} = f32(a[{i}])" for i in floats]
+    pairs = [*_TABLE_KWARGS.items(), *zip(names, exprs, strict=True)]
+    items = ", ".join(f"{n!r}: {e}" for n, e in pairs)
+    lines.append(f"    return {{**kw, {items}}}")
+    scope = {"f32": f32, "flag_view": flag_view, "BLOCK": BLOCK}
+    exec("\n".join(lines), scope)  # noqa: S102 - source made of parameter names and indices
+    return scope["build"]
+
+
+class OpKernel:
+    """A chunk-table kernel (:mod:`._chunks`) launched by keyword from an op's arguments
+    (``args._asdict()``'s names), so that an argument added to the op needs no change where the
+    kernel is launched.
+
+    Each parameter of the kernel takes, the first that applies:
+
+    * what the launcher gives by keyword (the lists' carrier tensors, values derived from
+      several arguments), and the chunk table's ``table``, ``n_tensors``, ``ROW``, ``CHUNK``
+      and ``BLOCK``;
+    * the op's argument of that name: a float rounded to fp32 (:func:`~._common.f32`), an int,
+      a bool or a tensor as it is, an optional tensor as itself (a bool flag seen as uint8,
+      :func:`~._common.flag_view`) or, when None, the chunk table (``table``: a pointer the
+      kernel never reads);
+    * from a float argument ``x``: ``x_hi`` and ``x_lo``, its two fp32 halves for fp64 math
+      (:func:`~._common.split64`), ``neg_x`` (``-x``) and ``one_m_x`` (``1 - x``) in fp32;
+    * ``X``, the argument's name in capitals (a constexpr): a bool argument; ``HAS_X``: an
+      optional tensor given, a list not empty, a float not zero;
+    * the kernel's default, where the op has no such argument (``MAXIMIZE: tl.constexpr =
+      False`` serves an op without ``maximize``).
+
+    Anything else is a ``TypeError`` when the launch is planned: a parameter that nothing
+    supplies, a keyword that the kernel does not declare or that the op's arguments supply.
+    The plan (which rule serves each parameter) is made once per op and set of keywords and
+    kept here, as one function that builds the keywords (a launch pays for one dict).
+
+    Example::
+
+        >>> _ADAM = OpKernel(_adam_kernel)
+        >>> _ADAM(ChunkTable.build(lists), args, p0=args.params[0], ...)
+    """
+
+    def __init__(self, kernel, num_warps: int = WARPS) -> None:
+        self.kernel = kernel
+        self.num_warps = num_warps
+        fn = getattr(kernel, "fn", kernel)  # a JITFunction wraps the Python function
+        self.name = fn.__name__
+        params = inspect.signature(fn).parameters.values()
+        self._optional = {p.name: p.default is not inspect.Parameter.empty for p in params}
+        self._plans: dict[tuple, Callable] = {}
+
+    def __call__(self, tab: ChunkTable, args, **given) -> None:
+        """Launch the kernel, one program per chunk of ``tab``, for the op call ``args`` (its
+        named tuple) with the launcher's keywords ``given`` and the table's (``table``,
+        ``n_tensors``, ``ROW``, ``CHUNK``, ``BLOCK``)."""
+        key = (type(args), *given)
+        build = self._plans.get(key)
+        if build is None:
+            build = self._plans[key] = self._plan(type(args), given)
+        launch(self.kernel, (tab.n_chunks,), num_warps=self.num_warps, **build(args, given, tab))
+
+    def kwargs(self, args, tab: ChunkTable | None = None, **given) -> dict:
+        """The keywords a launch for ``args`` on the chunk table ``tab`` with the launcher's
+        ``given`` passes the kernel (what a test inspects; ``tab`` None: a table's fields
+        stand in, ``table`` the string "table")."""
+        if tab is None:
+            tab = ChunkTable("table", 1, 1, 1)
+        return self._plan(type(args), given)(args, given, tab)
+
+    def _plan(self, Args: type, given: dict) -> Callable:
+        op = Args.op_name
+        unknown = [k for k in [*given, *_TABLE_KWARGS] if k not in self._optional]
+        if unknown:
+            raise TypeError(
+                f"{op}: the launcher passes {unknown} to {self.name}, which has no such "
+                f"parameter; declare it in the kernel's signature or stop passing it."
+            )
+        kinds = _kinds(op)
+        index = {f: i for i, f in enumerate(Args._fields)}
+        shadowed = [k for k in given if k in index or _rule(k, index, kinds) is not None]
+        if shadowed:
+            raise TypeError(
+                f"{op}: the launcher passes {shadowed} to {self.name}, names that the op's "
+                f"arguments supply (one source per parameter); leave them out of the launch, "
+                f"or name the derived value otherwise."
+            )
+        names, exprs = [], []
+        for name, optional in self._optional.items():
+            if name in given or name in _TABLE_KWARGS:
+                continue
+            expr = _rule(name, index, kinds)
+            if expr is not None:
+                names.append(name)
+                exprs.append(expr)
+            elif name in index:
+                raise TypeError(
+                    f"{op}: argument {name!r} ({kinds.get(name)}) cannot reach {self.name} as "
+                    f"it is; pass the value the kernel needs from the launcher ({name}=...)."
+                )
+            elif not optional:
+                raise TypeError(
+                    f"{op}: nothing supplies parameter {name!r} of {self.name}: it is no "
+                    f"argument of the op (nor X_hi, X_lo, neg_X, one_m_X of a float one, X or "
+                    f"HAS_X of one in capitals); rename it after the op's argument, give it "
+                    f"a default in the kernel, or pass it from the launcher."
+                )
+        return _builder(names, exprs)

@@ -4,6 +4,8 @@ The O2 mixed-precision step: half grads are read and unscaled on the fly, the fp
 weight and both moments are updated, and the half param receives the rounded master, all in
 one read and one write of each tensor; a set ``found_inf`` writes nothing. The bias
 corrections are computed per tensor on the device in fp64 from its step count (no host sync).
+``fused_adam_bf16_`` (bf16 params without masters, rounded stochastically or with Kahan
+summation) runs the same kernel with its ``ROUNDING`` (:mod:`._rounding`).
 """
 
 from __future__ import annotations
@@ -11,15 +13,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._chunks import (
-    BLOCK,
-    WARPS,
-    ChunkTable,
-    chunk_info,
-    tensor_col,
-)
-from mpnb.core.ops.triton._common import f32, flag_view, join64, launch, split64
+from mpnb.core.ops.triton._chunks import ChunkTable, chunk_info
+from mpnb.core.ops.triton._common import f32, join64
 from mpnb.core.ops.triton._optim import (
+    OpKernel,
     advance_steps,
     bias_corrections,
     check_flags,
@@ -30,15 +27,16 @@ from mpnb.core.ops.triton._optim import (
     load_weight,
     not_found,
     step_of,
-    store_weight,
+    store_step,
 )
-from mpnb.core.ops.triton._rounding import keys_of, store_rounded
+from mpnb.core.ops.triton._rounding import NEAREST, RNG_WORDS, key_of, rng_words, rounding_code
 from mpnb.core.ops.triton._vector import aligned, column_ptr, span, span_mask, span_start
 
 __all__ = ["fused_adam_", "fused_adam_bf16_"]
 
-# Table columns: numel, first chunk, then (2) params, (3) grads, (4) exp_avgs, (5) exp_avg_sqs,
-# (6) the fp32 weights (masters, or the params themselves) and (7) steps.
+# Table columns: numel, first chunk, then from column P = 2 params, grads, exp_avgs,
+# exp_avg_sqs, the fp32 weights (masters, or the params themselves; with a rounding Kahan's
+# compensations, or the params) and steps. The random-bit keys: on the device (key_of).
 
 
 @triton.jit
@@ -58,6 +56,7 @@ def _adam_span(
     start,
     lo,
     hi,
+    key,
     p0,
     g0,
     m0,
@@ -66,53 +65,60 @@ def _adam_span(
     step_size,
     sqrt_bc2,
     decay,
-    one_m_b1,
+    beta1,
+    one_m_beta1,
     beta2,
-    one_m_b2,
+    one_m_beta2,
     eps,
-    wd,
-    ADAM_W: tl.constexpr,
-    HAS_WD: tl.constexpr,
+    weight_decay,
+    ADAM_W_MODE: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr,
     LERP_SMALL: tl.constexpr,
-    HAS_MASTER: tl.constexpr,
-    HAS_INV: tl.constexpr,
+    HAS_MASTERS: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr,
+    ROUNDING: tl.constexpr,
+    P: tl.constexpr,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    # The update of the elements [lo, hi) of the chunk.
-    p_ptr = column_ptr(table, t, 2, p0, ROW, ALIGNED)
-    g_ptr = column_ptr(table, t, 3, g0, ROW, ALIGNED)
-    m_ptr = column_ptr(table, t, 4, m0, ROW, ALIGNED)
-    v_ptr = column_ptr(table, t, 5, m0, ROW, ALIGNED)
-    w_ptr = column_ptr(table, t, 6, w0, ROW, ALIGNED)
+    # The update of the elements [lo, hi) of the chunk (the lists from table column P).
+    p_ptr = column_ptr(table, t, P, p0, ROW, ALIGNED)
+    g_ptr = column_ptr(table, t, P + 1, g0, ROW, ALIGNED)
+    m_ptr = column_ptr(table, t, P + 2, m0, ROW, ALIGNED)
+    v_ptr = column_ptr(table, t, P + 3, m0, ROW, ALIGNED)
+    w_ptr = column_ptr(table, t, P + 4, w0, ROW, ALIGNED)
     lanes = tl.arange(0, BLOCK)
     for k in range(span_start(lo, BLOCK), hi, BLOCK):
         offs = start + k + lanes
         mask = span_mask(k, lanes, lo, hi)
-        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
-        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
-        if HAS_WD:
-            if ADAM_W:
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV_SCALE)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTERS)
+        if HAS_WEIGHT_DECAY:
+            if ADAM_W_MODE:
                 w = w * decay
             else:
-                g = g + wd * w
-        m = _lerp(tl.load(m_ptr + offs, mask=mask, other=0.0), g, one_m_b1, LERP_SMALL)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + one_m_b2 * g * g
+                g = g + weight_decay * w
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        if ROUNDING == NEAREST:  # the reference's torch.lerp
+            m = _lerp(m, g, one_m_beta1, LERP_SMALL)
+        else:  # the pure-bf16 reference's formula, one rounding per operation
+            m = m * beta1 + one_m_beta1 * g
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + one_m_beta2 * g * g
         denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
         w = w + tl.div_rn(step_size * m, denom)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
-        store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
+        store_step(p_ptr, w_ptr, offs, w, mask, key, HAS_MASTERS, ROUNDING)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RNG_WORDS)
 def _adam_kernel(
     table,
     n_tensors,
-    inv_ptr,
-    found_ptr,
-    lr_ptr,
+    inv_scale,
+    found_inf,
+    lr_tensor,
     p0,
     g0,
     m0,
@@ -120,44 +126,52 @@ def _adam_kernel(
     s0,
     lr_hi,
     lr_lo,
-    b1_hi,
-    b1_lo,
-    b2_hi,
-    b2_lo,
-    wd_hi,
-    wd_lo,
+    beta1_hi,
+    beta1_lo,
+    beta2_hi,
+    beta2_lo,
+    weight_decay_hi,
+    weight_decay_lo,
     neg_lr,
-    one_m_b1,
+    beta1,
+    one_m_beta1,
     beta2,
-    one_m_b2,
+    one_m_beta2,
     eps,
-    wd,
+    weight_decay,
     decay,
-    ADAM_W: tl.constexpr,
-    HAS_WD: tl.constexpr,
+    ADAM_W_MODE: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr,
     BIAS_CORRECTION: tl.constexpr,
     LERP_SMALL: tl.constexpr,
-    HAS_MASTER: tl.constexpr,
-    HAS_INV: tl.constexpr,
-    HAS_FOUND: tl.constexpr,
-    HAS_LR_T: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
+    HAS_LR_TENSOR: tl.constexpr,
     ROW: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    rng_hi=0,
+    rng_lo=0,
+    HAS_MASTERS: tl.constexpr = False,
+    ROUNDING: tl.constexpr = 0,  # NEAREST
 ):
+    P: tl.constexpr = 2  # the first list's column
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
-    count = count * not_found(found_ptr, HAS_FOUND)
-    lr, neg_lr, decay = learning_rate(lr_ptr, lr_hi, lr_lo, wd_hi, wd_lo, neg_lr, decay, HAS_LR_T)
+    count = count * not_found(found_inf, HAS_FOUND_INF)
+    key = key_of(t, rng_hi, rng_lo, ROUNDING)
+    lr, neg_lr, decay = learning_rate(
+        lr_tensor, lr_hi, lr_lo, weight_decay_hi, weight_decay_lo, neg_lr, decay, HAS_LR_TENSOR
+    )
     if BIAS_CORRECTION:
-        step = step_of(table, t, 7, s0, ROW)
-        bc1, bc2 = bias_corrections(step, join64(b1_hi, b1_lo), join64(b2_hi, b2_lo))
+        step = step_of(table, t, P + 5, s0, ROW)
+        bc1, bc2 = bias_corrections(step, join64(beta1_hi, beta1_lo), join64(beta2_hi, beta2_lo))
         step_size = (-lr / bc1).to(tl.float32)
         sqrt_bc2 = tl.sqrt(bc2).to(tl.float32)
     else:
         step_size = neg_lr
         sqrt_bc2 = tl.full((), 1.0, tl.float32)
-    inv = load_scale(inv_ptr, HAS_INV)
-    ok = aligned(table, t, 2, 6, ROW)
+    inv = load_scale(inv_scale, HAS_INV_SCALE)
+    ok = aligned(table, t, P, P + 4, ROW)
     for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
         lo, hi = span(part, count, ok)
         _adam_span(
@@ -166,6 +180,7 @@ def _adam_kernel(
             start,
             lo,
             hi,
+            key,
             p0,
             g0,
             m0,
@@ -174,20 +189,49 @@ def _adam_kernel(
             step_size,
             sqrt_bc2,
             decay,
-            one_m_b1,
+            beta1,
+            one_m_beta1,
             beta2,
-            one_m_b2,
+            one_m_beta2,
             eps,
-            wd,
-            ADAM_W,
-            HAS_WD,
+            weight_decay,
+            ADAM_W_MODE,
+            HAS_WEIGHT_DECAY,
             LERP_SMALL,
-            HAS_MASTER,
-            HAS_INV,
+            HAS_MASTERS,
+            HAS_INV_SCALE,
+            ROUNDING,
+            P,
             ROW,
             BLOCK,
             part == 0,
         )
+
+
+_ADAM = OpKernel(_adam_kernel)
+
+
+def _step(args, ids, weights: list, **given) -> None:
+    """Both ops' launch after their checks (``ids``: the lists' ids): the chunk table of the
+    lists with ``weights`` fifth, the kernel (with the launcher's keywords ``given``), the step
+    counts."""
+    params, steps = args.params, args.steps
+    lists = [params, args.grads, args.exp_avgs, args.exp_avg_sqs, weights, steps]
+    tab = ChunkTable.build(lists, ids=ids)
+    if tab.n_chunks:
+        _ADAM(
+            tab,
+            args,
+            p0=params[0],
+            g0=args.grads[0],
+            m0=args.exp_avgs[0],
+            w0=weights[0],
+            s0=steps[0],
+            decay=f32(1.0 - args.lr * args.weight_decay),
+            LERP_SMALL=abs(1.0 - args.beta1) < 0.5,
+            **given,
+        )
+    advance_steps(tab, tab.row - 1, steps, args.found_inf)
 
 
 def fused_adam_(args) -> None:
@@ -200,204 +244,11 @@ def fused_adam_(args) -> None:
         >>> launcher("fused_adam_")(params, grads, exp_avgs, exp_avg_sqs, masters, steps,
         ...                         1e-3, 0.9, 0.999, 1e-8, 0.01, True, True)
     """
-    params, grads, masters = args.params, args.grads, args.masters
-    exp_avgs, exp_avg_sqs, steps = args.exp_avgs, args.exp_avg_sqs, args.steps
-    lr, beta1, beta2, weight_decay = args.lr, args.beta1, args.beta2, args.weight_decay
-    inv_scale, found_inf, lr_tensor = args.inv_scale, args.found_inf, args.lr_tensor
-    if not params:
+    if not args.params:
         return
     ids = guard_step(args, "exp_avgs", "exp_avg_sqs")
     check_flags(args)
-    w_list = masters if masters else params
-    tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, w_list, steps], ids=ids)
-    wt = 1.0 - beta1
-    if tab.n_chunks:
-        launch(
-            _adam_kernel,
-            (tab.n_chunks,),
-            tab.table,
-            tab.n_tensors,
-            tab.table if inv_scale is None else inv_scale,
-            tab.table if found_inf is None else flag_view(found_inf),
-            tab.table if lr_tensor is None else lr_tensor,
-            params[0],
-            grads[0],
-            exp_avgs[0],
-            w_list[0],
-            steps[0],
-            *split64(lr),
-            *split64(beta1),
-            *split64(beta2),
-            *split64(weight_decay),
-            f32(-lr),
-            f32(wt),
-            f32(beta2),
-            f32(1.0 - beta2),
-            f32(args.eps),
-            f32(weight_decay),
-            f32(1.0 - lr * weight_decay),
-            ADAM_W=bool(args.adam_w_mode),
-            HAS_WD=weight_decay != 0,
-            BIAS_CORRECTION=bool(args.bias_correction),
-            LERP_SMALL=abs(wt) < 0.5,
-            HAS_MASTER=bool(masters),
-            HAS_INV=inv_scale is not None,
-            HAS_FOUND=found_inf is not None,
-            HAS_LR_T=lr_tensor is not None,
-            ROW=tab.row,
-            CHUNK=tab.chunk,
-            BLOCK=BLOCK,
-            num_warps=WARPS,
-        )
-    advance_steps(tab, 7, steps, found_inf)
-
-
-# ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
-# Table columns: numel, first chunk, (2) the tensor's random-bit key, then (3) params,
-# (4) grads, (5) exp_avgs, (6) exp_avg_sqs, (7) compensations (the params for stochastic
-# rounding) and (8) steps.
-
-
-@triton.jit
-def _adam_bf16_span(
-    table,
-    t,
-    start,
-    lo,
-    hi,
-    key,
-    p0,
-    g0,
-    m0,
-    c0,
-    inv,
-    step_size,
-    sqrt_bc2,
-    decay,
-    beta1,
-    one_m_b1,
-    beta2,
-    one_m_b2,
-    eps,
-    wd,
-    ADAM_W: tl.constexpr,
-    HAS_WD: tl.constexpr,
-    KAHAN: tl.constexpr,
-    HAS_INV: tl.constexpr,
-    ROW: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ALIGNED: tl.constexpr,
-):
-    # The update of the elements [lo, hi) of the chunk, rounded into the bf16 params.
-    p_ptr = column_ptr(table, t, 3, p0, ROW, ALIGNED)
-    g_ptr = column_ptr(table, t, 4, g0, ROW, ALIGNED)
-    m_ptr = column_ptr(table, t, 5, m0, ROW, ALIGNED)
-    v_ptr = column_ptr(table, t, 6, m0, ROW, ALIGNED)
-    c_ptr = column_ptr(table, t, 7, c0, ROW, ALIGNED)
-    lanes = tl.arange(0, BLOCK)
-    for k in range(span_start(lo, BLOCK), hi, BLOCK):
-        offs = start + k + lanes
-        mask = span_mask(k, lanes, lo, hi)
-        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
-        w = load_weight(p_ptr, p_ptr, offs, mask, False)
-        if HAS_WD:
-            if ADAM_W:
-                w = w * decay
-            else:
-                g = g + wd * w
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0) * beta1 + one_m_b1 * g
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0) * beta2 + (one_m_b2 * g) * g
-        denom = tl.div_rn(tl.sqrt_rn(v), sqrt_bc2) + eps
-        x = w + tl.div_rn(step_size * m, denom)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        store_rounded(p_ptr, c_ptr, offs, x, mask, key, KAHAN)
-
-
-@triton.jit
-def _adam_bf16_kernel(
-    table,
-    n_tensors,
-    inv_ptr,
-    found_ptr,
-    lr_ptr,
-    p0,
-    g0,
-    m0,
-    c0,
-    s0,
-    lr_hi,
-    lr_lo,
-    b1_hi,
-    b1_lo,
-    b2_hi,
-    b2_lo,
-    wd_hi,
-    wd_lo,
-    neg_lr,
-    beta1,
-    one_m_b1,
-    beta2,
-    one_m_b2,
-    eps,
-    wd,
-    decay,
-    ADAM_W: tl.constexpr,
-    HAS_WD: tl.constexpr,
-    BIAS_CORRECTION: tl.constexpr,
-    KAHAN: tl.constexpr,
-    HAS_INV: tl.constexpr,
-    HAS_FOUND: tl.constexpr,
-    HAS_LR_T: tl.constexpr,
-    ROW: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
-    count = count * not_found(found_ptr, HAS_FOUND)
-    key = tensor_col(table, t, 0, ROW).to(tl.uint32)
-    lr, neg_lr, decay = learning_rate(lr_ptr, lr_hi, lr_lo, wd_hi, wd_lo, neg_lr, decay, HAS_LR_T)
-    if BIAS_CORRECTION:
-        step = step_of(table, t, 8, s0, ROW)
-        bc1, bc2 = bias_corrections(step, join64(b1_hi, b1_lo), join64(b2_hi, b2_lo))
-        step_size = (-lr / bc1).to(tl.float32)
-        sqrt_bc2 = tl.sqrt(bc2).to(tl.float32)
-    else:
-        step_size = neg_lr
-        sqrt_bc2 = tl.full((), 1.0, tl.float32)
-    inv = load_scale(inv_ptr, HAS_INV)
-    ok = aligned(table, t, 3, 7, ROW)
-    for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
-        lo, hi = span(part, count, ok)
-        _adam_bf16_span(
-            table,
-            t,
-            start,
-            lo,
-            hi,
-            key,
-            p0,
-            g0,
-            m0,
-            c0,
-            inv,
-            step_size,
-            sqrt_bc2,
-            decay,
-            beta1,
-            one_m_b1,
-            beta2,
-            one_m_b2,
-            eps,
-            wd,
-            ADAM_W,
-            HAS_WD,
-            KAHAN,
-            HAS_INV,
-            ROW,
-            BLOCK,
-            part == 0,
-        )
+    _step(args, ids, args.masters or args.params)
 
 
 def fused_adam_bf16_(args) -> None:
@@ -411,60 +262,13 @@ def fused_adam_bf16_(args) -> None:
         >>> launcher("fused_adam_bf16_")(params, grads, m, v, [], steps, 1e-3, 0.9, 0.999,
         ...                              1e-8, 0.01, True, True, "stochastic", 1, 1)
     """
-    params, grads, comps = args.params, args.grads, args.compensations
-    exp_avgs, exp_avg_sqs, steps = args.exp_avgs, args.exp_avg_sqs, args.steps
-    lr, beta1, beta2, weight_decay = args.lr, args.beta1, args.beta2, args.weight_decay
-    inv_scale, found_inf, lr_tensor = args.inv_scale, args.found_inf, args.lr_tensor
-    if not params:
+    if not args.params:
         return
     ids = guard_step(args, "exp_avgs", "exp_avg_sqs", masters=None, rounding=True)
     check_flags(args)
-    kahan = args.rounding == "kahan"
-    c_list = comps if kahan else params
-    tab = ChunkTable.build(
-        [params, grads, exp_avgs, exp_avg_sqs, c_list, steps],
-        cols=[keys_of(len(params), args.seed, args.rng_step, kahan)],
-        ids=ids,
-    )
-    if tab.n_chunks:
-        launch(
-            _adam_bf16_kernel,
-            (tab.n_chunks,),
-            tab.table,
-            tab.n_tensors,
-            tab.table if inv_scale is None else inv_scale,
-            tab.table if found_inf is None else flag_view(found_inf),
-            tab.table if lr_tensor is None else lr_tensor,
-            params[0],
-            grads[0],
-            exp_avgs[0],
-            c_list[0],
-            steps[0],
-            *split64(lr),
-            *split64(beta1),
-            *split64(beta2),
-            *split64(weight_decay),
-            f32(-lr),
-            f32(beta1),
-            f32(1.0 - beta1),
-            f32(beta2),
-            f32(1.0 - beta2),
-            f32(args.eps),
-            f32(weight_decay),
-            f32(1.0 - lr * weight_decay),
-            ADAM_W=bool(args.adam_w_mode),
-            HAS_WD=weight_decay != 0,
-            BIAS_CORRECTION=bool(args.bias_correction),
-            KAHAN=kahan,
-            HAS_INV=inv_scale is not None,
-            HAS_FOUND=found_inf is not None,
-            HAS_LR_T=lr_tensor is not None,
-            ROW=tab.row,
-            CHUNK=tab.chunk,
-            BLOCK=BLOCK,
-            num_warps=WARPS,
-        )
-    advance_steps(tab, 8, steps, found_inf)
+    weights = args.compensations if args.rounding == "kahan" else args.params
+    rounding = rounding_code(args.rounding)
+    _step(args, ids, weights, ROUNDING=rounding, **rng_words(args.seed, args.rng_step))
 
 
 fused_adam_.guards_lists = fused_adam_bf16_.guards_lists = True

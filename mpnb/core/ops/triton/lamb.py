@@ -1,11 +1,16 @@
-"""``fused_lamb_`` in Triton: one LAMB step over lists, in two phases.
+"""``fused_lamb_`` and ``fused_lamb_bf16_`` in Triton: one LAMB step over lists, in two phases.
 
 Phase 1 (one program per chunk) reads the (half) grad, the weight and both moments, writes the
 new moments and each chunk's sums of ``w**2`` and ``u**2`` (``u`` the Adam-style update) in
 fp64; the chunks of each tensor are then added in order (the per-tensor norms). Phase 2
 recomputes ``u`` from the stored moments (the same operations, so the same values) and applies
-the trust ratio ``||w|| / ||u||``, writing the fp32 master and the rounded half param. A set
-``found_inf`` writes nothing; everything stays on the device.
+the trust ratio ``||w|| / ||u||``, writing the fp32 master and the rounded half param, or, for
+the pure-bf16 op (``ROUNDING``), the new weight rounded stochastically or with Kahan summation
+into the bf16 param. A set ``found_inf`` writes nothing; everything stays on the device.
+
+Both ops launch the same two kernels, by keyword from the op's arguments
+(:class:`~mpnb.core.ops.triton._optim.OpKernel`), so an argument added to the op reaches a
+kernel that names it without a change to the launchers.
 """
 
 from __future__ import annotations
@@ -14,40 +19,38 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import check_same_device
-from mpnb.core.ops.triton._chunks import (
-    BLOCK,
-    WARPS,
-    ChunkTable,
-    chunk_info,
-    segment_sums,
-    upload,
-)
-from mpnb.core.ops.triton._common import f32, flag_view, join64, launch, split64, to_acc
+from mpnb.core.ops.triton._chunks import ChunkTable, chunk_info, segment_sums
+from mpnb.core.ops.triton._common import f32, join64, to_acc
 from mpnb.core.ops.triton._optim import (
+    OpKernel,
     advance_steps,
     bias_corrections,
+    check_flags,
     guard_step,
     load_grad,
     load_scale,
     load_weight,
     not_found,
     step_of,
-    store_weight,
+    store_step,
 )
-from mpnb.core.ops.triton._rounding import keys_of, store_rounded
+from mpnb.core.ops.triton._rounding import RNG_WORDS, key_of, rng_words, rounding_code
 from mpnb.core.ops.triton._vector import aligned, column_ptr, span, span_mask, span_start
 
 __all__ = ["fused_lamb_", "fused_lamb_bf16_"]
 
-# Table columns: numel, first chunk, then (2) params, (3) grads, (4) exp_avgs, (5) exp_avg_sqs,
-# (6) the fp32 weights (masters, or the params themselves) and (7) steps.
+# Table columns: numel, first chunk, then (P = 2) params, (P+1) grads, (P+2) exp_avgs,
+# (P+3) exp_avg_sqs, (P+4) the weights W and (P+5) steps. fused_lamb_: W the fp32 weights
+# (masters, or the params themselves); fused_lamb_bf16_ (ROUNDING): W the compensations (the
+# params for stochastic rounding), the random-bit keys computed on the device (key_of).
 
 
 @triton.jit
-def _corrections(table, t, s0, b1_hi, b1_lo, b2_hi, b2_lo, BIAS: tl.constexpr, ROW: tl.constexpr):
+def _corrections(
+    table, t, s0, b1_hi, b1_lo, b2_hi, b2_lo, BIAS: tl.constexpr, S: tl.constexpr, ROW: tl.constexpr
+):
     if BIAS:
-        step = step_of(table, t, 7, s0, ROW)
+        step = step_of(table, t, S, s0, ROW)
         bc1, bc2 = bias_corrections(step, join64(b1_hi, b1_lo), join64(b2_hi, b2_lo))
         out1, out2 = bc1.to(tl.float32), bc2.to(tl.float32)
     else:
@@ -100,24 +103,25 @@ def _phase1_span(
     u_sq,
     L2_WD: tl.constexpr,
     DECOUPLED: tl.constexpr,
-    HAS_MASTER: tl.constexpr,
-    HAS_INV: tl.constexpr,
+    HAS_MASTERS: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr,
+    P: tl.constexpr,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
     # Phase 1 on the elements [lo, hi) of the chunk; returns the running squares' lanes.
-    p_ptr = column_ptr(table, t, 2, p0, ROW, ALIGNED)
-    g_ptr = column_ptr(table, t, 3, g0, ROW, ALIGNED)
-    m_ptr = column_ptr(table, t, 4, m0, ROW, ALIGNED)
-    v_ptr = column_ptr(table, t, 5, m0, ROW, ALIGNED)
-    w_ptr = column_ptr(table, t, 6, w0, ROW, ALIGNED)
+    p_ptr = column_ptr(table, t, P, p0, ROW, ALIGNED)
+    g_ptr = column_ptr(table, t, P + 1, g0, ROW, ALIGNED)
+    m_ptr = column_ptr(table, t, P + 2, m0, ROW, ALIGNED)
+    v_ptr = column_ptr(table, t, P + 3, m0, ROW, ALIGNED)
+    w_ptr = column_ptr(table, t, P + 4, w0, ROW, ALIGNED)
     lanes = tl.arange(0, BLOCK)
     for k in range(span_start(lo, BLOCK), hi, BLOCK):
         offs = start + k + lanes
         mask = span_mask(k, lanes, lo, hi)
-        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
-        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV_SCALE)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTERS)
         g = tl.div_rn(g, clip)
         if L2_WD:
             g = g + wd * w
@@ -144,90 +148,86 @@ def _phase2_span(
     p0,
     m0,
     w0,
-    c0,
     ratio,
     bc1,
     bc2,
     eps,
     wd,
     DECOUPLED: tl.constexpr,
-    HAS_MASTER: tl.constexpr,
-    ROUND: tl.constexpr,
-    KAHAN: tl.constexpr,
-    C_COL: tl.constexpr,
+    HAS_MASTERS: tl.constexpr,
+    ROUNDING: tl.constexpr,
+    P: tl.constexpr,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    # Phase 2 on the elements [lo, hi): the fp32 weight written (ROUND: rounded to bf16).
-    p_ptr = column_ptr(table, t, 2, p0, ROW, ALIGNED)
-    m_ptr = column_ptr(table, t, 4, m0, ROW, ALIGNED)
-    v_ptr = column_ptr(table, t, 5, m0, ROW, ALIGNED)
-    w_ptr = column_ptr(table, t, 6, w0, ROW, ALIGNED)
+    # Phase 2 on the elements [lo, hi): the new weight written (ROUNDING: rounded to bf16,
+    # the W column holding the compensations).
+    p_ptr = column_ptr(table, t, P, p0, ROW, ALIGNED)
+    m_ptr = column_ptr(table, t, P + 2, m0, ROW, ALIGNED)
+    v_ptr = column_ptr(table, t, P + 3, m0, ROW, ALIGNED)
+    w_ptr = column_ptr(table, t, P + 4, w0, ROW, ALIGNED)
     lanes = tl.arange(0, BLOCK)
     for k in range(span_start(lo, BLOCK), hi, BLOCK):
         offs = start + k + lanes
         mask = span_mask(k, lanes, lo, hi)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        if ROUND:
-            w = load_weight(p_ptr, p_ptr, offs, mask, False)
-            x = w - ratio * _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED)
-            c_ptr = column_ptr(table, t, C_COL, c0, ROW, ALIGNED)
-            store_rounded(p_ptr, c_ptr, offs, x, mask, key, KAHAN)
-        else:
-            w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
-            w = w - ratio * _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED)
-            store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTERS)
+        w = w - ratio * _update(m, v, w, bc1, bc2, eps, wd, DECOUPLED)
+        store_step(p_ptr, w_ptr, offs, w, mask, key, HAS_MASTERS, ROUNDING)
 
 
 @triton.jit
 def _lamb_phase1(
     table,
     n_tensors,
-    inv_ptr,
-    found_ptr,
-    gnorm_ptr,
+    inv_scale,
+    found_inf,
+    global_grad_norm,
     partials,
     p0,
     g0,
     m0,
     w0,
     s0,
-    b1_hi,
-    b1_lo,
-    b2_hi,
-    b2_lo,
-    mx_hi,
-    mx_lo,
-    max_norm,
     beta1,
-    beta3,
+    beta1_hi,
+    beta1_lo,
     beta2,
-    one_m_b2,
+    beta2_hi,
+    beta2_lo,
+    beta3,
+    one_m_beta2,
     eps,
-    wd,
-    L2_WD: tl.constexpr,
-    DECOUPLED: tl.constexpr,
-    BIAS: tl.constexpr,
-    HAS_MASTER: tl.constexpr,
-    HAS_INV: tl.constexpr,
-    HAS_FOUND: tl.constexpr,
+    weight_decay,
+    max_grad_norm,
+    max_grad_norm_hi,
+    max_grad_norm_lo,
+    ADAM_W_MODE: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
     ROW: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    HAS_MASTERS: tl.constexpr = False,
 ):
+    P: tl.constexpr = 2  # the first list's column
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
-    count = count * not_found(found_ptr, HAS_FOUND)
-    bc1, bc2 = _corrections(table, t, s0, b1_hi, b1_lo, b2_hi, b2_lo, BIAS, ROW)
-    gn = to_acc(tl.load(gnorm_ptr), tl.float32)
-    mx = join64(mx_hi, mx_lo)
+    count = count * not_found(found_inf, HAS_FOUND_INF)
+    bc1, bc2 = _corrections(
+        table, t, s0, beta1_hi, beta1_lo, beta2_hi, beta2_lo, BIAS_CORRECTION, P + 5, ROW
+    )
+    gn = to_acc(tl.load(global_grad_norm), tl.float32)
+    mx = join64(max_grad_norm_hi, max_grad_norm_lo)
     clipped = (mx > 0.0) & (mx < gn.to(tl.float64))
-    clip = tl.where(clipped, tl.div_rn(gn, tl.cast(max_norm, tl.float32)), 1.0)
-    inv = load_scale(inv_ptr, HAS_INV)
+    clip = tl.where(clipped, tl.div_rn(gn, tl.cast(max_grad_norm, tl.float32)), 1.0)
+    inv = load_scale(inv_scale, HAS_INV_SCALE)
     w_sq = tl.zeros([BLOCK], dtype=tl.float64)
     u_sq = tl.zeros([BLOCK], dtype=tl.float64)
-    ok = aligned(table, t, 2, 6, ROW)
+    ok = aligned(table, t, P, P + 4, ROW)
     for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
         lo, hi = span(part, count, ok)
         w_sq, u_sq = _phase1_span(
@@ -247,15 +247,16 @@ def _lamb_phase1(
             beta1,
             beta3,
             beta2,
-            one_m_b2,
+            one_m_beta2,
             eps,
-            wd,
+            weight_decay,
             w_sq,
             u_sq,
-            L2_WD,
-            DECOUPLED,
-            HAS_MASTER,
-            HAS_INV,
+            HAS_WEIGHT_DECAY and not ADAM_W_MODE,
+            HAS_WEIGHT_DECAY and ADAM_W_MODE,
+            HAS_MASTERS,
+            HAS_INV_SCALE,
+            P,
             ROW,
             BLOCK,
             part == 0,
@@ -265,37 +266,45 @@ def _lamb_phase1(
     tl.store(partials + 2 * c + 1, tl.sum(u_sq, axis=0))
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RNG_WORDS)
 def _lamb_phase2(
     table,
     n_tensors,
-    found_ptr,
+    found_inf,
     sq,
     p0,
     m0,
     w0,
     s0,
-    b1_hi,
-    b1_lo,
-    b2_hi,
-    b2_lo,
     lr,
+    beta1_hi,
+    beta1_lo,
+    beta2_hi,
+    beta2_lo,
     eps,
-    wd,
-    TRUST: tl.constexpr,
-    DECOUPLED: tl.constexpr,
-    BIAS: tl.constexpr,
-    HAS_MASTER: tl.constexpr,
-    HAS_FOUND: tl.constexpr,
+    weight_decay,
+    ADAM_W_MODE: tl.constexpr,
+    BIAS_CORRECTION: tl.constexpr,
+    USE_NVLAMB: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
     ROW: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    rng_hi=0,
+    rng_lo=0,
+    HAS_MASTERS: tl.constexpr = False,
+    ROUNDING: tl.constexpr = 0,  # NEAREST
 ):
+    P: tl.constexpr = 2  # the first list's column
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
-    count = count * not_found(found_ptr, HAS_FOUND)
-    bc1, bc2 = _corrections(table, t, s0, b1_hi, b1_lo, b2_hi, b2_lo, BIAS, ROW)
-    ratio = _trust_ratio(sq, t, lr, TRUST)
-    ok = aligned(table, t, 2, 6, ROW)
+    count = count * not_found(found_inf, HAS_FOUND_INF)
+    key = key_of(t, rng_hi, rng_lo, ROUNDING)
+    bc1, bc2 = _corrections(
+        table, t, s0, beta1_hi, beta1_lo, beta2_hi, beta2_lo, BIAS_CORRECTION, P + 5, ROW
+    )
+    ratio = _trust_ratio(sq, t, lr, USE_NVLAMB or HAS_WEIGHT_DECAY)
+    ok = aligned(table, t, P, P + 4, ROW)
     for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
         lo, hi = span(part, count, ok)
         _phase2_span(
@@ -304,25 +313,43 @@ def _lamb_phase2(
             start,
             lo,
             hi,
-            0,
+            key,
             p0,
             m0,
-            w0,
             w0,
             ratio,
             bc1,
             bc2,
             eps,
-            wd,
-            DECOUPLED,
-            HAS_MASTER,
-            False,
-            False,
-            6,
+            weight_decay,
+            HAS_WEIGHT_DECAY and ADAM_W_MODE,
+            HAS_MASTERS,
+            ROUNDING,
+            P,
             ROW,
             BLOCK,
             part == 0,
         )
+
+
+_PHASE1 = OpKernel(_lamb_phase1)
+_PHASE2 = OpKernel(_lamb_phase2)
+
+
+def _step(args, ids, weights: list, **rounding) -> None:
+    """Both ops' launch after their checks (``ids``: the lists' ids): the chunk table of the
+    lists with ``weights`` fifth, both phases (the second with the pure-bf16 op's keywords
+    ``rounding``: its ``ROUNDING`` and random-bit words), the step counts."""
+    params, steps = args.params, args.steps
+    lists = [params, args.grads, args.exp_avgs, args.exp_avg_sqs, weights, steps]
+    tab = ChunkTable.build(lists, ids=ids)
+    if tab.n_chunks:
+        given = dict(p0=params[0], m0=args.exp_avgs[0], w0=weights[0], s0=steps[0])
+        partials = torch.empty((tab.n_chunks, 2), dtype=torch.float64, device=params[0].device)
+        beta3 = f32(1.0 - args.beta1 if args.grad_averaging else 1.0)
+        _PHASE1(tab, args, partials=partials, g0=args.grads[0], beta3=beta3, **given)
+        _PHASE2(tab, args, sq=segment_sums(tab, partials, 2), **rounding, **given)
+    advance_steps(tab, tab.row - 1, steps, args.found_inf)
 
 
 def fused_lamb_(args) -> None:
@@ -335,161 +362,20 @@ def fused_lamb_(args) -> None:
         >>> launcher("fused_lamb_")(params, grads, exp_avgs, exp_avg_sqs, masters, steps,
         ...                         grad_norm, 1e-3, 0.9, 0.999, 1e-6, 0.01)
     """
-    params, grads, masters = args.params, args.grads, args.masters
-    exp_avgs, exp_avg_sqs, steps = args.exp_avgs, args.exp_avg_sqs, args.steps
-    global_grad_norm, lr, beta1, beta2 = args.global_grad_norm, args.lr, args.beta1, args.beta2
-    eps, weight_decay, max_grad_norm = args.eps, args.weight_decay, args.max_grad_norm
-    inv_scale, found_inf = args.inv_scale, args.found_inf
-    if not params:
+    if not args.params:
         return
     ids = guard_step(args, "exp_avgs", "exp_avg_sqs")
-    flags = dict(global_grad_norm=global_grad_norm, inv_scale=inv_scale, found_inf=found_inf)
-    check_same_device(args.op_name, params[0], **flags)
-    w_list = masters if masters else params
-    tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, w_list, steps], ids=ids)
-    found = tab.table if found_inf is None else flag_view(found_inf)
-    decoupled = weight_decay != 0 and bool(args.adam_w_mode)
-    bias = (*split64(beta1), *split64(beta2))
-    if tab.n_chunks:
-        partials = torch.empty((tab.n_chunks, 2), dtype=torch.float64, device=params[0].device)
-        beta3 = 1.0 - beta1 if args.grad_averaging else 1.0
-        launch(
-            _lamb_phase1,
-            (tab.n_chunks,),
-            tab.table,
-            tab.n_tensors,
-            tab.table if inv_scale is None else inv_scale,
-            found,
-            global_grad_norm,
-            partials,
-            params[0],
-            grads[0],
-            exp_avgs[0],
-            w_list[0],
-            steps[0],
-            *bias,
-            *split64(max_grad_norm),
-            f32(max_grad_norm),
-            f32(beta1),
-            f32(beta3),
-            f32(beta2),
-            f32(1.0 - beta2),
-            f32(eps),
-            f32(weight_decay),
-            L2_WD=weight_decay != 0 and not args.adam_w_mode,
-            DECOUPLED=decoupled,
-            BIAS=bool(args.bias_correction),
-            HAS_MASTER=bool(masters),
-            HAS_INV=inv_scale is not None,
-            HAS_FOUND=found_inf is not None,
-            ROW=tab.row,
-            CHUNK=tab.chunk,
-            BLOCK=BLOCK,
-            num_warps=WARPS,
-        )
-        sq = segment_sums(tab, partials, 2)
-        launch(
-            _lamb_phase2,
-            (tab.n_chunks,),
-            tab.table,
-            tab.n_tensors,
-            found,
-            sq,
-            params[0],
-            exp_avgs[0],
-            w_list[0],
-            steps[0],
-            *bias,
-            f32(lr),
-            f32(eps),
-            f32(weight_decay),
-            TRUST=bool(args.use_nvlamb) or weight_decay != 0,
-            DECOUPLED=decoupled,
-            BIAS=bool(args.bias_correction),
-            HAS_MASTER=bool(masters),
-            HAS_FOUND=found_inf is not None,
-            ROW=tab.row,
-            CHUNK=tab.chunk,
-            BLOCK=BLOCK,
-            num_warps=WARPS,
-        )
-    advance_steps(tab, 7, steps, found_inf)
-
-
-# ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
-# The table of fused_lamb_ (the params are the weights) plus (8) the compensations (the params
-# for stochastic rounding); phase 1 is fused_lamb_'s, phase 2 rounds the new weights to bf16.
-# The norms are tree sums here, not the reference's fixed sequential blocks: the trust ratio
-# (and so the update) may differ by an fp32 ulp from the reference's.
-
-
-@triton.jit
-def _lamb_bf16_phase2(
-    table,
-    n_tensors,
-    found_ptr,
-    sq,
-    keys,
-    p0,
-    m0,
-    c0,
-    s0,
-    b1_hi,
-    b1_lo,
-    b2_hi,
-    b2_lo,
-    lr,
-    eps,
-    wd,
-    TRUST: tl.constexpr,
-    DECOUPLED: tl.constexpr,
-    BIAS: tl.constexpr,
-    KAHAN: tl.constexpr,
-    HAS_FOUND: tl.constexpr,
-    ROW: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
-    count = count * not_found(found_ptr, HAS_FOUND)
-    key = tl.load(keys + t).to(tl.uint32)
-    bc1, bc2 = _corrections(table, t, s0, b1_hi, b1_lo, b2_hi, b2_lo, BIAS, ROW)
-    ratio = _trust_ratio(sq, t, lr, TRUST)
-    ok = aligned(table, t, 2, 6, ROW) & aligned(table, t, 8, 8, ROW)  # (7: the steps)
-    for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
-        lo, hi = span(part, count, ok)
-        _phase2_span(
-            table,
-            t,
-            start,
-            lo,
-            hi,
-            key,
-            p0,
-            m0,
-            p0,
-            c0,
-            ratio,
-            bc1,
-            bc2,
-            eps,
-            wd,
-            DECOUPLED,
-            False,
-            True,
-            KAHAN,
-            8,
-            ROW,
-            BLOCK,
-            part == 0,
-        )
+    check_flags(args)
+    _step(args, ids, args.masters or args.params)
 
 
 def fused_lamb_bf16_(args) -> None:
     """One pure-bf16 LAMB step: the semantics of
     :func:`mpnb.core.ops.lamb.reference_fused_lamb_bf16_`, whose arguments ``args`` holds by
     name (its per-tensor checks: :func:`~mpnb.core.ops.triton._optim.guard_step`); the
-    rounding is bitwise the reference's, the trust ratio's norms are tree sums.
+    rounding is bitwise the reference's, the trust ratio's norms are tree sums (not the
+    reference's fixed sequential blocks: the trust ratio, and so the update, may differ from
+    the reference's by an fp32 ulp).
 
     Example::
 
@@ -497,90 +383,13 @@ def fused_lamb_bf16_(args) -> None:
         ...                              0.999, 1e-6, 0.01, True, True, True, 1.0, False,
         ...                              "stochastic", 1, 1)
     """
-    params, grads, comps = args.params, args.grads, args.compensations
-    exp_avgs, exp_avg_sqs, steps = args.exp_avgs, args.exp_avg_sqs, args.steps
-    global_grad_norm, lr, beta1, beta2 = args.global_grad_norm, args.lr, args.beta1, args.beta2
-    eps, weight_decay, max_grad_norm = args.eps, args.weight_decay, args.max_grad_norm
-    inv_scale, found_inf = args.inv_scale, args.found_inf
-    if not params:
+    if not args.params:
         return
     ids = guard_step(args, "exp_avgs", "exp_avg_sqs", masters=None, rounding=True)
-    flags = dict(global_grad_norm=global_grad_norm, inv_scale=inv_scale, found_inf=found_inf)
-    check_same_device(args.op_name, params[0], **flags)
-    kahan = args.rounding == "kahan"
-    c_list = comps if kahan else params
-    dev = params[0].device
-    keys = keys_of(len(params), args.seed, args.rng_step, kahan)
-    keys = upload(torch.tensor(keys, dtype=torch.int64), dev)  # no host wait
-    tab = ChunkTable.build([params, grads, exp_avgs, exp_avg_sqs, params, steps, c_list], ids=ids)
-    found = tab.table if found_inf is None else flag_view(found_inf)
-    decoupled = weight_decay != 0 and bool(args.adam_w_mode)
-    bias = (*split64(beta1), *split64(beta2))
-    if tab.n_chunks:
-        partials = torch.empty((tab.n_chunks, 2), dtype=torch.float64, device=dev)
-        beta3 = 1.0 - beta1 if args.grad_averaging else 1.0
-        launch(
-            _lamb_phase1,
-            (tab.n_chunks,),
-            tab.table,
-            tab.n_tensors,
-            tab.table if inv_scale is None else inv_scale,
-            found,
-            global_grad_norm,
-            partials,
-            params[0],
-            grads[0],
-            exp_avgs[0],
-            params[0],
-            steps[0],
-            *bias,
-            *split64(max_grad_norm),
-            f32(max_grad_norm),
-            f32(beta1),
-            f32(beta3),
-            f32(beta2),
-            f32(1.0 - beta2),
-            f32(eps),
-            f32(weight_decay),
-            L2_WD=weight_decay != 0 and not args.adam_w_mode,
-            DECOUPLED=decoupled,
-            BIAS=bool(args.bias_correction),
-            HAS_MASTER=False,
-            HAS_INV=inv_scale is not None,
-            HAS_FOUND=found_inf is not None,
-            ROW=tab.row,
-            CHUNK=tab.chunk,
-            BLOCK=BLOCK,
-            num_warps=WARPS,
-        )
-        sq = segment_sums(tab, partials, 2)
-        launch(
-            _lamb_bf16_phase2,
-            (tab.n_chunks,),
-            tab.table,
-            tab.n_tensors,
-            found,
-            sq,
-            keys,
-            params[0],
-            exp_avgs[0],
-            c_list[0],
-            steps[0],
-            *bias,
-            f32(lr),
-            f32(eps),
-            f32(weight_decay),
-            TRUST=bool(args.use_nvlamb) or weight_decay != 0,
-            DECOUPLED=decoupled,
-            BIAS=bool(args.bias_correction),
-            KAHAN=kahan,
-            HAS_FOUND=found_inf is not None,
-            ROW=tab.row,
-            CHUNK=tab.chunk,
-            BLOCK=BLOCK,
-            num_warps=WARPS,
-        )
-    advance_steps(tab, 7, steps, found_inf)
+    check_flags(args)
+    weights = args.compensations if args.rounding == "kahan" else args.params
+    rounding = rounding_code(args.rounding)
+    _step(args, ids, weights, ROUNDING=rounding, **rng_words(args.seed, args.rng_step))
 
 
 fused_lamb_.guards_lists = fused_lamb_bf16_.guards_lists = True

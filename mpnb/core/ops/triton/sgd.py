@@ -4,7 +4,8 @@ Half grads are read and unscaled on the fly, the fp32 master and the momentum bu
 the param dtype without masters: stored rounded) are updated and the half param receives the
 rounded master; a set ``found_inf`` writes nothing.
 Each tensor's ``first_run`` (the buffer is initialised with the grad) is a column of the
-chunk table.
+chunk table. ``fused_sgd_bf16_`` (bf16 params without masters, rounded stochastically or with
+Kahan summation) runs the same kernel with its ``ROUNDING`` (:mod:`._rounding`).
 """
 
 from __future__ import annotations
@@ -13,30 +14,27 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._chunks import (
-    BLOCK,
-    WARPS,
-    ChunkTable,
-    chunk_info,
-    tensor_col,
-)
-from mpnb.core.ops.triton._common import f32, flag_view, from_acc, launch, to_acc
+from mpnb.core.ops.triton._chunks import ChunkTable, chunk_info, tensor_col
+from mpnb.core.ops.triton._common import f32, from_acc, to_acc
 from mpnb.core.ops.triton._optim import (
+    OpKernel,
     check_flags,
     guard_step,
     load_grad,
     load_scale,
     load_weight,
     not_found,
-    store_weight,
+    store_step,
 )
-from mpnb.core.ops.triton._rounding import keys_of, store_rounded
+from mpnb.core.ops.triton._rounding import RNG_WORDS, key_of, rng_words, rounding_code
 from mpnb.core.ops.triton._vector import aligned, column_ptr, span, span_mask, span_start
 
 __all__ = ["fused_sgd_", "fused_sgd_bf16_"]
 
-# Table columns: numel, first chunk, (2) first_run, then (3) params, (4) grads,
-# (5) momentum buffers (the params when there is no momentum) and (6) the fp32 weights.
+# Table columns: numel, first chunk, (2) first_run, then from column P = 3 params, grads,
+# momentum buffers (the params when there is no momentum) and the fp32 weights (masters, or the
+# params themselves; with a rounding Kahan's compensations, or the params). The random-bit
+# keys: on the device (key_of).
 
 
 @triton.jit
@@ -56,7 +54,7 @@ def _direction(
     mask,
     first_run,
     momentum,
-    mom_add,
+    alpha_momentum,
     one_m_damp,
     wd,
     HAS_MOMENTUM: tl.constexpr,
@@ -68,7 +66,7 @@ def _direction(
 ):
     # The step direction (weight decay, momentum, nesterov); updates the momentum buffer.
     # STEPWISE: every operation rounded to the param dtype DT (torch.optim.SGD's half ops; the
-    # alphas of its adds, mom_add, one_m_damp and wd, come rounded to DT).
+    # alphas of its adds, alpha_momentum, one_m_damp and wd, come rounded to DT).
     g = _r(g, DT, STEPWISE)
     if HAS_WD:
         if not WD_AFTER:
@@ -80,7 +78,7 @@ def _direction(
         )
         tl.store(b_ptr + offs, from_acc(buf, b_ptr.dtype.element_ty), mask=mask)
         if NESTEROV:
-            g = _r(g + mom_add * buf, DT, STEPWISE)
+            g = _r(g + alpha_momentum * buf, DT, STEPWISE)
         else:
             g = buf
     if HAS_WD:
@@ -97,38 +95,43 @@ def _sgd_span(
     lo,
     hi,
     first_run,
+    key,
     p0,
     g0,
     b0,
     w0,
     inv,
-    neg_lr,
+    alpha_lr,
     momentum,
-    mom_add,
-    one_m_damp,
-    wd,
+    alpha_momentum,
+    alpha_dampening,
+    alpha_weight_decay,
     HAS_MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr,
-    HAS_WD: tl.constexpr,
-    WD_AFTER: tl.constexpr,
-    HAS_MASTER: tl.constexpr,
-    HAS_INV: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr,
+    WD_AFTER_MOMENTUM: tl.constexpr,
+    HAS_MASTERS: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr,
     STEPWISE: tl.constexpr,
+    ROUNDING: tl.constexpr,
+    P: tl.constexpr,
     ROW: tl.constexpr,
     BLOCK: tl.constexpr,
     ALIGNED: tl.constexpr,
 ):
-    # The update of the elements [lo, hi) of the chunk.
-    p_ptr = column_ptr(table, t, 3, p0, ROW, ALIGNED)
-    g_ptr = column_ptr(table, t, 4, g0, ROW, ALIGNED)
-    b_ptr = column_ptr(table, t, 5, b0, ROW, ALIGNED)
-    w_ptr = column_ptr(table, t, 6, w0, ROW, ALIGNED)
+    # The update of the elements [lo, hi) of the chunk (the lists from table column P); the
+    # alpha_* are the alphas of the step's adds (ATen's add(..., alpha)), with STEPWISE
+    # rounded to the param dtype.
+    p_ptr = column_ptr(table, t, P, p0, ROW, ALIGNED)
+    g_ptr = column_ptr(table, t, P + 1, g0, ROW, ALIGNED)
+    b_ptr = column_ptr(table, t, P + 2, b0, ROW, ALIGNED)
+    w_ptr = column_ptr(table, t, P + 3, w0, ROW, ALIGNED)
     lanes = tl.arange(0, BLOCK)
     for k in range(span_start(lo, BLOCK), hi, BLOCK):
         offs = start + k + lanes
         mask = span_mask(k, lanes, lo, hi)
-        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
-        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTER)
+        g = load_grad(g_ptr, offs, mask, inv, HAS_INV_SCALE)
+        w = load_weight(p_ptr, w_ptr, offs, mask, HAS_MASTERS)
         g = _direction(
             g,
             w,
@@ -137,52 +140,57 @@ def _sgd_span(
             mask,
             first_run,
             momentum,
-            mom_add,
-            one_m_damp,
-            wd,
+            alpha_momentum,
+            alpha_dampening,
+            alpha_weight_decay,
             HAS_MOMENTUM,
             NESTEROV,
-            HAS_WD,
-            WD_AFTER,
+            HAS_WEIGHT_DECAY,
+            WD_AFTER_MOMENTUM,
             STEPWISE,
             p0.dtype.element_ty,
         )
-        w = w + neg_lr * g
-        store_weight(p_ptr, w_ptr, offs, w, mask, HAS_MASTER)
+        w = w + alpha_lr * g
+        store_step(p_ptr, w_ptr, offs, w, mask, key, HAS_MASTERS, ROUNDING)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=RNG_WORDS)
 def _sgd_kernel(
     table,
     n_tensors,
-    inv_ptr,
-    found_ptr,
+    inv_scale,
+    found_inf,
     p0,
     g0,
     b0,
     w0,
-    neg_lr,
+    alpha_lr,
     momentum,
-    mom_add,
-    one_m_damp,
-    wd,
+    alpha_momentum,
+    alpha_dampening,
+    alpha_weight_decay,
     HAS_MOMENTUM: tl.constexpr,
     NESTEROV: tl.constexpr,
-    HAS_WD: tl.constexpr,
-    WD_AFTER: tl.constexpr,
-    HAS_MASTER: tl.constexpr,
-    HAS_INV: tl.constexpr,
-    HAS_FOUND: tl.constexpr,
-    STEPWISE: tl.constexpr,
+    HAS_WEIGHT_DECAY: tl.constexpr,
+    WD_AFTER_MOMENTUM: tl.constexpr,
+    HAS_INV_SCALE: tl.constexpr,
+    HAS_FOUND_INF: tl.constexpr,
     ROW: tl.constexpr,
     CHUNK: tl.constexpr,
     BLOCK: tl.constexpr,
+    rng_hi=0,
+    rng_lo=0,
+    HAS_MASTERS: tl.constexpr = False,
+    STEPWISE: tl.constexpr = False,
+    ROUNDING: tl.constexpr = 0,  # NEAREST
 ):
+    P: tl.constexpr = 3  # the first list's column
     t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
-    count = count * not_found(found_ptr, HAS_FOUND)
+    count = count * not_found(found_inf, HAS_FOUND_INF)
     first_run = tensor_col(table, t, 0, ROW) != 0
-    inv = load_scale(inv_ptr, HAS_INV)
-    ok = aligned(table, t, 3, 6, ROW)
+    key = key_of(t, rng_hi, rng_lo, ROUNDING)
+    inv = load_scale(inv_scale, HAS_INV_SCALE)
+    ok = aligned(table, t, P, P + 3, ROW)
     for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
         lo, hi = span(part, count, ok)
         _sgd_span(
@@ -192,27 +200,33 @@ def _sgd_kernel(
             lo,
             hi,
             first_run,
+            key,
             p0,
             g0,
             b0,
             w0,
             inv,
-            neg_lr,
+            alpha_lr,
             momentum,
-            mom_add,
-            one_m_damp,
-            wd,
+            alpha_momentum,
+            alpha_dampening,
+            alpha_weight_decay,
             HAS_MOMENTUM,
             NESTEROV,
-            HAS_WD,
-            WD_AFTER,
-            HAS_MASTER,
-            HAS_INV,
+            HAS_WEIGHT_DECAY,
+            WD_AFTER_MOMENTUM,
+            HAS_MASTERS,
+            HAS_INV_SCALE,
             STEPWISE,
+            ROUNDING,
+            P,
             ROW,
             BLOCK,
             part == 0,
         )
+
+
+_SGD = OpKernel(_sgd_kernel)
 
 
 def _momentum_columns(args, params: list) -> tuple[list, list[int]]:
@@ -222,6 +236,36 @@ def _momentum_columns(args, params: list) -> tuple[list, list[int]]:
     if args.momentum == 0:
         return params, [0] * len(params)
     return args.momentum_buffers, [int(bool(f)) for f in args.first_run]
+
+
+def _step(args, ids, weights: list, stepwise: bool, **given) -> None:
+    """Both ops' launch after their checks (``ids``: the lists' ids): the chunk table of the
+    lists with ``weights`` fourth and the ``first_run`` column, the kernel with the add alphas
+    (rounded to the param dtype when ``stepwise``) and the launcher's keywords ``given``."""
+    params = args.params
+
+    def alpha(x: float) -> float:
+        # ATen's add(..., alpha) on half tensors rounds alpha to their dtype (stepwise rule)
+        return float(torch.tensor(x).to(params[0].dtype)) if stepwise else f32(x)
+
+    b_list, first = _momentum_columns(args, params)
+    lists = [params, args.grads, b_list, weights]
+    tab = ChunkTable.build(lists, cols=[first], ids=ids)
+    if not tab.n_chunks:
+        return
+    _SGD(
+        tab,
+        args,
+        p0=params[0],
+        g0=args.grads[0],
+        b0=b_list[0],
+        w0=weights[0],
+        alpha_lr=alpha(-args.lr),
+        alpha_momentum=alpha(args.momentum),
+        alpha_dampening=alpha(1.0 - args.dampening),
+        alpha_weight_decay=alpha(args.weight_decay),
+        **given,
+    )
 
 
 def fused_sgd_(args) -> None:
@@ -235,180 +279,11 @@ def fused_sgd_(args) -> None:
         >>> launcher("fused_sgd_")(params, grads, bufs, masters, [False] * len(params),
         ...                        0.1, 0.9, 0.0, 1e-4, True, False)
     """
-    params, grads, masters = args.params, args.grads, args.masters
-    momentum, weight_decay, stepwise = args.momentum, args.weight_decay, args.stepwise
-    inv_scale, found_inf = args.inv_scale, args.found_inf
-    if not params:
+    if not args.params:
         return
     ids = guard_step(args)
     check_flags(args)
-    w_list = masters if masters else params
-
-    def alpha(x: float) -> float:
-        # ATen's add(..., alpha) on half tensors rounds alpha to their dtype (stepwise rule)
-        return float(torch.tensor(x).to(params[0].dtype)) if stepwise else f32(x)
-
-    b_list, first = _momentum_columns(args, params)
-    tab = ChunkTable.build([params, grads, b_list, w_list], cols=[first], ids=ids)
-    if not tab.n_chunks:
-        return
-    launch(
-        _sgd_kernel,
-        (tab.n_chunks,),
-        tab.table,
-        tab.n_tensors,
-        tab.table if inv_scale is None else inv_scale,
-        tab.table if found_inf is None else flag_view(found_inf),
-        params[0],
-        grads[0],
-        b_list[0],
-        w_list[0],
-        alpha(-args.lr),
-        f32(momentum),
-        alpha(momentum),
-        alpha(1.0 - args.dampening),
-        alpha(weight_decay),
-        HAS_MOMENTUM=momentum != 0,
-        NESTEROV=bool(args.nesterov),
-        HAS_WD=weight_decay != 0,
-        WD_AFTER=bool(args.wd_after_momentum),
-        HAS_MASTER=bool(masters),
-        HAS_INV=inv_scale is not None,
-        HAS_FOUND=found_inf is not None,
-        STEPWISE=bool(stepwise),
-        ROW=tab.row,
-        CHUNK=tab.chunk,
-        BLOCK=BLOCK,
-        num_warps=WARPS,
-    )
-
-
-# ---- pure bf16: stochastic rounding or Kahan summation ------------------------------------
-# Table columns: numel, first chunk, (2) first_run, (3) the random-bit key, then (4) params,
-# (5) grads, (6) momentum buffers (the params without momentum) and (7) compensations (the
-# params for stochastic rounding).
-
-
-@triton.jit
-def _sgd_bf16_span(
-    table,
-    t,
-    start,
-    lo,
-    hi,
-    first_run,
-    key,
-    p0,
-    g0,
-    b0,
-    c0,
-    inv,
-    lr,
-    momentum,
-    one_m_damp,
-    wd,
-    HAS_MOMENTUM: tl.constexpr,
-    NESTEROV: tl.constexpr,
-    HAS_WD: tl.constexpr,
-    WD_AFTER: tl.constexpr,
-    KAHAN: tl.constexpr,
-    HAS_INV: tl.constexpr,
-    ROW: tl.constexpr,
-    BLOCK: tl.constexpr,
-    ALIGNED: tl.constexpr,
-):
-    # The update of the elements [lo, hi) of the chunk, rounded into the bf16 params.
-    p_ptr = column_ptr(table, t, 4, p0, ROW, ALIGNED)
-    g_ptr = column_ptr(table, t, 5, g0, ROW, ALIGNED)
-    b_ptr = column_ptr(table, t, 6, b0, ROW, ALIGNED)
-    c_ptr = column_ptr(table, t, 7, c0, ROW, ALIGNED)
-    lanes = tl.arange(0, BLOCK)
-    for k in range(span_start(lo, BLOCK), hi, BLOCK):
-        offs = start + k + lanes
-        mask = span_mask(k, lanes, lo, hi)
-        g = load_grad(g_ptr, offs, mask, inv, HAS_INV)
-        w = load_weight(p_ptr, p_ptr, offs, mask, False)
-        g = _direction(
-            g,
-            w,
-            b_ptr,
-            offs,
-            mask,
-            first_run,
-            momentum,
-            momentum,
-            one_m_damp,
-            wd,
-            HAS_MOMENTUM,
-            NESTEROV,
-            HAS_WD,
-            WD_AFTER,
-            False,
-            p0.dtype.element_ty,
-        )
-        store_rounded(p_ptr, c_ptr, offs, w - lr * g, mask, key, KAHAN)
-
-
-@triton.jit
-def _sgd_bf16_kernel(
-    table,
-    n_tensors,
-    inv_ptr,
-    found_ptr,
-    p0,
-    g0,
-    b0,
-    c0,
-    lr,
-    momentum,
-    one_m_damp,
-    wd,
-    HAS_MOMENTUM: tl.constexpr,
-    NESTEROV: tl.constexpr,
-    HAS_WD: tl.constexpr,
-    WD_AFTER: tl.constexpr,
-    KAHAN: tl.constexpr,
-    HAS_INV: tl.constexpr,
-    HAS_FOUND: tl.constexpr,
-    ROW: tl.constexpr,
-    CHUNK: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    t, start, count = chunk_info(table, n_tensors, ROW, CHUNK)
-    count = count * not_found(found_ptr, HAS_FOUND)
-    first_run = tensor_col(table, t, 0, ROW) != 0
-    key = tensor_col(table, t, 1, ROW).to(tl.uint32)
-    inv = load_scale(inv_ptr, HAS_INV)
-    ok = aligned(table, t, 4, 7, ROW)
-    for part in tl.static_range(2):  # the vector span, then the scalar rest (see _vector)
-        lo, hi = span(part, count, ok)
-        _sgd_bf16_span(
-            table,
-            t,
-            start,
-            lo,
-            hi,
-            first_run,
-            key,
-            p0,
-            g0,
-            b0,
-            c0,
-            inv,
-            lr,
-            momentum,
-            one_m_damp,
-            wd,
-            HAS_MOMENTUM,
-            NESTEROV,
-            HAS_WD,
-            WD_AFTER,
-            KAHAN,
-            HAS_INV,
-            ROW,
-            BLOCK,
-            part == 0,
-        )
+    _step(args, ids, args.masters or args.params, bool(args.stepwise))
 
 
 def fused_sgd_bf16_(args) -> None:
@@ -421,47 +296,13 @@ def fused_sgd_bf16_(args) -> None:
         >>> launcher("fused_sgd_bf16_")(params, grads, bufs, [], [False] * len(params), 0.1,
         ...                             0.9, 0.0, 0.0, False, False, "stochastic", 1, 1)
     """
-    params, grads, comps = args.params, args.grads, args.compensations
-    momentum, weight_decay = args.momentum, args.weight_decay
-    inv_scale, found_inf = args.inv_scale, args.found_inf
-    if not params:
+    if not args.params:
         return
     ids = guard_step(args, masters=None, rounding=True)
     check_flags(args)
-    kahan = args.rounding == "kahan"
-    b_list, first = _momentum_columns(args, params)
-    c_list = comps if kahan else params
-    keys = keys_of(len(params), args.seed, args.rng_step, kahan)
-    tab = ChunkTable.build([params, grads, b_list, c_list], cols=[first, keys], ids=ids)
-    if not tab.n_chunks:
-        return
-    launch(
-        _sgd_bf16_kernel,
-        (tab.n_chunks,),
-        tab.table,
-        tab.n_tensors,
-        tab.table if inv_scale is None else inv_scale,
-        tab.table if found_inf is None else flag_view(found_inf),
-        params[0],
-        grads[0],
-        b_list[0],
-        c_list[0],
-        f32(args.lr),
-        f32(momentum),
-        f32(1.0 - args.dampening),
-        f32(weight_decay),
-        HAS_MOMENTUM=momentum != 0,
-        NESTEROV=bool(args.nesterov),
-        HAS_WD=weight_decay != 0,
-        WD_AFTER=bool(args.wd_after_momentum),
-        KAHAN=kahan,
-        HAS_INV=inv_scale is not None,
-        HAS_FOUND=found_inf is not None,
-        ROW=tab.row,
-        CHUNK=tab.chunk,
-        BLOCK=BLOCK,
-        num_warps=WARPS,
-    )
+    weights = args.compensations if args.rounding == "kahan" else args.params
+    rounding = rounding_code(args.rounding)
+    _step(args, ids, weights, False, ROUNDING=rounding, **rng_words(args.seed, args.rng_step))
 
 
 fused_sgd_.guards_lists = fused_sgd_bf16_.guards_lists = True

@@ -32,68 +32,58 @@ def _state(pdt, gdt, master, seed=0):
     return [params, grads, masters, moments, steps]
 
 
-def _args(name, st, opts, inv, found):
+def _args(name, st, opts, inv, found) -> dict:
+    """The keyword arguments of one call of op ``name`` on the state ``st``."""
     params, grads, masters, (m, v), steps = st
+    flags = dict(inv_scale=inv, found_inf=found)
+    lists = dict(params=params, grads=grads, exp_avgs=m, exp_avg_sqs=v, masters=masters)
     if name == "fused_adam_":
         lr, wd, adam_w, bias = opts
-        return (
-            params,
-            grads,
-            m,
-            v,
-            masters,
-            steps,
-            lr,
-            0.9,
-            0.999,
-            1e-8,
-            wd,
-            adam_w,
-            bias,
-            inv,
-            found,
+        return dict(
+            **lists,
+            steps=steps,
+            lr=lr,
+            beta1=0.9,
+            beta2=0.999,
+            eps=1e-8,
+            weight_decay=wd,
+            adam_w_mode=adam_w,
+            bias_correction=bias,
+            **flags,
         )
     if name == "fused_sgd_":
         momentum, nesterov, wd_after = opts
         # without momentum the optimizer passes no buffers and no first_run flags
-        first = [k % 2 == 0 for k in range(len(params))] if momentum else []
-        bufs = m if momentum else []
-        return (
-            params,
-            grads,
-            bufs,
-            masters,
-            first,
-            0.1,
-            momentum,
-            0.1,
-            0.01,
-            nesterov,
-            wd_after,
-            inv,
-            found,
+        return dict(
+            params=params,
+            grads=grads,
+            momentum_buffers=m if momentum else [],
+            masters=masters,
+            first_run=[k % 2 == 0 for k in range(len(params))] if momentum else [],
+            lr=0.1,
+            momentum=momentum,
+            dampening=0.1,
+            weight_decay=0.01,
+            nesterov=nesterov,
+            wd_after_momentum=wd_after,
+            **flags,
         )
     gnorm, max_norm, adam_w, nvlamb, wd = opts
-    return (
-        params,
-        grads,
-        m,
-        v,
-        masters,
-        steps,
-        gnorm,
-        1e-2,
-        0.9,
-        0.999,
-        1e-6,
-        wd,
-        adam_w,
-        True,
-        True,
-        max_norm,
-        nvlamb,
-        inv,
-        found,
+    return dict(
+        **lists,
+        steps=steps,
+        global_grad_norm=gnorm,
+        lr=1e-2,
+        beta1=0.9,
+        beta2=0.999,
+        eps=1e-6,
+        weight_decay=wd,
+        adam_w_mode=adam_w,
+        bias_correction=True,
+        grad_averaging=True,
+        max_grad_norm=max_norm,
+        use_nvlamb=nvlamb,
+        **flags,
     )
 
 
@@ -104,7 +94,7 @@ def _run(name, device, base, opts, inv=0.5, found=None):
         st = on(dev, base)
         opts_dev = tuple(o.to(dev) if isinstance(o, torch.Tensor) else o for o in opts)
         fn(
-            *_args(
+            **_args(
                 name,
                 st,
                 opts_dev,
@@ -176,12 +166,12 @@ def test_one_pass_equals_unscale_then_fp32_step_then_cast(device, name, opts, ha
     one = clone(base)
     opts = tuple(o.to(device) if isinstance(o, torch.Tensor) else o for o in opts)
     inv = torch.tensor([1 / 1024], device=device)
-    kernel(name)(*_args(name, one, opts, inv, torch.zeros(1, device=device)))
+    kernel(name)(**_args(name, one, opts, inv, torch.zeros(1, device=device)))
     params, grads, masters, moments, steps = clone(base)
     g32 = [torch.empty_like(g, dtype=F32) for g in grads]
     found = torch.zeros(1, device=device)
     kernel("multi_tensor_scale")(found, grads, g32, 1.0, inv)
-    kernel(name)(*_args(name, [masters, g32, [], moments, steps], opts, None, found))
+    kernel(name)(**_args(name, [masters, g32, [], moments, steps], opts, None, found))
     for p, w in zip(params, masters, strict=True):
         p.copy_(w)
     bitwise([one[0], one[2], one[3], one[4]], on("cpu", [params, masters, moments, steps]))
@@ -194,34 +184,9 @@ def test_refuses_bad_lists(device, name):
     opts = {"fused_adam_": ADAM[0], "fused_sgd_": SGD[1], "fused_lamb_": LAMB[0]}[name]
     opts = tuple(o.to(device) if isinstance(o, torch.Tensor) else o for o in opts)
     with pytest.raises(TypeError, match="tensor 2 of 'masters'"):
-        kernel(name)(*_args(name, [params, grads, masters, moments, steps], opts, None, None))
+        kernel(name)(**_args(name, [params, grads, masters, moments, steps], opts, None, None))
     masters[2] = masters[2].float()
     steps[1] = torch.tensor([1.0, 2.0], device=device)
     if name != "fused_sgd_":
-        with pytest.raises(TypeError, match=r"steps\[1\] must be a one-element"):
-            kernel(name)(*_args(name, [params, grads, masters, moments, steps], opts, None, None))
-
-
-@pytest.mark.parametrize("stepwise", [False, True])
-@pytest.mark.parametrize("half", [BF16, F16])
-@pytest.mark.parametrize("opts", SGD[1:], ids=["momentum", "nesterov", "wd_after"])
-def test_sgd_half_momentum_buffers_match_reference(device, ulps, half, opts, stepwise):
-    """Half params without masters may keep their momentum buffers in their own dtype
-    (torch.optim.SGD's and Apex's): computed in fp32 and stored rounded, or with every
-    operation rounded to the param dtype (``stepwise``, torch.optim.SGD's ops), as the
-    reference."""
-    base = _state(half, half, False, seed=5)
-    base[3] = [[m.to(half) for m in base[3][0]], base[3][1]]
-    out = []
-    for fn, dev in ((kernel("fused_sgd_"), device), (REFERENCES["fused_sgd_"], "cpu")):
-        st = on(dev, base)
-        fn(*_args("fused_sgd_", st, opts, torch.tensor([0.5], device=dev), None), stepwise)
-        out.append(st)
-    got, want = out
-    assert got[3][0][0].dtype == half
-    close(got[3][0], want[3][0], 1.0)
-    close(got[0], want[0], 1.0)
-    with pytest.raises(TypeError, match="momentum buffers are"):
-        st = on(device, _state(half, half, True))
-        st[3] = [[m.to(half) for m in st[3][0]], st[3][1]]
-        kernel("fused_sgd_")(*_args("fused_sgd_", st, opts, None, None))
+        with pytest.raises(TypeError, match="one-element"):
+            kernel(name)(**_args(name, [params, grads, masters, moments, steps], opts, None, None))

@@ -26,39 +26,48 @@ def _lists(g, *dtypes, scale=1.0):
     return [[randn(n, dt, g, scale) for n in SIZES] for dt in dtypes]
 
 
-def _case(name, g):
-    """The positional arguments of one call of ``name``: tensors, lists and numbers."""
+def _case(name, g) -> dict:
+    """The keyword arguments of one call of ``name``: tensors, lists and numbers (the second
+    argument of every op is a list of data)."""
     one = torch.ones(1)
     flag = torch.zeros(1, dtype=torch.int32)
     steps = [torch.tensor(float(k + 2)) for k in range(len(SIZES))]
     if name == "multi_tensor_scale":
         src, dst = _lists(g, BF16, F32)
-        return [flag, src, dst, 0.5, one]
+        return dict(noop_flag=flag, src=src, dst=dst, scale=0.5, scale_tensor=one)
     if name == "multi_tensor_l2norm":
-        return [flag, _lists(g, F32, scale=30.0)[0], True, torch.tensor([0.25])]
+        ts = _lists(g, F32, scale=30.0)[0]
+        return dict(noop_flag=flag, tensors=ts, per_tensor=True, inv_scale=torch.tensor([0.25]))
     if name == "multi_tensor_check_finite":
         (ts,) = _lists(g, BF16)
         ts[3][1099] = float("inf")  # in the scalar rest of an aligned tensor
-        return [flag, ts]
+        return dict(noop_flag=flag, tensors=ts)
     p, gr, w = _lists(g, BF16, BF16, F32)
     m, v = ([t.abs() * 0.1 for t in ts] for ts in _lists(g, F32, F32))
-    inv = torch.tensor([0.5])
+    lists = dict(params=p, grads=gr, exp_avgs=m, exp_avg_sqs=v)
+    flags = dict(inv_scale=torch.tensor([0.5]), found_inf=None)
+    sr = dict(rounding="stochastic", seed=1, rng_step=3)
+    adam = dict(lr=1e-2, beta1=0.9, beta2=0.999, eps=1e-8, weight_decay=0.1)
+    adam |= dict(adam_w_mode=True, bias_correction=True)
     if name == "fused_adam_":
-        return [p, gr, m, v, w, steps, 1e-2, 0.9, 0.999, 1e-8, 0.1, True, True, inv, one * 0]
+        return dict(**lists, masters=w, steps=steps, **adam, **flags | dict(found_inf=one * 0))
     if name == "fused_adam_bf16_":
-        adam = [1e-2, 0.9, 0.999, 1e-8, 0.1, True, True]
-        return [p, gr, m, v, [], steps, *adam, "stochastic", 1, 3, inv, None]
-    first = [k % 2 == 0 for k in range(len(SIZES))]
+        return dict(**lists, compensations=[], steps=steps, **adam, **sr, **flags)
+    sgd = dict(
+        params=p, grads=gr, momentum_buffers=m, first_run=[k % 2 == 0 for k in range(len(SIZES))]
+    )
+    sgd |= dict(lr=0.1, momentum=0.9, dampening=0.1, weight_decay=0.01)
     if name == "fused_sgd_":
-        return [p, gr, m, w, first, 0.1, 0.9, 0.1, 0.01, True, False, inv, None]
+        return dict(**sgd, masters=w, nesterov=True, wd_after_momentum=False, **flags)
     if name == "fused_sgd_bf16_":
         comps = _lists(g, BF16, scale=1e-3)[0]
-        sgd = [0.1, 0.9, 0.1, 0.01, False, True]
-        return [p, gr, m, comps, first, *sgd, "kahan", 1, 3, inv, None]
-    lamb = [1e-2, 0.9, 0.999, 1e-6, 0.01, True, True, True, 1.0, False]
+        sgd |= dict(nesterov=False, wd_after_momentum=True, rounding="kahan", seed=1, rng_step=3)
+        return dict(**sgd, compensations=comps, **flags)
+    lamb = dict(global_grad_norm=torch.tensor([3.0]), **adam, grad_averaging=True)
+    lamb |= dict(eps=1e-6, weight_decay=0.01, max_grad_norm=1.0, use_nvlamb=False)
     if name == "fused_lamb_":
-        return [p, gr, m, v, w, steps, torch.tensor([3.0]), *lamb, inv, None]
-    return [p, gr, m, v, [], steps, torch.tensor([3.0]), *lamb, "stochastic", 1, 3, inv, None]
+        return dict(**lists, masters=w, steps=steps, **lamb, **flags)
+    return dict(**lists, compensations=[], steps=steps, **lamb, **sr, **flags)
 
 
 OPS = (
@@ -88,25 +97,26 @@ def _at_odd_addresses(ts, device):
     return views
 
 
-def _placed(args, device, odd):
+def _placed(args: dict, device, odd) -> dict:
     """``args`` on ``device``: the lists of data as views at odd addresses when ``odd`` (the
     one-element steps stay as they are: their column is no part of the aligned row)."""
-    out = []
-    for a in args:
+    out = {}
+    for k, a in args.items():
         if isinstance(a, torch.Tensor):
-            out.append(a.to(device, copy=True))
+            out[k] = a.to(device, copy=True)
         elif isinstance(a, list) and a and isinstance(a[0], torch.Tensor):
             copies = [t.to(device, copy=True) for t in a]
             data = a[-1].numel() == SIZES[-1]
-            out.append(_at_odd_addresses(copies, device) if odd and data else copies)
+            out[k] = _at_odd_addresses(copies, device) if odd and data else copies
         else:
-            out.append(a)
+            out[k] = a
     return out
 
 
-def _state(args, result):
-    tensors = [a for a in args if isinstance(a, torch.Tensor)]
-    tensors += [t for a in args if isinstance(a, list) for t in a if isinstance(t, torch.Tensor)]
+def _state(args: dict, result):
+    values = list(args.values())
+    tensors = [a for a in values if isinstance(a, torch.Tensor)]
+    tensors += [t for a in values if isinstance(a, list) for t in a if isinstance(t, torch.Tensor)]
     if isinstance(result, tuple):
         tensors += list(result)
     return [t.cpu() for t in tensors]
@@ -120,13 +130,14 @@ def test_views_at_odd_addresses_match_aligned_tensors_bitwise(device, name, odd)
     views = _placed(args, device, odd=True)
     if odd == "grads":  # one list misaligned (argument 1: a list of data in every op) sends
         views = _placed(args, device, odd=False)  # the whole row to the scalar span
-        views[1] = _placed([args[1]], device, odd=True)[0]
-    want = _state(aligned, kernel(name)(*aligned))
-    got = _state(views, kernel(name)(*views))
+        second = list(args)[1]
+        views[second] = _placed({second: args[second]}, device, odd=True)[second]
+    want = _state(aligned, kernel(name)(**aligned))
+    got = _state(views, kernel(name)(**views))
     bitwise(got, want)
     assert any(bool(torch.any(t != 0)) for t in want)  # the call did something
 
 
 def test_the_odd_views_really_are_unaligned(device):
     views = _placed(_case("fused_adam_", gen(0)), device, odd=True)
-    assert all(t.data_ptr() % 16 for lst in views[:5] for t in lst)
+    assert all(t.data_ptr() % 16 for lst in list(views.values())[:5] for t in lst)

@@ -4,7 +4,8 @@ The interpreter tests check what the kernels compute; this checks that the compi
 them (it refuses Python the interpreter runs). ``triton_aot.py`` runs once, in a process of its
 own, without ``TRITON_INTERPRET``, with a fresh Triton cache so that everything really compiles;
 its ``--memory`` counts show that each list kernel's aligned span (``_vector.py``) compiles to
-16-byte loads and stores.
+16-byte loads and stores, and that a kernel serving an op and its pure-bf16 twin compiled under
+each of its ``ROUNDING`` values.
 """
 
 from __future__ import annotations
@@ -27,12 +28,9 @@ LIST_KERNELS = {
     "_sumsq_kernel": False,
     "_check_finite_kernel": False,
     "_adam_kernel": True,
-    "_adam_bf16_kernel": True,
     "_sgd_kernel": True,
-    "_sgd_bf16_kernel": True,
     "_lamb_phase1": True,
     "_lamb_phase2": True,
-    "_lamb_bf16_phase2": True,
 }
 
 
@@ -72,9 +70,6 @@ def test_kernels_compile_for_sm90(aot_sm90):
         "_bwd_looped",
         "_colsum_kernel",
         "_rope_kernel",
-        "_adam_bf16_kernel",
-        "_sgd_bf16_kernel",
-        "_lamb_bf16_phase2",
         "_check_finite_kernel",
     }
     assert expected <= compiled, sorted(expected - compiled)
@@ -92,3 +87,21 @@ def test_list_kernels_use_vector_accesses_on_sm90(aot_sm90, name):
         assert ops["ld.v"] > 0, (name, ops)
         if LIST_KERNELS[name]:
             assert ops["st.v"] > 0, (name, ops)
+
+
+def _flags(aot: str, name: str) -> list[dict]:
+    """The constexpr flags of each specialization of kernel ``name`` that ``aot`` compiled."""
+    return [
+        ast.literal_eval(line[line.index("{") :])
+        for line in aot.splitlines()
+        if line.startswith("sm_90 ") and line.split()[1] == name
+    ]
+
+
+@pytest.mark.parametrize("name", ["_adam_kernel", "_sgd_kernel", "_lamb_phase2"])
+def test_folded_kernels_compile_every_rounding_on_sm90(aot_sm90, name):
+    """One kernel serves ``fused_<opt>_`` (no ``ROUNDING``: round to nearest) and
+    ``fused_<opt>_bf16_`` (``ROUNDING`` 1, stochastic, and 2, Kahan). LAMB's phase 1 writes no
+    weight, so it has no ``ROUNDING``: one compile serves both LAMB ops."""
+    roundings = {flags.get("ROUNDING", 0) for flags in _flags(aot_sm90, name)}
+    assert roundings == {0, 1, 2}, roundings

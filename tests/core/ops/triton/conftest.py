@@ -47,10 +47,10 @@ def triton_kernels():
         pytest.skip(_MISSING)
     if not _CUDA and not _interpreted():
         pytest.fail(
-            "triton was imported before tests/core/ops/triton_kernels/conftest.py could set "
+            "triton was imported before tests/core/ops/triton/conftest.py could set "
             "TRITON_INTERPRET=1 (something imported torch._dynamo or triton at collection), so "
             "its kernels cannot run on the CPU in this process; run this folder in its own "
-            "process: pytest tests/core/ops/triton_kernels"
+            "process: pytest tests/core/ops/triton"
         )
     before = os.environ.get("TRITON_INTERPRET")
     kept = {k: m for k, m in sys.modules.items() if k.startswith(_PACKAGE + ".")}

@@ -1,0 +1,38 @@
+"""The Triton SGD kernel (``mpnb/core/ops/triton/sgd.py``) beyond the steps every optimizer
+kernel shares (test_optim.py): half momentum buffers, as torch.optim.SGD keeps them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from .test_optim import BF16, F16, REFERENCES, SGD, _args, _state
+from .triton_cases import close, kernel, on
+
+
+@pytest.mark.parametrize("stepwise", [False, True])
+@pytest.mark.parametrize("half", [BF16, F16])
+@pytest.mark.parametrize("opts", SGD[1:], ids=["momentum", "nesterov", "wd_after"])
+def test_sgd_half_momentum_buffers_match_reference(device, ulps, half, opts, stepwise):
+    """Half params without masters may keep their momentum buffers in their own dtype
+    (torch.optim.SGD's and Apex's): computed in fp32 and stored rounded, or with every
+    operation rounded to the param dtype (``stepwise``, torch.optim.SGD's ops), as the
+    reference."""
+    base = _state(half, half, False, seed=5)
+    base[3] = [[m.to(half) for m in base[3][0]], base[3][1]]
+    out = []
+    for fn, dev in ((kernel("fused_sgd_"), device), (REFERENCES["fused_sgd_"], "cpu")):
+        st = on(dev, base)
+        fn(
+            **_args("fused_sgd_", st, opts, torch.tensor([0.5], device=dev), None),
+            stepwise=stepwise,
+        )
+        out.append(st)
+    got, want = out
+    assert got[3][0][0].dtype == half
+    close(got[3][0], want[3][0], 1.0)
+    close(got[0], want[0], 1.0)
+    with pytest.raises(TypeError, match="momentum buffers are"):
+        st = on(device, _state(half, half, True))
+        st[3] = [[m.to(half) for m in st[3][0]], st[3][1]]
+        kernel("fused_sgd_")(**_args("fused_sgd_", st, opts, None, None))
