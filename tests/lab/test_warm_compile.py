@@ -47,7 +47,10 @@ def test_compile_time_is_its_own_column_never_a_step_time():
     hist = df.attrs["history"]
     mine = hist[hist.configuration == r.configuration]
     assert set(mine.phase) <= {"warmup", "memory", "timed"}  # nothing compiled in the steps
-    assert mine.step_time_ms.max() < 1e3 * r.compile_s  # no step holds the compile
+    # no step holds the compile (the memory step runs under the memory tracker and the FLOP
+    # counter, never timed: its wall time is the instruments', up to 0.8 s seen on a busy CI)
+    stepped = mine[mine.phase != "memory"]
+    assert stepped.step_time_ms.max() < 1e3 * r.compile_s
     assert r.step_time_ms < 1e3 * r.compile_s / 10 and r.host_syncs_per_step == 0
     first = hist[hist.step == 0].set_index("configuration")
     assert first.loc[r.configuration, "loss"] == pytest.approx(
