@@ -34,6 +34,7 @@ import os
 import shutil
 import subprocess
 import sys
+import sysconfig
 import threading
 import time
 import warnings
@@ -199,13 +200,17 @@ class Extension:
     def _includes(self) -> list[str]:
         from torch.utils import cpp_extension
 
-        return ["-Isrc", *(f"-isystem{p}" for p in cpp_extension.include_paths())]
+        paths = list(cpp_extension.include_paths())
+        py = sysconfig.get_paths().get("include")
+        if py and (Path(py) / "Python.h").is_file():  # list_facts' Python entry (else left out)
+            paths.append(py)
+        return ["-Isrc", *(f"-isystem{p}" for p in paths)]
 
     def _ldflags(self) -> list[str]:
         from torch.utils import cpp_extension
 
         libs = [f"-L{p}" for p in cpp_extension.library_paths()]
-        return ["-shared", "-fopenmp", *libs, "-lc10", "-ltorch_cpu", "-ltorch"]
+        return ["-shared", "-fopenmp", *libs, "-lc10", "-ltorch_cpu", "-ltorch", "-ltorch_python"]
 
     def compiler(self) -> str:
         """The C++ compiler: ``$CXX`` or ``c++``."""

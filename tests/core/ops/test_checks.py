@@ -157,3 +157,41 @@ def test_the_guard_holds_the_ops_per_tensor_checks(facts, monkeypatch):
             facts.guard_lists(bad, data=("src", "dst"))
         with pytest.raises(ValueError, match="'dst' has 5 elements"):
             op.validate(bad)  # what the op's check says instead
+
+
+def test_what_the_pass_cannot_read_is_read_in_python(facts):
+    from torch.testing._internal.two_tensor import TwoTensor
+
+    plain = torch.ones(3)
+    sub = TwoTensor(torch.ones(3), torch.ones(3))  # dispatches in Python: no address to read
+    assert facts.list_facts([[plain, sub]]) is None  # a subclass behind a plain first tensor
+    assert facts.list_facts([[plain, 1.0]]) is None  # not a tensor
+    assert facts.list_facts([[plain]] * 9) is None  # more lists than the pass takes
+    assert facts.list_facts([(plain,), [plain]])[:2] == facts._python_flags([[plain], [plain]])
+
+
+def test_the_pass_is_no_op_call(facts):
+    # The launchers call it from inside their op's kernel: an op here would send every tensor
+    # through the dispatcher's argument stack a second time.
+    lists = [[torch.ones(3), torch.ones(2)], [torch.ones(3), torch.ones(2)]]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        facts.list_facts(lists)
+    assert [e.name for e in prof.events()] == []
+
+
+def test_a_library_without_the_pass_reads_in_python(facts, monkeypatch):
+    class NoPass:
+        def __init__(self, path):
+            pass
+
+        def __getattr__(self, name):
+            raise AttributeError(name)  # a library built without Python's headers
+
+    monkeypatch.setattr(facts, "_NATIVE", [None])
+    monkeypatch.setattr(facts.ctypes, "PyDLL", NoPass)
+    assert facts._native() is None and facts._NATIVE == [False]  # looked up once
+    assert facts.list_facts([[torch.ones(3)]]) is None
+    args = _library.op_info("multi_tensor_scale").Args(
+        torch.zeros(1), [torch.ones(3)], [torch.ones(3)], 1.0
+    )
+    assert facts.guard_lists(args, data=("src", "dst")) is None  # the flags, read in Python

@@ -10,8 +10,9 @@ A list launcher reads every tensor of its lists through the chunk table, so each
 have its partner's size, its list's dtype, a contiguous layout and the lists' device, and the
 table is keyed by every tensor's size and address. Read in Python, that is one attribute per
 tensor per fact (a few hundred nanoseconds each, thousands of tensors per optimizer step);
-:func:`guard_lists` reads each tensor once, in C++ (``mpnb::_list_facts``,
-``csrc/cpu/list_facts.cpp``), and returns the ids the table is keyed by. It holds the same
+:func:`guard_lists` reads each tensor once, in C++ (``mpnb_list_facts``,
+``csrc/cpu/list_facts.cpp``: a C function of the library, not an op, so the lists do not cross
+the dispatcher a second time), and returns the ids the table is keyed by. It holds the same
 conditions as the op's per-tensor checks; when one fails it raises a short ``RuntimeError``
 and the op's whole check runs, whose named error replaces it (:mod:`mpnb.core.ops._library`,
 as for a C++ kernel's refusal). A launcher that calls it says so (``guards_lists = True``): its
@@ -22,6 +23,7 @@ in Python.
 
 from __future__ import annotations
 
+import ctypes
 import operator
 from collections.abc import Sequence
 
@@ -43,7 +45,7 @@ __all__ = [
     "list_facts",
 ]
 
-# Flag bits per list of ``mpnb::_list_facts`` (the same constants in csrc/cpu/list_facts.cpp).
+# Flag bits per list of ``mpnb_list_facts`` (the same constants in csrc/cpu/list_facts.cpp).
 ONE_DTYPE = 1  #: every tensor has the list's first dtype
 CONTIGUOUS = 2  #: every tensor is contiguous
 PAIRED = 4  #: as many tensors as the first list, each with its partner's number of elements
@@ -53,9 +55,8 @@ BELOW_2E32 = 32  #: every tensor holds fewer than 2^32 elements
 #: what a list read element by element needs (its dtype, its layout, its partner's size)
 DATA = ONE_DTYPE | CONTIGUOUS | PAIRED
 
-_MAX_LISTS = 8  # the C++ pass takes eight lists
-_EMPTY: tuple = ()
-_NATIVE: list = [None]  # mpnb::_list_facts once the C++ library is loaded
+_MAX_LISTS = 8  # the C++ pass takes eight lists (kMaxLists)
+_NATIVE: list = [None]  # mpnb_list_facts once the C++ library is loaded (False: it lacks it)
 _PLAIN = (torch.Tensor, torch.nn.Parameter)  # other types may be tracers or dispatch subclasses
 _WHAT = (
     (ONE_DEVICE, "its tensors are on several devices"),
@@ -80,16 +81,22 @@ def check_same_device(op: str, ref: torch.Tensor, **tensors: torch.Tensor | None
 
 
 def _native():
-    op = _NATIVE[0]
-    if op is None:
+    """The C pass ``mpnb_list_facts`` of the loaded library (called through ctypes, which
+    holds the GIL and raises the error it sets), or None: no library, or one built without
+    Python's headers."""
+    fn = _NATIVE[0]
+    if fn is None:
         status = cpu_extension().status()
         if status is None or not status.loaded:
             return None
         try:
-            op = _NATIVE[0] = torch.ops.mpnb._list_facts.default
-        except (AttributeError, RuntimeError):  # a library built before the pass existed
-            return None
-    return op
+            fn = ctypes.PyDLL(status.path).mpnb_list_facts
+        except (OSError, AttributeError):  # built without Python.h: read in Python
+            fn = False
+        else:
+            fn.restype, fn.argtypes = ctypes.py_object, (ctypes.py_object,)
+        _NATIVE[0] = fn
+    return fn or None
 
 
 def list_facts(lists: Sequence[Sequence[torch.Tensor]]) -> list[int] | None:
@@ -101,9 +108,9 @@ def list_facts(lists: Sequence[Sequence[torch.Tensor]]) -> list[int] | None:
     with the first tensor of the first non-empty list. Equal ids mean equal lists: the same
     length and, tensor by tensor, the same number of elements at the same address.
     """
-    op = _native()
+    fn = _native()
     if (
-        op is None
+        fn is None
         or len(lists) > _MAX_LISTS
         or torch._C._len_torch_dispatch_stack()
         or torch._C._is_torch_function_mode_enabled()
@@ -113,8 +120,8 @@ def list_facts(lists: Sequence[Sequence[torch.Tensor]]) -> list[int] | None:
         if lst and type(lst[0]) not in _PLAIN:
             return None
     try:
-        return op(*lists, *(_EMPTY,) * (_MAX_LISTS - len(lists)))
-    except (RuntimeError, TypeError, NotImplementedError):  # a subclass inside a list
+        return fn(lists)
+    except (RuntimeError, TypeError):  # a subclass inside a list, a tensor without storage
         return None
 
 
