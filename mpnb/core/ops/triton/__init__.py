@@ -46,7 +46,7 @@ from types import MappingProxyType
 
 import torch
 
-from mpnb.core.ops.triton._decision import TritonDecision, decide, load_table
+from mpnb.core.ops.triton._decision import TritonDecision, decide, kernel_source, load_table
 
 __all__ = [
     "LAUNCHERS",
@@ -161,7 +161,8 @@ def probe_triton(
         return TritonStatus(mode, cuda, None, "switched off by MPNB_TRITON=0")
     if mode == "measured":
         measured = load_table() if table is None else table
-        if not any(decide(n, measured).default for n in measured.get("kernels", {})):
+        kernels = measured.get("kernels", {})
+        if not any(decide(n, measured, _source(n)).default for n in kernels):
             why = (
                 "opt-in: no kernel has measured at least PyTorch's speed on a GPU with the "
                 "lower end of its 95% interval (a ratio recorded without an interval counts "
@@ -198,7 +199,18 @@ def decision(name: str) -> TritonDecision:
         >>> decision("rope").label
         'opt-in (MPNB_TRITON=1), unmeasured on a GPU'
     """
-    return decide(name, _table())
+    return decide(name, _table(), _source(name))
+
+
+def _source(name: str) -> str | None:
+    """Today's :func:`kernel_source` of op ``name``'s kernel module (None: no launcher known)."""
+    where = _LAUNCHERS.get(name)
+    return None if where is None else _module_source(where.split(":")[0])
+
+
+@functools.cache
+def _module_source(module: str) -> str:
+    return kernel_source(module)
 
 
 @functools.cache

@@ -13,7 +13,8 @@ One bench run is not enough near 1.0: the same kernel source has measured 0.64x 
 So each run is pooled with the earlier runs of the same card, torch, triton and kernel source
 (:func:`kernel_source`): a case keeps its worst run (the lowest lower end), and a kernel is a
 default only while every run held PyTorch's speed. A change to a kernel's source starts its
-record afresh.
+record afresh, and until then its old record is shown as of other code and is no default
+(:func:`decide` compares the record's ``kernel_source`` with today's).
 
 An entry: ``card``, ``date``, ``first_date``, ``runs``, ``source`` (the command), ``torch``,
 ``triton``, ``kernel_source``, ``cases`` (``{"<case> [<workload>]": {"ratio", "lo", "hi",
@@ -59,6 +60,8 @@ class TritonDecision:
             a GPU.
         measured_on: the card and date of the measurement ("" when unmeasured).
         speed_lo, speed_hi: that case's 95% interval, or None (a ratio measured without one).
+        stale: the measurement is of other kernel code than today's (its ``kernel_source``
+            differs): shown, never a default.
     """
 
     name: str
@@ -67,6 +70,7 @@ class TritonDecision:
     measured_on: str
     speed_lo: float | None = None
     speed_hi: float | None = None
+    stale: bool = False
 
     @property
     def label(self) -> str:
@@ -82,6 +86,10 @@ class TritonDecision:
             else "no 95% interval (one --quick measurement: rerun scripts/gpu-check.sh)"
         )
         speed = f"{self.speed_vs_torch:.2f}x PyTorch's speed, {interval} ({self.measured_on})"
+        if self.stale:
+            speed += ", measured on other code than this kernel's"
+            if "rerun" not in interval:
+                speed += " (rerun scripts/gpu-check.sh)"
         return f"default: {speed}" if self.default else f"opt-in (MPNB_TRITON=1): {speed}"
 
 
@@ -99,8 +107,10 @@ def load_table(path: str | Path | None = None) -> dict:
     return table
 
 
-def decide(name: str, table: Mapping) -> TritonDecision:
-    """The decision for op ``name`` from ``table`` (see :func:`load_table`).
+def decide(name: str, table: Mapping, source: str | None = None) -> TritonDecision:
+    """The decision for op ``name`` from ``table`` (see :func:`load_table`); with ``source``
+    (today's :func:`kernel_source` of its module), an entry recorded for other code is stale:
+    shown, never a default (a changed kernel is measured afresh before it serves a call).
 
     Example::
 
@@ -114,7 +124,10 @@ def decide(name: str, table: Mapping) -> TritonDecision:
     ratio = float(entry["speed_vs_torch"])
     lo, hi = (None if entry.get(k) is None else float(entry[k]) for k in ("speed_lo", "speed_hi"))
     where = ", ".join(str(entry[k]) for k in ("card", "date") if entry.get(k))
-    return TritonDecision(name, lo is not None and lo >= DEFAULT_AT, ratio, where, lo, hi)
+    recorded = entry.get("kernel_source")
+    stale = source is not None and recorded is not None and recorded != source
+    default = not stale and lo is not None and lo >= DEFAULT_AT
+    return TritonDecision(name, default, ratio, where, lo, hi, stale)
 
 
 def kernel_source(module: str) -> str:

@@ -258,3 +258,23 @@ def test_kernel_source_follows_the_module_and_the_shared_helpers(tmp_path, monke
     assert dec.kernel_source("adam") == adam and dec.kernel_source("sgd") != sgd
     (tmp_path / "_common.py").write_text(open(f"{here}/_common.py").read() + "\n# edited\n")
     assert dec.kernel_source("adam") != adam
+
+
+def test_a_measurement_of_other_kernel_code_is_shown_but_never_a_default(monkeypatch):
+    import mpnb.core.ops  # noqa: F401 - defines the ops, which register their launchers
+
+    module = tk.LAUNCHERS["rope"].split(":")[0]
+    today = dec.kernel_source(module)
+    entry = dict(speed_vs_torch=1.31, speed_lo=1.25, speed_hi=1.37, card=_H100, date="x")
+    same = {"kernels": {"rope": dict(entry, kernel_source=today)}}
+    other = {"kernels": {"rope": dict(entry, kernel_source="0" * 16)}}
+    assert dec.decide("rope", same, today).default
+    old = dec.decide("rope", other, today)
+    assert not old.default and old.stale and old.speed_vs_torch == 1.31
+    assert old.label.startswith("opt-in (MPNB_TRITON=1): 1.31x") and "other code" in old.label
+    assert dec.decide("rope", other).default  # no source given: the table alone decides
+    for table, default in ((same, True), (other, False)):
+        monkeypatch.setattr(tk, "_table", lambda table=table: table)
+        assert tk.decision("rope").default is default  # today's source, from the launcher
+        status = tk.probe_triton(environ={}, cuda_available=lambda: False, table=table)
+        assert ("no kernel has measured" in status.reason) is not default
