@@ -145,6 +145,24 @@ def lab(tmp_path):
         yield served
 
 
+def select_tab(widget, tab: str) -> None:
+    """Click ``tab`` until the tab bar shows it current: after a reload the widget's restored
+    state (the tab selected when the notebook was saved) can land after a first click."""
+    current = widget.locator(f".lm-TabBar-tab.lm-mod-current:has-text('{tab}')").first
+    for _ in range(5):
+        widget.locator(f".lm-TabBar-tab:has-text('{tab}')").first.click()
+        try:
+            current.wait_for(state="attached", timeout=5_000)
+            widget.page.wait_for_timeout(500)  # a late restore would switch it back now
+            if current.count():
+                return
+        except Exception:  # noqa: BLE001, S112 - not current yet: click again
+            continue
+    tabs = widget.locator(".lm-TabBar-tab")
+    seen = [(t.inner_text(), t.get_attribute("class")) for t in tabs.all()]
+    raise AssertionError(f"the {tab!r} tab never became current after 5 clicks; tabs: {seen}")
+
+
 def _wait_kernel(page) -> None:
     page.wait_for_function(
         "() => window.jupyterapp && window.jupyterapp.shell.currentWidget"
@@ -240,7 +258,7 @@ def test_opt_level_notebook_and_widget_in_chromium(lab, tmp_path):
         widget = page.locator(".jp-OutputArea-output:has(.widget-button:text-is('Run'))")
         widget.first.wait_for(timeout=120_000)
         widget = widget.first
-        widget.locator(".lm-TabBar-tab:has-text('Speed')").first.click()  # Table was open
+        select_tab(widget, "Speed")  # Table was open when the notebook was saved
         for name in CONFIGS:
             widget.locator(f".js-plotly-plot .xtick text:text-is('{name}')").first.wait_for(
                 timeout=60_000

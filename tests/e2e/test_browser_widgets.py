@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from .test_browser import ROOT, _wait_kernel, chromium, serve_lab
+from .test_browser import ROOT, _wait_kernel, chromium, select_tab, serve_lab
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
@@ -98,7 +98,7 @@ def _check_profile(page, tmp_path: Path, when: str) -> None:
         ("Precision", "table.mpnb-table"),
         ("Overflow", ".widget-button:has-text('Precision tab')"),
     ):
-        widget.locator(f".lm-TabBar-tab:has-text('{tab}')").first.click()
+        select_tab(widget, tab)
         panel = widget.locator(".widget-tab-contents > .lm-Widget:not(.lm-mod-hidden)").first
         try:
             panel.locator(check).first.wait_for(state="attached", timeout=60_000)
