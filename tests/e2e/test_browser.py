@@ -145,9 +145,18 @@ def lab(tmp_path):
         yield served
 
 
+class StaticWidget(AssertionError):
+    """A widget's tab would not switch: the page shows the widget from the notebook's saved
+    state, not bound to the kernel's model (after a reload, when ipywidgets could not load the
+    models from the kernel in time: its "Error displaying widget: model not found")."""
+
+
 def select_tab(widget, tab: str) -> None:
     """Click ``tab`` until the tab bar shows it current: after a reload the widget's restored
-    state (the tab selected when the notebook was saved) can land after a first click."""
+    state (the tab selected when the notebook was saved) can land after a first click.
+
+    Raises:
+        StaticWidget: it never became current (the widget is not bound to the kernel)."""
     current = widget.locator(f".lm-TabBar-tab.lm-mod-current:has-text('{tab}')").first
     for _ in range(5):
         widget.locator(f".lm-TabBar-tab:has-text('{tab}')").first.click()
@@ -160,7 +169,7 @@ def select_tab(widget, tab: str) -> None:
             continue
     tabs = widget.locator(".lm-TabBar-tab")
     seen = [(t.inner_text(), t.get_attribute("class")) for t in tabs.all()]
-    raise AssertionError(f"the {tab!r} tab never became current after 5 clicks; tabs: {seen}")
+    raise StaticWidget(f"the {tab!r} tab never became current after 5 clicks; tabs: {seen}")
 
 
 def _wait_kernel(page) -> None:
