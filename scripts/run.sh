@@ -10,4 +10,6 @@ bash scripts/setup.sh
 mpnb build-ext
 # One thread: on a small shared CPU, OpenMP threads that wait for each other cost more than
 # they win for these small models. Pass --threads N (or any `mpnb compare` flag) to change it.
+# The report's folder is made here: mpnb compare refuses a path whose folder does not exist.
+mkdir -p out
 mpnb compare --threads 1 --out out/report.html "$@"
