@@ -88,7 +88,13 @@ def add_parser(sub) -> argparse.ArgumentParser:
     """Add the ``compare`` subcommand to ``sub`` (an argparse subparsers object)."""
     # on use: the CLI's parser is built without torch or pandas (`mpnb --help`)
     from mpnb.core.precision_configs import COMPILE_BUDGET_S, DEFAULT_CONFIGS, config_names
-    from mpnb.lab.config import DEFAULT_OPTIMIZER, OPTIMIZERS, check_batch_sizes, check_steps
+    from mpnb.lab.config import (
+        DEFAULT_OPTIMIZER,
+        OPTIMIZERS,
+        check_batch_sizes,
+        check_lr,
+        check_steps,
+    )
     from mpnb.lab.workloads import GPU_SIZE, SIZES, names
 
     p = sub.add_parser(
@@ -167,7 +173,7 @@ def add_parser(sub) -> argparse.ArgumentParser:
         "that needs an optimizer option (bf16-pure+sr, bf16-pure+kahan) runs mpnb's fused "
         "optimizer of the same rule",
     )
-    p.add_argument("--lr", type=float, default=None)
+    p.add_argument("--lr", type=_checked(float, check_lr), default=None)
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or cuda:N")
     p.add_argument(
         "--threads",

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mpnb.core._numbers import positive_finite
 from mpnb.core.amp import LossScaleRule
 from mpnb.core.dtype_names import HALF_DTYPES, half_dtype_name, parse_half_dtype
 from mpnb.core.precision_configs import (
@@ -136,6 +137,20 @@ def check_steps(steps) -> None:
         )
 
 
+def check_lr(lr) -> None:
+    """Refuse a learning rate no optimizer takes: None (the workload's) or a finite number
+    >= 0. Raises ValueError naming the value before any row runs (a row's optimizer would
+    refuse it, once per row); the CLI, :func:`expand` and ``compare`` share this rule."""
+    if lr is not None:
+        positive_finite(
+            lr,
+            "lr",
+            owner="mpnb.lab.compare",
+            fix="pass lr= a finite number >= 0, or leave it out for the workload's",
+            allow_zero=True,
+        )
+
+
 def _twice(values) -> list:
     """The values that ``values`` lists more than once, in order."""
     seen, twice = set(), []
@@ -195,10 +210,11 @@ def configs_argument(configs, opt_levels=None, device: str | None = None) -> Seq
     return DEFAULT_CONFIGS if device is None else default_configs(resolve_device(device))
 
 
-def _check(configs, batch_sizes, steps, optimizer) -> None:
+def _check(configs, batch_sizes, steps, optimizer, lr) -> None:
     check_configs(configs)
     check_batch_sizes(batch_sizes)
     check_steps(steps)
+    check_lr(lr)
     if optimizer not in OPTIMIZERS:
         raise ValueError(f"optimizer={optimizer!r} is invalid; choose from {OPTIMIZERS}.")
 
@@ -229,7 +245,7 @@ def expand(
     value and the valid choices before anything runs.
     """
     given = tuple(configs)
-    _check(given, tuple(batch_sizes), steps, optimizer)
+    _check(given, tuple(batch_sizes), steps, optimizer, lr)
     cfgs = [get_config(c).with_options(compile_budget_s=compile_budget) for c in given]
     dev = resolve_device(device)
     halves = half_dtype if isinstance(half_dtype, (list, tuple)) else (half_dtype,)

@@ -41,6 +41,7 @@ from mpnb.lab._rows import COLUMNS, frames, join_warnings
 from mpnb.lab._train import RunResult, Trainer
 from mpnb.lab.config import (
     RunConfig,
+    check_lr,
     check_steps,
     configs_argument,
     expand,
@@ -559,6 +560,7 @@ def _validate(plan: Plan) -> str:
     dev = resolve_device(plan.timing.device)
     if plan.workload.steps is not None:  # None: the workload's
         check_steps(plan.workload.steps)
+    check_lr(plan.configs.lr)
     return dev
 
 

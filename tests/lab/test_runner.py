@@ -3,6 +3,7 @@
 import dataclasses
 import inspect
 import math
+import time
 from dataclasses import fields, replace
 
 import pandas as pd
@@ -233,6 +234,11 @@ def test_a_plan_is_a_value_replace_makes_a_variant_and_both_run():
         (dict(ranks=True), Plan(distributed=DistributedPlan(ranks=True))),
         (dict(strategy="ddp"), Plan(distributed=DistributedPlan(strategy="ddp"))),
         (dict(steps=1), Plan(WorkloadPlan(steps=1))),
+        (dict(lr="x"), Plan(configs=ConfigsPlan(lr="x"))),
+        (
+            dict(lr=-1e-3, ranks=2),
+            Plan(configs=ConfigsPlan(lr=-1e-3), distributed=DistributedPlan(ranks=2)),
+        ),
         (dict(device="tpu"), Plan(timing=TimingPlan(device="tpu"))),
         (dict(workload="resnet50"), Plan(WorkloadPlan("resnet50"))),
         (dict(workload=_tiny()), Plan(WorkloadPlan(_tiny()))),
@@ -254,6 +260,16 @@ def test_a_bad_value_in_a_plan_raises_what_the_keyword_form_raises(kw, plan):
     with pytest.raises(by_keyword.type) as by_plan:
         replace(plan, output=OutputPlan(progress=False)).run()
     assert str(by_plan.value) == str(by_keyword.value)
+
+
+@pytest.mark.parametrize("lr", ["x", -1e-3, float("nan"), float("inf"), True])
+def test_a_bad_learning_rate_is_refused_before_any_row_runs(lr):
+    t0 = time.perf_counter()
+    with pytest.raises(ValueError, match=r"mpnb.lab.compare: lr=.* must be a finite number >= 0"):
+        mpnb.lab.compare("mlp", configs=("O0", "O2"), steps=2, lr=lr, progress=False)
+    assert time.perf_counter() - t0 < 5  # refused up front, not once per row
+    with pytest.raises(ValueError, match="the workload's"):
+        expand("mlp", ("O0",), steps=2, lr=lr)
 
 
 def test_configs_and_opt_levels_together_are_refused_as_before():
