@@ -5,6 +5,7 @@ imported there without the interpreter the kernel tests of this session use."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 
@@ -22,13 +23,15 @@ def test_the_suite_runs_every_case_at_tiny_sizes(tmp_path):
     rows = json.loads(path.read_text())["rows"]
     cases = {(r["case"], r["workload"]) for r in rows}
     assert cases == {
-        (c, w) for c in ("scale host cost", "adamw host cost") for w in ("GPT 20M/76", "1000x1k")
+        (f"{op} host cost", w)
+        for op in ("scale", "l2norm", "adamw", "sgd")
+        for w in ("GPT 20M/76", "1000x1k")
     }
     cached = [r for r in rows if r["candidate"].endswith("table cached")]
-    assert len(cached) == 4 and all(r["target"] == 1.0 and r["ratio"] > 0 for r in cached)
+    assert len(cached) == 8 and all(r["target"] == 1.0 and r["ratio"] > 0 for r in cached)
     # the whole call: the public op, the dispatcher, the launcher (which served the Meta key)
     whole = [r for r in rows if r["candidate"].endswith("(wrapper, dispatcher, launcher)")]
-    assert len(whole) == 4 and all(r["target"] == 1.0 and r["ratio"] > 0 for r in whole)
+    assert len(whole) == 8 and all(r["target"] == 1.0 and r["ratio"] > 0 for r in whole)
     assert all(r["median_s"] > 0 for r in rows)
 
 
@@ -38,17 +41,48 @@ def test_the_whole_call_reaches_the_launcher_and_the_fakes_come_back():
     # fake again (nothing launched).
     code = """
 import torch
-from mpnb.core.ops import multi_tensor_scale
+from mpnb.core.ops import fused_sgd_, multi_tensor_l2norm, multi_tensor_scale
 from mpnb.core.ops.triton._common import counting_launches
-from mpnb.lab.bench.host_cost import _launchers_on_meta
+from mpnb.lab.bench.host_cost import _launchers_on
 src, dst = [torch.empty(5, device="meta")], [torch.empty(5, device="meta")]
 flag = torch.zeros(1, device="meta")
-with _launchers_on_meta(), counting_launches() as inside:
+def calls():
     multi_tensor_scale(flag, src, dst, 0.5)
+    multi_tensor_l2norm(flag, src, per_tensor=True)
+    fused_sgd_(src, dst, [], [], [], lr=0.1)
+with _launchers_on("Meta"), counting_launches() as inside:
+    calls()
 with counting_launches() as after:
-    multi_tensor_scale(flag, src, dst, 0.5)
-print(inside, after)
+    calls()
+print(",".join(inside), after)
 """
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.split() == ["['_scale_kernel']", "[]"]
+    kernels = "_scale_kernel,_sumsq_kernel,segment_sum_kernel,_finish_kernel,_sgd_kernel"
+    assert done.stdout.split() == [kernels, "[]"]
+
+
+def test_the_cuda_form_runs_every_case_with_real_launches_on_the_interpreter():
+    # The form the GPU check runs (both sides on the device's tensors, mpnb's kernels
+    # launched, not stubbed), here on CPU tensors under Triton's interpreter: every candidate
+    # of every case runs once on the GPT's list and no launch is stubbed.
+    code = """
+from mpnb.core.ops.triton import _common
+from mpnb.lab.bench.host_cost import Where, cases_on
+ran = []
+where = Where("cpu", "cpu", one=False, real=True)
+for case in cases_on(where, scale=1e-5, workloads=("GPT 20M/76",)):
+    for c in case.candidates:
+        c.fn()
+        assert not _common._COUNTING, c.name
+        ran.append(c.name)
+print(len(ran), sorted({n.split(" (")[0] for n in ran if n.startswith("torch")}))
+"""
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    count, _, names = done.stdout.partition(" ")
+    assert int(count) == 4 * 4  # 4 ops x (torch + 3 of mpnb's), on the GPT's 76 tensors
+    assert "torch._fused_adamw_" in names and "torch._fused_sgd_" in names
