@@ -118,8 +118,14 @@ def test_fp8_mm_sends_each_operand_kind_to_its_gemm(monkeypatch):
         a, b = _operands(granularity)
         emulated = fp8.fp8_mm(a, b, torch.float32, scaled_mm=False)
         assert calls == [] and torch.equal(emulated, fp8.emulated_mm(a, b, torch.float32))
-        native = fp8.fp8_mm(a, b, torch.float32, scaled_mm=True)  # CPU _scaled_mm: same bits
-        assert len(calls) == 1 and torch.equal(native, emulated)
+        native = fp8.fp8_mm(a, b, torch.float32, scaled_mm=True)
+        assert len(calls) == 1
+        # the same bits where oneDNN scales before it accumulates (AVX2); its AMX path scales
+        # a tensorwise product after: float32 rounding apart (measured: 2.4 * 2^-24 at most)
+        size = a.dequantize().abs() @ b.dequantize().abs().t()
+        assert ((native - emulated).abs() <= 4 * 2.0**-24 * size).all()
+        if torch.backends.cpu.get_cpu_capability() == "AVX2" or granularity == "rowwise":
+            assert torch.equal(native, emulated)
         calls.clear()
     a, b = _operands("mx")
     assert torch.equal(fp8.fp8_mm(a, b, torch.float32, False), fp8.emulated_mm(a, b, torch.float32))
