@@ -152,15 +152,9 @@ class ListIds:
 
     def of(self, lists: Sequence[Sequence[torch.Tensor]]) -> tuple[int, ...] | None:
         """The ids of ``lists`` (each one of the call's own list objects), or None."""
-        out = []
-        for lst in lists:
-            for mine, i in zip(self.lists, self.ids, strict=False):
-                if mine is lst:
-                    out.append(i)
-                    break
-            else:
-                return None
-        return tuple(out)
+        found = dict(zip(map(id, self.lists), self.ids, strict=True))
+        out = tuple(map(found.get, map(id, lists)))
+        return None if None in out else out
 
 
 def guard_lists(
@@ -168,7 +162,7 @@ def guard_lists(
     data: Sequence[str],
     singles: Sequence[str] = (),
     below_2e32: Sequence[str] = (),
-    dtypes: dict[str, torch.dtype] | None = None,
+    dtypes: Sequence[tuple[str, torch.dtype]] = (),
 ) -> ListIds | None:
     """The per-tensor checks of a list op, in one pass over its tensor lists; returns their
     ids for the chunk table (None when the pass ran in Python: the table then keys by sizes and
@@ -178,9 +172,12 @@ def guard_lists(
     among the single tensors beside real ones). Each non-empty list named in ``data`` holds, like
     the first list argument, one tensor per partner with its partner's size, one dtype and
     contiguous tensors; each in ``singles`` one-element tensors of one dtype; each in
-    ``below_2e32`` tensors below 2^32 elements; ``dtypes`` gives the dtype a non-empty list must
-    have. Raises ``RuntimeError`` naming the first failing list (the op's check then names the
-    tensor, :mod:`mpnb.core.ops._library`).
+    ``below_2e32`` tensors below 2^32 elements; ``dtypes`` gives ``(name, dtype)`` pairs, the
+    dtype a non-empty list must have. Raises ``RuntimeError`` naming the first failing list (the
+    op's check then names the tensor, :mod:`mpnb.core.ops._library`).
+
+    What each list needs is worked out once per op, set of non-empty lists and set of
+    conditions (:func:`_plan`): a call pays for the C++ pass and one test per list.
 
     Example::
 
@@ -188,33 +185,56 @@ def guard_lists(
         >>> ChunkTable.build([args.src, args.dst], ids=ids)
     """
     list_fields, single_fields = _fields(args)
-    names, lists = [], []
-    for i in list_fields:
-        if args[i]:
-            names.append(args._fields[i])
-            lists.append(args[i])
-    if not lists:
+    present = tuple(i for i in list_fields if args[i])
+    if not present:
         return None
+    lists = [args[i] for i in present]
+    key = (type(args), present, tuple(data), tuple(singles), tuple(below_2e32), tuple(dtypes))
+    plan = _PLANS.get(key)
+    if plan is None:
+        plan = _PLANS[key] = _plan(type(args), *key[1:])
     facts = list_facts(lists)
     flags = facts if facts is not None else _python_flags(lists)
-    for j, name in enumerate(names):
+    for j, name, need, want in plan:
+        if flags[j] & need != need:
+            what = next(w for bit, w in _WHAT if need & bit and not flags[j] & bit)
+            _refuse(args, name, what)
+        if want is not None and lists[j][0].dtype != want:
+            _refuse(args, name, f"its tensors are {lists[j][0].dtype}, not {want}")
+    meta = lists[0][0].is_meta  # a meta tensor beside real ones: no address to read
+    for i in single_fields:
+        t = args[i]
+        if t is not None and t.is_meta != meta:
+            _refuse(args, plan[0][1], "a meta tensor is among the tensors")
+    if facts is None:
+        return None
+    return ListIds(lists, facts[_MAX_LISTS : _MAX_LISTS + len(lists)])
+
+
+#: (op's argument type, its non-empty lists, the conditions) -> what each of those lists needs
+_PLANS: dict[tuple, tuple[tuple[int, str, int, torch.dtype | None], ...]] = {}
+
+
+def _plan(
+    Args: type,
+    present: tuple[int, ...],
+    data: tuple[str, ...],
+    singles: tuple[str, ...],
+    below_2e32: tuple[str, ...],
+    dtypes: tuple[tuple[str, torch.dtype], ...],
+) -> tuple[tuple[int, str, int, torch.dtype | None], ...]:
+    """Per non-empty list (``present``: its field positions in ``Args``): its position among
+    them, its name, the flag bits it needs and the dtype it must have (or None)."""
+    want = dict(dtypes)
+    out = []
+    for j, i in enumerate(present):
+        name = Args._fields[i]
         need = ONE_DEVICE
         need |= DATA if name in data else 0
         need |= SINGLES | ONE_DTYPE if name in singles else 0
         need |= BELOW_2E32 if name in below_2e32 else 0
-        if flags[j] & need != need:
-            what = next(w for bit, w in _WHAT if need & bit and not flags[j] & bit)
-            _refuse(args, name, what)
-        want = dtypes.get(name) if dtypes else None
-        if want is not None and lists[j][0].dtype != want:
-            _refuse(args, name, f"its tensors are {lists[j][0].dtype}, not {want}")
-    singles_dev = {args[i].device.type for i in single_fields if args[i] is not None}
-    kinds = singles_dev | {lists[0][0].device.type}
-    if "meta" in kinds and len(kinds) > 1:
-        _refuse(args, names[0], "a meta tensor is among the tensors")
-    if facts is None:
-        return None
-    return ListIds(lists, facts[_MAX_LISTS : _MAX_LISTS + len(lists)])
+        out.append((j, name, need, want.get(name)))
+    return tuple(out)
 
 
 def _fields(args) -> tuple[tuple[int, ...], tuple[int, ...]]:

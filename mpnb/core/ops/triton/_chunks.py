@@ -132,14 +132,15 @@ class ChunkTable:
         """
         first = lists[0]
         device = first[0].device
+        cols = tuple(map(tuple, cols))  # a tuple of tuples is kept as it is
         known = ids.of(lists) if ids is not None else None
         if known is not None:  # one id per list: its length, sizes and addresses
-            key = (device, chunk, tuple(map(tuple, cols)), None, *known)
+            key = (device, chunk, cols, None, *known)
         else:
             key = (
                 device,
                 chunk,
-                tuple(map(tuple, cols)),
+                cols,
                 tuple(map(torch.Tensor.numel, first)),
                 *(tuple(map(torch.Tensor.data_ptr, lst)) for lst in lists),
             )

@@ -14,9 +14,7 @@ it a Python float (double). Kernels therefore receive fp32 values already rounde
 
 from __future__ import annotations
 
-import contextlib
 import struct
-from collections.abc import Iterator
 
 import torch
 import triton
@@ -28,6 +26,7 @@ __all__ = [
     "f32",
     "split64",
     "launch",
+    "launch_kw",
     "counting_launches",
     "warps",
     "next_pow2",
@@ -89,11 +88,11 @@ def warps(elements: int) -> int:
 _COUNTING: list[list[str]] = []
 
 
-@contextlib.contextmanager
-def counting_launches() -> Iterator[list[str]]:
+class counting_launches:  # noqa: N801 - used as a function: ``with counting_launches():``
     """Inside the block, :func:`launch` runs nothing and records each kernel's name in the
     yielded list: what a launcher does on the host (its checks, its chunk table, its argument
-    lists) can then be timed and its launches counted on any machine, without a GPU.
+    lists) can then be timed and its launches counted on any machine, without a GPU. (A class,
+    not a generator: entering and leaving the block costs the timed call next to nothing.)
 
     Example::
 
@@ -102,12 +101,20 @@ def counting_launches() -> Iterator[list[str]]:
         >>> names
         ['_scale_kernel']
     """
-    names: list[str] = []
-    _COUNTING.append(names)
-    try:
-        yield names
-    finally:
-        _COUNTING.remove(names)
+
+    __slots__ = ("names",)
+
+    def __init__(self) -> None:
+        self.names: list[str] = []
+
+    def __enter__(self) -> list[str]:
+        _COUNTING.append(self.names)
+        return self.names
+
+    def __exit__(self, *exc) -> None:
+        # by identity (list.remove compares by value: an equal outer list would go instead)
+        k = next(k for k in range(len(_COUNTING) - 1, -1, -1) if _COUNTING[k] is self.names)
+        del _COUNTING[k]
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
@@ -124,6 +131,14 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     tests) do; Triton 3.9 contracts by default and 3.10 will not. The traced launch leaves
     that choice to the compiler of the graph.
     """
+    launch_kw(kernel, grid, args, kwargs)
+
+
+def launch_kw(kernel, grid, args: tuple, kwargs: dict) -> None:
+    """:func:`launch` with the arguments as a tuple and a dict (``kwargs`` is consumed: the
+    launch adds its own keyword to it). A launcher that builds its keywords as one dict
+    (:class:`~mpnb.core.ops.triton._optim.OpKernel`) passes it as it is, not spread into a
+    call and gathered again."""
     if _COUNTING:
         fn = getattr(kernel, "fn", kernel)  # a JITFunction wraps the Python function
         _COUNTING[-1].append(getattr(fn, "__name__", repr(kernel)))
@@ -135,7 +150,8 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     if traced:
         torch.library.wrap_triton(kernel)[grid](*args, **kwargs)
     else:
-        kernel[grid](*args, enable_fp_fusion=False, **kwargs)
+        kwargs["enable_fp_fusion"] = False
+        kernel[grid](*args, **kwargs)
 
 
 # ---- device helpers (called from the kernels) ---------------------------------------------

@@ -26,7 +26,7 @@ import triton.language as tl
 from mpnb.core.ops._library import op_info
 from mpnb.core.ops.triton._checks import ListIds, check_same_device, guard_lists
 from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable
-from mpnb.core.ops.triton._common import f32, flag_view, from_acc, launch, to_acc
+from mpnb.core.ops.triton._common import f32, flag_view, from_acc, launch, launch_kw, to_acc
 from mpnb.core.ops.triton._rounding import KAHAN, NEAREST, store_rounded
 
 __all__ = [
@@ -60,8 +60,11 @@ def check_flags(args) -> None:
     ``found_inf``, and ``global_grad_norm`` or ``lr_tensor`` where the op has them) live on the
     params' device (the one guard the op's check cannot know: :mod:`._checks`)."""
     if args.params:
-        flags = {name: getattr(args, name, None) for name in _FLAGS}
-        check_same_device(args.op_name, args.params[0], **flags)
+        device = args.params[0].device
+        for name in _FLAGS:
+            t = getattr(args, name, None)
+            if t is not None and t.device != device:
+                check_same_device(args.op_name, args.params[0], **{name: t})
 
 
 def guard_step(
@@ -73,22 +76,26 @@ def guard_step(
     the masters, the momentum buffers (with momentum) and the compensations paired tensor by
     tensor; ``steps`` one fp32 value each; bf16 compensations and params below 2^32 elements
     with a ``rounding``. Returns the lists' ids for the chunk table."""
-    data = ["params", "grads", *states]
-    if masters:
-        data.append(masters)
-    if getattr(args, "momentum", 0) != 0:
-        data.append("momentum_buffers")
-    dtypes = {"steps": torch.float32}
-    if rounding:
-        data.append("compensations")
-        dtypes["compensations"] = torch.bfloat16
-    return guard_lists(
-        args,
-        data,
-        singles=("steps",),
-        below_2e32=("params",) if rounding else (),
-        dtypes=dtypes,
-    )
+    has_momentum = getattr(args, "momentum", 0) != 0
+    key = (states, masters, rounding, has_momentum)
+    spec = _STEP_GUARDS.get(key)
+    if spec is None:
+        data = ["params", "grads", *states]
+        if masters:
+            data.append(masters)
+        if has_momentum:
+            data.append("momentum_buffers")
+        dtypes = [("steps", torch.float32)]
+        if rounding:
+            data.append("compensations")
+            dtypes.append(("compensations", torch.bfloat16))
+        below = ("params",) if rounding else ()
+        spec = _STEP_GUARDS[key] = (tuple(data), ("steps",), below, tuple(dtypes))
+    return guard_lists(args, *spec)
+
+
+#: guard_step's conditions -> guard_lists' arguments (data, singles, below_2e32, dtypes)
+_STEP_GUARDS: dict[tuple, tuple] = {}
 
 
 @triton.jit
@@ -356,7 +363,9 @@ class OpKernel:
         build = self._plans.get(key)
         if build is None:
             build = self._plans[key] = self._plan(type(args), given)
-        launch(self.kernel, (tab.n_chunks,), num_warps=self.num_warps, **build(args, given, tab))
+        kwargs = build(args, given, tab)
+        kwargs["num_warps"] = self.num_warps
+        launch_kw(self.kernel, (tab.n_chunks,), (), kwargs)
 
     def kwargs(self, args, tab: ChunkTable | None = None, **given) -> dict:
         """The keywords a launch for ``args`` on the chunk table ``tab`` with the launcher's

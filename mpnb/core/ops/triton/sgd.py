@@ -10,6 +10,9 @@ Kahan summation) runs the same kernel with its ``ROUNDING`` (:mod:`._rounding`).
 
 from __future__ import annotations
 
+import functools
+import math
+
 import torch
 import triton
 import triton.language as tl
@@ -229,13 +232,33 @@ def _sgd_kernel(
 _SGD = OpKernel(_sgd_kernel)
 
 
-def _momentum_columns(args, params: list) -> tuple[list, list[int]]:
+def _momentum_columns(args, params: list) -> tuple[list, tuple[int, ...]]:
     """The momentum buffers' list and the ``first_run`` column of the chunk table. Without
     momentum there are no buffers (the params stand in, unread) and the optimizer passes no
     ``first_run`` flags: a zero column."""
     if args.momentum == 0:
-        return params, [0] * len(params)
-    return args.momentum_buffers, [int(bool(f)) for f in args.first_run]
+        return params, _zeros(len(params))
+    return args.momentum_buffers, tuple(args.first_run)  # bools: the ints 0 and 1
+
+
+@functools.lru_cache(maxsize=16)
+def _zeros(n: int) -> tuple[int, ...]:
+    return (0,) * n
+
+
+def _alphas(dtype: torch.dtype, stepwise: bool, *xs: float) -> tuple[float, ...]:
+    """The alphas ``xs`` of the step's adds as the kernel takes them: in fp32, or, when
+    ``stepwise``, rounded to the param ``dtype`` (ATen's add(..., alpha) on half tensors
+    rounds alpha to their dtype)."""
+    if not stepwise:
+        return tuple(map(f32, xs))
+    return _rounded(dtype, xs, tuple(math.copysign(1.0, x) for x in xs))
+
+
+@functools.lru_cache(maxsize=256)
+def _rounded(dtype: torch.dtype, xs: tuple[float, ...], signs: tuple[float, ...]):
+    # kept per value, a training loop passing the same ones (signs: 0.0 == -0.0 as keys)
+    return tuple(float(torch.tensor(x).to(dtype)) for x in xs)
 
 
 def _step(args, ids, weights: list, stepwise: bool, **given) -> None:
@@ -243,16 +266,19 @@ def _step(args, ids, weights: list, stepwise: bool, **given) -> None:
     lists with ``weights`` fourth and the ``first_run`` column, the kernel with the add alphas
     (rounded to the param dtype when ``stepwise``) and the launcher's keywords ``given``."""
     params = args.params
-
-    def alpha(x: float) -> float:
-        # ATen's add(..., alpha) on half tensors rounds alpha to their dtype (stepwise rule)
-        return float(torch.tensor(x).to(params[0].dtype)) if stepwise else f32(x)
-
     b_list, first = _momentum_columns(args, params)
     lists = [params, args.grads, b_list, weights]
-    tab = ChunkTable.build(lists, cols=[first], ids=ids)
+    tab = ChunkTable.build(lists, cols=(first,), ids=ids)
     if not tab.n_chunks:
         return
+    lr, momentum, damp, wd = _alphas(
+        params[0].dtype,
+        stepwise,
+        -args.lr,
+        args.momentum,
+        1.0 - args.dampening,
+        args.weight_decay,
+    )
     _SGD(
         tab,
         args,
@@ -260,10 +286,10 @@ def _step(args, ids, weights: list, stepwise: bool, **given) -> None:
         g0=args.grads[0],
         b0=b_list[0],
         w0=weights[0],
-        alpha_lr=alpha(-args.lr),
-        alpha_momentum=alpha(args.momentum),
-        alpha_dampening=alpha(1.0 - args.dampening),
-        alpha_weight_decay=alpha(args.weight_decay),
+        alpha_lr=lr,
+        alpha_momentum=momentum,
+        alpha_dampening=damp,
+        alpha_weight_decay=wd,
         **given,
     )
 

@@ -121,6 +121,26 @@ def test_counting_launches_runs_the_host_work_and_no_kernel(chunks):
             kernel("multi_tensor_scale")(flag, src, dst[:-1] + [torch.zeros(3)], 0.5)
 
 
+def test_nested_counting_blocks_keep_their_own_lists(chunks):
+    # blocks nest: the inner one records the launches inside it, and when it ends the outer
+    # one records again, even when both lists are equal (left by identity, not by value)
+    from mpnb.core.ops.triton._common import counting_launches
+
+    src, dst = _lists()
+    flag = torch.zeros(1, dtype=torch.int32)
+    with counting_launches() as outer:
+        with counting_launches() as inner:
+            pass
+        kernel("multi_tensor_scale")(flag, src, dst, 0.5)
+        with counting_launches() as inner:
+            kernel("multi_tensor_scale")(flag, src, dst, 0.5)
+        kernel("multi_tensor_scale")(flag, src, dst, 0.5)
+    assert outer == ["_scale_kernel"] * 2 and inner == ["_scale_kernel"]
+    from mpnb.core.ops.triton import _common
+
+    assert _common._COUNTING == []
+
+
 @pytest.fixture(params=["C++ pass", "Python pass"])
 def one_pass(request, monkeypatch):
     """The launchers' per-tensor pass in C++ (``mpnb::_list_facts``), or read in Python (as

@@ -56,6 +56,9 @@ class _Recorder:
     def __call__(self, kernel, grid, *args, **kwargs):
         self.calls.append((getattr(kernel, "fn", kernel).__name__, args, kwargs))
 
+    def kw(self, kernel, grid, args, kwargs):  # launch_kw's form (OpKernel's launches)
+        self(kernel, grid, *args, **kwargs)
+
 
 @pytest.mark.parametrize("name", ["fused_lamb_", "fused_lamb_bf16_"])
 def test_lamb_launches_each_kernel_by_name(lamb, device, monkeypatch, name):
@@ -67,6 +70,7 @@ def test_lamb_launches_each_kernel_by_name(lamb, device, monkeypatch, name):
 
     rec = _Recorder()
     monkeypatch.setattr(_optim, "launch", rec)
+    monkeypatch.setattr(_optim, "launch_kw", rec.kw)
     lists = _lists(device)
     _call(name, device, lists, rounding="stochastic")
     assert [c[0] for c in rec.calls] == ["_lamb_phase1", "_lamb_phase2", "_advance_kernel"]

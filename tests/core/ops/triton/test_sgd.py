@@ -36,3 +36,26 @@ def test_sgd_half_momentum_buffers_match_reference(device, ulps, half, opts, ste
         st = on(device, _state(half, half, True))
         st[3] = [[m.to(half) for m in st[3][0]], st[3][1]]
         kernel("fused_sgd_")(**_args("fused_sgd_", st, opts, None, None))
+
+
+def test_a_momentum_step_after_a_plain_one_checks_its_buffers(device):
+    """The per-tensor guard is planned per set of non-empty lists and per momentum: a step with
+    momentum after one without still pairs the buffers with the params."""
+    p = [torch.randn(5, device=device), torch.randn(9000, device=device)]
+    g = [torch.randn_like(t) for t in p]
+    kernel("fused_sgd_")(p, g, [], [], [], 0.1)  # no momentum: no buffers read
+    short = [torch.zeros(5, device=device), torch.zeros(10, device=device)]
+    with pytest.raises(ValueError, match="elements"):
+        kernel("fused_sgd_")(p, g, short, [], [True, True], 0.1, 0.9)
+
+
+def test_stepwise_alphas_keep_the_sign_of_zero(triton_kernels):
+    """The rounded alphas are kept per value; 0.0 and -0.0 are equal keys of a dict but not the
+    same alpha (the sign of a zero reaches the sum's)."""
+    from mpnb.core.ops.triton import sgd
+
+    for dtype in (F16, BF16):
+        assert str(sgd._alphas(dtype, True, 0.0, -0.0)) == "(0.0, -0.0)"
+        assert str(sgd._alphas(dtype, True, -0.0, 0.0)) == "(-0.0, 0.0)"
+        assert sgd._alphas(dtype, True, 0.1) == (float(torch.tensor(0.1).to(dtype)),)
+    assert sgd._alphas(F16, False, 0.1) == (float(torch.tensor(0.1)),)  # fp32 otherwise

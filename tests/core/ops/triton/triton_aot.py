@@ -153,6 +153,10 @@ def main() -> int:
         module = importlib.import_module(f"mpnb.core.ops.triton.{name}")
         if hasattr(module, "launch"):
             module.launch = _warm_up
+        if hasattr(module, "launch_kw"):  # OpKernel's launch: arguments as a tuple and a dict
+            module.launch_kw = lambda kernel, grid, args, kwargs: _warm_up(
+                kernel, grid, *args, **kwargs
+            )
     _cases()
     return 0
 
