@@ -11,6 +11,8 @@ number. Tables:
   kernel targets (every kernel at least 1.0x, the interval's lower end included; the
   multi-tensor L2 norm and scale at least 1.0x; norms and softmax at 75% or more of the copy
   bandwidth at the large size; the O2 step at least 1.5x torch's path, lower end included);
+* the list launchers' host cost per call (``mpnb bench host-cost``): torch's call, the launcher
+  with its chunk table cached, the whole op through the dispatcher, the dispatcher's floor;
 * the GPU-sized workload: every row's speed vs O0 and vs torch-amp in its half dtype, step time,
   GPU busy, host syncs per step, and the estimate of :mod:`mpnb.lab.gpu_estimate` from the row's
   own counts (measured / estimated), then the targets (O2 bf16 at least 1.5x O0 and 0.97x
@@ -364,6 +366,55 @@ def _fp8_table(doc: dict) -> list[str]:
     return lines + ["", *[f"- {s}" for s in doc.get("summary", [])]]
 
 
+def _host_cost_table(doc: dict) -> list[str]:
+    """The list launchers' host cost per call beside torch's (``mpnb bench host-cost``): one
+    line per op and list, torch's call, mpnb's launcher (table cached), the whole op through
+    the dispatcher, and the dispatcher's floor (a no-op Python kernel on the same lists)."""
+    lines = ["", "## Host cost per call of the list launchers (`mpnb bench host-cost`)", ""]
+    rows = doc.get("rows", [])
+    if not rows:
+        return lines + ["(no rows: see the bench host-cost step's log)"]
+    by: dict[tuple, dict[str, dict]] = {}
+    for r in rows:
+        name = r.get("candidate", "")
+        kind = (
+            "torch"
+            if r.get("role") == "baseline"
+            else "cached"
+            if name.endswith("table cached")
+            else "op"
+            if name.endswith("(wrapper, dispatcher, launcher)")
+            else "floor"
+            if name.startswith("dispatcher floor")
+            else None
+        )
+        if kind:
+            by.setdefault((r.get("case"), r.get("workload")), {})[kind] = r
+
+    def us(r: dict | None) -> str:
+        return _f(_num(r or {}, "median_s") * 1e6, "{:.1f}")
+
+    def vs(r: dict | None) -> str:
+        if not r:
+            return "-"
+        return f"{_f(_num(r, 'ratio'))}x {r.get('status') or ''}".rstrip()
+
+    lines += [
+        "torch's time / mpnb's (at least 1.0: mpnb costs the host no more than torch's call).",
+        "",
+        "| case | torch's call, us | launcher (table cached), us | vs torch | op via the "
+        "dispatcher, us | vs torch | dispatcher floor, us |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for (case, work), got in by.items():
+        lines.append(
+            f"| {case} [{work}] | {us(got.get('torch'))} | {us(got.get('cached'))} "
+            f"| {vs(got.get('cached'))} | {us(got.get('op'))} | {vs(got.get('op'))} "
+            f"| {us(got.get('floor'))} |"
+        )
+    return lines
+
+
 def _estimate_table(out: Path, card: str) -> list[str]:
     cuda = read_json(out / "compare-medium-cuda.json").get("rows", [])
     cpu = read_json(out / "compare-cpu-medium.json").get("rows", [])
@@ -389,6 +440,7 @@ def summary(results, out: Path, card: str, about: str, triton: dict, limit_s: in
     lines = [f"# GPU check: {card}", "", about, *_steps_table(results, limit_s)]
     lines += _triton_table(triton)
     lines += _bench_table(read_json(out / "bench-cuda.json"))
+    lines += _host_cost_table(read_json(out / "bench-host-cost.json"))
     lines += _workload_table(read_json(out / "compare-gpu.json"), card)
     lines += _syncs_table(read_json(out / "syncs.json"))
     lines += _fp8_table(read_json(out / "bench-fp8.json"))

@@ -331,3 +331,30 @@ def test_a_quick_bench_is_never_recorded(tmp_path, monkeypatch):
             "rope" in table["kernels"] and table["kernels"]["rope"]["card"] == "NVIDIA H200"
         ) == recorded
         assert bool(written) == recorded
+
+
+def test_the_summary_has_the_host_cost_per_call(tmp_path):
+    """Each op and list: torch's call, the cached launcher and the whole op with their ratios
+    and verdicts, the dispatcher's floor; a missing file says so."""
+
+    def row(candidate, role, s, ratio=None, status=""):
+        return dict(
+            case="sgd host cost", workload="GPT 20M/76", candidate=candidate, role=role,
+            median_s=s, ratio=ratio, status=status,
+        )  # fmt: skip
+
+    rows = [
+        row("torch._fused_sgd_ (cuda)", "baseline", 12e-6),
+        row("mpnb fused_sgd_ launcher, table cached", "candidate", 10e-6, 1.2, "PASS"),
+        row("mpnb fused_sgd_ launcher, table built per call", "candidate", 90e-6, 0.13),
+        row("mpnb fused_sgd_ op (wrapper, dispatcher, launcher)", "candidate", 40e-6, 0.3, "MISS"),
+        row("dispatcher floor: a no-op Python kernel on the same 152 tensors", "candidate", 2e-5),
+    ]
+    (tmp_path / "bench-host-cost.json").write_text(json.dumps(dict(header={}, rows=rows)))
+    text = gc.summary([], tmp_path, "NVIDIA H100 80GB HBM3", "about", {"kernels": {}})
+    assert (
+        "| sgd host cost [GPT 20M/76] | 12.0 | 10.0 | 1.20x PASS | 40.0 | 0.30x MISS | 20.0 |"
+        in (text)
+    )
+    empty = gc.summary([], tmp_path / "none", "H100", "a", {"kernels": {}})
+    assert "(no rows: see the bench host-cost step's log)" in empty

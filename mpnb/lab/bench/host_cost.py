@@ -35,7 +35,12 @@ CPU as on CUDA. mpnb's three rows:
   call (what every call paid before the cache);
 * the whole call as a CUDA step makes it: the public op (its wrapper and O(1) checks), the
   dispatcher (which hands the lists to the Python launcher) and the launcher, with the launcher
-  registered for the lists' key while the suite runs (:func:`_launchers_on`).
+  registered for the lists' key while the suite runs (:func:`_launchers_on`);
+* the dispatcher's floor: the same lists through a ``torch.library`` op whose Python kernel
+  does nothing (:func:`_floor`). Every tensor crosses torch's boxed calling convention twice
+  (Python to the dispatcher's stack, the stack to the Python kernel), about 50 ns a tensor
+  each way on the CPUs measured: the least a Python launcher behind the dispatcher can cost,
+  shown so the whole call's row reads as floor + launcher.
 """
 
 from __future__ import annotations
@@ -135,6 +140,36 @@ def _launchers_on(key: str) -> Iterator[None]:
         lib._destroy()
 
 
+#: the no-op op of :func:`_floor`: its library (kept alive) once defined
+_FLOOR: list = []
+_FLOOR_LISTS = 6  #: tensor lists the no-op takes (AdamW's five and its steps)
+
+
+def _floor(*lists: list[torch.Tensor]) -> None:
+    """``mpnb_bench::floor``, a ``torch.library`` op of :data:`_FLOOR_LISTS` tensor lists whose
+    Python kernel (for the Meta and CUDA keys) does nothing, called on ``lists`` (the rest
+    empty): the dispatcher's cost of taking lists to a Python kernel, and nothing else."""
+    if not _FLOOR:
+        lib = torch.library.Library("mpnb_bench", "DEF")
+        args = ", ".join(f"Tensor(a{i}!)[] l{i}" for i in range(_FLOOR_LISTS))
+        lib.define(f"floor({args}) -> ()")
+        for key in ("Meta", "CUDA", "CPU"):
+            lib.impl("floor", _nothing, key)
+        _FLOOR.append(lib)
+    torch.ops.mpnb_bench.floor.default(*lists, *([[]] * (_FLOOR_LISTS - len(lists))))
+
+
+def _nothing(*lists) -> None:
+    return None
+
+
+def _floor_row(where: Where, lists: list[list[torch.Tensor]]) -> Candidate:
+    """The dispatcher's floor (:func:`_floor`) on mpnb's ``lists`` of the case."""
+    n = sum(map(len, lists))
+    name = f"dispatcher floor: a no-op Python kernel on the same {n} tensors"
+    return Candidate(name, lambda: _floor(*lists), 0, READ)
+
+
 def _ours(name: str, where: Where, launcher_call, op_call) -> list[Candidate]:
     """The launcher with its table cached and built per call, and the whole call (cached);
     launches stubbed unless ``where.real``."""
@@ -186,6 +221,7 @@ def _scale(work: str, numels: list[int], where: Where) -> Case:
                 lambda: launcher(noop_flag=flag, src=src, dst=dst, scale=0.5),
                 lambda: multi_tensor_scale(flag, src, dst, scale=0.5),
             ),
+            _floor_row(where, [src, dst]),
         ],
     )
 
@@ -209,6 +245,7 @@ def _l2norm(work: str, numels: list[int], where: Where) -> Case:
                 lambda: launcher(noop_flag=flag, tensors=tensors, per_tensor=True),
                 lambda: multi_tensor_l2norm(flag, tensors, per_tensor=True),
             ),
+            _floor_row(where, [tensors]),
         ],
     )
 
@@ -241,6 +278,7 @@ def _adam(work: str, numels: list[int], where: Where) -> Case:
                 ),
                 lambda: fused_adam_(p, g, m, v, [], steps, **kw),
             ),
+            _floor_row(where, [p, g, m, v, steps]),
         ],
     )
 
@@ -268,6 +306,7 @@ def _sgd(work: str, numels: list[int], where: Where) -> Case:
                 ),
                 lambda: fused_sgd_(p, g, [], [], [], lr=0.1),
             ),
+            _floor_row(where, [p, g]),
         ],
     )
 

@@ -32,7 +32,31 @@ def test_the_suite_runs_every_case_at_tiny_sizes(tmp_path):
     # the whole call: the public op, the dispatcher, the launcher (which served the Meta key)
     whole = [r for r in rows if r["candidate"].endswith("(wrapper, dispatcher, launcher)")]
     assert len(whole) == 8 and all(r["target"] == 1.0 and r["ratio"] > 0 for r in whole)
+    # the dispatcher's floor beside them: the same lists through a no-op Python kernel
+    floor = [r for r in rows if r["candidate"].startswith("dispatcher floor")]
+    assert len(floor) == 8 and all(r["target"] is None and r["ratio"] > 0 for r in floor)
+    counts = {(r["case"], r["workload"]): r["candidate"].split()[-2] for r in floor}
+    assert counts[("adamw host cost", "GPT 20M/76")] == "380"  # 4 lists and the steps
+    assert counts[("sgd host cost", "1000x1k")] == "2000"
     assert all(r["median_s"] > 0 for r in rows)
+
+
+def test_the_floor_is_a_python_kernel_behind_the_dispatcher():
+    # in a process of its own (the op's library is the suite's): the no-op reaches its Python
+    # kernel through torch.ops with every list, the unused ones empty
+    code = """
+import torch
+from mpnb.lab.bench import host_cost
+seen = []
+host_cost._nothing = lambda *lists: seen.append([len(x) for x in lists])
+xs = [torch.empty(3, device="meta") for _ in range(4)]
+host_cost._floor(xs, xs[:2])
+print(seen, torch.ops.mpnb_bench.floor.default._schema.name)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.split("]] ")[1].strip() == "mpnb_bench::floor"
+    assert done.stdout.startswith("[[4, 2, 0, 0, 0, 0]]")
 
 
 def test_the_whole_call_reaches_the_launcher_and_the_fakes_come_back():
@@ -84,5 +108,5 @@ print(len(ran), sorted({n.split(" (")[0] for n in ran if n.startswith("torch")})
     )
     assert done.returncode == 0, done.stderr[-3000:]
     count, _, names = done.stdout.partition(" ")
-    assert int(count) == 4 * 4  # 4 ops x (torch + 3 of mpnb's), on the GPT's 76 tensors
+    assert int(count) == 4 * 5  # 4 ops x (torch, 3 of mpnb's, the floor), on the GPT's list
     assert "torch._fused_adamw_" in names and "torch._fused_sgd_" in names
