@@ -141,6 +141,38 @@ def test_nested_counting_blocks_keep_their_own_lists(chunks):
     assert _common._COUNTING == []
 
 
+@pytest.mark.parametrize("name", ["scale", "check_finite", "adam", "sgd", "sgd momentum", "l2norm"])
+def test_a_steady_call_allocates_nothing_but_its_outputs(chunks, name):
+    # With its table cached a launch's host work runs no torch op and allocates nothing (the
+    # profiler records both without turning the C++ pass off, as a dispatch mode would);
+    # l2norm's outputs and the chunks' partials are its only tensors
+    from torch.profiler import ProfilerActivity, profile
+
+    from mpnb.core.ops._library import ensure_kernels
+    from mpnb.core.ops.triton._common import counting_launches
+
+    ensure_kernels()
+    p, g, m, v = _lists((5, 9000, 20000), k=4)
+    steps = [torch.zeros(()) for _ in p]
+    flag = torch.zeros(1, dtype=torch.int32)
+    call = {
+        "scale": lambda: kernel("multi_tensor_scale")(flag, p, g, 0.5),
+        "check_finite": lambda: kernel("multi_tensor_check_finite")(flag, p),
+        "adam": lambda: kernel("fused_adam_")(
+            p, g, m, v, [], steps, 1e-3, 0.9, 0.999, 1e-8, 0.0, True, True
+        ),
+        "sgd": lambda: kernel("fused_sgd_")(p, g, [], [], [], 0.1),
+        "sgd momentum": lambda: kernel("fused_sgd_")(p, g, m, [], [False] * 3, 0.1, 0.9),
+        "l2norm": lambda: kernel("multi_tensor_l2norm")(flag, p, True),
+    }[name]
+    with counting_launches():
+        call()
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            call()
+    seen = [e.name for e in prof.events()]
+    assert seen == (["aten::empty"] * 4 + ["[memory]"] * 4 if name == "l2norm" else [])
+
+
 @pytest.fixture(params=["C++ pass", "Python pass"])
 def one_pass(request, monkeypatch):
     """The launchers' per-tensor pass in C++ (``mpnb::_list_facts``), or read in Python (as
