@@ -75,39 +75,78 @@ ListIds& list_ids() {
   return *ids;
 }
 
-// [flags of each list..., id of each list...] for the lists of one call (kMaxLists slots,
-// the missing lists empty).
-std::vector<int64_t> list_facts(const std::vector<std::vector<const at::Tensor*>>& lists) {
-  std::vector<int64_t> out(2 * kMaxLists, 0);
+// One Python sequence of tensors as read by PySequence_Fast (a list is itself, no copy),
+// released when the pass leaves it.
+struct Held {
+  PyObject* seq = nullptr;
+  ~Held() { Py_XDECREF(seq); }
+};
+
+// Sets a Python error and returns false (the caller returns nullptr to Python).
+bool fail(PyObject* type, const char* what) {
+  PyErr_SetString(type, what);
+  return false;
+}
+
+// [flags of each list..., id of each list...] for the lists of one call (kMaxLists slots, the
+// missing lists empty), each tensor read once, straight from its Python object: its facts,
+// its numel and address into the list's key. False with a Python error set for anything but
+// plain tensors; a c10::Error (a tensor without storage) propagates to the caller.
+bool read_facts(PyObject* outer, Py_ssize_t n, int64_t* out) {
+  thread_local std::vector<int64_t> key;     // reused: a steady call allocates nothing here
+  thread_local std::vector<int64_t> numels0;  // list 0's element counts (its partners')
   std::optional<at::Device> device;
-  thread_local std::vector<int64_t> key;  // reused: a steady call allocates nothing here
-  const size_t len0 = lists.empty() ? 0 : lists[0].size();
+  size_t len0 = 0;
+  numels0.clear();
   for (size_t j = 0; j < kMaxLists; ++j) {
-    static const std::vector<const at::Tensor*> kNone;
-    const auto& lst = j < lists.size() ? lists[j] : kNone;
-    const size_t len = lst.size();
+    Held held;
+    PyObject** items = nullptr;
+    size_t len = 0;
+    if (static_cast<Py_ssize_t>(j) < n) {
+      held.seq = PySequence_Fast(PySequence_Fast_GET_ITEM(outer, j), "a list of tensors");
+      if (!held.seq) return false;
+      len = static_cast<size_t>(PySequence_Fast_GET_SIZE(held.seq));
+      items = PySequence_Fast_ITEMS(held.seq);
+    }
+    if (j == 0) len0 = len;
     int64_t flags = kOneDtype | kContiguous | kSingles | kOneDevice | kBelow2e32;
     if (len == len0) flags |= kPaired;
     key.clear();
     key.push_back(static_cast<int64_t>(len));
-    if (len && !device) device = lst[0]->device();
-    const auto dtype = len ? lst[0]->scalar_type() : at::ScalarType::Undefined;
+    caffe2::TypeMeta dtype;
     for (size_t i = 0; i < len; ++i) {
-      const at::Tensor& t = *lst[i];
-      const int64_t numel = t.numel();
-      if (t.scalar_type() != dtype) flags &= ~kOneDtype;
-      if (!t.is_contiguous()) flags &= ~kContiguous;
+      if (!THPVariable_Check(items[i])) {
+        return fail(PyExc_TypeError, "mpnb_list_facts: a list holds a non-tensor");
+      }
+      const at::Tensor& t = THPVariable_Unpack(items[i]);
+      const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+      if (impl->is_python_dispatch()) {
+        return fail(PyExc_TypeError, "mpnb_list_facts: a tensor subclass dispatches in Python");
+      }
+      const int64_t numel = impl->numel();
+      const caffe2::TypeMeta st = impl->dtype();
+      const at::Device dev = impl->device();
+      if (i == 0) {
+        dtype = st;
+        if (!device) device = dev;
+      }
+      if (st != dtype) flags &= ~kOneDtype;
+      if (!impl->is_contiguous()) flags &= ~kContiguous;
       if (numel != 1) flags &= ~kSingles;
       if (numel >= (int64_t{1} << 32)) flags &= ~kBelow2e32;
-      if (t.device() != *device) flags &= ~kOneDevice;
-      if (j && (flags & kPaired) && numel != lists[0][i]->numel()) flags &= ~kPaired;
+      if (dev != *device) flags &= ~kOneDevice;
+      if (j == 0) {
+        numels0.push_back(numel);
+      } else if ((flags & kPaired) && numel != numels0[i]) {
+        flags &= ~kPaired;
+      }
       key.push_back(numel);
       key.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
     }
     out[j] = flags;
     out[kMaxLists + j] = list_ids().id_of(key);
   }
-  return out;
+  return true;
 }
 
 }  // namespace
@@ -119,58 +158,24 @@ std::vector<int64_t> list_facts(const std::vector<std::vector<const at::Tensor*>
 // metadata cannot be read (a wrapper without storage): the caller then reads in Python.
 extern "C" __attribute__((visibility("default"))) PyObject* mpnb_list_facts(PyObject* lists) {
   using mpnb::cpu::kMaxLists;
-  PyObject* outer = PySequence_Fast(lists, "mpnb_list_facts: lists must be a sequence of lists");
-  if (!outer) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(outer);
-  PyObject* held[kMaxLists + 1] = {outer};  // the sequences read (a list is itself, no copy)
-  size_t n_held = 1;
-  auto release = [&] {
-    for (size_t k = 0; k < n_held; ++k) Py_DECREF(held[k]);
-  };
+  mpnb::cpu::Held outer;
+  outer.seq = PySequence_Fast(lists, "mpnb_list_facts: lists must be a sequence of lists");
+  if (!outer.seq) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(outer.seq);
   if (n > static_cast<Py_ssize_t>(kMaxLists)) {
-    release();
     PyErr_SetString(PyExc_ValueError, "mpnb_list_facts: more lists than the pass takes");
     return nullptr;
   }
-  thread_local std::vector<std::vector<const at::Tensor*>> tensors;  // reused across calls
-  tensors.resize(n);
-  for (Py_ssize_t j = 0; j < n; ++j) {
-    PyObject* seq = PySequence_Fast(PySequence_Fast_GET_ITEM(outer, j), "a list of tensors");
-    if (!seq) {
-      release();
-      return nullptr;
-    }
-    held[n_held++] = seq;
-    const Py_ssize_t m = PySequence_Fast_GET_SIZE(seq);
-    PyObject** items = PySequence_Fast_ITEMS(seq);
-    tensors[j].clear();
-    for (Py_ssize_t i = 0; i < m; ++i) {
-      if (!THPVariable_Check(items[i])) {
-        release();
-        PyErr_SetString(PyExc_TypeError, "mpnb_list_facts: a list holds a non-tensor");
-        return nullptr;
-      }
-      const at::Tensor& t = THPVariable_Unpack(items[i]);
-      if (t.unsafeGetTensorImpl()->is_python_dispatch()) {
-        release();
-        PyErr_SetString(PyExc_TypeError, "mpnb_list_facts: a tensor subclass dispatches in Python");
-        return nullptr;
-      }
-      tensors[j].push_back(&t);
-    }
-  }
-  std::vector<int64_t> facts;
+  int64_t facts[2 * kMaxLists] = {};
   try {
-    facts = mpnb::cpu::list_facts(tensors);
+    if (!mpnb::cpu::read_facts(outer.seq, n, facts)) return nullptr;
   } catch (const std::exception& e) {
-    release();
     PyErr_SetString(PyExc_RuntimeError, e.what());
     return nullptr;
   }
-  release();
-  PyObject* out = PyList_New(static_cast<Py_ssize_t>(facts.size()));
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(2 * kMaxLists));
   if (!out) return nullptr;
-  for (size_t k = 0; k < facts.size(); ++k) {
+  for (size_t k = 0; k < 2 * kMaxLists; ++k) {
     PyObject* v = PyLong_FromLongLong(facts[k]);
     if (!v) {
       Py_DECREF(out);
