@@ -30,6 +30,7 @@ __all__ = [
     "counting_launches",
     "warps",
     "next_pow2",
+    "cdiv",
     "to_acc",
     "from_acc",
     "join64",
@@ -70,8 +71,16 @@ def split64(x: float) -> tuple[float, float]:
 
 
 def next_pow2(n: int) -> int:
-    """The smallest power of two at least ``max(n, 1)``."""
-    return triton.next_power_of_2(max(int(n), 1))
+    """The smallest power of two at least ``max(n, 1)`` (``triton.next_power_of_2``'s value,
+    in integer arithmetic: Triton's host-side call costs about 2 us, a launch's whole budget
+    of host work for a small kernel)."""
+    return 1 << (max(int(n), 1) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for integers (``triton.cdiv``'s value, in integer arithmetic: see
+    :func:`next_pow2`)."""
+    return -(-a // b)
 
 
 def flag_view(flag: torch.Tensor) -> torch.Tensor:
@@ -141,7 +150,8 @@ def launch_kw(kernel, grid, args: tuple, kwargs: dict) -> None:
     call and gathered again."""
     if _COUNTING:
         fn = getattr(kernel, "fn", kernel)  # a JITFunction wraps the Python function
-        _COUNTING[-1].append(getattr(fn, "__name__", repr(kernel)))
+        name = getattr(fn, "__name__", None)
+        _COUNTING[-1].append(repr(kernel) if name is None else name)
         return
     first = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)
     traced = torch.compiler.is_compiling() or (

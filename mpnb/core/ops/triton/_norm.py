@@ -32,6 +32,7 @@ import triton.language as tl
 
 from mpnb.core.ops.triton._common import (
     acc_of,
+    cdiv,
     div,
     from_acc,
     join64,
@@ -190,7 +191,7 @@ def norm_fwd(*, input, weight, bias, eps, rows, cols, is_rms: bool):
         block = next_pow2(cols)
 
         def grid(meta):
-            return (triton.cdiv(rows, rows_per(meta["TILE"], block)),)
+            return (cdiv(rows, rows_per(meta["TILE"], block)),)
 
         launch(_fwd_fused, grid, BLOCK=block, **kernel_args)
     else:  # BLOCK (and num_warps) are the autotuner's
@@ -391,7 +392,7 @@ def _colsum(partial: torch.Tensor, like: torch.Tensor, acc) -> torch.Tensor:
     if cols:
         launch(
             _colsum_kernel,
-            (triton.cdiv(cols, 1024),),
+            (cdiv(cols, 1024),),
             p_ptr=partial,
             out_ptr=out,
             nprog=nprog,
@@ -414,7 +415,7 @@ def bwd_layout(rows: int, cols: int) -> tuple[int, int]:
         (2, 256)
     """
     per = rows_per(BWD_TILE, next_pow2(cols)) if cols <= BWD_FUSED else 1
-    return per, max(1, min(triton.cdiv(rows, per), MAX_PROGS))
+    return per, max(1, min(cdiv(rows, per), MAX_PROGS))
 
 
 def norm_bwd(

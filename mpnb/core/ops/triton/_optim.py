@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import re
+import struct
 from collections.abc import Callable
 
 import torch
@@ -26,7 +27,14 @@ import triton.language as tl
 from mpnb.core.ops._library import op_info
 from mpnb.core.ops.triton._checks import ListIds, check_same_device, guard_lists
 from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable
-from mpnb.core.ops.triton._common import f32, flag_view, from_acc, launch, launch_kw, to_acc
+from mpnb.core.ops.triton._common import (
+    cdiv,
+    flag_view,
+    from_acc,
+    launch,
+    launch_kw,
+    to_acc,
+)
 from mpnb.core.ops.triton._rounding import KAHAN, NEAREST, store_rounded
 
 __all__ = [
@@ -231,7 +239,7 @@ def advance_steps(tab: ChunkTable, col: int, steps, found_inf) -> None:
         return
     launch(
         _advance_kernel,
-        (triton.cdiv(tab.n_tensors, _STEP_BLOCK),),
+        (cdiv(tab.n_tensors, _STEP_BLOCK),),
         tab.table,
         tab.n_tensors,
         tab.table if found_inf is None else flag_view(found_inf),
@@ -301,15 +309,32 @@ _TABLE_KWARGS = dict(
 def _builder(names: list[str], exprs: list[str]) -> Callable:
     """``build(a, kw, tab) -> {name: value}``: the launcher's keywords ``kw``, the chunk
     table's, and the parameters ``names`` by their ``exprs`` (:func:`_rule`), written out as
-    source once (as ``dataclasses`` writes ``__init__``): one dict display, each float argument
-    rounded once."""
+    source once (as ``dataclasses`` writes ``__init__``): one dict display, the float arguments
+    rounded once, all in one ``struct`` round trip (:func:`~._common.f32` each, in one call)."""
     floats = sorted({int(i) for e in exprs for i in re.findall(r"\bx(\d+)\b", e)})
+    rounded: list[str] = []  # the other roundings (1 - x, x's low half), as y<k>
+
+    def name(m: re.Match) -> str:
+        rounded.append(m.group(1))
+        return f"y{len(rounded) - 1}"
+
+    exprs = [re.sub(r"\bf32\(([^()]*)\)", name, e) for e in exprs]
+    scope = {"flag_view": flag_view, "BLOCK": BLOCK}
     lines = ["def build(a, kw, tab):"]
-    lines += [f"    x{i} = f32(a[{i}])" for i in floats]
+    for k, (names_, values) in enumerate(
+        (
+            ([f"x{i}" for i in floats], [f"a[{i}]" for i in floats]),
+            ([f"y{j}" for j in range(len(rounded))], rounded),
+        )
+    ):
+        if values:  # each value rounded as f32() rounds it, all in one struct round trip
+            scope[f"_F32_{k}"] = struct.Struct(f"{len(values)}f")
+            given = ", ".join(f"float({v})" for v in values)
+            lines.append(f"    {''.join(n + ', ' for n in names_)}= _F32_{k}.unpack(")
+            lines.append(f"        _F32_{k}.pack({given}))")
     pairs = [*_TABLE_KWARGS.items(), *zip(names, exprs, strict=True)]
     items = ", ".join(f"{n!r}: {e}" for n, e in pairs)
     lines.append(f"    return {{**kw, {items}}}")
-    scope = {"f32": f32, "flag_view": flag_view, "BLOCK": BLOCK}
     exec("\n".join(lines), scope)  # noqa: S102 - source made of parameter names and indices
     return scope["build"]
 

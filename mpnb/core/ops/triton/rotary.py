@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from mpnb.core.ops.rotary import _output
-from mpnb.core.ops.triton._common import from_acc, launch, next_pow2, to_acc, warps
+from mpnb.core.ops.triton._common import cdiv, from_acc, launch, next_pow2, to_acc, warps
 
 __all__ = ["rope"]
 
@@ -121,7 +121,7 @@ def rope(args) -> torch.Tensor:
     ss, sd = sin.stride()
     launch(
         _rope_kernel,
-        (triton.cdiv(rows, nrows),),
+        (cdiv(rows, nrows),),
         t=t,
         y_ptr=y,
         cos=cos,

@@ -22,6 +22,7 @@ import triton.language as tl
 
 from mpnb.core.ops.triton._common import (
     acc_of,
+    cdiv,
     div,
     from_acc,
     join64,
@@ -225,7 +226,7 @@ def _row_grid(rows: int, k: int):
     block = next_pow2(k)
 
     def grid(meta):
-        return (triton.cdiv(rows, rows_per(meta["TILE"], block)),)
+        return (cdiv(rows, rows_per(meta["TILE"], block)),)
 
     return grid
 

@@ -132,3 +132,18 @@ def test_the_launchers_are_the_op_tables():
     }
     with pytest.raises(TypeError):
         tk.LAUNCHERS["x"] = "scale:x"  # a read-only view: tk.register records a launcher
+
+
+def test_host_side_grid_arithmetic_is_tritons_in_plain_integers(triton_kernels):
+    # cdiv and next_pow2 give triton.cdiv's and triton.next_power_of_2's values without their
+    # host-side call (about 2 us each, per launch)
+    import triton
+
+    from mpnb.core.ops.triton._common import cdiv, next_pow2
+
+    for n in [*range(0, 70), 1023, 1024, 1025, 2**31 - 1, 2**31, 2**40 + 3]:
+        assert next_pow2(n) == triton.next_power_of_2(max(n, 1)), n
+        for b in (1, 2, 3, 256, 1024):
+            assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
+    for name in ("_norm", "_optim", "rotary", "softmax"):  # the launchers use ours
+        assert "triton.cdiv(" not in (PACKAGE / f"{name}.py").read_text(), name
