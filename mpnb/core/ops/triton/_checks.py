@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import ctypes
 import operator
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from itertools import compress
 
 import torch
 
@@ -67,7 +68,7 @@ _WHAT = (
     (BELOW_2E32, "a tensor holds 2^32 elements or more"),
 )
 _DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")
-_FIELDS: dict[type, tuple[tuple[int, ...], tuple[int, ...]]] = {}  # _fields, per op
+_FIELDS: dict[type, tuple] = {}  # _fields, per op
 
 
 def check_same_device(op: str, ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
@@ -184,11 +185,12 @@ def guard_lists(
         >>> ids = guard_lists(args, data=("src", "dst"))
         >>> ChunkTable.build([args.src, args.dst], ids=ids)
     """
-    list_fields, single_fields = _fields(args)
-    present = tuple(i for i in list_fields if args[i])
+    list_fields, single_fields, get_lists = _fields(args)
+    every = get_lists(args)  # each list field's value, in one C call
+    present = tuple(compress(list_fields, every))
     if not present:
         return None
-    lists = [args[i] for i in present]
+    lists = list(filter(None, every))
     key = (type(args), present, tuple(data), tuple(singles), tuple(below_2e32), tuple(dtypes))
     plan = _PLANS.get(key)
     if plan is None:
@@ -237,16 +239,19 @@ def _plan(
     return tuple(out)
 
 
-def _fields(args) -> tuple[tuple[int, ...], tuple[int, ...]]:
+def _fields(args) -> tuple[tuple[int, ...], tuple[int, ...], Callable]:
     """The positions of ``args``' tensor lists and single tensors, read off its op's schema
-    once per op."""
+    once per op, and a getter of the lists' values as a tuple."""
     found = _FIELDS.get(type(args))
     if found is None:
         schema = getattr(torch.ops.mpnb, args.op_name).default._schema
         kinds = [str(a.type) for a in schema.arguments]
         lists = tuple(i for i, k in enumerate(kinds) if k == "List[Tensor]")
         singles = tuple(i for i, k in enumerate(kinds) if k in ("Tensor", "Optional[Tensor]"))
-        found = _FIELDS[type(args)] = (lists, singles)
+        get = (
+            operator.itemgetter(*lists) if len(lists) > 1 else lambda a: tuple(a[i] for i in lists)
+        )
+        found = _FIELDS[type(args)] = (lists, singles, get)
     return found
 
 
