@@ -7,8 +7,8 @@
 // softmax and RoPE 24-44%; into reused memory the same kernels reach 42-82%). PyTorch's CUDA
 // caching allocator keeps freed blocks for the same reason; its CPU allocator does not.
 //
-// How: a c10::Allocator whose blocks are 2 MiB aligned (transparent huge pages advised,
-// advise_huge_pages) and whose deleter puts a block back on a free list, most recent last, as
+// How: a c10::Allocator whose blocks are mapped fresh from the OS, 2 MiB aligned, with
+// transparent huge pages advised before their first write (map_block), and whose deleter puts a block back on a free list, most recent last, as
 // long as the blocks held there stay within the limit (oldest freed first to make room). A
 // request takes the most recent free block of exactly its rounded size (2 MiB granularity).
 // Requests below 16 MiB and everything past the limit go to malloc/free as before. Tensors
@@ -72,13 +72,10 @@ class OutputCache final : public c10::Allocator {
         if (!p) ++misses_;
       }
       if (!p) {
-        if (posix_memalign(&p, kCacheGrain, size) != 0) p = nullptr;
+        p = map_block(size);
         TORCH_CHECK(p, "mpnb: out of memory allocating ", size,
                     " bytes for a kernel's output; free tensors or call "
                     "mpnb.core.ops.output_cache(empty=True) to return cached blocks");
-#if defined(__linux__) && defined(MADV_HUGEPAGE)
-        (void)madvise(p, size, MADV_HUGEPAGE);
-#endif
       }
       std::lock_guard<std::mutex> g(mu_);
       live_[p] = size;
@@ -116,7 +113,7 @@ class OutputCache final : public c10::Allocator {
       if (limit >= 0) limit_ = static_cast<size_t>(limit);
       limit_trim(empty ? 0 : limit_.load(), drop);
     }
-    for (const auto& b : drop) std::free(b.ptr);
+    for (const auto& b : drop) unmap_block(b.ptr, b.size);
   }
 
  private:
@@ -124,6 +121,38 @@ class OutputCache final : public c10::Allocator {
     void* ptr;
     size_t size;
   };
+
+  // A fresh block of `size` bytes (a multiple of kCacheGrain) at a 2 MiB-aligned address,
+  // straight from mmap with huge pages advised before its first write: never memory that
+  // malloc recycled (posix_memalign may hand back heap pages already backed by small pages,
+  // which the advice does not replace; seen in a long test process). nullptr when refused.
+  static void* map_block(size_t size) {
+#if defined(__linux__)
+    const size_t span = size + kCacheGrain;
+    void* raw = mmap(nullptr, span, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    if (raw == MAP_FAILED) return nullptr;
+    const uintptr_t r = reinterpret_cast<uintptr_t>(raw);
+    const uintptr_t a = (r + kCacheGrain - 1) & ~(uintptr_t(kCacheGrain) - 1);
+    if (a > r) munmap(raw, a - r);  // the unaligned head and tail go back at once
+    if (r + span > a + size) munmap(reinterpret_cast<void*>(a + size), r + span - (a + size));
+#if defined(MADV_HUGEPAGE)
+    (void)madvise(reinterpret_cast<void*>(a), size, MADV_HUGEPAGE);
+#endif
+    return reinterpret_cast<void*>(a);
+#else
+    void* p = nullptr;
+    return posix_memalign(&p, kCacheGrain, size) == 0 ? p : nullptr;
+#endif
+  }
+
+  static void unmap_block(void* p, size_t size) {
+#if defined(__linux__)
+    munmap(p, size);
+#else
+    (void)size;
+    std::free(p);
+#endif
+  }
 
   // The limit from MPNB_CPU_OUTPUT_CACHE_MB: digits only (what env_problem in
   // _output_cache.py accepts), anything else keeps the default.
@@ -151,12 +180,13 @@ class OutputCache final : public c10::Allocator {
     OutputCache& c = get();
     std::vector<Block> drop;
     bool cached = false, ours = false;
+    size_t size = 0;
     {
       std::lock_guard<std::mutex> g(c.mu_);
       auto it = c.live_.find(p);
       if (it != c.live_.end()) {
         ours = true;
-        const size_t size = it->second;
+        size = it->second;
         c.live_.erase(it);
         const size_t limit = c.limit_.load();
         if (size <= limit) {
@@ -167,9 +197,9 @@ class OutputCache final : public c10::Allocator {
         }
       }
     }
-    for (const auto& b : drop) std::free(b.ptr);
+    for (const auto& b : drop) unmap_block(b.ptr, b.size);
     if (!ours) c10::free_cpu(p);
-    else if (!cached) std::free(p);
+    else if (!cached) unmap_block(p, size);
   }
 
   std::mutex mu_;

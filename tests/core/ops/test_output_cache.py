@@ -287,3 +287,40 @@ def test_a_fresh_64_mib_output_is_backed_by_huge_pages(thp, name):
     # 64 MiB in whole 2 MiB pages, less the unaligned ends; the kernel may find fewer free
     # huge pages under memory pressure, so at least half of them
     assert grown >= 32 * 1024, f"{name}: AnonHugePages grew by {grown} KiB for a 64 MiB output"
+
+
+_RECYCLED = """
+import gc, torch
+from mpnb.core import ops as M
+from mpnb.core.ops import output_cache
+def huge():
+    for line in open("/proc/self/smaps_rollup"):
+        if line.startswith("AnonHugePages:"):
+            return int(line.split()[1])
+x = torch.randn(16384, 1024)
+M.layer_norm_fwd(x[:4], [1024], None, None, 1e-5)  # the kernels loaded
+scratch = torch.ones(48 << 20)  # 192 MiB of the heap, written, then free in malloc's bins
+del scratch
+gc.collect()
+output_cache(empty=True)
+before = huge()
+y = M.layer_norm_fwd(x, [1024], None, None, 1e-5)[0]
+print(huge() - before)
+"""
+
+
+def test_a_new_cache_block_is_never_memory_malloc_recycled(thp):
+    # With malloc serving large requests from its heap (a raised mmap threshold, as a long
+    # process's history can leave it), a block taken from malloc would be heap pages already
+    # written in small pages, which the huge-page advice does not replace; the cache maps its
+    # blocks itself (posix_memalign gave 0 KiB of huge pages here)
+    env = os.environ | {
+        "MALLOC_MMAP_THRESHOLD_": str(1 << 30),
+        "MALLOC_TRIM_THRESHOLD_": str(1 << 32),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", _RECYCLED], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    grown = int(out.stdout.split()[-1])
+    assert grown >= 32 * 1024, f"AnonHugePages grew by {grown} KiB for a 64 MiB output"
