@@ -24,6 +24,7 @@ __all__ = [
     "TL_DTYPES",
     "acc_of",
     "f32",
+    "f32s",
     "split64",
     "launch",
     "launch_kw",
@@ -62,6 +63,18 @@ def acc_of(dtype: torch.dtype):
 def f32(x: float) -> float:
     """``x`` rounded to the nearest fp32 value (what a GPU kernel receives for a float)."""
     return _F32.unpack(_F32.pack(float(x)))[0]
+
+
+def f32s(*xs: float) -> tuple[float, ...]:
+    """:func:`f32` of each of ``xs``, in one ``struct`` round trip (what a launch passes its
+    kernel: its floats rounded together cost about one :func:`f32` call)."""
+    s = _F32S.get(len(xs))
+    if s is None:
+        s = _F32S[len(xs)] = struct.Struct(f"{len(xs)}f")
+    return s.unpack(s.pack(*map(float, xs)))
+
+
+_F32S: dict[int, struct.Struct] = {}  #: f32s' formats, by the number of values
 
 
 def split64(x: float) -> tuple[float, float]:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import inspect
 import re
-import struct
 from collections.abc import Callable
 
 import torch
@@ -29,6 +28,7 @@ from mpnb.core.ops.triton._checks import ListIds, check_same_device, guard_lists
 from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable
 from mpnb.core.ops.triton._common import (
     cdiv,
+    f32s,
     flag_view,
     from_acc,
     launch,
@@ -310,7 +310,7 @@ def _builder(names: list[str], exprs: list[str]) -> Callable:
     """``build(a, kw, tab) -> {name: value}``: the launcher's keywords ``kw``, the chunk
     table's, and the parameters ``names`` by their ``exprs`` (:func:`_rule`), written out as
     source once (as ``dataclasses`` writes ``__init__``): one dict display, the float arguments
-    rounded once, all in one ``struct`` round trip (:func:`~._common.f32` each, in one call)."""
+    rounded once, together (:func:`~._common.f32s`)."""
     floats = sorted({int(i) for e in exprs for i in re.findall(r"\bx(\d+)\b", e)})
     rounded: list[str] = []  # the other roundings (1 - x, x's low half), as y<k>
 
@@ -319,22 +319,17 @@ def _builder(names: list[str], exprs: list[str]) -> Callable:
         return f"y{len(rounded) - 1}"
 
     exprs = [re.sub(r"\bf32\(([^()]*)\)", name, e) for e in exprs]
-    scope = {"flag_view": flag_view, "BLOCK": BLOCK}
     lines = ["def build(a, kw, tab):"]
-    for k, (names_, values) in enumerate(
-        (
-            ([f"x{i}" for i in floats], [f"a[{i}]" for i in floats]),
-            ([f"y{j}" for j in range(len(rounded))], rounded),
-        )
+    for targets, values in (
+        ([f"x{i}" for i in floats], [f"a[{i}]" for i in floats]),
+        ([f"y{j}" for j in range(len(rounded))], rounded),
     ):
-        if values:  # each value rounded as f32() rounds it, all in one struct round trip
-            scope[f"_F32_{k}"] = struct.Struct(f"{len(values)}f")
-            given = ", ".join(f"float({v})" for v in values)
-            lines.append(f"    {''.join(n + ', ' for n in names_)}= _F32_{k}.unpack(")
-            lines.append(f"        _F32_{k}.pack({given}))")
+        if values:  # rounded together, as f32() rounds each
+            lines.append(f"    {''.join(t + ', ' for t in targets)}= f32s({', '.join(values)})")
     pairs = [*_TABLE_KWARGS.items(), *zip(names, exprs, strict=True)]
     items = ", ".join(f"{n!r}: {e}" for n, e in pairs)
     lines.append(f"    return {{**kw, {items}}}")
+    scope = {"f32s": f32s, "flag_view": flag_view, "BLOCK": BLOCK}
     exec("\n".join(lines), scope)  # noqa: S102 - source made of parameter names and indices
     return scope["build"]
 

@@ -12,14 +12,13 @@ from __future__ import annotations
 
 import functools
 import math
-import struct
 
 import torch
 import triton
 import triton.language as tl
 
 from mpnb.core.ops.triton._chunks import ChunkTable, chunk_info, tensor_col
-from mpnb.core.ops.triton._common import from_acc, to_acc
+from mpnb.core.ops.triton._common import f32s, from_acc, to_acc
 from mpnb.core.ops.triton._optim import (
     OpKernel,
     check_flags,
@@ -248,16 +247,12 @@ def _zeros(n: int) -> tuple[int, ...]:
 
 
 def _alphas(dtype: torch.dtype, stepwise: bool, *xs: float) -> tuple[float, ...]:
-    """The four alphas ``xs`` of the step's adds as the kernel takes them: in fp32 (as
-    :func:`~mpnb.core.ops.triton._common.f32` rounds, in one ``struct`` round trip), or, when
-    ``stepwise``, rounded to the param ``dtype`` (ATen's add(..., alpha) on half tensors
-    rounds alpha to their dtype)."""
+    """The alphas ``xs`` of the step's adds as the kernel takes them: in fp32
+    (:func:`~mpnb.core.ops.triton._common.f32s`), or, when ``stepwise``, rounded to the param
+    ``dtype`` (ATen's add(..., alpha) on half tensors rounds alpha to their dtype)."""
     if not stepwise:
-        return _FOUR.unpack(_FOUR.pack(*map(float, xs)))
+        return f32s(*xs)
     return _rounded(dtype, xs, tuple(math.copysign(1.0, x) for x in xs))
-
-
-_FOUR = struct.Struct("4f")
 
 
 @functools.lru_cache(maxsize=256)

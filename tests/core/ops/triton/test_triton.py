@@ -147,3 +147,10 @@ def test_host_side_grid_arithmetic_is_tritons_in_plain_integers(triton_kernels):
             assert cdiv(n, b) == triton.cdiv(n, b), (n, b)
     for name in ("_norm", "_optim", "rotary", "softmax"):  # the launchers use ours
         assert "triton.cdiv(" not in (PACKAGE / f"{name}.py").read_text(), name
+
+
+def test_f32s_rounds_each_value_as_f32(triton_kernels):
+    from mpnb.core.ops.triton._common import f32, f32s
+
+    xs = (0.1, -0.0, 1, 1e-45, 3.4e38, -2.5e-8, True)
+    assert str(f32s(*xs)) == str(tuple(map(f32, xs))) and f32s() == ()
