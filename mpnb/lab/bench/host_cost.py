@@ -28,7 +28,7 @@ dispatch and per-tensor work with next to no arithmetic (torch's meta ``_foreach
 a Python decomposition, ten times its C++ path, and meta has no ``_fused_sgd_``). Torch's CPU
 ``_foreach_*`` ops loop over their tensors in C++, where its CUDA path is one fused call, so a
 CPU ratio for scale and l2norm flatters mpnb; its fused AdamW and SGD are one C++ call on the
-CPU as on CUDA. mpnb's three rows:
+CPU as on CUDA. mpnb's three rows, and a fourth beside them:
 
 * the launcher as the CUDA key calls it (its checks, the chunk table, the argument lists), with
   the table cached on the device (a training loop's steady state) and built afresh on every
@@ -147,7 +147,7 @@ _FLOOR_LISTS = 6  #: tensor lists the no-op takes (AdamW's five and its steps)
 
 def _floor(*lists: list[torch.Tensor]) -> None:
     """``mpnb_bench::floor``, a ``torch.library`` op of :data:`_FLOOR_LISTS` tensor lists whose
-    Python kernel (for the Meta and CUDA keys) does nothing, called on ``lists`` (the rest
+    Python kernel (for the Meta, CUDA and CPU keys) does nothing, called on ``lists`` (the rest
     empty): the dispatcher's cost of taking lists to a Python kernel, and nothing else."""
     if not _FLOOR:
         lib = torch.library.Library("mpnb_bench", "DEF")
@@ -163,7 +163,7 @@ def _nothing(*lists) -> None:
     return None
 
 
-def _floor_row(where: Where, lists: list[list[torch.Tensor]]) -> Candidate:
+def _floor_row(lists: list[list[torch.Tensor]]) -> Candidate:
     """The dispatcher's floor (:func:`_floor`) on mpnb's ``lists`` of the case."""
     n = sum(map(len, lists))
     name = f"dispatcher floor: a no-op Python kernel on the same {n} tensors"
@@ -221,7 +221,7 @@ def _scale(work: str, numels: list[int], where: Where) -> Case:
                 lambda: launcher(noop_flag=flag, src=src, dst=dst, scale=0.5),
                 lambda: multi_tensor_scale(flag, src, dst, scale=0.5),
             ),
-            _floor_row(where, [src, dst]),
+            _floor_row([src, dst]),
         ],
     )
 
@@ -245,7 +245,7 @@ def _l2norm(work: str, numels: list[int], where: Where) -> Case:
                 lambda: launcher(noop_flag=flag, tensors=tensors, per_tensor=True),
                 lambda: multi_tensor_l2norm(flag, tensors, per_tensor=True),
             ),
-            _floor_row(where, [tensors]),
+            _floor_row([tensors]),
         ],
     )
 
@@ -278,7 +278,7 @@ def _adam(work: str, numels: list[int], where: Where) -> Case:
                 ),
                 lambda: fused_adam_(p, g, m, v, [], steps, **kw),
             ),
-            _floor_row(where, [p, g, m, v, steps]),
+            _floor_row([p, g, m, v, steps]),
         ],
     )
 
@@ -306,7 +306,7 @@ def _sgd(work: str, numels: list[int], where: Where) -> Case:
                 ),
                 lambda: fused_sgd_(p, g, [], [], [], lr=0.1),
             ),
-            _floor_row(where, [p, g]),
+            _floor_row([p, g]),
         ],
     )
 
