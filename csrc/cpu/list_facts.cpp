@@ -5,25 +5,27 @@
 // its device) and keys its chunk table by every tensor's size and address: in Python that is
 // one attribute read per tensor per fact, a few hundred nanoseconds each, times thousands of
 // tensors on every optimizer step. Here each tensor is read once. Per list the result holds
-// flag bits (below) and an id of the list's exact contents (length, then each tensor's numel
-// and address): equal ids mean equal contents, since an id is never given to other contents
-// (ids only grow; when kMaxIds contents are remembered they are all forgotten and new ids
-// follow). The table cache keys on these ids, so a tensor moved, resized or replaced by one at
+// flag bits (below) and an id of the list's exact contents (length, device, then each
+// tensor's numel and address): equal ids mean equal contents, since an id is never given to
+// other contents (ids only grow; when kMaxIds contents are remembered they are all forgotten
+// and new ids follow). The table cache keys on these ids, so a tensor moved, resized or replaced by one at
 // another address gives a new id and a new table.
 //
 // Not an op: it reads metadata only, on tensors of any device, and is called by the Triton
-// launchers from inside their op's kernel. It is a plain C function of the library taking the
-// Python lists as they are (mpnb/core/ops/triton/_checks.py calls it through ctypes): an op
-// would send every tensor through the dispatcher's argument stack a second time, which cost
-// 100 us per AdamW step of 76 parameters against 3.5 us for this pass. The names of the
-// failing tensors and the messages stay in Python, which runs its own loop on a failed bit.
-// Built only where Python's headers are found; without them the launchers read the facts in
-// Python.
+// launchers from inside their op's kernel. It is a Python builtin function that the library
+// makes (mpnb_list_facts_function, found once through ctypes by
+// mpnb/core/ops/triton/_checks.py) taking the Python lists as they are: an op would send every
+// tensor through the dispatcher's argument stack a second time, which cost 100 us per AdamW
+// step of 76 parameters against 3.5 us for this pass. The names of the failing tensors and
+// the messages stay in Python, which runs its own loop on a failed bit. Built only where
+// Python's headers are found; without them the launchers read the facts in Python.
 #if __has_include(<Python.h>)
 #include <Python.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include <ATen/ATen.h>
+#include <ATen/PythonTorchFunctionTLS.h>
+#include <c10/core/impl/TorchDispatchModeTLS.h>
 
 #include <cstdint>
 #include <mutex>
@@ -82,32 +84,31 @@ struct Held {
   ~Held() { Py_XDECREF(seq); }
 };
 
-// Sets a Python error and returns false (the caller returns nullptr to Python).
-bool fail(PyObject* type, const char* what) {
-  PyErr_SetString(type, what);
-  return false;
+// Whether the pass can read `obj` (a tensor of the exact class torch.Tensor or Parameter, not
+// one that dispatches in Python); if so, its TensorImpl.
+const c10::TensorImpl* plain_tensor(PyObject* obj) {
+  if (!THPVariable_CheckExact(obj)) return nullptr;  // a subclass (a tracer), not a tensor
+  const c10::TensorImpl* impl = THPVariable_Unpack(obj).unsafeGetTensorImpl();
+  return impl->is_python_dispatch() ? nullptr : impl;
 }
 
-// [flags of each list..., id of each list...] for the lists of one call (kMaxLists slots, the
-// missing lists empty), each tensor read once, straight from its Python object: its facts,
-// its numel and address into the list's key. False with a Python error set for anything but
-// plain tensors; a c10::Error (a tensor without storage) propagates to the caller.
-bool read_facts(PyObject* outer, Py_ssize_t n, int64_t* out) {
+// The flags and the id key of each of the `n` lists of `outer` into `flags` and `ids`, each
+// tensor read once, straight from its Python object: its facts, its numel and address into
+// the list's key (after its length and its first tensor's device). False where the pass
+// cannot read a list (anything but plain tensors); a c10::Error (a tensor without storage)
+// propagates to the caller. A Python error is set only for a list that is no sequence.
+bool read_facts(PyObject* outer, Py_ssize_t n, int64_t* flags_out, int64_t* ids_out) {
   thread_local std::vector<int64_t> key;     // reused: a steady call allocates nothing here
   thread_local std::vector<int64_t> numels0;  // list 0's element counts (its partners')
   std::optional<at::Device> device;
   size_t len0 = 0;
   numels0.clear();
-  for (size_t j = 0; j < kMaxLists; ++j) {
+  for (Py_ssize_t j = 0; j < n; ++j) {
     Held held;
-    PyObject** items = nullptr;
-    size_t len = 0;
-    if (static_cast<Py_ssize_t>(j) < n) {
-      held.seq = PySequence_Fast(PySequence_Fast_GET_ITEM(outer, j), "a list of tensors");
-      if (!held.seq) return false;
-      len = static_cast<size_t>(PySequence_Fast_GET_SIZE(held.seq));
-      items = PySequence_Fast_ITEMS(held.seq);
-    }
+    held.seq = PySequence_Fast(PySequence_Fast_GET_ITEM(outer, j), "a list of tensors");
+    if (!held.seq) return false;
+    const size_t len = static_cast<size_t>(PySequence_Fast_GET_SIZE(held.seq));
+    PyObject** items = PySequence_Fast_ITEMS(held.seq);
     if (j == 0) len0 = len;
     int64_t flags = kOneDtype | kContiguous | kSingles | kOneDevice | kBelow2e32;
     if (len == len0) flags |= kPaired;
@@ -115,20 +116,16 @@ bool read_facts(PyObject* outer, Py_ssize_t n, int64_t* out) {
     key.push_back(static_cast<int64_t>(len));
     caffe2::TypeMeta dtype;
     for (size_t i = 0; i < len; ++i) {
-      if (!THPVariable_Check(items[i])) {
-        return fail(PyExc_TypeError, "mpnb_list_facts: a list holds a non-tensor");
-      }
-      const at::Tensor& t = THPVariable_Unpack(items[i]);
-      const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-      if (impl->is_python_dispatch()) {
-        return fail(PyExc_TypeError, "mpnb_list_facts: a tensor subclass dispatches in Python");
-      }
+      const c10::TensorImpl* impl = plain_tensor(items[i]);
+      if (impl == nullptr) return false;
       const int64_t numel = impl->numel();
       const caffe2::TypeMeta st = impl->dtype();
       const at::Device dev = impl->device();
       if (i == 0) {
         dtype = st;
         if (!device) device = dev;
+        // the device in the key: lists of two devices at equal addresses get two ids
+        key.push_back(static_cast<int64_t>(dev.type()) << 16 | (dev.index() & 0xffff));
       }
       if (st != dtype) flags &= ~kOneDtype;
       if (!impl->is_contiguous()) flags &= ~kContiguous;
@@ -141,49 +138,82 @@ bool read_facts(PyObject* outer, Py_ssize_t n, int64_t* out) {
         flags &= ~kPaired;
       }
       key.push_back(numel);
-      key.push_back(reinterpret_cast<int64_t>(t.data_ptr()));
+      key.push_back(reinterpret_cast<int64_t>(impl->data()));
     }
-    out[j] = flags;
-    out[kMaxLists + j] = list_ids().id_of(key);
+    flags_out[j] = flags;
+    ids_out[j] = list_ids().id_of(key);
   }
   return true;
 }
 
+// (flags, ids) as Python objects: the list of each list's flags, and the dict from each list
+// object's id() to its list id (what the chunk table keys by, found by the list object).
+PyObject* to_python(PyObject* outer, Py_ssize_t n, const int64_t* flags, const int64_t* ids) {
+  PyObject* fl = PyList_New(n);
+  PyObject* by_list = PyDict_New();
+  if (!fl || !by_list) {
+    Py_XDECREF(fl);
+    Py_XDECREF(by_list);
+    return nullptr;
+  }
+  for (Py_ssize_t j = 0; j < n; ++j) {
+    PyObject* f = PyLong_FromLongLong(flags[j]);
+    PyObject* k = PyLong_FromVoidPtr(PySequence_Fast_GET_ITEM(outer, j));
+    PyObject* v = PyLong_FromLongLong(ids[j]);
+    const bool ok = f && k && v && PyDict_SetItem(by_list, k, v) == 0;
+    if (f) PyList_SET_ITEM(fl, j, f);  // the list owns it from here
+    Py_XDECREF(k);
+    Py_XDECREF(v);
+    if (!ok) {
+      Py_DECREF(fl);
+      Py_DECREF(by_list);
+      return nullptr;
+    }
+  }
+  return Py_BuildValue("(NN)", fl, by_list);
+}
+
+// list_facts(lists): ``lists`` a sequence of sequences of tensors. Returns (flags, ids) (see
+// to_python), or None where the pass cannot read them: a dispatch or torch-function mode is
+// on (a tracer may be watching), more than kMaxLists lists, anything but plain tensors, a
+// tensor whose metadata cannot be read (a wrapper without storage). The caller then reads
+// the flags in Python.
+PyObject* list_facts(PyObject* /*self*/, PyObject* lists) {
+  if (c10::impl::TorchDispatchModeTLS::stack_len() > 0 || at::impl::torch_function_mode_enabled()) {
+    Py_RETURN_NONE;
+  }
+  Held outer;
+  outer.seq = PySequence_Fast(lists, "list_facts: lists must be a sequence of lists");
+  if (!outer.seq) return nullptr;
+  const Py_ssize_t n = PySequence_Fast_GET_SIZE(outer.seq);
+  if (n > static_cast<Py_ssize_t>(kMaxLists)) Py_RETURN_NONE;
+  int64_t flags[kMaxLists] = {};
+  int64_t ids[kMaxLists] = {};
+  try {
+    if (!read_facts(outer.seq, n, flags, ids)) {
+      if (PyErr_Occurred()) return nullptr;
+      Py_RETURN_NONE;
+    }
+  } catch (const std::exception&) {
+    Py_RETURN_NONE;
+  }
+  return to_python(outer.seq, n, flags, ids);
+}
+
+PyMethodDef kListFacts = {
+    "list_facts",
+    list_facts,
+    METH_O,
+    "list_facts(lists) -> (flags, ids) or None: mpnb's one pass over a list op's tensor lists "
+    "(csrc/cpu/list_facts.cpp)."};
+
 }  // namespace
 }  // namespace mpnb::cpu
 
-// mpnb_list_facts(lists): ``lists`` a sequence of at most kMaxLists sequences of tensors;
-// returns the Python list [flags..., ids...]. A TypeError for anything but plain tensors (a
-// tensor subclass that dispatches in Python, a tracer), a RuntimeError where a tensor's
-// metadata cannot be read (a wrapper without storage): the caller then reads in Python.
-extern "C" __attribute__((visibility("default"))) PyObject* mpnb_list_facts(PyObject* lists) {
-  using mpnb::cpu::kMaxLists;
-  mpnb::cpu::Held outer;
-  outer.seq = PySequence_Fast(lists, "mpnb_list_facts: lists must be a sequence of lists");
-  if (!outer.seq) return nullptr;
-  const Py_ssize_t n = PySequence_Fast_GET_SIZE(outer.seq);
-  if (n > static_cast<Py_ssize_t>(kMaxLists)) {
-    PyErr_SetString(PyExc_ValueError, "mpnb_list_facts: more lists than the pass takes");
-    return nullptr;
-  }
-  int64_t facts[2 * kMaxLists] = {};
-  try {
-    if (!mpnb::cpu::read_facts(outer.seq, n, facts)) return nullptr;
-  } catch (const std::exception& e) {
-    PyErr_SetString(PyExc_RuntimeError, e.what());
-    return nullptr;
-  }
-  PyObject* out = PyList_New(static_cast<Py_ssize_t>(2 * kMaxLists));
-  if (!out) return nullptr;
-  for (size_t k = 0; k < 2 * kMaxLists; ++k) {
-    PyObject* v = PyLong_FromLongLong(facts[k]);
-    if (!v) {
-      Py_DECREF(out);
-      return nullptr;
-    }
-    PyList_SET_ITEM(out, static_cast<Py_ssize_t>(k), v);
-  }
-  return out;
+// mpnb_list_facts_function(): the pass as a Python builtin function (a new reference), which
+// Python then calls directly: a ctypes call costs about 0.5 us, a builtin's next to nothing.
+extern "C" __attribute__((visibility("default"))) PyObject* mpnb_list_facts_function() {
+  return PyCFunction_New(&mpnb::cpu::kListFacts, nullptr);
 }
 
 #endif  // __has_include(<Python.h>)

@@ -34,6 +34,7 @@ __all__ = [
 ]
 
 SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+_SUPPORTED, _F64 = frozenset(SUPPORTED), torch.float64
 
 Tensors = Sequence[torch.Tensor]
 
@@ -58,9 +59,10 @@ def check_lists(
         >>> check_lists("multi_tensor_scale", True, src=[torch.ones(3)], dst=[torch.ones(4)])
         ValueError: multi_tensor_scale: tensor 0 of 'dst' has 4 elements but its partner ...
     """
-    (first, ref), *others = lists.items()
+    items = iter(lists.items())
+    first, ref = next(items)
     n = len(ref)
-    for name, lst in others:
+    for name, lst in items:
         if len(lst) != n:
             raise ValueError(
                 f"{op}: list '{name}' has {len(lst)} tensors but '{first}' has {n}; pass lists "
@@ -68,15 +70,20 @@ def check_lists(
             )
     if not n:
         return
-    kinds = set()
+    allowed = _SUPPORTED if dtypes is SUPPORTED else frozenset(dtypes)
+    wide = narrow = False  # a float64 list seen, another seen (a loop: no comprehension's call)
     for name, lst in lists.items():
         dtype = lst[0].dtype
-        if dtype not in dtypes:
+        if dtype not in allowed:
             raise TypeError(
                 f"{op}: list '{name}' is {dtype}; supported dtypes are {dtype_names(dtypes)}."
             )
-        kinds.add(dtype)
-    if torch.float64 in kinds and len(kinds) > 1:
+        if dtype is _F64:
+            wide = True
+        else:
+            narrow = True
+    if wide and narrow:
+        kinds = {lst[0].dtype for lst in lists.values()}
         got = ", ".join(sorted(dtype_names([k]) for k in kinds))
         raise TypeError(f"{op}: float64 lists can only be mixed with float64 lists, got {got}.")
     if per_tensor:

@@ -121,7 +121,8 @@ def _cases() -> list[list[torch.Tensor]]:
 
 def test_the_one_pass_reads_what_python_reads(facts):
     lists = _cases()
-    flags = facts.list_facts(lists)[: len(lists)]
+    flags, ids = facts.list_facts(lists)
+    assert sorted(ids) == sorted(map(id, lists))
     assert flags == facts._python_flags(lists)
     want = facts.DATA | facts.ONE_DEVICE | facts.BELOW_2E32
     assert flags[0] & want == want and flags[1] & want == want
@@ -134,7 +135,7 @@ def test_equal_ids_mean_equal_lists(facts):
     a = [torch.ones(3), torch.ones(5)]
 
     def ident(lst):
-        return facts.list_facts([lst])[8]
+        return facts.list_facts([lst])[1][id(lst)]
 
     first = ident(a)
     assert ident(list(a)) == first  # another list object, the same tensors
@@ -169,7 +170,32 @@ def test_what_the_pass_cannot_read_is_read_in_python(facts):
     assert facts.list_facts([[plain, sub]]) is None  # a subclass behind a plain first tensor
     assert facts.list_facts([[plain, 1.0]]) is None  # not a tensor
     assert facts.list_facts([[plain]] * 9) is None  # more lists than the pass takes
-    assert facts.list_facts([(plain,), [plain]])[:2] == facts._python_flags([[plain], [plain]])
+    assert facts.list_facts([(plain,), [plain]])[0] == facts._python_flags([[plain], [plain]])
+
+
+def test_the_pass_reads_plain_tensors_only_outside_modes(facts):
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Sub(torch.Tensor):  # a subclass that does not dispatch in Python: still refused
+        pass
+
+    plain, param = torch.ones(3), torch.nn.Parameter(torch.ones(3))
+    assert facts.list_facts([[plain, param]]) is not None  # Parameter is a plain tensor
+    assert facts.list_facts([[plain, plain.as_subclass(Sub)]]) is None
+    for mode in (TorchDispatchMode, TorchFunctionMode):
+        with mode():
+            assert facts.list_facts([[plain]]) is None  # a tracer may be watching
+    assert facts.list_facts([[plain]]) is not None
+
+
+def test_an_id_is_of_one_device(facts):
+    # Empty tensors have no address (0) on every device: the device tells their lists apart,
+    # so a table made for one device is never found for another.
+    cpu, meta = [torch.empty(0)], [torch.empty(0, device="meta")]
+    flags, ids = facts.list_facts([cpu, meta])
+    assert ids[id(cpu)] != ids[id(meta)]
+    assert facts.list_facts([[torch.empty(0)]])[1].popitem()[1] == ids[id(cpu)]
 
 
 def test_the_pass_is_no_op_call(facts):

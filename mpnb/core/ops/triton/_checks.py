@@ -10,9 +10,9 @@ A list launcher reads every tensor of its lists through the chunk table, so each
 have its partner's size, its list's dtype, a contiguous layout and the lists' device, and the
 table is keyed by every tensor's size and address. Read in Python, that is one attribute per
 tensor per fact (a few hundred nanoseconds each, thousands of tensors per optimizer step);
-:func:`guard_lists` reads each tensor once, in C++ (``mpnb_list_facts``,
-``csrc/cpu/list_facts.cpp``: a C function of the library, not an op, so the lists do not cross
-the dispatcher a second time), and returns the ids the table is keyed by. It holds the same
+:func:`guard_lists` reads each tensor once, in C++ (``csrc/cpu/list_facts.cpp``: a Python
+builtin function the library makes, not an op, so the lists do not cross the dispatcher a
+second time), and returns the ids the table is keyed by. It holds the same
 conditions as the op's per-tensor checks; when one fails it raises a short ``RuntimeError``
 and the op's whole check runs, whose named error replaces it (:mod:`mpnb.core.ops._library`,
 as for a C++ kernel's refusal). A launcher that calls it says so (``guards_lists = True``): its
@@ -56,9 +56,7 @@ BELOW_2E32 = 32  #: every tensor holds fewer than 2^32 elements
 #: what a list read element by element needs (its dtype, its layout, its partner's size)
 DATA = ONE_DTYPE | CONTIGUOUS | PAIRED
 
-_MAX_LISTS = 8  # the C++ pass takes eight lists (kMaxLists)
-_NATIVE: list = [None]  # mpnb_list_facts once the C++ library is loaded (False: it lacks it)
-_PLAIN = (torch.Tensor, torch.nn.Parameter)  # other types may be tracers or dispatch subclasses
+_NATIVE: list = [None]  # the C pass once the C++ library is loaded (False: it lacks it)
 _WHAT = (
     (ONE_DEVICE, "its tensors are on several devices"),
     (ONE_DTYPE, "its tensors have several dtypes"),
@@ -82,47 +80,43 @@ def check_same_device(op: str, ref: torch.Tensor, **tensors: torch.Tensor | None
 
 
 def _native():
-    """The C pass ``mpnb_list_facts`` of the loaded library (called through ctypes, which
-    holds the GIL and raises the error it sets), or None: no library, or one built without
-    Python's headers."""
+    """The C pass of the loaded library as a Python builtin function (made once by
+    ``mpnb_list_facts_function``, found through ctypes; called directly after that), or None:
+    no library, or one built without Python's headers."""
     fn = _NATIVE[0]
     if fn is None:
         status = cpu_extension().status()
         if status is None or not status.loaded:
             return None
         try:
-            fn = ctypes.PyDLL(status.path).mpnb_list_facts
+            make = ctypes.PyDLL(status.path).mpnb_list_facts_function
         except (OSError, AttributeError):  # built without Python.h: read in Python
             fn = False
         else:
-            fn.restype, fn.argtypes = ctypes.py_object, (ctypes.py_object,)
+            make.restype, make.argtypes = ctypes.py_object, ()
+            fn = make()
         _NATIVE[0] = fn
     return fn or None
 
 
-def list_facts(lists: Sequence[Sequence[torch.Tensor]]) -> list[int] | None:
-    """``[flags of list 0..7, id of list 0..7]`` for up to eight ``lists`` (missing ones count
-    as empty), read in one C++ pass; None where that pass cannot run (no C++ library, more
-    lists, a tensor subclass, a dispatch or function mode).
+def list_facts(lists: Sequence[Sequence[torch.Tensor]]) -> tuple[list[int], dict] | None:
+    """``(flags, ids)`` of ``lists`` (at most eight), read in one C++ pass: ``flags`` one int
+    per list, ``ids`` the dict from each list object's ``id()`` to the id of its contents; None
+    where that pass cannot run (no C++ library, more lists, anything but plain tensors, a
+    dispatch or function mode).
 
     The flags are the bits above; ``PAIRED`` and ``ONE_DEVICE`` compare with ``lists[0]`` and
     with the first tensor of the first non-empty list. Equal ids mean equal lists: the same
-    length and, tensor by tensor, the same number of elements at the same address.
+    length and device and, tensor by tensor, the same number of elements at the same address.
     """
-    fn = _native()
-    if (
-        fn is None
-        or len(lists) > _MAX_LISTS
-        or torch._C._len_torch_dispatch_stack()
-        or torch._C._is_torch_function_mode_enabled()
-    ):
-        return None
-    for lst in lists:
-        if lst and type(lst[0]) not in _PLAIN:
+    fn = _NATIVE[0]
+    if not fn:
+        fn = _native() if fn is None else None
+        if fn is None:
             return None
     try:
         return fn(lists)
-    except (RuntimeError, TypeError):  # a subclass inside a list, a tensor without storage
+    except TypeError:  # a list that is no sequence
         return None
 
 
@@ -143,19 +137,9 @@ def _python_flags(lists: Sequence[Sequence[torch.Tensor]]) -> list[int]:
     return out
 
 
-class ListIds:
-    """The ids of one call's tensor lists (:func:`list_facts`), found by the list object."""
-
-    __slots__ = ("lists", "ids")
-
-    def __init__(self, lists: Sequence[Sequence[torch.Tensor]], ids: Sequence[int]) -> None:
-        self.lists, self.ids = lists, ids
-
-    def of(self, lists: Sequence[Sequence[torch.Tensor]]) -> tuple[int, ...] | None:
-        """The ids of ``lists`` (each one of the call's own list objects), or None."""
-        found = dict(zip(map(id, self.lists), self.ids, strict=True))
-        out = tuple(map(found.get, map(id, lists)))
-        return None if None in out else out
+#: the ids of one call's tensor lists (:func:`list_facts`): ``id()`` of each list object -> the
+#: id of its contents (what :meth:`~._chunks.ChunkTable.build` keys its table by)
+ListIds = dict
 
 
 def guard_lists(
@@ -196,7 +180,7 @@ def guard_lists(
     if plan is None:
         plan = _PLANS[key] = _plan(type(args), *key[1:])
     facts = list_facts(lists)
-    flags = facts if facts is not None else _python_flags(lists)
+    flags = facts[0] if facts is not None else _python_flags(lists)
     for j, name, need, want in plan:
         if flags[j] & need != need:
             what = next(w for bit, w in _WHAT if need & bit and not flags[j] & bit)
@@ -208,9 +192,7 @@ def guard_lists(
         t = args[i]
         if t is not None and t.is_meta != meta:
             _refuse(args, plan[0][1], "a meta tensor is among the tensors")
-    if facts is None:
-        return None
-    return ListIds(lists, facts[_MAX_LISTS : _MAX_LISTS + len(lists)])
+    return None if facts is None else facts[1]
 
 
 #: (op's argument type, its non-empty lists, the conditions) -> what each of those lists needs

@@ -67,7 +67,8 @@ CACHE_SIZE = 64  #: chunk tables kept on the device (an optimizer step uses two 
 
 #: pinned host buffers and device tables that CUDA graphs captured (their replays read them)
 _CAPTURED: list[torch.Tensor] = []
-#: key (device, chunk, cols, numels, addresses per list) -> its table, the last used at the end
+#: key (chunk, cols, the lists' ids; or device, chunk, cols, numels, addresses per list) -> its
+#: table, the last used at the end
 _TABLES: OrderedDict[tuple, ChunkTable] = OrderedDict()
 
 
@@ -131,14 +132,18 @@ class ChunkTable:
             >>> tab.n_chunks  # programs of one launch
         """
         first = lists[0]
-        device = first[0].device
         cols = tuple(map(tuple, cols))  # a tuple of tuples is kept as it is
-        known = ids.of(lists) if ids is not None else None
-        if known is not None:  # one id per list: its length, sizes and addresses
-            key = (device, chunk, cols, None, *known)
+        known = None
+        if ids is not None:
+            try:
+                known = tuple(map(ids.__getitem__, map(id, lists)))
+            except KeyError:  # a list the pass did not read
+                known = None
+        if known is not None:  # one id per list: its length, device, sizes and addresses
+            key = (chunk, cols, *known)
         else:
             key = (
-                device,
+                first[0].device,
                 chunk,
                 cols,
                 tuple(map(torch.Tensor.numel, first)),
@@ -151,8 +156,8 @@ class ChunkTable:
                 _TABLES.popitem(last=False)
         else:
             _TABLES.move_to_end(key)
-        if _capturing(device):  # a replay reads it: it must outlive its eviction
-            _CAPTURED.append(tab.table)
+        if first[0].is_cuda and _capturing(first[0].device):  # a replay reads it: it must
+            _CAPTURED.append(tab.table)  # outlive its eviction
         return tab
 
     @classmethod

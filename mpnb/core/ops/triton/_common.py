@@ -25,6 +25,7 @@ __all__ = [
     "acc_of",
     "f32",
     "f32s",
+    "f32s_struct",
     "split64",
     "launch",
     "launch_kw",
@@ -68,10 +69,17 @@ def f32(x: float) -> float:
 def f32s(*xs: float) -> tuple[float, ...]:
     """:func:`f32` of each of ``xs``, in one ``struct`` round trip (what a launch passes its
     kernel: its floats rounded together cost about one :func:`f32` call)."""
-    s = _F32S.get(len(xs))
-    if s is None:
-        s = _F32S[len(xs)] = struct.Struct(f"{len(xs)}f")
+    s = _F32S.get(len(xs)) or f32s_struct(len(xs))
     return s.unpack(s.pack(*map(float, xs)))
+
+
+def f32s_struct(n: int) -> struct.Struct:
+    """The ``struct.Struct`` of :func:`f32s` for ``n`` values (packing rounds each to fp32), for
+    code that binds it once (:class:`~mpnb.core.ops.triton._optim.OpKernel`'s builder)."""
+    s = _F32S.get(n)
+    if s is None:
+        s = _F32S[n] = struct.Struct(f"{n}f")
+    return s
 
 
 _F32S: dict[int, struct.Struct] = {}  #: f32s' formats, by the number of values
@@ -135,8 +143,10 @@ class counting_launches:  # noqa: N801 - used as a function: ``with counting_lau
 
     def __exit__(self, *exc) -> None:
         # by identity (list.remove compares by value: an equal outer list would go instead)
-        k = next(k for k in range(len(_COUNTING) - 1, -1, -1) if _COUNTING[k] is self.names)
-        del _COUNTING[k]
+        if _COUNTING[-1] is self.names:
+            del _COUNTING[-1]
+        else:  # blocks left out of order
+            del _COUNTING[next(k for k, n in enumerate(_COUNTING) if n is self.names)]
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:

@@ -28,7 +28,7 @@ from mpnb.core.ops.triton._checks import ListIds, check_same_device, guard_lists
 from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable
 from mpnb.core.ops.triton._common import (
     cdiv,
-    f32s,
+    f32s_struct,
     flag_view,
     from_acc,
     launch,
@@ -61,6 +61,7 @@ _STEP_BLOCK = 256
 
 #: the one-element tensors an optimizer op may read by address, where it has them
 _FLAGS = ("global_grad_norm", "inv_scale", "found_inf", "lr_tensor")
+_FLAG_FIELDS: dict[type, tuple[str, ...]] = {}  #: those of each op's arguments
 
 
 def check_flags(args) -> None:
@@ -69,8 +70,11 @@ def check_flags(args) -> None:
     params' device (the one guard the op's check cannot know: :mod:`._checks`)."""
     if args.params:
         device = args.params[0].device
-        for name in _FLAGS:
-            t = getattr(args, name, None)
+        fields = _FLAG_FIELDS.get(type(args))
+        if fields is None:
+            fields = _FLAG_FIELDS[type(args)] = tuple(n for n in _FLAGS if n in args._fields)
+        for name in fields:
+            t = getattr(args, name)
             if t is not None and t.device != device:
                 check_same_device(args.op_name, args.params[0], **{name: t})
 
@@ -320,16 +324,22 @@ def _builder(names: list[str], exprs: list[str]) -> Callable:
 
     exprs = [re.sub(r"\bf32\(([^()]*)\)", name, e) for e in exprs]
     lines = ["def build(a, kw, tab):"]
-    for targets, values in (
-        ([f"x{i}" for i in floats], [f"a[{i}]" for i in floats]),
-        ([f"y{j}" for j in range(len(rounded))], rounded),
+    scope = {"flag_view": flag_view, "BLOCK": BLOCK}
+    for k, (targets, values) in enumerate(
+        (
+            ([f"x{i}" for i in floats], [f"a[{i}]" for i in floats]),
+            ([f"y{j}" for j in range(len(rounded))], rounded),
+        )
     ):
-        if values:  # rounded together, as f32() rounds each
-            lines.append(f"    {''.join(t + ', ' for t in targets)}= f32s({', '.join(values)})")
+        if values:  # rounded together, as f32() rounds each (f32s' struct, bound here)
+            scope[f"_s{k}"] = f32s_struct(len(values))
+            floats_ = ", ".join(f"float({v})" for v in values)
+            lines.append(
+                f"    {''.join(t + ', ' for t in targets)}= _s{k}.unpack(_s{k}.pack({floats_}))"
+            )
     pairs = [*_TABLE_KWARGS.items(), *zip(names, exprs, strict=True)]
     items = ", ".join(f"{n!r}: {e}" for n, e in pairs)
     lines.append(f"    return {{**kw, {items}}}")
-    scope = {"f32s": f32s, "flag_view": flag_view, "BLOCK": BLOCK}
     exec("\n".join(lines), scope)  # noqa: S102 - source made of parameter names and indices
     return scope["build"]
 

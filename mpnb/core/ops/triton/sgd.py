@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from mpnb.core.ops.triton._chunks import ChunkTable, chunk_info, tensor_col
-from mpnb.core.ops.triton._common import f32s, from_acc, to_acc
+from mpnb.core.ops.triton._common import f32s_struct, from_acc, to_acc
 from mpnb.core.ops.triton._optim import (
     OpKernel,
     check_flags,
@@ -251,8 +251,11 @@ def _alphas(dtype: torch.dtype, stepwise: bool, *xs: float) -> tuple[float, ...]
     (:func:`~mpnb.core.ops.triton._common.f32s`), or, when ``stepwise``, rounded to the param
     ``dtype`` (ATen's add(..., alpha) on half tensors rounds alpha to their dtype)."""
     if not stepwise:
-        return f32s(*xs)
+        return _ALPHAS.unpack(_ALPHAS.pack(*xs))
     return _rounded(dtype, xs, tuple(math.copysign(1.0, x) for x in xs))
+
+
+_ALPHAS = f32s_struct(4)  #: the four alphas rounded to fp32 together (floats: the op's schema)
 
 
 @functools.lru_cache(maxsize=256)
