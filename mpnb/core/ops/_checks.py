@@ -24,6 +24,7 @@ __all__ = [
     "any_nonfinite",
     "check_devices",
     "check_float",
+    "check_lengths",
     "check_lists",
     "check_one",
     "check_param",
@@ -59,16 +60,7 @@ def check_lists(
         >>> check_lists("multi_tensor_scale", True, src=[torch.ones(3)], dst=[torch.ones(4)])
         ValueError: multi_tensor_scale: tensor 0 of 'dst' has 4 elements but its partner ...
     """
-    items = iter(lists.items())
-    first, ref = next(items)
-    n = len(ref)
-    for name, lst in items:
-        if len(lst) != n:
-            raise ValueError(
-                f"{op}: list '{name}' has {len(lst)} tensors but '{first}' has {n}; pass lists "
-                "of equal length."
-            )
-    if not n:
+    if not check_lengths(op, **lists):
         return
     allowed = _SUPPORTED if dtypes is SUPPORTED else frozenset(dtypes)
     wide = narrow = False  # a float64 list seen, another seen (a loop: no comprehension's call)
@@ -88,6 +80,21 @@ def check_lists(
         raise TypeError(f"{op}: float64 lists can only be mixed with float64 lists, got {got}.")
     if per_tensor:
         check_tensors(op, **lists)
+
+
+def check_lengths(op: str, **lists: Tensors) -> int:
+    """The lists' lengths all equal the first one's, which is returned (the O(1) half of
+    :func:`check_lists`, for a caller that checked the dtypes itself)."""
+    items = iter(lists.items())
+    first, ref = next(items)
+    n = len(ref)
+    for name, lst in items:
+        if len(lst) != n:
+            raise ValueError(
+                f"{op}: list '{name}' has {len(lst)} tensors but '{first}' has {n}; pass lists "
+                "of equal length."
+            )
+    return n
 
 
 _DTYPE, _DEVICE = operator.attrgetter("dtype"), operator.attrgetter("device")

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from mpnb.core.ops._checks import check_lists, check_one, check_tensors
+from mpnb.core.ops._checks import check_lengths, check_one, check_tensors
 from mpnb.core.ops._library import Sample
 
 __all__ = [
@@ -103,7 +103,7 @@ def check_step(args: Any, per_tensor: bool, *states: str, masters: str | None = 
                 "fp32 (the optimizers do)."
             )
         lists[name] = lst
-    check_lists(op, False, **lists)
+    check_lengths(op, **lists)  # the dtypes are checked above (check_lists' other half)
     steps = getattr(args, "steps", None)
     if steps is not None:
         check_steps(op, steps, params, per_tensor)

@@ -169,7 +169,7 @@ def guard_lists(
         >>> ids = guard_lists(args, data=("src", "dst"))
         >>> ChunkTable.build([args.src, args.dst], ids=ids)
     """
-    list_fields, single_fields, get_lists = _fields(args)
+    list_fields, single_fields, get_lists = _FIELDS.get(type(args)) or _fields(args)
     every = get_lists(args)  # each list field's value, in one C call
     present = tuple(compress(list_fields, every))
     if not present:
@@ -179,7 +179,8 @@ def guard_lists(
     plan = _PLANS.get(key)
     if plan is None:
         plan = _PLANS[key] = _plan(type(args), *key[1:])
-    facts = list_facts(lists)
+    fn = _NATIVE[0]  # list_facts(lists), its call saved where the pass is loaded
+    facts = fn(lists) if fn else list_facts(lists)
     flags = facts[0] if facts is not None else _python_flags(lists)
     for j, name, need, want in plan:
         if flags[j] & need != need:

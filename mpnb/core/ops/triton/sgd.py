@@ -246,12 +246,10 @@ def _zeros(n: int) -> tuple[int, ...]:
     return (0,) * n
 
 
-def _alphas(dtype: torch.dtype, stepwise: bool, *xs: float) -> tuple[float, ...]:
-    """The alphas ``xs`` of the step's adds as the kernel takes them: in fp32
-    (:func:`~mpnb.core.ops.triton._common.f32s`), or, when ``stepwise``, rounded to the param
-    ``dtype`` (ATen's add(..., alpha) on half tensors rounds alpha to their dtype)."""
-    if not stepwise:
-        return _ALPHAS.unpack(_ALPHAS.pack(*xs))
+def _alphas(dtype: torch.dtype, xs: tuple[float, ...]) -> tuple[float, ...]:
+    """The alphas ``xs`` of a stepwise step's adds as the kernel takes them: rounded to the
+    param ``dtype`` (ATen's add(..., alpha) on half tensors rounds alpha to their dtype; not
+    stepwise, the launch rounds them to fp32 with :data:`_ALPHAS`)."""
     return _rounded(dtype, xs, tuple(math.copysign(1.0, x) for x in xs))
 
 
@@ -274,14 +272,11 @@ def _step(args, ids, weights: list, stepwise: bool, **given) -> None:
     tab = ChunkTable.build(lists, cols=(first,), ids=ids)
     if not tab.n_chunks:
         return
-    lr, momentum, damp, wd = _alphas(
-        params[0].dtype,
-        stepwise,
-        -args.lr,
-        args.momentum,
-        1.0 - args.dampening,
-        args.weight_decay,
-    )
+    alphas = -args.lr, args.momentum, 1.0 - args.dampening, args.weight_decay
+    if stepwise:
+        lr, momentum, damp, wd = _alphas(params[0].dtype, alphas)
+    else:  # fp32, the four together
+        lr, momentum, damp, wd = _ALPHAS.unpack(_ALPHAS.pack(*alphas))
     _SGD(
         tab,
         args,

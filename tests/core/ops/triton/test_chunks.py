@@ -175,8 +175,8 @@ def test_a_steady_call_allocates_nothing_but_its_outputs(chunks, name):
 
 @pytest.fixture(params=["C++ pass", "Python pass"])
 def one_pass(request, monkeypatch):
-    """The launchers' per-tensor pass in C++ (``mpnb::_list_facts``), or read in Python (as
-    without a compiler)."""
+    """The launchers' per-tensor pass in C++ (``csrc/cpu/list_facts.cpp``), or read in Python
+    (as without a compiler)."""
     from mpnb.core.ops._library import ensure_kernels
     from mpnb.core.ops.triton import _checks
 
@@ -184,7 +184,7 @@ def one_pass(request, monkeypatch):
         if not ensure_kernels() or _checks._native() is None:
             pytest.skip("the C++ library is not built here")
     else:
-        monkeypatch.setattr(_checks, "list_facts", lambda lists: None)
+        monkeypatch.setattr(_checks, "_NATIVE", [False])  # as a library without the pass
     return request.param
 
 

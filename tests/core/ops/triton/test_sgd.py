@@ -55,9 +55,9 @@ def test_stepwise_alphas_keep_the_sign_of_zero(triton_kernels):
     from mpnb.core.ops.triton import sgd
 
     for dtype in (F16, BF16):
-        assert str(sgd._alphas(dtype, True, 0.0, -0.0)) == "(0.0, -0.0)"
-        assert str(sgd._alphas(dtype, True, -0.0, 0.0)) == "(-0.0, 0.0)"
-        assert sgd._alphas(dtype, True, 0.1) == (float(torch.tensor(0.1).to(dtype)),)
+        assert str(sgd._alphas(dtype, (0.0, -0.0))) == "(0.0, -0.0)"
+        assert str(sgd._alphas(dtype, (-0.0, 0.0))) == "(-0.0, 0.0)"
+        assert sgd._alphas(dtype, (0.1,)) == (float(torch.tensor(0.1).to(dtype)),)
     xs = (-0.1, 0.9, -0.0, 1e-4)  # fp32 otherwise, the four in one pass
-    fp32 = sgd._alphas(F16, False, *xs)
+    fp32 = sgd._ALPHAS.unpack(sgd._ALPHAS.pack(*xs))
     assert str(fp32) == str(tuple(float(torch.tensor(x)) for x in xs))
