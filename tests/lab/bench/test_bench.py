@@ -479,3 +479,21 @@ def test_a_run_stopped_by_sigterm_keeps_the_cases_it_finished(monkeypatch):
     assert [r.case for r in result.rows] == ["first"]
     assert result.header["stopped"] == "SIGTERM after 1 cases"
     assert signal.getsignal(signal.SIGTERM) is before  # the handler is put back
+
+
+def test_calls_per_round_come_from_warm_calls(monkeypatch):
+    # A first call that builds a cache (here: 1,000 times a warm call) counts for nothing in
+    # the estimate: the rounds are as long as asked, of warm calls.
+    from mpnb.lab.bench import _timing
+
+    clock = [0.0]
+    monkeypatch.setattr(_timing.benchmark, "timer", lambda: clock[0])
+    calls = []
+
+    def fn():
+        clock[0] += 1e-3 if not calls else 1e-6  # 1 ms once, then 1 us
+        calls.append(1)
+
+    assert _timing._calls_per_round(fn, warmup=2, round_time=0.02) == 20_000
+    slow = _timing._calls_per_round(lambda: clock.__setitem__(0, clock[0] + 0.05), 2, 0.02)
+    assert slow == 1  # a call longer than a round: one call, no more timed to find out
