@@ -12,8 +12,9 @@ table is keyed by every tensor's size and address. Read in Python, that is one a
 tensor per fact (a few hundred nanoseconds each, thousands of tensors per optimizer step);
 :func:`guard_lists` reads each tensor once, in C++ (``csrc/cpu/list_facts.cpp``: a Python
 builtin function the library makes, not an op, so the lists do not cross the dispatcher a
-second time), and returns the ids the table is keyed by. It holds the same
-conditions as the op's per-tensor checks; when one fails it raises a short ``RuntimeError``
+second time), and returns the ids the table is keyed by; it also holds the raw-address rule
+for the op's single tensors. It holds the same conditions as the op's per-tensor checks; when
+one fails it raises a short ``RuntimeError``
 and the op's whole check runs, whose named error replaces it (:mod:`mpnb.core.ops._library`,
 as for a C++ kernel's refusal). A launcher that calls it says so (``guards_lists = True``): its
 op then runs the per-tensor checks only on a refusal. Without the C++ library (no compiler,
@@ -46,7 +47,7 @@ __all__ = [
     "list_facts",
 ]
 
-# Flag bits per list of ``mpnb_list_facts`` (the same constants in csrc/cpu/list_facts.cpp).
+# Flag bits per list of the C++ pass (the same constants in csrc/cpu/list_facts.cpp).
 ONE_DTYPE = 1  #: every tensor has the list's first dtype
 CONTIGUOUS = 2  #: every tensor is contiguous
 PAIRED = 4  #: as many tensors as the first list, each with its partner's number of elements
@@ -153,13 +154,14 @@ def guard_lists(
     ids for the chunk table (None when the pass ran in Python: the table then keys by sizes and
     addresses itself).
 
-    Every tensor of every list argument of ``args`` lives on one device (and no meta tensor is
-    among the single tensors beside real ones). Each non-empty list named in ``data`` holds, like
-    the first list argument, one tensor per partner with its partner's size, one dtype and
-    contiguous tensors; each in ``singles`` one-element tensors of one dtype; each in
-    ``below_2e32`` tensors below 2^32 elements; ``dtypes`` gives ``(name, dtype)`` pairs, the
-    dtype a non-empty list must have. Raises ``RuntimeError`` naming the first failing list (the
-    op's check then names the tensor, :mod:`mpnb.core.ops._library`).
+    Every tensor of every list argument of ``args`` lives on one device, and so does every
+    single tensor argument (a flag, a scale, a learning rate: the kernel reads it by address;
+    a ``ValueError`` of :func:`check_same_device` names it). Each non-empty list named in
+    ``data`` holds, like the first list argument, one tensor per partner with its partner's
+    size, one dtype and contiguous tensors; each in ``singles`` one-element tensors of one
+    dtype; each in ``below_2e32`` tensors below 2^32 elements; ``dtypes`` gives ``(name,
+    dtype)`` pairs, the dtype a non-empty list must have. Raises ``RuntimeError`` naming the
+    first failing list (the op's check then names the tensor, :mod:`mpnb.core.ops._library`).
 
     What each list needs is worked out once per op, set of non-empty lists and set of
     conditions (:func:`_plan`): a call pays for the C++ pass and one test per list.
@@ -188,11 +190,12 @@ def guard_lists(
             _refuse(args, name, what)
         if want is not None and lists[j][0].dtype != want:
             _refuse(args, name, f"its tensors are {lists[j][0].dtype}, not {want}")
-    meta = lists[0][0].is_meta  # a meta tensor beside real ones: no address to read
+    ref = lists[0][0]  # the single tensors are read by address: on the data's device
+    device = ref.device
     for i in single_fields:
         t = args[i]
-        if t is not None and t.is_meta != meta:
-            _refuse(args, plan[0][1], "a meta tensor is among the tensors")
+        if t is not None and t.device != device:
+            check_same_device(args.op_name, ref, **{type(args)._fields[i]: t})
     return None if facts is None else facts[1]
 
 

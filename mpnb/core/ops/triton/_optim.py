@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from mpnb.core.ops._library import op_info
-from mpnb.core.ops.triton._checks import ListIds, check_same_device, guard_lists
+from mpnb.core.ops.triton._checks import ListIds, guard_lists
 from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable
 from mpnb.core.ops.triton._common import (
     cdiv,
@@ -40,7 +40,6 @@ from mpnb.core.ops.triton._rounding import KAHAN, NEAREST, store_rounded
 __all__ = [
     "OPT_DTYPES",
     "OpKernel",
-    "check_flags",
     "guard_step",
     "advance_steps",
     "pow64",
@@ -57,26 +56,6 @@ __all__ = [
 
 OPT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 _STEP_BLOCK = 256
-
-
-#: the one-element tensors an optimizer op may read by address, where it has them
-_FLAGS = ("global_grad_norm", "inv_scale", "found_inf", "lr_tensor")
-_FLAG_FIELDS: dict[type, tuple[str, ...]] = {}  #: those of each op's arguments
-
-
-def check_flags(args) -> None:
-    """Raise unless the one-element tensors the kernel reads by address (``inv_scale``,
-    ``found_inf``, and ``global_grad_norm`` or ``lr_tensor`` where the op has them) live on the
-    params' device (the one guard the op's check cannot know: :mod:`._checks`)."""
-    if args.params:
-        device = args.params[0].device
-        fields = _FLAG_FIELDS.get(type(args))
-        if fields is None:
-            fields = _FLAG_FIELDS[type(args)] = tuple(n for n in _FLAGS if n in args._fields)
-        for name in fields:
-            t = getattr(args, name)
-            if t is not None and t.device != device:
-                check_same_device(args.op_name, args.params[0], **{name: t})
 
 
 def guard_step(

@@ -19,7 +19,6 @@ from mpnb.core.ops.triton._optim import (
     OpKernel,
     advance_steps,
     bias_corrections,
-    check_flags,
     guard_step,
     learning_rate,
     load_grad,
@@ -247,7 +246,6 @@ def fused_adam_(args) -> None:
     if not args.params:
         return
     ids = guard_step(args, "exp_avgs", "exp_avg_sqs")
-    check_flags(args)
     _step(args, ids, args.masters or args.params)
 
 
@@ -265,7 +263,6 @@ def fused_adam_bf16_(args) -> None:
     if not args.params:
         return
     ids = guard_step(args, "exp_avgs", "exp_avg_sqs", masters=None, rounding=True)
-    check_flags(args)
     weights = args.compensations if args.rounding == "kahan" else args.params
     rounding = rounding_code(args.rounding)
     _step(args, ids, weights, ROUNDING=rounding, **rng_words(args.seed, args.rng_step))

@@ -16,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import check_same_device, guard_lists
+from mpnb.core.ops.triton._checks import guard_lists
 from mpnb.core.ops.triton._chunks import WARPS, ChunkTable, chunk_info
 from mpnb.core.ops.triton._common import flag_view, launch, raise_flag
 from mpnb.core.ops.triton._vector import aligned, column_ptr, span, span_mask
@@ -95,7 +95,6 @@ def multi_tensor_check_finite(args) -> None:
     if not tensors:
         return
     ids = guard_lists(args, data=("tensors",))
-    check_same_device(args.op_name, tensors[0], noop_flag=noop_flag)
     tab = ChunkTable.build([tensors], ids=ids)
     if not tab.n_chunks:
         return

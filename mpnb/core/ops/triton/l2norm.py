@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import check_same_device, guard_lists
+from mpnb.core.ops.triton._checks import guard_lists
 from mpnb.core.ops.triton._chunks import (
     BLOCK,
     WARPS,
@@ -131,7 +131,6 @@ def multi_tensor_l2norm(args) -> tuple[torch.Tensor, torch.Tensor]:
         return torch.zeros(1, device=dev), torch.empty(0, device=dev)
     dev = tensors[0].device
     ids = guard_lists(args, data=("tensors",))
-    check_same_device(args.op_name, tensors[0], noop_flag=noop_flag, inv_scale=inv_scale)
     dtype = torch.float64 if tensors[0].dtype == torch.float64 else torch.float32
     acc = acc_of(dtype)
     tab = ChunkTable.build([tensors], ids=ids)

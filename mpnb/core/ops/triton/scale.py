@@ -11,7 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
-from mpnb.core.ops.triton._checks import check_same_device, guard_lists
+from mpnb.core.ops.triton._checks import guard_lists
 from mpnb.core.ops.triton._chunks import BLOCK, WARPS, ChunkTable, chunk_info
 from mpnb.core.ops.triton._common import (
     acc_of,
@@ -103,7 +103,6 @@ def multi_tensor_scale(args) -> None:
     if not src:
         return
     ids = guard_lists(args, data=("src", "dst"))
-    check_same_device(args.op_name, src[0], noop_flag=noop_flag, scale_tensor=scale_tensor)
     tab = ChunkTable.build([src, dst], ids=ids)
     if not tab.n_chunks:
         return

@@ -21,7 +21,6 @@ from mpnb.core.ops.triton._chunks import ChunkTable, chunk_info, tensor_col
 from mpnb.core.ops.triton._common import f32s_struct, from_acc, to_acc
 from mpnb.core.ops.triton._optim import (
     OpKernel,
-    check_flags,
     guard_step,
     load_grad,
     load_scale,
@@ -306,7 +305,6 @@ def fused_sgd_(args) -> None:
     if not args.params:
         return
     ids = guard_step(args)
-    check_flags(args)
     _step(args, ids, args.masters or args.params, bool(args.stepwise))
 
 
@@ -323,7 +321,6 @@ def fused_sgd_bf16_(args) -> None:
     if not args.params:
         return
     ids = guard_step(args, masters=None, rounding=True)
-    check_flags(args)
     weights = args.compensations if args.rounding == "kahan" else args.params
     rounding = rounding_code(args.rounding)
     _step(args, ids, weights, False, ROUNDING=rounding, **rng_words(args.seed, args.rng_step))

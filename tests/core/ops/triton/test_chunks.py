@@ -244,3 +244,33 @@ def test_a_tensor_changed_at_its_address_is_checked_again(chunks, one_pass, chan
     assert src[1].data_ptr() == ptr and src[1].numel() == 16
     with pytest.raises((ValueError, TypeError), match=err):
         kernel("multi_tensor_scale")(flag, src, dst, 2.0)
+
+
+def test_every_single_tensor_a_launcher_reads_lives_on_the_data_device(triton_kernels):
+    # The raw-address rule, held by the guard for every list launcher: each flag, scale and
+    # learning-rate tensor on another device than the lists is refused, by its name, before
+    # anything is read.
+    import importlib
+
+    from mpnb.core.ops import _library
+
+    seen = []
+    for op in _library.all_ops():
+        if not op.triton or op.sample_inputs is None:
+            continue
+        module = importlib.import_module(f"mpnb.core.ops.triton.{op.triton}")
+        if not getattr(getattr(module, op.name), "guards_lists", False):
+            continue
+        schema = torch._C.parse_schema(op.schema)
+        kinds = ("Tensor", "Optional[Tensor]")
+        singles = [a.name for a in schema.arguments if str(a.type) in kinds]
+        sample = next(iter(op.sample_inputs(op.dtypes[0])))
+        for field in singles:
+            args = dict(sample.kwargs)
+            given = args.get(field)
+            dtype = given.dtype if given is not None else torch.float32
+            args[field] = torch.zeros(1, dtype=dtype, device="meta")
+            with pytest.raises(ValueError, match=f"{field} is on meta"):
+                op.triton_kernel()(*op.Args(**args))
+            seen.append(f"{op.name}.{field}")
+    assert len(seen) == 21, seen  # the nine list launchers' single tensors
