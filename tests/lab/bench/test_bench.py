@@ -495,5 +495,12 @@ def test_calls_per_round_come_from_warm_calls(monkeypatch):
         calls.append(1)
 
     assert _timing._calls_per_round(fn, warmup=2, round_time=0.02) == 20_000
+    calls.clear()
+
+    def compiles(seconds=2.0):  # a first call longer than a round: a kernel compiled
+        clock[0] += seconds if not calls else 1e-6
+        calls.append(1)
+
+    assert _timing._calls_per_round(compiles, warmup=2, round_time=0.02) == 20_000
     slow = _timing._calls_per_round(lambda: clock.__setitem__(0, clock[0] + 0.05), 2, 0.02)
     assert slow == 1  # a call longer than a round: one call, no more timed to find out
