@@ -47,10 +47,22 @@ constexpr size_t kMaxIds = 1 << 12;  // list contents remembered at once
 constexpr size_t kMaxLists = 8;     // lists per call (mirrored in _checks.py)
 
 struct KeyHash {
+  // FNV-1a over the 64-bit words in four interleaved lanes (one chain of multiplies would
+  // wait on each product: a fifth of the pass's time on 152 tensors), folded, then mixed.
   size_t operator()(const std::vector<int64_t>& v) const noexcept {
-    uint64_t h = 1469598103934665603ull;  // FNV-1a over the 64-bit words, then a final mix
-    for (int64_t x : v) h = (h ^ static_cast<uint64_t>(x)) * 1099511628211ull;
-    return static_cast<size_t>(h ^ (h >> 29));
+    constexpr uint64_t kPrime = 1099511628211ull;
+    uint64_t h[4] = {1469598103934665603ull, 0x9e3779b97f4a7c15ull, 0xc2b2ae3d27d4eb4full,
+                     0x165667b19e3779f9ull};
+    const size_t n = v.size();
+    size_t i = 0;
+    for (; i + 4 <= n; i += 4) {
+      for (size_t k = 0; k < 4; ++k) h[k] = (h[k] ^ static_cast<uint64_t>(v[i + k])) * kPrime;
+    }
+    for (; i < n; ++i) h[0] = (h[0] ^ static_cast<uint64_t>(v[i])) * kPrime;
+    uint64_t x = h[0];
+    for (size_t k = 1; k < 4; ++k) x = (x ^ h[k]) * kPrime;
+    x ^= n;
+    return static_cast<size_t>(x ^ (x >> 29));
   }
 };
 
@@ -98,8 +110,10 @@ const c10::TensorImpl* plain_tensor(PyObject* obj) {
 // cannot read a list (anything but plain tensors); a c10::Error (a tensor without storage)
 // propagates to the caller. A Python error is set only for a list that is no sequence.
 bool read_facts(PyObject* outer, Py_ssize_t n, int64_t* flags_out, int64_t* ids_out) {
-  thread_local std::vector<int64_t> key;     // reused: a steady call allocates nothing here
-  thread_local std::vector<int64_t> numels0;  // list 0's element counts (its partners')
+  thread_local std::vector<int64_t> key_tls;  // reused: a steady call allocates nothing here
+  thread_local std::vector<int64_t> numels_tls;  // list 0's element counts (its partners')
+  std::vector<int64_t>& key = key_tls;  // found once (each thread_local use is a TLS lookup)
+  std::vector<int64_t>& numels0 = numels_tls;
   std::optional<at::Device> device;
   size_t len0 = 0;
   numels0.clear();
