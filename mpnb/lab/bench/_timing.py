@@ -21,15 +21,19 @@ __all__ = ["time_rounds"]
 
 def _calls_per_round(fn: Callable[[], object], warmup: int, round_time: float) -> int:
     """The calls of ``fn`` that fill a round of ``round_time`` seconds, from its steady-state
-    time: its ``warmup`` calls run first, each timed, and only a call slower than a round
-    even at its fastest ends there (a first call may build a cache or compile a kernel:
-    averaged in, it made rounds of a cached launcher 30 calls long where 1,500 fill the time,
-    and a GPU kernel's first compile made its rounds one call long); then calls doubling in
-    number until they run a tenth of a round."""
+    time: its ``warmup`` calls run first, each timed (with one, a second call too), and only a
+    call slower than a round even at its fastest ends there (a first call may build a cache or
+    compile a kernel: averaged in, it made rounds of a cached launcher 30 calls long where
+    1,500 fill the time, and a GPU kernel's first compile made its rounds one call long); then
+    calls doubling in number until they run a tenth of a round."""
     timer = timeit.Timer(fn, timer=benchmark.timer)
-    if min(timer.timeit(1) for _ in range(max(warmup, 1))) >= round_time:
-        return 1  # even its fastest warm-up call fills a round
-    n, spent = 1, timer.timeit(1)
+    warmup = max(warmup, 1)
+    spent = min(timer.timeit(1) for _ in range(warmup))
+    if spent >= round_time and warmup == 1:
+        spent = timer.timeit(1)  # the one warm-up call may have compiled: a warm call decides
+    if spent >= round_time:
+        return 1  # even its fastest warm call fills a round
+    n = 1
     while spent < round_time / 10 and n < _MAX_CALLS:
         n = min(2 * n, _MAX_CALLS)
         spent = timer.timeit(n)

@@ -502,5 +502,7 @@ def test_calls_per_round_come_from_warm_calls(monkeypatch):
         calls.append(1)
 
     assert _timing._calls_per_round(compiles, warmup=2, round_time=0.02) == 20_000
+    calls.clear()
+    assert _timing._calls_per_round(compiles, warmup=1, round_time=0.005) == 5_000  # --quick
     slow = _timing._calls_per_round(lambda: clock.__setitem__(0, clock[0] + 0.05), 2, 0.02)
     assert slow == 1  # a call longer than a round: one call, no more timed to find out
