@@ -110,11 +110,9 @@ def list_facts(lists: Sequence[Sequence[torch.Tensor]]) -> tuple[list[int], dict
     with the first tensor of the first non-empty list. Equal ids mean equal lists: the same
     length and device and, tensor by tensor, the same number of elements at the same address.
     """
-    fn = _NATIVE[0]
-    if not fn:
-        fn = _native() if fn is None else None
-        if fn is None:
-            return None
+    fn = _NATIVE[0] or _native()
+    if fn is None:
+        return None
     try:
         return fn(lists)
     except TypeError:  # a list that is no sequence

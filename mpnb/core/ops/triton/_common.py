@@ -69,7 +69,7 @@ def f32(x: float) -> float:
 def f32s(*xs: float) -> tuple[float, ...]:
     """:func:`f32` of each of ``xs``, in one ``struct`` round trip (what a launch passes its
     kernel: its floats rounded together cost about one :func:`f32` call)."""
-    s = _F32S.get(len(xs)) or f32s_struct(len(xs))
+    s = f32s_struct(len(xs))
     return s.unpack(s.pack(*map(float, xs)))
 
 
