@@ -8,10 +8,10 @@
 // caching allocator keeps freed blocks for the same reason; its CPU allocator does not.
 //
 // How: a c10::Allocator whose blocks are mapped fresh from the OS, 2 MiB aligned, with
-// transparent huge pages advised before their first write (map_block), and whose deleter puts a block back on a free list, most recent last, as
-// long as the blocks held there stay within the limit (oldest freed first to make room). A
-// request takes the most recent free block of exactly its rounded size (2 MiB granularity).
-// Requests below 16 MiB and everything past the limit go to malloc/free as before. Tensors
+// transparent huge pages advised before their first write (map_block), and whose deleter
+// puts a block back on a free list, most recent last, as long as the blocks held there stay
+// within the limit (oldest freed first to make room). A request takes the most recent free
+// block of exactly its rounded size (2 MiB granularity). Requests below 16 MiB and everything past the limit go to malloc/free as before. Tensors
 // keep a resizable storage with this allocator, so resize_() and the rest work as usual.
 //
 // The limit (bytes held in free blocks, not in use) is MPNB_CPU_OUTPUT_CACHE_MB (default 1024;
